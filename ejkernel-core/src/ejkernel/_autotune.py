@@ -1,0 +1,157 @@
+"""The autotuner: time candidate configs on concrete inputs, outside any trace.
+
+Tuning is triggered while an op is being traced (inside ``jax.jit``, the common case), so the
+candidates run on a worker thread: JAX's trace state is thread-local, the worker sees no
+tracer, and it compiles and times real executions on synthetic inputs built from the abstract
+shapes. Failing candidates (compile error, runtime error, a result that disagrees with the
+first candidate, which is the heuristic's choice) are dropped with an :class:`AutotuneWarning`;
+if every candidate fails an ``ExceptionGroup`` with one note per candidate is raised.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel import _env
+from ejkernel._json import stable_json
+from ejkernel.errors import AutotuneWarning, warn_once
+
+__all__ = ["benchmark", "progress_logger", "run_outside_trace", "tune_candidates"]
+
+logger = logging.getLogger(__name__)
+
+#: Progress of long tuning, and per-candidate lines under EJKERNEL_LOG_AUTOTUNE=1. It carries a
+#: stderr handler of its own so users see it without configuring logging; silence it with
+#: ``logging.getLogger("ejkernel.progress").disabled = True``.
+progress_logger = logging.getLogger("ejkernel.progress")
+if not progress_logger.handlers:
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("ejkernel: %(message)s"))
+    progress_logger.addHandler(_handler)
+    progress_logger.setLevel(logging.INFO)
+    progress_logger.propagate = False
+
+PROGRESS_AFTER_S = 3.0
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def run_outside_trace(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on the tuning thread, where no JAX trace is active; return its result."""
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ejkernel-autotune")
+    return _pool.submit(fn).result()
+
+
+def _block(x: Any) -> Any:
+    return jax.block_until_ready(x)
+
+
+def benchmark(fn: Callable[..., Any], *args: Any, num_iters: int = 10, num_warmup: int = 1, repeats: int = 1) -> float:
+    """Median milliseconds of ``fn(*args)`` over ``num_iters`` calls after ``num_warmup``.
+
+    Waits for results with ``block_until_ready``. ``repeats`` > 1 takes the median of several
+    batches (each timed as a whole, divided by ``num_iters``).
+    """
+    for _ in range(max(num_warmup, 0)):
+        _block(fn(*args))
+    if repeats > 1:
+        batches = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(num_iters):
+                out = fn(*args)
+            _block(out)
+            batches.append((time.perf_counter() - t0) * 1e3 / num_iters)
+        return statistics.median(batches)
+    samples = []
+    for _ in range(max(num_iters, 1)):
+        t0 = time.perf_counter()
+        _block(fn(*args))
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _agrees(out: Any, ref: Any) -> bool:
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
+        a32 = np.asarray(jnp.asarray(a, jnp.float32))
+        b32 = np.asarray(jnp.asarray(b, jnp.float32))
+        if a32.shape != b32.shape:
+            return False
+        tol = 2e-2 if jnp.dtype(a.dtype).itemsize <= 2 else 1e-3
+        peak = float(np.max(np.abs(b32))) if b32.size else 0.0
+        if not np.allclose(a32, b32, rtol=tol, atol=tol * max(peak, 1.0), equal_nan=True):
+            return False
+    return True
+
+
+def tune_candidates(
+    name: str,
+    configs: Sequence[Any],
+    make_runner: Callable[[Any], Callable[[], Any]],
+    *,
+    num_warmup: int = 1,
+    num_iters: int = 5,
+) -> tuple[Any, dict[str, float]]:
+    """Time each config's runner; return the fastest config and every candidate's time (ms).
+
+    Args:
+        name: what is tuned (``flash_attention/xla``), for messages.
+        configs: candidates; the first one is the reference for the correctness check.
+        make_runner: ``cfg -> zero-argument function`` computing the outputs (jitted inside).
+        num_warmup: untimed calls (the first compiles).
+        num_iters: timed calls.
+    """
+
+    def work() -> tuple[Any, dict[str, float]]:
+        verbose = _env.log_autotune()
+        start = time.perf_counter()
+        reported = False
+        timings: dict[str, float] = {}
+        errors: list[tuple[Any, Exception]] = []
+        baseline: Any = None
+        best: tuple[float, Any] | None = None
+        for i, cfg in enumerate(configs):
+            label = stable_json(cfg)
+            try:
+                runner = make_runner(cfg)
+                out = _block(runner())
+                if baseline is None:
+                    baseline = out
+                elif not _agrees(out, baseline):
+                    raise ValueError("wrong result: disagrees with the first candidate")
+                ms = benchmark(runner, num_iters=num_iters, num_warmup=max(num_warmup - 1, 0))
+            except Exception as err:
+                errors.append((cfg, err))
+                warn_once(AutotuneWarning, f"{name}:{label}", f"autotune {name}: candidate {label} dropped: {type(err).__name__}: {err}")
+                continue
+            timings[label] = ms
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+            if verbose:
+                progress_logger.info("autotune %s: %s %.3f ms", name, label, ms)
+            elapsed = time.perf_counter() - start
+            if elapsed > PROGRESS_AFTER_S and (not reported or verbose):
+                reported = True
+                progress_logger.info("autotuning %s: %d/%d candidates (%.1f s)", name, i + 1, len(configs), elapsed)
+        if best is None:
+            group = ExceptionGroup(f"autotune {name}: every candidate failed", [e for _, e in errors])
+            for cfg, err in errors:
+                group.add_note(f"{stable_json(cfg)}: {type(err).__name__}: {err}")
+            raise group
+        if verbose or reported:
+            progress_logger.info("autotune %s: best %s (%.3f ms)", name, stable_json(best[1]), best[0])
+        return best[1], timings
+
+    return run_outside_trace(work)  # type: ignore[no-any-return]

@@ -1,0 +1,74 @@
+"""Environment variables ejkernel reads, each read at call time (never frozen at import).
+
+The README's table of variables is generated from :data:`VARIABLES`; a test keeps them equal.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+AUTOTUNE_POLICY = "EJKERNEL_AUTOTUNE_POLICY"
+LOG_AUTOTUNE = "EJKERNEL_LOG_AUTOTUNE"
+CACHE_DIR = "EJKERNEL_CACHE_DIR"
+PLATFORM = "EJKERNEL_PLATFORM"
+DISABLE_PLUGINS = "EJKERNEL_DISABLE_PLUGINS"
+PLUGINS_AUTOLOAD = "EJKERNEL_PLUGINS_AUTOLOAD"
+OPS_STAMP = "EJKERNEL_OPS_STAMP"
+OPS_RECORD = "EJKERNEL_OPS_RECORD"
+
+#: name -> (default, meaning); the README table mirrors this mapping.
+VARIABLES: dict[str, tuple[str, str]] = {
+    AUTOTUNE_POLICY: (
+        "heuristics",
+        "`autotune`: tune configs missing from the caches; `heuristics`: never tune, use each "
+        "implementation's heuristic (an explicit `cfg=` is always honoured)",
+    ),
+    LOG_AUTOTUNE: ("0", "`1` logs every autotune candidate and its time at INFO level"),
+    CACHE_DIR: (
+        "`$XDG_CACHE_HOME/ejkernel` or `~/.cache/ejkernel`",
+        "folder of the persistent config cache",
+    ),
+    PLATFORM: ("", "force a platform (`xla`, `triton`, ...) for every op; an error if it cannot run"),
+    DISABLE_PLUGINS: ("", "comma-separated entry-point names of plugins to skip"),
+    PLUGINS_AUTOLOAD: ("1", "`0` skips entry-point discovery (add plugins with `register_plugin`)"),
+    OPS_STAMP: ("none", "reserved for invocation stamping (`hash|json|none`); read by the tuning work"),
+    OPS_RECORD: ("0", "reserved for invocation recording (`1` records); read by the tuning work"),
+}
+
+
+def _get(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def autotune_policy() -> str:
+    """`"autotune"` or `"heuristics"` (the default); anything else raises ValueError."""
+    value = _get(AUTOTUNE_POLICY).lower() or "heuristics"
+    if value not in ("autotune", "heuristics"):
+        raise ValueError(f"{AUTOTUNE_POLICY} must be 'autotune' or 'heuristics'; got {value!r}")
+    return value
+
+
+def log_autotune() -> bool:
+    return _get(LOG_AUTOTUNE).lower() in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> Path:
+    explicit = _get(CACHE_DIR)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = _get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "ejkernel"
+
+
+def forced_platform() -> str | None:
+    return _get(PLATFORM).lower() or None
+
+
+def disabled_plugins() -> frozenset[str]:
+    return frozenset(p.strip() for p in _get(DISABLE_PLUGINS).split(",") if p.strip())
+
+
+def plugins_autoload() -> bool:
+    return _get(PLUGINS_AUTOLOAD).lower() not in ("0", "false", "no", "off")

@@ -1,0 +1,133 @@
+"""What an op is: its arguments, their validation, and its plain-JAX reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import jax
+import numpy as np
+
+
+@attrs.frozen(kw_only=True)
+class Arg:
+    """One argument of an op.
+
+    Attributes:
+        name: the OPS.md name; implementations receive it as a keyword.
+        array: an array argument (may be traced; enters the cache key by shape and dtype) rather
+            than a static Python value (enters the key by value).
+        required: must be given (positional arguments of the public function).
+        default: value when not given.
+        differentiable: gradients flow to it when it is a floating array.
+    """
+
+    name: str
+    array: bool
+    required: bool = False
+    default: Any = None
+    differentiable: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class OpSpec:
+    """The contract of one op, shared by every implementation.
+
+    Attributes:
+        name: the registry key, the `ejkernel.<op>` function name.
+        args: the arguments in signature order (required positional ones first).
+        validate: checks and normalises the bound arguments (fills defaults such as
+            ``softmax_scale``); raises ValueError/TypeError naming the argument.
+        reference: the plain-JAX oracle, called with every argument as a keyword.
+        differentiable: whether the op has a backward pass.
+        synthetic: builds valid concrete inputs from abstract ones for autotuning (integer
+            lengths and tables inside their ranges); ``None`` uses :func:`default_synthetic`.
+        key_kwargs: optional hook mapping the static arguments to what enters the cache key.
+    """
+
+    name: str
+    args: tuple[Arg, ...]
+    validate: Callable[[dict[str, Any]], dict[str, Any]]
+    reference: Callable[..., Any]
+    differentiable: bool = True
+    synthetic: Callable[[Mapping[str, Any], int], dict[str, Any]] | None = None
+
+    def arg(self, name: str) -> Arg:
+        for a in self.args:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args)
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Bind positional and keyword arguments to names, with defaults; unknown names raise."""
+        names = self.arg_names
+        if len(args) > len(names):
+            raise TypeError(f"{self.name}: takes at most {len(names)} arguments; got {len(args)}")
+        bound: dict[str, Any] = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise TypeError(f"{self.name}: unexpected argument `{k}`")
+            if k in bound:
+                raise TypeError(f"{self.name}: got `{k}` twice")
+            bound[k] = v
+        for a in self.args:
+            if a.name not in bound:
+                if a.required:
+                    raise TypeError(f"{self.name}: missing required argument `{a.name}`")
+                bound[a.name] = a.default
+        return bound
+
+    def abstract_output(self, arguments: Mapping[str, Any]) -> Any:
+        """Shapes and dtypes of the output, without computing it."""
+        return jax.eval_shape(lambda kw: self.reference(**kw), dict(arguments))
+
+    def make_synthetic(self, abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+        fn = self.synthetic or default_synthetic
+        return fn(abstract, seed)
+
+
+def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Concrete stand-ins: normal floats, all-True booleans, zero integers; statics unchanged."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for name, value in abstract.items():
+        if isinstance(value, jax.ShapeDtypeStruct):
+            dtype = np.dtype(value.dtype)
+            if dtype == np.bool_:
+                out[name] = jax.numpy.ones(value.shape, dtype)
+            elif np.issubdtype(dtype, np.integer):
+                out[name] = jax.numpy.zeros(value.shape, dtype)
+            else:
+                arr = rng.standard_normal(value.shape, dtype=np.float32)
+                out[name] = jax.numpy.asarray(arr, dtype=value.dtype)
+        else:
+            out[name] = value
+    return out
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+
+
+def check_array(op: str, name: str, x: Any, *, ndim: int | tuple[int, ...], letters: str) -> None:
+    """Raise TypeError/ValueError unless ``x`` is an array of ``ndim`` dims."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{op}: `{name}` must be an array {letters}; got {type(x).__name__}")
+    dims = (ndim,) if isinstance(ndim, int) else ndim
+    if x.ndim not in dims:
+        raise ValueError(f"{op}: `{name}` must be {letters}; got {name}.shape={tuple(x.shape)}")
+
+
+def is_floating(x: Any) -> bool:
+    return bool(np.issubdtype(np.dtype(x.dtype), np.floating))
+
+
+def broadcastable(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))

@@ -1,0 +1,84 @@
+"""scaled_dot_product_attention: flash attention's arguments minus dropout and sinks.
+
+Same semantics as :mod:`ejkernel.specs.flash_attention`; implementations may use vendor fused
+kernels (cuDNN) where they exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from ejkernel.specs._base import OpSpec
+from ejkernel.specs.flash_attention import _args, flash_attention_reference, validate_flash_attention
+
+__all__ = ["SPEC", "scaled_dot_product_attention", "scaled_dot_product_attention_reference"]
+
+OP = "scaled_dot_product_attention"
+
+
+def scaled_dot_product_attention_reference(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+) -> jax.Array:
+    """Materialised float32 attention (flash attention's reference without dropout or sinks)."""
+    return flash_attention_reference(
+        query,
+        key,
+        value,
+        bias=bias,
+        attention_mask=attention_mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=_args(dropout=False, sinks=False),
+    validate=lambda a: validate_flash_attention(a, op=OP),
+    reference=scaled_dot_product_attention_reference,
+)
+
+
+def scaled_dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> jax.Array:
+    """Scaled dot-product attention on the best installed platform (vendor kernels allowed).
+
+    Args: as :func:`ejkernel.flash_attention`, without dropout and sinks.
+
+    Returns:
+        [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
+    """
+    from ejkernel._executor import call_op
+
+    return call_op(SPEC, locals())

@@ -1,0 +1,3 @@
+"""ejkernel-xla: every ejkernel op in pure JAX, memory-efficient, with custom VJPs."""
+
+__version__ = "1.0.0"
