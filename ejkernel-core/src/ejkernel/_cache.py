@@ -133,7 +133,7 @@ class PersistentCache:
         f = self.file
         try:
             text = f.read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return {}
         except OSError as err:
             warn_once(CacheWarning, str(f), f"ejkernel cache {f} cannot be read ({err}); continuing without it")

@@ -20,9 +20,10 @@ OPS_RECORD = "EJKERNEL_OPS_RECORD"
 #: name -> (default, meaning); the README table mirrors this mapping.
 VARIABLES: dict[str, tuple[str, str]] = {
     AUTOTUNE_POLICY: (
-        "heuristics",
-        "`autotune`: tune configs missing from the caches; `heuristics`: never tune, use each "
-        "implementation's heuristic (an explicit `cfg=` is always honoured)",
+        "autotune",
+        "`autotune`: tune configs missing from the caches (once per shape and device; results "
+        "persist); `heuristics`: never tune, use each implementation's heuristic (an explicit "
+        "`cfg=` is always honoured)",
     ),
     LOG_AUTOTUNE: ("0", "`1` logs every autotune candidate and its time at INFO level"),
     CACHE_DIR: (
@@ -42,8 +43,8 @@ def _get(name: str) -> str:
 
 
 def autotune_policy() -> str:
-    """`"autotune"` or `"heuristics"` (the default); anything else raises ValueError."""
-    value = _get(AUTOTUNE_POLICY).lower() or "heuristics"
+    """`"autotune"` (the default, as in the seeds) or `"heuristics"`; anything else raises."""
+    value = _get(AUTOTUNE_POLICY).lower() or "autotune"
     if value not in ("autotune", "heuristics"):
         raise ValueError(f"{AUTOTUNE_POLICY} must be 'autotune' or 'heuristics'; got {value!r}")
     return value

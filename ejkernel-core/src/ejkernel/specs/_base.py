@@ -43,7 +43,6 @@ class OpSpec:
         differentiable: whether the op has a backward pass.
         synthetic: builds valid concrete inputs from abstract ones for autotuning (integer
             lengths and tables inside their ranges); ``None`` uses :func:`default_synthetic`.
-        key_kwargs: optional hook mapping the static arguments to what enters the cache key.
     """
 
     name: str
@@ -52,12 +51,13 @@ class OpSpec:
     reference: Callable[..., Any]
     differentiable: bool = True
     synthetic: Callable[[Mapping[str, Any], int], dict[str, Any]] | None = None
+    _by_name: dict[str, Arg] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {a.name: a for a in self.args})
 
     def arg(self, name: str) -> Arg:
-        for a in self.args:
-            if a.name == name:
-                return a
-        raise KeyError(name)
+        return self._by_name[name]
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -89,6 +89,13 @@ class OpSpec:
     def make_synthetic(self, abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
         fn = self.synthetic or default_synthetic
         return fn(abstract, seed)
+
+
+def call_op(spec: OpSpec, arguments: dict[str, Any]) -> Any:
+    """Run an op through the default executor (imported lazily: ``import ejkernel`` stays light)."""
+    from ejkernel._executor import call_op as run
+
+    return run(spec, arguments)
 
 
 def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, broadcastable, check_array, is_floating
+from ejkernel.specs._base import Arg, OpSpec, broadcastable, call_op, check_array, is_floating
 
 __all__ = [
     "SPEC",
@@ -382,6 +382,4 @@ def flash_attention(
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    from ejkernel._executor import call_op
-
     return call_op(SPEC, locals())

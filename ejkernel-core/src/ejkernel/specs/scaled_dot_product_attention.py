@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from ejkernel.specs._base import OpSpec
+from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs.flash_attention import _args, flash_attention_reference, validate_flash_attention
 
 __all__ = ["SPEC", "scaled_dot_product_attention", "scaled_dot_product_attention_reference"]
@@ -79,6 +79,4 @@ def scaled_dot_product_attention(
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    from ejkernel._executor import call_op
-
     return call_op(SPEC, locals())

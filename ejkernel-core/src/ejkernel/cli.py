@@ -1,0 +1,122 @@
+"""The ``ejkernel`` command: ``ejkernel info`` and ``ejkernel cache {path,list,clear,export,import}``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform as _platform
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _info(args: argparse.Namespace) -> int:
+    import jax
+
+    from ejkernel import _env
+    from ejkernel._invocation import current_backend, device_fingerprint
+    from ejkernel.plugins import get_registry, plugin_infos
+
+    registry = get_registry()
+    backend = current_backend()
+    print("versions")
+    print(f"  python {_platform.python_version()}")
+    for dist in ("ejkernel-core", "jax", "jaxlib"):
+        print(f"  {dist} {_version(dist)}")
+    print("devices")
+    for dev in jax.devices():
+        print(f"  {dev.platform}:{dev.id} {getattr(dev, 'device_kind', '?')}")
+    print(f"  fingerprint {device_fingerprint()}")
+    print("plugins")
+    infos = plugin_infos()
+    if not infos:
+        print("  (none found: pip install ejkernel-xla)")
+    for info in infos:
+        dist = f" [{info.distribution}]" if info.distribution else ""
+        error = f": {info.error}" if info.error else ""
+        print(f"  {info.name} ({info.module}){dist} {info.status}{error}")
+    print(f"ops x platforms on this machine ({backend})")
+    platforms = registry.platforms()
+    width = max((len(op) for op in registry.ops()), default=10)
+    print("  " + "op".ljust(width) + "  " + "  ".join(p.ljust(8) for p in platforms))
+    for op in registry.ops():
+        cells = []
+        for p in platforms:
+            impls = [i for i in registry.implementations(op) if i.platform == p]
+            if not impls:
+                cells.append("-")
+            elif not any(i.runs_on(backend) for i in impls):
+                cells.append("other-hw")
+            else:
+                ok = registry.platform(p).check(backend)
+                cells.append("yes" if ok is True else "unavail")
+        print("  " + op.ljust(width) + "  " + "  ".join(c.ljust(8) for c in cells))
+    for p in platforms:
+        ok = registry.platform(p).check(backend)
+        if ok is not True:
+            print(f"  {p} unavailable: {ok}")
+    print(f"cache {_env.cache_dir()}")
+    print(f"autotune policy {_env.autotune_policy()}")
+    return 0
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from ejkernel._cache import PersistentCache
+
+    cache = PersistentCache(args.dir) if args.dir else PersistentCache()
+    if args.action == "path":
+        print(cache.directory)
+    elif args.action == "list":
+        entries = cache.entries()
+        for key, raw in sorted(entries.items(), key=lambda kv: json.dumps(kv[1].get("key", {}), sort_keys=True)):
+            doc = raw.get("key", {})
+            inv = doc.get("invocation", {}).get("kwargs", {})
+            shapes = " ".join(
+                f"{n}={tuple(v['shape'])}" for n, v in inv.items() if isinstance(v, dict) and "shape" in v
+            )
+            grad = " grad" if doc.get("grad") else ""
+            print(f"{key[:12]}  {doc.get('op', '?')}/{doc.get('platform', '?')}{grad}  {raw.get('source')}  {shapes}  {json.dumps(raw.get('config'), sort_keys=True)}")
+        print(f"{len(entries)} entries in {cache.file}")
+    elif args.action == "clear":
+        print(f"removed {cache.delete()} entries from {cache.file}")
+    elif args.action == "export":
+        print(f"exported {cache.export(args.file)} entries to {args.file}")
+    elif args.action == "import":
+        try:
+            n = cache.import_(args.file)
+        except ValueError as err:
+            print(f"ejkernel: {err}", file=sys.stderr)
+            return 1
+        print(f"imported {n} entries into {cache.file}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="ejkernel", description="ejkernel: kernels for JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, devices, plugins and the op x platform matrix").set_defaults(run=_info)
+    cache = sub.add_parser("cache", help="the persistent config cache")
+    cache.add_argument("--dir", help="cache folder (default: EJKERNEL_CACHE_DIR or ~/.cache/ejkernel)")
+    actions = cache.add_subparsers(dest="action", required=True)
+    actions.add_parser("path", help="print the cache folder")
+    actions.add_parser("list", help="list cached configs")
+    actions.add_parser("clear", help="remove every cached config")
+    actions.add_parser("export", help="write every entry to FILE").add_argument("file")
+    actions.add_parser("import", help="merge the entries of FILE").add_argument("file")
+    cache.set_defaults(run=_cache)
+    args = parser.parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ops of the XLA backend, one module per op (pure JAX, blockwise, custom VJPs)."""

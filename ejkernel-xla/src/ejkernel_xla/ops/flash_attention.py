@@ -1,0 +1,938 @@
+"""flash_attention (and scaled_dot_product_attention) on XLA: blockwise FlashAttention-2.
+
+Pure JAX, O(S) memory in the forward and the backward, with a hand-written backward attached
+through :func:`ejkernel.plugins.defvjp`. The algorithm is FlashAttention-2 (Dao, 2023):
+
+- Blocking. Queries are cut into blocks of ``q_blocksize`` rows and keys/values into blocks of
+  ``kv_blocksize`` rows; a sequence longer than its block is padded to a block multiple (padded
+  keys are masked out, padded query rows are computed and dropped). Heads are laid out as
+  ``[B, Hkv, G, S, D]`` with ``G = Hq // Hkv``, so grouped queries (GQA/MQA) share one key
+  block in a single batched matmul and ``dK``/``dV`` sum over the group for free.
+- Forward (Alg. 1, with the online softmax of Sec. 3.1.1). A map over query blocks, inside a
+  scan over key blocks carrying the running row maximum ``m``, denominator ``l`` and
+  accumulator ``acc`` in float32; both are rescaled by ``exp(m_old - m_new)`` when the maximum
+  grows, and the division by ``l`` happens once at the end. Sinks (``softmax_aux``) join the
+  maximum and the denominator at the end of the scan. Dropout drops entries of the
+  unnormalised block probabilities before they multiply V (the same entries as the reference,
+  from :func:`ejkernel.specs.flash_attention.dropout_keep` evaluated with global indices) and
+  the kept ones are scaled by ``1 / (1 - dropout_prob)``. The per-row logsumexp is saved.
+- Backward (Alg. 2). A scan over key blocks, inside a scan over query blocks, recomputing
+  ``P = exp(S - logsumexp)`` per block: ``dV += Pᵀ dO``, ``dP = dO Vᵀ``,
+  ``dS = P ∘ (dP - D)`` with ``D = rowsum(dO ∘ O)``, ``dQ += dS K``, ``dK += dSᵀ Q``. ``dK``
+  and ``dV`` of a key block live in the inner carry; the ``dQ`` contributions are stacked and
+  summed over key blocks. The bias gradient is ``dS`` summed into the bias's own broadcast
+  shape; the sink gradient is ``-Σ p_aux · D`` over batch and rows.
+- Masking is built per block from global positions (causal bottom-right aligned: query i sits
+  at ``Sk - Sq + i``; sliding window; ``attention_mask`` and ``bias`` broadcast and sliced per
+  block; segment ids equal and non-negative) with a finite mask value, so a row with no
+  visible key never produces NaN: it is detected from its running maximum and returns zeros
+  with zero gradients. Blocks that causality or the sliding window hide entirely are skipped
+  (``lax.cond`` on block indices only, which stays a branch under ``vmap``).
+
+Accumulation is float32; matmul inputs keep the input dtype. ``supports()`` declines nothing:
+this backend serves every valid call of both ops, on every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ejkernel._params import BwdParams, FwdParams
+from ejkernel.plugins import defvjp
+from ejkernel.specs.flash_attention import dropout_keep
+from jax import lax
+
+__all__ = [
+    "FlashAttentionConfig",
+    "config_space",
+    "flash_attention_xla",
+    "heuristic",
+    "scaled_dot_product_attention_xla",
+    "supports",
+]
+
+#: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
+_MASK_VALUE = float(np.finfo(np.float32).min)
+#: Logsumexp saved for a row with no visible key: ``exp(anything - it)`` is 0.
+_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
+
+#: Default (q_blocksize, kv_blocksize) per backend. On CPU few large blocks win (each loop
+#: step costs a while-loop iteration and breaks fusion); on accelerators blocks stay small
+#: enough for each step's [B, Hq, bq, bk] tiles to remain cheap.
+_DEFAULT_BLOCKS: dict[str, tuple[int, int]] = {
+    "cpu": (512, 1024),
+    "gpu": (128, 128),
+    "tpu": (512, 512),
+}
+#: Block sizes tried by :func:`config_space` per backend.
+_TUNING_BLOCKS: dict[str, tuple[int, ...]] = {
+    "cpu": (128, 256, 512, 1024),
+    "gpu": (64, 128, 256, 512),
+    "tpu": (128, 256, 512, 1024),
+}
+
+
+@attrs.frozen(kw_only=True)
+class FlashAttentionConfig:
+    """Tunables of the XLA flash attention (also used by scaled_dot_product_attention).
+
+    Only ``q_blocksize`` and ``kv_blocksize`` matter here; ``None`` takes the backend's
+    default. Blocks longer than the sequence are clamped to it.
+
+    Attributes:
+        fwd_params: block sizes of the forward pass.
+        bwd_params: block sizes of the backward pass.
+    """
+
+    fwd_params: FwdParams = FwdParams()
+    bwd_params: BwdParams = BwdParams()
+
+
+def heuristic(inv: Any) -> FlashAttentionConfig:
+    """The backend's default block sizes, clamped to the sequence lengths of ``inv``."""
+    sq, sk = _sequence_lengths(inv)
+    bq, bk = _clamp_blocks(_DEFAULT_BLOCKS[_backend()], sq, sk)
+    return FlashAttentionConfig(
+        fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk),
+        bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk),
+    )
+
+
+def config_space(inv: Any) -> list[FlashAttentionConfig]:
+    """A handful of (q_blocksize, kv_blocksize) pairs, none longer than the sequence.
+
+    Square blocks of every tuning size, plus each size of query block against the largest key
+    block; the forward and backward share their block sizes.
+    """
+    sq, sk = _sequence_lengths(inv)
+    sizes = _TUNING_BLOCKS[_backend()]
+    pairs = [(s, s) for s in sizes] + [(s, sizes[-1]) for s in sizes[1:-1]]
+    seen: dict[tuple[int, int], None] = {}
+    for pair in pairs:
+        seen.setdefault(_clamp_blocks(pair, sq, sk))
+    return [
+        FlashAttentionConfig(
+            fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk),
+            bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk),
+        )
+        for bq, bk in seen
+    ]
+
+
+def supports(inv: Any) -> bool:
+    """Always ``True``: the XLA backend serves every valid call."""
+    del inv
+    return True
+
+
+def flash_attention_xla(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    cfg: FlashAttentionConfig | None = None,
+) -> jax.Array:
+    """Exact attention, blockwise, O(S) memory (arguments as validated by the core spec).
+
+    Args:
+        query: [B, Sq, Hq, D].
+        key: [B, Sk, Hkv, D].
+        value: [B, Sk, Hkv, Dv].
+        bias: broadcastable to [B, Hq, Sq, Sk], added to the (soft-capped) logits.
+        attention_mask: bool, broadcastable to [B, Hq, Sq, Sk], True = may attend.
+        q_segment_ids: [B, Sq] int; a query sees a key when ids are equal and non-negative.
+        kv_segment_ids: [B, Sk] int.
+        softmax_aux: [Hq] or [Hq, n] sink logits, in the softmax denominator only.
+        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
+        causal: bottom-right aligned causal mask.
+        sliding_window: ``(left, right)`` window around each query's position, or ``None``.
+        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
+        dropout_prob: dropout on the attention probabilities.
+        dropout_seed: uint32 scalar seed of the dropout hash (used when dropout_prob > 0).
+        cfg: block sizes; ``None`` takes the defaults.
+
+    Returns:
+        [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
+    """
+    out, _ = _flash_attention_fwd(
+        query=query,
+        key=key,
+        value=value,
+        bias=bias,
+        attention_mask=attention_mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        softmax_aux=softmax_aux,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        dropout_prob=dropout_prob,
+        dropout_seed=dropout_seed,
+        cfg=cfg,
+    )
+    return out
+
+
+def _flash_attention_fwd(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    cfg: FlashAttentionConfig | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array | None]]:
+    """Forward of :func:`flash_attention_xla`: ``(out, residuals)``.
+
+    The residuals are the array inputs the backward needs, the output and the per-row
+    logsumexp ``[B, Sq, Hq]`` (float32).
+    """
+    arrays = {
+        "query": query,
+        "key": key,
+        "value": value,
+        "bias": bias,
+        "attention_mask": attention_mask,
+        "q_segment_ids": q_segment_ids,
+        "kv_segment_ids": kv_segment_ids,
+        "softmax_aux": softmax_aux,
+        "dropout_seed": _seed(dropout_seed) if dropout_prob > 0.0 else None,
+    }
+    statics = _statics(
+        arrays,
+        cfg,
+        backward=False,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        dropout_prob=dropout_prob,
+    )
+    out, lse = _forward(arrays, statics)
+    return out, {**arrays, "out": out, "logsumexp": lse}
+
+
+def _flash_attention_bwd(
+    residuals: dict[str, jax.Array | None],
+    d_out: jax.Array,
+    *,
+    cfg: FlashAttentionConfig | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+) -> dict[str, jax.Array | None]:
+    """Backward of :func:`flash_attention_xla` (FlashAttention-2 Alg. 2).
+
+    Returns:
+        Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
+        ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
+    """
+    arrays = {k: v for k, v in residuals.items() if k not in ("out", "logsumexp")}
+    statics = _statics(
+        arrays,
+        cfg,
+        backward=True,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        dropout_prob=dropout_prob,
+    )
+    return _backward(arrays, residuals["out"], residuals["logsumexp"], d_out, statics)
+
+
+defvjp(flash_attention_xla, _flash_attention_fwd, _flash_attention_bwd)
+
+
+def scaled_dot_product_attention_xla(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    cfg: FlashAttentionConfig | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention: :func:`flash_attention_xla` without dropout and sinks.
+
+    Args: as :func:`flash_attention_xla`.
+
+    Returns:
+        [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
+    """
+    out, _ = _scaled_dot_product_attention_fwd(
+        query=query,
+        key=key,
+        value=value,
+        bias=bias,
+        attention_mask=attention_mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        cfg=cfg,
+    )
+    return out
+
+
+def _scaled_dot_product_attention_fwd(
+    *, cfg: FlashAttentionConfig | None = None, **kwargs: Any
+) -> tuple[jax.Array, dict[str, jax.Array | None]]:
+    """Forward of :func:`scaled_dot_product_attention_xla`: ``(out, residuals)``."""
+    return _flash_attention_fwd(**kwargs, cfg=cfg)
+
+
+def _scaled_dot_product_attention_bwd(
+    residuals: dict[str, jax.Array | None],
+    d_out: jax.Array,
+    *,
+    cfg: FlashAttentionConfig | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+) -> dict[str, jax.Array | None]:
+    """Backward of :func:`scaled_dot_product_attention_xla`: gradients of q, k, v and bias."""
+    grads = _flash_attention_bwd(
+        residuals,
+        d_out,
+        cfg=cfg,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    grads.pop("softmax_aux")
+    return grads
+
+
+defvjp(
+    scaled_dot_product_attention_xla,
+    _scaled_dot_product_attention_fwd,
+    _scaled_dot_product_attention_bwd,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _backend() -> str:
+    name = jax.default_backend().lower()
+    name = "gpu" if name in ("cuda", "rocm") else name
+    return name if name in _DEFAULT_BLOCKS else "cpu"
+
+
+def _sequence_lengths(inv: Any) -> tuple[int, int]:
+    kwargs = inv.kwargs
+    return int(kwargs["query"].shape[1]), int(kwargs["key"].shape[1])
+
+
+def _clamp_blocks(blocks: tuple[int, int], sq: int, sk: int) -> tuple[int, int]:
+    """Blocks no longer than their sequence (a shorter sequence is then one unpadded block)."""
+    return max(1, min(blocks[0], sq)), max(1, min(blocks[1], sk))
+
+
+def _seed(seed: Any) -> jax.Array:
+    return jnp.asarray(0 if seed is None else seed).astype(jnp.uint32)
+
+
+@attrs.frozen(kw_only=True)
+class _Statics:
+    """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
+
+    softmax_scale: float
+    causal: bool
+    sliding_window: tuple[int, int] | None
+    logits_soft_cap: float | None
+    dropout_prob: float
+    block_q: int
+    block_k: int
+
+
+def _statics(
+    arrays: dict[str, Any],
+    cfg: FlashAttentionConfig | None,
+    *,
+    backward: bool,
+    softmax_scale: float | None,
+    causal: bool,
+    sliding_window: tuple[int, int] | None,
+    logits_soft_cap: float | None,
+    dropout_prob: float,
+) -> _Statics:
+    query, key = arrays["query"], arrays["key"]
+    cfg = cfg if cfg is not None else FlashAttentionConfig()
+    params = cfg.bwd_params if backward else cfg.fwd_params
+    default_q, default_k = _DEFAULT_BLOCKS[_backend()]
+    bq, bk = _clamp_blocks(
+        (params.q_blocksize or default_q, params.kv_blocksize or default_k),
+        query.shape[1],
+        key.shape[1],
+    )
+    return _Statics(
+        softmax_scale=float(query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale),
+        causal=bool(causal),
+        sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        dropout_prob=float(dropout_prob or 0.0),
+        block_q=bq,
+        block_k=bk,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Forward and backward passes
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
+    """FlashAttention-2 Alg. 1: ``out [B, Sq, Hq, Dv]`` and logsumexp ``[B, Sq, Hq]``."""
+    q, k, v = a["query"], a["key"], a["value"]
+    geo = _Geometry.of(q, k, v, st)
+    side = _SideInputs.of(a, geo)
+    qb = _q_blocks(q, geo)
+    kb, vb = _kv_blocks(k, geo), _kv_blocks(v, geo)
+    aux = _sinks(a["softmax_aux"], geo)
+
+    def one_q_block(i: Any) -> tuple[jax.Array, jax.Array]:
+        q_i = _take(qb, i)
+        rows = (geo.b, geo.hkv, geo.group, geo.bq)
+        init = (
+            jnp.full(rows, _MASK_VALUE, jnp.float32),
+            jnp.zeros(rows, jnp.float32),
+            jnp.zeros((*rows, geo.dv), jnp.float32),
+        )
+
+        def one_kv_block(carry: Any, j: Any) -> tuple[Any, None]:
+            def compute(carry: Any) -> Any:
+                m, l, acc = carry
+                v_j = _take(vb, j)
+                s, _ = _scores(q_i, _take(kb, j), side, geo, st, i, j)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                alpha = jnp.exp(m - m_new)
+                p = jnp.exp(s - m_new[..., None])
+                l = alpha * l + jnp.sum(p, axis=-1)
+                if st.dropout_prob > 0.0:
+                    p = jnp.where(_keep(a["dropout_seed"], geo, st, i, j), p, 0.0)
+                pv = _dot("bhgqk,bhkd->bhgqd", p.astype(v_j.dtype), v_j)
+                return m_new, l, alpha[..., None] * acc + pv
+
+            return _when(_block_may_see(geo, st, i, j), compute, carry), None
+
+        (m, l, acc), _ = _scan(one_kv_block, init, geo.nk)
+        seen = m > _MASK_VALUE
+        if aux is not None:
+            # Sinks join the maximum and the denominator only (never the numerator).
+            m_all = jnp.maximum(m, jnp.max(aux, axis=-1))
+            rescale = jnp.exp(m - m_all)
+            l = l * rescale + jnp.sum(jnp.exp(aux - m_all[..., None]), axis=-1)
+            acc = acc * rescale[..., None]
+            m = m_all
+        l = jnp.where(seen, l, 1.0)
+        inv_l = jnp.where(seen, 1.0 / l, 0.0)
+        if st.dropout_prob > 0.0:
+            inv_l = inv_l * (1.0 / (1.0 - st.dropout_prob))
+        out_i = (acc * inv_l[..., None]).astype(q.dtype)
+        lse_i = jnp.where(seen, m + jnp.log(l), _EMPTY_ROW_LSE)
+        return out_i, lse_i
+
+    out_b, lse_b = _map(one_q_block, geo.nq)
+    return _unblock_q(out_b, geo), _unblock_q(lse_b[..., None], geo)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _backward(
+    a: dict[str, Any], out: jax.Array, lse: jax.Array, d_out: jax.Array, st: _Statics
+) -> dict[str, jax.Array | None]:
+    """FlashAttention-2 Alg. 2: outer scan over key blocks, inner scan over query blocks."""
+    q, k, v = a["query"], a["key"], a["value"]
+    geo = _Geometry.of(q, k, v, st)
+    side = _SideInputs.of(a, geo)
+    d_out = d_out.astype(q.dtype)
+    # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row (Sec. 3.1.2).
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    qb, dob = _q_blocks(q, geo), _q_blocks(d_out, geo)
+    lseb = _q_blocks(lse[..., None], geo, fill=_EMPTY_ROW_LSE)[..., 0]
+    deltab = _q_blocks(delta[..., None], geo)[..., 0]
+    kb, vb = _kv_blocks(k, geo), _kv_blocks(v, geo)
+    bias_grad = _BiasGradient.of(a["bias"], geo)
+    scale_dropped = 1.0 / (1.0 - st.dropout_prob) if st.dropout_prob > 0.0 else 1.0
+
+    def one_kv_block(outer: Any, j: Any) -> tuple[Any, Any]:
+        k_j, v_j = _take(kb, j), _take(vb, j)
+        zeros_kv = (
+            jnp.zeros((geo.b, geo.hkv, geo.bk, geo.d), jnp.float32),
+            jnp.zeros((geo.b, geo.hkv, geo.bk, geo.dv), jnp.float32),
+        )
+        init = (*zeros_kv, bias_grad.zeros_over_q())
+
+        def one_q_block(inner: Any, i: Any) -> tuple[Any, Any]:
+            dq_zero = jnp.zeros((geo.b, geo.hkv, geo.group, geo.bq, geo.d), jnp.float32)
+
+            def compute(inner: Any) -> Any:
+                dk, dv, db_sum = inner
+                q_i, do_i = _take(qb, i), _take(dob, i)
+                s, tanh = _scores(q_i, k_j, side, geo, st, i, j)
+                p = jnp.exp(s - _take(lseb, i)[..., None])
+                if st.dropout_prob > 0.0:
+                    keep = _keep(a["dropout_seed"], geo, st, i, j)
+                    p_dropped = jnp.where(keep, p * scale_dropped, 0.0)
+                else:
+                    p_dropped = p
+                dv = dv + _dot("bhgqk,bhgqd->bhkd", p_dropped.astype(do_i.dtype), do_i)
+                dp = _dot("bhgqd,bhkd->bhgqk", do_i, v_j)
+                if st.dropout_prob > 0.0:
+                    dp = jnp.where(keep, dp * scale_dropped, 0.0)
+                ds = p * (dp - _take(deltab, i)[..., None])
+                db_i = bias_grad.reduce(ds)
+                if tanh is not None:
+                    ds = ds * (1.0 - tanh * tanh)
+                ds = ds.astype(q_i.dtype)
+                dq_i = _dot("bhgqk,bhkd->bhgqd", ds, k_j)
+                dk = dk + _dot("bhgqk,bhgqd->bhkd", ds, q_i)
+                db_sum, db_out = bias_grad.split_over_q(db_sum, db_i)
+                return (dk, dv, db_sum), (dq_i, db_out)
+
+            def skip(inner: Any) -> Any:
+                return inner, (dq_zero, bias_grad.zeros_per_q())
+
+            return _when_else(_block_may_see(geo, st, i, j), compute, skip, inner)
+
+        (dk, dv, db_sum), (dq_parts, db_parts) = _scan(one_q_block, init, geo.nq)
+        dq_acc, db_acc = outer
+        db_acc, db_out = bias_grad.split_over_k(db_acc, bias_grad.join_q(db_sum, db_parts))
+        return (dq_acc + dq_parts, db_acc), (dk, dv, db_out)
+
+    dq_init = jnp.zeros((geo.nq, geo.b, geo.hkv, geo.group, geo.bq, geo.d), jnp.float32)
+    (dq, db_acc), (dk, dv, db_parts) = _scan(
+        one_kv_block, (dq_init, bias_grad.zeros_over_k()), geo.nk
+    )
+    scale = st.softmax_scale
+    grads: dict[str, jax.Array | None] = {
+        "query": (_unblock_q(dq, geo) * scale).astype(q.dtype),
+        "key": (_unblock_kv(dk, geo) * scale).astype(k.dtype),
+        "value": _unblock_kv(dv, geo).astype(v.dtype),
+        "bias": bias_grad.finish(db_acc, db_parts),
+        "softmax_aux": None,
+    }
+    if a["softmax_aux"] is not None:
+        aux = a["softmax_aux"]
+        sinks = aux.astype(jnp.float32).reshape(geo.hq, -1)
+        p_aux = jnp.exp(sinks[None, None] - lse[..., None])  # [B, Sq, Hq, n]
+        d_aux = -jnp.einsum("bqh,bqhn->hn", delta, p_aux)
+        grads["softmax_aux"] = d_aux.reshape(aux.shape).astype(aux.dtype)
+    return grads
+
+
+# --------------------------------------------------------------------------------------------
+# Block helpers
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class _Geometry:
+    """Sizes of one call and its blocking (all Python ints)."""
+
+    b: int
+    sq: int
+    sk: int
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+    bq: int
+    bk: int
+
+    @classmethod
+    def of(cls, q: jax.Array, k: jax.Array, v: jax.Array, st: _Statics) -> _Geometry:
+        b, sq, hq, d = q.shape
+        return cls(
+            b=b,
+            sq=sq,
+            sk=k.shape[1],
+            hq=hq,
+            hkv=k.shape[2],
+            d=d,
+            dv=v.shape[3],
+            bq=st.block_q,
+            bk=st.block_k,
+        )
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def nq(self) -> int:
+        return -(-self.sq // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.sk // self.bk)
+
+    @property
+    def sq_pad(self) -> int:
+        return self.nq * self.bq
+
+    @property
+    def sk_pad(self) -> int:
+        return self.nk * self.bk
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _q_blocks(x: jax.Array, geo: _Geometry, fill: Any = 0) -> jax.Array:
+    """[B, Sq, Hq, F] -> [nq, B, Hkv, G, bq, F]."""
+    x = _pad_axis(x, 1, geo.sq_pad, fill)
+    x = x.reshape(geo.b, geo.nq, geo.bq, geo.hkv, geo.group, x.shape[-1])
+    return x.transpose(1, 0, 3, 4, 2, 5)
+
+
+def _unblock_q(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[nq, B, Hkv, G, bq, F] -> [B, Sq, Hq, F]."""
+    x = x.transpose(1, 0, 4, 2, 3, 5).reshape(geo.b, geo.sq_pad, geo.hq, x.shape[-1])
+    return x[:, : geo.sq]
+
+
+def _kv_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[B, Sk, Hkv, F] -> [nk, B, Hkv, bk, F]."""
+    x = _pad_axis(x, 1, geo.sk_pad)
+    x = x.reshape(geo.b, geo.nk, geo.bk, geo.hkv, x.shape[-1])
+    return x.transpose(1, 0, 3, 2, 4)
+
+
+def _unblock_kv(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[nk, B, Hkv, bk, F] -> [B, Sk, Hkv, F]."""
+    x = x.transpose(1, 0, 3, 2, 4).reshape(geo.b, geo.sk_pad, geo.hkv, x.shape[-1])
+    return x[:, : geo.sk]
+
+
+def _as_4d(x: jax.Array) -> jax.Array:
+    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+
+
+def _pair_blocks(x: jax.Array, geo: _Geometry, fill: Any) -> jax.Array:
+    """Broadcastable to [B, Hq, Sq, Sk] -> [nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1].
+
+    Axes the array broadcasts over stay of size 1 (a broadcast bias is never materialised).
+    """
+    x = _as_4d(x)
+    b1, h1, q1, k1 = x.shape
+    nq, bq = (geo.nq, geo.bq) if q1 > 1 else (1, 1)
+    nk, bk = (geo.nk, geo.bk) if k1 > 1 else (1, 1)
+    hkv, group = (geo.hkv, geo.group) if h1 > 1 else (1, 1)
+    if q1 > 1:
+        x = _pad_axis(x, 2, geo.sq_pad, fill)
+    if k1 > 1:
+        x = _pad_axis(x, 3, geo.sk_pad, fill)
+    x = x.reshape(b1, hkv, group, nq, bq, nk, bk)
+    return x.transpose(3, 5, 0, 1, 2, 4, 6)
+
+
+def _take(x: jax.Array, i: Any) -> jax.Array:
+    """Block ``i`` of a block-stacked array (block 0 of one that has a single block)."""
+    if x.shape[0] == 1:
+        return x[0]
+    if isinstance(i, int):
+        return x[i]
+    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _take_pair(x: jax.Array, i: Any, j: Any) -> jax.Array:
+    return _take(_take(x, i), j)
+
+
+@attrs.frozen(kw_only=True)
+class _SideInputs:
+    """Block-stacked bias, attention mask and segment ids (each may be absent)."""
+
+    bias: jax.Array | None
+    mask: jax.Array | None
+    q_segments: jax.Array | None  # [nq, B, bq]
+    kv_segments: jax.Array | None  # [nk, B, bk]
+
+    @classmethod
+    def of(cls, a: dict[str, Any], geo: _Geometry) -> _SideInputs:
+        bias, mask = a["bias"], a["attention_mask"]
+        q_seg, kv_seg = a["q_segment_ids"], a["kv_segment_ids"]
+        if q_seg is not None:
+            q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, geo.sq_pad, -1)
+            q_seg = q_seg.reshape(geo.b, geo.nq, geo.bq).transpose(1, 0, 2)
+            kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, geo.sk_pad, -1)
+            kv_seg = kv_seg.reshape(geo.b, geo.nk, geo.bk).transpose(1, 0, 2)
+        return cls(
+            bias=None if bias is None else _pair_blocks(bias, geo, 0),
+            mask=None if mask is None else _pair_blocks(mask, geo, False),
+            q_segments=q_seg,
+            kv_segments=kv_seg,
+        )
+
+
+def _scores(
+    q_i: jax.Array,
+    k_j: jax.Array,
+    side: _SideInputs,
+    geo: _Geometry,
+    st: _Statics,
+    i: Any,
+    j: Any,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Masked logits of block (i, j), [B, Hkv, G, bq, bk] float32, and tanh of the soft cap."""
+    s = _dot("bhgqd,bhkd->bhgqk", q_i, k_j) * st.softmax_scale
+    tanh = None
+    if st.logits_soft_cap is not None:
+        tanh = jnp.tanh(s * (1.0 / st.logits_soft_cap))
+        s = st.logits_soft_cap * tanh
+    if side.bias is not None:
+        s = s + _take_pair(side.bias, i, j).astype(jnp.float32)
+    visible = _visibility(side, geo, st, i, j)
+    if visible is not None:
+        s = jnp.where(visible, s, _MASK_VALUE)
+    return s, tanh
+
+
+def _visibility(side: _SideInputs, geo: _Geometry, st: _Statics, i: Any, j: Any) -> Any:
+    """Bool mask of block (i, j) broadcastable to [B, Hkv, G, bq, bk]; ``None`` = all visible."""
+    q_pos = (i * geo.bq + jnp.arange(geo.bq))[:, None] + (geo.sk - geo.sq)
+    k_pos = (j * geo.bk + jnp.arange(geo.bk))[None, :]
+    terms = []
+    if st.causal:
+        terms.append(k_pos <= q_pos)
+    if st.sliding_window is not None:
+        left, right = st.sliding_window
+        terms.append((k_pos >= q_pos - left) & (k_pos <= q_pos + right))
+    if side.q_segments is not None:
+        q_seg, kv_seg = _take(side.q_segments, i), _take(side.kv_segments, j)
+        same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] >= 0)
+        terms.append(same[:, None, None])  # padded keys carry id -1: masked here too
+    elif geo.sk_pad != geo.sk:
+        terms.append(k_pos < geo.sk)
+    if side.mask is not None:
+        terms.append(_take_pair(side.mask, i, j))
+    return functools.reduce(jnp.logical_and, terms) if terms else None
+
+
+def _block_may_see(geo: _Geometry, st: _Statics, i: Any, j: Any) -> Any:
+    """Whether causality and the window leave block (i, j) any visible entry (``None``: yes).
+
+    Depends on block indices only, so it stays a scalar branch condition under ``vmap``.
+    """
+    if not st.causal and st.sliding_window is None:
+        return None
+    offset = geo.sk - geo.sq
+    q_lo = i * geo.bq + offset
+    q_hi = q_lo + geo.bq - 1
+    k_lo = j * geo.bk
+    k_hi = k_lo + geo.bk - 1
+    conds = []
+    if st.causal:
+        conds.append(k_lo <= q_hi)
+    if st.sliding_window is not None:
+        left, right = st.sliding_window
+        conds += [k_lo <= q_hi + right, k_hi >= q_lo - left]
+    if all(isinstance(c, (bool, np.bool_)) for c in conds):
+        return bool(all(conds))
+    return functools.reduce(jnp.logical_and, [jnp.asarray(c) for c in conds])
+
+
+def _keep(seed: jax.Array, geo: _Geometry, st: _Statics, i: Any, j: Any) -> jax.Array:
+    """Dropout keep-mask of block (i, j), [B, Hkv, G, bq, bk], from global indices."""
+    return dropout_keep(
+        seed,
+        jnp.arange(geo.b).reshape(geo.b, 1, 1, 1, 1),
+        jnp.arange(geo.hq).reshape(1, geo.hkv, geo.group, 1, 1),
+        (i * geo.bq + jnp.arange(geo.bq))[:, None],
+        (j * geo.bk + jnp.arange(geo.bk))[None, :],
+        st.dropout_prob,
+    )
+
+
+def _sinks(aux: jax.Array | None, geo: _Geometry) -> jax.Array | None:
+    """[Hq] or [Hq, n] -> [1, Hkv, G, 1, n] float32, broadcasting against row statistics."""
+    if aux is None:
+        return None
+    return aux.astype(jnp.float32).reshape(1, geo.hkv, geo.group, 1, -1)
+
+
+def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
+
+
+def _when(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
+    """``fn(carry)`` where ``pred`` holds, else ``carry``; statically resolved when possible."""
+    return _when_else(pred, fn, lambda c: c, carry)
+
+
+def _when_else(pred: Any, fn: Callable[[Any], Any], other: Callable[[Any], Any], x: Any) -> Any:
+    if pred is None or pred is True:
+        return fn(x)
+    if pred is False:
+        return other(x)
+    return lax.cond(pred, fn, other, x)
+
+
+def _scan(body: Callable[[Any, Any], Any], init: Any, n: int) -> tuple[Any, Any]:
+    """``lax.scan`` over ``range(n)``; a single step runs unrolled with a Python index."""
+    if n == 1:
+        carry, ys = body(init, 0)
+        return carry, jax.tree.map(lambda y: y[None], ys)
+    return lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+
+
+def _map(fn: Callable[[Any], Any], n: int) -> Any:
+    _, ys = _scan(lambda carry, i: (carry, fn(i)), None, n)
+    return ys
+
+
+@attrs.frozen(kw_only=True)
+class _BiasGradient:
+    """Accumulates ``dS`` into the bias's broadcast shape across the two backward loops.
+
+    Along an axis the bias has in full, block results are stacked; along one it broadcasts
+    over, they are summed in the loop carry.
+    """
+
+    shape: tuple[int, ...] | None
+    dtype: Any
+    geo: _Geometry
+
+    @classmethod
+    def of(cls, bias: jax.Array | None, geo: _Geometry) -> _BiasGradient:
+        if bias is None:
+            return cls(shape=None, dtype=None, geo=geo)
+        return cls(shape=tuple(bias.shape), dtype=bias.dtype, geo=geo)
+
+    @property
+    def _dims4(self) -> tuple[int, ...]:
+        assert self.shape is not None
+        return (1,) * (4 - len(self.shape)) + self.shape
+
+    @property
+    def _q_full(self) -> bool:
+        return self._dims4[2] > 1
+
+    @property
+    def _k_full(self) -> bool:
+        return self._dims4[3] > 1
+
+    def _block_shape(self) -> tuple[int, ...]:
+        b1, h1, _, _ = self._dims4
+        hkv, group = (self.geo.hkv, self.geo.group) if h1 > 1 else (1, 1)
+        bq = self.geo.bq if self._q_full else 1
+        bk = self.geo.bk if self._k_full else 1
+        return (b1, hkv, group, bq, bk)
+
+    def reduce(self, ds: jax.Array) -> jax.Array | None:
+        """Sum ``ds`` [B, Hkv, G, bq, bk] over the axes the bias broadcasts along."""
+        if self.shape is None:
+            return None
+        b1, h1, _, _ = self._dims4
+        axes = tuple(
+            ax
+            for ax, broadcast in (
+                (0, b1 == 1),
+                (1, h1 == 1),
+                (2, h1 == 1),
+                (3, not self._q_full),
+                (4, not self._k_full),
+            )
+            if broadcast
+        )
+        return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+
+    def zeros_over_q(self) -> jax.Array | None:
+        """Inner-loop carry: the running sum over query blocks (when not stacked)."""
+        if self.shape is None or self._q_full:
+            return None
+        return jnp.zeros(self._block_shape(), jnp.float32)
+
+    def zeros_per_q(self) -> jax.Array | None:
+        """Inner-loop output of a skipped block (when stacked over query blocks)."""
+        if self.shape is None or not self._q_full:
+            return None
+        return jnp.zeros(self._block_shape(), jnp.float32)
+
+    def split_over_q(self, running: Any, block: Any) -> tuple[Any, Any]:
+        if self.shape is None:
+            return None, None
+        if self._q_full:
+            return running, block
+        return running + block, None
+
+    def join_q(self, running: Any, stacked: Any) -> Any:
+        """The key block's gradient, [nq|1, B|1, Hkv|1, G|1, bq|1, bk|1]."""
+        if self.shape is None:
+            return None
+        return stacked if self._q_full else running[None]
+
+    def zeros_over_k(self) -> jax.Array | None:
+        """Outer-loop carry: the running sum over key blocks (when not stacked)."""
+        if self.shape is None or self._k_full:
+            return None
+        nq = self.geo.nq if self._q_full else 1
+        return jnp.zeros((nq, *self._block_shape()), jnp.float32)
+
+    def split_over_k(self, running: Any, block: Any) -> tuple[Any, Any]:
+        if self.shape is None:
+            return None, None
+        if self._k_full:
+            return running, block
+        return running + block, None
+
+    def finish(self, running: Any, stacked: Any) -> jax.Array | None:
+        """[nk|1, nq|1, B|1, Hkv|1, G|1, bq|1, bk|1] -> the bias's own shape and dtype."""
+        if self.shape is None:
+            return None
+        blocks = stacked if self._k_full else running[None]
+        b1, h1, q1, k1 = self._dims4
+        sq = blocks.shape[1] * blocks.shape[5]
+        sk = blocks.shape[0] * blocks.shape[6]
+        grad = blocks.transpose(2, 3, 4, 1, 5, 0, 6).reshape(b1, h1, sq, sk)
+        return grad[:, :, :q1, :k1].reshape(self.shape).astype(self.dtype)

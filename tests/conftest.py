@@ -1,0 +1,22 @@
+"""Every test runs with its own cache folder, the heuristics policy and a fresh registry."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_ejkernel(tmp_path, monkeypatch):
+    from ejkernel import _executor, errors, plugins
+
+    monkeypatch.setenv("EJKERNEL_CACHE_DIR", str(tmp_path / "ejkernel-cache"))
+    monkeypatch.setenv("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
+    for name in ("EJKERNEL_PLATFORM", "EJKERNEL_DISABLE_PLUGINS", "EJKERNEL_PLUGINS_AUTOLOAD", "EJKERNEL_LOG_AUTOTUNE"):
+        monkeypatch.delenv(name, raising=False)
+    plugins.reset()
+    _executor._default = None
+    errors._reset_warnings_for_tests()
+    yield
+    plugins.reset()
+    _executor._default = None
+    errors._reset_warnings_for_tests()
