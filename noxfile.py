@@ -1,0 +1,78 @@
+"""Task runner: `nox -s tests` is what CI runs; `nox -s demo` is the quick start."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "venv"
+
+PACKAGES = ["-e", "ejkernel-core", "-e", "ejkernel-xla"]
+TEST_DEPS = ["pytest>=8", "pytest-xdist>=3"]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Install core + xla and run every CPU test (GPU tests are deselected)."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    session.run("pytest", "-m", "not gpu", "-n", "2", *session.posargs)
+
+
+@nox.session(name="tests-core")
+def tests_core(session: nox.Session) -> None:
+    """Core tests only."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    session.run("pytest", "tests/core", "tests/integration", "-m", "not gpu", *session.posargs)
+
+
+@nox.session(name="tests-xla")
+def tests_xla(session: nox.Session) -> None:
+    """XLA backend tests only."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    session.run("pytest", "tests/xla", "-m", "not gpu", *session.posargs)
+
+
+@nox.session
+def oldest(session: nox.Session) -> None:
+    """Tests against the oldest supported jax (0.10)."""
+    session.install(*PACKAGES, *TEST_DEPS, "jax==0.10.*", "jaxlib==0.10.*")
+    session.run("pytest", "-m", "not gpu", "-n", "2", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The quick start: install core + xla, run flash attention, print what was chosen and why."""
+    session.install(*PACKAGES)
+    session.run("python", "examples/quickstart.py", env={"EJKERNEL_AUTOTUNE_POLICY": "autotune"})
+    session.run("ejkernel", "info")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and format check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the core."""
+    session.install(*PACKAGES, "mypy>=1.10")
+    session.run("mypy")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build the sdists and wheels of every distribution into dist/."""
+    session.install("build")
+    for dist in ("ejkernel-core", "ejkernel-xla"):
+        session.run("python", "-m", "build", "--outdir", "dist", dist)
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """CPU benchmarks of benchmarks/ (GPU runs go through the lent machine; see BENCHMARKS)."""
+    session.install(*PACKAGES)
+    session.run("python", "benchmarks/bench_core.py")
+    session.run("python", "benchmarks/bench_flash_attention.py", *session.posargs)

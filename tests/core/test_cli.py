@@ -1,0 +1,53 @@
+"""The `ejkernel` command and the README's table of environment variables."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import attrs
+
+from ejkernel import _env
+from ejkernel.cli import main
+from ejkernel.ops import PersistentCache
+
+README = pathlib.Path(__file__).parents[2] / "README.md"
+
+
+@attrs.frozen
+class C:
+    n: int
+
+
+def test_readme_table_matches_the_environment_module():
+    text = README.read_text()
+    table = text.split("<!-- env-table")[1].split("<!-- /env-table -->")[0]
+    rows = re.findall(r"^\| `(EJKERNEL_[A-Z_]+)` \| (.*?) \| (.*) \|$", table, re.M)
+    assert {name: (default, meaning) for name, default, meaning in rows} == _env.VARIABLES
+
+
+def test_info_lists_versions_plugins_and_the_op_platform_matrix(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "ejkernel-core" in out and "jax" in out
+    assert "xla (ejkernel_xla.plugin)" in out and "loaded" in out
+    assert re.search(r"flash_attention\s+yes", out)
+
+
+def test_cache_commands_path_list_export_import_clear(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EJKERNEL_CACHE_DIR", str(tmp_path / "c"))
+    PersistentCache().put("k1", C(1), source="autotune", meta={"key": {"op": "flash_attention", "platform": "xla"}})
+    assert main(["cache", "path"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "c")
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "flash_attention/xla" in out and "1 entries" in out
+    assert main(["cache", "export", str(tmp_path / "x.json")]) == 0
+    assert json.loads((tmp_path / "x.json").read_text())["entries"]["k1"]["config"] == {"n": 1}
+    assert main(["cache", "clear"]) == 0
+    assert len(PersistentCache()) == 0
+    assert main(["cache", "import", str(tmp_path / "x.json")]) == 0
+    assert PersistentCache().get("k1", C) == C(1)
+    (tmp_path / "bad.json").write_text("nonsense")
+    assert main(["cache", "import", str(tmp_path / "bad.json")]) == 1
