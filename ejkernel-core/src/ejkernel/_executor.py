@@ -24,7 +24,7 @@ import numpy as np
 from ejkernel import _env
 from ejkernel._autotune import tune_candidates
 from ejkernel._chain import Choice, ConfigSelectorChain, Tunable
-from ejkernel._invocation import Invocation, current_backend, fast_signature
+from ejkernel._invocation import Invocation, current_backend
 from ejkernel._kernel import Kernel, OpKernel, _overrides
 from ejkernel._registry import KNOWN_DISTRIBUTIONS, Implementation, Registry
 from ejkernel.errors import ConfigError, NoImplementationError
@@ -132,7 +132,7 @@ def select_implementation(
     forced, why = platform, reason
     if forced is None and _env.forced_platform():
         forced, why = _env.forced_platform(), f"{_env.PLATFORM}={_env.forced_platform()}"
-    memo_key = (spec.name, backend, registry.generation, fast_signature(inv.kwargs))
+    memo_key = (spec.name, backend, registry.generation, inv.fast_signature())
     memo = _dispatch_memo.get(memo_key)
     if memo is None:
         memo = _runnable(registry, spec, inv, backend)
@@ -284,6 +284,7 @@ class Executor:
 
     def __init__(self, selector: ConfigSelectorChain | None = None) -> None:
         self.selector = selector if selector is not None else ConfigSelectorChain()
+        self._tunables: dict[Implementation, Tunable] = {}
 
     def __call__(self, kernel: Any, *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
         if "_cfg" in kwargs:  # the seeds' spelling
@@ -296,16 +297,26 @@ class Executor:
         raise TypeError(f"executor: expected an ejkernel.ops.Kernel; got {type(kernel).__name__}")
 
     # -- ops --------------------------------------------------------------------------------
-    def _prepare(self, spec: OpSpec, bound: dict[str, Any], platform: str | None, cfg: Any) -> tuple[Implementation, str, dict[str, str], dict[str, Any]]:
+    def _prepare(
+        self, spec: OpSpec, bound: dict[str, Any], platform: str | None, cfg: Any
+    ) -> tuple[Implementation, str, dict[str, str], dict[str, Any], tuple[Any, ...]]:
+        """Validate, then select; returns the implementation, why, rejections, arguments and
+        the arguments' fast signature (reused by every invocation of this call)."""
         arguments = spec.validate(dict(bound))
         reason = "platform= argument" if platform is not None else None
         if platform is None and _config_platform(cfg) is not None:
             platform, reason = _config_platform(cfg), "cfg.platform"
         inv = Invocation(kernel=spec.name, kwargs=arguments)
         impl, why, rejected = select_implementation(spec, inv, platform, reason, self.selector)
-        return impl, why, rejected, arguments
+        return impl, why, rejected, arguments, inv.fast_signature()
 
     def _tunable(self, spec: OpSpec, impl: Implementation, arguments: Mapping[str, Any]) -> Tunable:
+        tunable = self._tunables.get(impl)
+        if tunable is None:
+            tunable = self._tunables[impl] = self._new_tunable(spec, impl)
+        return tunable
+
+    def _new_tunable(self, spec: OpSpec, impl: Implementation) -> Tunable:
         return Tunable(
             op=spec.name,
             platform=impl.platform,
@@ -317,13 +328,15 @@ class Executor:
             tune=lambda inv, configs: self._tune_op(spec, impl, inv, configs),
         )
 
-    def _chooser(self, spec: OpSpec, impl: Implementation, arguments: Mapping[str, Any], cfg: Any) -> tuple[Callable[[bool], Any], dict[str, Choice]]:
+    def _chooser(
+        self, spec: OpSpec, impl: Implementation, arguments: Mapping[str, Any], cfg: Any, fast: tuple[Any, ...] | None = None
+    ) -> tuple[Callable[[bool], Any], dict[str, Choice]]:
         tunable = self._tunable(spec, impl, arguments)
         override = coerce_config(spec, impl, cfg)
         seen: dict[str, Choice] = {}
 
         def choose(grad: bool) -> Any:
-            inv = Invocation(kernel=spec.name, kwargs=arguments, metadata={"grad": grad})
+            inv = Invocation(kernel=spec.name, kwargs=arguments, metadata={"grad": grad}, fast=fast)
             choice = self.selector.choose(tunable, inv, override=override)
             if choice.source == "overlay":
                 choice = attrs.evolve(choice, config=coerce_config(spec, impl, choice.config))
@@ -334,8 +347,8 @@ class Executor:
 
     def run_op(self, spec: OpSpec, bound: dict[str, Any], *, platform: str | None = None, cfg: Any = None) -> Any:
         """Run an op on bound (not yet validated) arguments."""
-        impl, _, _, arguments = self._prepare(spec, bound, platform, cfg)
-        choose, _ = self._chooser(spec, impl, arguments, cfg)
+        impl, _, _, arguments, fast = self._prepare(spec, bound, platform, cfg)
+        choose, _ = self._chooser(spec, impl, arguments, cfg, fast)
         arrays = {k: v for k, v in arguments.items() if spec.arg(k).array and v is not None}
         if not _traced(arrays):  # concrete inputs: nothing differentiates this call
             return impl.fn(**arguments, cfg=choose(False))
@@ -343,8 +356,8 @@ class Executor:
 
     def explain_op(self, spec: OpSpec, bound: dict[str, Any], *, platform: str | None = None, cfg: Any = None, grad: bool = False) -> Selection:
         """The selection record of a call, without running it (nothing is tuned or stored)."""
-        impl, why, rejected, arguments = self._prepare(spec, bound, platform, cfg)
-        inv = Invocation(kernel=spec.name, kwargs=arguments, metadata={"grad": grad})
+        impl, why, rejected, arguments, fast = self._prepare(spec, bound, platform, cfg)
+        inv = Invocation(kernel=spec.name, kwargs=arguments, metadata={"grad": grad}, fast=fast)
         choice = self.selector.choose(self._tunable(spec, impl, arguments), inv, override=coerce_config(spec, impl, cfg), peek=True)
         return Selection(
             op=spec.name,

@@ -111,7 +111,7 @@ def fast_signature(values: Mapping[str, Any] | tuple[Any, ...]) -> tuple[Any, ..
     for k, v in items:
         if hasattr(v, "shape") and hasattr(v, "dtype"):
             shard = None if isinstance(v, jax.core.Tracer) else getattr(v, "sharding", None)
-            out.append((k, tuple(v.shape), str(v.dtype), shard))
+            out.append((k, v.shape, v.dtype, shard))
         else:
             out.append((k, type(v).__name__, repr(v)))
     return tuple(out)
@@ -147,6 +147,13 @@ class Invocation:
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = attrs.field(factory=dict)
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    fast: tuple[Any, ...] | None = attrs.field(default=None, repr=False)
+
+    def fast_signature(self) -> tuple[Any, ...]:
+        """:func:`fast_signature` of args and kwargs, computed once per invocation."""
+        if self.fast is None:
+            object.__setattr__(self, "fast", (fast_signature(self.args), fast_signature(self.kwargs)))
+        return self.fast  # type: ignore[return-value]
 
     @property
     def arguments(self) -> Mapping[str, Any]:
@@ -196,10 +203,7 @@ class Invocation:
 
     def cache_key(self, *, platform: str, version: str) -> str:
         """The stable hash of :meth:`key_document` (memoised per process by signature)."""
-        memo = (
-            self.kernel_name(), platform, version, self.grad, device_fingerprint(),
-            fast_signature(self.args), fast_signature(self.kwargs),
-        )
+        memo = (self.kernel_name(), platform, version, self.grad, device_fingerprint(), self.fast_signature())
         key = _key_memo.get(memo)
         if key is None:
             key = stable_hash(self.key_document(platform=platform, version=version))

@@ -43,7 +43,7 @@ def autotune(
     if isinstance(kernel, OpKernel):
         spec = kernel.spec
         platform = kwargs.pop("platform", None)
-        impl, _, _, arguments = ex._prepare(spec, spec.bind(args, kwargs), platform, None)
+        impl, _, _, arguments, _ = ex._prepare(spec, spec.bind(args, kwargs), platform, None)
         inv = Invocation(kernel=spec.name, kwargs=arguments, metadata={"grad": False})
         space = list(configs) if configs is not None else _space(impl.get_config_space(), inv)
         space = [coerce_config(spec, impl, c) for c in space]

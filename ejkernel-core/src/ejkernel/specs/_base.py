@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -130,8 +131,18 @@ def check_array(op: str, name: str, x: Any, *, ndim: int | tuple[int, ...], lett
         raise ValueError(f"{op}: `{name}` must be {letters}; got {name}.shape={tuple(x.shape)}")
 
 
+@functools.cache
+def _dtype_is(dtype: Any, kind: Any) -> bool:
+    return bool(jax.numpy.issubdtype(dtype, kind))
+
+
 def is_floating(x: Any) -> bool:
-    return bool(np.issubdtype(np.dtype(x.dtype), np.floating))
+    """Floating dtype (bfloat16 included); memoised per dtype, as it runs on every call."""
+    return _dtype_is(x.dtype, np.floating)
+
+
+def is_integer(x: Any) -> bool:
+    return _dtype_is(x.dtype, np.integer)
 
 
 def broadcastable(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -25,7 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, broadcastable, call_op, check_array, is_floating
+from ejkernel.specs._base import (
+    Arg,
+    OpSpec,
+    broadcastable,
+    call_op,
+    check_array,
+    is_floating,
+    is_integer,
+)
 
 __all__ = [
     "SPEC",
@@ -233,7 +241,7 @@ def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, An
             check_array(op, name, x, ndim=2, letters=letters)
             if tuple(x.shape) != want:
                 raise ValueError(f"{op}: `{name}` must be {letters}={want}; got {name}.shape={tuple(x.shape)}")
-            if not np.issubdtype(np.dtype(x.dtype), np.integer):
+            if not is_integer(x):
                 raise TypeError(f"{op}: `{name}` must be an integer array; got dtype {x.dtype}")
     if a.get("softmax_aux") is not None:
         aux = a["softmax_aux"]
@@ -265,7 +273,7 @@ def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, An
             if not hasattr(seed, "dtype"):
                 if not isinstance(seed, (int, np.integer)):
                     raise TypeError(f"{op}: `dropout_seed` must be an int or an integer scalar array; got {seed!r}")
-            elif np.shape(seed) != () or not np.issubdtype(np.dtype(seed.dtype), np.integer):
+            elif np.shape(seed) != () or not is_integer(seed):
                 raise TypeError(f"{op}: `dropout_seed` must be an integer scalar; got {np.shape(seed)} {seed.dtype}")
         if prob > 0.0:
             a["dropout_seed"] = jnp.asarray(0 if seed is None else seed).astype(jnp.uint32)
