@@ -20,3 +20,15 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
     plugins.reset()
     _executor._default = None
     errors._reset_warnings_for_tests()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where JAX's default backend is a GPU."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (run on the lent H100)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -40,6 +40,17 @@ def explain(op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def __getattr__(name: str) -> Any:
+    """Submodules and every op of the catalogue (``ejkernel.<op>``), imported on first use."""
     if name in _LAZY_MODULES:
         return importlib.import_module(f"ejkernel.{name}")
+    from ejkernel.specs import builtin_ops
+
+    if name in builtin_ops():
+        return getattr(importlib.import_module(f"ejkernel.specs.{name}"), name)
     raise AttributeError(f"module 'ejkernel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    from ejkernel.specs import builtin_ops
+
+    return sorted({*globals(), *_LAZY_MODULES, *builtin_ops()})

@@ -22,7 +22,7 @@ import pluggy
 from ejkernel import _env, hookspecs
 from ejkernel._registry import Registry
 from ejkernel.errors import PluginWarning, warn_once
-from ejkernel.specs import BUILTIN_OPS, builtin_spec
+from ejkernel.specs import builtin_ops, builtin_spec
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -85,7 +85,7 @@ def get_registry() -> Registry:
     with _state.lock:
         if _state.registry is None:
             _state.pm = _new_manager()
-            registry = Registry(builtin_spec(name) for name in BUILTIN_OPS)
+            registry = Registry(builtin_spec(name) for name in builtin_ops())
             _state.registry = registry
             if _env.plugins_autoload():
                 _load_entry_points(registry)

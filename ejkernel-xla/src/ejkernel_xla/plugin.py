@@ -1,4 +1,8 @@
-"""Entry point of the XLA plugin: registers every op in pure JAX (imports nothing heavy)."""
+"""Entry point of the XLA plugin: registers every op in pure JAX (imports nothing heavy).
+
+Convention: op ``x`` lives in ``ejkernel_xla.ops.x`` as ``x_xla`` with ``supports``; ops with a
+config also define ``heuristic`` and ``config_space`` there, and the table names the config.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,11 @@ from typing import Any
 from ejkernel.hookspecs import API_VERSION
 from ejkernel.plugins import hookimpl
 
-_FLASH = "ejkernel_xla.ops.flash_attention"
+#: op -> name of its config class in its module (None: the implementation takes no config).
+OPS: dict[str, str | None] = {
+    "flash_attention": "FlashAttentionConfig",
+    "scaled_dot_product_attention": "FlashAttentionConfig",
+}
 
 
 @hookimpl
@@ -18,23 +26,15 @@ def ejkernel_api_version() -> int:
 @hookimpl
 def ejkernel_register(registry: Any) -> None:
     registry.add_platform("xla", distribution="ejkernel-xla")
-    registry.register(
-        "flash_attention",
-        platform="xla",
-        backend="any",
-        priority=0,
-        config=f"{_FLASH}:FlashAttentionConfig",
-        heuristic=f"{_FLASH}:heuristic",
-        config_space=f"{_FLASH}:config_space",
-        supports=f"{_FLASH}:supports",
-    )(f"{_FLASH}:flash_attention_xla")
-    registry.register(
-        "scaled_dot_product_attention",
-        platform="xla",
-        backend="any",
-        priority=0,
-        config=f"{_FLASH}:FlashAttentionConfig",
-        heuristic=f"{_FLASH}:heuristic",
-        config_space=f"{_FLASH}:config_space",
-        supports=f"{_FLASH}:supports",
-    )(f"{_FLASH}:scaled_dot_product_attention_xla")
+    for op, config in OPS.items():
+        module = f"ejkernel_xla.ops.{op}"
+        tuning: dict[str, str] = {}
+        if config is not None:
+            tuning = {
+                "config": f"{module}:{config}",
+                "heuristic": f"{module}:heuristic",
+                "config_space": f"{module}:config_space",
+            }
+        registry.register(op, platform="xla", backend="any", priority=0, supports=f"{module}:supports", **tuning)(
+            f"{module}:{op}_xla"
+        )
