@@ -11,8 +11,7 @@ import sys
 import time
 
 IMPORT_PROBE = (
-    "import time, jax; t = time.perf_counter(); import ejkernel; "
-    "print(time.perf_counter() - t)"
+    "import time, jax; t = time.perf_counter(); import ejkernel; print(time.perf_counter() - t)"
 )
 
 
@@ -20,7 +19,9 @@ def import_time(repeats: int = 7) -> float:
     """Median seconds of `import ejkernel` after `import jax`, each in a fresh process."""
     samples = []
     for _ in range(repeats):
-        out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, check=True
+        )
         samples.append(float(out.stdout.strip()))
     return statistics.median(samples)
 
@@ -36,7 +37,9 @@ def call_overhead(iters: int = 2000) -> tuple[float, float]:
     q = jax.random.normal(jax.random.PRNGKey(0), (1, 16, 2, 16))
     ejkernel.flash_attention(q, q, q)  # select, choose and cache the config
     sel = ejkernel.explain("flash_attention", q, q, q)
-    impl = next(i for i in get_registry().implementations("flash_attention") if i.platform == sel.platform)
+    impl = next(
+        i for i in get_registry().implementations("flash_attention") if i.platform == sel.platform
+    )
     spec = get_registry().spec("flash_attention")
     arguments = spec.validate(spec.bind((q, q, q), {}))
     direct = lambda: impl.fn(**arguments, cfg=sel.config)
@@ -65,7 +68,9 @@ def main() -> None:
     through, direct = call_overhead()
     print(f"jax {jax.__version__}, python {sys.version.split()[0]}")
     print(f"import ejkernel after import jax: {t * 1e3:.1f} ms (target < 300 ms)")
-    print(f"eager call, config cached: {through:.1f} us through ejkernel, {direct:.1f} us direct; overhead {through - direct:.1f} us (target < 50 us)")
+    print(
+        f"eager call, config cached: {through:.1f} us through ejkernel, {direct:.1f} us direct; overhead {through - direct:.1f} us (target < 50 us)"
+    )
 
 
 if __name__ == "__main__":

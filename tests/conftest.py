@@ -11,7 +11,12 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
 
     monkeypatch.setenv("EJKERNEL_CACHE_DIR", str(tmp_path / "ejkernel-cache"))
     monkeypatch.setenv("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
-    for name in ("EJKERNEL_PLATFORM", "EJKERNEL_DISABLE_PLUGINS", "EJKERNEL_PLUGINS_AUTOLOAD", "EJKERNEL_LOG_AUTOTUNE"):
+    for name in (
+        "EJKERNEL_PLATFORM",
+        "EJKERNEL_DISABLE_PLUGINS",
+        "EJKERNEL_PLUGINS_AUTOLOAD",
+        "EJKERNEL_LOG_AUTOTUNE",
+    ):
         monkeypatch.delenv(name, raising=False)
     plugins.reset()
     _executor._default = None

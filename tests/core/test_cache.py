@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import attrs
+import cattrs
 import pytest
 
 from ejkernel.errors import CacheWarning
@@ -31,7 +32,9 @@ def test_persistent_cache_round_trips_configs_and_provenance(tmp_path):
     cache = PersistentCache(path=tmp_path / "c")
     cache.put("k1", Cfg(block=32), source="autotune", meta={"timings_ms": {"a": 1.0}})
     again = PersistentCache(path=tmp_path / "c")
-    assert "k1" in again and again.get("k1") == Cfg(block=32) and again.get("k1", Cfg) == Cfg(block=32)
+    assert (
+        "k1" in again and again.get("k1") == Cfg(block=32) and again.get("k1", Cfg) == Cfg(block=32)
+    )
     assert again.entry("k1", Cfg).source == "autotune"
     doc = json.loads((tmp_path / "c" / "configs.json").read_text())
     assert doc["schema"] == 1 and doc["entries"]["k1"]["source"] == "autotune"
@@ -72,7 +75,9 @@ def test_foreign_schema_is_set_aside(tmp_path):
         assert len(PersistentCache(path=tmp_path)) == 0
 
 
-@pytest.mark.skipif(os.geteuid() == 0 if hasattr(os, "geteuid") else True, reason="root ignores permissions")
+@pytest.mark.skipif(
+    os.geteuid() == 0 if hasattr(os, "geteuid") else True, reason="root ignores permissions"
+)
 def test_read_only_folder_warns_and_keeps_working(tmp_path):
     folder = tmp_path / "ro"
     folder.mkdir()
@@ -152,5 +157,5 @@ def test_export_and_import_move_configs_between_machines(tmp_path):
 def test_json_helpers_are_stable_and_strict():
     assert stable_json({"b": 1, "a": (1, 2)}) == '{"a":[1,2],"b":1}'
     assert from_json(to_json(Cfg(block=3)), Cfg) == Cfg(block=3)
-    with pytest.raises(Exception):
+    with pytest.raises(cattrs.errors.BaseValidationError):
         from_json('{"block": 1, "extra": 2}', Cfg)

@@ -37,7 +37,9 @@ def test_info_lists_versions_plugins_and_the_op_platform_matrix(capsys):
 
 def test_cache_commands_path_list_export_import_clear(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("EJKERNEL_CACHE_DIR", str(tmp_path / "c"))
-    PersistentCache().put("k1", C(1), source="autotune", meta={"key": {"op": "flash_attention", "platform": "xla"}})
+    PersistentCache().put(
+        "k1", C(1), source="autotune", meta={"key": {"op": "flash_attention", "platform": "xla"}}
+    )
     assert main(["cache", "path"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "c")
     assert main(["cache", "list"]) == 0

@@ -14,7 +14,7 @@ from ejkernel.errors import ConfigError, NoImplementationError
 from ejkernel.ops import ConfigCache, overlay_cache, policy_override
 from ejkernel.plugins import register_plugin
 from ejkernel.specs.flash_attention import flash_attention_reference
-from ejkernel.testing import assert_close, attention_inputs, AttentionShape
+from ejkernel.testing import AttentionShape, assert_close, attention_inputs
 
 SHAPE = AttentionShape(b=2, sq=37, sk=37, hq=4, hkv=2, d=16)
 
@@ -39,7 +39,7 @@ def test_call_runs_the_highest_priority_implementation_with_its_heuristic(toy):
     q, k, v = attention_inputs(SHAPE)
     out = ejkernel.flash_attention(q, k, v, causal=True)
     assert_close(out, flash_attention_reference(q, k, v, causal=True))
-    assert toy.CALLS == [("run", toy.ToyConfig(block=32))]
+    assert [("run", toy.ToyConfig(block=32))] == toy.CALLS
     sel = ejkernel.explain("flash_attention", q, k, v, causal=True)
     assert (sel.platform, sel.source, sel.origin) == ("toy", "memory", "heuristic")
 
@@ -47,7 +47,11 @@ def test_call_runs_the_highest_priority_implementation_with_its_heuristic(toy):
 def test_explain_runs_nothing_and_reports_the_heuristic(toy):
     q, k, v = attention_inputs(SHAPE)
     sel = ejkernel.explain(ejkernel.flash_attention, q, k, v)
-    assert sel.platform == "toy" and sel.source == "heuristic" and sel.config == toy.ToyConfig(block=32)
+    assert (
+        sel.platform == "toy"
+        and sel.source == "heuristic"
+        and sel.config == toy.ToyConfig(block=32)
+    )
     assert toy.CALLS == []
     assert "toy" in str(sel)
 
@@ -57,7 +61,10 @@ def test_override_applies_to_one_call_and_is_never_cached(toy):
     ejkernel.flash_attention(q, k, v, cfg=toy.ToyConfig(block=16))
     assert toy.CALLS[-1] == ("run", toy.ToyConfig(block=16))
     assert ejkernel.explain("flash_attention", q, k, v).source == "heuristic"
-    assert ejkernel.explain("flash_attention", q, k, v, cfg=toy.ToyConfig(block=16)).source == "override"
+    assert (
+        ejkernel.explain("flash_attention", q, k, v, cfg=toy.ToyConfig(block=16)).source
+        == "override"
+    )
 
 
 def test_overlay_beats_the_memory_cache_and_is_scoped(toy):
@@ -115,16 +122,26 @@ def test_gradients_flow_through_the_implementations_fwd_and_bwd(toy):
     def loss(fn, q, k, v, bias):
         return jnp.sum(fn(q, k, v, bias=bias, causal=True) ** 2)
 
-    got = jax.grad(lambda *a: loss(ejkernel.flash_attention, *a), argnums=(0, 1, 2, 3))(q, k, v, bias)
-    want = jax.grad(lambda *a: loss(flash_attention_reference, *a), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    got = jax.grad(lambda *a: loss(ejkernel.flash_attention, *a), argnums=(0, 1, 2, 3))(
+        q, k, v, bias
+    )
+    want = jax.grad(lambda *a: loss(flash_attention_reference, *a), argnums=(0, 1, 2, 3))(
+        q, k, v, bias
+    )
     assert_close(got, want)
     assert [c[0] for c in toy.CALLS] == ["fwd", "bwd"]
 
 
 def test_jit_vmap_and_grad_compose(toy):
     q, k, v = attention_inputs(SHAPE)
-    f = jax.jit(jax.vmap(jax.grad(lambda q, k, v: ejkernel.flash_attention(q[None], k[None], v[None]).sum())))
-    g = jax.vmap(jax.grad(lambda q, k, v: flash_attention_reference(q[None], k[None], v[None]).sum()))
+    f = jax.jit(
+        jax.vmap(
+            jax.grad(lambda q, k, v: ejkernel.flash_attention(q[None], k[None], v[None]).sum())
+        )
+    )
+    g = jax.vmap(
+        jax.grad(lambda q, k, v: flash_attention_reference(q[None], k[None], v[None]).sum())
+    )
     assert_close(f(q, k, v), g(q, k, v))
 
 
@@ -163,7 +180,10 @@ def test_a_config_that_does_not_fit_is_a_clear_error(toy):
 def test_bad_input_is_rejected_before_any_kernel_runs(toy):
     q, k, v = attention_inputs(SHAPE)
     bad_k = jnp.ones((2, 37, 3, 16))
-    with pytest.raises(ValueError, match=r"`key` must be \[B, Sk, Hkv, D\] with Hq % Hkv == 0; got key.shape=\(2, 37, 3, 16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`key` must be \[B, Sk, Hkv, D\] with Hq % Hkv == 0; got key.shape=\(2, 37, 3, 16\)",
+    ):
         ejkernel.flash_attention(q, bad_k, v)
     with pytest.raises(TypeError, match="`attention_mask` must be bool"):
         ejkernel.flash_attention(q, k, v, attention_mask=jnp.ones((37, 37)))

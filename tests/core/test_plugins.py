@@ -72,9 +72,15 @@ def test_a_plugin_installed_through_entry_points_is_discovered_and_selected(site
 
 def test_broken_plugin_warns_and_others_still_load(site):
     site("aaa-broken", "broken_plugin", "raise ImportError('no such thing')\n", entry_name="broken")
-    site("bbb-raises", "raises_plugin", GOOD.format(name="raises", priority=9).replace(
-        'registry.register("flash_attention"', 'registry.register("flash_attention", platform="x", backend="any")(len)\n    raise RuntimeError("boom")\n    registry.register("flash_attention"'
-    ), entry_name="raises")
+    site(
+        "bbb-raises",
+        "raises_plugin",
+        GOOD.format(name="raises", priority=9).replace(
+            'registry.register("flash_attention"',
+            'registry.register("flash_attention", platform="x", backend="any")(len)\n    raise RuntimeError("boom")\n    registry.register("flash_attention"',
+        ),
+        entry_name="raises",
+    )
     site("ccc-good", "good_plugin", GOOD.format(name="good", priority=5), entry_name="good")
     with pytest.warns(PluginWarning) as record:
         registry = get_registry()
@@ -84,18 +90,28 @@ def test_broken_plugin_warns_and_others_still_load(site):
     platforms = {i.platform for i in registry.implementations("flash_attention")}
     assert "good" in platforms and "x" not in platforms  # the failed plugin was rolled back
     status = {i.name: i.status for i in plugin_infos()}
-    assert status["broken"] == "failed" and status["raises"] == "failed" and status["good"] == "loaded"
+    assert (
+        status["broken"] == "failed" and status["raises"] == "failed" and status["good"] == "loaded"
+    )
 
 
 def test_plugin_for_another_api_version_is_refused(site):
-    site("future", "future_plugin", GOOD.format(name="future", priority=3).replace("return 1", "return 2"))
+    site(
+        "future",
+        "future_plugin",
+        GOOD.format(name="future", priority=3).replace("return 1", "return 2"),
+    )
     with pytest.warns(PluginWarning, match="built for core plugin API 2"):
         registry = get_registry()
     assert "future" not in {i.platform for i in registry.implementations("flash_attention")}
 
 
 def test_plugin_without_api_version_is_refused(site):
-    site("old", "old_plugin", GOOD.format(name="old", priority=3).replace("def ejkernel_api_version", "def _nothing"))
+    site(
+        "old",
+        "old_plugin",
+        GOOD.format(name="old", priority=3).replace("def ejkernel_api_version", "def _nothing"),
+    )
     with pytest.warns(PluginWarning, match="no `ejkernel_api_version` hook"):
         get_registry()
 
@@ -118,13 +134,20 @@ def test_autoload_off_skips_discovery_and_register_plugin_adds_by_hand(site, mon
 
 
 def test_unavailable_platform_is_rejected_with_the_probes_reason(site):
-    site("slow", "slow_plugin", GOOD.format(name="slow", priority=99).replace("return True", "return 'needs a GPU'"))
+    site(
+        "slow",
+        "slow_plugin",
+        GOOD.format(name="slow", priority=99).replace("return True", "return 'needs a GPU'"),
+    )
     sel = ejkernel.explain("flash_attention", *_q())
     assert sel.platform != "slow" and sel.rejected["slow"] == "needs a GPU"
 
 
 def test_a_plugin_may_add_a_new_op(site):
-    site("newop", "newop_plugin", '''
+    site(
+        "newop",
+        "newop_plugin",
+        """
         import jax.numpy as jnp
         from ejkernel.plugins import hookimpl
         from ejkernel.specs import Arg, OpSpec
@@ -145,9 +168,10 @@ def test_a_plugin_may_add_a_new_op(site):
         def ejkernel_register(registry):
             registry.add_op(SPEC)
             registry.register("double", platform="xla", backend="any")(lambda *, x, cfg: x + x)
-    ''')
-    from ejkernel.modules import create_default_executor  # noqa: F401  (ops framework loads)
+    """,
+    )
     from ejkernel._executor import call_op
+    from ejkernel.modules import create_default_executor  # noqa: F401  (ops framework loads)
 
     spec = get_registry().spec("double")
     assert call_op(spec, {"x": jnp.arange(3.0)}).tolist() == [0.0, 2.0, 4.0]

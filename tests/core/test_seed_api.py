@@ -86,7 +86,9 @@ def test_seed_executor_stack_runs_a_user_kernel():
 
 def test_seed_selector_chain_with_persistent_cache_and_autotune(tmp_path):
     a, b = _ab()
-    selector = ConfigSelectorChain(cache=ConfigCache(), persistent=PersistentCache(path=tmp_path), autotune=True)
+    selector = ConfigSelectorChain(
+        cache=ConfigCache(), persistent=PersistentCache(path=tmp_path), autotune=True
+    )
     executor = Executor(selector)
     with policy_override(autotune=True):
         executor(MyKernel(), a, b)
@@ -116,7 +118,9 @@ def test_seed_manual_autotune_and_benchmark():
     a, b = _ab()
     kernel = MyKernel()
     inv = Invocation(kernel=kernel, args=(a, b))
-    best_config = autotune(kernel, a, b, configs=kernel.config_space(inv), num_warmup=3, num_iters=10)
+    best_config = autotune(
+        kernel, a, b, configs=kernel.config_space(inv), num_warmup=3, num_iters=10
+    )
     assert best_config in kernel.config_space(inv)
     time_ms = benchmark(lambda: kernel(a, b), num_iters=100)
     assert time_ms > 0
@@ -176,6 +180,10 @@ def test_seed_module_config_and_function():
 
     q = k = v = jax.random.normal(jax.random.PRNGKey(1), (1, 48, 2, 16))
     output = flash_attention(q, k, v, causal=True, sliding_window=16, logits_soft_cap=30.0)
-    config = FlashAttentionConfig(fwd_params=FwdParams(q_blocksize=16, kv_blocksize=16), platform="xla")
-    same = flash_attention(q, k, v, causal=True, sliding_window=16, logits_soft_cap=30.0, cfg=config)
+    config = FlashAttentionConfig(
+        fwd_params=FwdParams(q_blocksize=16, kv_blocksize=16), platform="xla"
+    )
+    same = flash_attention(
+        q, k, v, causal=True, sliding_window=16, logits_soft_cap=30.0, cfg=config
+    )
     assert jnp.allclose(output, same, atol=1e-5)

@@ -43,9 +43,13 @@ def _fwd(*, cfg: ToyConfig, **kw: Any) -> tuple[jax.Array, Any]:
     return flash_attention_reference(**kw), arrays
 
 
-def _bwd(arrays: dict[str, Any], d_out: jax.Array, *, cfg: ToyConfig, **statics: Any) -> dict[str, Any]:
+def _bwd(
+    arrays: dict[str, Any], d_out: jax.Array, *, cfg: ToyConfig, **statics: Any
+) -> dict[str, Any]:
     CALLS.append(("bwd", cfg))
-    diff = {k: v for k, v in arrays.items() if k in ("query", "key", "value", "bias", "softmax_aux")}
+    diff = {
+        k: v for k, v in arrays.items() if k in ("query", "key", "value", "bias", "softmax_aux")
+    }
     rest = {k: v for k, v in arrays.items() if k not in diff}
     _, vjp = jax.vjp(lambda d: flash_attention_reference(**d, **rest, **statics), diff)
     return vjp(d_out)[0]

@@ -28,13 +28,21 @@ def _fwd_bwd(attn):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_xla_flash_attention_runs_at_16k_where_dense_xla_attention_does_not_fit(causal):
     q, k, v, do = _inputs(1, 16384, 16, 128)
-    ours = _fwd_bwd(lambda q, k, v: ejkernel.flash_attention(q, k, v, causal=causal, platform="xla"))
-    dense = _fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"))
+    ours = _fwd_bwd(
+        lambda q, k, v: ejkernel.flash_attention(q, k, v, causal=causal, platform="xla")
+    )
+    dense = _fwd_bwd(
+        lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla"
+        )
+    )
     ours_bytes = ours.lower(q, k, v, do).compile().memory_analysis().temp_size_in_bytes
     dense_bytes = dense.lower(q, k, v, do).compile().memory_analysis().temp_size_in_bytes
     assert ours_bytes * 10 < dense_bytes, (ours_bytes, dense_bytes)
     out, (dq, dk, dv) = jax.block_until_ready(ours(q, k, v, do))
-    ref = flash_attention_reference(*(x[:, :, :1].astype(jnp.float32) for x in (q, k, v)), causal=causal)
+    ref = flash_attention_reference(
+        *(x[:, :, :1].astype(jnp.float32) for x in (q, k, v)), causal=causal
+    )
     err = jnp.linalg.norm(out[:, :, :1].astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
     assert float(err) < 1e-2
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in (dq, dk, dv))
@@ -44,7 +52,13 @@ def test_xla_flash_attention_gradients_match_the_reference_on_gpu_in_float32():
     q, k, v, do = _inputs(2, 257, 8, 80, jnp.float32)
     k, v = k[:, :, :2], v[:, :, :2]
     with jax.default_matmul_precision("highest"):
-        ours = _fwd_bwd(lambda q, k, v: ejkernel.flash_attention(q, k, v, causal=True, sliding_window=64, platform="xla"))(q, k, v, do)
-        ref = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, causal=True, sliding_window=64))(q, k, v, do)
+        ours = _fwd_bwd(
+            lambda q, k, v: ejkernel.flash_attention(
+                q, k, v, causal=True, sliding_window=64, platform="xla"
+            )
+        )(q, k, v, do)
+        ref = _fwd_bwd(
+            lambda q, k, v: flash_attention_reference(q, k, v, causal=True, sliding_window=64)
+        )(q, k, v, do)
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(ref)):
         assert float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) < 1e-4

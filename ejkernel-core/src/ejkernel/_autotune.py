@@ -58,7 +58,9 @@ def _block(x: Any) -> Any:
     return jax.block_until_ready(x)
 
 
-def benchmark(fn: Callable[..., Any], *args: Any, num_iters: int = 10, num_warmup: int = 1, repeats: int = 1) -> float:
+def benchmark(
+    fn: Callable[..., Any], *args: Any, num_iters: int = 10, num_warmup: int = 1, repeats: int = 1
+) -> float:
     """Median milliseconds of ``fn(*args)`` over ``num_iters`` calls after ``num_warmup``.
 
     Waits for results with ``block_until_ready``. ``repeats`` > 1 takes the median of several
@@ -134,7 +136,11 @@ def tune_candidates(
                 ms = benchmark(runner, num_iters=num_iters, num_warmup=max(num_warmup - 1, 0))
             except Exception as err:
                 errors.append((cfg, err))
-                warn_once(AutotuneWarning, f"{name}:{label}", f"autotune {name}: candidate {label} dropped: {type(err).__name__}: {err}")
+                warn_once(
+                    AutotuneWarning,
+                    f"{name}:{label}",
+                    f"autotune {name}: candidate {label} dropped: {type(err).__name__}: {err}",
+                )
                 continue
             timings[label] = ms
             if best is None or ms < best[0]:
@@ -144,14 +150,20 @@ def tune_candidates(
             elapsed = time.perf_counter() - start
             if elapsed > PROGRESS_AFTER_S and (not reported or verbose):
                 reported = True
-                progress_logger.info("autotuning %s: %d/%d candidates (%.1f s)", name, i + 1, len(configs), elapsed)
+                progress_logger.info(
+                    "autotuning %s: %d/%d candidates (%.1f s)", name, i + 1, len(configs), elapsed
+                )
         if best is None:
-            group = ExceptionGroup(f"autotune {name}: every candidate failed", [e for _, e in errors])
-            for cfg, err in errors:
-                group.add_note(f"{stable_json(cfg)}: {type(err).__name__}: {err}")
+            group = ExceptionGroup(
+                f"autotune {name}: every candidate failed", [e for _, e in errors]
+            )
+            for cfg, failure in errors:
+                group.add_note(f"{stable_json(cfg)}: {type(failure).__name__}: {failure}")
             raise group
         if verbose or reported:
-            progress_logger.info("autotune %s: best %s (%.3f ms)", name, stable_json(best[1]), best[0])
+            progress_logger.info(
+                "autotune %s: best %s (%.3f ms)", name, stable_json(best[1]), best[0]
+            )
         return best[1], timings
 
     return run_outside_trace(work)  # type: ignore[no-any-return]

@@ -57,7 +57,9 @@ class ConfigCache:
         self._lock = threading.Lock()
         self._entries: dict[str, CacheEntry] = {}
 
-    def put(self, key: str, cfg: Any, *, source: str = "manual", meta: Mapping[str, Any] | None = None) -> None:
+    def put(
+        self, key: str, cfg: Any, *, source: str = "manual", meta: Mapping[str, Any] | None = None
+    ) -> None:
         with self._lock:
             self._entries[key] = CacheEntry(config=cfg, source=source, meta=dict(meta or {}))
 
@@ -136,11 +138,19 @@ class PersistentCache:
         except (FileNotFoundError, NotADirectoryError):
             return {}
         except OSError as err:
-            warn_once(CacheWarning, str(f), f"ejkernel cache {f} cannot be read ({err}); continuing without it")
+            warn_once(
+                CacheWarning,
+                str(f),
+                f"ejkernel cache {f} cannot be read ({err}); continuing without it",
+            )
             return {}
         try:
             doc = json.loads(text)
-            if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_VERSION or not isinstance(doc.get("entries"), dict):
+            if (
+                not isinstance(doc, dict)
+                or doc.get("schema") != SCHEMA_VERSION
+                or not isinstance(doc.get("entries"), dict)
+            ):
                 raise ValueError(f"not an ejkernel cache of schema {SCHEMA_VERSION}")
             return {k: v for k, v in doc["entries"].items() if isinstance(v, dict)}
         except ValueError as err:
@@ -150,7 +160,11 @@ class PersistentCache:
                 where = f"moved to {aside.name}"
             except OSError:
                 where = "left in place"
-            warn_once(CacheWarning, str(f), f"ejkernel cache {f} is corrupt ({err}); {where}, starting afresh")
+            warn_once(
+                CacheWarning,
+                str(f),
+                f"ejkernel cache {f} is corrupt ({err}); {where}, starting afresh",
+            )
             return {}
 
     def _refresh(self) -> dict[str, dict[str, Any]]:
@@ -201,7 +215,9 @@ class PersistentCache:
         return dict(self._refresh())
 
     # -- writing ------------------------------------------------------------------------------
-    def put(self, key: str, cfg: Any, *, source: str = "manual", meta: Mapping[str, Any] | None = None) -> bool:
+    def put(
+        self, key: str, cfg: Any, *, source: str = "manual", meta: Mapping[str, Any] | None = None
+    ) -> bool:
         """Store ``cfg``; returns False (with one warning) when the folder is not writable."""
         entry = {
             "config": converter.unstructure(cfg),
@@ -252,13 +268,19 @@ class PersistentCache:
                 self._data, self._stamp = data, None
             return True
         except OSError as err:
-            warn_once(CacheWarning, str(d), f"ejkernel cache folder {d} is not writable ({err}); configs stay in memory")
+            warn_once(
+                CacheWarning,
+                str(d),
+                f"ejkernel cache folder {d} is not writable ({err}); configs stay in memory",
+            )
             return False
 
     def export(self, path: str | os.PathLike[str]) -> int:
         """Write every entry to ``path`` (a cache file of the same schema); returns the count."""
         data = self.entries()
-        Path(path).write_text(json.dumps({"schema": SCHEMA_VERSION, "entries": data}, sort_keys=True, indent=1))
+        Path(path).write_text(
+            json.dumps({"schema": SCHEMA_VERSION, "entries": data}, sort_keys=True, indent=1)
+        )
         return len(data)
 
     def import_(self, path: str | os.PathLike[str]) -> int:
@@ -267,6 +289,12 @@ class PersistentCache:
             doc = json.loads(Path(path).read_text())
         except (OSError, ValueError) as err:
             raise ValueError(f"cannot import {path}: {err}") from err
-        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_VERSION or not isinstance(doc.get("entries"), dict):
-            raise ValueError(f"cannot import {path}: not an ejkernel cache export of schema {SCHEMA_VERSION}")
+        if (
+            not isinstance(doc, dict)
+            or doc.get("schema") != SCHEMA_VERSION
+            or not isinstance(doc.get("entries"), dict)
+        ):
+            raise ValueError(
+                f"cannot import {path}: not an ejkernel cache export of schema {SCHEMA_VERSION}"
+            )
         return self.merge(doc["entries"])

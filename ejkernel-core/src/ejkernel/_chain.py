@@ -24,8 +24,12 @@ __all__ = ["Choice", "ConfigSelectorChain", "Tunable", "overlay_cache", "policy_
 
 SOURCES = ("override", "overlay", "memory", "persistent", "autotune", "heuristic")
 
-_overlays: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("ejkernel_overlays", default=())
-_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar("ejkernel_policy", default=None)
+_overlays: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "ejkernel_overlays", default=()
+)
+_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "ejkernel_policy", default=None
+)
 
 
 @contextlib.contextmanager
@@ -149,7 +153,9 @@ class ConfigSelectorChain:
             self._platform_choices = {}
             if self.persistent is not None:
                 for key, raw in self.persistent.entries().items():
-                    if raw.get("source") == "platform-choice" and isinstance(raw.get("config"), str):
+                    if raw.get("source") == "platform-choice" and isinstance(
+                        raw.get("config"), str
+                    ):
                         self._platform_choices[key] = raw["config"]
         return self._platform_choices
 
@@ -158,15 +164,22 @@ class ConfigSelectorChain:
         choices = self._choices()
         return choices.get(self._choice_key(inv)) if choices else None
 
-    def remember_platform(self, inv: Invocation, platform: str, timings: Mapping[str, float]) -> None:
+    def remember_platform(
+        self, inv: Invocation, platform: str, timings: Mapping[str, float]
+    ) -> None:
         """Record a cross-platform choice in memory and on disk."""
         key = self._choice_key(inv)
         self._choices()[key] = platform
         if self.persistent is not None:
-            meta = {"key": inv.key_document(platform="<choice>", version="0"), "timings_ms": dict(timings)}
+            meta = {
+                "key": inv.key_document(platform="<choice>", version="0"),
+                "timings_ms": dict(timings),
+            }
             self.persistent.put(key, platform, source="platform-choice", meta=meta)
 
-    def choose(self, tunable: Tunable, inv: Invocation, *, override: Any = None, peek: bool = False) -> Choice:
+    def choose(
+        self, tunable: Tunable, inv: Invocation, *, override: Any = None, peek: bool = False
+    ) -> Choice:
         """Run the chain. With ``peek`` (``explain``), nothing is tuned or stored."""
         key = inv.cache_key(platform=tunable.platform, version=tunable.version)
         if override is not None:
@@ -179,20 +192,31 @@ class ConfigSelectorChain:
                 return Choice(config=cfg, source="overlay", key=key)
         policy = self.policy()
         entry = self.cache.entry(key)
-        if entry is not None and not (entry.source == "heuristic" and policy == "autotune" and _can_tune(tunable, inv)):
+        if entry is not None and not (
+            entry.source == "heuristic" and policy == "autotune" and _can_tune(tunable, inv)
+        ):
             return Choice(config=entry.config, source="memory", key=key, origin=entry.source)
         if self.persistent is not None:
             pentry = self.persistent.entry(key, tunable.config_type)
             if pentry is not None:
                 if not peek:
-                    self.cache.put(key, pentry.config, source=pentry.source, meta={"from": "persistent"})
-                return Choice(config=pentry.config, source="persistent", key=key, origin=pentry.source)
+                    self.cache.put(
+                        key, pentry.config, source=pentry.source, meta={"from": "persistent"}
+                    )
+                return Choice(
+                    config=pentry.config, source="persistent", key=key, origin=pentry.source
+                )
         heuristic = tunable.heuristic(inv) if tunable.heuristic is not None else None
-        if policy == "autotune" and not peek and _can_tune(tunable, inv):
-            configs = _dedupe(([heuristic] if heuristic is not None else []) + list(tunable.config_space(inv)))  # type: ignore[misc]
+        if policy == "autotune" and not peek and tunable.config_space is not None:
+            configs = _dedupe(
+                ([heuristic] if heuristic is not None else []) + list(tunable.config_space(inv))
+            )
             if len(configs) > 1:
                 best, timings = tunable.tune(inv, configs)
-                meta = {"key": inv.key_document(platform=tunable.platform, version=tunable.version), "timings_ms": timings}
+                meta = {
+                    "key": inv.key_document(platform=tunable.platform, version=tunable.version),
+                    "timings_ms": timings,
+                }
                 self.cache.put(key, best, source="autotune", meta=meta)
                 if self.persistent is not None:
                     self.persistent.put(key, best, source="autotune", meta=meta)

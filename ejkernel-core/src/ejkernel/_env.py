@@ -30,10 +30,16 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "`$XDG_CACHE_HOME/ejkernel` or `~/.cache/ejkernel`",
         "folder of the persistent config cache",
     ),
-    PLATFORM: ("", "force a platform (`xla`, `triton`, ...) for every op; an error if it cannot run"),
+    PLATFORM: (
+        "",
+        "force a platform (`xla`, `triton`, ...) for every op; an error if it cannot run",
+    ),
     DISABLE_PLUGINS: ("", "comma-separated entry-point names of plugins to skip"),
     PLUGINS_AUTOLOAD: ("1", "`0` skips entry-point discovery (add plugins with `register_plugin`)"),
-    OPS_STAMP: ("none", "reserved for invocation stamping (`hash|json|none`); read by the tuning work"),
+    OPS_STAMP: (
+        "none",
+        "reserved for invocation stamping (`hash|json|none`); read by the tuning work",
+    ),
     OPS_RECORD: ("0", "reserved for invocation recording (`1` records); read by the tuning work"),
 }
 

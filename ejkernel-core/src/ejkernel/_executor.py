@@ -62,7 +62,9 @@ class Selection:
     rejected: Mapping[str, str]
 
     def __str__(self) -> str:
-        origin = f" (first made by {self.origin})" if self.origin and self.origin != self.source else ""
+        origin = (
+            f" (first made by {self.origin})" if self.origin and self.origin != self.source else ""
+        )
         lines = [
             f"{self.op}: platform {self.platform!r} ({self.reason}) -> {self.implementation}",
             f"  config {self.config!r}",
@@ -89,7 +91,9 @@ def _label(impl: Implementation, impls: list[Implementation]) -> str:
     return impl.platform if len(same) == 1 else f"{impl.platform}[{'|'.join(impl.backends)}]"
 
 
-def _runnable(registry: Registry, spec: OpSpec, inv: Invocation, backend: str) -> tuple[list[Implementation], dict[str, str]]:
+def _runnable(
+    registry: Registry, spec: OpSpec, inv: Invocation, backend: str
+) -> tuple[list[Implementation], dict[str, str]]:
     impls = registry.implementations(spec.name)
     candidates: list[Implementation] = []
     rejected: dict[str, str] = {}
@@ -120,11 +124,17 @@ def _install_hint(spec: OpSpec, registry: Registry, platform: str | None = None)
         return f"install {dist}" if dist else "install the plugin that provides it"
     installed = {i.platform for i in registry.implementations(spec.name)}
     missing = [d for p, d in KNOWN_DISTRIBUTIONS.items() if p not in installed]
-    return "install one of: " + ", ".join(missing) if missing else "no other distribution provides it"
+    return (
+        "install one of: " + ", ".join(missing) if missing else "no other distribution provides it"
+    )
 
 
 def select_implementation(
-    spec: OpSpec, inv: Invocation, platform: str | None, reason: str | None, selector: ConfigSelectorChain
+    spec: OpSpec,
+    inv: Invocation,
+    platform: str | None,
+    reason: str | None,
+    selector: ConfigSelectorChain,
 ) -> tuple[Implementation, str, dict[str, str]]:
     """Pick the implementation for ``inv``; raise NoImplementationError listing every reason."""
     registry = get_registry()
@@ -154,7 +164,10 @@ def select_implementation(
             rejected=rejected,
         )
     if not candidates:
-        listing = "".join(f"\n  {name}: {r}" for name, r in rejected.items()) or "\n  (no implementation installed)"
+        listing = (
+            "".join(f"\n  {name}: {r}" for name, r in rejected.items())
+            or "\n  (no implementation installed)"
+        )
         raise NoImplementationError(
             f"{spec.name}: no installed implementation can run this call on {backend}:{listing}\n"
             f"{_install_hint(spec, registry)}",
@@ -205,7 +218,11 @@ def coerce_config(spec: OpSpec, impl: Implementation, cfg: Any) -> Any:
     fields = _fields(cfg)
     if fields is None:
         raise ConfigError(f"{spec.name}: cfg must be a {target.__name__}; got {type(cfg).__name__}")
-    names = {f.name for f in attrs.fields(target)} if attrs.has(target) else {f.name for f in dataclasses.fields(target)}
+    names = (
+        {f.name for f in attrs.fields(target)}
+        if attrs.has(target)
+        else {f.name for f in dataclasses.fields(target)}
+    )
     common = {k: v for k, v in fields.items() if k in names and v is not None}
     try:
         return target(**common)
@@ -240,7 +257,9 @@ def build_op_function(
     fn = impl.fn
     statics = {k: v for k, v in arguments.items() if not spec.arg(k).array}
     nones = {k: None for k, v in arguments.items() if spec.arg(k).array and v is None}
-    diff = {a.name for a in spec.args if a.differentiable and _is_float_array(arguments.get(a.name))}
+    diff = {
+        a.name for a in spec.args if a.differentiable and _is_float_array(arguments.get(a.name))
+    }
 
     def primal(arrays: dict[str, Any]) -> Any:
         return fn(**statics, **nones, **arrays, cfg=choose(False))
@@ -291,7 +310,9 @@ class Executor:
             cfg = kwargs.pop("_cfg") if cfg is None else cfg
         if isinstance(kernel, OpKernel):
             platform = kwargs.pop("platform", None)
-            return self.run_op(kernel.spec, kernel.spec.bind(args, kwargs), platform=platform, cfg=cfg)
+            return self.run_op(
+                kernel.spec, kernel.spec.bind(args, kwargs), platform=platform, cfg=cfg
+            )
         if isinstance(kernel, Kernel):
             return self._run_kernel(kernel, args, kwargs, cfg)
         raise TypeError(f"executor: expected an ejkernel.ops.Kernel; got {type(kernel).__name__}")
@@ -329,7 +350,12 @@ class Executor:
         )
 
     def _chooser(
-        self, spec: OpSpec, impl: Implementation, arguments: Mapping[str, Any], cfg: Any, fast: tuple[Any, ...] | None = None
+        self,
+        spec: OpSpec,
+        impl: Implementation,
+        arguments: Mapping[str, Any],
+        cfg: Any,
+        fast: tuple[Any, ...] | None = None,
     ) -> tuple[Callable[[bool], Any], dict[str, Choice]]:
         tunable = self._tunable(spec, impl, arguments)
         override = coerce_config(spec, impl, cfg)
@@ -345,7 +371,9 @@ class Executor:
 
         return choose, seen
 
-    def run_op(self, spec: OpSpec, bound: dict[str, Any], *, platform: str | None = None, cfg: Any = None) -> Any:
+    def run_op(
+        self, spec: OpSpec, bound: dict[str, Any], *, platform: str | None = None, cfg: Any = None
+    ) -> Any:
         """Run an op on bound (not yet validated) arguments."""
         impl, _, _, arguments, fast = self._prepare(spec, bound, platform, cfg)
         choose, _ = self._chooser(spec, impl, arguments, cfg, fast)
@@ -354,11 +382,24 @@ class Executor:
             return impl.fn(**arguments, cfg=choose(False))
         return build_op_function(spec, impl, arguments, choose)(arrays)
 
-    def explain_op(self, spec: OpSpec, bound: dict[str, Any], *, platform: str | None = None, cfg: Any = None, grad: bool = False) -> Selection:
+    def explain_op(
+        self,
+        spec: OpSpec,
+        bound: dict[str, Any],
+        *,
+        platform: str | None = None,
+        cfg: Any = None,
+        grad: bool = False,
+    ) -> Selection:
         """The selection record of a call, without running it (nothing is tuned or stored)."""
         impl, why, rejected, arguments, fast = self._prepare(spec, bound, platform, cfg)
         inv = Invocation(kernel=spec.name, kwargs=arguments, metadata={"grad": grad}, fast=fast)
-        choice = self.selector.choose(self._tunable(spec, impl, arguments), inv, override=coerce_config(spec, impl, cfg), peek=True)
+        choice = self.selector.choose(
+            self._tunable(spec, impl, arguments),
+            inv,
+            override=coerce_config(spec, impl, cfg),
+            peek=True,
+        )
         return Selection(
             op=spec.name,
             platform=impl.platform,
@@ -371,7 +412,9 @@ class Executor:
             rejected=rejected,
         )
 
-    def _tune_op(self, spec: OpSpec, impl: Implementation, inv: Invocation, configs: list[Any]) -> tuple[Any, dict[str, Any]]:
+    def _tune_op(
+        self, spec: OpSpec, impl: Implementation, inv: Invocation, configs: list[Any]
+    ) -> tuple[Any, dict[str, Any]]:
         abstract = inv.abstract_kwargs
         concrete = spec.make_synthetic(abstract)
         arrays = {k: v for k, v in concrete.items() if spec.arg(k).array and v is not None}
@@ -383,7 +426,8 @@ class Executor:
                 return lambda: jitted(arrays)
             out_shape = jax.eval_shape(f, arrays)
             d_out = jax.tree_util.tree_map(
-                lambda s: jnp.asarray(np.random.default_rng(1).standard_normal(s.shape), s.dtype), out_shape
+                lambda s: jnp.asarray(np.random.default_rng(1).standard_normal(s.shape), s.dtype),
+                out_shape,
             )
 
             def fwd_bwd(arrs: dict[str, Any], ct: Any) -> Any:
@@ -396,7 +440,9 @@ class Executor:
         return tune_candidates(f"{spec.name}/{impl.platform}", configs, make_runner)
 
     # -- user kernels -----------------------------------------------------------------------
-    def _run_kernel(self, kernel: Kernel[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: Any) -> Any:
+    def _run_kernel(
+        self, kernel: Kernel[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: Any
+    ) -> Any:
         platform = kernel.select_platform()
         method = kernel.method(platform)
         heuristic = kernel.heuristic_cfg if _overrides(kernel, "heuristic_cfg") else None
@@ -414,12 +460,21 @@ class Executor:
         cell: dict[str, Any] = {}
 
         def choose(grad: bool) -> Any:
-            inv = Invocation(kernel=kernel, args=args, kwargs=kwargs, metadata={"grad": grad, "platform": platform})
+            inv = Invocation(
+                kernel=kernel,
+                args=args,
+                kwargs=kwargs,
+                metadata={"grad": grad, "platform": platform},
+            )
             cell["cfg"] = self.selector.choose(tunable, inv, override=cfg).config
             return cell["cfg"]
 
         positions = [i for i, a in enumerate(args) if _is_float_array(a)]
-        if not _overrides(kernel, "custom_vjp") or not positions or not _traced({str(i): args[i] for i in positions}):
+        if (
+            not _overrides(kernel, "custom_vjp")
+            or not positions
+            or not _traced({str(i): args[i] for i in positions})
+        ):
             return method(*args, cfg=choose(False), **kwargs)
 
         def primal(diff: tuple[Any, ...]) -> Any:
@@ -443,7 +498,9 @@ class Executor:
         wrapped.defvjp(fwd, bwd)
         return wrapped(tuple(args[i] for i in positions))
 
-    def _tune_kernel(self, kernel: Kernel[Any, Any], method: Any, inv: Invocation, configs: list[Any]) -> tuple[Any, dict[str, Any]]:
+    def _tune_kernel(
+        self, kernel: Kernel[Any, Any], method: Any, inv: Invocation, configs: list[Any]
+    ) -> tuple[Any, dict[str, Any]]:
         from ejkernel.specs._base import default_synthetic
 
         pos = default_synthetic({str(i): a for i, a in enumerate(inv.abstract_args)})
@@ -485,7 +542,9 @@ def call_op(spec: OpSpec, arguments: dict[str, Any]) -> Any:
     return default_executor().run_op(spec, arguments, platform=platform, cfg=cfg)
 
 
-def explain(op: str | Callable[..., Any] | OpKernel[Any, Any], *args: Any, grad: bool = False, **kwargs: Any) -> Selection:
+def explain(
+    op: str | Callable[..., Any] | OpKernel[Any, Any], *args: Any, grad: bool = False, **kwargs: Any
+) -> Selection:
     """What ``ejkernel.<op>(*args, **kwargs)`` would run, without running it.
 
     Args:
@@ -497,8 +556,14 @@ def explain(op: str | Callable[..., Any] | OpKernel[Any, Any], *args: Any, grad:
     Returns:
         A :class:`Selection`: ``.platform``, ``.config``, ``.source``, ``.rejected``...
     """
-    name = op if isinstance(op, str) else getattr(getattr(op, "spec", None), "name", None) or getattr(op, "__name__", "")
-    spec = get_registry().spec(name)
+    name = (
+        op
+        if isinstance(op, str)
+        else getattr(getattr(op, "spec", None), "name", None) or getattr(op, "__name__", "")
+    )
+    spec = get_registry().spec(str(name))
     platform = kwargs.pop("platform", None)
     cfg = kwargs.pop("cfg", None)
-    return default_executor().explain_op(spec, spec.bind(args, kwargs), platform=platform, cfg=cfg, grad=grad)
+    return default_executor().explain_op(
+        spec, spec.bind(args, kwargs), platform=platform, cfg=cfg, grad=grad
+    )

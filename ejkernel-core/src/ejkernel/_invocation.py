@@ -152,7 +152,9 @@ class Invocation:
     def fast_signature(self) -> tuple[Any, ...]:
         """:func:`fast_signature` of args and kwargs, computed once per invocation."""
         if self.fast is None:
-            object.__setattr__(self, "fast", (fast_signature(self.args), fast_signature(self.kwargs)))
+            object.__setattr__(
+                self, "fast", (fast_signature(self.args), fast_signature(self.kwargs))
+            )
         return self.fast  # type: ignore[return-value]
 
     @property
@@ -188,7 +190,11 @@ class Invocation:
         }
 
     def kernel_name(self) -> str:
-        return self.kernel if isinstance(self.kernel, str) else getattr(self.kernel, "name", type(self.kernel).__name__)
+        return (
+            self.kernel
+            if isinstance(self.kernel, str)
+            else getattr(self.kernel, "name", type(self.kernel).__name__)
+        )
 
     def key_document(self, *, platform: str, version: str) -> dict[str, Any]:
         """Everything the cache key is made of (stored beside each persistent entry)."""
@@ -203,7 +209,14 @@ class Invocation:
 
     def cache_key(self, *, platform: str, version: str) -> str:
         """The stable hash of :meth:`key_document` (memoised per process by signature)."""
-        memo = (self.kernel_name(), platform, version, self.grad, device_fingerprint(), self.fast_signature())
+        memo = (
+            self.kernel_name(),
+            platform,
+            version,
+            self.grad,
+            device_fingerprint(),
+            self.fast_signature(),
+        )
         key = _key_memo.get(memo)
         if key is None:
             key = stable_hash(self.key_document(platform=platform, version=version))
@@ -213,7 +226,12 @@ class Invocation:
         return key
 
 
-def default_key_builder_with_sharding(kernel: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+def default_key_builder_with_sharding(
+    kernel: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> str:
     """The cache key of ``kernel(*args, **kwargs)``: shapes, dtypes, shardings, statics, device."""
     inv = Invocation(kernel=kernel, args=tuple(args), kwargs=dict(kwargs))
-    return inv.cache_key(platform=str(getattr(kernel, "platform", "any")), version=str(getattr(kernel, "version", "0")))
+    return inv.cache_key(
+        platform=str(getattr(kernel, "platform", "any")),
+        version=str(getattr(kernel, "version", "0")),
+    )

@@ -54,7 +54,11 @@ class Kernel(Generic[Cfg, Out]):
         return []
 
     def custom_vjp(
-        self, primals: tuple[Any, ...], cfg: Cfg, kwargs: dict[str, Any], cotangents: tuple[Any, ...]
+        self,
+        primals: tuple[Any, ...],
+        cfg: Cfg,
+        kwargs: dict[str, Any],
+        cotangents: tuple[Any, ...],
     ) -> tuple[Any, ...]:
         """Gradients of the positional arguments; not overriding it means plain autodiff."""
         raise NotImplementedError
@@ -89,12 +93,16 @@ class OpKernel(Kernel[Cfg, Out]):
     def __init__(self) -> None:
         super().__init__(name=self.spec.name)
 
-    def run(self, *args: Any, cfg: Cfg | None = None, platform: str | None = None, **kwargs: Any) -> Out:
+    def run(
+        self, *args: Any, cfg: Cfg | None = None, platform: str | None = None, **kwargs: Any
+    ) -> Out:
         from ejkernel._executor import default_executor
 
         return default_executor()(self, *args, cfg=cfg, platform=platform, **kwargs)  # type: ignore[no-any-return]
 
-    def _run_platform(self, platform: str, args: tuple[Any, ...], cfg: Any, kwargs: dict[str, Any]) -> Out:
+    def _run_platform(
+        self, platform: str, args: tuple[Any, ...], cfg: Any, kwargs: dict[str, Any]
+    ) -> Out:
         return self.run(*args, cfg=cfg, platform=platform, **kwargs)
 
     def run_xla(self, *args: Any, cfg: Cfg | None = None, **kwargs: Any) -> Out:

@@ -161,14 +161,18 @@ class Registry:
         backends = (backend,) if isinstance(backend, str) else tuple(backend)
         bad = [b for b in backends if b not in BACKENDS]
         if bad or not backends:
-            raise ValueError(f"backend must be one of {BACKENDS} or a tuple of them; got {backend!r}")
+            raise ValueError(
+                f"backend must be one of {BACKENDS} or a tuple of them; got {backend!r}"
+            )
         if not isinstance(platform, str) or not platform:
             raise ValueError(f"platform must be a non-empty string; got {platform!r}")
 
         def decorator(target: Any) -> Any:
             with self._lock:
                 if op not in self._specs:
-                    raise KeyError(f"unknown op {op!r}: add its spec with registry.add_op(spec) first")
+                    raise KeyError(
+                        f"unknown op {op!r}: add its spec with registry.add_op(spec) first"
+                    )
                 impl = Implementation(
                     op=op,
                     platform=platform.lower(),
@@ -184,7 +188,9 @@ class Registry:
                 )
                 impls = self._impls.setdefault(op, [])
                 impls[:] = [
-                    i for i in impls if not (i.platform == impl.platform and i.backends == impl.backends)
+                    i
+                    for i in impls
+                    if not (i.platform == impl.platform and i.backends == impl.backends)
                 ]
                 impls.append(impl)
                 self.generation += 1
@@ -206,7 +212,10 @@ class Registry:
         """Declare a platform with a lazy availability probe ``available(backend) -> True|reason``."""
         with self._lock:
             self._platforms[name.lower()] = Platform(
-                name=name.lower(), available=available, distribution=distribution, plugin=self._plugin
+                name=name.lower(),
+                available=available,
+                distribution=distribution,
+                plugin=self._plugin,
             )
             self.generation += 1
 
@@ -225,7 +234,9 @@ class Registry:
         return sorted(self._impls.get(op, ()), key=lambda i: (-i.priority, i.platform))
 
     def platform(self, name: str) -> Platform:
-        return self._platforms.get(name) or Platform(name=name, distribution=KNOWN_DISTRIBUTIONS.get(name))
+        return self._platforms.get(name) or Platform(
+            name=name, distribution=KNOWN_DISTRIBUTIONS.get(name)
+        )
 
     def platforms(self) -> list[str]:
         names = set(self._platforms)
@@ -234,8 +245,14 @@ class Registry:
         return sorted(names)
 
     # -- transactions, so one plugin's failure leaves no half registration -------------------
-    def _snapshot(self) -> tuple[dict[str, OpSpec], dict[str, list[Implementation]], dict[str, Platform]]:
-        return dict(self._specs), {k: list(v) for k, v in self._impls.items()}, dict(self._platforms)
+    def _snapshot(
+        self,
+    ) -> tuple[dict[str, OpSpec], dict[str, list[Implementation]], dict[str, Platform]]:
+        return (
+            dict(self._specs),
+            {k: list(v) for k, v in self._impls.items()},
+            dict(self._platforms),
+        )
 
     def _restore(self, snap: tuple[Any, Any, Any]) -> None:
         self._specs, self._impls, self._platforms = snap

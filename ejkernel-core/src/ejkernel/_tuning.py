@@ -53,19 +53,29 @@ def autotune(
             jitted = jax.jit(build_op_function(spec, impl, arguments, lambda grad: cfg))
             return lambda: jitted(arrays)
 
-        best, timings = tune_candidates(f"{spec.name}/{impl.platform}", space, make_runner, num_warmup=num_warmup, num_iters=num_iters)
+        best, timings = tune_candidates(
+            f"{spec.name}/{impl.platform}",
+            space,
+            make_runner,
+            num_warmup=num_warmup,
+            num_iters=num_iters,
+        )
         _store(ex, inv, impl.platform, impl.version, best, timings)
         return best
     platform = kernel.select_platform()
     method = kernel.method(platform)
-    inv = Invocation(kernel=kernel, args=args, kwargs=kwargs, metadata={"grad": False, "platform": platform})
+    inv = Invocation(
+        kernel=kernel, args=args, kwargs=kwargs, metadata={"grad": False, "platform": platform}
+    )
     space = list(configs) if configs is not None else _space(kernel.config_space, inv)
 
     def make_kernel_runner(cfg: Any) -> Callable[[], Any]:
         jitted = jax.jit(lambda *a: method(*a, cfg=cfg, **kwargs))
         return lambda: jitted(*args)
 
-    best, timings = tune_candidates(kernel.name, space, make_kernel_runner, num_warmup=num_warmup, num_iters=num_iters)
+    best, timings = tune_candidates(
+        kernel.name, space, make_kernel_runner, num_warmup=num_warmup, num_iters=num_iters
+    )
     _store(ex, inv, platform, str(kernel.version), best, timings)
     return best
 
@@ -73,11 +83,15 @@ def autotune(
 def _space(fn: Callable[[Invocation], list[Any]] | None, inv: Invocation) -> list[Any]:
     space = list(fn(inv)) if fn is not None else []
     if not space:
-        raise ConfigError(f"{inv.kernel_name()}: nothing to tune: no configs given and no config space")
+        raise ConfigError(
+            f"{inv.kernel_name()}: nothing to tune: no configs given and no config space"
+        )
     return space
 
 
-def _store(ex: Executor, inv: Invocation, platform: str, version: str, best: Any, timings: dict[str, float]) -> None:
+def _store(
+    ex: Executor, inv: Invocation, platform: str, version: str, best: Any, timings: dict[str, float]
+) -> None:
     key = inv.cache_key(platform=platform, version=version)
     meta = {"key": inv.key_document(platform=platform, version=version), "timings_ms": timings}
     ex.selector.cache.put(key, best, source="autotune", meta=meta)
@@ -85,7 +99,13 @@ def _store(ex: Executor, inv: Invocation, platform: str, version: str, best: Any
         ex.selector.persistent.put(key, best, source="autotune", meta=meta)
 
 
-def autotune_platforms(op: str | OpKernel[Any, Any], *args: Any, num_iters: int = 10, executor: Executor | None = None, **kwargs: Any) -> str:
+def autotune_platforms(
+    op: str | OpKernel[Any, Any],
+    *args: Any,
+    num_iters: int = 10,
+    executor: Executor | None = None,
+    **kwargs: Any,
+) -> str:
     """Time every runnable platform of an op call (each with its chosen config); remember the
     fastest as this invocation's platform (selection step 3). Returns the platform."""
     from ejkernel._executor import _runnable
@@ -113,13 +133,33 @@ def autotune_platforms(op: str | OpKernel[Any, Any], *args: Any, num_iters: int 
     return best
 
 
-def vmap_with_config(kernel: Kernel[Any, Any], in_axes: Any = 0, out_axes: Any = 0, *, executor: Executor | None = None, cfg: Any = None, **kwargs: Any) -> Callable[..., Any]:
+def vmap_with_config(
+    kernel: Kernel[Any, Any],
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    *,
+    executor: Executor | None = None,
+    cfg: Any = None,
+    **kwargs: Any,
+) -> Callable[..., Any]:
     """``jax.vmap`` of ``kernel``: the config is chosen once, for the per-example shapes."""
     ex = executor or default_executor()
-    return jax.vmap(lambda *a: ex(kernel, *a, cfg=cfg, **kwargs), in_axes=in_axes, out_axes=out_axes)
+    return jax.vmap(
+        lambda *a: ex(kernel, *a, cfg=cfg, **kwargs), in_axes=in_axes, out_axes=out_axes
+    )
 
 
-def pmap_with_config(kernel: Kernel[Any, Any], axis_name: Any = None, in_axes: Any = 0, *, executor: Executor | None = None, cfg: Any = None, **kwargs: Any) -> Callable[..., Any]:
+def pmap_with_config(
+    kernel: Kernel[Any, Any],
+    axis_name: Any = None,
+    in_axes: Any = 0,
+    *,
+    executor: Executor | None = None,
+    cfg: Any = None,
+    **kwargs: Any,
+) -> Callable[..., Any]:
     """``jax.pmap`` of ``kernel`` over devices: the config is chosen once, for per-device shapes."""
     ex = executor or default_executor()
-    return jax.pmap(lambda *a: ex(kernel, *a, cfg=cfg, **kwargs), axis_name=axis_name, in_axes=in_axes)
+    return jax.pmap(
+        lambda *a: ex(kernel, *a, cfg=cfg, **kwargs), axis_name=axis_name, in_axes=in_axes
+    )

@@ -77,14 +77,20 @@ def _cache(args: argparse.Namespace) -> int:
         print(cache.directory)
     elif args.action == "list":
         entries = cache.entries()
-        for key, raw in sorted(entries.items(), key=lambda kv: json.dumps(kv[1].get("key", {}), sort_keys=True)):
+        for key, raw in sorted(
+            entries.items(), key=lambda kv: json.dumps(kv[1].get("key", {}), sort_keys=True)
+        ):
             doc = raw.get("key", {})
             inv = doc.get("invocation", {}).get("kwargs", {})
             shapes = " ".join(
-                f"{n}={tuple(v['shape'])}" for n, v in inv.items() if isinstance(v, dict) and "shape" in v
+                f"{n}={tuple(v['shape'])}"
+                for n, v in inv.items()
+                if isinstance(v, dict) and "shape" in v
             )
             grad = " grad" if doc.get("grad") else ""
-            print(f"{key[:12]}  {doc.get('op', '?')}/{doc.get('platform', '?')}{grad}  {raw.get('source')}  {shapes}  {json.dumps(raw.get('config'), sort_keys=True)}")
+            print(
+                f"{key[:12]}  {doc.get('op', '?')}/{doc.get('platform', '?')}{grad}  {raw.get('source')}  {shapes}  {json.dumps(raw.get('config'), sort_keys=True)}"
+            )
         print(f"{len(entries)} entries in {cache.file}")
     elif args.action == "clear":
         print(f"removed {cache.delete()} entries from {cache.file}")
@@ -104,9 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     parser = argparse.ArgumentParser(prog="ejkernel", description="ejkernel: kernels for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, devices, plugins and the op x platform matrix").set_defaults(run=_info)
+    sub.add_parser(
+        "info", help="versions, devices, plugins and the op x platform matrix"
+    ).set_defaults(run=_info)
     cache = sub.add_parser("cache", help="the persistent config cache")
-    cache.add_argument("--dir", help="cache folder (default: EJKERNEL_CACHE_DIR or ~/.cache/ejkernel)")
+    cache.add_argument(
+        "--dir", help="cache folder (default: EJKERNEL_CACHE_DIR or ~/.cache/ejkernel)"
+    )
     actions = cache.add_subparsers(dest="action", required=True)
     actions.add_parser("path", help="print the cache folder")
     actions.add_parser("list", help="list cached configs")

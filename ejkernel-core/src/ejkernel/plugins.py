@@ -120,7 +120,7 @@ def register_plugin(module: ModuleType | object, name: str | None = None) -> str
         The name. Unlike discovery, a failing hand-registered plugin raises.
     """
     registry = get_registry()
-    plugin_name = name or getattr(module, "__name__", type(module).__name__)
+    plugin_name = str(name or getattr(module, "__name__", type(module).__name__))
     with _state.lock:
         info = _activate(registry, plugin_name, module, distribution=None, raise_errors=True)
     if info.status != "loaded":
@@ -139,7 +139,10 @@ def _load_entry_points(registry: Registry) -> None:
         dist = _distribution_label(ep)
         if ep.name in disabled:
             _state.infos[ep.name] = PluginInfo(
-                name=ep.name, module=ep.value, distribution=dist, status="disabled",
+                name=ep.name,
+                module=ep.value,
+                distribution=dist,
+                status="disabled",
                 error=f"disabled by {_env.DISABLE_PLUGINS}",
             )
             continue
@@ -148,9 +151,17 @@ def _load_entry_points(registry: Registry) -> None:
         except Exception as err:
             cause = f"{type(err).__name__}: {err}"
             _state.infos[ep.name] = PluginInfo(
-                name=ep.name, module=ep.value, distribution=dist, status="failed", error=f"import failed: {cause}"
+                name=ep.name,
+                module=ep.value,
+                distribution=dist,
+                status="failed",
+                error=f"import failed: {cause}",
             )
-            warn_once(PluginWarning, ep.name, f"ejkernel plugin {ep.name!r} ({ep.value}) failed to import and is skipped: {cause}")
+            warn_once(
+                PluginWarning,
+                ep.name,
+                f"ejkernel plugin {ep.name!r} ({ep.value}) failed to import and is skipped: {cause}",
+            )
             continue
         _activate(registry, ep.name, module, distribution=dist, raise_errors=False)
 
@@ -168,18 +179,31 @@ def _activate(
     pm = _state.pm
     assert pm is not None
     module_name = getattr(module, "__name__", repr(module))
-    version = distribution.split(" ", 1)[1] if distribution and " " in distribution else _module_version(module)
+    version = (
+        distribution.split(" ", 1)[1]
+        if distribution and " " in distribution
+        else _module_version(module)
+    )
 
     def fail(status: str, cause: str) -> PluginInfo:
-        info = PluginInfo(name=name, module=module_name, distribution=distribution, status=status, error=cause)
+        info = PluginInfo(
+            name=name, module=module_name, distribution=distribution, status=status, error=cause
+        )
         _state.infos[name] = info
         if not raise_errors:
-            warn_once(PluginWarning, name, f"ejkernel plugin {name!r} ({module_name}) {status} and is skipped: {cause}")
+            warn_once(
+                PluginWarning,
+                name,
+                f"ejkernel plugin {name!r} ({module_name}) {status} and is skipped: {cause}",
+            )
         return info
 
     api = getattr(module, "ejkernel_api_version", None)
     if not callable(api):
-        return fail("refused", "it implements no `ejkernel_api_version` hook; plugins must declare the core API they target")
+        return fail(
+            "refused",
+            "it implements no `ejkernel_api_version` hook; plugins must declare the core API they target",
+        )
     try:
         wanted = int(api())
     except Exception as err:
@@ -191,7 +215,9 @@ def _activate(
             f"install a matching version of the plugin",
         )
     if pm.is_registered(module) or pm.get_plugin(name) is not None:
-        return _state.infos.get(name) or PluginInfo(name=name, module=module_name, distribution=distribution, status="loaded")
+        return _state.infos.get(name) or PluginInfo(
+            name=name, module=module_name, distribution=distribution, status="loaded"
+        )
     try:
         pm.register(module, name=name)
     except Exception as err:  # pluggy validation: unknown hook names, bad signatures
@@ -222,7 +248,9 @@ def _module_version(module: Any) -> str:
     return str(getattr(module, "__version__", "0"))
 
 
-def defvjp(fn: Callable[..., Any], fwd: Callable[..., Any], bwd: Callable[..., Any]) -> Callable[..., Any]:
+def defvjp(
+    fn: Callable[..., Any], fwd: Callable[..., Any], bwd: Callable[..., Any]
+) -> Callable[..., Any]:
     """Attach a forward/backward pair to an implementation; the executor wires the custom VJP.
 
     Args:

@@ -78,7 +78,9 @@ def _leaves(x: Any) -> Iterator[Any]:
     yield from jax.tree_util.tree_leaves(x)
 
 
-def assert_close(actual: Any, expected: Any, *, dtype: Any = None, scale: float = 1.0, name: str = "") -> None:
+def assert_close(
+    actual: Any, expected: Any, *, dtype: Any = None, scale: float = 1.0, name: str = ""
+) -> None:
     """Compare pytrees with the per-dtype tolerance table (``scale`` widens it).
 
     The tolerance applies relative to the largest magnitude of ``expected`` as well, so

@@ -35,6 +35,6 @@ def ejkernel_register(registry: Any) -> None:
                 "heuristic": f"{module}:heuristic",
                 "config_space": f"{module}:config_space",
             }
-        registry.register(op, platform="xla", backend="any", priority=0, supports=f"{module}:supports", **tuning)(
-            f"{module}:{op}_xla"
-        )
+        registry.register(
+            op, platform="xla", backend="any", priority=0, supports=f"{module}:supports", **tuning
+        )(f"{module}:{op}_xla")

@@ -46,9 +46,18 @@ class Backend(str):
         return str(self)
 
 
-Platform.TRITON, Platform.PALLAS, Platform.CUDA = Platform("triton"), Platform("pallas"), Platform("cuda")
+Platform.TRITON, Platform.PALLAS, Platform.CUDA = (
+    Platform("triton"),
+    Platform("pallas"),
+    Platform("cuda"),
+)
 Platform.XLA, Platform.AUTO = Platform("xla"), Platform("auto")
-Backend.GPU, Backend.TPU, Backend.CPU, Backend.ANY = Backend("gpu"), Backend("tpu"), Backend("cpu"), Backend("any")
+Backend.GPU, Backend.TPU, Backend.CPU, Backend.ANY = (
+    Backend("gpu"),
+    Backend("tpu"),
+    Backend("cpu"),
+    Backend("any"),
+)
 
 
 class KernelRegistry:
@@ -58,7 +67,9 @@ class KernelRegistry:
         self._lock = threading.Lock()
         self._table: dict[str, list[tuple[int, str, str, Callable[..., Any]]]] = {}
 
-    def register(self, name: str, platform: str, backend: str = "any", priority: int = 0) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(
+        self, name: str, platform: str, backend: str = "any", priority: int = 0
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator registering ``fn`` as ``name`` on ``platform`` for ``backend``."""
 
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,28 +81,41 @@ class KernelRegistry:
 
             registry = get_registry()
             if name in registry.ops():
-                registry.register(name, platform=str(platform).lower(), backend=str(backend).lower(), priority=priority)(fn)
+                registry.register(
+                    name,
+                    platform=str(platform).lower(),
+                    backend=str(backend).lower(),
+                    priority=priority,
+                )(fn)
             return fn
 
         return decorator
 
-    def get(self, name: str, platform: str | None = None, backend: str | None = None) -> Callable[..., Any]:
+    def get(
+        self, name: str, platform: str | None = None, backend: str | None = None
+    ) -> Callable[..., Any]:
         """The highest-priority function registered as ``name`` (on ``platform``/``backend``).
 
         Catalogue ops also resolve to implementations registered by plugins.
         """
         want = None if platform in (None, "auto") else str(platform).lower()
         for _, p, b, fn in self._table.get(name, []):
-            if (want is None or p == want) and (backend is None or b in ("any", str(backend).lower())):
+            if (want is None or p == want) and (
+                backend is None or b in ("any", str(backend).lower())
+            ):
                 return fn
         from ejkernel.plugins import get_registry
 
         registry = get_registry()
         if name in registry.ops():
             for impl in registry.implementations(name):
-                if (want is None or impl.platform == want) and (backend is None or impl.runs_on(str(backend).lower())):
+                if (want is None or impl.platform == want) and (
+                    backend is None or impl.runs_on(str(backend).lower())
+                ):
                     return impl.fn
-        raise KeyError(f"no kernel {name!r} registered for platform {platform!r}, backend {backend!r}")
+        raise KeyError(
+            f"no kernel {name!r} registered for platform {platform!r}, backend {backend!r}"
+        )
 
     def names(self) -> list[str]:
         return sorted(self._table)

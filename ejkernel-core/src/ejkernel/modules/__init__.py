@@ -91,7 +91,9 @@ def create_default_executor(*, autotune: bool = True, persistent: bool = True) -
     """
     return Executor(
         ConfigSelectorChain(
-            cache=ConfigCache(), persistent=PersistentCache() if persistent else False, autotune=autotune
+            cache=ConfigCache(),
+            persistent=PersistentCache() if persistent else False,
+            autotune=autotune,
         )
     )
 
@@ -116,7 +118,11 @@ def _make(op: str, what: str) -> Any:
     if what == "function":
         return getattr(importlib.import_module(f"ejkernel.specs.{op}"), op)
     if what == "kernel":
-        return type(_camel(op), (OpKernel,), {"spec": builtin_spec(op), "__module__": __name__, "__doc__": f"{op} as a kernel."})
+        return type(
+            _camel(op),
+            (OpKernel,),
+            {"spec": builtin_spec(op), "__module__": __name__, "__doc__": f"{op} as a kernel."},
+        )
     return attrs.make_class(
         f"{_camel(op)}Config",
         {

@@ -19,7 +19,9 @@ __all__ = ["Arg", "OpSpec", "builtin_ops", "builtin_spec"]
 @functools.cache
 def builtin_ops() -> tuple[str, ...]:
     """Names of the ops whose specs ship with core (the modules of this package)."""
-    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+    return tuple(
+        sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    )
 
 
 def builtin_spec(name: str) -> OpSpec:

@@ -210,7 +210,9 @@ def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, An
             f"key.shape={tuple(k.shape)}"
         )
     if min(sq, sk, d) == 0:
-        raise ValueError(f"{op}: `query`/`key` must have non-empty Sq, Sk, D; got {q.shape}, {k.shape}")
+        raise ValueError(
+            f"{op}: `query`/`key` must have non-empty Sq, Sk, D; got {q.shape}, {k.shape}"
+        )
     target = (b, hq, sq, sk)
     if a.get("bias") is not None:
         bias = a["bias"]
@@ -222,9 +224,17 @@ def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, An
             )
     if a.get("attention_mask") is not None:
         m = a["attention_mask"]
-        check_array(op, "attention_mask", m, ndim=(1, 2, 3, 4), letters="bool broadcastable to [B, Hq, Sq, Sk]")
+        check_array(
+            op,
+            "attention_mask",
+            m,
+            ndim=(1, 2, 3, 4),
+            letters="bool broadcastable to [B, Hq, Sq, Sk]",
+        )
         if m.dtype != jnp.bool_:
-            raise TypeError(f"{op}: `attention_mask` must be bool (True = may attend); got {m.dtype}")
+            raise TypeError(
+                f"{op}: `attention_mask` must be bool (True = may attend); got {m.dtype}"
+            )
         if not broadcastable(tuple(m.shape), target):
             raise ValueError(
                 f"{op}: `attention_mask` must be broadcastable to [B, Hq, Sq, Sk]={target}; "
@@ -233,14 +243,16 @@ def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, An
     qs, ks = a.get("q_segment_ids"), a.get("kv_segment_ids")
     if (qs is None) != (ks is None):
         raise ValueError(f"{op}: `q_segment_ids` and `kv_segment_ids` must be given together")
-    if qs is not None:
+    if qs is not None and ks is not None:
         for name, x, letters, want in (
             ("q_segment_ids", qs, "[B, Sq]", (b, sq)),
             ("kv_segment_ids", ks, "[B, Sk]", (b, sk)),
         ):
             check_array(op, name, x, ndim=2, letters=letters)
             if tuple(x.shape) != want:
-                raise ValueError(f"{op}: `{name}` must be {letters}={want}; got {name}.shape={tuple(x.shape)}")
+                raise ValueError(
+                    f"{op}: `{name}` must be {letters}={want}; got {name}.shape={tuple(x.shape)}"
+                )
             if not is_integer(x):
                 raise TypeError(f"{op}: `{name}` must be an integer array; got dtype {x.dtype}")
     if a.get("softmax_aux") is not None:
@@ -272,9 +284,13 @@ def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, An
         if seed is not None:
             if not hasattr(seed, "dtype"):
                 if not isinstance(seed, (int, np.integer)):
-                    raise TypeError(f"{op}: `dropout_seed` must be an int or an integer scalar array; got {seed!r}")
+                    raise TypeError(
+                        f"{op}: `dropout_seed` must be an int or an integer scalar array; got {seed!r}"
+                    )
             elif np.shape(seed) != () or not is_integer(seed):
-                raise TypeError(f"{op}: `dropout_seed` must be an integer scalar; got {np.shape(seed)} {seed.dtype}")
+                raise TypeError(
+                    f"{op}: `dropout_seed` must be an integer scalar; got {np.shape(seed)} {seed.dtype}"
+                )
         if prob > 0.0:
             a["dropout_seed"] = jnp.asarray(0 if seed is None else seed).astype(jnp.uint32)
         else:
@@ -292,7 +308,9 @@ def normalize_window(op: str, window: Any) -> tuple[int, int] | None:
         or len(window) != 2
         or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)
     ):
-        raise TypeError(f"{op}: `sliding_window` must be an int or (left, right) ints; got {window!r}")
+        raise TypeError(
+            f"{op}: `sliding_window` must be an int or (left, right) ints; got {window!r}"
+        )
     left, right = int(window[0]), int(window[1])
     if left < 0 or right < 0:
         raise ValueError(f"{op}: `sliding_window` must be non-negative; got {(left, right)}")

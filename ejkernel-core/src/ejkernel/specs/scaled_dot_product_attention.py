@@ -11,7 +11,11 @@ from typing import Any
 import jax
 
 from ejkernel.specs._base import OpSpec, call_op
-from ejkernel.specs.flash_attention import _args, flash_attention_reference, validate_flash_attention
+from ejkernel.specs.flash_attention import (
+    _args,
+    flash_attention_reference,
+    validate_flash_attention,
+)
 
 __all__ = ["SPEC", "scaled_dot_product_attention", "scaled_dot_product_attention_reference"]
 
