@@ -1,0 +1,107 @@
+"""The autotuner: failing candidates dropped and reported, all failing raises, logging."""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ejkernel.errors import AutotuneWarning
+from ejkernel.ops import (
+    ConfigCache,
+    ConfigSelectorChain,
+    Executor,
+    Invocation,
+    Kernel,
+    autotune,
+    policy_override,
+)
+
+
+@attrs.frozen(kw_only=True)
+class Cfg:
+    mode: str
+
+
+class Flaky(Kernel[Cfg, jax.Array]):
+    """`good` is right, `wrong` is wrong, `broken` raises."""
+
+    def __init__(self):
+        super().__init__(name="flaky")
+
+    def run(self, x, *, cfg):
+        if cfg.mode == "broken":
+            raise RuntimeError("cannot compile this one")
+        if cfg.mode == "wrong":
+            return x * 3.0
+        return x * 2.0
+
+    def heuristic_cfg(self, inv: Invocation) -> Cfg:
+        return Cfg(mode="good")
+
+    def config_space(self, inv: Invocation) -> list[Cfg]:
+        return [Cfg(mode="broken"), Cfg(mode="wrong"), Cfg(mode="good")]
+
+
+class AllBroken(Flaky):
+    def heuristic_cfg(self, inv):
+        return Cfg(mode="broken")
+
+    def config_space(self, inv):
+        return [Cfg(mode="broken")] * 2 + [Cfg(mode="broken2")]
+
+    def run(self, x, *, cfg):
+        raise RuntimeError(f"fails: {cfg.mode}")
+
+
+def test_failing_and_wrong_candidates_are_dropped_with_a_warning():
+    x = jax.random.normal(jax.random.PRNGKey(0), (16, 16))
+    with pytest.warns(AutotuneWarning) as record:
+        best = autotune(
+            Flaky(),
+            x,
+            configs=[Cfg(mode="good"), Cfg(mode="broken"), Cfg(mode="wrong")],
+            num_warmup=1,
+            num_iters=2,
+        )
+    assert best == Cfg(mode="good")
+    text = " ".join(str(w.message) for w in record)
+    assert "cannot compile this one" in text and "wrong result" in text
+
+
+def test_every_candidate_failing_raises_an_exception_group_with_notes():
+    x = jnp.ones((4, 4)) * jnp.arange(4.0)
+    executor = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
+    with (
+        pytest.warns(AutotuneWarning),
+        policy_override(autotune=True),
+        pytest.raises(ExceptionGroup) as info,
+    ):
+        executor(AllBroken(), x)
+    notes = "\n".join(info.value.__notes__)
+    assert "broken2" in notes and "fails: broken" in notes
+
+
+def test_autotune_inside_jit_logs_each_candidate_and_the_winner(monkeypatch, caplog):
+    monkeypatch.setenv("EJKERNEL_LOG_AUTOTUNE", "1")
+
+    class Good(Flaky):
+        def config_space(self, inv):
+            return [Cfg(mode="good"), Cfg(mode="good2")]
+
+        def run(self, x, *, cfg):
+            return x * 2.0
+
+    executor = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
+    progress = logging.getLogger("ejkernel.progress")
+    monkeypatch.setattr(progress, "propagate", True)
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 8))
+    with policy_override(autotune=True), caplog.at_level(logging.INFO, logger="ejkernel.progress"):
+        out = jax.jit(lambda x: executor(Good(), x))(x)
+    assert jnp.allclose(out, 2 * x)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("good2" in line and "ms" in line for line in lines), lines
+    assert any("best" in line for line in lines), lines
