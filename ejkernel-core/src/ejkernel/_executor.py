@@ -377,9 +377,9 @@ class Executor:
         """Run an op on bound (not yet validated) arguments."""
         impl, _, _, arguments, fast = self._prepare(spec, bound, platform, cfg)
         choose, _ = self._chooser(spec, impl, arguments, cfg, fast)
-        arrays = {k: v for k, v in arguments.items() if spec.arg(k).array and v is not None}
-        if not _traced(arrays):  # concrete inputs: nothing differentiates this call
+        if not _traced(arguments):  # concrete inputs: nothing differentiates this call
             return impl.fn(**arguments, cfg=choose(False))
+        arrays = {k: v for k, v in arguments.items() if spec.arg(k).array and v is not None}
         return build_op_function(spec, impl, arguments, choose)(arrays)
 
     def explain_op(
@@ -536,7 +536,7 @@ def default_executor() -> Executor:
 
 def call_op(spec: OpSpec, arguments: dict[str, Any]) -> Any:
     """Entry of every public op function: ``arguments`` is its ``locals()``."""
-    arguments = dict(arguments)
+    arguments = dict(arguments)  # every argument is present: the public function named them all
     platform = arguments.pop("platform", None)
     cfg = arguments.pop("cfg", None)
     return default_executor().run_op(spec, arguments, platform=platform, cfg=cfg)

@@ -58,7 +58,12 @@ def device_info() -> dict[str, str]:
 
 def device_fingerprint() -> str:
     """A string naming the default device's kind: ``backend|kind|cc|platform version``."""
-    info = device_info()
+    return _fingerprint(current_backend())
+
+
+@functools.cache
+def _fingerprint(backend: str) -> str:
+    info = _device_info(backend)
     return "|".join(
         info.get(k, "") for k in ("backend", "kind", "compute_capability", "platform_version")
     )
@@ -109,9 +114,13 @@ def fast_signature(values: Mapping[str, Any] | tuple[Any, ...]) -> tuple[Any, ..
     items = values.items() if isinstance(values, Mapping) else enumerate(values)
     out: list[Any] = []
     for k, v in items:
-        if hasattr(v, "shape") and hasattr(v, "dtype"):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out.append((k, type(v), v))
+            continue
+        shape = getattr(v, "shape", None)
+        if shape is not None and hasattr(v, "dtype"):
             shard = None if isinstance(v, jax.core.Tracer) else getattr(v, "sharding", None)
-            out.append((k, v.shape, v.dtype, shard))
+            out.append((k, shape, v.dtype, shard))
         else:
             out.append((k, type(v).__name__, repr(v)))
     return tuple(out)
