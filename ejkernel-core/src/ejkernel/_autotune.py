@@ -87,6 +87,8 @@ def benchmark(
 
 def _agrees(out: Any, ref: Any) -> bool:
     for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
+        if jax.dtypes.float0 in (getattr(a, "dtype", None), getattr(b, "dtype", None)):
+            continue  # the zero cotangent of an integer input (lengths, segment ids)
         a32 = np.asarray(jnp.asarray(a, jnp.float32))
         b32 = np.asarray(jnp.asarray(b, jnp.float32))
         if a32.shape != b32.shape:

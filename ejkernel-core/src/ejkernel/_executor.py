@@ -208,7 +208,8 @@ def coerce_config(spec: OpSpec, impl: Implementation, cfg: Any) -> Any:
     """Fit a config given for the op (or another platform) to ``impl``'s config class.
 
     A config of the implementation's class passes as is; another attrs class or dataclass is
-    converted field by field (shared field names; ``platform`` is dropped).
+    converted field by field (shared field names; ``platform`` is dropped; the entries of an
+    ``options`` mapping field count as fields, so op-level configs can carry any tunable).
     """
     target = impl.config_type
     if cfg is None or target is None:

@@ -2,7 +2,8 @@
 
 For each op ``x_y`` of the catalogue: the function ``x_y``, the kernel class ``XY`` (run it with
 an executor) and the op-level config ``XYConfig`` (``fwd_params``, ``bwd_params``,
-``chunk_size``, ``platform``; converted field by field to the selected implementation's config).
+``chunk_size``, ``options`` (any other tunable by name, e.g. ``{"block_m": 64}``) and
+``platform``; converted field by field to the selected implementation's config).
 Flash attention's are written out below; the others are made on first access.
 
 Example:
@@ -129,6 +130,7 @@ def _make(op: str, what: str) -> Any:
             "fwd_params": attrs.field(default=None),
             "bwd_params": attrs.field(default=None),
             "chunk_size": attrs.field(default=None),
+            "options": attrs.field(default=None),
             "platform": attrs.field(default=None),
         },
         frozen=True,
