@@ -198,3 +198,12 @@ def test_bad_input_is_rejected_before_any_kernel_runs(toy):
     with pytest.raises(TypeError, match="`query` must be an array"):
         ejkernel.flash_attention([[1.0]], k, v)
     assert toy.CALLS == []
+
+
+def test_autotune_inside_jit_builds_synthetic_inputs_outside_the_trace(toy):
+    q = attention_inputs(SHAPE, jnp.bfloat16)[0]
+    mask = jnp.tril(jnp.ones((SHAPE.sq, SHAPE.sk), bool))
+    with policy_override(autotune=True):
+        out = jax.jit(lambda q, m: ejkernel.flash_attention(q, q, q, attention_mask=m))(q, mask)
+    assert_close(out, flash_attention_reference(q, q, q, attention_mask=mask))
+    assert ejkernel.explain("flash_attention", q, q, q, attention_mask=mask).origin == "autotune"

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel import _env
-from ejkernel._autotune import tune_candidates
+from ejkernel._autotune import run_outside_trace, tune_candidates
 from ejkernel._chain import Choice, ConfigSelectorChain, Tunable
 from ejkernel._invocation import Invocation, current_backend
 from ejkernel._kernel import Kernel, OpKernel, _overrides
@@ -417,7 +417,8 @@ class Executor:
         self, spec: OpSpec, impl: Implementation, inv: Invocation, configs: list[Any]
     ) -> tuple[Any, dict[str, Any]]:
         abstract = inv.abstract_kwargs
-        concrete = spec.make_synthetic(abstract)
+        # On the tuning thread: under an active trace, jnp calls would stage into it.
+        concrete = run_outside_trace(lambda: spec.make_synthetic(abstract))
         arrays = {k: v for k, v in concrete.items() if spec.arg(k).array and v is not None}
 
         def make_runner(cfg: Any) -> Callable[[], Any]:
@@ -504,9 +505,12 @@ class Executor:
     ) -> tuple[Any, dict[str, Any]]:
         from ejkernel.specs._base import default_synthetic
 
-        pos = default_synthetic({str(i): a for i, a in enumerate(inv.abstract_args)})
+        abstract_kwargs = inv.abstract_kwargs
+        pos = run_outside_trace(
+            lambda: default_synthetic({str(i): a for i, a in enumerate(inv.abstract_args)})
+        )
         args = tuple(pos[str(i)] for i in range(len(inv.args)))
-        kw = default_synthetic(inv.abstract_kwargs)
+        kw = run_outside_trace(lambda: default_synthetic(abstract_kwargs))
         arrays = [i for i, a in enumerate(args) if hasattr(a, "shape")]
 
         def make_runner(cfg: Any) -> Callable[[], Any]:

@@ -100,19 +100,20 @@ def call_op(spec: OpSpec, arguments: dict[str, Any]) -> Any:
 
 
 def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
-    """Concrete stand-ins: normal floats, all-True booleans, zero integers; statics unchanged."""
+    """Concrete stand-ins: normal floats, all-True booleans, zero integers; statics unchanged.
+
+    Built with NumPy, so it is safe to call while a JAX trace is active."""
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {}
     for name, value in abstract.items():
         if isinstance(value, jax.ShapeDtypeStruct):
             dtype = np.dtype(value.dtype)
             if dtype == np.bool_:
-                out[name] = jax.numpy.ones(value.shape, dtype)
+                out[name] = np.ones(value.shape, dtype)
             elif np.issubdtype(dtype, np.integer):
-                out[name] = jax.numpy.zeros(value.shape, dtype)
+                out[name] = np.zeros(value.shape, dtype)
             else:
-                arr = rng.standard_normal(value.shape, dtype=np.float32)
-                out[name] = jax.numpy.asarray(arr, dtype=value.dtype)
+                out[name] = rng.standard_normal(value.shape, dtype=np.float32).astype(dtype)
         else:
             out[name] = value
     return out

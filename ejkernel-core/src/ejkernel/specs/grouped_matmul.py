@@ -1,0 +1,195 @@
+"""grouped_matmul: consecutive row groups of ``lhs`` each multiply their own ``rhs`` (MoE experts).
+
+Semantics every implementation follows (OPS.md vocabulary):
+
+- ``lhs [M, K]``, ``rhs [G, K, N]`` (``[G, N, K]`` with ``transpose_rhs=True``, the layout of
+  weights stored output-major), ``group_sizes [G]`` integer.
+- With ``E = cumsum(group_sizes)`` and ``S = E - group_sizes``, group g owns rows
+  ``[S_g, E_g)`` of ``lhs`` and ``out[r] = lhs[r] @ rhs[g]`` for each of them (``rhs[g]ᵀ`` with
+  ``transpose_rhs``). Groups may be empty (size 0) and of any size; rows at or past
+  ``sum(group_sizes)`` belong to no group and give zeros. A total above M truncates the last
+  groups at row M (rows past M do not exist). Sizes must be non-negative; their values are not
+  checked (they may be traced, so one compiled function serves every routing).
+- ``preferred_element_type`` is the output dtype (default: the input dtype). Accumulation is
+  float32 (or the output dtype, if wider). ``lhs`` and ``rhs`` share one floating dtype.
+- Differentiable in ``lhs`` and ``rhs``: ``d_lhs`` is a grouped matmul of ``d_out`` with
+  ``rhs`` transposed (zero on rows past the total); ``d_rhs[g] = lhs_gᵀ · d_out_g`` over the
+  rows of group g (zero for an empty group). Gradients keep their input's dtype.
+
+This is the ``lax.ragged_dot`` contract (``group_offset`` aside), so a model written against
+``ragged_dot`` moves over by renaming the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+
+__all__ = [
+    "SPEC",
+    "grouped_matmul",
+    "grouped_matmul_reference",
+    "grouped_matmul_synthetic",
+    "validate_grouped_matmul",
+]
+
+OP = "grouped_matmul"
+
+
+def grouped_matmul_reference(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    preferred_element_type: Any = None,
+    transpose_rhs: bool = False,
+) -> jax.Array:
+    """Every row times every expert in float32, then each row keeps its own group's product.
+
+    Plain and O(G·M·N) in memory: the oracle, not a kernel.
+    """
+    out_dtype = lhs.dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    m, num_groups = lhs.shape[0], rhs.shape[0]
+    weights = rhs.astype(jnp.float32)
+    if transpose_rhs:
+        weights = jnp.swapaxes(weights, 1, 2)  # [G, N, K] -> [G, K, N]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    rows = jnp.arange(m)
+    # Row r belongs to the first group whose end lies past it (empty groups are skipped).
+    row_group = jnp.searchsorted(ends, rows, side="right")
+    in_a_group = rows < ends[-1]
+    every_product = jnp.einsum("mk,gkn->gmn", lhs.astype(jnp.float32), weights)  # [G, M, N]
+    out = every_product[jnp.minimum(row_group, num_groups - 1), rows]
+    out = jnp.where(in_a_group[:, None], out, 0.0)
+    return out.astype(out_dtype)
+
+
+def validate_grouped_matmul(a: dict[str, Any], *, op: str = OP) -> dict[str, Any]:
+    """Check every argument of grouped_matmul; fill ``preferred_element_type``.
+
+    ``preferred_element_type`` becomes a dtype name (``"float32"``): the input dtype when not
+    given, so a call that names the default shares the cache key of one that does not.
+    """
+    lhs, rhs, sizes = a["lhs"], a["rhs"], a["group_sizes"]
+    transpose = a.get("transpose_rhs", False)
+    if not isinstance(transpose, (bool, np.bool_)):
+        raise TypeError(f"{op}: `transpose_rhs` must be a bool; got {transpose!r}")
+    a["transpose_rhs"] = transpose = bool(transpose)
+    rhs_letters = "[G, N, K]" if transpose else "[G, K, N]"
+    check_array(op, "lhs", lhs, ndim=2, letters="[M, K]")
+    check_array(op, "rhs", rhs, ndim=3, letters=rhs_letters)
+    check_array(op, "group_sizes", sizes, ndim=1, letters="[G]")
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not is_floating(x):
+            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+    if rhs.dtype != lhs.dtype:
+        raise TypeError(
+            f"{op}: `lhs` and `rhs` must share one dtype; got {lhs.dtype} and {rhs.dtype}"
+        )
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    rhs_k = rhs.shape[2] if transpose else rhs.shape[1]
+    if rhs_k != k:
+        raise ValueError(
+            f"{op}: `rhs` must be {rhs_letters} with K = lhs.shape[1] = {k} "
+            f"(transpose_rhs={transpose}); got rhs.shape={tuple(rhs.shape)}, "
+            f"lhs.shape={tuple(lhs.shape)}"
+        )
+    if min(m, k, *rhs.shape) == 0:
+        raise ValueError(
+            f"{op}: `lhs` [M, K] and `rhs` {rhs_letters} must have non-empty M, K, N and G; "
+            f"got lhs.shape={tuple(lhs.shape)}, rhs.shape={tuple(rhs.shape)}"
+        )
+    if not is_integer(sizes):
+        raise TypeError(f"{op}: `group_sizes` must be an integer array; got dtype {sizes.dtype}")
+    if sizes.shape[0] != num_groups:
+        raise ValueError(
+            f"{op}: `group_sizes` must be [G] with G = rhs.shape[0] = {num_groups}; got "
+            f"group_sizes.shape={tuple(sizes.shape)}"
+        )
+    a["preferred_element_type"] = _output_dtype(op, a.get("preferred_element_type"), lhs.dtype)
+    return a
+
+
+def _output_dtype(op: str, preferred: Any, default: Any) -> str:
+    if preferred is None:
+        return jnp.dtype(default).name
+    try:
+        dtype = jnp.dtype(preferred)
+    except TypeError as err:
+        raise TypeError(
+            f"{op}: `preferred_element_type` must be a floating dtype or None; got {preferred!r}"
+        ) from err
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{op}: `preferred_element_type` must be a floating dtype or None; got {dtype.name}"
+        )
+    # float64 without jax_enable_x64 runs as float32: name what the output will really be.
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
+
+
+def grouped_matmul_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Valid autotuning inputs: normal ``lhs``/``rhs`` and M spread evenly over the G groups."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for name, value in abstract.items():
+        if not isinstance(value, jax.ShapeDtypeStruct):
+            out[name] = value
+        elif name == "group_sizes":
+            m, num_groups = abstract["lhs"].shape[0], value.shape[0]
+            bounds = np.linspace(0, m, num_groups + 1).round().astype(np.int64)
+            out[name] = jnp.asarray(np.diff(bounds), value.dtype)
+        else:
+            x = rng.standard_normal(value.shape).astype(np.float32)
+            out[name] = jnp.asarray(x, value.dtype)
+    return out
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=(
+        Arg(name="lhs", array=True, required=True, differentiable=True),
+        Arg(name="rhs", array=True, required=True, differentiable=True),
+        Arg(name="group_sizes", array=True, required=True),
+        Arg(name="preferred_element_type", array=False),
+        Arg(name="transpose_rhs", array=False, default=False),
+    ),
+    validate=validate_grouped_matmul,
+    reference=grouped_matmul_reference,
+    synthetic=grouped_matmul_synthetic,
+)
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    preferred_element_type: Any = None,
+    transpose_rhs: bool = False,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> jax.Array:
+    """Grouped matmul (MoE experts): consecutive row groups of ``lhs`` times their ``rhs``.
+
+    Args:
+        lhs: [M, K], rows sorted by group (group 0's rows first).
+        rhs: [G, K, N], one matrix per group; [G, N, K] with ``transpose_rhs=True``.
+        group_sizes: [G] integer (int32), rows per group; may be traced. Groups may be empty;
+            rows at or past ``sum(group_sizes)`` give zeros.
+        preferred_element_type: output dtype (default: the input dtype); accumulation is
+            float32.
+        transpose_rhs: ``rhs`` is [G, N, K] and each group multiplies ``rhs[g]ᵀ``.
+        platform: force an installed platform (``"xla"``, ...).
+        cfg: a config for the selected implementation (this call only, never cached).
+
+    Returns:
+        [M, N] in ``preferred_element_type``. Differentiable in ``lhs`` and ``rhs``.
+    """
+    return call_op(SPEC, locals())

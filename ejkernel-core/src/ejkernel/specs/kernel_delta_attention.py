@@ -1,0 +1,313 @@
+"""kernel_delta_attention: the gated delta rule (Kimi Delta Attention, Gated DeltaNet).
+
+Semantics every implementation follows (OPS.md vocabulary; ``H`` heads, ``K`` key/query dim,
+``V`` value dim, the state ``S`` of a head is ``[K, V]``):
+
+- With ``use_qk_l2norm`` (default), query and key are L2-normalised over ``K`` first:
+  ``x / sqrt(Σ x² + 1e-6)`` (the epsilon of flash-linear-attention's ``l2norm``).
+- Per token ``t`` and head: ``S_t = (I - β_t k_t k_tᵀ) diag(exp(g_t)) S_{t-1} + β_t k_t v_tᵀ``
+  and ``o_t = softmax_scale · q_tᵀ S_t`` (``softmax_scale`` scales the query; default
+  ``K ** -0.5``; no softmax is taken). Written as a prediction error:
+  ``S' = diag(exp(g_t)) S_{t-1}``, ``S_t = S' + k_t (β_t (v_t - S'ᵀ k_t))ᵀ``.
+- ``g`` is a log-space decay: ``[B, S, H, K]`` decays each key channel (Kimi Delta Attention),
+  ``[B, S, H]`` one scalar per head and token (Gated DeltaNet). ``g ≤ 0`` keeps the state
+  bounded; ``beta`` ``[B, S, H]`` is the delta-rule step size (usually a sigmoid, in (0, 1)).
+- ``cu_seqlens`` ``[N + 1]`` packs ``N`` sequences along the token axis of a batch of one
+  (flash-linear-attention's varlen convention): sequence ``n`` owns tokens
+  ``[cu_seqlens[n], cu_seqlens[n + 1])``, its state starts from ``initial_state[n]`` (zeros
+  when not given) and never sees another sequence. Empty sequences are allowed: their final
+  state is their initial state. Tokens outside ``[cu_seqlens[0], cu_seqlens[N])`` belong to no
+  sequence: their output is zero and they touch no state (as ``recurrent``).
+  ``initial_state`` and the final state are then ``[N, H, K, V]``. Offsets known at
+  validation are checked (``0 ≤ cu_seqlens[0]``, non-decreasing, ``cu_seqlens[N] ≤ S``);
+  traced ones cannot be.
+- ``return_state=True`` returns ``(out, final_state)``; the state is float32 (it is carried on
+  across calls: two halves with the carried state equal one run). ``out`` keeps the query
+  dtype; accumulation is float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+
+__all__ = [
+    "SPEC",
+    "kernel_delta_attention",
+    "kernel_delta_attention_reference",
+    "l2_normalize",
+    "validate_kernel_delta_attention",
+]
+
+OP = "kernel_delta_attention"
+
+#: Epsilon inside the L2 norm (flash-linear-attention's ``l2norm`` value).
+L2NORM_EPS = 1e-6
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """``x / sqrt(Σ x² + 1e-6)`` over the last axis."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def _sequence_ids(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, ...]:
+    """Per token: its sequence, whether it starts it, ends it, lies in any sequence."""
+    cu = cu_seqlens.astype(jnp.int32)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, cu.shape[0] - 2)
+    inside = (t >= cu[0]) & (t < cu[-1])
+    return seq, t == cu[seq], t == cu[seq + 1] - 1, inside
+
+
+def kernel_delta_attention_reference(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    beta: jax.Array,
+    g: jax.Array,
+    *,
+    initial_state: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    cu_seqlens: jax.Array | None = None,
+    return_state: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The gated delta rule token by token (a ``lax.scan`` over time) in float32: the oracle."""
+    b, s, h, dk = query.shape
+    dv = value.shape[-1]
+    scale = dk**-0.5 if softmax_scale is None else softmax_scale
+    f32 = lambda x: x.astype(jnp.float32)
+    q, k, v, bt, gt = f32(query), f32(key), f32(value), f32(beta), f32(g)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * scale
+    if gt.ndim == 3:
+        gt = gt[..., None]  # one decay per head: the same on every key channel
+
+    def update(state: jax.Array, k_t: Any, v_t: Any, b_t: Any, g_t: Any) -> jax.Array:
+        state = state * jnp.exp(g_t)[..., None]
+        error = v_t - jnp.einsum("...k,...kv->...v", k_t, state)
+        return state + k_t[..., :, None] * (b_t[..., None] * error)[..., None, :]
+
+    time_major = lambda x: jnp.moveaxis(x, 1, 0)
+    if cu_seqlens is None:
+        state0 = (
+            jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else f32(initial_state)
+        )
+
+        def step(state: jax.Array, xs: Any) -> tuple[jax.Array, jax.Array]:
+            q_t, k_t, v_t, b_t, g_t = xs
+            state = update(state, k_t, v_t, b_t, g_t)
+            return state, jnp.einsum("bhk,bhkv->bhv", q_t, state)
+
+        final, out = jax.lax.scan(step, state0, tuple(map(time_major, (q, k, v, bt, gt))))
+        out = time_major(out)
+    else:
+        n = cu_seqlens.shape[0] - 1
+        inits = (
+            jnp.zeros((n, h, dk, dv), jnp.float32) if initial_state is None else f32(initial_state)
+        )
+        seq, starts, ends, inside = _sequence_ids(cu_seqlens, s)
+
+        def packed_step(carry: Any, xs: Any) -> tuple[Any, jax.Array]:
+            state, finals = carry
+            q_t, k_t, v_t, b_t, g_t, n_t, start, end, live = xs
+            state = jnp.where(start, inits[n_t], state)  # a new sequence starts from its own state
+            state = jnp.where(live, update(state, k_t, v_t, b_t, g_t), state)
+            finals = finals.at[n_t].set(jnp.where(end & live, state, finals[n_t]))
+            out = jnp.einsum("hk,hkv->hv", q_t, state)
+            return (state, finals), jnp.where(live, out, 0.0)
+
+        xs = (q[0], k[0], v[0], bt[0], gt[0], seq, starts, ends, inside)
+        (_, final), out = jax.lax.scan(packed_step, (inits[0], inits), xs)
+        out = out[None]
+    out = out.astype(query.dtype)
+    return (out, final) if return_state else out
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """The values of ``x`` when they are known now (not a tracer), else ``None``."""
+    if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        return None
+    try:
+        return np.asarray(x)
+    except Exception:  # an abstract value (e.g. ShapeDtypeStruct) has no contents
+        return None
+
+
+def validate_kernel_delta_attention(a: dict[str, Any]) -> dict[str, Any]:
+    """Check every argument of the gated delta rule; fill defaults. Raises ValueError/TypeError."""
+    op = OP
+    q, k, v, beta, g = a["query"], a["key"], a["value"], a["beta"], a["g"]
+    check_array(op, "query", q, ndim=4, letters="[B, S, H, K]")
+    check_array(op, "key", k, ndim=4, letters="[B, S, H, K]")
+    check_array(op, "value", v, ndim=4, letters="[B, S, H, V]")
+    check_array(op, "beta", beta, ndim=3, letters="[B, S, H]")
+    check_array(op, "g", g, ndim=(3, 4), letters="[B, S, H, K] or [B, S, H]")
+    for name, x in (("query", q), ("key", k), ("value", v), ("beta", beta), ("g", g)):
+        if not is_floating(x):
+            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"{op}: `query`, `key` and `value` must share one dtype; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    b, s, h, dk = q.shape
+    if tuple(k.shape) != (b, s, h, dk):
+        raise ValueError(
+            f"{op}: `key` must be [B, S, H, K] like query; got key.shape={tuple(k.shape)}, "
+            f"query.shape={tuple(q.shape)}"
+        )
+    if tuple(v.shape[:3]) != (b, s, h):
+        raise ValueError(
+            f"{op}: `value` must be [B, S, H, V]; got value.shape={tuple(v.shape)}, "
+            f"query.shape={tuple(q.shape)}"
+        )
+    if min(s, h, dk, v.shape[3]) == 0:
+        raise ValueError(
+            f"{op}: `query`/`value` must have non-empty S, H, K, V; got {q.shape}, {v.shape}"
+        )
+    if tuple(beta.shape) != (b, s, h):
+        raise ValueError(
+            f"{op}: `beta` must be [B, S, H]={(b, s, h)}; got beta.shape={tuple(beta.shape)}"
+        )
+    if tuple(g.shape) not in ((b, s, h, dk), (b, s, h)):
+        raise ValueError(
+            f"{op}: `g` must be [B, S, H, K]={(b, s, h, dk)} or [B, S, H]={(b, s, h)}; "
+            f"got g.shape={tuple(g.shape)}"
+        )
+    cu = a.get("cu_seqlens")
+    num_states = b
+    if cu is not None:
+        check_array(op, "cu_seqlens", cu, ndim=1, letters="[N + 1]")
+        if not is_integer(cu):
+            raise TypeError(f"{op}: `cu_seqlens` must be an integer array; got dtype {cu.dtype}")
+        if cu.shape[0] < 2:
+            raise ValueError(
+                f"{op}: `cu_seqlens` must be [N + 1] with N >= 1; got cu_seqlens.shape={tuple(cu.shape)}"
+            )
+        if b != 1:
+            raise ValueError(
+                f"{op}: with `cu_seqlens` the sequences are packed along S of a batch of one "
+                f"(B == 1); got query.shape={tuple(q.shape)}"
+            )
+        values = _concrete(cu)
+        if values is not None and (
+            values[0] < 0 or values[-1] > s or np.any(np.diff(values.astype(np.int64)) < 0)
+        ):
+            raise ValueError(
+                f"{op}: `cu_seqlens` must lie in [0, S={s}] and never decrease; got {values.tolist()}"
+            )
+        num_states = cu.shape[0] - 1
+    state = a.get("initial_state")
+    if state is not None:
+        letters = "[N, H, K, V]" if cu is not None else "[B, H, K, V]"
+        check_array(op, "initial_state", state, ndim=4, letters=letters)
+        want = (num_states, h, dk, v.shape[3])
+        if tuple(state.shape) != want or not is_floating(state):
+            raise ValueError(
+                f"{op}: `initial_state` must be floating {letters}={want}; got "
+                f"initial_state.shape={tuple(state.shape)}, dtype {state.dtype}"
+            )
+    scale = a.get("softmax_scale")
+    a["softmax_scale"] = float(dk**-0.5 if scale is None else _number(op, "softmax_scale", scale))
+    for flag in ("use_qk_l2norm", "return_state"):
+        if not isinstance(a.get(flag), (bool, np.bool_)):
+            raise TypeError(f"{op}: `{flag}` must be a bool; got {a.get(flag)!r}")
+        a[flag] = bool(a[flag])
+    return a
+
+
+def _number(op: str, name: str, x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{op}: `{name}` must be a Python number (it is static); got {x!r}")
+    return float(x)
+
+
+def synthetic_kernel_delta_attention(abstract: Any, seed: int = 0) -> dict[str, Any]:
+    """Valid inputs for autotuning: decays ``g ≤ 0``, ``beta`` in (0, 1), evenly cut sequences."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for name, x in abstract.items():
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            out[name] = x
+            continue
+        normal = rng.standard_normal(x.shape, dtype=np.float32)
+        if name == "cu_seqlens":
+            tokens = abstract["query"].shape[1]
+            n = x.shape[0] - 1
+            normal = np.linspace(0, tokens, n + 1).round()
+        elif name == "g":
+            normal = -np.logaddexp(0.0, normal)  # -softplus: a decay in log space
+        elif name == "beta":
+            normal = 1.0 / (1.0 + np.exp(-normal))
+        out[name] = jnp.asarray(normal, x.dtype)
+    return out
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=(
+        Arg(name="query", array=True, required=True, differentiable=True),
+        Arg(name="key", array=True, required=True, differentiable=True),
+        Arg(name="value", array=True, required=True, differentiable=True),
+        Arg(name="beta", array=True, required=True, differentiable=True),
+        Arg(name="g", array=True, required=True, differentiable=True),
+        Arg(name="initial_state", array=True, differentiable=True),
+        Arg(name="softmax_scale", array=False),
+        Arg(name="use_qk_l2norm", array=False, default=True),
+        Arg(name="cu_seqlens", array=True),
+        Arg(name="return_state", array=False, default=False),
+    ),
+    validate=validate_kernel_delta_attention,
+    reference=kernel_delta_attention_reference,
+    synthetic=synthetic_kernel_delta_attention,
+)
+
+
+def kernel_delta_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    beta: jax.Array,
+    g: jax.Array,
+    *,
+    initial_state: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    cu_seqlens: jax.Array | None = None,
+    return_state: bool = False,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The gated delta rule (Kimi Delta Attention; a scalar ``g`` is Gated DeltaNet).
+
+    ``S_t = (I - β_t k_t k_tᵀ) diag(exp(g_t)) S_{t-1} + β_t k_t v_tᵀ``, ``o_t = scale · q_tᵀ S_t``.
+
+    Args:
+        query: [B, S, H, K].
+        key: [B, S, H, K].
+        value: [B, S, H, V].
+        beta: [B, S, H] delta-rule step sizes; differentiable.
+        g: [B, S, H, K] (per key channel) or [B, S, H] (per head) log-space decays, ``≤ 0`` for
+            a bounded state; differentiable.
+        initial_state: [B, H, K, V] (or [N, H, K, V] with ``cu_seqlens``); zeros when ``None``.
+        softmax_scale: scales the query; default K ** -0.5.
+        use_qk_l2norm: L2-normalise query and key over K first.
+        cu_seqlens: [N + 1] integer offsets of N sequences packed along S (B must be 1); each
+            sequence starts from its own state.
+        return_state: also return the final state.
+        platform: force an installed platform (``"xla"``, ...).
+        cfg: a config for the selected implementation (this call only, never cached).
+
+    Returns:
+        out [B, S, H, V] in the query dtype; with ``return_state``, ``(out, final_state)`` and
+        final_state [B, H, K, V] (or [N, H, K, V]) float32.
+    """
+    return call_op(SPEC, locals())

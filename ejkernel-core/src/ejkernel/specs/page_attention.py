@@ -1,0 +1,153 @@
+"""page_attention: one decode token per sequence over a paged KV cache (forward only).
+
+Semantics (OPS.md vocabulary; the paged layout of :mod:`ejkernel.specs.ragged_page_attention`):
+sequence ``s`` has one query, its newest token, at position ``kv_lens[s] - 1``; it sees the
+keys at positions ``[0, kv_lens[s])`` held in the pages ``block_tables[s, :ceil(kv_lens[s] /
+page_size)]`` (later table slots are never read and may hold any value), restricted to
+``[p - left, p]`` by ``sliding_window``. ``logits_soft_cap`` applies ``cap · tanh(x / cap)``
+before masking. A sequence with ``kv_lens[s] == 0`` returns zeros. GQA: query head ``h`` reads
+KV head ``h // (Hq // Hkv)``. Accumulation is float32; the output keeps the query dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.specs._base import Arg, OpSpec, call_op, default_synthetic
+from ejkernel.specs.ragged_page_attention import (
+    attend_rows,
+    check_block_tables,
+    check_index_vector,
+    check_paged_cache,
+    check_queries,
+    gather_sequence_pages,
+    paged_statics,
+    synthetic_paged_batch,
+    window_mask,
+)
+
+__all__ = ["SPEC", "page_attention", "page_attention_reference", "validate_page_attention"]
+
+OP = "page_attention"
+
+
+def page_attention_reference(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+) -> jax.Array:
+    """Plain-JAX oracle: gather each sequence's pages, one masked softmax per sequence."""
+    if softmax_scale is None:
+        softmax_scale = query.shape[-1] ** -0.5
+    keys = gather_sequence_pages(key_cache, block_tables)  # [S, capacity, Hkv, D]
+    values = gather_sequence_pages(value_cache, block_tables)
+    k_pos = jnp.arange(keys.shape[1])[None, :]
+    kv_len = kv_lens.astype(jnp.int32)[:, None]
+    q_pos = kv_len - 1  # the decode token is the newest one
+    visible = (k_pos < kv_len) & window_mask(
+        k_pos, q_pos, causal=True, sliding_window=sliding_window
+    )
+    return attend_rows(
+        query,
+        keys,
+        values,
+        visible,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap,
+    )
+
+
+def validate_page_attention(a: dict[str, Any]) -> dict[str, Any]:
+    """Check every argument; fill defaults. Raises ValueError/TypeError."""
+    _, _, hkv, d = check_paged_cache(OP, a["key_cache"], a["value_cache"])
+    check_queries(
+        OP, "query", a["query"], letters="[S, Hq, D]", hkv=hkv, d=d, dtype=a["key_cache"].dtype
+    )
+    s = int(a["query"].shape[0])
+    check_index_vector(OP, "kv_lens", a["kv_lens"], letters="[S]", length=s)
+    check_block_tables(OP, "block_tables", a["block_tables"], num_seqs=s)
+    paged_statics(OP, a, d=d)
+    return a
+
+
+def _synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    out = default_synthetic(abstract, seed)
+    num_pages, page_size = abstract["key_cache"].shape[:2]
+    s, max_pages = abstract["block_tables"].shape
+    batch = synthetic_paged_batch(
+        np.random.default_rng(seed),
+        num_seqs=s,
+        num_tokens=s,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_pages=max_pages,
+    )
+    # NumPy, not jnp: tuning starts while a trace is active, where jnp operations are staged.
+    out["kv_lens"] = batch["kv_lens"].astype(abstract["kv_lens"].dtype)
+    out["block_tables"] = batch["block_tables"].astype(abstract["block_tables"].dtype)
+    return out
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=(
+        Arg(name="query", array=True, required=True),
+        Arg(name="key_cache", array=True, required=True),
+        Arg(name="value_cache", array=True, required=True),
+        Arg(name="kv_lens", array=True, required=True),
+        Arg(name="block_tables", array=True, required=True),
+        Arg(name="softmax_scale", array=False),
+        Arg(name="logits_soft_cap", array=False),
+        Arg(name="sliding_window", array=False),
+    ),
+    validate=validate_page_attention,
+    reference=page_attention_reference,
+    differentiable=False,
+    synthetic=_synthetic,
+)
+
+
+def page_attention(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> jax.Array:
+    """Decode attention, one query per sequence, over a paged KV cache (forward only).
+
+    Args:
+        query: [S, Hq, D], the newest token of each sequence.
+        key_cache: [num_pages, page_size, Hkv, D], Hq % Hkv == 0 (GQA/MQA).
+        value_cache: [num_pages, page_size, Hkv, D].
+        kv_lens: [S] int32, tokens in the cache per sequence (the query's own included).
+        block_tables: [S, max_pages] int32, page ids in order; slots past
+            ``ceil(kv_len / page_size)`` are never read and may hold any value.
+        softmax_scale: multiplies the logits; default D ** -0.5.
+        logits_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking.
+        sliding_window: ``(left, right)`` or ``w``; the query sees keys in
+            ``[kv_len - 1 - left, kv_len - 1]``.
+        platform: force an installed platform (``"xla"``, ...).
+        cfg: a config for the selected implementation (this call only).
+
+    Returns:
+        [S, Hq, D] in the query dtype; sequences with ``kv_len == 0`` give zeros.
+    """
+    return call_op(SPEC, locals())

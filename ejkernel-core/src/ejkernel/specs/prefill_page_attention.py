@@ -1,0 +1,168 @@
+"""prefill_page_attention: causal chunked prefill of one sequence over its pages (forward only).
+
+Semantics (OPS.md vocabulary; the paged layout of :mod:`ejkernel.specs.ragged_page_attention`):
+the sequence holds ``kv_len`` tokens in the pages ``page_indices[:ceil(kv_len / page_size)]``
+(later entries are never read and may hold any value); the ``C`` queries are its last ``C``
+tokens, so query ``i`` sits at position ``kv_len - C + i`` and sees the keys at positions
+``<=`` its own (a query at a negative position, when ``C > kv_len``, sees nothing and returns
+zeros), restricted to ``[p - left, p]`` by ``sliding_window``. ``logits_soft_cap`` applies
+``cap · tanh(x / cap)`` before masking. ``kv_len`` is a Python int or an integer array of
+shape ``()`` or ``(1,)`` (it may be traced). GQA: query head ``h`` reads KV head
+``h // (Hq // Hkv)``. Accumulation is float32; the output keeps the query dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, default_synthetic
+from ejkernel.specs.ragged_page_attention import (
+    attend_rows,
+    check_index_vector,
+    check_paged_cache,
+    check_queries,
+    check_scalar_index,
+    gather_sequence_pages,
+    paged_block_tables,
+    paged_statics,
+    window_mask,
+)
+
+__all__ = [
+    "SPEC",
+    "prefill_page_attention",
+    "prefill_page_attention_reference",
+    "validate_prefill_page_attention",
+]
+
+OP = "prefill_page_attention"
+
+
+def prefill_page_attention_reference(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_len: Any,
+    page_indices: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+) -> jax.Array:
+    """Plain-JAX oracle: gather the sequence's pages, one causal masked softmax per query."""
+    c = query.shape[0]
+    if softmax_scale is None:
+        softmax_scale = query.shape[-1] ** -0.5
+    kv_len = jnp.asarray(kv_len, jnp.int32).reshape(())
+    keys = gather_sequence_pages(key_cache, page_indices[None])[0]  # [capacity, Hkv, D]
+    values = gather_sequence_pages(value_cache, page_indices[None])[0]
+    k_pos = jnp.arange(keys.shape[0])[None, :]
+    q_pos = (kv_len - c + jnp.arange(c))[:, None]  # the queries are the last C tokens
+    visible = (k_pos < kv_len) & window_mask(
+        k_pos, q_pos, causal=True, sliding_window=sliding_window
+    )
+    return attend_rows(
+        query,
+        jnp.broadcast_to(keys, (c, *keys.shape)),
+        jnp.broadcast_to(values, (c, *values.shape)),
+        visible,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap,
+    )
+
+
+def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
+    """Check every argument; fill defaults; ``kv_len`` becomes an int32 scalar array."""
+    _, page_size, hkv, d = check_paged_cache(OP, a["key_cache"], a["value_cache"])
+    check_queries(
+        OP, "query", a["query"], letters="[C, Hq, D]", hkv=hkv, d=d, dtype=a["key_cache"].dtype
+    )
+    pages = a["page_indices"]
+    check_array(OP, "page_indices", pages, ndim=1, letters="[P]")
+    if int(pages.shape[0]) == 0:
+        raise ValueError(
+            f"{OP}: `page_indices` must be [P] with P >= 1; got page_indices.shape=(0,)"
+        )
+    check_index_vector(OP, "page_indices", pages, letters="[P]", length=int(pages.shape[0]))
+    a["kv_len"] = check_scalar_index(
+        OP, "kv_len", a["kv_len"], upper=int(pages.shape[0]) * page_size
+    )
+    paged_statics(OP, a, d=d)
+    return a
+
+
+def _synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    out = default_synthetic(abstract, seed)
+    rng = np.random.default_rng(seed)
+    num_pages, page_size = abstract["key_cache"].shape[:2]
+    (p,) = abstract["page_indices"].shape
+    c = abstract["query"].shape[0]
+    capacity = p * page_size
+    kv_len = int(rng.integers(min(c, capacity), capacity + 1))
+    pages = paged_block_tables(
+        rng, [kv_len], num_pages=num_pages, page_size=page_size, max_pages=p
+    )[0]
+    # NumPy, not jnp: tuning starts while a trace is active, where jnp operations are staged.
+    out["page_indices"] = pages.astype(abstract["page_indices"].dtype)
+    out["kv_len"] = np.full(abstract["kv_len"].shape, kv_len, abstract["kv_len"].dtype)
+    return out
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=(
+        Arg(name="query", array=True, required=True),
+        Arg(name="key_cache", array=True, required=True),
+        Arg(name="value_cache", array=True, required=True),
+        Arg(name="kv_len", array=True, required=True),
+        Arg(name="page_indices", array=True, required=True),
+        Arg(name="softmax_scale", array=False),
+        Arg(name="logits_soft_cap", array=False),
+        Arg(name="sliding_window", array=False),
+    ),
+    validate=validate_prefill_page_attention,
+    reference=prefill_page_attention_reference,
+    differentiable=False,
+    synthetic=_synthetic,
+)
+
+
+def prefill_page_attention(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_len: int | jax.Array,
+    page_indices: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> jax.Array:
+    """Causal attention of one sequence's prefill chunk over its pages (forward only).
+
+    Args:
+        query: [C, Hq, D], the sequence's last C tokens.
+        key_cache: [num_pages, page_size, Hkv, D], Hq % Hkv == 0 (GQA/MQA).
+        value_cache: [num_pages, page_size, Hkv, D].
+        kv_len: tokens in the cache (the chunk included): a Python int in
+            ``[0, P · page_size]`` or an integer array of shape () or (1,), may be traced.
+        page_indices: [P] int32, the sequence's page ids in order; entries past
+            ``ceil(kv_len / page_size)`` are never read and may hold any value.
+        softmax_scale: multiplies the logits; default D ** -0.5.
+        logits_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking.
+        sliding_window: ``(left, right)`` or ``w``; a query at position p sees keys in
+            ``[p - left, p]``.
+        platform: force an installed platform (``"xla"``, ...).
+        cfg: a config for the selected implementation (this call only).
+
+    Returns:
+        [C, Hq, D] in the query dtype; queries at negative positions give zeros.
+    """
+    return call_op(SPEC, locals())

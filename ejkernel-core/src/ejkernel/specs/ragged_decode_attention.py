@@ -1,0 +1,177 @@
+"""ragged_decode_attention: one decode query per row over the valid range of a dense cache.
+
+Semantics (OPS.md vocabulary): row ``b`` of the dense cache ``key``/``value`` ``[B, Sk, Hkv, ·]``
+holds valid keys at positions ``[sequence_start[b], sequence_end[b])`` (both clamped to
+``[0, Sk]``); its query is the newest token, at position ``p = sequence_end[b] - 1``, and sees
+the valid keys, restricted to ``[p - left, p + right]`` by ``sliding_window`` (``right`` is moot:
+nothing lies past ``p``). Logits are ``softmax_scale · q·kᵀ``, then ``cap · tanh(x / cap)``
+when ``logits_soft_cap`` is set; ``softmax_aux`` sink logits ``[Hq]`` or ``[Hq, n]`` join the
+denominator only. An empty range (``end <= start``) returns zeros. GQA: query head ``h`` reads
+KV head ``h // (Hq // Hkv)``. Accumulation is float32; the output keeps the query dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, default_synthetic, is_floating
+from ejkernel.specs.ragged_page_attention import (
+    attend_rows,
+    check_index_vector,
+    check_sinks,
+    paged_statics,
+    window_mask,
+)
+
+__all__ = [
+    "SPEC",
+    "ragged_decode_attention",
+    "ragged_decode_attention_reference",
+    "validate_ragged_decode_attention",
+]
+
+OP = "ragged_decode_attention"
+
+
+def ragged_decode_attention_reference(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    sequence_start: jax.Array,
+    sequence_end: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    softmax_aux: jax.Array | None = None,
+) -> jax.Array:
+    """Plain-JAX oracle: one masked softmax per row over its whole dense cache."""
+    sk = key.shape[1]
+    if softmax_scale is None:
+        softmax_scale = query.shape[-1] ** -0.5
+    start = jnp.clip(sequence_start.astype(jnp.int32), 0, sk)[:, None]
+    end = jnp.clip(sequence_end.astype(jnp.int32), 0, sk)[:, None]
+    k_pos = jnp.arange(sk)[None, :]
+    visible = (k_pos >= start) & (k_pos < end)
+    visible &= window_mask(k_pos, end - 1, causal=True, sliding_window=sliding_window)
+    return attend_rows(
+        query,
+        key,
+        value,
+        visible,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap,
+        softmax_aux=softmax_aux,
+    )
+
+
+def validate_ragged_decode_attention(a: dict[str, Any]) -> dict[str, Any]:
+    """Check every argument; fill defaults. Raises ValueError/TypeError."""
+    q, k, v = a["query"], a["key"], a["value"]
+    check_array(OP, "query", q, ndim=3, letters="[B, Hq, D]")
+    check_array(OP, "key", k, ndim=4, letters="[B, Sk, Hkv, D]")
+    check_array(OP, "value", v, ndim=4, letters="[B, Sk, Hkv, Dv]")
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if not is_floating(x):
+            raise TypeError(f"{OP}: `{name}` must be a floating array; got dtype {x.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"{OP}: `query`, `key` and `value` must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    b, hq, d = (int(n) for n in q.shape)
+    if (
+        int(k.shape[0]) != b
+        or int(k.shape[3]) != d
+        or int(k.shape[2]) == 0
+        or hq % int(k.shape[2]) != 0
+    ):
+        raise ValueError(
+            f"{OP}: `key` must be [B, Sk, Hkv, D] with Hq % Hkv == 0; got key.shape="
+            f"{tuple(k.shape)}, query.shape={tuple(q.shape)}"
+        )
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(
+            f"{OP}: `value` must be [B, Sk, Hkv, Dv]; got value.shape={tuple(v.shape)}, key.shape={tuple(k.shape)}"
+        )
+    if min(b, hq, d, int(k.shape[1]), int(v.shape[3])) == 0:
+        raise ValueError(
+            f"{OP}: `query`/`key`/`value` must not be empty; got {q.shape}, {k.shape}, {v.shape}"
+        )
+    for name in ("sequence_start", "sequence_end"):
+        check_index_vector(OP, name, a[name], letters="[B]", length=b)
+    check_sinks(OP, a.get("softmax_aux"), hq)
+    paged_statics(OP, a, d=d)
+    return a
+
+
+def _synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    out = default_synthetic(abstract, seed)
+    rng = np.random.default_rng(seed)
+    b, sk = abstract["key"].shape[:2]
+    end = rng.integers(1, sk + 1, size=b)
+    start = np.array([rng.integers(0, e) for e in end])
+    # NumPy, not jnp: tuning starts while a trace is active, where jnp operations are staged.
+    out["sequence_start"] = start.astype(abstract["sequence_start"].dtype)
+    out["sequence_end"] = end.astype(abstract["sequence_end"].dtype)
+    return out
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=(
+        Arg(name="query", array=True, required=True),
+        Arg(name="key", array=True, required=True),
+        Arg(name="value", array=True, required=True),
+        Arg(name="sequence_start", array=True, required=True),
+        Arg(name="sequence_end", array=True, required=True),
+        Arg(name="softmax_scale", array=False),
+        Arg(name="logits_soft_cap", array=False),
+        Arg(name="sliding_window", array=False),
+        Arg(name="softmax_aux", array=True),
+    ),
+    validate=validate_ragged_decode_attention,
+    reference=ragged_decode_attention_reference,
+    differentiable=False,
+    synthetic=_synthetic,
+)
+
+
+def ragged_decode_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    sequence_start: jax.Array,
+    sequence_end: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    softmax_aux: jax.Array | None = None,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> jax.Array:
+    """Decode attention over the valid range ``[start, end)`` of each row of a dense cache.
+
+    Args:
+        query: [B, Hq, D], the newest token of each row (at position ``end - 1``).
+        key: [B, Sk, Hkv, D], Hq % Hkv == 0 (GQA/MQA).
+        value: [B, Sk, Hkv, Dv].
+        sequence_start: [B] int32, first valid position (clamped to [0, Sk]).
+        sequence_end: [B] int32, one past the last valid position (clamped to [0, Sk]).
+        softmax_scale: multiplies the logits; default D ** -0.5.
+        logits_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking.
+        sliding_window: ``(left, right)`` or ``w``; the query sees keys in
+            ``[end - 1 - left, end - 1]``.
+        softmax_aux: [Hq] or [Hq, n] attention-sink logits (denominator only).
+        platform: force an installed platform (``"xla"``, ...).
+        cfg: a config for the selected implementation (this call only).
+
+    Returns:
+        [B, Hq, Dv] in the query dtype (Dv = D in the usual case); empty ranges give zeros.
+    """
+    return call_op(SPEC, locals())

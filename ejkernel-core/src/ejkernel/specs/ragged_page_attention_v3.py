@@ -1,0 +1,200 @@
+"""ragged_page_attention_v3: write the new tokens' keys/values into their pages, then attend.
+
+Semantics (OPS.md vocabulary): :mod:`ejkernel.specs.ragged_page_attention` preceded by the
+cache update. ``kv_lens`` counts tokens *after* the update, so live token ``i`` of sequence
+``s`` (``q_len`` tokens, packed at ``query_start_loc[s] + i``) sits at position
+``p = kv_lens[s] - q_len + i``; its key ``keys[t]`` and value ``values[t]`` are written to page
+``block_tables[s, p // page_size]``, slot ``p % page_size``. Tokens of no live sequence (past
+``num_seqs``, or outside every sequence's range) and tokens at a negative position are not
+written. Then every query attends, causally, to its sequence's ``kv_lens[s]`` keys, the ones
+just written included. Two tokens writing one slot (sequences whose *new* tokens share a page
+slot) leave an unspecified one of them; sharing read-only prefix pages is fine.
+
+Returns ``(out [T, Hq, D], key_cache, value_cache)``, the caches updated. The update is a
+functional scatter (``cache.at[page, slot].set``): under ``jax.jit`` with the caches donated
+(``donate_argnums``), XLA aliases each updated cache to its input buffer and writes only the
+``T`` new slots, in place; without donation the caller keeps the old caches and XLA copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
+from ejkernel.specs.ragged_page_attention import (
+    packed_paged_reference,
+    ragged_tokens,
+    synthetic_packed_inputs,
+    validate_ragged_page_attention,
+)
+
+__all__ = [
+    "SPEC",
+    "ragged_page_attention_v3",
+    "ragged_page_attention_v3_reference",
+    "validate_ragged_page_attention_v3",
+    "write_new_tokens",
+]
+
+OP = "ragged_page_attention_v3"
+
+
+def write_new_tokens(
+    cache: jax.Array,
+    new: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: Any,
+) -> jax.Array:
+    """``cache`` with each live token's row of ``new [T, Hkv, D]`` written at its position."""
+    num_pages, page_size = cache.shape[:2]
+    max_pages = block_tables.shape[1]
+    seq, position, live = ragged_tokens(query_start_loc, kv_lens, num_seqs, new.shape[0])
+    column = position // page_size
+    live &= (position >= 0) & (column < max_pages)
+    page = block_tables[seq, jnp.clip(column, 0, max_pages - 1)]
+    live &= (page >= 0) & (page < num_pages)
+    # Tokens that must not be written go to page `num_pages`: out of range, dropped.
+    page = jnp.where(live, page, num_pages)
+    return cache.at[page, position % page_size].set(new.astype(cache.dtype), mode="drop")
+
+
+def ragged_page_attention_v3_reference(
+    queries: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: Any,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    softmax_aux: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Plain-JAX oracle: write the new keys/values, then the ragged reference."""
+    tables = (kv_lens, block_tables, query_start_loc, num_seqs)
+    key_cache = write_new_tokens(key_cache, keys, *tables)
+    value_cache = write_new_tokens(value_cache, values, *tables)
+    out = packed_paged_reference(
+        queries,
+        key_cache,
+        value_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        causal=True,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window,
+        softmax_aux=softmax_aux,
+    )
+    return out, key_cache, value_cache
+
+
+def validate_ragged_page_attention_v3(a: dict[str, Any]) -> dict[str, Any]:
+    """Check every argument; fill defaults; ``num_seqs`` becomes an int32 scalar array."""
+    validate_ragged_page_attention(a, op=OP)
+    t = int(a["queries"].shape[0])
+    _, _, hkv, d = a["key_cache"].shape
+    for name in ("keys", "values"):
+        x = a[name]
+        check_array(OP, name, x, ndim=3, letters="[T, Hkv, D]")
+        if not is_floating(x) or x.dtype != a["key_cache"].dtype:
+            raise TypeError(
+                f"{OP}: `{name}` must share the cache dtype {a['key_cache'].dtype}; got dtype {x.dtype}"
+            )
+        if tuple(x.shape) != (t, hkv, d):
+            raise ValueError(
+                f"{OP}: `{name}` must be [T, Hkv, D]={(t, hkv, d)}; got {name}.shape={tuple(x.shape)}"
+            )
+    return a
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=(
+        Arg(name="queries", array=True, required=True),
+        Arg(name="keys", array=True, required=True),
+        Arg(name="values", array=True, required=True),
+        Arg(name="key_cache", array=True, required=True),
+        Arg(name="value_cache", array=True, required=True),
+        Arg(name="kv_lens", array=True, required=True),
+        Arg(name="block_tables", array=True, required=True),
+        Arg(name="query_start_loc", array=True, required=True),
+        Arg(name="num_seqs", array=True, required=True),
+        Arg(name="softmax_scale", array=False),
+        Arg(name="logits_soft_cap", array=False),
+        Arg(name="sliding_window", array=False),
+        Arg(name="softmax_aux", array=True),
+    ),
+    validate=validate_ragged_page_attention_v3,
+    reference=ragged_page_attention_v3_reference,
+    differentiable=False,
+    synthetic=synthetic_packed_inputs,
+)
+
+
+def ragged_page_attention_v3(
+    queries: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: int | jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    softmax_aux: jax.Array | None = None,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write the new tokens' keys/values into the paged cache, then ragged paged attention.
+
+    To update the cache in place, call it inside ``jax.jit`` with the caches donated and use
+    the returned caches from then on::
+
+        step = jax.jit(ejkernel.ragged_page_attention_v3, donate_argnums=(3, 4))
+        out, key_cache, value_cache = step(q, k, v, key_cache, value_cache, kv_lens,
+                                           block_tables, query_start_loc, num_seqs)
+
+    Without donation the result is the same, but XLA copies the caches. So it does when a
+    donated buffer cannot be reused: one still read by a computation in flight, or (on CPU)
+    one that aliases NumPy memory, as ``jnp.asarray`` of an aligned NumPy array may.
+
+    Args:
+        queries: [T, Hq, D], the packed queries of every sequence.
+        keys: [T, Hkv, D], the new tokens' keys (one per query token).
+        values: [T, Hkv, D], the new tokens' values.
+        key_cache: [num_pages, page_size, Hkv, D], Hq % Hkv == 0 (GQA/MQA).
+        value_cache: [num_pages, page_size, Hkv, D].
+        kv_lens: [num_seqs] int32, tokens per sequence *after* the update.
+        block_tables: [num_seqs, max_pages] int32, page ids in order (the new tokens' pages
+            included); slots past ``ceil(kv_len / page_size)`` are never read or written.
+        query_start_loc: [num_seqs + 1] int32, offsets of each sequence's new tokens.
+        num_seqs: live sequences: a Python int or an integer array of shape () or (1,).
+        softmax_scale: multiplies the logits; default D ** -0.5.
+        logits_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking.
+        sliding_window: ``(left, right)`` or ``w``; a query at position p sees keys in
+            ``[p - left, p]``.
+        softmax_aux: [Hq] or [Hq, n] attention-sink logits (denominator only).
+        platform: force an installed platform (``"xla"``, ...).
+        cfg: a config for the selected implementation (this call only).
+
+    Returns:
+        ``(out [T, Hq, D], key_cache, value_cache)``: the attention output in the query dtype
+        (zeros for tokens of no live sequence and rows that see no key) and the updated caches.
+    """
+    return call_op(SPEC, locals())

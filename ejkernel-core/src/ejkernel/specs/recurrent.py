@@ -1,0 +1,394 @@
+"""recurrent: gated linear recurrence (linear attention with log-space gates), forward and backward.
+
+Semantics every implementation follows (OPS.md vocabulary), for each head:
+
+- ``h_t = h_{t-1} ⊙ exp(g_t + gk_t)[:, None] ⊙ exp(gv_t)[None, :] + k_tᵀ v_t`` with
+  ``h [K, V]``, and ``o_t = softmax_scale · q_t h_t``. Gates are log-space decays (a gate of 0
+  keeps the state); an absent gate is 0. ``softmax_scale`` scales the query (no softmax is
+  taken); default ``K ** -0.5``.
+- ``reverse=True`` runs the same recurrence from the last token to the first (each packed
+  sequence on its own), as flash-linear-attention's ``fused_recurrent`` does: token t then sees
+  tokens ≥ t, and the final state is the one after token 0.
+- ``initial_state [N, H, K, V]`` (zeros when absent) is the state before the first token of each
+  sequence; ``N = B``, or the number of packed sequences with ``cu_seqlens``.
+- ``cu_seqlens [N + 1]`` (integer, non-decreasing, ``B == 1``) packs N sequences along the token
+  axis: sequence n is tokens ``[cu_seqlens[n], cu_seqlens[n + 1])``; the state resets to
+  ``initial_state[n]`` at its start. Tokens outside ``[cu_seqlens[0], cu_seqlens[N])`` belong
+  to no sequence: their output is zero and they touch no state. An empty sequence's final state
+  is its initial state. The offsets' values are not checked (they may be traced).
+- ``return_state=True`` returns ``(out, final_state)`` with ``final_state [N, H, K, V]`` float32
+  (the state after each sequence's last token); otherwise ``out``.
+
+Accumulation is float32; ``out [B, S, H, V]`` keeps the query dtype. Differentiable in query,
+key, value, every gate and ``initial_state``.
+
+This module also holds what the other linear-attention specs (``gla``,
+``lightning_attention``) share: validation helpers, the sequential reference
+:func:`linear_recurrence_reference` and the autotuning input builder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+
+__all__ = [
+    "SPEC",
+    "linear_recurrence_reference",
+    "linear_synthetic",
+    "recurrent",
+    "recurrent_reference",
+    "validate_linear_common",
+    "validate_recurrent",
+]
+
+OP = "recurrent"
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def linear_recurrence_reference(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    key_gate: jax.Array | None = None,
+    value_gate: jax.Array | None = None,
+    initial_state: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    reverse: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    return_state: bool = False,
+) -> Any:
+    """The sequential oracle of every linear-attention op: one ``lax.scan`` step per token.
+
+    Args:
+        query: [B, S, H, K].
+        key: [B, S, H, K].
+        value: [B, S, H, V].
+        key_gate: log decay of the state's K axis, broadcastable to [B, S, H, K] (a per-head
+            scalar gate is given as [B, S, H, 1]); ``None`` = 0.
+        value_gate: log decay of the state's V axis, [B, S, H, V]; ``None`` = 0.
+        initial_state: [N, H, K, V]; ``None`` = zeros.
+        softmax_scale: scales the query; ``None`` = K ** -0.5.
+        reverse: run from the last token to the first.
+        cu_seqlens: [N + 1] packed-sequence offsets (B == 1).
+        return_state: also return the final states [N, H, K, V] (float32).
+
+    Returns:
+        ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state)``.
+    """
+    b, s, h, dk = query.shape
+    dv = value.shape[-1]
+    scale = dk**-0.5 if softmax_scale is None else softmax_scale
+    f32 = lambda x: x.astype(jnp.float32)
+    q, k, v = f32(query) * scale, f32(key), f32(value)
+    lk = jnp.zeros((b, s, h, dk), jnp.float32)
+    if key_gate is not None:
+        lk = lk + f32(key_gate)
+    lv = jnp.zeros((b, s, h, dv), jnp.float32) if value_gate is None else f32(value_gate)
+
+    t = jnp.arange(s)
+    if cu_seqlens is None:
+        num_seqs = b
+        seq = jnp.zeros((b, s), jnp.int32)  # row-local sequence index: each row is one sequence
+        inside = jnp.ones((b, s), bool)
+        first = jnp.broadcast_to(t == (s - 1 if reverse else 0), (b, s))
+        last = jnp.broadcast_to(t == (0 if reverse else s - 1), (b, s))
+        rows = 1
+    else:
+        cu = cu_seqlens.astype(jnp.int32)
+        num_seqs = cu.shape[0] - 1
+        n = jnp.searchsorted(cu[1:], t, side="right")  # cu[n] <= t < cu[n + 1]
+        inside = (t >= cu[0]) & (n < num_seqs)
+        n = jnp.minimum(n, num_seqs - 1)
+        starts, ends = cu[n], cu[n + 1] - 1
+        first, last = (ends, starts) if reverse else (starts, ends)
+        seq, inside, first, last = (x[None] for x in (n, inside, t == first, t == last))
+        rows = num_seqs
+    init = (
+        jnp.zeros((num_seqs, h, dk, dv), jnp.float32)
+        if initial_state is None
+        else f32(initial_state)
+    )
+    init = init.reshape(b, rows, h, dk, dv)  # per batch row: the initial states of its sequences
+
+    def one_row(q, k, v, lk, lv, seq, inside, first, last, init):
+        def step(carry, x):
+            state, finals = carry
+            q_t, k_t, v_t, lk_t, lv_t, n, inside_t, first_t, last_t = x
+            state = jnp.where(first_t, init[n], state)
+            decay = jnp.exp(lk_t)[:, :, None] * jnp.exp(lv_t)[:, None, :]
+            new = state * decay + k_t[:, :, None] * v_t[:, None, :]
+            state = jnp.where(inside_t, new, state)
+            out = jnp.where(inside_t, jnp.einsum("hk,hkv->hv", q_t, state), 0.0)
+            finals = jnp.where(inside_t & last_t, finals.at[n].set(state), finals)
+            return (state, finals), out
+
+        xs = (q, k, v, lk, lv, seq, inside, first, last)
+        (_, finals), out = lax.scan(step, (jnp.zeros_like(init[0]), init), xs, reverse=reverse)
+        return out, finals
+
+    out, finals = jax.vmap(one_row)(q, k, v, lk, lv, seq, inside, first, last, init)
+    out = out.astype(query.dtype)
+    if return_state:
+        return out, finals.reshape(num_seqs, h, dk, dv)
+    return out
+
+
+def recurrent_reference(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    g: jax.Array | None = None,
+    gk: jax.Array | None = None,
+    gv: jax.Array | None = None,
+    initial_state: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    reverse: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    return_state: bool = False,
+) -> Any:
+    """``lax.scan`` over time in float32: the oracle every implementation is tested against."""
+    key_gate = None
+    if g is not None:
+        key_gate = g[..., None]
+    if gk is not None:
+        key_gate = gk if key_gate is None else key_gate + gk
+    return linear_recurrence_reference(
+        query,
+        key,
+        value,
+        key_gate=key_gate,
+        value_gate=gv,
+        initial_state=initial_state,
+        softmax_scale=softmax_scale,
+        reverse=reverse,
+        cu_seqlens=cu_seqlens,
+        return_state=return_state,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def validate_linear_common(op: str, a: dict[str, Any]) -> dict[str, Any]:
+    """Check query, key, value, initial_state, cu_seqlens and the statics shared by the
+    linear-attention ops; fill ``softmax_scale``. Raises ValueError/TypeError."""
+    q, k, v = a["query"], a["key"], a["value"]
+    check_array(op, "query", q, ndim=4, letters="[B, S, H, K]")
+    check_array(op, "key", k, ndim=4, letters="[B, S, H, K]")
+    check_array(op, "value", v, ndim=4, letters="[B, S, H, V]")
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if not is_floating(x):
+            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"{op}: `query`, `key` and `value` must share one dtype; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    b, s, h, dk = q.shape
+    if tuple(k.shape) != (b, s, h, dk):
+        raise ValueError(
+            f"{op}: `key` must be [B, S, H, K] like the query; got key.shape={tuple(k.shape)}, "
+            f"query.shape={tuple(q.shape)}"
+        )
+    if tuple(v.shape[:3]) != (b, s, h):
+        raise ValueError(
+            f"{op}: `value` must be [B, S, H, V]; got value.shape={tuple(v.shape)}, "
+            f"query.shape={tuple(q.shape)}"
+        )
+    if min(b, s, h, dk, v.shape[3]) == 0:
+        raise ValueError(
+            f"{op}: `query`/`value` must have non-empty B, S, H, K, V; got query.shape="
+            f"{tuple(q.shape)}, value.shape={tuple(v.shape)}"
+        )
+    num_seqs = b
+    cu = a.get("cu_seqlens")
+    if cu is not None:
+        check_array(op, "cu_seqlens", cu, ndim=1, letters="[N + 1]")
+        if not is_integer(cu):
+            raise TypeError(f"{op}: `cu_seqlens` must be an integer array; got dtype {cu.dtype}")
+        if cu.shape[0] < 2:
+            raise ValueError(
+                f"{op}: `cu_seqlens` must be [N + 1] with N >= 1 sequences; got "
+                f"cu_seqlens.shape={tuple(cu.shape)}"
+            )
+        if b != 1:
+            raise ValueError(
+                f"{op}: `cu_seqlens` packs sequences along S and needs B == 1; got "
+                f"query.shape={tuple(q.shape)}"
+            )
+        num_seqs = cu.shape[0] - 1
+    init = a.get("initial_state")
+    if init is not None:
+        letters = (
+            "[N, H, K, V] (N = number of cu_seqlens sequences)"
+            if cu is not None
+            else "[B, H, K, V]"
+        )
+        check_array(op, "initial_state", init, ndim=4, letters=letters)
+        want = (num_seqs, h, dk, v.shape[3])
+        if tuple(init.shape) != want or not is_floating(init):
+            raise ValueError(
+                f"{op}: `initial_state` must be floating {letters}={want}; got "
+                f"initial_state.shape={tuple(init.shape)}, dtype {init.dtype}"
+            )
+    scale = a.get("softmax_scale")
+    a["softmax_scale"] = float(dk**-0.5 if scale is None else number(op, "softmax_scale", scale))
+    for flag in ("reverse", "return_state"):
+        if flag in a:
+            value = a.get(flag) if a.get(flag) is not None else False
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{op}: `{flag}` must be a bool; got {value!r}")
+            a[flag] = bool(value)
+    return a
+
+
+def check_gate(op: str, name: str, x: Any, want: tuple[int, ...], letters: str) -> None:
+    """A log-space gate: a floating array of exactly ``want`` (OPS.md ``letters``)."""
+    check_array(op, name, x, ndim=len(want), letters=letters)
+    if tuple(x.shape) != want:
+        raise ValueError(
+            f"{op}: `{name}` must be {letters}={want}; got {name}.shape={tuple(x.shape)}"
+        )
+    if not is_floating(x):
+        raise TypeError(
+            f"{op}: `{name}` must be a floating array (log-space gate); got dtype {x.dtype}"
+        )
+
+
+def validate_recurrent(a: dict[str, Any]) -> dict[str, Any]:
+    """Check every argument of :func:`recurrent`; fill defaults. Raises ValueError/TypeError."""
+    a = validate_linear_common(OP, a)
+    b, s, h, dk = a["query"].shape
+    dv = a["value"].shape[3]
+    for name, want, letters in (
+        ("g", (b, s, h), "[B, S, H]"),
+        ("gk", (b, s, h, dk), "[B, S, H, K]"),
+        ("gv", (b, s, h, dv), "[B, S, H, V]"),
+    ):
+        if a.get(name) is not None:
+            check_gate(OP, name, a[name], want, letters)
+    return a
+
+
+def number(op: str, name: str, x: Any) -> float:
+    """A static Python number (a concrete 0-d array is accepted; a tracer is not)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                f"{op}: `{name}` must be a Python number (it is static, part of the compiled "
+                f"kernel); got a traced value"
+            )
+        if hasattr(x, "shape") and np.shape(x) == ():
+            return float(x)
+        raise TypeError(f"{op}: `{name}` must be a number; got {x!r}")
+    return float(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Autotuning inputs
+# --------------------------------------------------------------------------------------------
+
+#: Gate arguments of the linear-attention ops: synthetic values are log-sigmoids (decays ≤ 1).
+GATE_NAMES = ("g", "gk", "gv")
+
+
+def linear_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Valid concrete inputs: normal q/k/v, decaying gates, evenly spread ``cu_seqlens``,
+    positive ``slopes``."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for name, value in abstract.items():
+        if not isinstance(value, jax.ShapeDtypeStruct):
+            out[name] = value
+            continue
+        x = rng.standard_normal(value.shape).astype(np.float32)
+        if name == "cu_seqlens":
+            total = abstract["query"].shape[1]
+            n = value.shape[0] - 1
+            x = np.linspace(0, total, n + 1).round()
+        elif name in GATE_NAMES:
+            x = -np.logaddexp(0.0, -x)  # log-sigmoid
+        elif name == "slopes":
+            x = np.abs(x) + 0.01
+        out[name] = jnp.asarray(x, value.dtype)
+    return out
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=(
+        Arg(name="query", array=True, required=True, differentiable=True),
+        Arg(name="key", array=True, required=True, differentiable=True),
+        Arg(name="value", array=True, required=True, differentiable=True),
+        Arg(name="g", array=True, differentiable=True),
+        Arg(name="gk", array=True, differentiable=True),
+        Arg(name="gv", array=True, differentiable=True),
+        Arg(name="initial_state", array=True, differentiable=True),
+        Arg(name="softmax_scale", array=False),
+        Arg(name="reverse", array=False, default=False),
+        Arg(name="cu_seqlens", array=True),
+        Arg(name="return_state", array=False, default=False),
+    ),
+    validate=validate_recurrent,
+    reference=recurrent_reference,
+    synthetic=linear_synthetic,
+)
+
+
+def recurrent(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    g: jax.Array | None = None,
+    gk: jax.Array | None = None,
+    gv: jax.Array | None = None,
+    initial_state: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    reverse: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    return_state: bool = False,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> Any:
+    """Gated linear recurrence ``h_t = h_{t-1} ⊙ exp(g_t + gk_t)[:, None] ⊙ exp(gv_t)[None, :]
+    + k_tᵀ v_t``, ``o_t = softmax_scale · q_t h_t``, on the best installed platform.
+
+    Args:
+        query: [B, S, H, K].
+        key: [B, S, H, K].
+        value: [B, S, H, V].
+        g: [B, S, H] per-head scalar log gate; differentiable.
+        gk: [B, S, H, K] log gate of the state's K axis; differentiable.
+        gv: [B, S, H, V] log gate of the state's V axis; differentiable.
+        initial_state: [N, H, K, V] (N = B, or the number of ``cu_seqlens`` sequences);
+            differentiable.
+        softmax_scale: scales the query; default K ** -0.5.
+        reverse: run from the last token to the first (token t sees tokens ≥ t).
+        cu_seqlens: [N + 1] integer offsets of N sequences packed along S (B == 1); the state
+            resets at each sequence start; tokens outside every sequence give zeros.
+        return_state: also return the final states.
+        platform: force an installed platform (``"xla"``, ...).
+        cfg: a config for the selected implementation (this call only, never cached).
+
+    Returns:
+        ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
+        when ``return_state``.
+    """
+    return call_op(SPEC, locals())

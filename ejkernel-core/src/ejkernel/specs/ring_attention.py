@@ -1,0 +1,232 @@
+"""ring_attention: sequence-parallel flash attention inside ``jax.shard_map``.
+
+Semantics every implementation follows (OPS.md vocabulary; see also
+:mod:`ejkernel.specs.flash_attention`, whose masking arguments this op shares):
+
+- Without ``axis_name`` the op *is* ``flash_attention`` on the arrays it is given.
+- With ``axis_name`` the call runs inside ``jax.shard_map`` over a mesh holding that axis, of
+  size ``n``, and every device holds shard ``r = axis_index(axis_name)`` of the sequence:
+  ``query`` is rows ``[r·Sq, (r+1)·Sq)`` of a global ``[B, n·Sq, Hq, D]`` query and
+  ``key``/``value`` are rows ``[r·Sk, (r+1)·Sk)`` of the global keys and values, so local query
+  i sits at global row ``r·Sq + i``. The result is the device's rows of ``flash_attention`` on
+  the global arrays: causality and the sliding window use global positions, bottom-right
+  aligned for the global lengths (query row ``g`` at position ``n·Sk - n·Sq + g``).
+- Sharded along the ring like the sequence: ``q_segment_ids`` ``[B, Sq]`` (local rows) and
+  ``kv_segment_ids`` ``[B, Sk]`` (local rows). ``bias`` and ``attention_mask`` hold the
+  device's query rows and *every* key column: broadcastable to ``[B, Hq, Sq, n·Sk]`` (a query
+  axis of 1 is shared by every row; a key axis of 1 by every column).
+- Dropout hashes ``(dropout_seed, batch, head, global query row, global key row)``, so it drops
+  the entries the unsharded call drops when batch and heads are not split over other mesh axes
+  (their indices are the device-local ones).
+- Replicated differentiable inputs (``softmax_aux``, a ``bias`` the same on every device) get
+  the gradient summed over the ring, as ``shard_map`` expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax import lax
+
+from ejkernel.specs._base import (
+    Arg,
+    OpSpec,
+    broadcastable,
+    call_op,
+    check_array,
+    is_floating,
+)
+from ejkernel.specs.flash_attention import (
+    _args,
+    flash_attention_reference,
+    validate_flash_attention,
+)
+
+__all__ = ["SPEC", "ring_attention", "ring_attention_reference", "validate_ring_attention"]
+
+OP = "ring_attention"
+
+
+def ring_axis_size(axis_name: Any) -> int | None:
+    """Size of the bound mesh axis ``axis_name``; ``None`` outside a ``shard_map`` binding it."""
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError:
+        return None
+
+
+def ring_attention_reference(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    axis_name: Any = None,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: Any = None,
+) -> jax.Array:
+    """The oracle: gather the global arrays, run the flash attention reference, keep my rows."""
+    masking = {
+        "softmax_aux": softmax_aux,
+        "softmax_scale": softmax_scale,
+        "causal": causal,
+        "sliding_window": sliding_window,
+        "logits_soft_cap": logits_soft_cap,
+        "dropout_prob": dropout_prob,
+        "dropout_seed": dropout_seed,
+    }
+    if axis_name is None:
+        return flash_attention_reference(
+            query,
+            key,
+            value,
+            bias=bias,
+            attention_mask=attention_mask,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            **masking,
+        )
+
+    def gather(x: jax.Array, axis: int) -> jax.Array:
+        return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+    def gather_ids(x: jax.Array | None) -> jax.Array | None:
+        return None if x is None else gather(x, 1)
+
+    def gather_rows(x: jax.Array | None) -> jax.Array | None:
+        """Bias/mask rows: gathered when they vary along the query axis, else shared."""
+        if x is None:
+            return None
+        x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+        return gather(x, 2) if x.shape[2] > 1 else x
+
+    out = flash_attention_reference(
+        gather(query, 1),
+        gather(key, 1),
+        gather(value, 1),
+        bias=gather_rows(bias),
+        attention_mask=gather_rows(attention_mask),
+        q_segment_ids=gather_ids(q_segment_ids),
+        kv_segment_ids=gather_ids(kv_segment_ids),
+        **masking,
+    )
+    sq = query.shape[1]
+    return lax.dynamic_slice_in_dim(out, lax.axis_index(axis_name) * sq, sq, axis=1)
+
+
+def validate_ring_attention(a: dict[str, Any]) -> dict[str, Any]:
+    """Check every argument (shapes are the device's shards); fill defaults."""
+    axis = a.get("axis_name")
+    ring = 1
+    if axis is not None:
+        try:
+            hash(axis)
+        except TypeError as err:
+            raise TypeError(
+                f"{OP}: `axis_name` must be a mesh axis name (hashable); got {axis!r}"
+            ) from err
+        size = ring_axis_size(axis)
+        if size is None:
+            raise ValueError(
+                f"{OP}: `axis_name`={axis!r} is not a bound mesh axis; call ring_attention "
+                f"inside jax.shard_map over a mesh with that axis (or pass axis_name=None)"
+            )
+        ring = size
+    dense = {name: a.pop(name, None) for name in ("bias", "attention_mask")}
+    a = validate_flash_attention(a, op=OP)
+    b, sq, hq, _ = a["query"].shape
+    target = (b, hq, sq, ring * a["key"].shape[1])
+    letters = "[B, Hq, Sq, n·Sk] (n the ring size, Sk the local key rows)"
+    for name, x in dense.items():
+        if x is None:
+            continue
+        check_array(OP, name, x, ndim=(1, 2, 3, 4), letters=f"broadcastable to {letters}")
+        if name == "attention_mask" and x.dtype != jax.numpy.bool_:
+            raise TypeError(
+                f"{OP}: `attention_mask` must be bool (True = may attend); got {x.dtype}"
+            )
+        if name == "bias" and not is_floating(x):
+            raise TypeError(f"{OP}: `bias` must be floating; got dtype {x.dtype}")
+        if not broadcastable(tuple(x.shape), target):
+            raise ValueError(
+                f"{OP}: `{name}` must be broadcastable to {letters}={target}; got "
+                f"{name}.shape={tuple(x.shape)}"
+            )
+    a.update(dense)
+    return a
+
+
+def _ring_args() -> tuple[Arg, ...]:
+    args = _args(dropout=True, sinks=True)
+    return (*args[:3], Arg(name="axis_name", array=False), *args[3:])
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=_ring_args(),
+    validate=validate_ring_attention,
+    reference=ring_attention_reference,
+)
+
+
+def ring_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    axis_name: Any = None,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: int | jax.Array | None = None,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> jax.Array:
+    """Sequence-parallel flash attention: K/V shards rotate around ``axis_name``.
+
+    Call it inside ``jax.shard_map`` with the sequence axis of query, key and value split over
+    ``axis_name``; each device returns its own query rows of the global attention. Without
+    ``axis_name`` it is :func:`ejkernel.flash_attention`.
+
+    Args:
+        query: [B, Sq, Hq, D], the device's query rows (global row ``r·Sq + i``).
+        key: [B, Sk, Hkv, D], the device's key rows, Hq % Hkv == 0 (GQA/MQA).
+        value: [B, Sk, Hkv, Dv].
+        axis_name: the mesh axis the sequence is split over (static); ``None``: no ring.
+        bias: added to the logits, broadcastable to [B, Hq, Sq, n·Sk] (my query rows, every
+            key column); differentiable.
+        attention_mask: bool, broadcastable to [B, Hq, Sq, n·Sk], True = may attend.
+        q_segment_ids: [B, Sq] int (my rows); with ``kv_segment_ids`` [B, Sk] (my key rows):
+            equal ids attend, negative ids are padding.
+        softmax_aux: [Hq] or [Hq, n_sinks] attention-sink logits (denominator only).
+        softmax_scale: multiplies the logits; default D ** -0.5.
+        causal: causal mask on global positions, bottom-right aligned for the global lengths.
+        sliding_window: ``(left, right)`` or ``w``, on global positions; intersected with
+            ``causal``.
+        logits_soft_cap: logits become ``cap * tanh(logits / cap)`` before bias and masking.
+        dropout_prob: dropout on attention probabilities.
+        dropout_seed: int or integer scalar array; default 0. Entries are dropped by a hash of
+            (seed, batch, head, global query row, global key row).
+        platform: force an installed platform.
+        cfg: a config for the selected implementation (this call only, never cached).
+
+    Returns:
+        [B, Sq, Hq, Dv] in the query dtype (my rows); rows with no visible key are zeros.
+    """
+    return call_op(SPEC, locals())

@@ -1,0 +1,196 @@
+"""state_space_v1: the Mamba-1 selective scan (a diagonal SSM with input-dependent step).
+
+Semantics every implementation follows (OPS.md vocabulary; ``I`` channels, ``N`` state size),
+as Mamba's ``selective_scan`` (Gu and Dao, "Mamba: Linear-Time Sequence Modeling with
+Selective State Spaces", 2023, Alg. 2 with the zero-order-hold of A and the Euler step of B):
+
+- ``Δ = dt + dt_bias`` (``dt_bias`` ``[I]`` when given), then ``softplus(Δ)`` when
+  ``dt_softplus``;
+- per channel i and state n: ``h_t = exp(Δ_t A) ⊙ h_{t-1} + (Δ_t x_t) B_t``, i.e.
+  ``h_t[i, n] = exp(Δ_t[i] A[i, n]) h_{t-1}[i, n] + Δ_t[i] x_t[i] B_t[n]``;
+- ``y_t[i] = Σ_n C_t[n] h_t[i, n] + D[i] x_t[i]``, then ``y_t *= silu(gate_t)`` when a
+  ``gate`` (Mamba's ``z``) is given.
+
+``A`` is usually negative (``-exp(A_log)``) and ``Δ`` positive, so ``exp(Δ A) ≤ 1``. The state
+starts from ``initial_state`` ``[B, I, N]`` (zeros when not given); ``return_state=True``
+returns ``(out, final_state)`` with the state in float32. ``out`` keeps the dtype of ``x``;
+accumulation is float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
+
+__all__ = [
+    "SPEC",
+    "state_space_v1",
+    "state_space_v1_reference",
+    "validate_state_space_v1",
+]
+
+OP = "state_space_v1"
+
+
+def state_space_v1_reference(
+    x: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    D: jax.Array,
+    dt: jax.Array,
+    *,
+    gate: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    dt_softplus: bool = False,
+    initial_state: jax.Array | None = None,
+    return_state: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The selective scan token by token (a ``lax.scan`` over time) in float32: the oracle."""
+    f32 = lambda v: v.astype(jnp.float32)
+    b, _, i = x.shape
+    n = A.shape[1]
+    delta = f32(dt) if dt_bias is None else f32(dt) + f32(dt_bias)
+    if dt_softplus:
+        delta = jax.nn.softplus(delta)
+    h0 = jnp.zeros((b, i, n), jnp.float32) if initial_state is None else f32(initial_state)
+    a = f32(A)
+
+    def step(h: jax.Array, xs: Any) -> tuple[jax.Array, jax.Array]:
+        x_t, d_t, b_t, c_t = xs  # [B, I], [B, I], [B, N], [B, N]
+        h = jnp.exp(d_t[..., None] * a) * h + (d_t * x_t)[..., None] * b_t[:, None, :]
+        return h, jnp.einsum("bin,bn->bi", h, c_t)
+
+    time_major = lambda v: jnp.moveaxis(f32(v), 1, 0)
+    final, y = jax.lax.scan(step, h0, tuple(map(time_major, (x, delta, B, C))))
+    y = jnp.moveaxis(y, 0, 1) + f32(D) * f32(x)
+    if gate is not None:
+        y = y * jax.nn.silu(f32(gate))
+    out = y.astype(x.dtype)
+    return (out, final) if return_state else out
+
+
+def validate_state_space_v1(a: dict[str, Any]) -> dict[str, Any]:
+    """Check every argument of the selective scan. Raises ValueError/TypeError."""
+    op = OP
+    x, A = a["x"], a["A"]
+    check_array(op, "x", x, ndim=3, letters="[B, S, I]")
+    check_array(op, "A", A, ndim=2, letters="[I, N]")
+    b, s, i = x.shape
+    if min(s, i) == 0:
+        raise ValueError(f"{op}: `x` must have non-empty S and I; got x.shape={tuple(x.shape)}")
+    if A.shape[0] != i or A.shape[1] == 0:
+        raise ValueError(
+            f"{op}: `A` must be [I, N] with I={i}, N >= 1; got A.shape={tuple(A.shape)}"
+        )
+    n = A.shape[1]
+    shapes = {
+        "B": ("[B, S, N]", (b, s, n)),
+        "C": ("[B, S, N]", (b, s, n)),
+        "D": ("[I]", (i,)),
+        "dt": ("[B, S, I]", (b, s, i)),
+        "gate": ("[B, S, I]", (b, s, i)),
+        "dt_bias": ("[I]", (i,)),
+        "initial_state": ("[B, I, N]", (b, i, n)),
+    }
+    for name in ("x", "A", *shapes):
+        v = a.get(name)
+        if v is None:
+            continue
+        if name in shapes:
+            letters, want = shapes[name]
+            check_array(op, name, v, ndim=len(want), letters=letters)
+            if tuple(v.shape) != want:
+                raise ValueError(
+                    f"{op}: `{name}` must be {letters}={want}; got {name}.shape={tuple(v.shape)}"
+                )
+        if not is_floating(v):
+            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {v.dtype}")
+    for flag in ("dt_softplus", "return_state"):
+        if not isinstance(a.get(flag), (bool, np.bool_)):
+            raise TypeError(f"{op}: `{flag}` must be a bool; got {a.get(flag)!r}")
+        a[flag] = bool(a[flag])
+    return a
+
+
+def synthetic_state_space(abstract: Any, seed: int = 0) -> dict[str, Any]:
+    """Valid inputs for autotuning a state-space op: ``A < 0``, positive steps ``dt``."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for name, v in abstract.items():
+        if not isinstance(v, jax.ShapeDtypeStruct):
+            out[name] = v
+            continue
+        normal = rng.standard_normal(v.shape, dtype=np.float32)
+        if name == "A":
+            normal = -np.exp(0.5 * normal)
+        elif name in ("dt", "dt_bias"):
+            normal = 0.1 * np.logaddexp(0.0, normal)  # small positive steps
+        out[name] = jnp.asarray(normal, v.dtype)
+    return out
+
+
+SPEC = OpSpec(
+    name=OP,
+    args=(
+        Arg(name="x", array=True, required=True, differentiable=True),
+        Arg(name="A", array=True, required=True, differentiable=True),
+        Arg(name="B", array=True, required=True, differentiable=True),
+        Arg(name="C", array=True, required=True, differentiable=True),
+        Arg(name="D", array=True, required=True, differentiable=True),
+        Arg(name="dt", array=True, required=True, differentiable=True),
+        Arg(name="gate", array=True, differentiable=True),
+        Arg(name="dt_bias", array=True, differentiable=True),
+        Arg(name="dt_softplus", array=False, default=False),
+        Arg(name="initial_state", array=True, differentiable=True),
+        Arg(name="return_state", array=False, default=False),
+    ),
+    validate=validate_state_space_v1,
+    reference=state_space_v1_reference,
+    synthetic=synthetic_state_space,
+)
+
+
+def state_space_v1(
+    x: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    D: jax.Array,
+    dt: jax.Array,
+    *,
+    gate: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    dt_softplus: bool = False,
+    initial_state: jax.Array | None = None,
+    return_state: bool = False,
+    platform: str | None = None,
+    cfg: Any = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Mamba-1 selective scan: ``h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_t``, ``y_t = C_t h_t + D x_t``.
+
+    Args:
+        x: [B, S, I] input.
+        A: [I, N] state matrix (diagonal per channel; negative for decay).
+        B: [B, S, N] input projection per token.
+        C: [B, S, N] output projection per token.
+        D: [I] skip connection.
+        dt: [B, S, I] step sizes Δ (before ``dt_bias`` and ``dt_softplus``).
+        gate: [B, S, I]; the output is multiplied by ``silu(gate)`` (Mamba's z).
+        dt_bias: [I] added to ``dt``.
+        dt_softplus: apply softplus to ``dt + dt_bias``.
+        initial_state: [B, I, N]; zeros when ``None``.
+        return_state: also return the final state.
+        platform: force an installed platform (``"xla"``, ...).
+        cfg: a config for the selected implementation (this call only, never cached).
+
+    Returns:
+        out [B, S, I] in the dtype of ``x``; with ``return_state``, ``(out, final_state)`` and
+        final_state [B, I, N] float32.
+    """
+    return call_op(SPEC, locals())
