@@ -15,6 +15,17 @@ from ejkernel.plugins import hookimpl
 OPS: dict[str, str | None] = {
     "flash_attention": "FlashAttentionConfig",
     "scaled_dot_product_attention": "FlashAttentionConfig",
+    "attention": None,
+    "blocksparse_attention": None,
+    "multi_head_latent_attention": "MultiHeadLatentAttentionConfig",
+    "page_attention": "PageAttentionConfig",
+    "ragged_decode_attention": "RaggedDecodeAttentionConfig",
+    "ragged_page_attention": "RaggedPageAttentionConfig",
+    "ragged_page_attention_v3": "RaggedPageAttentionV3Config",
+    "prefill_page_attention": "PrefillPageAttentionConfig",
+    "unified_attention": "UnifiedAttentionConfig",
+    "grouped_matmul": "GroupedMatmulConfig",
+    "mean_pooling": None,
 }
 
 

@@ -9,9 +9,9 @@ through :func:`ejkernel.plugins.defvjp`. The algorithm is FlashAttention-2 (Dao,
   ``[B, Hkv, G, S, D]`` with ``G = Hq // Hkv``, so grouped queries (GQA/MQA) share one key
   block in a single batched matmul and ``dK``/``dV`` sum over the group for free.
 - Forward (Alg. 1, with the online softmax of Sec. 3.1.1). A map over query blocks, inside a
-  scan over key blocks carrying the running row maximum ``m``, denominator ``l`` and
+  scan over key blocks carrying the running row maximum ``m``, denominator ``denom`` and
   accumulator ``acc`` in float32; both are rescaled by ``exp(m_old - m_new)`` when the maximum
-  grows, and the division by ``l`` happens once at the end. Sinks (``softmax_aux``) join the
+  grows, and the division by ``denom`` happens once at the end. Sinks (``softmax_aux``) join the
   maximum and the denominator at the end of the scan. Dropout drops entries of the
   unnormalised block probabilities before they multiply V (the same entries as the reference,
   from :func:`ejkernel.specs.flash_attention.dropout_keep` evaluated with global indices) and
@@ -43,10 +43,11 @@ import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
 from ejkernel._params import BwdParams, FwdParams
 from ejkernel.plugins import defvjp
 from ejkernel.specs.flash_attention import dropout_keep
-from jax import lax
 
 __all__ = [
     "FlashAttentionConfig",
@@ -62,19 +63,28 @@ _MASK_VALUE = float(np.finfo(np.float32).min)
 #: Logsumexp saved for a row with no visible key: ``exp(anything - it)`` is 0.
 _EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
 
-#: Default (q_blocksize, kv_blocksize) per backend. On CPU few large blocks win (each loop
-#: step costs a while-loop iteration and breaks fusion); on accelerators blocks stay small
-#: enough for each step's [B, Hq, bq, bk] tiles to remain cheap.
-_DEFAULT_BLOCKS: dict[str, tuple[int, int]] = {
-    "cpu": (512, 1024),
-    "gpu": (128, 128),
-    "tpu": (512, 512),
+#: Default ((fwd q, fwd kv), (bwd q, bwd kv)) block sizes per backend, before the tile budget.
+#: On CPU the best blocks are narrow in queries and wide in keys: a [128..256, 1024] float32
+#: tile per head stays in cache while loop steps stay few (measured at (1, 1024, 8, 64) and
+#: (1, 4096, 8, 64)). On GPU each loop step is a handful of kernel launches, so the largest
+#: blocks win (measured on an H100 from (1, 1024, 8, 64) to (1, 32768, 8, 128): 2048 x 2048
+#: ran 7x to 30x faster than 128 x 128); TPU is assumed to behave alike (not measured).
+_DEFAULT_BLOCKS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "cpu": ((256, 1024), (128, 1024)),
+    "gpu": ((2048, 2048), (2048, 2048)),
+    "tpu": ((1024, 1024), (1024, 1024)),
 }
-#: Block sizes tried by :func:`config_space` per backend.
-_TUNING_BLOCKS: dict[str, tuple[int, ...]] = {
-    "cpu": (128, 256, 512, 1024),
-    "gpu": (64, 128, 256, 512),
-    "tpu": (128, 256, 512, 1024),
+#: Most float32 elements of one [B, Hq, bq, bk] tile per backend: default blocks are halved
+#: (the longer one first, queries on a tie) until a tile fits, so large batches and head
+#: counts stay within memory.
+_TILE_BUDGET: dict[str, int] = {"cpu": 2**26, "gpu": 2**28, "tpu": 2**27}
+#: Smallest block the budget shrinks a default to.
+_MIN_BLOCK = 128
+#: (q_blocksize, kv_blocksize) pairs :func:`config_space` offers per backend.
+_TUNING_BLOCKS: dict[str, tuple[tuple[int, int], ...]] = {
+    "cpu": ((128, 1024), (256, 1024), (128, 512), (256, 256), (512, 512), (128, 2048)),
+    "gpu": ((512, 1024), (1024, 1024), (1024, 2048), (2048, 2048), (512, 2048)),
+    "tpu": ((256, 512), (512, 512), (512, 1024), (1024, 1024), (1024, 2048)),
 }
 
 
@@ -90,39 +100,37 @@ class FlashAttentionConfig:
         bwd_params: block sizes of the backward pass.
     """
 
-    fwd_params: FwdParams = FwdParams()
-    bwd_params: BwdParams = BwdParams()
+    fwd_params: FwdParams = attrs.field(factory=FwdParams)
+    bwd_params: BwdParams = attrs.field(factory=BwdParams)
 
 
 def heuristic(inv: Any) -> FlashAttentionConfig:
     """The backend's default block sizes, clamped to the sequence lengths of ``inv``."""
-    sq, sk = _sequence_lengths(inv)
-    bq, bk = _clamp_blocks(_DEFAULT_BLOCKS[_backend()], sq, sk)
+    b, hq, sq, sk = _problem_size(inv)
+    fwd, bwd = (_default_blocks(b, hq, sq, sk, backward=p) for p in (False, True))
     return FlashAttentionConfig(
-        fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk),
-        bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk),
+        fwd_params=FwdParams(q_blocksize=fwd[0], kv_blocksize=fwd[1]),
+        bwd_params=BwdParams(q_blocksize=bwd[0], kv_blocksize=bwd[1]),
     )
 
 
 def config_space(inv: Any) -> list[FlashAttentionConfig]:
-    """A handful of (q_blocksize, kv_blocksize) pairs, none longer than the sequence.
+    """The heuristic's config, then a handful of block pairs, none longer than the sequence.
 
-    Square blocks of every tuning size, plus each size of query block against the largest key
-    block; the forward and backward share their block sizes.
+    Each pair serves both passes; pairs that clamp to the same blocks appear once, so a short
+    sequence has a single candidate.
     """
-    sq, sk = _sequence_lengths(inv)
-    sizes = _TUNING_BLOCKS[_backend()]
-    pairs = [(s, s) for s in sizes] + [(s, sizes[-1]) for s in sizes[1:-1]]
-    seen: dict[tuple[int, int], None] = {}
-    for pair in pairs:
-        seen.setdefault(_clamp_blocks(pair, sq, sk))
-    return [
-        FlashAttentionConfig(
+    _, _, sq, sk = _problem_size(inv)
+    configs = [heuristic(inv)]
+    for pair in _TUNING_BLOCKS[_backend()]:
+        bq, bk = _clamp_blocks(pair, sq, sk)
+        cfg = FlashAttentionConfig(
             fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk),
             bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk),
         )
-        for bq, bk in seen
-    ]
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
 
 
 def supports(inv: Any) -> bool:
@@ -171,23 +179,7 @@ def flash_attention_xla(
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    out, _ = _flash_attention_fwd(
-        query=query,
-        key=key,
-        value=value,
-        bias=bias,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        softmax_aux=softmax_aux,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        dropout_prob=dropout_prob,
-        dropout_seed=dropout_seed,
-        cfg=cfg,
-    )
+    out, _ = _flash_attention_fwd(**locals())
     return out
 
 
@@ -295,20 +287,7 @@ def scaled_dot_product_attention_xla(
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    out, _ = _scaled_dot_product_attention_fwd(
-        query=query,
-        key=key,
-        value=value,
-        bias=bias,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        cfg=cfg,
-    )
+    out, _ = _scaled_dot_product_attention_fwd(**locals())
     return out
 
 
@@ -361,9 +340,34 @@ def _backend() -> str:
     return name if name in _DEFAULT_BLOCKS else "cpu"
 
 
-def _sequence_lengths(inv: Any) -> tuple[int, int]:
-    kwargs = inv.kwargs
-    return int(kwargs["query"].shape[1]), int(kwargs["key"].shape[1])
+def _problem_size(inv: Any) -> tuple[int, int, int, int]:
+    """``(B, Hq, Sq, Sk)`` of an invocation (shapes only: arrays may be tracers)."""
+    b, sq, hq, _ = inv.kwargs["query"].shape
+    return int(b), int(hq), int(sq), int(inv.kwargs["key"].shape[1])
+
+
+def _default_blocks(b: int, hq: int, sq: int, sk: int, *, backward: bool) -> tuple[int, int]:
+    """The backend's default blocks, halved until a [B, Hq, bq, bk] tile fits the budget.
+
+    Then balanced: a sequence just past a block multiple is split into as many blocks of
+    equal size (a multiple of 8) instead of a full block of padding (129 rows: 2 x 72, not
+    2 x 128).
+    """
+    backend = _backend()
+    bq, bk = _clamp_blocks(_DEFAULT_BLOCKS[backend][1 if backward else 0], sq, sk)
+    while b * hq * bq * bk > _TILE_BUDGET[backend] and max(bq, bk) > _MIN_BLOCK:
+        if bq >= bk and bq > _MIN_BLOCK:
+            bq //= 2
+        else:
+            bk //= 2
+    return _balanced(bq, sq), _balanced(bk, sk)
+
+
+def _balanced(block: int, seq: int) -> int:
+    if block >= seq:
+        return seq
+    per_block = -(-seq // -(-seq // block))
+    return min(block, -(-per_block // 8) * 8)
 
 
 def _clamp_blocks(blocks: tuple[int, int], sq: int, sk: int) -> tuple[int, int]:
@@ -402,7 +406,8 @@ def _statics(
     query, key = arrays["query"], arrays["key"]
     cfg = cfg if cfg is not None else FlashAttentionConfig()
     params = cfg.bwd_params if backward else cfg.fwd_params
-    default_q, default_k = _DEFAULT_BLOCKS[_backend()]
+    b, sq, hq, _ = query.shape
+    default_q, default_k = _default_blocks(b, hq, sq, key.shape[1], backward=backward)
     bq, bk = _clamp_blocks(
         (params.q_blocksize or default_q, params.kv_blocksize or default_k),
         query.shape[1],
@@ -445,35 +450,35 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
 
         def one_kv_block(carry: Any, j: Any) -> tuple[Any, None]:
             def compute(carry: Any) -> Any:
-                m, l, acc = carry
+                m, denom, acc = carry
                 v_j = _take(vb, j)
                 s, _ = _scores(q_i, _take(kb, j), side, geo, st, i, j)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 alpha = jnp.exp(m - m_new)
                 p = jnp.exp(s - m_new[..., None])
-                l = alpha * l + jnp.sum(p, axis=-1)
+                denom = alpha * denom + jnp.sum(p, axis=-1)
                 if st.dropout_prob > 0.0:
                     p = jnp.where(_keep(a["dropout_seed"], geo, st, i, j), p, 0.0)
                 pv = _dot("bhgqk,bhkd->bhgqd", p.astype(v_j.dtype), v_j)
-                return m_new, l, alpha[..., None] * acc + pv
+                return m_new, denom, alpha[..., None] * acc + pv
 
             return _when(_block_may_see(geo, st, i, j), compute, carry), None
 
-        (m, l, acc), _ = _scan(one_kv_block, init, geo.nk)
+        (m, denom, acc), _ = _scan(one_kv_block, init, geo.nk)
         seen = m > _MASK_VALUE
         if aux is not None:
             # Sinks join the maximum and the denominator only (never the numerator).
             m_all = jnp.maximum(m, jnp.max(aux, axis=-1))
             rescale = jnp.exp(m - m_all)
-            l = l * rescale + jnp.sum(jnp.exp(aux - m_all[..., None]), axis=-1)
+            denom = denom * rescale + jnp.sum(jnp.exp(aux - m_all[..., None]), axis=-1)
             acc = acc * rescale[..., None]
             m = m_all
-        l = jnp.where(seen, l, 1.0)
-        inv_l = jnp.where(seen, 1.0 / l, 0.0)
+        denom = jnp.where(seen, denom, 1.0)
+        inv_denom = jnp.where(seen, 1.0 / denom, 0.0)
         if st.dropout_prob > 0.0:
-            inv_l = inv_l * (1.0 / (1.0 - st.dropout_prob))
-        out_i = (acc * inv_l[..., None]).astype(q.dtype)
-        lse_i = jnp.where(seen, m + jnp.log(l), _EMPTY_ROW_LSE)
+            inv_denom = inv_denom * (1.0 / (1.0 - st.dropout_prob))
+        out_i = (acc * inv_denom[..., None]).astype(q.dtype)
+        lse_i = jnp.where(seen, m + jnp.log(denom), _EMPTY_ROW_LSE)
         return out_i, lse_i
 
     out_b, lse_b = _map(one_q_block, geo.nq)
@@ -586,17 +591,9 @@ class _Geometry:
     @classmethod
     def of(cls, q: jax.Array, k: jax.Array, v: jax.Array, st: _Statics) -> _Geometry:
         b, sq, hq, d = q.shape
-        return cls(
-            b=b,
-            sq=sq,
-            sk=k.shape[1],
-            hq=hq,
-            hkv=k.shape[2],
-            d=d,
-            dv=v.shape[3],
-            bq=st.block_q,
-            bk=st.block_k,
-        )
+        _, sk, hkv, _ = k.shape
+        dv = v.shape[3]
+        return cls(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=dv, bq=st.block_q, bk=st.block_k)
 
     @property
     def group(self) -> int:
@@ -874,17 +871,8 @@ class _BiasGradient:
         if self.shape is None:
             return None
         b1, h1, _, _ = self._dims4
-        axes = tuple(
-            ax
-            for ax, broadcast in (
-                (0, b1 == 1),
-                (1, h1 == 1),
-                (2, h1 == 1),
-                (3, not self._q_full),
-                (4, not self._k_full),
-            )
-            if broadcast
-        )
+        broadcast = (b1 == 1, h1 == 1, h1 == 1, not self._q_full, not self._k_full)
+        axes = tuple(ax for ax, flag in enumerate(broadcast) if flag)
         return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
 
     def zeros_over_q(self) -> jax.Array | None:

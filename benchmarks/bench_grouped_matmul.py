@@ -1,0 +1,180 @@
+"""Grouped matmul: ejkernel's XLA implementation against ``jax.lax.ragged_dot`` and the reference.
+
+Forward and forward+backward (d_lhs and d_rhs) on float32 at modest CPU shapes, with a skewed
+routing that leaves one expert empty and some rows unrouted. FLOPs are the useful ones,
+2·M·K·N forward and 3× that forward+backward; each implementation's result is checked
+against the float32 reference in the same run (relative error), so a fast wrong kernel never
+counts. A plain dense matmul of the same size ([M, K] × [K, N]) is the ceiling.
+
+GPU (``--gpu``): bf16 MoE shapes of BENCHMARKS.md, the XLA implementation (called directly, at
+several tile sizes) against ``lax.ragged_dot`` and one dense matmul, TFLOP/s, with the relative
+error against ``ragged_dot`` (the float32 reference is too large at these shapes).
+
+Run: ``python benchmarks/bench_grouped_matmul.py [--gpu] [--shapes M,K,N,G ...] [--dtype bfloat16]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ejkernel
+from ejkernel.specs.grouped_matmul import grouped_matmul_reference
+
+
+def timed(fn: Callable[..., Any], *args: Any, iters: int = 5, repeats: int = 5) -> float:
+    """Median ms per call over ``repeats`` batches of ``iters`` (after a compile call)."""
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(runs)
+
+
+def skewed_sizes(m: int, g: int, seed: int = 0) -> np.ndarray:
+    """Dirichlet-skewed rows per expert over 95% of M; expert 1 gets none."""
+    p = np.random.default_rng(seed).dirichlet(np.ones(g))
+    sizes = np.floor(p * m * 0.95).astype(np.int32)
+    if g > 1:
+        sizes[1] = 0
+    return sizes
+
+
+def fwd_bwd(gmm: Callable[..., jax.Array]) -> Callable[..., Any]:
+    def f(lhs, rhs, sizes, d_out):
+        out, vjp = jax.vjp(lambda x, w: gmm(x, w, sizes), lhs, rhs)
+        return out, vjp(d_out)
+
+    return jax.jit(f)
+
+
+def rel_err(x: Any, ref: Any) -> float:
+    errs = [
+        float(jnp.linalg.norm((a.astype(jnp.float32) - b).ravel()) / jnp.linalg.norm(b.ravel()))
+        for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(ref))
+    ]
+    return max(errs)
+
+
+def run(shapes: list[tuple[int, int, int, int]], dtype: Any) -> None:
+    impls: dict[str, Callable[..., jax.Array]] = {
+        "ejkernel xla": lambda x, w, s: ejkernel.grouped_matmul(x, w, s, platform="xla"),
+        "lax.ragged_dot": lambda x, w, s: jax.lax.ragged_dot(x, w, s),
+        "reference (dense, all experts)": grouped_matmul_reference,
+    }
+    print("| M, K, N, G | impl | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s | rel err |")
+    print("|---|---|---|---|---|---|---|")
+    for m, k, n, g in shapes:
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        lhs = jax.random.normal(keys[0], (m, k), jnp.float32)
+        rhs = jax.random.normal(keys[1], (g, k, n), jnp.float32)
+        d_out = jax.random.normal(keys[2], (m, n), jnp.float32)
+        sizes = jnp.asarray(skewed_sizes(m, g))
+        expected = fwd_bwd(grouped_matmul_reference)(lhs, rhs, sizes, d_out)
+        lhs, rhs, d_out = (x.astype(dtype) for x in (lhs, rhs, d_out))
+        flop = 2 * m * k * n
+        dense = jax.jit(lambda x, w: x @ w[0])
+        t_dense = timed(dense, lhs, rhs)
+        print(
+            f"| {m}, {k}, {n}, {g} | dense [M,K]x[K,N] (ceiling) | {t_dense:.2f} | {flop / t_dense / 1e6:.1f} | | | |"
+        )
+        for name, gmm in impls.items():
+            try:
+                fwd = jax.jit(gmm)
+                both = fwd_bwd(gmm)
+                err = rel_err(both(lhs, rhs, sizes, d_out), expected)
+                t_f = timed(fwd, lhs, rhs, sizes)
+                t_fb = timed(both, lhs, rhs, sizes, d_out, iters=3)
+                row = f"{t_f:.2f} | {flop / t_f / 1e6:.1f} | {t_fb:.2f} | {3 * flop / t_fb / 1e6:.1f} | {err:.1e}"
+            except Exception as e:  # unsupported, out of memory: reported, never fatal
+                row = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | | "
+            print(f"| {m}, {k}, {n}, {g} | {name} | {row} |", flush=True)
+
+
+def xla_direct(block_m: int) -> Callable[..., jax.Array]:
+    """The XLA implementation with a fixed tile, its fwd/bwd wired as the executor wires them."""
+    from ejkernel_xla.ops.grouped_matmul import GroupedMatmulConfig, grouped_matmul_xla
+
+    cfg = GroupedMatmulConfig(block_m=block_m)
+    impl: Any = grouped_matmul_xla
+
+    @jax.custom_vjp
+    def gmm(lhs, rhs, sizes):
+        return impl(lhs=lhs, rhs=rhs, group_sizes=sizes, cfg=cfg)
+
+    def fwd(lhs, rhs, sizes):
+        return impl.fwd(lhs=lhs, rhs=rhs, group_sizes=sizes, cfg=cfg)
+
+    def bwd(residuals, d_out):
+        grads = impl.bwd(
+            residuals, d_out, cfg=cfg, preferred_element_type=None, transpose_rhs=False
+        )
+        return grads["lhs"], grads["rhs"], None
+
+    gmm.defvjp(fwd, bwd)
+    return gmm
+
+
+def gpu(shapes: list[tuple[int, int, int, int]], blocks: list[int]) -> None:
+    print("| M, K, N, G | impl | fwd TFLOP/s | fwd+bwd TFLOP/s | rel err vs ragged_dot |")
+    print("|---|---|---|---|---|")
+    for m, k, n, g in shapes:
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        rhs = jax.random.normal(keys[1], (g, k, n), jnp.bfloat16)
+        d_out = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+        sizes = jnp.asarray(skewed_sizes(m, g))
+        flop = 2 * m * k * n
+        t_dense = timed(jax.jit(lambda x, w: x @ w[0]), lhs, rhs, iters=10)
+        print(f"| {m}, {k}, {n}, {g} | dense [M,K]x[K,N] | {flop / t_dense / 1e9:.0f} | | |")
+        anchor = lambda x, w, s: jax.lax.ragged_dot(x, w, s)
+        expected = fwd_bwd(anchor)(lhs, rhs, sizes, d_out)
+        impls = {"lax.ragged_dot": anchor}
+        impls.update({f"ejkernel xla block_m={b}": xla_direct(b) for b in blocks})
+        for name, gmm in impls.items():
+            try:
+                both = fwd_bwd(gmm)
+                err = rel_err(
+                    both(lhs, rhs, sizes, d_out),
+                    jax.tree.map(lambda x: x.astype(jnp.float32), expected),
+                )
+                t_f = timed(jax.jit(gmm), lhs, rhs, sizes, iters=10)
+                t_fb = timed(both, lhs, rhs, sizes, d_out, iters=5)
+                row = f"{flop / t_f / 1e9:.0f} | {3 * flop / t_fb / 1e9:.0f} | {err:.1e}"
+            except Exception as e:  # out of memory, unsupported: reported, never fatal
+                row = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | "
+            print(f"| {m}, {k}, {n}, {g} | {name} | {row} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--shapes", nargs="*", default=None, help="M,K,N,G")
+    parser.add_argument("--dtype", default="float32", help="cpu")
+    parser.add_argument("--blocks", nargs="*", type=int, default=[128, 256, 512, 1024], help="gpu")
+    args = parser.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
+    print(f"jax {jax.__version__}, devices {jax.devices()}, ejkernel {ejkernel.__version__}")
+    print("skewed routing (one empty expert, 5% of rows unrouted)")
+    if args.gpu:
+        default = [(16384, 4096, 4096, 8), (8192, 4096, 14336, 8), (8192, 4096, 1536, 128)]
+        gpu(shapes or default, args.blocks)  # type: ignore[arg-type]
+    else:
+        default = [(1024, 512, 512, 8), (1024, 512, 512, 32)]
+        with ejkernel.ops.policy_override(autotune=False):  # the heuristic's tile, as shipped
+            run(shapes or default, jnp.dtype(args.dtype))  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()

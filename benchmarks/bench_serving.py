@@ -1,0 +1,212 @@
+"""Serving attention: under ``jax.jit`` the time follows ``sum(kv_lens)``, not the cache size.
+
+For ``page_attention`` (decode), ``ragged_page_attention`` (a mixed prefill + decode batch) and
+``ragged_page_attention_v3`` (update + attend, caches donated), on the XLA platform:
+
+1. the same sequences in a cache of ``num_pages`` and of ``10 × num_pages`` pages, and with a
+   table 10x wider (``max_pages``): the time should not move;
+2. ``kv_lens`` doubling at a fixed cache: the time should grow about linearly;
+3. an anchor: a naive jitted implementation that gathers every table slot of every sequence
+   (``[S, max_pages · page_size]`` keys, then one masked softmax), whose time follows the
+   table width instead.
+
+Run: ``python benchmarks/bench_serving.py [--dtype bfloat16] [--seqs 32] [--quick]``.
+Prints markdown tables (median ms of jitted calls after a compile call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ejkernel
+from ejkernel.specs.ragged_page_attention import paged_block_tables
+
+PAGE_SIZE, HQ, HKV, D = 16, 8, 2, 64
+
+
+def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5) -> float:
+    """Median ms per call over ``repeats`` batches of ``iters`` (after a compile call)."""
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(runs)
+
+
+def batch(
+    kv_lens: list[int], q_lens: list[int], num_pages: int, max_pages: int, dtype: Any, seed: int = 0
+) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    tables = paged_block_tables(
+        rng, kv_lens, num_pages=num_pages, page_size=PAGE_SIZE, max_pages=max_pages, unused=-1
+    )
+    cache = (num_pages, PAGE_SIZE, HKV, D)
+    t = sum(q_lens)
+    return {
+        "queries": jnp.asarray(rng.standard_normal((t, HQ, D), np.float32), dtype),
+        "keys": jnp.asarray(rng.standard_normal((t, HKV, D), np.float32), dtype),
+        "values": jnp.asarray(rng.standard_normal((t, HKV, D), np.float32), dtype),
+        # Random contents in a cache this large take a while to draw; any values time the same.
+        "key_cache": jnp.full(cache, 0.5, dtype),
+        "value_cache": jnp.full(cache, -0.25, dtype),
+        "kv_lens": jnp.asarray(kv_lens, jnp.int32),
+        "block_tables": jnp.asarray(tables),
+        "query_start_loc": jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+    }
+
+
+def naive_decode(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+) -> jax.Array:
+    """The anchor: gather every table slot of every sequence, then one masked softmax."""
+    s, max_pages = block_tables.shape
+    ids = jnp.clip(block_tables, 0, key_cache.shape[0] - 1)
+    k = key_cache[ids].reshape(s, max_pages * PAGE_SIZE, HKV, D)
+    v = value_cache[ids].reshape(s, max_pages * PAGE_SIZE, HKV, D)
+    q = query.reshape(s, HKV, HQ // HKV, D)
+    logits = jnp.einsum("shgd,skhd->shgk", q, k, preferred_element_type=jnp.float32) * D**-0.5
+    visible = jnp.arange(max_pages * PAGE_SIZE)[None, None, None, :] < kv_lens[:, None, None, None]
+    p = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("shgk,skhd->shgd", p.astype(v.dtype), v).reshape(s, HQ, D).astype(query.dtype)
+
+
+def decode_fns() -> dict[str, Callable[..., Any]]:
+    ours = lambda b: ejkernel.page_attention(
+        b["queries"],
+        b["key_cache"],
+        b["value_cache"],
+        b["kv_lens"],
+        b["block_tables"],
+        platform="xla",
+    )
+    naive = lambda b: naive_decode(
+        b["queries"], b["key_cache"], b["value_cache"], b["kv_lens"], b["block_tables"]
+    )
+    return {"page_attention": jax.jit(ours), "naive gather-all": jax.jit(naive)}
+
+
+def ragged_fn(b: dict[str, Any]) -> jax.Array:
+    args = (
+        b["queries"],
+        b["key_cache"],
+        b["value_cache"],
+        b["kv_lens"],
+        b["block_tables"],
+        b["query_start_loc"],
+    )
+    return ejkernel.ragged_page_attention(*args, len(b["kv_lens"]), platform="xla")
+
+
+def v3_step() -> Callable[..., Any]:
+    def step(q: Any, k: Any, v: Any, kc: Any, vc: Any, kv_lens: Any, tables: Any, qsl: Any) -> Any:
+        return ejkernel.ragged_page_attention_v3(
+            q, k, v, kc, vc, kv_lens, tables, qsl, kv_lens.shape[0], platform="xla"
+        )
+
+    return jax.jit(step, donate_argnums=(3, 4))
+
+
+def time_v3(b: dict[str, Any]) -> float:
+    """Median ms of the donated update + attention, threading the caches through the calls."""
+    step = v3_step()
+    state = {"kc": b["key_cache"], "vc": b["value_cache"]}
+    rest = (b["kv_lens"], b["block_tables"], b["query_start_loc"])
+
+    def call() -> Any:
+        out, state["kc"], state["vc"] = step(
+            b["queries"], b["keys"], b["values"], state["kc"], state["vc"], *rest
+        )
+        return out
+
+    return timed(call)
+
+
+def mixed_lengths(seqs: int, decode_len: int) -> tuple[list[int], list[int]]:
+    """One 512-token prefill chunk of a 2·decode_len sequence, the rest decode steps."""
+    kv_lens = [2 * decode_len] + [decode_len] * (seqs - 1)
+    q_lens = [512] + [1] * (seqs - 1)
+    return kv_lens, q_lens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes")
+    args = parser.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    s = args.seqs
+    lengths = [128, 256, 512] if args.quick else [256, 512, 1024, 2048]
+    kv = lengths[-2]
+    print(
+        f"device: {jax.devices()[0].device_kind}; S={s}, page_size={PAGE_SIZE}, Hq={HQ}, Hkv={HKV}, D={D}, {dtype}"
+    )
+
+    print("\n### decode (page_attention): same sequences, cache and table grown 10x\n")
+    print("| impl | kv_len | sum(kv_lens) | num_pages | max_pages | ms |")
+    print("|---|---|---|---|---|---|")
+    fns = decode_fns()
+    width = 2 * kv // PAGE_SIZE
+    for num_pages, max_pages in (
+        (s * width, width),
+        (10 * s * width, width),
+        (s * width, 10 * width),
+    ):
+        b = batch([kv] * s, [1] * s, num_pages, max_pages, dtype)
+        for name, fn in fns.items():
+            print(
+                f"| {name} | {kv} | {kv * s} | {num_pages} | {max_pages} | {timed(fn, b):.2f} |",
+                flush=True,
+            )
+
+    print("\n### decode (page_attention): kv_len grown in a fixed cache\n")
+    print("| impl | kv_len | sum(kv_lens) | num_pages | max_pages | ms |")
+    print("|---|---|---|---|---|---|")
+    width = max(lengths) // PAGE_SIZE
+    for n in lengths:
+        b = batch([n] * s, [1] * s, s * width, width, dtype)
+        for name, fn in fns.items():
+            print(
+                f"| {name} | {n} | {n * s} | {s * width} | {width} | {timed(fn, b):.2f} |",
+                flush=True,
+            )
+
+    print(
+        "\n### mixed batch: one 512-token prefill chunk + decodes; v3 = donated update + attend\n"
+    )
+    print("| op | decode kv_len | sum(kv_lens) | num_pages | ms |")
+    print("|---|---|---|---|---|")
+    ragged = jax.jit(ragged_fn)
+    width = 2 * max(lengths) // PAGE_SIZE
+    cases = [(kv, s * width), (kv, 10 * s * width)] + [(n, s * width) for n in lengths if n != kv]
+    for n, num_pages in cases:
+        kv_lens, q_lens = mixed_lengths(s, n)
+        b = batch(kv_lens, q_lens, num_pages, width, dtype)
+        print(
+            f"| ragged_page_attention | {n} | {sum(kv_lens)} | {num_pages} | {timed(ragged, b):.2f} |",
+            flush=True,
+        )
+        print(
+            f"| ragged_page_attention_v3 | {n} | {sum(kv_lens)} | {num_pages} | {time_v3(b):.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

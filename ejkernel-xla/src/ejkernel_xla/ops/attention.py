@@ -1,0 +1,369 @@
+"""attention on XLA: materialised softmax attention returning ``(out, weights)``.
+
+The probabilities are an output, so the whole ``[B, Hq, Sq, Sk]`` matrix is formed in float32:
+
+- Forward. Logits ``softmax_scale · q kᵀ`` (GQA heads laid out as ``[B, Hkv, G, ...]`` so a
+  key/value head is never repeated), soft cap, bias, then the visibility mask of
+  :func:`ejkernel.specs.flash_attention.attention_mask_dense`. A numerically stable softmax
+  whose maximum and denominator include the sinks (``softmax_aux``); rows with no visible key
+  are zeros. Dropout uses flash attention's hash (:func:`~ejkernel.specs.flash_attention.dropout_keep`),
+  so ``weights`` drops the entries flash attention drops. ``out = weights · V`` in float32.
+- Backward (hand-written, attached with :func:`ejkernel.plugins.defvjp`). Cotangents arrive
+  for both outputs; with ``P`` the undropped probabilities and ``W`` the returned weights,
+  ``dW_total = dO Vᵀ + dWeights``, ``dP = keep ∘ dW_total / (1 - p)``, and the softmax
+  Jacobian gives ``dS = P ∘ (dP - Σ_k P dP)`` (sinks have no upstream gradient, so they only
+  enter through ``P``; their own gradient is ``-p_sink · Σ_k P dP``). The soft cap multiplies
+  ``dS`` by ``1 - tanh²``; ``dBias`` is ``dS`` summed into the bias's broadcast shape. Saved:
+  the inputs, ``P`` in float32 and the row logsumexp; the logits are recomputed only for the
+  soft cap.
+
+No config (nothing to tune: one fused graph). ``supports()`` declines nothing: every valid call
+runs, on every backend (memory is O(B · Hq · Sq · Sk) by the op's definition).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.plugins import defvjp
+from ejkernel.specs.flash_attention import attention_mask_dense, dropout_keep
+
+__all__ = ["attention_xla", "supports"]
+
+#: Logsumexp of a row with no visible key: ``exp(sink - it)`` is 0, so such rows get no
+#: sink gradient either.
+_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
+
+
+def supports(inv: Any) -> bool:
+    """Always ``True``: the XLA backend serves every valid call."""
+    del inv
+    return True
+
+
+def attention_xla(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    cfg: None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Materialised attention (arguments as validated by the core spec).
+
+    Args:
+        query: [B, Sq, Hq, D].
+        key: [B, Sk, Hkv, D].
+        value: [B, Sk, Hkv, Dv].
+        bias: broadcastable to [B, Hq, Sq, Sk], added to the (soft-capped) logits.
+        attention_mask: bool, broadcastable to [B, Hq, Sq, Sk], True = may attend.
+        q_segment_ids: [B, Sq] int; a query sees a key when ids are equal and non-negative.
+        kv_segment_ids: [B, Sk] int.
+        softmax_aux: [Hq] or [Hq, n] sink logits, in the softmax denominator only.
+        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
+        causal: bottom-right aligned causal mask.
+        sliding_window: ``(left, right)`` window around each query's position, or ``None``.
+        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
+        dropout_prob: dropout on the attention probabilities.
+        dropout_seed: uint32 scalar seed of the dropout hash (used when dropout_prob > 0).
+        cfg: unused (this implementation has no tunables).
+
+    Returns:
+        ``(out [B, Sq, Hq, Dv], weights [B, Hq, Sq, Sk])`` in the query dtype.
+    """
+    outputs, _ = _attention_fwd(
+        query=query,
+        key=key,
+        value=value,
+        bias=bias,
+        attention_mask=attention_mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        softmax_aux=softmax_aux,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        dropout_prob=dropout_prob,
+        dropout_seed=dropout_seed,
+        cfg=cfg,
+    )
+    return outputs
+
+
+def _attention_fwd(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    cfg: None = None,
+) -> tuple[tuple[jax.Array, jax.Array], dict[str, jax.Array | None]]:
+    """Forward of :func:`attention_xla`: ``((out, weights), residuals)``.
+
+    The residuals are the array inputs, the undropped probabilities ``[B, Hq, Sq, Sk]`` and
+    the row logsumexp ``[B, Hq, Sq]``, both float32.
+    """
+    del cfg
+    arrays = {
+        "query": query,
+        "key": key,
+        "value": value,
+        "bias": bias,
+        "attention_mask": attention_mask,
+        "q_segment_ids": q_segment_ids,
+        "kv_segment_ids": kv_segment_ids,
+        "softmax_aux": softmax_aux,
+        "dropout_seed": _seed(dropout_seed) if dropout_prob > 0.0 else None,
+    }
+    st = _Statics.of(
+        query,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        dropout_prob=dropout_prob,
+    )
+    out, weights, probs, lse = _forward(arrays, st)
+    return (out, weights), {**arrays, "probs": probs, "logsumexp": lse}
+
+
+def _attention_bwd(
+    residuals: dict[str, jax.Array | None],
+    d_outputs: tuple[jax.Array, jax.Array],
+    *,
+    cfg: None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+) -> dict[str, jax.Array | None]:
+    """Backward of :func:`attention_xla` for the cotangents of ``(out, weights)``.
+
+    Returns:
+        Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
+        ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
+    """
+    del cfg
+    st = _Statics.of(
+        residuals["query"],  # type: ignore[arg-type]
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        dropout_prob=dropout_prob,
+    )
+    d_out, d_weights = d_outputs
+    return _backward(residuals, d_out, d_weights, st)
+
+
+defvjp(attention_xla, _attention_fwd, _attention_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class _Statics:
+    """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
+
+    softmax_scale: float
+    causal: bool
+    sliding_window: tuple[int, int] | None
+    logits_soft_cap: float | None
+    dropout_prob: float
+
+    @classmethod
+    def of(
+        cls,
+        query: jax.Array,
+        *,
+        softmax_scale: float | None,
+        causal: bool,
+        sliding_window: tuple[int, int] | None,
+        logits_soft_cap: float | None,
+        dropout_prob: float,
+    ) -> _Statics:
+        return cls(
+            softmax_scale=float(
+                query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+            ),
+            causal=bool(causal),
+            sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
+            logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+            dropout_prob=float(dropout_prob or 0.0),
+        )
+
+
+def _seed(seed: Any) -> jax.Array:
+    return jnp.asarray(0 if seed is None else seed).astype(jnp.uint32)
+
+
+def _raw_logits(q: jax.Array, k: jax.Array, st: _Statics) -> jax.Array:
+    """``softmax_scale · q kᵀ`` as [B, Hq, Sq, Sk] float32 (GQA without repeating K)."""
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, sq, hkv, hq // hkv, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    return s.reshape(b, hq, sq, k.shape[1]) * st.softmax_scale
+
+
+def _visible(a: dict[str, Any], st: _Statics) -> jax.Array:
+    q, k = a["query"], a["key"]
+    return attention_mask_dense(
+        batch=q.shape[0],
+        num_heads=q.shape[2],
+        sq=q.shape[1],
+        sk=k.shape[1],
+        causal=st.causal,
+        sliding_window=st.sliding_window,
+        attention_mask=a["attention_mask"],
+        q_segment_ids=a["q_segment_ids"],
+        kv_segment_ids=a["kv_segment_ids"],
+    )
+
+
+def _keep(a: dict[str, Any], st: _Statics) -> jax.Array:
+    """Dropout keep-mask [B, Hq, Sq, Sk] from global indices (flash attention's hash)."""
+    b, sq, hq, _ = a["query"].shape
+    sk = a["key"].shape[1]
+    return dropout_keep(
+        a["dropout_seed"],
+        jnp.arange(b)[:, None, None, None],
+        jnp.arange(hq)[None, :, None, None],
+        jnp.arange(sq)[None, None, :, None],
+        jnp.arange(sk)[None, None, None, :],
+        st.dropout_prob,
+    )
+
+
+def _sinks(aux: jax.Array | None, hq: int) -> jax.Array | None:
+    """[Hq] or [Hq, n] -> [1, Hq, 1, n] float32."""
+    if aux is None:
+        return None
+    return aux.astype(jnp.float32).reshape(1, hq, 1, -1)
+
+
+def _apply_v(w: jax.Array, v: jax.Array) -> jax.Array:
+    """``w [B, Hq, Sq, Sk] · v [B, Sk, Hkv, Dv]`` -> [B, Sq, Hq, Dv] float32."""
+    b, hq, sq, sk = w.shape
+    hkv = v.shape[2]
+    wg = w.reshape(b, hkv, hq // hkv, sq, sk)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", wg, v.astype(jnp.float32))
+    return out.reshape(b, sq, hq, v.shape[3])
+
+
+def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Sum a [B, Hq, Sq, Sk] array over the axes a ``shape`` operand broadcasts along."""
+    dims = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(ax for ax, n in enumerate(dims) if n == 1 and x.shape[ax] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward and backward passes
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``out``, ``weights`` (query dtype), undropped ``probs`` and ``lse`` (float32)."""
+    q, k, v = a["query"], a["key"], a["value"]
+    hq = q.shape[2]
+    s = _raw_logits(q, k, st)
+    if st.logits_soft_cap is not None:
+        s = st.logits_soft_cap * jnp.tanh(s / st.logits_soft_cap)
+    if a["bias"] is not None:
+        s = s + a["bias"].astype(jnp.float32)
+    visible = _visible(a, st)
+    s = jnp.where(visible, s, -jnp.inf)
+    row_max = jnp.max(s, axis=-1, keepdims=True)
+    aux = _sinks(a["softmax_aux"], hq)
+    if aux is not None:
+        row_max = jnp.maximum(row_max, jnp.max(aux, axis=-1, keepdims=True))
+    # A row with nothing visible (or only -inf logits) has no finite maximum: use 0, so every
+    # exp below is exp(-inf) = 0 and the row's probabilities come out as zeros.
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.exp(s - row_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if aux is not None:
+        denom = denom + jnp.sum(jnp.exp(aux - row_max), axis=-1, keepdims=True)
+    seen = jnp.any(visible, axis=-1, keepdims=True) & (denom > 0.0)
+    denom = jnp.where(seen, denom, 1.0)
+    probs = jnp.where(seen, p / denom, 0.0)
+    lse = jnp.where(seen, row_max + jnp.log(denom), _EMPTY_ROW_LSE)[..., 0]
+    weights = probs
+    if st.dropout_prob > 0.0:
+        weights = jnp.where(_keep(a, st), probs * (1.0 / (1.0 - st.dropout_prob)), 0.0)
+    out = _apply_v(weights, v)
+    return out.astype(q.dtype), weights.astype(q.dtype), probs, lse
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _backward(
+    a: dict[str, Any], d_out: jax.Array, d_weights: jax.Array, st: _Statics
+) -> dict[str, jax.Array | None]:
+    q, k, v = a["query"], a["key"], a["value"]
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    probs, lse = a["probs"], a["logsumexp"]
+    d_out = d_out.astype(jnp.float32)
+    scale_kept = 1.0 / (1.0 - st.dropout_prob) if st.dropout_prob > 0.0 else 1.0
+    keep = _keep(a, st) if st.dropout_prob > 0.0 else None
+    weights = probs if keep is None else jnp.where(keep, probs * scale_kept, 0.0)
+    # dV = Wᵀ dO, summed over the query heads sharing each key/value head.
+    wg = weights.reshape(b, hkv, group, sq, sk)
+    dog = d_out.reshape(b, sq, hkv, group, -1)
+    dv = jnp.einsum("bhgqk,bqhgd->bkhd", wg, dog)
+    # The total cotangent of the returned weights, then of the undropped probabilities.
+    dw = jnp.einsum("bqhgd,bkhd->bhgqk", dog, v.astype(jnp.float32)).reshape(b, hq, sq, sk)
+    dw = dw + d_weights.astype(jnp.float32)
+    dp = dw if keep is None else jnp.where(keep, dw * scale_kept, 0.0)
+    delta = jnp.sum(probs * dp, axis=-1, keepdims=True)
+    ds = probs * (dp - delta)
+    grads: dict[str, jax.Array | None] = {"bias": None, "softmax_aux": None}
+    if a["bias"] is not None:
+        grads["bias"] = _sum_to_shape(ds, tuple(a["bias"].shape)).astype(a["bias"].dtype)
+    if st.logits_soft_cap is not None:
+        tanh = jnp.tanh(_raw_logits(q, k, st) / st.logits_soft_cap)
+        ds = ds * (1.0 - tanh * tanh)
+    dsg = ds.reshape(b, hkv, group, sq, sk) * st.softmax_scale
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", dsg, k.astype(jnp.float32)).reshape(b, sq, hq, d)
+    dk = jnp.einsum("bhgqk,bqhgd->bkhd", dsg, q.astype(jnp.float32).reshape(b, sq, hkv, group, d))
+    grads.update(query=dq.astype(q.dtype), key=dk.astype(k.dtype), value=dv.astype(v.dtype))
+    aux = a["softmax_aux"]
+    if aux is not None:
+        p_aux = jnp.exp(_sinks(aux, hq) - lse[..., None])  # [B, Hq, Sq, n]
+        d_aux = -jnp.sum(p_aux * delta, axis=(0, 2))  # [Hq, n]
+        grads["softmax_aux"] = d_aux.reshape(aux.shape).astype(aux.dtype)
+    return grads

@@ -1,0 +1,652 @@
+"""blocksparse_attention on XLA: online-softmax attention over load-balanced live key blocks.
+
+Pure JAX, O(S) memory, with a hand-written backward attached through
+:func:`ejkernel.plugins.defvjp`. The work grows with the number of live blocks, whatever their
+distribution over rows, and no static bound on the live count is needed: ``block_mask`` may be
+traced, the schedule below is built inside the graph.
+
+- Rows. Every (batch, query head, query block) is a *row*, ``R = B · Hq · nq`` of them. Inputs
+  keep their ``[B, S, H, D]`` layout (reshaped to ``[B, n, b, H, D]``; blocks are gathered
+  straight from it); query head h reads key/value head ``h // (Hq // Hkv)``, so GQA never
+  repeats K or V. Sequences are padded to block multiples
+  (``nq = ceil(Sq / bq)``, ``nk = ceil(Sk / bk)``): padded keys are masked, padded query rows
+  dropped.
+- Live blocks. ``block_mask`` broadcast to ``[B, Hq, nq, nk]``, minus the blocks causality or
+  the sliding window hide entirely. A stable ``argsort`` moves each row's live key-block
+  indices to the front (``order [R, nk]``, ``count [R]``).
+- Schedule (load balancing). ``L = 2R`` *lanes* run in parallel for ``T`` steps, where ``T``
+  is the least step count with ``Σ_r ceil(count_r / T) ≤ L``; row r's live blocks are cut into
+  ``ceil(count_r / T)`` consecutive pieces of at most ``T`` blocks, one lane each. The work,
+  ``L · T`` block products, is at most ``2 · live + 2R`` (if ``T - 1`` steps did not fit,
+  ``live > (T - 1) · R``), so a row with many live blocks borrows lanes from sparse rows instead
+  of setting the trip count for everyone; with equal counts per row it is exactly the live
+  blocks. ``T`` is traced: the loop is a ``lax.while_loop`` (``fori_loop`` with a traced bound).
+- Forward (FlashAttention-2's online softmax, Dao 2023, Sec. 3.1.1). Each step gathers every
+  lane's next key/value block (``[L, bk, D]``), forms the ``[L, bq, bk]`` logits with one
+  batched matmul, masks them per element (causal, window, key padding, ``attention_mask``,
+  segment ids, and the lane's end) and updates the lane's running maximum, denominator and
+  accumulator. Lanes of one row are then merged with segment max/sum:
+  ``m = max m_l``, ``denom = Σ denom_l e^(m_l - m)``, ``acc = Σ acc_l e^(m_l - m)``.
+- Backward (Alg. 2) on the same schedule, recomputing ``P = exp(S - logsumexp)`` with the
+  row's saved logsumexp: ``dQ`` accumulates per lane and is summed into rows at the end;
+  ``dK``/``dV`` contributions (``dSᵀ Q``, ``Pᵀ dO``) and a bias gradient are scatter-added at
+  each lane's block index (duplicates add up).
+- Dead blocks are never read: a lane past the end of its piece (or a spare lane) still takes
+  a step, but its gathered key/value block is zeros and its logits are masked, so a dead
+  block's contents (NaN in an unwritten cache, say) cannot reach the result.
+- A row with no visible key keeps the finite mask value as its maximum and returns zeros with
+  zero gradients (its saved logsumexp makes every recomputed probability 0).
+
+Accumulation is float32; matmul inputs keep the input dtype. No config: the block sizes are
+the mask's. ``supports()`` declines nothing: this backend serves every valid call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ejkernel.plugins import defvjp
+
+__all__ = ["blocksparse_attention_xla", "supports"]
+
+#: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
+_MASK_VALUE = float(np.finfo(np.float32).min)
+#: Logsumexp saved for a row with no visible key: ``exp(anything - it)`` is 0.
+_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
+#: Lanes per row of the schedule: work ≤ (LANES_PER_ROW / (LANES_PER_ROW - 1)) · live + lanes.
+LANES_PER_ROW = 2
+
+
+def supports(inv: Any) -> bool:
+    """Always ``True``: the XLA backend serves every valid call."""
+    del inv
+    return True
+
+
+def blocksparse_attention_xla(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    block_mask: jax.Array,
+    block_size: tuple[int, int] = (128, 128),
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    cfg: None = None,
+) -> jax.Array:
+    """Block-sparse attention over live blocks only (arguments as validated by the core spec).
+
+    Args:
+        query: [B, Sq, Hq, D].
+        key: [B, Sk, Hkv, D].
+        value: [B, Sk, Hkv, Dv].
+        block_mask: bool [B|1, Hq|1, nq, nk], ``nq = ceil(Sq / bq)``, ``nk = ceil(Sk / bk)``.
+        block_size: ``(bq, bk)``.
+        bias: broadcastable to [B, Hq, Sq, Sk], added to the (soft-capped) logits.
+        attention_mask: bool, broadcastable to [B, Hq, Sq, Sk], True = may attend.
+        q_segment_ids: [B, Sq] int; a query sees a key when ids are equal and non-negative.
+        kv_segment_ids: [B, Sk] int.
+        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
+        causal: bottom-right aligned causal mask.
+        sliding_window: ``(left, right)`` window around each query's position, or ``None``.
+        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
+        cfg: unused (the block sizes are the mask's).
+
+    Returns:
+        [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
+    """
+    out, _ = _blocksparse_attention_fwd(
+        query=query,
+        key=key,
+        value=value,
+        block_mask=block_mask,
+        block_size=block_size,
+        bias=bias,
+        attention_mask=attention_mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        cfg=cfg,
+    )
+    return out
+
+
+def _blocksparse_attention_fwd(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    block_mask: jax.Array,
+    block_size: tuple[int, int] = (128, 128),
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    cfg: None = None,
+) -> tuple[jax.Array, dict[str, Any]]:
+    """Forward of :func:`blocksparse_attention_xla`: ``(out, residuals)``.
+
+    The residuals are the array inputs, the schedule, the output and the per-row logsumexp
+    ``[R, bq]`` (float32).
+    """
+    del cfg
+    arrays = {
+        "query": query,
+        "key": key,
+        "value": value,
+        "block_mask": block_mask,
+        "bias": bias,
+        "attention_mask": attention_mask,
+        "q_segment_ids": q_segment_ids,
+        "kv_segment_ids": kv_segment_ids,
+    }
+    st = _Statics.of(
+        query,
+        block_size=block_size,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    out, lse, schedule = _forward(arrays, st)
+    return out, {**arrays, "out": out, "logsumexp": lse, "schedule": schedule}
+
+
+def _blocksparse_attention_bwd(
+    residuals: dict[str, Any],
+    d_out: jax.Array,
+    *,
+    cfg: None = None,
+    block_size: tuple[int, int] = (128, 128),
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+) -> dict[str, jax.Array | None]:
+    """Backward of :func:`blocksparse_attention_xla` (FlashAttention-2 Alg. 2, live blocks only).
+
+    Returns:
+        Gradients for ``query``, ``key``, ``value`` and ``bias`` (in bias's own shape), each in
+        its input's dtype; ``None`` for an absent bias.
+    """
+    del cfg
+    st = _Statics.of(
+        residuals["query"],
+        block_size=block_size,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    return _backward(residuals, d_out, st)
+
+
+defvjp(blocksparse_attention_xla, _blocksparse_attention_fwd, _blocksparse_attention_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Statics, geometry, layouts
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class _Statics:
+    """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
+
+    block_q: int
+    block_k: int
+    softmax_scale: float
+    causal: bool
+    sliding_window: tuple[int, int] | None
+    logits_soft_cap: float | None
+
+    @classmethod
+    def of(
+        cls,
+        query: jax.Array,
+        *,
+        block_size: tuple[int, int],
+        softmax_scale: float | None,
+        causal: bool,
+        sliding_window: tuple[int, int] | None,
+        logits_soft_cap: float | None,
+    ) -> _Statics:
+        return cls(
+            block_q=int(block_size[0]),
+            block_k=int(block_size[1]),
+            softmax_scale=float(
+                query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+            ),
+            causal=bool(causal),
+            sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
+            logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        )
+
+
+@attrs.frozen(kw_only=True)
+class _Geometry:
+    """Sizes of one call and its blocking (all Python ints)."""
+
+    b: int
+    sq: int
+    sk: int
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+    bq: int
+    bk: int
+
+    @classmethod
+    def of(cls, a: dict[str, Any], st: _Statics) -> _Geometry:
+        b, sq, hq, d = a["query"].shape
+        _, sk, hkv, _ = a["key"].shape
+        dv = a["value"].shape[3]
+        return cls(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=dv, bq=st.block_q, bk=st.block_k)
+
+    @property
+    def nq(self) -> int:
+        return -(-self.sq // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.sk // self.bk)
+
+    @property
+    def rows(self) -> int:
+        return self.b * self.hq * self.nq
+
+    @property
+    def lanes(self) -> int:
+        return LANES_PER_ROW * self.rows
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _q_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[B, Sq, Hq, ...] -> [B, nq, bq, Hq, ...] (a reshape: lanes gather from it directly)."""
+    x = _pad_axis(x, 1, geo.nq * geo.bq)
+    return x.reshape(geo.b, geo.nq, geo.bq, *x.shape[2:])
+
+
+def _unrow_q(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[R, bq, F] -> [B, Sq, Hq, F], row r = (b · Hq + h) · nq + i."""
+    x = x.reshape(geo.b, geo.hq, geo.nq, geo.bq, x.shape[-1]).transpose(0, 2, 3, 1, 4)
+    return x.reshape(geo.b, geo.nq * geo.bq, geo.hq, x.shape[-1])[:, : geo.sq]
+
+
+def _kv_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[B, Sk, Hkv, F] -> [B, nk, bk, Hkv, F] (a reshape: lanes gather from it directly)."""
+    x = _pad_axis(x, 1, geo.nk * geo.bk)
+    return x.reshape(geo.b, geo.nk, geo.bk, geo.hkv, x.shape[-1])
+
+
+def _unblock_kv(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[B, nk, bk, Hkv, F] -> [B, Sk, Hkv, F]."""
+    return x.reshape(geo.b, geo.nk * geo.bk, geo.hkv, x.shape[-1])[:, : geo.sk]
+
+
+# --------------------------------------------------------------------------------------------
+# Live blocks and the lane schedule
+# --------------------------------------------------------------------------------------------
+
+
+def _live_blocks(block_mask: jax.Array, geo: _Geometry, st: _Statics) -> jax.Array:
+    """[R, nk]: the block mask, minus blocks that causality or the window hide entirely."""
+    live = jnp.broadcast_to(block_mask, (geo.b, geo.hq, geo.nq, geo.nk))
+    q_lo = jnp.arange(geo.nq)[:, None] * geo.bq + (geo.sk - geo.sq)
+    q_hi = jnp.minimum(q_lo + geo.bq, geo.sk) - 1  # the last query block may be partial
+    k_lo = jnp.arange(geo.nk)[None, :] * geo.bk
+    k_hi = jnp.minimum(k_lo + geo.bk, geo.sk) - 1
+    if st.causal:
+        live = live & (k_lo <= q_hi)
+    if st.sliding_window is not None:
+        left, right = st.sliding_window
+        live = live & (k_lo <= q_hi + right) & (k_hi >= q_lo - left)
+    return live.reshape(geo.rows, geo.nk)
+
+
+def _schedule(live: jax.Array, geo: _Geometry) -> dict[str, jax.Array]:
+    """Cut each row's live blocks into pieces of at most ``steps`` blocks, one lane each.
+
+    Returns ``order [R, nk]`` (live block indices first), ``steps`` (scalar), and per lane
+    ``row``, ``start`` (offset of its piece in the row's live list) and ``count`` (blocks in
+    its piece; 0 for a spare lane), each ``[L]`` int32.
+    """
+    order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
+    count = jnp.sum(live, axis=-1, dtype=jnp.int32)  # [R]
+    # The least step count t whose pieces fit the lanes: lanes needed, Σ ceil(count / t), only
+    # shrink as t grows and t = nk always fits (one piece per row), so bisect [1, nk].
+    fits = lambda t: jnp.sum(-(-count // t)) <= geo.lanes
+    lo, hi = jnp.int32(1), jnp.int32(geo.nk)
+    for _ in range(geo.nk.bit_length()):
+        mid = (lo + hi) // 2
+        ok = fits(mid)
+        lo, hi = jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+    steps = hi
+    pieces = -(-count // steps)  # [R]
+    ends = jnp.cumsum(pieces)
+    lane = jnp.arange(geo.lanes, dtype=jnp.int32)
+    row = jnp.minimum(jnp.searchsorted(ends, lane, side="right"), geo.rows - 1).astype(jnp.int32)
+    start = (lane - (ends[row] - pieces[row])) * steps
+    lane_count = jnp.where(lane < ends[-1], jnp.clip(count[row] - start, 0, steps), 0)
+    return {
+        "order": order,
+        "steps": jnp.where(ends[-1] > 0, steps, 0),
+        "row": row,
+        "start": start.astype(jnp.int32),
+        "count": lane_count.astype(jnp.int32),
+    }
+
+
+@attrs.frozen(kw_only=True)
+class _Lanes:
+    """Per-lane indices (each [L] int32) derived from a schedule."""
+
+    row: jax.Array
+    b: jax.Array
+    h: jax.Array
+    kv_head: jax.Array
+    i: jax.Array
+    start: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def of(cls, schedule: dict[str, jax.Array], geo: _Geometry) -> _Lanes:
+        row = schedule["row"]
+        h = (row // geo.nq) % geo.hq
+        return cls(
+            row=row,
+            b=row // (geo.hq * geo.nq),
+            h=h,
+            kv_head=h // (geo.hq // geo.hkv),
+            i=row % geo.nq,
+            start=schedule["start"],
+            count=schedule["count"],
+        )
+
+    def block(self, order: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each lane's key-block index at step ``t`` and whether it is a live block."""
+        pos = jnp.minimum(self.start + t, order.shape[1] - 1)
+        return order[self.row, pos], t < self.count
+
+    def gather_q(self, x: jax.Array) -> jax.Array:
+        """[B, nq, bq, Hq, ...] -> each lane's query block, [L, bq, ...]."""
+        return x[self.b, self.i, :, self.h]
+
+    def gather_kv(self, x: jax.Array, j: jax.Array, valid: jax.Array) -> jax.Array:
+        """[B, nk, bk, Hkv, F] -> each lane's key block ``j``, [L, bk, F].
+
+        An idle lane (``valid`` False) reads zeros: its index points at a dead block, whose
+        contents (NaN in a padded cache, say) must not reach a product, even times 0.
+        """
+        return jnp.where(valid[:, None, None], x[self.b, j, :, self.kv_head], 0)
+
+    def scatter_add_kv(self, acc: jax.Array, x: jax.Array, j: jax.Array) -> jax.Array:
+        """Add ``x [L, bk, F]`` into ``acc [B, nk, bk, Hkv, F]`` at each lane's block ``j``."""
+        return acc.at[self.b, j, :, self.kv_head].add(x)
+
+
+def _merge_rows(
+    m: jax.Array, denom: jax.Array, acc: jax.Array, lanes: _Lanes, geo: _Geometry
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Combine lane statistics ([L, bq], [L, bq], [L, bq, F]) of one row (online softmax)."""
+    seg = functools.partial(
+        jax.ops.segment_max, segment_ids=lanes.row, num_segments=geo.rows, indices_are_sorted=True
+    )
+    m_row = jnp.maximum(seg(m), _MASK_VALUE)  # a row without lanes: the mask value
+    alpha = jnp.exp(m - m_row[lanes.row])
+    total = functools.partial(
+        jax.ops.segment_sum, segment_ids=lanes.row, num_segments=geo.rows, indices_are_sorted=True
+    )
+    return m_row, total(alpha * denom), total(alpha[..., None] * acc)
+
+
+@attrs.frozen(kw_only=True)
+class _PairInput:
+    """A [B|1, Hq|1, Sq|1, Sk|1] side input (bias or mask) laid out for per-lane gathers.
+
+    ``blocks`` is ``[B|1, Hq|1, nq|1, bq|1, nk|1, bk|1]``: axes the input broadcasts over stay
+    of size 1, so a broadcast bias is never materialised.
+    """
+
+    blocks: jax.Array
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, x: jax.Array, geo: _Geometry, fill: Any) -> _PairInput:
+        shape = tuple(x.shape)
+        x = x.reshape((1,) * (4 - x.ndim) + shape)
+        b1, h1, q1, k1 = x.shape
+        nq, bq = (geo.nq, geo.bq) if q1 > 1 else (1, 1)
+        nk, bk = (geo.nk, geo.bk) if k1 > 1 else (1, 1)
+        if q1 > 1:
+            x = _pad_axis(x, 2, geo.nq * geo.bq, fill)
+        if k1 > 1:
+            x = _pad_axis(x, 3, geo.nk * geo.bk, fill)
+        return cls(blocks=x.reshape(b1, h1, nq, bq, nk, bk), shape=shape)
+
+    def _index(self, lanes: _Lanes, j: jax.Array) -> tuple[jax.Array, ...]:
+        b1, h1, nq1, _, nk1, _ = self.blocks.shape
+        pick = lambda full, ix: ix if full else jnp.zeros_like(ix)
+        return (
+            pick(b1 > 1, lanes.b),
+            pick(h1 > 1, lanes.h),
+            pick(nq1 > 1, lanes.i),
+            pick(nk1 > 1, j),
+        )
+
+    def gather(self, lanes: _Lanes, j: jax.Array) -> jax.Array:
+        """Each lane's block, [L, bq|1, bk|1]."""
+        b_ix, h_ix, i_ix, j_ix = self._index(lanes, j)
+        return self.blocks[b_ix, h_ix, i_ix, :, j_ix, :]
+
+    def zeros(self) -> jax.Array:
+        return jnp.zeros(self.blocks.shape, jnp.float32)
+
+    def scatter_add(self, acc: jax.Array, ds: jax.Array, lanes: _Lanes, j: jax.Array) -> jax.Array:
+        """Add ``ds [L, bq, bk]``, summed over the axes the input broadcasts along, into ``acc``."""
+        _, _, _, bq1, _, bk1 = self.blocks.shape
+        axes = tuple(ax for ax, keep in ((1, bq1 > 1), (2, bk1 > 1)) if not keep)
+        ds = jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+        b_ix, h_ix, i_ix, j_ix = self._index(lanes, j)
+        return acc.at[b_ix, h_ix, i_ix, :, j_ix, :].add(ds)
+
+    def finish(self, acc: jax.Array, geo: _Geometry, dtype: Any) -> jax.Array:
+        """The accumulated blocks back to the input's own shape and dtype."""
+        b1, h1, nq1, bq1, nk1, bk1 = acc.shape
+        x = acc.reshape(b1, h1, nq1 * bq1, nk1 * bk1)
+        q1 = geo.sq if nq1 * bq1 > 1 else 1
+        k1 = geo.sk if nk1 * bk1 > 1 else 1
+        return x[:, :, :q1, :k1].reshape(self.shape).astype(dtype)
+
+
+@attrs.frozen(kw_only=True)
+class _SideInputs:
+    """Bias, attention mask and segment ids in gather-ready layouts (each may be absent)."""
+
+    bias: _PairInput | None
+    mask: _PairInput | None
+    q_segments: jax.Array | None  # [B, nq, bq]
+    kv_segments: jax.Array | None  # [B, nk, bk]
+
+    @classmethod
+    def of(cls, a: dict[str, Any], geo: _Geometry) -> _SideInputs:
+        bias, mask = a["bias"], a["attention_mask"]
+        q_seg, kv_seg = a["q_segment_ids"], a["kv_segment_ids"]
+        if q_seg is not None:
+            q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, geo.nq * geo.bq, -1)
+            q_seg = q_seg.reshape(geo.b, geo.nq, geo.bq)
+            kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, geo.nk * geo.bk, -1)
+            kv_seg = kv_seg.reshape(geo.b, geo.nk, geo.bk)
+        return cls(
+            bias=None if bias is None else _PairInput.of(bias, geo, 0),
+            mask=None if mask is None else _PairInput.of(mask, geo, False),
+            q_segments=q_seg,
+            kv_segments=kv_seg,
+        )
+
+
+def _scores(
+    q_lanes: jax.Array,
+    kb: jax.Array,
+    j: jax.Array,
+    valid: jax.Array,
+    lanes: _Lanes,
+    side: _SideInputs,
+    geo: _Geometry,
+    st: _Statics,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Masked logits of each lane's block ``j``, [L, bq, bk] float32, and the cap's tanh.
+
+    ``valid [L]`` is False for lanes past the end of their piece: their whole block is masked.
+    """
+    k_j = lanes.gather_kv(kb, j, valid)
+    s = jnp.einsum("lqd,lkd->lqk", q_lanes, k_j, preferred_element_type=jnp.float32)
+    s = s * st.softmax_scale
+    tanh = None
+    if st.logits_soft_cap is not None:
+        tanh = jnp.tanh(s * (1.0 / st.logits_soft_cap))
+        s = st.logits_soft_cap * tanh
+    if side.bias is not None:
+        s = s + side.bias.gather(lanes, j).astype(jnp.float32)
+    q_pos = (lanes.i[:, None] * geo.bq + jnp.arange(geo.bq))[:, :, None] + (geo.sk - geo.sq)
+    k_pos = (j[:, None] * geo.bk + jnp.arange(geo.bk))[:, None, :]  # [L, 1, bk]
+    visible = valid[:, None, None] & (k_pos < geo.sk)
+    if st.causal:
+        visible = visible & (k_pos <= q_pos)
+    if st.sliding_window is not None:
+        left, right = st.sliding_window
+        visible = visible & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+    if side.q_segments is not None:
+        q_seg = side.q_segments[lanes.b, lanes.i][:, :, None]  # [L, bq, 1]
+        kv_seg = side.kv_segments[lanes.b, j][:, None, :]  # [L, 1, bk]
+        visible = visible & (q_seg == kv_seg) & (q_seg >= 0)
+    if side.mask is not None:
+        visible = visible & side.mask.gather(lanes, j)
+    return jnp.where(visible, s, _MASK_VALUE), tanh
+
+
+# --------------------------------------------------------------------------------------------
+# Forward and backward passes
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """``out [B, Sq, Hq, Dv]``, logsumexp ``[R, bq]`` and the schedule."""
+    q, k, v = a["query"], a["key"], a["value"]
+    geo = _Geometry.of(a, st)
+    side = _SideInputs.of(a, geo)
+    schedule = _schedule(_live_blocks(a["block_mask"], geo, st), geo)
+    lanes = _Lanes.of(schedule, geo)
+    q_lanes = lanes.gather_q(_q_blocks(q, geo))  # [L, bq, D]
+    kb, vb = _kv_blocks(k, geo), _kv_blocks(v, geo)
+    init = (
+        jnp.full((geo.lanes, geo.bq), _MASK_VALUE, jnp.float32),
+        jnp.zeros((geo.lanes, geo.bq), jnp.float32),
+        jnp.zeros((geo.lanes, geo.bq, geo.dv), jnp.float32),
+    )
+
+    def step(t: jax.Array, carry: Any) -> Any:
+        m, denom, acc = carry
+        j, valid = lanes.block(schedule["order"], t)
+        s, _ = _scores(q_lanes, kb, j, valid, lanes, side, geo, st)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        denom = alpha * denom + jnp.sum(p, axis=-1)
+        v_j = lanes.gather_kv(vb, j, valid)
+        pv = jnp.einsum("lqk,lkd->lqd", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
+        return m_new, denom, alpha[..., None] * acc + pv
+
+    m, denom, acc = _merge_rows(*lax.fori_loop(0, schedule["steps"], step, init), lanes, geo)
+    seen = m > _MASK_VALUE
+    denom = jnp.where(seen, denom, 1.0)
+    out = jnp.where(seen[..., None], acc / denom[..., None], 0.0).astype(q.dtype)
+    lse = jnp.where(seen, m + jnp.log(denom), _EMPTY_ROW_LSE)
+    return _unrow_q(out, geo), lse, schedule
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _backward(a: dict[str, Any], d_out: jax.Array, st: _Statics) -> dict[str, jax.Array | None]:
+    """FlashAttention-2 Alg. 2 on the forward's schedule; dK/dV/dBias by scatter-add."""
+    q, k, v = a["query"], a["key"], a["value"]
+    geo = _Geometry.of(a, st)
+    side = _SideInputs.of(a, geo)
+    schedule = a["schedule"]
+    lanes = _Lanes.of(schedule, geo)
+    d_out = d_out.astype(q.dtype)
+    # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row (Sec. 3.1.2).
+    delta = jnp.sum(d_out.astype(jnp.float32) * a["out"].astype(jnp.float32), axis=-1)
+    q_lanes = lanes.gather_q(_q_blocks(q, geo))
+    do_lanes = lanes.gather_q(_q_blocks(d_out, geo))
+    delta_lanes = lanes.gather_q(_q_blocks(delta, geo))  # [L, bq]
+    lse_lanes = a["logsumexp"][lanes.row]
+    kb, vb = _kv_blocks(k, geo), _kv_blocks(v, geo)
+    init = (
+        jnp.zeros((geo.lanes, geo.bq, geo.d), jnp.float32),
+        jnp.zeros(kb.shape, jnp.float32),
+        jnp.zeros(vb.shape, jnp.float32),
+        None if side.bias is None else side.bias.zeros(),
+    )
+
+    def step(t: jax.Array, carry: Any) -> Any:
+        dq, dk, dv, db = carry
+        j, valid = lanes.block(schedule["order"], t)
+        s, tanh = _scores(q_lanes, kb, j, valid, lanes, side, geo, st)
+        p = jnp.exp(s - lse_lanes[..., None])  # masked entries and empty rows: exactly 0
+        v_j = lanes.gather_kv(vb, j, valid)
+        dv_j = jnp.einsum(
+            "lqk,lqd->lkd", p.astype(q.dtype), do_lanes, preferred_element_type=jnp.float32
+        )
+        dp = jnp.einsum("lqd,lkd->lqk", do_lanes, v_j, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_lanes[..., None])
+        if db is not None:
+            db = side.bias.scatter_add(db, ds, lanes, j)  # type: ignore[union-attr]
+        if tanh is not None:
+            ds = ds * (1.0 - tanh * tanh)
+        ds = ds.astype(q.dtype)
+        k_j = lanes.gather_kv(kb, j, valid)
+        dq = dq + jnp.einsum("lqk,lkd->lqd", ds, k_j, preferred_element_type=jnp.float32)
+        dk_j = jnp.einsum("lqk,lqd->lkd", ds, q_lanes, preferred_element_type=jnp.float32)
+        dk = lanes.scatter_add_kv(dk, dk_j, j)
+        dv = lanes.scatter_add_kv(dv, dv_j, j)
+        return dq, dk, dv, db
+
+    dq, dk, dv, db = lax.fori_loop(0, schedule["steps"], step, init)
+    dq = jax.ops.segment_sum(dq, lanes.row, num_segments=geo.rows, indices_are_sorted=True)
+    scale = st.softmax_scale
+    return {
+        "query": (_unrow_q(dq, geo) * scale).astype(q.dtype),
+        "key": (_unblock_kv(dk, geo) * scale).astype(k.dtype),
+        "value": _unblock_kv(dv, geo).astype(v.dtype),
+        "bias": None if db is None else side.bias.finish(db, geo, a["bias"].dtype),  # type: ignore[union-attr]
+    }

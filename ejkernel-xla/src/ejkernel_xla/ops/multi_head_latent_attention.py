@@ -1,0 +1,685 @@
+"""multi_head_latent_attention on XLA: blockwise MLA, absorbed or expanded, O(S) memory.
+
+MLA (DeepSeek-V2, Sec. 2.1.2-2.1.3) keys are ``K_h = c · W_kc[h] ∥ k_rope`` and values
+``V_h = c · W_vc[h]`` for a latent ``c [R]``. Per-head keys and values are never formed for the
+whole sequence. Two exact forms, both a FlashAttention-2 style loop (Dao, 2023) over key blocks
+with an online softmax, float32 statistics and a hand-written backward
+(:func:`ejkernel.plugins.defvjp`):
+
+- **absorbed**: ``q_nope · (c W_kc)ᵀ = (q_nope W_kcᵀ) · cᵀ``, so ``W_kc`` is folded into the
+  query once (``q_lat [B, Sq, Hq, R]``) and every head attends to the *shared* latent,
+  multi-query style, with logits ``q_lat · cᵀ + q_rope · k_ropeᵀ``; values are the latent
+  itself, and ``W_vc`` is applied to the latent output at the end (``o = o_lat W_vc``).
+  Nothing per head exists on the key side. Work: ``Sq·Sk·Hq·(2R + Dr)`` for attention plus
+  ``Sq·Hq·R·(Dn + Dv)`` for the two projections.
+- **expanded**: each key block of latents is up-projected to that block's per-head keys and
+  values (``[B, Hq, bk, Dn + Dv]``, one block at a time, inside the loop), then ordinary
+  attention. Work: ``Sq·Sk·Hq·(Dn + Dr + Dv)`` plus ``Sk·Hq·R·(Dn + Dv)``.
+
+Which form (the config's ``form``; ``None`` and the heuristic apply this rule): the one with
+fewer multiply-adds by the two formulas above. Absorbed wins when the query is short against
+the latent (decode and short chunks: ``Sq ≲ R / 3`` for DeepSeek's R = 512, Dn = 128, Dv = 128,
+Dr = 64, where the key side would otherwise be projected for every cached token); expanded wins
+for long queries (prefill, training), where its per-pair cost ``Dn + Dr + Dv`` is far below
+``2R + Dr``. The autotuner may try both (:func:`config_space`).
+
+Loops: keys outer, queries inner, so the expanded form projects each key block once per pass.
+The forward carries the running maximum, denominator and accumulator of every query row
+(O(Sq) memory); the backward (Alg. 2) recomputes ``P = exp(S - logsumexp)`` per block pair,
+accumulates ``dK``/``dV`` of the key block in the inner carry and ``dQ`` in the outer one, then
+maps them back through the projections (``dc``, ``dW_kc``, ``dW_vc``, ``dk_rope``; in the
+absorbed form ``dW_kc`` and ``dW_vc`` come from ``dq_lat`` and ``o_lat`` after the loop).
+Masking (causal bottom-right aligned, sliding window, key padding) uses a finite mask value:
+a row with no visible key returns zeros with zero gradients. Block pairs that causality or the
+window hide entirely are skipped. Accumulation is float32; matmul inputs keep the input dtype.
+
+``supports()`` declines nothing: this backend serves every valid call, on every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ejkernel._params import BwdParams, FwdParams
+from ejkernel.plugins import defvjp
+
+__all__ = [
+    "MultiHeadLatentAttentionConfig",
+    "config_space",
+    "heuristic",
+    "mla_form",
+    "multi_head_latent_attention_xla",
+    "supports",
+]
+
+#: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
+_MASK_VALUE = float(np.finfo(np.float32).min)
+#: Logsumexp saved for a row with no visible key: ``exp(anything - it)`` is 0.
+_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
+
+FORMS = ("absorbed", "expanded")
+
+#: Default ((fwd q, fwd kv), (bwd q, bwd kv)) block sizes per backend.
+_DEFAULT_BLOCKS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "cpu": ((256, 512), (256, 512)),
+    "gpu": ((128, 128), (128, 128)),
+    "tpu": ((512, 512), (512, 512)),
+}
+#: (q_blocksize, kv_blocksize) pairs :func:`config_space` offers per backend, for each form.
+_TUNING_BLOCKS: dict[str, tuple[tuple[int, int], ...]] = {
+    "cpu": ((256, 512), (128, 1024), (512, 512)),
+    "gpu": ((64, 64), (128, 128), (128, 256)),
+    "tpu": ((256, 256), (512, 512), (512, 1024)),
+}
+
+
+@attrs.frozen(kw_only=True)
+class MultiHeadLatentAttentionConfig:
+    """Tunables of the XLA MLA.
+
+    Attributes:
+        form: ``"absorbed"`` (W_kc folded into the query, W_vc into the output; attention over
+            the shared latent) or ``"expanded"`` (per-head K/V of one key block at a time);
+            ``None`` picks by :func:`mla_form`'s multiply-add count.
+        fwd_params: ``q_blocksize``/``kv_blocksize`` of the forward pass (``None``: default).
+        bwd_params: the same for the backward pass.
+    """
+
+    form: str | None = attrs.field(default=None, validator=attrs.validators.in_((None, *FORMS)))
+    fwd_params: FwdParams = attrs.field(factory=FwdParams)
+    bwd_params: BwdParams = attrs.field(factory=BwdParams)
+
+
+def mla_form(sq: int, sk: int, hq: int, r: int, dn: int, dr: int, dv: int) -> str:
+    """The form with fewer multiply-adds: ``"absorbed"`` or ``"expanded"`` (ties: absorbed).
+
+    absorbed: ``Sq·Sk·Hq·(2R + Dr) + Sq·Hq·R·(Dn + Dv)``;
+    expanded: ``Sq·Sk·Hq·(Dn + Dr + Dv) + Sk·Hq·R·(Dn + Dv)``.
+    """
+    absorbed = sq * sk * hq * (2 * r + dr) + sq * hq * r * (dn + dv)
+    expanded = sq * sk * hq * (dn + dr + dv) + sk * hq * r * (dn + dv)
+    return "absorbed" if absorbed <= expanded else "expanded"
+
+
+def heuristic(inv: Any) -> MultiHeadLatentAttentionConfig:
+    """The cheaper form by :func:`mla_form`, with the backend's default (clamped) blocks."""
+    form = mla_form(*_sizes(inv))
+    sq, sk = _sizes(inv)[:2]
+    fwd, bwd = (_clamp_blocks(b, sq, sk) for b in _DEFAULT_BLOCKS[_backend()])
+    return MultiHeadLatentAttentionConfig(
+        form=form,
+        fwd_params=FwdParams(q_blocksize=fwd[0], kv_blocksize=fwd[1]),
+        bwd_params=BwdParams(q_blocksize=bwd[0], kv_blocksize=bwd[1]),
+    )
+
+
+def config_space(inv: Any) -> list[MultiHeadLatentAttentionConfig]:
+    """The heuristic's config, then both forms × a few block pairs (deduplicated)."""
+    sq, sk = _sizes(inv)[:2]
+    configs = [heuristic(inv)]
+    for form in FORMS:
+        for pair in _TUNING_BLOCKS[_backend()]:
+            bq, bk = _clamp_blocks(pair, sq, sk)
+            cfg = MultiHeadLatentAttentionConfig(
+                form=form,
+                fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk),
+                bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk),
+            )
+            if cfg not in configs:
+                configs.append(cfg)
+    return configs
+
+
+def supports(inv: Any) -> bool:
+    """Always ``True``: the XLA backend serves every valid call."""
+    del inv
+    return True
+
+
+def multi_head_latent_attention_xla(
+    *,
+    query: jax.Array,
+    key_value: jax.Array,
+    w_kc: jax.Array,
+    w_vc: jax.Array,
+    k_rope: jax.Array,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    cfg: MultiHeadLatentAttentionConfig | None = None,
+) -> jax.Array:
+    """MLA, blockwise, O(S) memory (arguments as validated by the core spec).
+
+    Args:
+        query: [B, Sq, Hq, Dn + Dr].
+        key_value: [B, Sk, R] latents.
+        w_kc: [R, Hq, Dn].
+        w_vc: [R, Hq, Dv].
+        k_rope: [B, Sk, Dr], shared by every head.
+        softmax_scale: multiplies the logits; ``None`` means (Dn + Dr) ** -0.5.
+        causal: bottom-right aligned causal mask.
+        sliding_window: ``(left, right)`` window around each query's position, or ``None``.
+        logits_soft_cap: ``cap * tanh(logits / cap)`` before masking, or ``None``.
+        cfg: form and block sizes; ``None`` picks the form by multiply-adds, default blocks.
+
+    Returns:
+        [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
+    """
+    out, _ = _multi_head_latent_attention_fwd(
+        query=query,
+        key_value=key_value,
+        w_kc=w_kc,
+        w_vc=w_vc,
+        k_rope=k_rope,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        cfg=cfg,
+    )
+    return out
+
+
+def _multi_head_latent_attention_fwd(
+    *,
+    query: jax.Array,
+    key_value: jax.Array,
+    w_kc: jax.Array,
+    w_vc: jax.Array,
+    k_rope: jax.Array,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    cfg: MultiHeadLatentAttentionConfig | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Forward of :func:`multi_head_latent_attention_xla`: ``(out, residuals)``.
+
+    The residuals are the inputs, the attention output in the form's value space (the latent
+    output ``[B, Sq, Hq, R]`` float32 when absorbed, ``out`` when expanded) and the per-row
+    logsumexp ``[B, Sq, Hq]``.
+    """
+    arrays = {"query": query, "key_value": key_value, "w_kc": w_kc, "w_vc": w_vc, "k_rope": k_rope}
+    st = _statics(
+        arrays,
+        cfg,
+        backward=False,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    out, out_attn, lse = _forward(arrays, st)
+    return out, {**arrays, "out_attn": out_attn, "logsumexp": lse}
+
+
+def _multi_head_latent_attention_bwd(
+    residuals: dict[str, jax.Array],
+    d_out: jax.Array,
+    *,
+    cfg: MultiHeadLatentAttentionConfig | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+) -> dict[str, jax.Array]:
+    """Backward of :func:`multi_head_latent_attention_xla`.
+
+    Returns:
+        Gradients for ``query``, ``key_value``, ``w_kc``, ``w_vc`` and ``k_rope``, each in its
+        input's dtype.
+    """
+    arrays = {k: v for k, v in residuals.items() if k not in ("out_attn", "logsumexp")}
+    st = _statics(
+        arrays,
+        cfg,
+        backward=True,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    return _backward(arrays, residuals["out_attn"], residuals["logsumexp"], d_out, st)
+
+
+defvjp(
+    multi_head_latent_attention_xla,
+    _multi_head_latent_attention_fwd,
+    _multi_head_latent_attention_bwd,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _backend() -> str:
+    name = jax.default_backend().lower()
+    name = "gpu" if name in ("cuda", "rocm") else name
+    return name if name in _DEFAULT_BLOCKS else "cpu"
+
+
+def _sizes(inv: Any) -> tuple[int, int, int, int, int, int, int]:
+    """``(Sq, Sk, Hq, R, Dn, Dr, Dv)`` of an invocation."""
+    kw = inv.kwargs
+    _, sq, hq, d = kw["query"].shape
+    _, sk, r = kw["key_value"].shape
+    dn, dv = kw["w_kc"].shape[2], kw["w_vc"].shape[2]
+    return int(sq), int(sk), int(hq), int(r), int(dn), int(d - dn), int(dv)
+
+
+def _clamp_blocks(blocks: tuple[int, int], sq: int, sk: int) -> tuple[int, int]:
+    """Blocks no longer than their sequence (a shorter sequence is then one unpadded block)."""
+    return max(1, min(blocks[0], sq)), max(1, min(blocks[1], sk))
+
+
+@attrs.frozen(kw_only=True)
+class _Statics:
+    """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
+
+    absorbed: bool
+    softmax_scale: float
+    causal: bool
+    sliding_window: tuple[int, int] | None
+    logits_soft_cap: float | None
+    block_q: int
+    block_k: int
+
+
+def _statics(
+    arrays: dict[str, Any],
+    cfg: MultiHeadLatentAttentionConfig | None,
+    *,
+    backward: bool,
+    softmax_scale: float | None,
+    causal: bool,
+    sliding_window: tuple[int, int] | None,
+    logits_soft_cap: float | None,
+) -> _Statics:
+    query, key_value, w_kc, w_vc = (arrays[n] for n in ("query", "key_value", "w_kc", "w_vc"))
+    _, sq, hq, d = query.shape
+    _, sk, r = key_value.shape
+    dn, dv = w_kc.shape[2], w_vc.shape[2]
+    cfg = cfg if cfg is not None else MultiHeadLatentAttentionConfig()
+    form = cfg.form or mla_form(sq, sk, hq, r, dn, d - dn, dv)
+    params = cfg.bwd_params if backward else cfg.fwd_params
+    default_q, default_k = _DEFAULT_BLOCKS[_backend()][1 if backward else 0]
+    bq, bk = _clamp_blocks(
+        (params.q_blocksize or default_q, params.kv_blocksize or default_k), sq, sk
+    )
+    return _Statics(
+        absorbed=form == "absorbed",
+        softmax_scale=float(d**-0.5 if softmax_scale is None else softmax_scale),
+        causal=bool(causal),
+        sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        block_q=bq,
+        block_k=bk,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Forward and backward passes
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``out [B, Sq, Hq, Dv]``, the attention output in value space and logsumexp [B, Sq, Hq]."""
+    q, w_vc = a["query"], a["w_vc"]
+    geo = _Geometry.of(a, st)
+    q_att, q_rope = _query_parts(a, st)
+    qab, qrb = _q_blocks(q_att, geo), _q_blocks(q_rope, geo)
+    cb, rb = _k_blocks(a["key_value"], geo), _k_blocks(a["k_rope"], geo)
+    f = geo.r if st.absorbed else geo.dv
+    rows = (geo.nq, geo.b, geo.hq, geo.bq)
+    init = (
+        jnp.full(rows, _MASK_VALUE, jnp.float32),
+        jnp.zeros(rows, jnp.float32),
+        jnp.zeros((*rows, f), jnp.float32),
+    )
+
+    def one_kv_block(carry: Any, j: Any) -> tuple[Any, None]:
+        c_j, r_j = _take(cb, j), _take(rb, j)
+        k_j, v_j = _project(c_j, a, st)
+
+        def one_q_block(_: None, xs: Any) -> tuple[None, Any]:
+            i, qa_i, qr_i, *stats = xs
+
+            def compute(stats: Any) -> Any:
+                m, denom, acc = stats
+                s, _ = _scores(qa_i, qr_i, k_j, r_j, geo, st, i, j)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                alpha = jnp.exp(m - m_new)
+                p = jnp.exp(s - m_new[..., None])
+                denom = alpha * denom + jnp.sum(p, axis=-1)
+                pv = _dot(_pv_spec(st), p.astype(v_j.dtype), v_j)
+                return m_new, denom, alpha[..., None] * acc + pv
+
+            return None, _when(_block_may_see(geo, st, i, j), compute, tuple(stats))
+
+        _, stats = lax.scan(one_q_block, None, (jnp.arange(geo.nq), qab, qrb, *carry))
+        return stats, None
+
+    (m, denom, acc), _ = _scan(one_kv_block, init, geo.nk)
+    seen = m > _MASK_VALUE
+    denom = jnp.where(seen, denom, 1.0)
+    out_attn = _unblock_q(jnp.where(seen[..., None], acc / denom[..., None], 0.0), geo)
+    lse = _unblock_q(jnp.where(seen, m + jnp.log(denom), _EMPTY_ROW_LSE)[..., None], geo)[..., 0]
+    if st.absorbed:
+        out = _dot("bqhr,rhv->bqhv", out_attn.astype(w_vc.dtype), w_vc).astype(q.dtype)
+        return out, out_attn, lse
+    out = out_attn.astype(q.dtype)
+    return out, out, lse
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _backward(
+    a: dict[str, Any], out_attn: jax.Array, lse: jax.Array, d_out: jax.Array, st: _Statics
+) -> dict[str, jax.Array]:
+    """FlashAttention-2 Alg. 2 (keys outer, queries inner), then the projections' chain rule."""
+    q, c, w_kc, w_vc, rope = (a[n] for n in ("query", "key_value", "w_kc", "w_vc", "k_rope"))
+    geo = _Geometry.of(a, st)
+    dtype = q.dtype
+    d_out = d_out.astype(dtype)
+    q_att, q_rope = _query_parts(a, st)
+    # In the absorbed form the attention's values are latents: dO_lat = dO W_vcᵀ.
+    do_att = _dot("bqhv,rhv->bqhr", d_out, w_vc).astype(dtype) if st.absorbed else d_out
+    # D = rowsum(dO ∘ O) in the attention's value space (Sec. 3.1.2).
+    delta = jnp.sum(do_att.astype(jnp.float32) * out_attn.astype(jnp.float32), axis=-1)
+    qab, qrb, dob = _q_blocks(q_att, geo), _q_blocks(q_rope, geo), _q_blocks(do_att, geo)
+    deltab = _q_blocks(delta[..., None], geo)[..., 0]
+    lseb = _q_blocks(lse[..., None], geo, fill=_EMPTY_ROW_LSE)[..., 0]
+    cb, rb = _k_blocks(c, geo), _k_blocks(rope, geo)
+    fa = geo.r if st.absorbed else geo.dn
+    f = geo.r if st.absorbed else geo.dv
+    dq_shape = (geo.b, geo.hq, geo.bq)
+    k_side = (geo.b, geo.bk) if st.absorbed else (geo.b, geo.hq, geo.bk)
+
+    def one_kv_block(outer: Any, j: Any) -> tuple[Any, Any]:
+        dqa, dqr, dw_kc, dw_vc = outer
+        c_j, r_j = _take(cb, j), _take(rb, j)
+        k_j, v_j = _project(c_j, a, st)
+        inner_init = (
+            jnp.zeros((*k_side, fa), jnp.float32),
+            jnp.zeros((geo.b, geo.bk, geo.dr), jnp.float32),
+            jnp.zeros((*k_side, f), jnp.float32),
+        )
+
+        def one_q_block(inner: Any, xs: Any) -> tuple[Any, Any]:
+            i, qa_i, qr_i, do_i, delta_i, lse_i = xs
+
+            def compute(inner: Any) -> Any:
+                dk_j, dkr_j, dv_j = inner
+                s, tanh = _scores(qa_i, qr_i, k_j, r_j, geo, st, i, j)
+                p = jnp.exp(s - lse_i[..., None])
+                dv_j = dv_j + _dot(_dv_spec(st), p.astype(dtype), do_i)
+                dp = _dot(_dp_spec(st), do_i, v_j)
+                ds = p * (dp - delta_i[..., None])
+                if tanh is not None:
+                    ds = ds * (1.0 - tanh * tanh)
+                ds = ds.astype(dtype)
+                dqa_i = _dot(_dq_spec(st), ds, k_j)
+                dqr_i = _dot("bhqk,bke->bhqe", ds, r_j)
+                dk_j = dk_j + _dot(_dk_spec(st), ds, qa_i)
+                dkr_j = dkr_j + _dot("bhqk,bhqe->bke", ds, qr_i)
+                return (dk_j, dkr_j, dv_j), (dqa_i, dqr_i)
+
+            def skip(inner: Any) -> Any:
+                zeros = (
+                    jnp.zeros((*dq_shape, fa), jnp.float32),
+                    jnp.zeros((*dq_shape, geo.dr), jnp.float32),
+                )
+                return inner, zeros
+
+            return _when_else(_block_may_see(geo, st, i, j), compute, skip, inner)
+
+        xs = (jnp.arange(geo.nq), qab, qrb, dob, deltab, lseb)
+        (dk_j, dkr_j, dv_j), (dqa_parts, dqr_parts) = lax.scan(one_q_block, inner_init, xs)
+        dk_j = dk_j * st.softmax_scale
+        if st.absorbed:  # keys and values are the latent itself
+            dc_j = dk_j + dv_j
+        else:  # back through K_j = c_j W_kc and V_j = c_j W_vc
+            dc_j = _dot("bhkn,rhn->bkr", dk_j, w_kc) + _dot("bhkv,rhv->bkr", dv_j, w_vc)
+            dw_kc = dw_kc + _dot("bkr,bhkn->rhn", c_j, dk_j)
+            dw_vc = dw_vc + _dot("bkr,bhkv->rhv", c_j, dv_j)
+        outer = (dqa + dqa_parts, dqr + dqr_parts, dw_kc, dw_vc)
+        return outer, (dc_j, dkr_j * st.softmax_scale)
+
+    outer_init = (
+        jnp.zeros((geo.nq, *dq_shape, fa), jnp.float32),
+        jnp.zeros((geo.nq, *dq_shape, geo.dr), jnp.float32),
+        jnp.zeros((geo.r, geo.hq, geo.dn), jnp.float32),
+        jnp.zeros((geo.r, geo.hq, geo.dv), jnp.float32),
+    )
+    (dqa, dqr, dw_kc, dw_vc), (dc, dkr) = _scan(one_kv_block, outer_init, geo.nk)
+    dqa = _unblock_q(dqa, geo) * st.softmax_scale
+    dqr = _unblock_q(dqr, geo) * st.softmax_scale
+    if st.absorbed:  # back through q_lat = q_nope W_kcᵀ and O = O_lat W_vc
+        q_nope = q[..., : geo.dn]
+        dq_nope = _dot("bqhr,rhn->bqhn", dqa, w_kc)
+        dw_kc = _dot("bqhr,bqhn->rhn", dqa, q_nope)
+        dw_vc = _dot("bqhr,bqhv->rhv", out_attn, d_out)
+    else:
+        dq_nope = dqa
+    return {
+        "query": jnp.concatenate([dq_nope, dqr], axis=-1).astype(q.dtype),
+        "key_value": _unblock_k(dc, geo).astype(c.dtype),
+        "w_kc": dw_kc.astype(w_kc.dtype),
+        "w_vc": dw_vc.astype(w_vc.dtype),
+        "k_rope": _unblock_k(dkr, geo).astype(rope.dtype),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Block helpers
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class _Geometry:
+    """Sizes of one call and its blocking (all Python ints)."""
+
+    b: int
+    sq: int
+    sk: int
+    hq: int
+    r: int
+    dn: int
+    dr: int
+    dv: int
+    bq: int
+    bk: int
+
+    @classmethod
+    def of(cls, a: dict[str, Any], st: _Statics) -> _Geometry:
+        b, sq, hq, d = a["query"].shape
+        _, sk, r = a["key_value"].shape
+        dn = a["w_kc"].shape[2]
+        return cls(
+            b=b,
+            sq=sq,
+            sk=sk,
+            hq=hq,
+            r=r,
+            dn=dn,
+            dr=d - dn,
+            dv=a["w_vc"].shape[2],
+            bq=st.block_q,
+            bk=st.block_k,
+        )
+
+    @property
+    def nq(self) -> int:
+        return -(-self.sq // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.sk // self.bk)
+
+
+def _query_parts(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
+    """The query part meeting the keys' latent side (``q_lat`` or ``q_nope``) and ``q_rope``."""
+    q, w_kc = a["query"], a["w_kc"]
+    dn = w_kc.shape[2]
+    q_nope, q_rope = q[..., :dn], q[..., dn:]
+    if st.absorbed:  # q_lat = q_nope W_kcᵀ: [B, Sq, Hq, R]
+        return _dot("bqhn,rhn->bqhr", q_nope, w_kc).astype(q.dtype), q_rope
+    return q_nope, q_rope
+
+
+def _project(c_j: jax.Array, a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
+    """Key-side and value blocks: the latent itself, or this block's per-head K/V."""
+    if st.absorbed:
+        return c_j, c_j  # [B, bk, R], shared by every head
+    k_j = _dot("bkr,rhn->bhkn", c_j, a["w_kc"]).astype(c_j.dtype)
+    v_j = _dot("bkr,rhv->bhkv", c_j, a["w_vc"]).astype(c_j.dtype)
+    return k_j, v_j
+
+
+# einsum specs per form: shared latent keys/values (absorbed) or per-head ones (expanded).
+def _qk_spec(st: _Statics) -> str:
+    return "bhqr,bkr->bhqk" if st.absorbed else "bhqn,bhkn->bhqk"
+
+
+def _pv_spec(st: _Statics) -> str:
+    return "bhqk,bkr->bhqr" if st.absorbed else "bhqk,bhkv->bhqv"
+
+
+def _dv_spec(st: _Statics) -> str:
+    return "bhqk,bhqr->bkr" if st.absorbed else "bhqk,bhqv->bhkv"
+
+
+def _dp_spec(st: _Statics) -> str:
+    return "bhqr,bkr->bhqk" if st.absorbed else "bhqv,bhkv->bhqk"
+
+
+def _dq_spec(st: _Statics) -> str:
+    return "bhqk,bkr->bhqr" if st.absorbed else "bhqk,bhkn->bhqn"
+
+
+def _dk_spec(st: _Statics) -> str:
+    return "bhqk,bhqr->bkr" if st.absorbed else "bhqk,bhqn->bhkn"
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _q_blocks(x: jax.Array, geo: _Geometry, fill: Any = 0) -> jax.Array:
+    """[B, Sq, Hq, F] -> [nq, B, Hq, bq, F]."""
+    x = _pad_axis(x, 1, geo.nq * geo.bq, fill)
+    x = x.reshape(geo.b, geo.nq, geo.bq, geo.hq, x.shape[-1])
+    return x.transpose(1, 0, 3, 2, 4)
+
+
+def _unblock_q(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[nq, B, Hq, bq, F] -> [B, Sq, Hq, F]."""
+    x = x.transpose(1, 0, 3, 2, 4).reshape(geo.b, geo.nq * geo.bq, geo.hq, x.shape[-1])
+    return x[:, : geo.sq]
+
+
+def _k_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[B, Sk, F] -> [nk, B, bk, F]."""
+    x = _pad_axis(x, 1, geo.nk * geo.bk)
+    return x.reshape(geo.b, geo.nk, geo.bk, x.shape[-1]).transpose(1, 0, 2, 3)
+
+
+def _unblock_k(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[nk, B, bk, F] -> [B, Sk, F]."""
+    x = x.transpose(1, 0, 2, 3).reshape(geo.b, geo.nk * geo.bk, x.shape[-1])
+    return x[:, : geo.sk]
+
+
+def _take(x: jax.Array, i: Any) -> jax.Array:
+    if isinstance(i, int):
+        return x[i]
+    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _scores(
+    qa_i: jax.Array,
+    qr_i: jax.Array,
+    k_j: jax.Array,
+    r_j: jax.Array,
+    geo: _Geometry,
+    st: _Statics,
+    i: Any,
+    j: Any,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Masked logits of block (i, j), [B, Hq, bq, bk] float32, and tanh of the soft cap."""
+    s = _dot(_qk_spec(st), qa_i, k_j)
+    if geo.dr:
+        s = s + _dot("bhqe,bke->bhqk", qr_i, r_j)
+    s = s * st.softmax_scale
+    tanh = None
+    if st.logits_soft_cap is not None:
+        tanh = jnp.tanh(s * (1.0 / st.logits_soft_cap))
+        s = st.logits_soft_cap * tanh
+    q_pos = (i * geo.bq + jnp.arange(geo.bq))[:, None] + (geo.sk - geo.sq)
+    k_pos = (j * geo.bk + jnp.arange(geo.bk))[None, :]
+    visible = k_pos < geo.sk
+    if st.causal:
+        visible = visible & (k_pos <= q_pos)
+    if st.sliding_window is not None:
+        left, right = st.sliding_window
+        visible = visible & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+    return jnp.where(visible, s, _MASK_VALUE), tanh
+
+
+def _block_may_see(geo: _Geometry, st: _Statics, i: Any, j: Any) -> Any:
+    """Whether causality and the window leave block (i, j) any visible entry (``None``: yes).
+
+    Depends on block indices only, so it stays a scalar branch condition under ``vmap``.
+    """
+    if not st.causal and st.sliding_window is None:
+        return None
+    q_lo = i * geo.bq + (geo.sk - geo.sq)
+    q_hi = q_lo + geo.bq - 1
+    k_lo = j * geo.bk
+    k_hi = k_lo + geo.bk - 1
+    conds = []
+    if st.causal:
+        conds.append(k_lo <= q_hi)
+    if st.sliding_window is not None:
+        left, right = st.sliding_window
+        conds += [k_lo <= q_hi + right, k_hi >= q_lo - left]
+    return functools.reduce(jnp.logical_and, [jnp.asarray(c) for c in conds])
+
+
+def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
+
+
+def _when(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
+    """``fn(carry)`` where ``pred`` holds, else ``carry``."""
+    return _when_else(pred, fn, lambda c: c, carry)
+
+
+def _when_else(pred: Any, fn: Callable[[Any], Any], other: Callable[[Any], Any], x: Any) -> Any:
+    if pred is None:
+        return fn(x)
+    return lax.cond(pred, fn, other, x)
+
+
+def _scan(body: Callable[[Any, Any], Any], init: Any, n: int) -> tuple[Any, Any]:
+    """``lax.scan`` over ``range(n)``; a single step runs unrolled with a Python index."""
+    if n == 1:
+        carry, ys = body(init, 0)
+        return carry, jax.tree.map(lambda y: y[None], ys)
+    return lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))

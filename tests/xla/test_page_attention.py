@@ -1,0 +1,272 @@
+"""The XLA page attention (one decode token per sequence) against the reference.
+
+Batches are hostile: shuffled pages, garbage ids (``10**6``, ``-1``) in table slots past the
+live pages, NaN in every cache slot no sequence holds, a prefix shared by two sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkernel
+from ejkernel._params import FwdParams
+from ejkernel.specs.page_attention import SPEC, page_attention_reference
+from ejkernel.specs.ragged_page_attention import paged_block_tables
+from ejkernel.testing import assert_close
+from ejkernel_xla.ops.page_attention import (
+    PageAttentionConfig,
+    config_space,
+    heuristic,
+    page_attention_xla,
+    supports,
+)
+
+GARBAGE = (10**6, -1)
+STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
+#: The oracle, jitted (eager, its many small ops would each compile on first use).
+reference = jax.jit(page_attention_reference, static_argnames=STATICS)
+
+
+@attrs.frozen(kw_only=True)
+class Batch:
+    kv_lens: tuple[int, ...]
+    hq: int
+    hkv: int
+    d: int
+    page_size: int
+    max_pages: int
+    num_pages: int
+    shared_pages: int = 0
+
+    def __str__(self) -> str:
+        return f"S{len(self.kv_lens)}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}-page{self.page_size}x{self.max_pages}"
+
+
+#: Lengths 0 and 1, a whole page (5), whole capacity (45), odd lengths; sequences 0 and 4
+#: share their first 3 pages.
+GQA = Batch(
+    kv_lens=(37, 0, 1, 5, 45, 23),
+    hq=6,
+    hkv=2,
+    d=40,
+    page_size=5,
+    max_pages=9,
+    num_pages=48,
+    shared_pages=3,
+)
+#: MQA, 16-token pages.
+MQA = Batch(kv_lens=(129, 16, 2, 64), hq=4, hkv=1, d=32, page_size=16, max_pages=10, num_pages=33)
+
+
+def make_inputs(
+    batch: Batch, dtype: Any = jnp.float32, seed: int = 0, unused: Any = GARBAGE
+) -> dict[str, Any]:
+    """Queries and caches (NaN wherever no sequence holds a token) from a fixed seed, and the
+    index arrays."""
+    rng = np.random.default_rng(seed)
+    tables = paged_block_tables(
+        rng,
+        batch.kv_lens,
+        num_pages=batch.num_pages,
+        page_size=batch.page_size,
+        max_pages=batch.max_pages,
+        unused=unused,
+        shared_pages=batch.shared_pages,
+    )
+    shape = (batch.num_pages, batch.page_size, batch.hkv, batch.d)
+    owned = np.zeros(shape[:2], bool)
+    for s, n in enumerate(batch.kv_lens):
+        for pos in range(n):
+            owned[tables[s, pos // batch.page_size], pos % batch.page_size] = True
+    caches = rng.standard_normal((2, *shape), np.float32)
+    caches[:, ~owned] = np.nan
+    return {
+        "query": jnp.asarray(
+            rng.standard_normal((len(batch.kv_lens), batch.hq, batch.d), np.float32), dtype
+        ),
+        "key_cache": jnp.asarray(caches[0], dtype),
+        "value_cache": jnp.asarray(caches[1], dtype),
+        "kv_lens": jnp.asarray(batch.kv_lens, jnp.int32),
+        "block_tables": jnp.asarray(tables),
+    }
+
+
+def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
+    return SPEC.validate(SPEC.bind((), {**arrays, **options}))
+
+
+def check(batch: Batch, cfg: Any = None, dtype: Any = jnp.float32, **options: Any) -> jax.Array:
+    args = validated(make_inputs(batch, dtype), **options)
+    out = page_attention_xla(**args, cfg=cfg)
+    assert out.shape == args["query"].shape and out.dtype == dtype
+    assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
+    assert_close(out, reference(**args), name=str(batch))
+    return out
+
+
+@pytest.mark.parametrize("batch", [GQA, MQA], ids=str)
+def test_output_matches_the_reference_for_every_batch(batch: Batch) -> None:
+    out = check(batch)
+    empty = np.asarray(batch.kv_lens) == 0
+    assert np.all(np.asarray(out)[empty] == 0.0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sliding_window": (7, 0)},
+        {"sliding_window": 0},
+        {"logits_soft_cap": 2.0, "softmax_scale": 0.5},
+    ],
+    ids=["window-7-0", "window-0", "softcap-scale"],
+)
+def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
+    check(GQA, **options)
+
+
+def test_small_blocks_match_the_reference() -> None:
+    cfg = PageAttentionConfig(fwd_params=FwdParams(kv_blocksize=10), blocks_per_step=3)
+    check(GQA, cfg, sliding_window=(12, 0), logits_soft_cap=3.0)
+
+
+def test_bfloat16_matches_the_float32_reference() -> None:
+    check(MQA, dtype=jnp.bfloat16)
+
+
+def test_garbage_in_unused_table_slots_changes_nothing() -> None:
+    outs = [
+        np.asarray(page_attention_xla(**validated(make_inputs(GQA, unused=u))))
+        for u in (0, GARBAGE)
+    ]
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_jit_and_vmap_match_the_reference() -> None:
+    arrays = make_inputs(GQA)
+    rest = {k: v for k, v in arrays.items() if k not in ("query", "kv_lens")}
+    queries = jnp.stack([arrays["query"], 2.0 * arrays["query"]])
+    lens = jnp.stack([arrays["kv_lens"], jnp.maximum(arrays["kv_lens"] - 3, 0)])
+
+    @jax.jit
+    def run(q: jax.Array, kv_lens: jax.Array) -> jax.Array:
+        call = lambda q, n: ejkernel.page_attention(
+            q, rest["key_cache"], rest["value_cache"], n, rest["block_tables"]
+        )
+        return jax.vmap(call)(q, kv_lens)
+
+    out = run(queries, lens)
+    for i in range(2):
+        expected = reference(
+            queries[i], rest["key_cache"], rest["value_cache"], lens[i], rest["block_tables"]
+        )
+        assert_close(out[i], expected, name=f"example {i}")
+
+
+def test_public_function_and_explain() -> None:
+    args = tuple(make_inputs(MQA).values())
+    record = ejkernel.explain("page_attention", *args, sliding_window=40)
+    assert record.platform == "xla" and record.source == "heuristic"
+    assert isinstance(record.config, PageAttentionConfig)
+    out = ejkernel.page_attention(*args, sliding_window=40)
+    assert_close(out, reference(*args, sliding_window=(40, 40)))
+
+
+def test_memory_does_not_grow_with_num_pages() -> None:
+    def temp_bytes(num_pages: int) -> int:
+        s, max_pages = 32, 64
+        shapes = {
+            "query": jax.ShapeDtypeStruct((s, 8, 64), jnp.float32),
+            "key_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
+            "value_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
+            "kv_lens": jax.ShapeDtypeStruct((s,), jnp.int32),
+            "block_tables": jax.ShapeDtypeStruct((s, max_pages), jnp.int32),
+        }
+        memory = (
+            jax.jit(lambda a: page_attention_xla(**a)).lower(shapes).compile().memory_analysis()
+        )
+        if memory is None:
+            pytest.skip("this backend reports no memory analysis")
+        return int(memory.temp_size_in_bytes)
+
+    small, large = temp_bytes(1024), temp_bytes(100_000)
+    assert small == large and small < 1024 * 16 * 2 * 64 * 4
+
+
+class _Invocation:
+    def __init__(self, batch: Batch) -> None:
+        args = validated(make_inputs(batch))
+        self.kwargs = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
+            for k, v in args.items()
+        }
+        self.metadata = {"grad": False}
+
+
+@pytest.mark.parametrize("batch", [GQA, MQA], ids=str)
+def test_configs_use_one_token_items_and_whole_pages(batch: Batch) -> None:
+    inv = _Invocation(batch)
+    space = config_space(inv)
+    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    for cfg in space:
+        assert (
+            cfg.fwd_params.q_blocksize == 1 and cfg.fwd_params.kv_blocksize % batch.page_size == 0
+        )
+    assert supports(inv) is True
+
+
+def test_synthetic_inputs_are_valid() -> None:
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
+        for k, v in validated(make_inputs(MQA)).items()
+    }
+    inputs = SPEC.make_synthetic(abstract, seed=1)
+    kv_lens = np.asarray(inputs["kv_lens"])
+    assert np.all((kv_lens >= 1) & (kv_lens <= MQA.max_pages * MQA.page_size))
+    assert_close(page_attention_xla(**inputs), reference(**inputs))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("query", jnp.ones((6, 6)), r"`query` must be \[S, Hq, D\]"),
+        (
+            "query",
+            jnp.ones((6, 5, 40)),
+            r"`query` must be \[S, Hq, D\] with D=40 and Hq % Hkv == 0",
+        ),
+        (
+            "query",
+            jnp.ones((6, 6, 40), jnp.float16),
+            r"`query` and the key/value cache must share one dtype",
+        ),
+        ("key_cache", jnp.ones((48, 5, 2, 40), jnp.int32), r"`key_cache` must be a floating array"),
+        ("value_cache", jnp.ones((48, 5, 1, 40)), r"`value_cache` must match `key_cache`"),
+        ("kv_lens", jnp.ones((5,), jnp.int32), r"`kv_lens` must be \[S\]=\(6,\)"),
+        ("kv_lens", jnp.ones((6,)), r"`kv_lens` must be an integer"),
+        (
+            "block_tables",
+            jnp.ones((6,), jnp.int32),
+            r"`block_tables` must be \[num_seqs, max_pages\]",
+        ),
+        (
+            "block_tables",
+            jnp.ones((6, 0), jnp.int32),
+            r"`block_tables` must be \[num_seqs, max_pages\] with num_seqs=6",
+        ),
+        ("logits_soft_cap", 0.0, r"`logits_soft_cap` must be > 0"),
+        ("sliding_window", (1, 2, 3), r"`sliding_window` must be an int or \(left, right\)"),
+    ],
+    ids=lambda x: x if isinstance(x, str) and not x.startswith("`") else None,
+)
+def test_bad_inputs_raise_clear_errors_before_any_kernel(
+    name: str, value: Any, message: str
+) -> None:
+    arrays = {**make_inputs(GQA), name: value}
+    with pytest.raises((TypeError, ValueError), match=r"^page_attention: " + message):
+        ejkernel.page_attention(**arrays)

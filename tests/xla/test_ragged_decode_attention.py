@@ -1,0 +1,239 @@
+"""The XLA ragged decode (one query per row over ``[start, end)`` of a dense cache) against the
+reference. Every cache entry outside a row's valid range is NaN, so reading it fails loudly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkernel
+from ejkernel._params import FwdParams
+from ejkernel.specs.ragged_decode_attention import SPEC, ragged_decode_attention_reference
+from ejkernel.testing import assert_close
+from ejkernel_xla.ops.ragged_decode_attention import (
+    RaggedDecodeAttentionConfig,
+    config_space,
+    heuristic,
+    ragged_decode_attention_xla,
+    supports,
+)
+
+STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
+#: The oracle, jitted (eager, its many small ops would each compile on first use).
+reference = jax.jit(ragged_decode_attention_reference, static_argnames=STATICS)
+
+
+@attrs.frozen(kw_only=True)
+class Rows:
+    """Per row, the valid range ``[start, end)`` of a dense ``[B, Sk, Hkv, ·]`` cache."""
+
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    sk: int
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+
+    def __str__(self) -> str:
+        dv = "" if self.dv == self.d else f"-Dv{self.dv}"
+        return f"B{len(self.starts)}-Sk{self.sk}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}{dv}"
+
+
+#: The whole cache, a middle range, an empty range, one token at either end, a range ending
+#: one short of the cache; D ≠ Dv.
+GQA = Rows(
+    starts=(0, 5, 10, 36, 0, 3), ends=(37, 20, 10, 37, 1, 36), sk=37, hq=6, hkv=2, d=40, dv=24
+)
+#: MQA; ranges past the cache on either side are clamped to [0, Sk].
+MQA = Rows(starts=(0, 64, -5), ends=(129, 100, 300), sk=129, hq=4, hkv=1, d=32, dv=32)
+
+
+def make_inputs(rows: Rows, dtype: Any = jnp.float32, seed: int = 0) -> dict[str, Any]:
+    """Query and cache (NaN outside every row's valid range) from a fixed seed."""
+    rng = np.random.default_rng(seed)
+    b = len(rows.starts)
+    key = rng.standard_normal((b, rows.sk, rows.hkv, rows.d), np.float32)
+    value = rng.standard_normal((b, rows.sk, rows.hkv, rows.dv), np.float32)
+    pos = np.arange(rows.sk)
+    outside = (pos[None] < np.asarray(rows.starts)[:, None]) | (
+        pos[None] >= np.asarray(rows.ends)[:, None]
+    )
+    key[outside], value[outside] = np.nan, np.nan
+    return {
+        "query": jnp.asarray(rng.standard_normal((b, rows.hq, rows.d), np.float32), dtype),
+        "key": jnp.asarray(key, dtype),
+        "value": jnp.asarray(value, dtype),
+        "sequence_start": jnp.asarray(rows.starts, jnp.int32),
+        "sequence_end": jnp.asarray(rows.ends, jnp.int32),
+    }
+
+
+def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
+    return SPEC.validate(SPEC.bind((), {**arrays, **options}))
+
+
+def check(rows: Rows, cfg: Any = None, dtype: Any = jnp.float32, **options: Any) -> jax.Array:
+    args = validated(make_inputs(rows, dtype), **options)
+    out = ragged_decode_attention_xla(**args, cfg=cfg)
+    assert out.shape == (len(rows.starts), rows.hq, rows.dv) and out.dtype == dtype
+    assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
+    assert_close(out, reference(**args), name=str(rows))
+    return out
+
+
+@pytest.mark.parametrize("rows", [GQA, MQA], ids=str)
+def test_output_matches_the_reference_for_every_batch(rows: Rows) -> None:
+    out = np.asarray(check(rows))
+    empty = np.asarray(rows.ends) <= np.asarray(rows.starts)
+    assert np.all(out[empty] == 0.0) and np.all(np.any(out[~empty] != 0.0, axis=(1, 2)))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sliding_window": (7, 0)},
+        {"sliding_window": 3},
+        {"logits_soft_cap": 2.0, "softmax_scale": 0.4},
+        {"softmax_aux": "Hq"},
+        {"softmax_aux": "Hq-2", "sliding_window": (10, 10)},
+    ],
+    ids=["window-7-0", "window-3", "softcap-scale", "sinks-Hq", "sinks-Hq-2-window"],
+)
+def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
+    options = dict(options)
+    if "softmax_aux" in options:
+        shape = (GQA.hq,) if options["softmax_aux"] == "Hq" else (GQA.hq, 2)
+        options["softmax_aux"] = jnp.asarray(
+            np.random.default_rng(3).standard_normal(shape) + 1.0, jnp.float32
+        )
+    check(GQA, **options)
+
+
+def test_small_blocks_with_a_shifted_last_block_match_the_reference() -> None:
+    # Sk = 37 is no multiple of 8: the last block is shifted left and its overlap masked.
+    cfg = RaggedDecodeAttentionConfig(fwd_params=FwdParams(kv_blocksize=8), blocks_per_step=3)
+    check(GQA, cfg, sliding_window=(13, 0), logits_soft_cap=4.0)
+
+
+def test_bfloat16_matches_the_float32_reference() -> None:
+    check(MQA, dtype=jnp.bfloat16)
+
+
+def test_jit_and_vmap_match_the_reference() -> None:
+    arrays = make_inputs(GQA)
+    stacked = {k: jnp.stack([v, v]) for k, v in arrays.items()}
+    stacked["query"] = stacked["query"].at[1].multiply(-1.0)
+    shorter = jnp.maximum(
+        arrays["sequence_end"] - 2, arrays["sequence_start"]
+    )  # still inside the valid range
+    stacked["sequence_end"] = stacked["sequence_end"].at[1].set(shorter)
+
+    @jax.jit
+    def run(a: dict[str, Any]) -> jax.Array:
+        return jax.vmap(lambda a: ejkernel.ragged_decode_attention(**a, sliding_window=(20, 0)))(a)
+
+    out = run(stacked)
+    for i in range(2):
+        example = {k: v[i] for k, v in stacked.items()}
+        assert_close(out[i], reference(**example, sliding_window=(20, 0)), name=f"example {i}")
+
+
+def test_public_function_and_explain() -> None:
+    args = tuple(make_inputs(MQA).values())
+    record = ejkernel.explain("ragged_decode_attention", *args)
+    assert record.platform == "xla" and record.source == "heuristic"
+    assert isinstance(record.config, RaggedDecodeAttentionConfig)
+    assert_close(ejkernel.ragged_decode_attention(*args), reference(*args))
+
+
+def test_memory_does_not_grow_with_the_cache_length() -> None:
+    def temp_bytes(sk: int) -> int:
+        b = 8
+        shapes = {
+            "query": jax.ShapeDtypeStruct((b, 8, 64), jnp.float32),
+            "key": jax.ShapeDtypeStruct((b, sk, 2, 64), jnp.float32),
+            "value": jax.ShapeDtypeStruct((b, sk, 2, 64), jnp.float32),
+            "sequence_start": jax.ShapeDtypeStruct((b,), jnp.int32),
+            "sequence_end": jax.ShapeDtypeStruct((b,), jnp.int32),
+        }
+        memory = (
+            jax.jit(lambda a: ragged_decode_attention_xla(**a))
+            .lower(shapes)
+            .compile()
+            .memory_analysis()
+        )
+        if memory is None:
+            pytest.skip("this backend reports no memory analysis")
+        return int(memory.temp_size_in_bytes)
+
+    small, large = temp_bytes(4096), temp_bytes(262_144)
+    assert small == large and small < 8 * 4096 * 2 * 64 * 4
+
+
+class _Invocation:
+    def __init__(self, rows: Rows) -> None:
+        args = validated(make_inputs(rows))
+        self.kwargs = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
+            for k, v in args.items()
+        }
+        self.metadata = {"grad": False}
+
+
+@pytest.mark.parametrize("rows", [GQA, MQA], ids=str)
+def test_configs_never_use_blocks_longer_than_the_cache(rows: Rows) -> None:
+    inv = _Invocation(rows)
+    space = config_space(inv)
+    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    for cfg in space:
+        assert cfg.fwd_params.q_blocksize == 1 and 1 <= cfg.fwd_params.kv_blocksize <= rows.sk
+    assert supports(inv) is True
+
+
+def test_synthetic_inputs_are_valid() -> None:
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
+        for k, v in validated(make_inputs(MQA)).items()
+    }
+    inputs = SPEC.make_synthetic(abstract, seed=1)
+    start, end = np.asarray(inputs["sequence_start"]), np.asarray(inputs["sequence_end"])
+    assert np.all((start >= 0) & (start < end) & (end <= MQA.sk))
+    assert_close(ragged_decode_attention_xla(**inputs), reference(**inputs))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("query", jnp.ones((6, 6)), r"`query` must be \[B, Hq, D\]"),
+        ("query", jnp.ones((6, 5, 40)), r"`key` must be \[B, Sk, Hkv, D\] with Hq % Hkv == 0"),
+        (
+            "query",
+            jnp.ones((6, 6, 40), jnp.bfloat16),
+            r"`query`, `key` and `value` must share one dtype",
+        ),
+        ("key", jnp.ones((5, 37, 2, 40)), r"`key` must be \[B, Sk, Hkv, D\] with Hq % Hkv == 0"),
+        ("value", jnp.ones((6, 36, 2, 24)), r"`value` must be \[B, Sk, Hkv, Dv\]"),
+        ("value", jnp.ones((6, 37, 2, 24), jnp.int32), r"`value` must be a floating array"),
+        ("sequence_start", jnp.ones((5,), jnp.int32), r"`sequence_start` must be \[B\]=\(6,\)"),
+        ("sequence_end", jnp.ones((6,)), r"`sequence_end` must be an integer"),
+        (
+            "softmax_aux",
+            jnp.ones((4,)),
+            r"`softmax_aux` must be floating \[Hq\] or \[Hq, n\] with Hq=6",
+        ),
+        ("logits_soft_cap", "big", r"`logits_soft_cap` must be a number"),
+    ],
+    ids=lambda x: x if isinstance(x, str) and not x.startswith("`") else None,
+)
+def test_bad_inputs_raise_clear_errors_before_any_kernel(
+    name: str, value: Any, message: str
+) -> None:
+    arrays = {**make_inputs(GQA), name: value}
+    with pytest.raises((TypeError, ValueError), match=r"^ragged_decode_attention: " + message):
+        ejkernel.ragged_decode_attention(**arrays)

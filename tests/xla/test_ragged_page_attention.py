@@ -1,0 +1,368 @@
+"""The XLA ragged paged attention against the reference: ragged batches, options, hostile tables.
+
+Every batch is built to be hostile: pages in shuffled order, table slots past the live pages
+holding garbage ids (``10**6``, ``-1``), cache slots no sequence owns filled with NaN, so an
+implementation that reads what it must not fails loudly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkernel
+from ejkernel._params import FwdParams
+from ejkernel.specs.ragged_page_attention import (
+    SPEC,
+    paged_block_tables,
+    ragged_page_attention_reference,
+)
+from ejkernel.testing import assert_close
+from ejkernel.testing import random_normal as normal
+from ejkernel_xla.ops.ragged_page_attention import (
+    RaggedPageAttentionConfig,
+    config_space,
+    heuristic,
+    ragged_page_attention_xla,
+    supports,
+)
+
+GARBAGE = (10**6, -1)
+STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
+#: The oracle, jitted (eager, its many small ops would each compile on first use).
+reference = jax.jit(ragged_page_attention_reference, static_argnames=STATICS)
+
+
+@attrs.frozen(kw_only=True)
+class Batch:
+    """A packed batch: per-sequence cache lengths and query lengths, heads, paging."""
+
+    kv_lens: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    hq: int
+    hkv: int
+    d: int
+    page_size: int
+    max_pages: int
+    num_pages: int
+    pad_tokens: int = 0
+    shared_pages: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.q_lens) + self.pad_tokens
+
+    def __str__(self) -> str:
+        return (
+            f"S{len(self.kv_lens)}-T{self.tokens}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}"
+            f"-page{self.page_size}x{self.max_pages}"
+        )
+
+
+#: Lengths 0 and 1, whole pages (8 = 2 × 4), a chunked prefill (5 of 37), a full prefill,
+#: decode steps, a sequence with more queries than keys (2 rows see nothing), padding tokens,
+#: and a 2-page prefix shared by sequences 0 and 3.
+MIXED = Batch(
+    kv_lens=(37, 0, 1, 8, 19, 5, 2),
+    q_lens=(5, 0, 1, 8, 19, 1, 4),
+    hq=6,
+    hkv=2,
+    d=40,
+    page_size=4,
+    max_pages=11,
+    num_pages=64,
+    pad_tokens=3,
+    shared_pages=2,
+)
+#: MQA, large pages, a sequence filling its capacity exactly (144 = 9 × 16).
+MQA = Batch(
+    kv_lens=(129, 1, 16, 144),
+    q_lens=(3, 1, 16, 7),
+    hq=4,
+    hkv=1,
+    d=32,
+    page_size=16,
+    max_pages=9,
+    num_pages=40,
+)
+#: Pure decode (one query per sequence).
+DECODE = Batch(
+    kv_lens=(17, 64, 3, 33),
+    q_lens=(1, 1, 1, 1),
+    hq=8,
+    hkv=2,
+    d=64,
+    page_size=8,
+    max_pages=8,
+    num_pages=24,
+)
+
+
+def make_inputs(
+    batch: Batch, dtype: Any = jnp.float32, seed: int = 0, unused: Any = GARBAGE
+) -> dict[str, Any]:
+    """Queries and caches (NaN wherever no sequence holds a token) from a fixed seed, and the
+    index arrays."""
+    rng = np.random.default_rng(seed)
+    tables = paged_block_tables(
+        rng,
+        batch.kv_lens,
+        num_pages=batch.num_pages,
+        page_size=batch.page_size,
+        max_pages=batch.max_pages,
+        unused=unused,
+        shared_pages=batch.shared_pages,
+    )
+    shape = (batch.num_pages, batch.page_size, batch.hkv, batch.d)
+    owned = np.zeros(shape[:2], bool)
+    for s, n in enumerate(batch.kv_lens):
+        for pos in range(n):
+            owned[tables[s, pos // batch.page_size], pos % batch.page_size] = True
+    caches = rng.standard_normal((2, *shape), np.float32)
+    caches[:, ~owned] = np.nan
+    return {
+        "queries": jnp.asarray(
+            rng.standard_normal((batch.tokens, batch.hq, batch.d), np.float32), dtype
+        ),
+        "key_cache": jnp.asarray(caches[0], dtype),
+        "value_cache": jnp.asarray(caches[1], dtype),
+        "kv_lens": jnp.asarray(batch.kv_lens, jnp.int32),
+        "block_tables": jnp.asarray(tables),
+        "query_start_loc": jnp.asarray(np.concatenate([[0], np.cumsum(batch.q_lens)]), jnp.int32),
+    }
+
+
+def validated(arrays: dict[str, Any], num_seqs: Any, **options: Any) -> dict[str, Any]:
+    """Every argument as the core passes it to an implementation."""
+    return SPEC.validate(SPEC.bind((), {**arrays, "num_seqs": num_seqs, **options}))
+
+
+def check(
+    batch: Batch, cfg: Any = None, dtype: Any = jnp.float32, num_seqs: Any = None, **options: Any
+) -> tuple[jax.Array, dict[str, Any]]:
+    """Compare the XLA output with the reference; return ours and the arguments."""
+    arrays = make_inputs(batch, dtype)
+    args = validated(arrays, len(batch.kv_lens) if num_seqs is None else num_seqs, **options)
+    out = ragged_page_attention_xla(**args, cfg=cfg)
+    ref = reference(**args)
+    assert out.shape == arrays["queries"].shape and out.dtype == dtype
+    assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
+    assert_close(out, ref, name=str(batch))
+    return out, args
+
+
+SMALL = RaggedPageAttentionConfig(
+    fwd_params=FwdParams(q_blocksize=3, kv_blocksize=4), blocks_per_step=5
+)
+
+
+@pytest.mark.parametrize("batch", [MIXED, MQA, DECODE], ids=str)
+def test_output_matches_the_reference_for_every_batch(batch: Batch) -> None:
+    check(batch)
+
+
+def test_rows_that_see_no_key_and_padding_tokens_are_zeros() -> None:
+    out, _ = check(MIXED)
+    out = np.asarray(out)
+    starts = np.concatenate([[0], np.cumsum(MIXED.q_lens)])
+    blind_rows = starts[6] + np.arange(2)  # sequence 6: 4 queries, 2 keys
+    padding = np.arange(MIXED.tokens - MIXED.pad_tokens, MIXED.tokens)
+    assert np.all(out[blind_rows] == 0.0) and np.all(out[padding] == 0.0)
+    assert np.all(np.any(out[starts[6] + 2 : starts[7]] != 0.0, axis=-1))
+
+
+@pytest.mark.parametrize("num_seqs", [4, "array-()", "array-(1,)"])
+def test_only_the_first_num_seqs_sequences_are_live(num_seqs: Any) -> None:
+    value = {"array-()": jnp.int32(4), "array-(1,)": jnp.array([4], jnp.int32)}.get(
+        num_seqs, num_seqs
+    )
+    out, _ = check(MIXED, num_seqs=value)
+    dead = slice(int(np.sum(MIXED.q_lens[:4])), MIXED.tokens)
+    assert np.all(np.asarray(out)[dead] == 0.0)
+
+
+def test_garbage_in_unused_table_slots_changes_nothing() -> None:
+    outs = []
+    for unused in (0, GARBAGE, (2**31 - 1, -(2**31))):
+        args = validated(make_inputs(MIXED, unused=unused), len(MIXED.kv_lens))
+        outs.append(np.asarray(ragged_page_attention_xla(**args)))
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sliding_window": (6, 0)},
+        {"sliding_window": 3},
+        {"logits_soft_cap": 2.5, "softmax_scale": 0.3},
+        {"softmax_aux": "Hq"},
+        {"softmax_aux": "Hq-2", "sliding_window": (4, 2)},
+    ],
+    ids=["window-6-0", "window-3", "softcap-scale", "sinks-Hq", "sinks-Hq-2-window"],
+)
+def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
+    options = dict(options)
+    if "softmax_aux" in options:
+        shape = (MIXED.hq,) if options["softmax_aux"] == "Hq" else (MIXED.hq, 2)
+        options["softmax_aux"] = normal(jax.random.PRNGKey(7), shape) + 1.0
+    check(MIXED, **options)
+
+
+def test_small_blocks_with_many_items_and_steps_match_the_reference() -> None:
+    sinks = normal(jax.random.PRNGKey(8), (MIXED.hq,))
+    check(MIXED, SMALL, sliding_window=(9, 0), softmax_aux=sinks, logits_soft_cap=4.0)
+
+
+def test_bfloat16_matches_the_float32_reference() -> None:
+    check(MQA, dtype=jnp.bfloat16, sliding_window=(50, 0))
+
+
+def test_jit_with_a_traced_num_seqs_and_vmap_match_the_reference() -> None:
+    arrays = make_inputs(MIXED)
+    rest = {k: v for k, v in arrays.items() if k != "queries"}
+    queries = jnp.stack([arrays["queries"], -0.5 * arrays["queries"]])
+    live = jnp.array([7, 3], jnp.int32)
+
+    @jax.jit
+    def run(q: jax.Array, n: jax.Array) -> jax.Array:
+        return jax.vmap(lambda q, n: ejkernel.ragged_page_attention(q, *rest.values(), n))(q, n)
+
+    out = run(queries, live)
+    for i in range(2):
+        expected = reference(queries[i], *rest.values(), live[i])
+        assert_close(out[i], expected, name=f"example {i}")
+
+
+def test_public_function_and_explain() -> None:
+    arrays = make_inputs(DECODE)
+    args = (*arrays.values(), 3)
+    record = ejkernel.explain("ragged_page_attention", *args, logits_soft_cap=3.0)
+    assert record.platform == "xla" and record.source == "heuristic"
+    assert isinstance(record.config, RaggedPageAttentionConfig)
+    out = ejkernel.ragged_page_attention(*args, logits_soft_cap=3.0)
+    assert_close(out, reference(*args, logits_soft_cap=3.0))
+
+
+def test_work_and_memory_do_not_grow_with_num_pages() -> None:
+    def temp_bytes(num_pages: int) -> int:
+        t, s, max_pages = 256, 16, 64
+        shapes = {
+            "queries": jax.ShapeDtypeStruct((t, 8, 64), jnp.float32),
+            "key_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
+            "value_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
+            "kv_lens": jax.ShapeDtypeStruct((s,), jnp.int32),
+            "block_tables": jax.ShapeDtypeStruct((s, max_pages), jnp.int32),
+            "query_start_loc": jax.ShapeDtypeStruct((s + 1,), jnp.int32),
+            "num_seqs": jax.ShapeDtypeStruct((), jnp.int32),
+        }
+        fn = jax.jit(lambda a: ragged_page_attention_xla(**a))
+        memory = fn.lower(shapes).compile().memory_analysis()
+        if memory is None:
+            pytest.skip("this backend reports no memory analysis")
+        return int(memory.temp_size_in_bytes)
+
+    small, large = temp_bytes(1024), temp_bytes(100_000)
+    cache_bytes = 1024 * 16 * 2 * 64 * 4
+    assert small == large and small < cache_bytes
+
+
+def test_synthetic_inputs_are_valid() -> None:
+    abstract = {
+        name: jax.ShapeDtypeStruct(x.shape, x.dtype)
+        for name, x in validated(make_inputs(MQA), 4).items()
+        if hasattr(x, "shape")
+    }
+    abstract.update(softmax_scale=None, logits_soft_cap=None, sliding_window=None, softmax_aux=None)
+    inputs = SPEC.make_synthetic(abstract, seed=3)
+    kv_lens, qsl = np.asarray(inputs["kv_lens"]), np.asarray(inputs["query_start_loc"])
+    tables = np.asarray(inputs["block_tables"])
+    assert qsl[0] == 0 and np.all(np.diff(qsl) >= 0) and qsl[-1] <= MQA.tokens
+    assert np.all(np.diff(qsl) <= kv_lens) and np.all(kv_lens <= MQA.max_pages * MQA.page_size)
+    for s, n in enumerate(kv_lens):
+        live = tables[s, : -(-n // MQA.page_size)]
+        assert np.all((live >= 0) & (live < MQA.num_pages))
+    out = ragged_page_attention_xla(**inputs)
+    assert_close(out, reference(**inputs))
+
+
+class _Invocation:
+    def __init__(self, batch: Batch) -> None:
+        args = validated(make_inputs(batch), len(batch.kv_lens))
+        self.kwargs = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
+            for k, v in args.items()
+        }
+        self.metadata = {"grad": False}
+
+
+@pytest.mark.parametrize("batch", [MIXED, MQA, DECODE], ids=str)
+def test_configs_use_whole_pages_and_the_heuristic_comes_first(batch: Batch) -> None:
+    inv = _Invocation(batch)
+    space = config_space(inv)
+    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    for cfg in space:
+        assert cfg.fwd_params.kv_blocksize % batch.page_size == 0
+        assert 1 <= cfg.fwd_params.q_blocksize <= batch.tokens and cfg.blocks_per_step >= 1
+    assert supports(inv) is True
+
+
+def _bad(name: str, value: Any) -> dict[str, Any]:
+    return {name: value}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_bad("queries", jnp.ones((4, 6))), r"`queries` must be \[T, Hq, D\]"),
+        (
+            _bad("queries", jnp.ones((4, 5, 40))),
+            r"`queries` must be \[T, Hq, D\] with D=40 and Hq % Hkv == 0",
+        ),
+        (_bad("queries", jnp.ones((4, 6, 8))), r"`queries` must be \[T, Hq, D\] with D=40"),
+        (
+            _bad("queries", jnp.ones((4, 6, 40), jnp.bfloat16)),
+            r"`queries` and the key/value cache must share one dtype",
+        ),
+        (_bad("value_cache", jnp.ones((64, 4, 2, 8))), r"`value_cache` must match `key_cache`"),
+        (
+            _bad("key_cache", jnp.ones((64, 4, 2))),
+            r"`key_cache` must be \[num_pages, page_size, Hkv, D\]",
+        ),
+        (_bad("kv_lens", jnp.ones((7,))), r"`kv_lens` must be an integer"),
+        (_bad("kv_lens", jnp.ones((7, 1), jnp.int32)), r"`kv_lens` must be \[num_seqs\]"),
+        (
+            _bad("block_tables", jnp.ones((6, 11), jnp.int32)),
+            r"`block_tables` must be \[num_seqs, max_pages\] with num_seqs=7",
+        ),
+        (_bad("block_tables", jnp.ones((7, 11))), r"`block_tables` must be an integer"),
+        (
+            _bad("query_start_loc", jnp.ones((7,), jnp.int32)),
+            r"`query_start_loc` must be \[num_seqs \+ 1\]=\(8,\)",
+        ),
+        (_bad("num_seqs", 8), r"`num_seqs` must be in \[0, 7\]"),
+        (
+            _bad("num_seqs", jnp.ones((2,), jnp.int32)),
+            r"`num_seqs` must be an int or an integer array of shape \(\) or \(1,\)",
+        ),
+        (_bad("num_seqs", jnp.float32(3)), r"`num_seqs` must be an int or an integer array"),
+        (
+            _bad("softmax_aux", jnp.ones((5,))),
+            r"`softmax_aux` must be floating \[Hq\] or \[Hq, n\] with Hq=6",
+        ),
+        (_bad("logits_soft_cap", -1.0), r"`logits_soft_cap` must be > 0"),
+        (_bad("sliding_window", (-1, 0)), r"`sliding_window` must be non-negative"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else next(iter(x)),
+)
+def test_bad_inputs_raise_clear_errors_before_any_kernel(
+    change: dict[str, Any], message: str
+) -> None:
+    arrays = {**make_inputs(MIXED), "num_seqs": 7}
+    arrays.update(change)
+    with pytest.raises((TypeError, ValueError), match=r"^ragged_page_attention: " + message):
+        ejkernel.ragged_page_attention(**arrays)

@@ -1,0 +1,281 @@
+"""The XLA unified attention (vLLM-style) against the reference: ALiBi, causal or not, sinks.
+
+Batches are hostile: shuffled pages, garbage ids (``10**6``, ``-1``) in table slots past the
+live pages, NaN in every cache slot no sequence holds, a prefix shared by two sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkernel
+from ejkernel._params import FwdParams
+from ejkernel.specs.ragged_page_attention import paged_block_tables
+from ejkernel.specs.unified_attention import SPEC, unified_attention_reference
+from ejkernel.testing import assert_close
+from ejkernel_xla.ops.unified_attention import (
+    UnifiedAttentionConfig,
+    config_space,
+    heuristic,
+    supports,
+    unified_attention_xla,
+)
+
+GARBAGE = (10**6, -1)
+STATICS = ("softmax_scale", "causal", "logits_soft_cap", "sliding_window")
+#: The oracle, jitted (eager, its many small ops would each compile on first use).
+reference = jax.jit(unified_attention_reference, static_argnames=STATICS)
+
+
+@attrs.frozen(kw_only=True)
+class Batch:
+    kv_lens: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    hq: int
+    hkv: int
+    d: int
+    page_size: int
+    max_pages: int
+    num_pages: int
+    shared_pages: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"S{len(self.kv_lens)}-T{sum(self.q_lens)}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}"
+            f"-page{self.page_size}x{self.max_pages}"
+        )
+
+
+#: Lengths 0 and 1, whole pages, chunked and full prefills, decode, more queries than keys,
+#: and a 2-page prefix shared by sequences 0 and 3.
+MIXED = Batch(
+    kv_lens=(37, 0, 1, 8, 19, 5, 2),
+    q_lens=(5, 0, 1, 8, 19, 1, 4),
+    hq=6,
+    hkv=2,
+    d=40,
+    page_size=4,
+    max_pages=11,
+    num_pages=64,
+    shared_pages=2,
+)
+MQA = Batch(
+    kv_lens=(129, 1, 16),
+    q_lens=(3, 1, 16),
+    hq=4,
+    hkv=1,
+    d=32,
+    page_size=16,
+    max_pages=9,
+    num_pages=20,
+)
+
+
+def make_inputs(
+    batch: Batch, dtype: Any = jnp.float32, seed: int = 0, unused: Any = GARBAGE
+) -> dict[str, Any]:
+    """Queries and caches (NaN wherever no sequence holds a token) from a fixed seed, and the
+    index arrays."""
+    rng = np.random.default_rng(seed)
+    tables = paged_block_tables(
+        rng,
+        batch.kv_lens,
+        num_pages=batch.num_pages,
+        page_size=batch.page_size,
+        max_pages=batch.max_pages,
+        unused=unused,
+        shared_pages=batch.shared_pages,
+    )
+    shape = (batch.num_pages, batch.page_size, batch.hkv, batch.d)
+    owned = np.zeros(shape[:2], bool)
+    for s, n in enumerate(batch.kv_lens):
+        for pos in range(n):
+            owned[tables[s, pos // batch.page_size], pos % batch.page_size] = True
+    caches = rng.standard_normal((2, *shape), np.float32)
+    caches[:, ~owned] = np.nan
+    return {
+        "queries": jnp.asarray(
+            rng.standard_normal((sum(batch.q_lens), batch.hq, batch.d), np.float32), dtype
+        ),
+        "key_cache": jnp.asarray(caches[0], dtype),
+        "value_cache": jnp.asarray(caches[1], dtype),
+        "kv_lens": jnp.asarray(batch.kv_lens, jnp.int32),
+        "block_tables": jnp.asarray(tables),
+        "query_start_loc": jnp.asarray(np.concatenate([[0], np.cumsum(batch.q_lens)]), jnp.int32),
+    }
+
+
+def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
+    return SPEC.validate(SPEC.bind((), {**arrays, **options}))
+
+
+def check(batch: Batch, cfg: Any = None, dtype: Any = jnp.float32, **options: Any) -> jax.Array:
+    args = validated(make_inputs(batch, dtype), **options)
+    out = unified_attention_xla(**args, cfg=cfg)
+    assert out.shape == args["queries"].shape and out.dtype == dtype
+    assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
+    assert_close(out, reference(**args), name=str(batch))
+    return out
+
+
+def slopes(hq: int) -> jax.Array:
+    """ALiBi's geometric slopes (Press et al., 2022): 2^(-8 i / Hq)."""
+    return jnp.asarray(2.0 ** (-8.0 * np.arange(1, hq + 1) / hq), jnp.float32)
+
+
+@pytest.mark.parametrize("batch", [MIXED, MQA], ids=str)
+def test_output_matches_the_reference_for_every_batch(batch: Batch) -> None:
+    out = np.asarray(check(batch))
+    blind = sum(MIXED.q_lens[:6]) + np.arange(2)  # sequence 6: 4 queries, 2 keys
+    if batch is MIXED:
+        assert np.all(out[blind] == 0.0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"alibi_slopes": "alibi"},
+        {"causal": False},
+        {"causal": False, "sliding_window": (3, 2), "alibi_slopes": "alibi"},
+        {"sliding_window": (6, 0), "logits_soft_cap": 2.5, "softmax_scale": 0.3},
+        {"softmax_aux": "Hq", "alibi_slopes": "alibi"},
+        {"softmax_aux": "Hq-2"},
+    ],
+    ids=[
+        "alibi",
+        "non-causal",
+        "non-causal-window-3-2-alibi",
+        "window-softcap-scale",
+        "sinks-Hq-alibi",
+        "sinks-Hq-2",
+    ],
+)
+def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
+    options = dict(options)
+    if "alibi_slopes" in options:
+        options["alibi_slopes"] = slopes(MIXED.hq)
+    if "softmax_aux" in options:
+        shape = (MIXED.hq,) if options["softmax_aux"] == "Hq" else (MIXED.hq, 2)
+        options["softmax_aux"] = jnp.asarray(
+            np.random.default_rng(5).standard_normal(shape) + 1.0, jnp.float32
+        )
+    check(MIXED, **options)
+
+
+def test_non_causal_queries_see_their_whole_sequence() -> None:
+    # Sequence 6 has more queries (4) than keys (2): without causality every query sees both.
+    out = np.asarray(check(MIXED, causal=False))
+    assert np.all(np.any(out[sum(MIXED.q_lens[:6]) :] != 0.0, axis=-1))
+
+
+def test_small_blocks_match_the_reference() -> None:
+    cfg = UnifiedAttentionConfig(
+        fwd_params=FwdParams(q_blocksize=3, kv_blocksize=4), blocks_per_step=4
+    )
+    check(MIXED, cfg, causal=False, sliding_window=(7, 5), alibi_slopes=slopes(MIXED.hq))
+
+
+def test_bfloat16_matches_the_float32_reference() -> None:
+    check(MQA, dtype=jnp.bfloat16, alibi_slopes=slopes(MQA.hq))
+
+
+def test_garbage_in_unused_table_slots_changes_nothing() -> None:
+    outs = [
+        np.asarray(unified_attention_xla(**validated(make_inputs(MQA, unused=u))))
+        for u in (0, GARBAGE)
+    ]
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_jit_and_vmap_match_the_reference() -> None:
+    arrays = make_inputs(MIXED)
+    rest = [v for k, v in arrays.items() if k != "queries"]
+    queries = jnp.stack([arrays["queries"], 0.5 * arrays["queries"]])
+    alibi = jnp.stack([slopes(MIXED.hq), -slopes(MIXED.hq)])
+
+    @jax.jit
+    def run(q: jax.Array, a: jax.Array) -> jax.Array:
+        return jax.vmap(lambda q, a: ejkernel.unified_attention(q, *rest, alibi_slopes=a))(q, a)
+
+    out = run(queries, alibi)
+    for i in range(2):
+        assert_close(
+            out[i], reference(queries[i], *rest, alibi_slopes=alibi[i]), name=f"example {i}"
+        )
+
+
+def test_public_function_and_explain() -> None:
+    args = tuple(make_inputs(MQA).values())
+    record = ejkernel.explain("unified_attention", *args, causal=False)
+    assert record.platform == "xla" and record.source == "heuristic"
+    assert isinstance(record.config, UnifiedAttentionConfig)
+    assert_close(ejkernel.unified_attention(*args, causal=False), reference(*args, causal=False))
+
+
+class _Invocation:
+    def __init__(self, batch: Batch) -> None:
+        args = validated(make_inputs(batch))
+        self.kwargs = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
+            for k, v in args.items()
+        }
+        self.metadata = {"grad": False}
+
+
+def test_configs_use_whole_pages_and_the_heuristic_comes_first() -> None:
+    inv = _Invocation(MIXED)
+    space = config_space(inv)
+    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    assert all(cfg.fwd_params.kv_blocksize % MIXED.page_size == 0 for cfg in space)
+    assert supports(inv) is True
+
+
+def test_synthetic_inputs_are_valid() -> None:
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
+        for k, v in validated(make_inputs(MQA)).items()
+    }
+    inputs = SPEC.make_synthetic(abstract, seed=4)
+    qsl, kv_lens = np.asarray(inputs["query_start_loc"]), np.asarray(inputs["kv_lens"])
+    assert qsl[0] == 0 and np.all(np.diff(qsl) >= 0) and np.all(np.diff(qsl) <= kv_lens)
+    assert_close(unified_attention_xla(**inputs), reference(**inputs))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("alibi_slopes", jnp.ones((5,)), r"`alibi_slopes` must be floating \[Hq\] with Hq=6"),
+        ("alibi_slopes", jnp.ones((6,), jnp.int32), r"`alibi_slopes` must be floating \[Hq\]"),
+        ("alibi_slopes", jnp.ones((6, 1)), r"`alibi_slopes` must be \[Hq\]"),
+        ("causal", 1, r"`causal` must be a bool"),
+        ("softmax_aux", jnp.ones((2, 6)), r"`softmax_aux` must be floating \[Hq\] or \[Hq, n\]"),
+        (
+            "queries",
+            jnp.ones((38, 6, 40), jnp.bfloat16),
+            r"`queries` and the key/value cache must share one dtype",
+        ),
+        (
+            "query_start_loc",
+            jnp.ones((7,), jnp.int32),
+            r"`query_start_loc` must be \[num_seqs \+ 1\]=\(8,\)",
+        ),
+        (
+            "kv_lens",
+            jnp.ones((0,), jnp.int32),
+            r"`kv_lens` must be \[num_seqs\] with num_seqs >= 1",
+        ),
+    ],
+    ids=lambda x: x if isinstance(x, str) and not x.startswith("`") else None,
+)
+def test_bad_inputs_raise_clear_errors_before_any_kernel(
+    name: str, value: Any, message: str
+) -> None:
+    arrays = {**make_inputs(MIXED), name: value}
+    with pytest.raises((TypeError, ValueError), match=r"^unified_attention: " + message):
+        ejkernel.unified_attention(**arrays)
