@@ -15,6 +15,8 @@ from ejkernel.plugins import hookimpl
 OPS: dict[str, str | None] = {
     "flash_attention": "FlashAttentionConfig",
     "scaled_dot_product_attention": "FlashAttentionConfig",
+    "ring_attention": "RingAttentionConfig",
+    "native_sparse_attention": "NativeSparseAttentionConfig",
     "attention": None,
     "blocksparse_attention": None,
     "multi_head_latent_attention": "MultiHeadLatentAttentionConfig",

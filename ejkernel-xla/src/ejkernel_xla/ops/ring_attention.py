@@ -1,0 +1,956 @@
+"""ring_attention on XLA: Ring Attention over blockwise FlashAttention-2, with a custom VJP.
+
+Without ``axis_name`` the op is flash attention: the call, its forward and its backward go to
+:mod:`ejkernel_xla.ops.flash_attention`. With ``axis_name`` it runs inside ``jax.shard_map``;
+each of the ``n`` devices of the axis holds one shard of the sequence (query rows
+``[r·Sq, (r+1)·Sq)``, key rows ``[r·Sk, (r+1)·Sk)``). The algorithm is Ring Attention (Liu,
+Zaharia and Abbeel, 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+Context", Sec. 3), each device's work being FlashAttention-2 (Dao, 2023, Alg. 1 and 2):
+
+- Forward. The device's queries stay; its key/value shard (and its ``kv_segment_ids``) travels
+  around the ring with ``lax.ppermute`` (device r sends to r + 1), so at step t device r holds
+  the shard of device ``s = (r - t) mod n``. Each step runs the blockwise online softmax over
+  that shard's key blocks, carrying the running row maximum, denominator and accumulator (all
+  float32) across steps, which is the exact merge of partial softmaxes; the rotation of step
+  t is independent of its compute, so XLA can overlap the two. After the last step sinks join
+  the denominator, the accumulator is divided once and the per-row logsumexp is saved. n - 1
+  rotations move every shard past every device.
+- Backward. The saved logsumexp makes each step independent: ``P = exp(S - lse)`` is
+  recomputed per block and dQ accumulates on the device, while the dK/dV accumulators travel
+  with the key/value shard they belong to; after n compute steps a last rotation brings each
+  accumulator home to the device of its shard.
+- Masks use global positions: local query i of device r is global row ``r·Sq + i``, at
+  position ``n·Sk - n·Sq + r·Sq + i`` (causal bottom-right alignment of the global lengths);
+  key j of shard s is at ``s·Sk + j``. ``bias``/``attention_mask`` hold the device's query rows
+  and every key column ([B|1, Hq|1, Sq|1, n·Sk|1]); the columns of shard s are read at step t.
+  Dropout hashes the global query and key rows (:func:`ejkernel.specs.flash_attention.
+  dropout_keep`), so it drops what the unsharded call drops. Shards and blocks that causality
+  or the window hide entirely are skipped with ``lax.cond`` on positions only.
+- Gradients of inputs the same on every device (``softmax_aux``, a ``bias`` not split along the
+  ring) are summed over the ring (``psum``) when ``shard_map`` tracks replication
+  (``check_vma=True``); without that tracking ``shard_map``'s own transpose sums them.
+
+Accumulation is float32; matmul inputs keep the input dtype. ``supports()`` declines nothing:
+every masking argument of flash attention is served on the ring too. A ring call is never
+autotuned (its config space is the heuristic alone): the tuner times candidates on synthetic
+inputs outside the caller's trace, where the ``shard_map`` axis is unbound.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ejkernel._params import BwdParams, FwdParams
+from ejkernel.plugins import defvjp
+from ejkernel.specs.flash_attention import dropout_keep
+from ejkernel_xla.ops.flash_attention import FlashAttentionConfig, flash_attention_xla
+from ejkernel_xla.ops.flash_attention import config_space as flash_config_space
+from ejkernel_xla.ops.flash_attention import heuristic as flash_heuristic
+
+__all__ = [
+    "RingAttentionConfig",
+    "config_space",
+    "heuristic",
+    "ring_attention_xla",
+    "supports",
+]
+
+#: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
+_MASK_VALUE = float(np.finfo(np.float32).min)
+#: Logsumexp saved for a row with no visible key: ``exp(anything - it)`` is 0.
+_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
+#: Default ((fwd q, fwd kv), (bwd q, bwd kv)) block sizes inside one device's shard, as flash
+#: attention's (wide key blocks on CPU keep loop steps few).
+_DEFAULT_BLOCKS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "cpu": ((256, 1024), (128, 1024)),
+    "gpu": ((128, 128), (128, 128)),
+    "tpu": ((512, 512), (512, 512)),
+}
+
+
+@attrs.frozen(kw_only=True)
+class RingAttentionConfig:
+    """Tunables of the XLA ring attention: block sizes inside one device's shard.
+
+    Without ``axis_name`` they are flash attention's. ``None`` takes the backend's default;
+    blocks longer than the local sequence are clamped to it.
+
+    Attributes:
+        fwd_params: block sizes of the forward pass.
+        bwd_params: block sizes of the backward pass.
+    """
+
+    fwd_params: FwdParams = attrs.field(factory=FwdParams)
+    bwd_params: BwdParams = attrs.field(factory=BwdParams)
+
+
+def heuristic(inv: Any) -> RingAttentionConfig:
+    """Flash attention's default blocks, clamped to the device's local sequence lengths."""
+    return _from_flash(flash_heuristic(inv))
+
+
+def config_space(inv: Any) -> list[RingAttentionConfig]:
+    """Flash attention's candidate blocks; on a ring, the heuristic's alone.
+
+    Candidates are timed on synthetic inputs outside the caller's trace, where the ring's
+    ``shard_map`` axis is not bound, so a ring call is never autotuned (a single candidate
+    skips tuning); without ``axis_name`` the call is flash attention and tunes like it.
+    """
+    if inv.kwargs.get("axis_name") is not None:
+        return [heuristic(inv)]
+    return [_from_flash(cfg) for cfg in flash_config_space(inv)]
+
+
+def supports(inv: Any) -> bool:
+    """Always ``True``: every valid call is served, on the ring or not."""
+    del inv
+    return True
+
+
+def ring_attention_xla(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    axis_name: Any = None,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    cfg: RingAttentionConfig | None = None,
+) -> jax.Array:
+    """Ring attention (arguments as validated by the core spec; arrays are local shards).
+
+    Args:
+        query: [B, Sq, Hq, D], the device's query rows.
+        key: [B, Sk, Hkv, D], the device's key rows.
+        value: [B, Sk, Hkv, Dv].
+        axis_name: the ``shard_map`` axis the sequence is split over; ``None``: flash attention.
+        bias: broadcastable to [B, Hq, Sq, n·Sk] (my rows, every key column).
+        attention_mask: bool, broadcastable to [B, Hq, Sq, n·Sk], True = may attend.
+        q_segment_ids: [B, Sq] int (my rows).
+        kv_segment_ids: [B, Sk] int (my key rows; they travel with the keys).
+        softmax_aux: [Hq] or [Hq, n_sinks] sink logits, in the softmax denominator only.
+        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
+        causal: causal mask on global positions, bottom-right aligned for the global lengths.
+        sliding_window: ``(left, right)`` around each query's global position, or ``None``.
+        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
+        dropout_prob: dropout on the attention probabilities.
+        dropout_seed: uint32 scalar seed of the dropout hash (used when dropout_prob > 0).
+        cfg: block sizes inside the shard; ``None`` takes the defaults.
+
+    Returns:
+        [B, Sq, Hq, Dv] in the query dtype (my rows); rows with no visible key are zeros.
+    """
+    arrays = _arrays(locals())
+    if axis_name is None:
+        return flash_attention_xla(**arrays, **_masking(locals()), cfg=_to_flash(cfg))
+    st = _statics(arrays, cfg, backward=False, axis_name=axis_name, **_masking(locals()))
+    out, _ = _forward(arrays, st)
+    return out
+
+
+def _ring_attention_fwd(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    axis_name: Any = None,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    cfg: RingAttentionConfig | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array | None]]:
+    """Forward of :func:`ring_attention_xla`: ``(out, residuals)``.
+
+    On the ring the residuals are the array inputs, the output and the per-row logsumexp
+    ``[B, Sq, Hq]`` (float32) of the global softmax.
+    """
+    arrays = _arrays(locals())
+    if axis_name is None:
+        fwd = flash_attention_xla.fwd  # type: ignore[attr-defined]
+        return fwd(**arrays, **_masking(locals()), cfg=_to_flash(cfg))
+    st = _statics(arrays, cfg, backward=False, axis_name=axis_name, **_masking(locals()))
+    out, lse = _forward(arrays, st)
+    return out, {**arrays, "out": out, "logsumexp": lse}
+
+
+def _ring_attention_bwd(
+    residuals: dict[str, jax.Array | None],
+    d_out: jax.Array,
+    *,
+    cfg: RingAttentionConfig | None = None,
+    axis_name: Any = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+) -> dict[str, jax.Array | None]:
+    """Backward of :func:`ring_attention_xla`.
+
+    Returns:
+        Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
+        ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
+    """
+    masking = {
+        "softmax_scale": softmax_scale,
+        "causal": causal,
+        "sliding_window": sliding_window,
+        "logits_soft_cap": logits_soft_cap,
+        "dropout_prob": dropout_prob,
+    }
+    if axis_name is None:
+        bwd = flash_attention_xla.bwd  # type: ignore[attr-defined]
+        return bwd(residuals, d_out, cfg=_to_flash(cfg), **masking)
+    arrays = {k: v for k, v in residuals.items() if k not in ("out", "logsumexp")}
+    st = _statics(arrays, cfg, backward=True, axis_name=axis_name, **masking)
+    return _backward(arrays, residuals["out"], residuals["logsumexp"], d_out, st)
+
+
+defvjp(ring_attention_xla, _ring_attention_fwd, _ring_attention_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration helpers
+# --------------------------------------------------------------------------------------------
+
+_ARRAY_NAMES = (
+    "query",
+    "key",
+    "value",
+    "bias",
+    "attention_mask",
+    "q_segment_ids",
+    "kv_segment_ids",
+    "softmax_aux",
+    "dropout_seed",
+)
+_MASKING_NAMES = ("softmax_scale", "causal", "sliding_window", "logits_soft_cap", "dropout_prob")
+
+
+def _arrays(scope: dict[str, Any]) -> dict[str, Any]:
+    arrays = {name: scope[name] for name in _ARRAY_NAMES}
+    if not scope["dropout_prob"]:
+        arrays["dropout_seed"] = None
+    elif arrays["dropout_seed"] is None or not hasattr(arrays["dropout_seed"], "dtype"):
+        arrays["dropout_seed"] = jnp.asarray(arrays["dropout_seed"] or 0).astype(jnp.uint32)
+    return arrays
+
+
+def _masking(scope: dict[str, Any]) -> dict[str, Any]:
+    return {name: scope[name] for name in _MASKING_NAMES}
+
+
+def _from_flash(cfg: FlashAttentionConfig) -> RingAttentionConfig:
+    return RingAttentionConfig(fwd_params=cfg.fwd_params, bwd_params=cfg.bwd_params)
+
+
+def _to_flash(cfg: RingAttentionConfig | None) -> FlashAttentionConfig | None:
+    if cfg is None:
+        return None
+    return FlashAttentionConfig(fwd_params=cfg.fwd_params, bwd_params=cfg.bwd_params)
+
+
+def _backend() -> str:
+    name = jax.default_backend().lower()
+    name = "gpu" if name in ("cuda", "rocm") else name
+    return name if name in _DEFAULT_BLOCKS else "cpu"
+
+
+@attrs.frozen(kw_only=True)
+class _Statics:
+    """Everything static about one ring call (hashable: the ``jax.jit`` static argument)."""
+
+    axis_name: Any
+    softmax_scale: float
+    causal: bool
+    sliding_window: tuple[int, int] | None
+    logits_soft_cap: float | None
+    dropout_prob: float
+    block_q: int
+    block_k: int
+
+
+def _statics(
+    arrays: dict[str, Any],
+    cfg: RingAttentionConfig | None,
+    *,
+    backward: bool,
+    axis_name: Any,
+    softmax_scale: float | None,
+    causal: bool,
+    sliding_window: tuple[int, int] | None,
+    logits_soft_cap: float | None,
+    dropout_prob: float,
+) -> _Statics:
+    query, key = arrays["query"], arrays["key"]
+    cfg = cfg if cfg is not None else RingAttentionConfig()
+    params = cfg.bwd_params if backward else cfg.fwd_params
+    default_q, default_k = _DEFAULT_BLOCKS[_backend()][1 if backward else 0]
+    bq = max(1, min(params.q_blocksize or default_q, query.shape[1]))
+    bk = max(1, min(params.kv_blocksize or default_k, key.shape[1]))
+    return _Statics(
+        axis_name=axis_name,
+        softmax_scale=float(query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale),
+        causal=bool(causal),
+        sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        dropout_prob=float(dropout_prob or 0.0),
+        block_q=bq,
+        block_k=bk,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Forward and backward passes on the ring
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
+    """Ring Attention forward: ``out [B, Sq, Hq, Dv]`` and logsumexp ``[B, Sq, Hq]``."""
+    q = a["query"]
+    geo = _Geometry.of(a, st)
+    side = _SideInputs.of(a, geo)
+    qb = _q_blocks(q, geo)
+    rank = lax.axis_index(st.axis_name)
+    rows = (geo.nq, geo.b, geo.hkv, geo.group, geo.bq)
+    running = _vary_like(
+        (
+            jnp.full(rows, _MASK_VALUE, jnp.float32),
+            jnp.zeros(rows, jnp.float32),
+            jnp.zeros((*rows, geo.dv), jnp.float32),
+        ),
+        q,
+        st.axis_name,
+    )
+
+    def visit_shard(running: Any, shard: _Shard, t: Any) -> tuple[Any, _Shard]:
+        src = (rank - t) % geo.n
+
+        def one_q_block(_: Any, xs: Any) -> tuple[None, Any]:
+            i, m, denom, acc = xs
+            q_i = _take(qb, i)
+            at = _At(rank=rank, src=src, i=i, j=None)
+
+            def one_kv_block(carry: Any, j: Any) -> tuple[Any, None]:
+                here = attrs.evolve(at, j=j)
+
+                def update(carry: Any) -> Any:
+                    m, denom, acc = carry
+                    v_j = _take(shard.value, j)
+                    s, _ = _scores(q_i, _take(shard.key, j), shard, side, geo, st, here)
+                    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                    alpha = jnp.exp(m - m_new)
+                    p = jnp.exp(s - m_new[..., None])
+                    denom = alpha * denom + jnp.sum(p, axis=-1)
+                    if st.dropout_prob > 0.0:
+                        p = jnp.where(_keep(a["dropout_seed"], geo, st, here), p, 0.0)
+                    pv = _dot("bhgqk,bhkd->bhgqd", p.astype(v_j.dtype), v_j)
+                    return m_new, denom, alpha[..., None] * acc + pv
+
+                return _when(_block_may_see(geo, st, here), update, carry), None
+
+            (m, denom, acc), _ = _scan(one_kv_block, (m, denom, acc), geo.nk)
+            return None, (m, denom, acc)
+
+        def visit(running: Any) -> Any:
+            _, running = lax.scan(one_q_block, None, (jnp.arange(geo.nq), *running))
+            return running
+
+        return _when(_shard_may_see(geo, st, rank, src), visit, running), shard
+
+    running, _ = _ring(visit_shard, running, _Shard.of(a, geo), geo, st)
+    m, denom, acc = running
+    seen = m > _MASK_VALUE
+    aux = _sinks(a["softmax_aux"], geo)
+    if aux is not None:
+        # Sinks join the maximum and the denominator only (never the numerator).
+        m_all = jnp.maximum(m, jnp.max(aux, axis=-1))
+        rescale = jnp.exp(m - m_all)
+        denom = denom * rescale + jnp.sum(jnp.exp(aux - m_all[..., None]), axis=-1)
+        acc = acc * rescale[..., None]
+        m = m_all
+    denom = jnp.where(seen, denom, 1.0)
+    inv_denom = jnp.where(seen, 1.0 / denom, 0.0)
+    if st.dropout_prob > 0.0:
+        inv_denom = inv_denom * (1.0 / (1.0 - st.dropout_prob))
+    out = (acc * inv_denom[..., None]).astype(q.dtype)
+    lse = jnp.where(seen, m + jnp.log(denom), _EMPTY_ROW_LSE)
+    return _unblock_q(out, geo), _unblock_q(lse[..., None], geo)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames="st")
+def _backward(
+    a: dict[str, Any], out: jax.Array, lse: jax.Array, d_out: jax.Array, st: _Statics
+) -> dict[str, jax.Array | None]:
+    """Ring Attention backward: dQ stays, dK/dV travel with their shard and come home."""
+    q, k, v = a["query"], a["key"], a["value"]
+    geo = _Geometry.of(a, st)
+    side = _SideInputs.of(a, geo)
+    rank = lax.axis_index(st.axis_name)
+    d_out = d_out.astype(q.dtype)
+    # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    qb, dob = _q_blocks(q, geo), _q_blocks(d_out, geo)
+    lseb = _q_blocks(lse[..., None], geo, fill=_EMPTY_ROW_LSE)[..., 0]
+    deltab = _q_blocks(delta[..., None], geo)[..., 0]
+    bias_grad = _BiasGradient.of(a["bias"], geo)
+    scale_dropped = 1.0 / (1.0 - st.dropout_prob) if st.dropout_prob > 0.0 else 1.0
+    zero = functools.partial(_zeros_like_query, q=q, axis=st.axis_name)
+
+    def visit_shard(fixed: Any, shard: _Shard, t: Any) -> tuple[Any, _Shard]:
+        src = (rank - t) % geo.n
+
+        def one_kv_block(dq_acc: Any, j: Any) -> tuple[Any, Any]:
+            k_j, v_j = _take(shard.key, j), _take(shard.value, j)
+            init = (zero((geo.b, geo.hkv, geo.bk, geo.d)), zero((geo.b, geo.hkv, geo.bk, geo.dv)))
+
+            def one_q_block(inner: Any, i: Any) -> tuple[Any, Any]:
+                here = _At(rank=rank, src=src, i=i, j=j)
+
+                def update(inner: Any) -> Any:
+                    dk, dv = inner
+                    q_i, do_i = _take(qb, i), _take(dob, i)
+                    s, tanh = _scores(q_i, k_j, shard, side, geo, st, here)
+                    p = jnp.exp(s - _take(lseb, i)[..., None])
+                    if st.dropout_prob > 0.0:
+                        keep = _keep(a["dropout_seed"], geo, st, here)
+                        p_dropped = jnp.where(keep, p * scale_dropped, 0.0)
+                    else:
+                        p_dropped = p
+                    dv = dv + _dot("bhgqk,bhgqd->bhkd", p_dropped.astype(do_i.dtype), do_i)
+                    dp = _dot("bhgqd,bhkd->bhgqk", do_i, v_j)
+                    if st.dropout_prob > 0.0:
+                        dp = jnp.where(keep, dp * scale_dropped, 0.0)
+                    ds = p * (dp - _take(deltab, i)[..., None])
+                    db_i = bias_grad.reduce(ds)
+                    if tanh is not None:
+                        ds = ds * (1.0 - tanh * tanh)
+                    ds = ds.astype(q_i.dtype)
+                    dq_i = _dot("bhgqk,bhkd->bhgqd", ds, k_j)
+                    dk = dk + _dot("bhgqk,bhgqd->bhkd", ds, q_i)
+                    return (dk, dv), (dq_i, db_i)
+
+                def skip(inner: Any) -> Any:
+                    dq_i = zero((geo.b, geo.hkv, geo.group, geo.bq, geo.d))
+                    return inner, (dq_i, bias_grad.zero_block(zero))
+
+                return _when_else(_block_may_see(geo, st, here), update, skip, inner)
+
+            (dk_j, dv_j), (dq_parts, db_parts) = _scan(one_q_block, init, geo.nq)
+            return dq_acc + dq_parts, (dk_j, dv_j, db_parts)
+
+        def visit(state: Any) -> Any:
+            (dq, db), shard = state
+            dq, (dk_s, dv_s, db_s) = _scan(one_kv_block, dq, geo.nk)
+            db = bias_grad.add(db, db_s, src)
+            return (dq, db), attrs.evolve(shard, dk=shard.dk + dk_s, dv=shard.dv + dv_s)
+
+        return _when(_shard_may_see(geo, st, rank, src), visit, (fixed, shard))
+
+    shard = _Shard.of(a, geo)
+    shard = attrs.evolve(
+        shard,
+        dk=zero((geo.nk, geo.b, geo.hkv, geo.bk, geo.d)),
+        dv=zero((geo.nk, geo.b, geo.hkv, geo.bk, geo.dv)),
+    )
+    fixed = (zero((geo.nq, geo.b, geo.hkv, geo.group, geo.bq, geo.d)), bias_grad.zeros(zero))
+    (dq, db), shard = _ring(visit_shard, fixed, shard, geo, st)
+    # After n steps device r holds the accumulators of shard r + 1: one more hop brings each home.
+    dk, dv = _rotate((shard.dk, shard.dv), geo, st)
+    scale = st.softmax_scale
+    grads: dict[str, jax.Array | None] = {
+        "query": (_unblock_q(dq, geo) * scale).astype(q.dtype),
+        "key": (_unblock_kv(dk, geo) * scale).astype(k.dtype),
+        "value": _unblock_kv(dv, geo).astype(v.dtype),
+        "bias": None,
+        "softmax_aux": None,
+    }
+    if a["bias"] is not None:
+        d_bias = bias_grad.finish(db)
+        grads["bias"] = _sum_if_replicated(d_bias, a["bias"], q, st.axis_name)
+    if a["softmax_aux"] is not None:
+        aux = a["softmax_aux"]
+        sinks = aux.astype(jnp.float32).reshape(geo.hq, -1)
+        p_aux = jnp.exp(sinks[None, None] - lse[..., None])  # [B, Sq, Hq, n_sinks]
+        d_aux = -jnp.einsum("bqh,bqhn->hn", delta, p_aux).reshape(aux.shape)
+        grads["softmax_aux"] = _sum_if_replicated(d_aux, aux, q, st.axis_name).astype(aux.dtype)
+    return grads
+
+
+def _ring(
+    visit: Callable[[Any, Any, Any], tuple[Any, Any]],
+    fixed: Any,
+    shard: Any,
+    geo: _Geometry,
+    st: _Statics,
+) -> tuple[Any, Any]:
+    """Run ``visit(fixed, shard, t)`` for t = 0 … n-1, rotating ``shard`` between steps.
+
+    The rotation of step t reads only the shard visit t also reads, so XLA may overlap the
+    transfer with the compute; the last step rotates nothing (n - 1 hops in all).
+    """
+
+    def step(carry: Any, t: Any) -> tuple[Any, None]:
+        fixed, shard = visit(*carry, t)
+        return (fixed, _rotate(shard, geo, st)), None
+
+    if geo.n > 1:
+        (fixed, shard), _ = lax.scan(step, (fixed, shard), jnp.arange(geo.n - 1))
+    return visit(fixed, shard, geo.n - 1)
+
+
+def _rotate(tree: Any, geo: _Geometry, st: _Statics) -> Any:
+    """Send every array of ``tree`` from device r to device r + 1 of the ring."""
+    if geo.n == 1:
+        return tree
+    perm = [(r, (r + 1) % geo.n) for r in range(geo.n)]
+    return jax.tree.map(lambda x: lax.ppermute(x, st.axis_name, perm), tree)
+
+
+# --------------------------------------------------------------------------------------------
+# Replication (shard_map's check_vma typing)
+# --------------------------------------------------------------------------------------------
+
+
+def _varying(x: Any) -> frozenset[Any]:
+    """Mesh axes along which ``x`` differs between devices (empty when untracked)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _vary_like(tree: Any, ref: jax.Array, axis: Any) -> Any:
+    """Type loop state as varying along ``axis`` when ``ref`` is (scan carries must match)."""
+    if axis not in _varying(ref):
+        return tree
+    cast = getattr(lax, "pcast", None)
+
+    def vary(x: jax.Array) -> jax.Array:
+        if axis in _varying(x):
+            return x
+        if cast is not None:
+            return cast(x, axis, to="varying")
+        return lax.pvary(x, axis)  # type: ignore[attr-defined]
+
+    return jax.tree.map(vary, tree)
+
+
+def _zeros_like_query(shape: tuple[int, ...], *, q: jax.Array, axis: Any) -> jax.Array:
+    return _vary_like(jnp.zeros(shape, jnp.float32), q, axis)
+
+
+def _sum_if_replicated(grad: jax.Array, primal: jax.Array, q: jax.Array, axis: Any) -> jax.Array:
+    """Sum a per-device partial gradient over the ring when its input is replicated on it.
+
+    Only when replication is tracked (the query varies along the axis): otherwise
+    ``shard_map``'s transpose sums the cotangents of unsplit inputs itself.
+    """
+    if axis in _varying(q) and axis not in _varying(primal):
+        return lax.psum(grad, axis)
+    return grad
+
+
+# --------------------------------------------------------------------------------------------
+# Block helpers
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class _Geometry:
+    """Sizes of one call (local shard lengths), the ring size and the blocking (Python ints)."""
+
+    n: int
+    b: int
+    sq: int
+    sk: int
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+    bq: int
+    bk: int
+
+    @classmethod
+    def of(cls, a: dict[str, Any], st: _Statics) -> _Geometry:
+        q, k, v = a["query"], a["key"], a["value"]
+        b, sq, hq, d = q.shape
+        return cls(
+            n=int(lax.axis_size(st.axis_name)),
+            b=b,
+            sq=sq,
+            sk=k.shape[1],
+            hq=hq,
+            hkv=k.shape[2],
+            d=d,
+            dv=v.shape[3],
+            bq=st.block_q,
+            bk=st.block_k,
+        )
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def nq(self) -> int:
+        return -(-self.sq // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.sk // self.bk)
+
+    @property
+    def sq_pad(self) -> int:
+        return self.nq * self.bq
+
+    @property
+    def sk_pad(self) -> int:
+        return self.nk * self.bk
+
+    @property
+    def offset(self) -> int:
+        """Position of global query row 0: bottom-right alignment of the global lengths."""
+        return self.n * (self.sk - self.sq)
+
+
+@attrs.frozen(kw_only=True)
+class _At:
+    """Where a block sits: my rank, the source device of the shard held, block indices."""
+
+    rank: Any
+    src: Any
+    i: Any
+    j: Any
+
+
+@attrs.frozen(kw_only=True)
+class _Shard:
+    """What travels around the ring: a key/value shard, its segment ids, its dK/dV."""
+
+    key: jax.Array  # [nk, B, Hkv, bk, D]
+    value: jax.Array  # [nk, B, Hkv, bk, Dv]
+    segments: jax.Array | None  # [nk, B, bk]
+    dk: jax.Array | None = None
+    dv: jax.Array | None = None
+
+    @classmethod
+    def of(cls, a: dict[str, Any], geo: _Geometry) -> _Shard:
+        seg = a["kv_segment_ids"]
+        if seg is not None:
+            seg = _pad_axis(seg.astype(jnp.int32), 1, geo.sk_pad, -1)
+            seg = seg.reshape(geo.b, geo.nk, geo.bk).transpose(1, 0, 2)
+        return cls(key=_kv_blocks(a["key"], geo), value=_kv_blocks(a["value"], geo), segments=seg)
+
+
+jax.tree_util.register_pytree_node(
+    _Shard,
+    lambda s: ((s.key, s.value, s.segments, s.dk, s.dv), None),
+    lambda _, xs: _Shard(key=xs[0], value=xs[1], segments=xs[2], dk=xs[3], dv=xs[4]),
+)
+
+
+@attrs.frozen(kw_only=True)
+class _SideInputs:
+    """What stays on the device: blocked bias and attention mask, query segment ids."""
+
+    bias: jax.Array | None  # [n|1, nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1]
+    mask: jax.Array | None
+    q_segments: jax.Array | None  # [nq, B, bq]
+
+    @classmethod
+    def of(cls, a: dict[str, Any], geo: _Geometry) -> _SideInputs:
+        seg = a["q_segment_ids"]
+        if seg is not None:
+            seg = _pad_axis(seg.astype(jnp.int32), 1, geo.sq_pad, -1)
+            seg = seg.reshape(geo.b, geo.nq, geo.bq).transpose(1, 0, 2)
+        bias, mask = a["bias"], a["attention_mask"]
+        return cls(
+            bias=None if bias is None else _pair_blocks(bias, geo, 0),
+            mask=None if mask is None else _pair_blocks(mask, geo, False),
+            q_segments=seg,
+        )
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _q_blocks(x: jax.Array, geo: _Geometry, fill: Any = 0) -> jax.Array:
+    """[B, Sq, Hq, F] -> [nq, B, Hkv, G, bq, F]."""
+    x = _pad_axis(x, 1, geo.sq_pad, fill)
+    x = x.reshape(geo.b, geo.nq, geo.bq, geo.hkv, geo.group, x.shape[-1])
+    return x.transpose(1, 0, 3, 4, 2, 5)
+
+
+def _unblock_q(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[nq, B, Hkv, G, bq, F] -> [B, Sq, Hq, F]."""
+    x = x.transpose(1, 0, 4, 2, 3, 5).reshape(geo.b, geo.sq_pad, geo.hq, x.shape[-1])
+    return x[:, : geo.sq]
+
+
+def _kv_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[B, Sk, Hkv, F] -> [nk, B, Hkv, bk, F]."""
+    x = _pad_axis(x, 1, geo.sk_pad)
+    x = x.reshape(geo.b, geo.nk, geo.bk, geo.hkv, x.shape[-1])
+    return x.transpose(1, 0, 3, 2, 4)
+
+
+def _unblock_kv(x: jax.Array, geo: _Geometry) -> jax.Array:
+    """[nk, B, Hkv, bk, F] -> [B, Sk, Hkv, F]."""
+    x = x.transpose(1, 0, 3, 2, 4).reshape(geo.b, geo.sk_pad, geo.hkv, x.shape[-1])
+    return x[:, : geo.sk]
+
+
+def _as_4d(x: jax.Array) -> jax.Array:
+    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+
+
+def _pair_blocks(x: jax.Array, geo: _Geometry, fill: Any) -> jax.Array:
+    """Broadcastable to [B, Hq, Sq, n·Sk] -> [n|1, nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1].
+
+    The key axis splits into the ring's shards, each padded to whole blocks; axes the array
+    broadcasts over stay of size 1 (a broadcast bias is never materialised).
+    """
+    x = _as_4d(x)
+    b1, h1, q1, k1 = x.shape
+    nq, bq = (geo.nq, geo.bq) if q1 > 1 else (1, 1)
+    n, nk, bk = (geo.n, geo.nk, geo.bk) if k1 > 1 else (1, 1, 1)
+    hkv, group = (geo.hkv, geo.group) if h1 > 1 else (1, 1)
+    if q1 > 1:
+        x = _pad_axis(x, 2, geo.sq_pad, fill)
+    x = x.reshape(b1, h1, nq * bq, n, k1 // n)
+    if k1 > 1:
+        x = _pad_axis(x, 4, geo.sk_pad, fill)
+    x = x.reshape(b1, hkv, group, nq, bq, n, nk, bk)
+    return x.transpose(5, 3, 6, 0, 1, 2, 4, 7)
+
+
+def _take(x: jax.Array, i: Any) -> jax.Array:
+    """Block ``i`` of a block-stacked array (block 0 of one that has a single block)."""
+    if x.shape[0] == 1:
+        return x[0]
+    if isinstance(i, int):
+        return x[i]
+    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _take_pair(x: jax.Array, at: _At) -> jax.Array:
+    """Block (i, j) of shard ``at.src`` of a :func:`_pair_blocks` array."""
+    return _take(_take(_take(x, at.src), at.i), at.j)
+
+
+def _rows(geo: _Geometry, at: _At) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Global query rows [bq], global key rows [bk] and in-shard key rows [bk] of a block."""
+    q_rows = at.rank * geo.sq + at.i * geo.bq + jnp.arange(geo.bq)
+    local_k = at.j * geo.bk + jnp.arange(geo.bk)
+    return q_rows, at.src * geo.sk + local_k, local_k
+
+
+def _scores(
+    q_i: jax.Array,
+    k_j: jax.Array,
+    shard: _Shard,
+    side: _SideInputs,
+    geo: _Geometry,
+    st: _Statics,
+    at: _At,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Masked logits of a block, [B, Hkv, G, bq, bk] float32, and tanh of the soft cap."""
+    s = _dot("bhgqd,bhkd->bhgqk", q_i, k_j) * st.softmax_scale
+    tanh = None
+    if st.logits_soft_cap is not None:
+        tanh = jnp.tanh(s * (1.0 / st.logits_soft_cap))
+        s = st.logits_soft_cap * tanh
+    if side.bias is not None:
+        s = s + _take_pair(side.bias, at).astype(jnp.float32)
+    q_rows, k_rows, local_k = _rows(geo, at)
+    q_pos = (q_rows + geo.offset)[:, None]
+    k_pos = k_rows[None, :]
+    terms = []
+    if st.causal:
+        terms.append(k_pos <= q_pos)
+    if st.sliding_window is not None:
+        left, right = st.sliding_window
+        terms.append((k_pos >= q_pos - left) & (k_pos <= q_pos + right))
+    if side.q_segments is not None:
+        q_seg, kv_seg = _take(side.q_segments, at.i), _take(shard.segments, at.j)
+        same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] >= 0)
+        terms.append(same[:, None, None])  # padded keys carry id -1: masked here too
+    elif geo.sk_pad != geo.sk:
+        terms.append(local_k[None, :] < geo.sk)
+    if side.mask is not None:
+        terms.append(_take_pair(side.mask, at))
+    if terms:
+        s = jnp.where(functools.reduce(jnp.logical_and, terms), s, _MASK_VALUE)
+    return s, tanh
+
+
+def _may_see(st: _Statics, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> Any:
+    """Whether causality and the window leave positions [q_lo, q_hi] × [k_lo, k_hi] a pair."""
+    conds = []
+    if st.causal:
+        conds.append(k_lo <= q_hi)
+    if st.sliding_window is not None:
+        left, right = st.sliding_window
+        conds += [k_lo <= q_hi + right, k_hi >= q_lo - left]
+    if not conds:
+        return None
+    return functools.reduce(jnp.logical_and, conds)
+
+
+def _block_may_see(geo: _Geometry, st: _Statics, at: _At) -> Any:
+    q_lo = at.rank * geo.sq + at.i * geo.bq + geo.offset
+    k_lo = at.src * geo.sk + at.j * geo.bk
+    return _may_see(st, q_lo, q_lo + geo.bq - 1, k_lo, k_lo + geo.bk - 1)
+
+
+def _shard_may_see(geo: _Geometry, st: _Statics, rank: Any, src: Any) -> Any:
+    q_lo = rank * geo.sq + geo.offset
+    k_lo = src * geo.sk
+    return _may_see(st, q_lo, q_lo + geo.sq - 1, k_lo, k_lo + geo.sk - 1)
+
+
+def _keep(seed: jax.Array, geo: _Geometry, st: _Statics, at: _At) -> jax.Array:
+    """Dropout keep-mask of a block, [B, Hkv, G, bq, bk], from global rows."""
+    q_rows, k_rows, _ = _rows(geo, at)
+    return dropout_keep(
+        seed,
+        jnp.arange(geo.b).reshape(geo.b, 1, 1, 1, 1),
+        jnp.arange(geo.hq).reshape(1, geo.hkv, geo.group, 1, 1),
+        q_rows[:, None],
+        k_rows[None, :],
+        st.dropout_prob,
+    )
+
+
+def _sinks(aux: jax.Array | None, geo: _Geometry) -> jax.Array | None:
+    """[Hq] or [Hq, n_sinks] -> [1, 1, Hkv, G, 1, n_sinks] against stacked row statistics."""
+    if aux is None:
+        return None
+    return aux.astype(jnp.float32).reshape(1, 1, geo.hkv, geo.group, 1, -1)
+
+
+def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
+
+
+def _when(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
+    """``fn(carry)`` where ``pred`` holds, else ``carry``; no branch when ``pred`` is None."""
+    return _when_else(pred, fn, lambda c: c, carry)
+
+
+def _when_else(pred: Any, fn: Callable[[Any], Any], other: Callable[[Any], Any], x: Any) -> Any:
+    if pred is None:
+        return fn(x)
+    return lax.cond(pred, fn, other, x)
+
+
+def _scan(body: Callable[[Any, Any], Any], init: Any, n: int) -> tuple[Any, Any]:
+    """``lax.scan`` over ``range(n)``; a single step runs unrolled with a Python index."""
+    if n == 1:
+        carry, ys = body(init, 0)
+        return carry, jax.tree.map(lambda y: y[None], ys)
+    return lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+
+
+@attrs.frozen(kw_only=True)
+class _BiasGradient:
+    """Accumulates ``dS`` into the bias's broadcast shape, shard by shard of its key axis.
+
+    The accumulator has the blocked layout of :func:`_pair_blocks`
+    ``[n|1, nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1]`` in float32; the bias lives on the
+    device, so it never travels.
+    """
+
+    dims: tuple[int, int, int, int] | None
+    shape: tuple[int, ...] | None
+    dtype: Any
+    geo: _Geometry
+
+    @classmethod
+    def of(cls, bias: jax.Array | None, geo: _Geometry) -> _BiasGradient:
+        if bias is None:
+            return cls(dims=None, shape=None, dtype=None, geo=geo)
+        dims = _as_4d(bias).shape
+        return cls(dims=dims, shape=tuple(bias.shape), dtype=bias.dtype, geo=geo)  # type: ignore[arg-type]
+
+    def _block_shape(self) -> tuple[int, ...]:
+        assert self.dims is not None
+        b1, h1, q1, k1 = self.dims
+        hkv, group = (self.geo.hkv, self.geo.group) if h1 > 1 else (1, 1)
+        return (b1, hkv, group, self.geo.bq if q1 > 1 else 1, self.geo.bk if k1 > 1 else 1)
+
+    def reduce(self, ds: jax.Array) -> jax.Array | None:
+        """Sum ``ds`` [B, Hkv, G, bq, bk] over the axes the bias broadcasts along."""
+        if self.dims is None:
+            return None
+        b1, h1, q1, k1 = self.dims
+        broadcast = (b1 == 1, h1 == 1, h1 == 1, q1 == 1, k1 == 1)
+        axes = tuple(ax for ax, yes in enumerate(broadcast) if yes)
+        return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+
+    def zero_block(self, zero: Callable[[tuple[int, ...]], jax.Array]) -> jax.Array | None:
+        return None if self.dims is None else zero(self._block_shape())
+
+    def zeros(self, zero: Callable[[tuple[int, ...]], jax.Array]) -> jax.Array | None:
+        if self.dims is None:
+            return None
+        _, _, q1, k1 = self.dims
+        n, nk = (self.geo.n, self.geo.nk) if k1 > 1 else (1, 1)
+        nq = self.geo.nq if q1 > 1 else 1
+        return zero((n, nq, nk, *self._block_shape()))
+
+    def add(self, acc: Any, parts: Any, src: Any) -> Any:
+        """Add one shard's block gradients ``[nk, nq, ...]`` to the columns of shard ``src``."""
+        if self.dims is None:
+            return None
+        _, _, q1, k1 = self.dims
+        if q1 == 1:
+            parts = jnp.sum(parts, axis=1, keepdims=True)
+        if k1 == 1:
+            return acc + jnp.sum(parts, axis=0, keepdims=True).transpose(1, 0, 2, 3, 4, 5, 6)[None]
+        parts = parts.transpose(1, 0, 2, 3, 4, 5, 6)  # [nq|1, nk, ...]
+        return acc.at[src].add(parts)
+
+    def finish(self, acc: jax.Array) -> jax.Array:
+        """The accumulator in the bias's own shape and dtype."""
+        assert self.dims is not None and self.shape is not None
+        b1, h1, q1, k1 = self.dims
+        n, nq, nk = acc.shape[:3]
+        bq, bk = acc.shape[-2:]
+        grad = acc.transpose(3, 4, 5, 1, 6, 0, 2, 7).reshape(b1, h1, nq * bq, n, nk * bk)
+        grad = grad[:, :, :q1, :, : (self.geo.sk if k1 > 1 else 1)]
+        return grad.reshape(self.shape).astype(self.dtype)
