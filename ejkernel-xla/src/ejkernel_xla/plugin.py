@@ -28,6 +28,9 @@ OPS: dict[str, str | None] = {
     "unified_attention": "UnifiedAttentionConfig",
     "grouped_matmul": "GroupedMatmulConfig",
     "mean_pooling": None,
+    "kernel_delta_attention": "KernelDeltaAttentionConfig",
+    "state_space_v1": "StateSpaceV1Config",
+    "state_space_v2": "StateSpaceV2Config",
 }
 
 
