@@ -56,12 +56,14 @@ class ConfigCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[str, CacheEntry] = {}
+        self.version = 0  # bumped on every change, so memoised dispatch can tell
 
     def put(
         self, key: str, cfg: Any, *, source: str = "manual", meta: Mapping[str, Any] | None = None
     ) -> None:
         with self._lock:
             self._entries[key] = CacheEntry(config=cfg, source=source, meta=dict(meta or {}))
+            self.version += 1
 
     def get(self, key: str, default: Any = None) -> Any:
         entry = self._entries.get(key)
@@ -82,6 +84,7 @@ class ConfigCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self.version += 1
 
 
 def _type_name(cfg: Any) -> str:

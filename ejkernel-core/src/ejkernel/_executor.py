@@ -23,8 +23,8 @@ import numpy as np
 
 from ejkernel import _env
 from ejkernel._autotune import run_outside_trace, tune_candidates
-from ejkernel._chain import Choice, ConfigSelectorChain, Tunable
-from ejkernel._invocation import Invocation, current_backend
+from ejkernel._chain import Choice, ConfigSelectorChain, Tunable, overlay_state
+from ejkernel._invocation import Invocation, current_backend, fast_signature
 from ejkernel._kernel import Kernel, OpKernel, _overrides
 from ejkernel._registry import KNOWN_DISTRIBUTIONS, Implementation, Registry
 from ejkernel.errors import ConfigError, NoImplementationError
@@ -305,6 +305,7 @@ class Executor:
     def __init__(self, selector: ConfigSelectorChain | None = None) -> None:
         self.selector = selector if selector is not None else ConfigSelectorChain()
         self._tunables: dict[Implementation, Tunable] = {}
+        self._eager: dict[Any, tuple[Implementation, Any, int]] = {}
 
     def __call__(self, kernel: Any, *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
         if "_cfg" in kwargs:  # the seeds' spelling
@@ -320,11 +321,16 @@ class Executor:
 
     # -- ops --------------------------------------------------------------------------------
     def _prepare(
-        self, spec: OpSpec, bound: dict[str, Any], platform: str | None, cfg: Any
+        self,
+        spec: OpSpec,
+        bound: dict[str, Any],
+        platform: str | None,
+        cfg: Any,
+        validated: dict[str, Any] | None = None,
     ) -> tuple[Implementation, str, dict[str, str], dict[str, Any], tuple[Any, ...]]:
         """Validate, then select; returns the implementation, why, rejections, arguments and
         the arguments' fast signature (reused by every invocation of this call)."""
-        arguments = spec.validate(dict(bound))
+        arguments = validated if validated is not None else spec.validate(dict(bound))
         reason = "platform= argument" if platform is not None else None
         if platform is None and _config_platform(cfg) is not None:
             platform, reason = _config_platform(cfg), "cfg.platform"
@@ -375,11 +381,40 @@ class Executor:
     def run_op(
         self, spec: OpSpec, bound: dict[str, Any], *, platform: str | None = None, cfg: Any = None
     ) -> Any:
-        """Run an op on bound (not yet validated) arguments."""
-        impl, _, _, arguments, fast = self._prepare(spec, bound, platform, cfg)
-        choose, _ = self._chooser(spec, impl, arguments, cfg, fast)
-        if not _traced(arguments):  # concrete inputs: nothing differentiates this call
-            return impl.fn(**arguments, cfg=choose(False))
+        """Run an op on bound (not yet validated) arguments.
+
+        Eager calls without ``cfg=`` or overlays are memoised per executor: the key holds
+        everything selection and the chain read (signature, backend, platform, environment,
+        registry generation, policy, memory-cache version), so a hit skips straight to the
+        implementation.
+        """
+        arguments = spec.validate(dict(bound))
+        eager = not _traced(arguments)  # concrete inputs: nothing differentiates this call
+        memo_key = None
+        if eager and cfg is None and not overlay_state():
+            memo_key = (
+                spec.name,
+                fast_signature(arguments),
+                current_backend(),
+                platform,
+                _env.forced_platform(),
+                get_registry().generation,
+                self.selector.policy(),
+                self.selector.cache.version,
+            )
+            hit = self._eager.get(memo_key)
+            if hit is not None:
+                return hit[0].fn(**arguments, cfg=hit[1])
+        impl, _, _, arguments, fast = self._prepare(spec, bound, platform, cfg, arguments)
+        choose, seen = self._chooser(spec, impl, arguments, cfg, fast)
+        if eager:
+            config = choose(False)
+            if memo_key is not None and seen["fwd"].source not in ("override", "overlay"):
+                if len(self._eager) > 4096:
+                    self._eager.clear()
+                memo_key = (*memo_key[:-1], self.selector.cache.version)
+                self._eager[memo_key] = (impl, config, self.selector.cache.version)
+            return impl.fn(**arguments, cfg=config)
         arrays = {k: v for k, v in arguments.items() if spec.arg(k).array and v is not None}
         return build_op_function(spec, impl, arguments, choose)(arrays)
 

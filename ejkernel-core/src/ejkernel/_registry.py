@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -22,6 +23,8 @@ KNOWN_DISTRIBUTIONS: dict[str, str] = {
 }
 
 BACKENDS = ("cpu", "gpu", "tpu", "any")
+
+_GENERATIONS = itertools.count(1)
 
 
 def resolve(target: Any) -> Any:
@@ -126,7 +129,9 @@ class Registry:
         self._platforms: dict[str, Platform] = {}
         self._plugin = "<direct>"
         self._plugin_version = "0"
-        self.generation = 0  # bumped on every change; dispatch memos key on it
+        # Process-wide increasing stamp, changed on every change of any registry (a new registry
+        # never reuses an old one's stamp), so dispatch memos can key on it.
+        self.generation = next(_GENERATIONS)
 
     # -- what plugins call -------------------------------------------------------------------
     def register(
@@ -193,7 +198,7 @@ class Registry:
                     if not (i.platform == impl.platform and i.backends == impl.backends)
                 ]
                 impls.append(impl)
-                self.generation += 1
+                self.generation = next(_GENERATIONS)
             return target
 
         return decorator
@@ -204,7 +209,7 @@ class Registry:
             if spec.name in self._specs and self._specs[spec.name] is not spec:
                 raise ValueError(f"op {spec.name!r} is already defined")
             self._specs[spec.name] = spec
-            self.generation += 1
+            self.generation = next(_GENERATIONS)
 
     def add_platform(
         self, name: str, *, available: Any = None, distribution: str | None = None
@@ -217,7 +222,7 @@ class Registry:
                 distribution=distribution,
                 plugin=self._plugin,
             )
-            self.generation += 1
+            self.generation = next(_GENERATIONS)
 
     # -- what the core reads -----------------------------------------------------------------
     def spec(self, op: str) -> OpSpec:
@@ -256,7 +261,7 @@ class Registry:
 
     def _restore(self, snap: tuple[Any, Any, Any]) -> None:
         self._specs, self._impls, self._platforms = snap
-        self.generation += 1
+        self.generation = next(_GENERATIONS)
 
     def _attribute_to(self, plugin: str, version: str) -> None:
         self._plugin, self._plugin_version = plugin, version
