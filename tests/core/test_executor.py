@@ -207,3 +207,18 @@ def test_autotune_inside_jit_builds_synthetic_inputs_outside_the_trace(toy):
         out = jax.jit(lambda q, m: ejkernel.flash_attention(q, q, q, attention_mask=m))(q, mask)
     assert_close(out, flash_attention_reference(q, q, q, attention_mask=mask))
     assert ejkernel.explain("flash_attention", q, q, q, attention_mask=mask).origin == "autotune"
+
+
+def test_memoised_eager_dispatch_follows_cache_changes(toy):
+    q, k, v = attention_inputs(SHAPE)
+    ejkernel.flash_attention(q, k, v)
+    ejkernel.flash_attention(q, k, v)
+    assert toy.CALLS[-1] == ("run", toy.ToyConfig(block=32))
+    key = ejkernel.explain("flash_attention", q, k, v).key
+    ejkernel._executor.default_executor().selector.cache.put(key, toy.ToyConfig(block=64))
+    ejkernel.flash_attention(q, k, v)
+    assert toy.CALLS[-1] == ("run", toy.ToyConfig(block=64))
+    ejkernel.flash_attention(q, k, v, cfg=toy.ToyConfig(block=16))
+    assert toy.CALLS[-1] == ("run", toy.ToyConfig(block=16))
+    ejkernel.flash_attention(q, k, v)
+    assert toy.CALLS[-1] == ("run", toy.ToyConfig(block=64))
