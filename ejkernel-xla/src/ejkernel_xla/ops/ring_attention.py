@@ -45,13 +45,29 @@ from typing import Any
 import attrs
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ejkernel._params import BwdParams, FwdParams
 from ejkernel.plugins import defvjp
 from ejkernel.specs.flash_attention import dropout_keep
-from ejkernel_xla.ops.flash_attention import FlashAttentionConfig, flash_attention_xla
+
+# Blockwise building blocks shared with flash attention (same layout, same masking value).
+from ejkernel_xla.ops.flash_attention import (
+    _EMPTY_ROW_LSE,
+    _MASK_VALUE,
+    FlashAttentionConfig,
+    _as_4d,
+    _backend,
+    _dot,
+    _kv_blocks,
+    _pad_axis,
+    _q_blocks,
+    _scan,
+    _take,
+    _unblock_kv,
+    _unblock_q,
+    flash_attention_xla,
+)
 from ejkernel_xla.ops.flash_attention import config_space as flash_config_space
 from ejkernel_xla.ops.flash_attention import heuristic as flash_heuristic
 
@@ -63,10 +79,6 @@ __all__ = [
     "supports",
 ]
 
-#: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
-_MASK_VALUE = float(np.finfo(np.float32).min)
-#: Logsumexp saved for a row with no visible key: ``exp(anything - it)`` is 0.
-_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
 #: Default ((fwd q, fwd kv), (bwd q, bwd kv)) block sizes inside one device's shard, as flash
 #: attention's (wide key blocks on CPU keep loop steps few).
 _DEFAULT_BLOCKS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
@@ -273,12 +285,6 @@ def _to_flash(cfg: RingAttentionConfig | None) -> FlashAttentionConfig | None:
     if cfg is None:
         return None
     return FlashAttentionConfig(fwd_params=cfg.fwd_params, bwd_params=cfg.bwd_params)
-
-
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in _DEFAULT_BLOCKS else "cpu"
 
 
 @attrs.frozen(kw_only=True)
@@ -699,45 +705,6 @@ class _SideInputs:
         )
 
 
-def _pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=fill)
-
-
-def _q_blocks(x: jax.Array, geo: _Geometry, fill: Any = 0) -> jax.Array:
-    """[B, Sq, Hq, F] -> [nq, B, Hkv, G, bq, F]."""
-    x = _pad_axis(x, 1, geo.sq_pad, fill)
-    x = x.reshape(geo.b, geo.nq, geo.bq, geo.hkv, geo.group, x.shape[-1])
-    return x.transpose(1, 0, 3, 4, 2, 5)
-
-
-def _unblock_q(x: jax.Array, geo: _Geometry) -> jax.Array:
-    """[nq, B, Hkv, G, bq, F] -> [B, Sq, Hq, F]."""
-    x = x.transpose(1, 0, 4, 2, 3, 5).reshape(geo.b, geo.sq_pad, geo.hq, x.shape[-1])
-    return x[:, : geo.sq]
-
-
-def _kv_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
-    """[B, Sk, Hkv, F] -> [nk, B, Hkv, bk, F]."""
-    x = _pad_axis(x, 1, geo.sk_pad)
-    x = x.reshape(geo.b, geo.nk, geo.bk, geo.hkv, x.shape[-1])
-    return x.transpose(1, 0, 3, 2, 4)
-
-
-def _unblock_kv(x: jax.Array, geo: _Geometry) -> jax.Array:
-    """[nk, B, Hkv, bk, F] -> [B, Sk, Hkv, F]."""
-    x = x.transpose(1, 0, 3, 2, 4).reshape(geo.b, geo.sk_pad, geo.hkv, x.shape[-1])
-    return x[:, : geo.sk]
-
-
-def _as_4d(x: jax.Array) -> jax.Array:
-    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
-
-
 def _pair_blocks(x: jax.Array, geo: _Geometry, fill: Any) -> jax.Array:
     """Broadcastable to [B, Hq, Sq, n·Sk] -> [n|1, nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1].
 
@@ -756,15 +723,6 @@ def _pair_blocks(x: jax.Array, geo: _Geometry, fill: Any) -> jax.Array:
         x = _pad_axis(x, 4, geo.sk_pad, fill)
     x = x.reshape(b1, hkv, group, nq, bq, n, nk, bk)
     return x.transpose(5, 3, 6, 0, 1, 2, 4, 7)
-
-
-def _take(x: jax.Array, i: Any) -> jax.Array:
-    """Block ``i`` of a block-stacked array (block 0 of one that has a single block)."""
-    if x.shape[0] == 1:
-        return x[0]
-    if isinstance(i, int):
-        return x[i]
-    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
 
 def _take_pair(x: jax.Array, at: _At) -> jax.Array:
@@ -863,10 +821,6 @@ def _sinks(aux: jax.Array | None, geo: _Geometry) -> jax.Array | None:
     return aux.astype(jnp.float32).reshape(1, 1, geo.hkv, geo.group, 1, -1)
 
 
-def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
-
-
 def _when(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
     """``fn(carry)`` where ``pred`` holds, else ``carry``; no branch when ``pred`` is None."""
     return _when_else(pred, fn, lambda c: c, carry)
@@ -876,14 +830,6 @@ def _when_else(pred: Any, fn: Callable[[Any], Any], other: Callable[[Any], Any],
     if pred is None:
         return fn(x)
     return lax.cond(pred, fn, other, x)
-
-
-def _scan(body: Callable[[Any, Any], Any], init: Any, n: int) -> tuple[Any, Any]:
-    """``lax.scan`` over ``range(n)``; a single step runs unrolled with a Python index."""
-    if n == 1:
-        carry, ys = body(init, 0)
-        return carry, jax.tree.map(lambda y: y[None], ys)
-    return lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
 
 
 @attrs.frozen(kw_only=True)
