@@ -68,6 +68,7 @@ from ejkernel_xla.ops.flash_attention import (
     _unblock_q,
     flash_attention_xla,
 )
+from ejkernel_xla.ops.flash_attention import _Geometry as _FlashGeometry
 from ejkernel_xla.ops.flash_attention import config_space as flash_config_space
 from ejkernel_xla.ops.flash_attention import heuristic as flash_heuristic
 
@@ -590,19 +591,10 @@ def _sum_if_replicated(grad: jax.Array, primal: jax.Array, q: jax.Array, axis: A
 
 
 @attrs.frozen(kw_only=True)
-class _Geometry:
-    """Sizes of one call (local shard lengths), the ring size and the blocking (Python ints)."""
+class _Geometry(_FlashGeometry):
+    """Flash attention's geometry of one call (local shard lengths) plus the ring size ``n``."""
 
     n: int
-    b: int
-    sq: int
-    sk: int
-    hq: int
-    hkv: int
-    d: int
-    dv: int
-    bq: int
-    bk: int
 
     @classmethod
     def of(cls, a: dict[str, Any], st: _Statics) -> _Geometry:
@@ -620,26 +612,6 @@ class _Geometry:
             bq=st.block_q,
             bk=st.block_k,
         )
-
-    @property
-    def group(self) -> int:
-        return self.hq // self.hkv
-
-    @property
-    def nq(self) -> int:
-        return -(-self.sq // self.bq)
-
-    @property
-    def nk(self) -> int:
-        return -(-self.sk // self.bk)
-
-    @property
-    def sq_pad(self) -> int:
-        return self.nq * self.bq
-
-    @property
-    def sk_pad(self) -> int:
-        return self.nk * self.bk
 
     @property
     def offset(self) -> int:
