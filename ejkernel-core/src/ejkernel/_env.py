@@ -16,6 +16,7 @@ DISABLE_PLUGINS = "EJKERNEL_DISABLE_PLUGINS"
 PLUGINS_AUTOLOAD = "EJKERNEL_PLUGINS_AUTOLOAD"
 OPS_STAMP = "EJKERNEL_OPS_STAMP"
 OPS_RECORD = "EJKERNEL_OPS_RECORD"
+INTERPRET = "EJKERNEL_INTERPRET"
 
 #: name -> (default, meaning); the README table mirrors this mapping.
 VARIABLES: dict[str, tuple[str, str]] = {
@@ -36,6 +37,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
     ),
     DISABLE_PLUGINS: ("", "comma-separated entry-point names of plugins to skip"),
     PLUGINS_AUTOLOAD: ("1", "`0` skips entry-point discovery (add plugins with `register_plugin`)"),
+    INTERPRET: (
+        "0",
+        "`1` runs Triton and Pallas kernels on the CPU through their interpreters (slow; for "
+        "tests and debugging without the hardware)",
+    ),
     OPS_STAMP: (
         "none",
         "reserved for invocation stamping (`hash|json|none`); read by the tuning work",
@@ -75,6 +81,11 @@ def forced_platform() -> str | None:
 
 def disabled_plugins() -> frozenset[str]:
     return frozenset(p.strip() for p in _get(DISABLE_PLUGINS).split(",") if p.strip())
+
+
+def interpret() -> bool:
+    """Whether kernel backends should run their kernels through an interpreter on the CPU."""
+    return _get(INTERPRET).lower() in ("1", "true", "yes", "on")
 
 
 def plugins_autoload() -> bool:
