@@ -1,0 +1,291 @@
+"""Launching Triton kernels from JAX: jax-triton on a GPU, Triton's interpreter on a CPU.
+
+:func:`launch` takes a ``@triton.jit`` kernel and JAX arrays. On a GPU it is a
+``jax_triton.triton_call``. With ``EJKERNEL_INTERPRET=1`` on a CPU it is a host callback that
+runs the *same kernel source* through Triton's interpreter: the kernel's module is imported a
+second time with the interpreter switched on (so its ``@triton.jit`` helpers are interpreted
+too), and NumPy buffers are handed to it through :class:`_HostTensor`, a stand-in for the few
+tensor methods the interpreter calls (no PyTorch needed).
+
+Kernel signatures follow jax-triton's convention: the inputs (arrays and scalars, in order),
+then one pointer per output, then the ``tl.constexpr`` parameters by keyword.
+
+:func:`fold_vmap` gives a launching function a batching rule (jax-triton has none): vmapped
+axes fold into the kernel's batch axis.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel import _env
+
+__all__ = ["fold_vmap", "interpreting", "launch"]
+
+_interpreted_modules: dict[str, Any] = {}
+_interpret_lock = threading.RLock()
+
+
+def interpreting() -> bool:
+    """Whether kernels run through the interpreter: asked for, and no GPU is the default device."""
+    return _env.interpret() and jax.default_backend() == "cpu"
+
+
+def launch(
+    kernel: Any,
+    *args: Any,
+    out_shape: Sequence[jax.ShapeDtypeStruct],
+    grid: tuple[int, ...],
+    num_warps: int,
+    num_stages: int,
+    zeroed_outputs: Sequence[int] = (),
+    **constexprs: Any,
+) -> list[jax.Array]:
+    """Run ``kernel`` over ``grid``; return its outputs (a list, one per ``out_shape``).
+
+    Args:
+        kernel: a ``@triton.jit`` function.
+        *args: JAX arrays (contiguous, row-major) and Python scalars, in the kernel's order.
+        out_shape: shapes and dtypes of the outputs, whose pointers follow the inputs.
+        grid: the launch grid (up to three ints).
+        num_warps: warps per program.
+        num_stages: software-pipelining stages.
+        zeroed_outputs: indices of outputs set to zero before the launch (others start
+            undefined; the interpreter fills them with NaN or -1 so unwritten parts show).
+        **constexprs: the kernel's ``tl.constexpr`` arguments.
+    """
+    out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
+    if interpreting():
+        return _interpret(kernel, args, out_shape, grid, tuple(zeroed_outputs), constexprs)
+    import jax_triton
+
+    outs = jax_triton.triton_call(
+        *args,
+        kernel=kernel,
+        out_shape=out_shape,
+        grid=grid,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        zeroed_outputs=tuple(zeroed_outputs),
+        **constexprs,
+    )
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+# -- the interpreter path -------------------------------------------------------------------
+
+
+def _interpreted(kernel: Any) -> Any:
+    """The interpreted twin of a ``@triton.jit`` kernel: its module imported with the
+    interpreter on, under a private name (the GPU module object is left untouched)."""
+    import triton
+
+    module_name = kernel.fn.__module__
+    with _interpret_lock:
+        module = _interpreted_modules.get(module_name)
+        if module is None:
+            _interpret_standard_library()
+            source = sys.modules[module_name].__spec__
+            spec = importlib.util.spec_from_file_location(
+                f"_ejkernel_interpreted.{module_name}", source.origin
+            )
+            module = importlib.util.module_from_spec(spec)
+            previous = triton.knobs.runtime.interpret
+            triton.knobs.runtime.interpret = True
+            try:
+                spec.loader.exec_module(module)
+            finally:
+                triton.knobs.runtime.interpret = previous
+            _interpreted_modules[module_name] = module
+    return getattr(module, kernel.fn.__name__)
+
+
+def _interpret_standard_library() -> None:
+    """Make ``triton.language``'s own ``@jit`` functions (``tl.zeros``, ``tl.max``, ...)
+    interpretable, as they are when ``TRITON_INTERPRET=1`` is set before triton is imported.
+
+    Only reached when interpreting, i.e. with no GPU in the process, so nothing compiles them.
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    try:  # gluon wraps the originals at its import, which argument mangling triggers later
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        pass
+
+    for module in (tl, tl.standard, tl.math, tl.core):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                setattr(module, name, InterpretedFunction(value.fn))
+    _index_scalars_with_item()
+
+
+def _index_scalars_with_item() -> None:
+    """Scalars are 1-element arrays in the interpreter, which ``int()`` refuses from NumPy 2.4
+    on (a loop ``range(lo, hi)`` over kernel scalars needs it): index them through ``.item()``."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_ejkernel", False):
+        return
+
+    def patch(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch._ejkernel = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch
+
+
+class _DType:
+    """A dtype as the interpreter reads it: ``str()`` gives a torch-style name."""
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self.name = np.dtype(dtype).name
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+    __repr__ = __str__
+
+
+class _HostTensor:
+    """A NumPy buffer wearing the handful of tensor methods Triton's interpreter calls.
+
+    The interpreter reads and writes memory through ``data_ptr()``; its "copy to host and
+    back" steps are no-ops here, since the buffer already lives on the host.
+    """
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.dtype = _DType(array.dtype)
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def untyped_storage(self) -> _HostTensor:
+        return self
+
+    def cpu(self) -> _HostTensor:
+        return self
+
+    def new_empty(self, *args: Any, **kwargs: Any) -> _HostTensor:
+        return _HostTensor(self.array)
+
+    def set_(self, *args: Any) -> _HostTensor:
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def copy_(self, other: Any) -> None:
+        del other
+
+
+def _poisoned(shape: jax.ShapeDtypeStruct, zeroed: bool) -> np.ndarray:
+    out = np.empty(shape.shape, shape.dtype)
+    if zeroed:
+        out[...] = 0
+    elif jnp.issubdtype(shape.dtype, jnp.floating):
+        out[...] = np.nan
+    else:
+        out[...] = -1
+    return out
+
+
+def _interpret(
+    kernel: Any,
+    args: tuple[Any, ...],
+    out_shape: list[jax.ShapeDtypeStruct],
+    grid: tuple[int, ...],
+    zeroed: tuple[int, ...],
+    constexprs: dict[str, Any],
+) -> list[jax.Array]:
+    is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in args]
+    arrays = [a for a, arr in zip(args, is_array, strict=True) if arr]
+    interpreted = _interpreted(kernel)
+
+    def host(*buffers: np.ndarray) -> list[np.ndarray]:
+        it = iter(buffers)
+        call_args = [
+            _HostTensor(np.array(next(it), order="C", copy=True)) if arr else a
+            for a, arr in zip(args, is_array, strict=True)
+        ]
+        outs = [_poisoned(s, i in zeroed) for i, s in enumerate(out_shape)]
+        # the interpreter keeps global state (the grid position, patched language modules)
+        # and XLA may run independent callbacks at once: one interpreted launch at a time
+        with _interpret_lock:
+            interpreted[grid](*call_args, *(_HostTensor(o) for o in outs), **constexprs)
+        return outs
+
+    return list(jax.pure_callback(host, out_shape, *arrays, vmap_method="sequential"))
+
+
+# -- batching -------------------------------------------------------------------------------
+
+#: How :func:`fold_vmap` treats each argument: its leading axis is the batch (``"batch"``);
+#: it is the batch or 1, read with a zero stride when 1 (``"broadcast"``); or it has no batch
+#: axis, so a vmapped one cannot fold and the calls run one after another (``"other"``).
+BATCH, BROADCAST, OTHER = "batch", "broadcast", "other"
+
+
+def fold_vmap(fn: Callable[..., Any], modes: Sequence[str]) -> Callable[..., Any]:
+    """``fn(*arrays) -> tuple of arrays``, every output batch-leading, made vmappable.
+
+    Under ``vmap``, a mapped axis of size V on the arguments is folded into their leading
+    batch axis (``[V, B, ...] -> [V·B, ...]``), the kernel runs once, and the outputs are
+    unfolded. Unmapped batch arguments are repeated V times; unmapped broadcast arguments of
+    leading size 1 stay as they are. A mapped ``"other"`` argument falls back to a sequential
+    ``lax.map`` over V.
+    """
+    batched_fn = jax.custom_batching.custom_vmap(fn)
+
+    @batched_fn.def_vmap
+    def rule(axis_size: int, in_batched: Sequence[bool], *args: Any) -> Any:
+        if any(b and m == OTHER for b, m in zip(in_batched, modes, strict=True)):
+            outs = jax.lax.map(
+                lambda i: fn(*(a[i] if b else a for a, b in zip(args, in_batched, strict=True))),
+                jnp.arange(axis_size),
+            )
+            return outs, jax.tree.map(lambda _: True, outs)
+        batch = next(
+            a.shape[1] if b else a.shape[0]
+            for a, b, m in zip(args, in_batched, modes, strict=True)
+            if m == BATCH
+        )
+        folded = [
+            _fold(a, b, m, axis_size, batch)
+            for a, b, m in zip(args, in_batched, modes, strict=True)
+        ]
+        outs = fn(*folded)
+        outs = jax.tree.map(lambda o: o.reshape(axis_size, batch, *o.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return batched_fn
+
+
+def _fold(a: jax.Array, batched: bool, mode: str, size: int, batch: int) -> jax.Array:
+    if mode == OTHER:
+        return a
+    if not batched:
+        if mode == BROADCAST and a.shape[0] == 1:
+            return a
+        a = jnp.broadcast_to(a[None], (size, *a.shape))
+    a = jnp.broadcast_to(a, (size, batch, *a.shape[2:]))
+    return a.reshape(size * batch, *a.shape[2:])

@@ -1,0 +1,555 @@
+"""flash_attention (and scaled_dot_product_attention) in Triton: launch wrappers, fwd and bwd.
+
+The kernels are in :mod:`ejkernel_triton.kernels.flash_attention`; this module checks what they
+serve (:func:`supports`), picks block sizes (:func:`heuristic`, :func:`config_space`), lays the
+arguments out for them and wires forward and backward through :func:`ejkernel.plugins.defvjp`:
+
+- forward: one kernel, output ``[B, Sq, Hq, Dv]`` and the per-row log2-sum-exp ``[B, Hq, Sq]``
+  (float32, the only residual besides the inputs and the output);
+- backward: ``delta = rowsum(dO ∘ O)`` in JAX, then the dK/dV kernel (one program per key block
+  and key head, looping over the group's query heads: no K/V repeat, no atomics) and the dQ
+  kernel (one program per query block and query head), which also writes the logit gradient
+  when there is a bias; the sink gradient is ``-Σ p_sink · delta``, in JAX.
+
+Everything of OPS.md's flash_attention is served except dropout, which :func:`supports`
+declines (the XLA platform then serves the call). Both functions compose with ``jit``,
+``grad`` and ``vmap`` (:func:`ejkernel_triton._launch.fold_vmap` folds vmapped axes into the
+batch of the grid).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel._params import BwdParams, FwdParams
+from ejkernel.plugins import defvjp
+from ejkernel_triton import _launch
+from ejkernel_triton._launch import BATCH, BROADCAST, OTHER
+
+__all__ = [
+    "FlashAttentionConfig",
+    "config_space",
+    "flash_attention_triton",
+    "heuristic",
+    "scaled_dot_product_attention_triton",
+    "supports",
+]
+
+_LOG2E = 1.4426950408889634
+_MAX_HEAD_DIM = 256
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@attrs.frozen(kw_only=True)
+class FlashAttentionConfig:
+    """Tunables of the Triton flash attention.
+
+    Attributes:
+        fwd_params: forward kernel: ``q_blocksize`` rows per program, ``kv_blocksize`` keys
+            per step, ``num_warps``, ``num_stages``.
+        bwd_params: dK/dV kernel: ``kv_blocksize`` keys per program, ``q_blocksize`` queries
+            per step, warps, stages.
+        dq_params: dQ kernel: ``q_blocksize`` rows per program, ``kv_blocksize`` keys per step;
+            ``None`` takes ``bwd_params`` with the two block sizes swapped.
+    """
+
+    fwd_params: FwdParams = attrs.field(factory=FwdParams)
+    bwd_params: BwdParams = attrs.field(factory=BwdParams)
+    dq_params: FwdParams | None = None
+
+
+# -- what is served -------------------------------------------------------------------------
+
+
+def supports(inv: Any) -> bool | str:
+    """True, or why not: dropout, head dims over 256, dtypes other than bf16/f16/f32."""
+    a = inv.kwargs
+    if a.get("dropout_prob", 0.0):
+        return "dropout is not implemented in the Triton kernels (the xla platform serves it)"
+    q, k, v = a["query"], a["key"], a["value"]
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.dtype not in _DTYPES:
+            return f"{name} dtype {x.dtype} (Triton kernels take bfloat16, float16, float32)"
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        return "query, key and value dtypes differ"
+    if max(q.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} > {_MAX_HEAD_DIM}"
+    return True
+
+
+# -- configs --------------------------------------------------------------------------------
+
+
+def heuristic(inv: Any) -> FlashAttentionConfig:
+    """Block sizes by head dim (measured on an H100; see benchmarks/RESULTS.md)."""
+    q, v = inv.kwargs["query"], inv.kwargs["value"]
+    d = _pow2(max(q.shape[-1], v.shape[-1]))
+    sq, sk = q.shape[1], inv.kwargs["key"].shape[1]
+    if _launch.interpreting():  # the interpreter's cost is per program: few, large blocks
+        bq, bk = _clamp(64, sq), _clamp(64, sk)
+        return FlashAttentionConfig(
+            fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=4, num_stages=1),
+            bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=4, num_stages=1),
+        )
+    if d <= 64:
+        fwd = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
+        bwd = BwdParams(q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3)
+    elif d <= 128:
+        fwd = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
+        bwd = BwdParams(q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3)
+    else:
+        fwd = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
+        bwd = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
+    return FlashAttentionConfig(fwd_params=fwd, bwd_params=bwd)
+
+
+def config_space(inv: Any) -> list[FlashAttentionConfig]:
+    """The heuristic, then block/warp/stage combinations that fit the device's shared memory."""
+    base = heuristic(inv)
+    if _launch.interpreting():
+        return [base]
+    q, v = inv.kwargs["query"], inv.kwargs["value"]
+    d, dv = _pow2(q.shape[-1]), _pow2(v.shape[-1])
+    size = jnp.dtype(q.dtype).itemsize
+    limit = _shared_memory_limit()
+    fwds = [
+        FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+        for bq in (64, 128)
+        for bk in (32, 64, 128)
+        for w in (4, 8)
+        for s in (2, 3, 4)
+        if _fwd_smem(bq, bk, s, d, dv, size) <= limit
+    ]
+    bwds = [
+        BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+        for bq, bk in ((16, 64), (32, 64), (32, 128), (64, 64), (64, 128))
+        for w in (4, 8)
+        for s in (1, 2, 3)
+        if _bwd_smem(bq, bk, s, d, dv, size) <= limit
+    ]
+    # forward and backward tune independently in practice; pair each with the other's default
+    configs = [base]
+    configs += [attrs.evolve(base, fwd_params=f) for f in fwds]
+    configs += [attrs.evolve(base, bwd_params=b) for b in bwds]
+    return list(dict.fromkeys(configs))
+
+
+def _fwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
+    return (bq * d + stages * bk * (d + dv)) * size
+
+
+def _bwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
+    return (bk * (d + dv) + stages * bq * (d + dv)) * size + bq * bk * 4
+
+
+@functools.cache
+def _shared_memory_limit() -> int:
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(0)
+        return int(props["max_shared_mem"])
+    except Exception:  # no driver: assume Hopper's 227 KiB
+        return 232448
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def _clamp(block: int, seq: int) -> int:
+    return max(16, min(block, _pow2(seq)))
+
+
+# -- the op ---------------------------------------------------------------------------------
+
+
+def flash_attention_triton(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    cfg: FlashAttentionConfig | None = None,
+) -> jax.Array:
+    """Exact attention through the Triton kernels (arguments as validated by the core spec).
+
+    Args:
+        query: [B, Sq, Hq, D].
+        key: [B, Sk, Hkv, D].
+        value: [B, Sk, Hkv, Dv].
+        bias: broadcastable to [B, Hq, Sq, Sk], added to the (soft-capped) logits.
+        attention_mask: bool, broadcastable to [B, Hq, Sq, Sk], True = may attend.
+        q_segment_ids: [B, Sq] int; a query sees a key when ids are equal and non-negative.
+        kv_segment_ids: [B, Sk] int.
+        softmax_aux: [Hq] or [Hq, n] sink logits, in the softmax denominator only.
+        softmax_scale: multiplies the logits (the spec fills in D ** -0.5).
+        causal: bottom-right aligned causal mask.
+        sliding_window: ``(left, right)`` or ``None``.
+        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
+        dropout_prob: must be 0 (:func:`supports` declines dropout).
+        dropout_seed: unused.
+        cfg: block sizes, warps and stages; ``None`` takes the heuristic's.
+
+    Returns:
+        [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
+    """
+    out, _ = _flash_attention_fwd(**locals())
+    return out
+
+
+def _flash_attention_fwd(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    cfg: FlashAttentionConfig | None = None,
+) -> tuple[jax.Array, dict[str, Any]]:
+    """Forward: ``(out, residuals)``; residuals are the inputs, the output and the lse."""
+    del dropout_seed
+    if dropout_prob:
+        raise ValueError("flash_attention (triton): dropout is not supported; use the xla platform")
+    st = _Statics.of(query, key, value, softmax_scale, causal, sliding_window, logits_soft_cap,
+                     cfg)
+    arrays = _Arrays.of(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids,
+                        softmax_aux)
+    out, lse = _forward_call(st, arrays.modes())(*arrays.launch_args())
+    return out, {"arrays": arrays, "out": out, "lse": lse}
+
+
+def _flash_attention_bwd(
+    residuals: dict[str, Any],
+    d_out: jax.Array,
+    *,
+    cfg: FlashAttentionConfig | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+) -> dict[str, jax.Array | None]:
+    """Backward: gradients of query, key, value, bias (its own shape) and softmax_aux."""
+    del dropout_prob
+    arrays: _Arrays = residuals["arrays"]
+    out, lse = residuals["out"], residuals["lse"]
+    st = _Statics.of(arrays.query, arrays.key, arrays.value, softmax_scale, causal,
+                     sliding_window, logits_soft_cap, cfg)
+    delta = jnp.einsum(
+        "bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32)
+    )
+    dq, dk, dv, dbias = _backward_call(st, arrays.modes())(
+        *arrays.launch_args(), d_out, lse, delta
+    )
+    grads: dict[str, jax.Array | None] = {"query": dq, "key": dk, "value": dv}
+    grads["bias"] = arrays.bias_gradient(dbias)
+    grads["softmax_aux"] = arrays.aux_gradient(lse, delta)
+    return grads
+
+
+defvjp(flash_attention_triton, _flash_attention_fwd, _flash_attention_bwd)
+
+
+def scaled_dot_product_attention_triton(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    cfg: FlashAttentionConfig | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention: :func:`flash_attention_triton` without dropout and sinks."""
+    out, _ = _flash_attention_fwd(**locals())
+    return out
+
+
+def _sdpa_bwd(residuals: dict[str, Any], d_out: jax.Array, **statics: Any) -> dict[str, Any]:
+    grads = _flash_attention_bwd(residuals, d_out, **statics)
+    grads.pop("softmax_aux")
+    return grads
+
+
+defvjp(scaled_dot_product_attention_triton, _flash_attention_fwd, _sdpa_bwd)
+
+
+# -- argument layout ------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Statics:
+    """What the kernels take as scalars and constexprs, from the call and its config."""
+
+    sm_scale: float
+    soft_cap: float | None
+    causal: bool
+    window: tuple[int, int] | None
+    fwd: FwdParams
+    bwd: BwdParams
+    dq: FwdParams
+    precision: str
+
+    @classmethod
+    def of(cls, query: jax.Array, key: jax.Array, value: jax.Array,
+           softmax_scale: float | None, causal: bool, sliding_window: tuple[int, int] | None,
+           logits_soft_cap: float | None, cfg: FlashAttentionConfig | None) -> _Statics:
+        if cfg is None:
+            cfg = _default_config(query, key, value)
+        fwd, bwd = cfg.fwd_params, cfg.bwd_params
+        dq = cfg.dq_params or FwdParams(
+            q_blocksize=bwd.kv_blocksize, kv_blocksize=bwd.q_blocksize,
+            num_warps=bwd.num_warps, num_stages=bwd.num_stages,
+        )
+        scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        return cls(
+            sm_scale=scale,
+            soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+            causal=bool(causal),
+            window=None if sliding_window is None else tuple(int(w) for w in sliding_window),
+            fwd=fwd,
+            bwd=bwd,
+            dq=dq,
+            precision="ieee" if query.dtype == jnp.float32 else "tf32",
+        )
+
+
+def _default_config(query: jax.Array, key: jax.Array, value: jax.Array) -> FlashAttentionConfig:
+    class _Inv:  # the heuristic reads only shapes and dtypes
+        kwargs = {"query": query, "key": key, "value": value}
+
+    return heuristic(_Inv())
+
+
+@jax.tree_util.register_pytree_node_class
+@attrs.frozen
+class _Arrays:
+    """The array inputs as the kernels take them: bias/mask 4-D, sinks ``[Hq, n]`` float32."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None
+    mask: jax.Array | None
+    q_segment_ids: jax.Array | None
+    kv_segment_ids: jax.Array | None
+    aux: jax.Array | None
+    bias_shape: tuple[int, ...] | None = None
+    aux_shape: tuple[int, ...] | None = None
+    aux_dtype: Any = None
+
+    @classmethod
+    def of(cls, query, key, value, bias, mask, q_seg, kv_seg, aux) -> _Arrays:  # noqa: ANN001
+        return cls(
+            query, key, value,
+            None if bias is None else _as_4d(bias),
+            None if mask is None else _as_4d(mask).astype(jnp.int8),
+            None if q_seg is None else q_seg.astype(jnp.int32),
+            None if kv_seg is None else kv_seg.astype(jnp.int32),
+            None if aux is None else aux.astype(jnp.float32).reshape(query.shape[2], -1),
+            None if bias is None else tuple(bias.shape),
+            None if aux is None else tuple(aux.shape),
+            None if aux is None else aux.dtype,
+        )
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        children = (self.query, self.key, self.value, self.bias, self.mask, self.q_segment_ids,
+                    self.kv_segment_ids, self.aux)
+        return children, (self.bias_shape, self.aux_shape, self.aux_dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux_data: tuple[Any, ...], children: tuple[Any, ...]) -> _Arrays:
+        return cls(*children, *aux_data)
+
+    def launch_args(self) -> tuple[jax.Array, ...]:
+        """The eight array inputs of the kernels; absent ones are 1-element placeholders."""
+        return (
+            self.query, self.key, self.value,
+            _or_placeholder(self.bias, self.query.dtype),
+            _or_placeholder(self.mask, jnp.int8),
+            _or_placeholder(self.q_segment_ids, jnp.int32),
+            _or_placeholder(self.kv_segment_ids, jnp.int32),
+            _or_placeholder(self.aux, jnp.float32),
+        )
+
+    def modes(self) -> tuple[str, ...]:
+        """How :func:`fold_vmap` folds each launch argument (placeholders never fold)."""
+        present = (True, True, True, self.bias is not None, self.mask is not None,
+                   self.q_segment_ids is not None, self.kv_segment_ids is not None, False)
+        kinds = (BATCH, BATCH, BATCH, BROADCAST, BROADCAST, BATCH, BATCH, OTHER)
+        return tuple(k if p else OTHER for k, p in zip(kinds, present, strict=True))
+
+    def bias_gradient(self, dbias: jax.Array) -> jax.Array | None:
+        """Sum the ``[B, Hq, Sq, Sk]`` logit gradient into the bias's own shape and dtype."""
+        if self.bias is None:
+            return None
+        axes = tuple(i for i, n in enumerate(self.bias.shape) if n == 1 and dbias.shape[i] != 1)
+        g = jnp.sum(dbias, axis=axes, keepdims=True)
+        return g.reshape(self.bias_shape).astype(self.bias.dtype)
+
+    def aux_gradient(self, lse: jax.Array, delta: jax.Array) -> jax.Array | None:
+        """``d aux[h, j] = -Σ_{b, i} exp(aux[h, j] - lse[b, h, i]) · delta[b, h, i]``."""
+        if self.aux is None:
+            return None
+        lse_nat = lse / _LOG2E
+        p = jnp.exp(self.aux[None, :, None, :] - lse_nat[..., None])  # [B, Hq, Sq, n]
+        g = -jnp.einsum("bhin,bhi->hn", p, delta)
+        return g.reshape(self.aux_shape).astype(self.aux_dtype)
+
+
+def _as_4d(x: jax.Array) -> jax.Array:
+    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+
+
+def _or_placeholder(x: jax.Array | None, dtype: Any) -> jax.Array:
+    return jnp.zeros((1,), dtype) if x is None else x
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    """Row-major element strides of the three leading axes of a [B, S, H, D] array."""
+    return [int(np.prod(shape[i + 1 :])) for i in range(3)]
+
+
+def _broadcast_strides(x: jax.Array) -> list[int]:
+    """Row-major strides of a 4-D bias/mask, 0 along size-1 axes (read as broadcast)."""
+    if x.ndim != 4:  # placeholder
+        return [0, 0, 0, 0]
+    strides, step = [], 1
+    for n in reversed(x.shape):
+        strides.append(step if n != 1 else 0)
+        step *= n
+    return strides[::-1]
+
+
+def _common(st: _Statics, q: jax.Array, v: jax.Array, bias: jax.Array, mask: jax.Array,
+            qseg: jax.Array) -> tuple[list[Any], dict[str, Any]]:
+    """Scalars shared by the kernels (after the arrays) and their constexprs."""
+    _, sq, hq, d = q.shape
+    _, sk, hkv, dv = v.shape
+    left, right = st.window or (0, 0)
+    scalars = [st.sm_scale, st.soft_cap or 1.0, sq, sk, hq, hkv, left, right]
+    constexprs = {
+        "HEAD_DIM": d,
+        "HEAD_DIM_V": dv,
+        "BLOCK_D": _pow2(d),
+        "BLOCK_DV": _pow2(dv),
+        "CAUSAL": st.causal,
+        "WINDOW": st.window is not None,
+        "SOFT_CAP": st.soft_cap is not None,
+        "HAS_BIAS": bias.ndim == 4,
+        "HAS_MASK": mask.ndim == 4,
+        "HAS_SEG": qseg.ndim == 2,
+        "DOT_PRECISION": st.precision,
+    }
+    return scalars, constexprs
+
+
+def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
+    def run(q, k, v, bias, mask, qseg, kseg, aux):  # noqa: ANN001, ANN202
+        from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_kernel
+
+        b, sq, hq, _ = q.shape
+        dv = v.shape[-1]
+        scalars, constexprs = _common(st, q, v, bias, mask, qseg)
+        has_aux = aux.ndim == 2
+        num_aux = aux.shape[1] if has_aux else 1
+        constexprs.update(HAS_AUX=has_aux, BLOCK_AUX=_pow2(num_aux))
+        bq, bk = _clamp(st.fwd.q_blocksize or 128, sq), _clamp(st.fwd.kv_blocksize or 64, k.shape[1])
+        out, lse = _launch.launch(
+            flash_attention_fwd_kernel,
+            q, k, v, bias, mask, qseg, kseg, aux, *scalars, num_aux,
+            *_strides(q.shape), *_strides(k.shape), *_strides(v.shape),
+            *_strides((b, sq, hq, dv)), *_broadcast_strides(bias), *_broadcast_strides(mask),
+            out_shape=[jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
+                       jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
+            grid=(_cdiv(sq, bq), b * hq),
+            num_warps=st.fwd.num_warps or 4,
+            num_stages=st.fwd.num_stages or 2,
+            BLOCK_M=bq,
+            BLOCK_N=bk,
+            **constexprs,
+        )
+        return out, lse
+
+    return _launch.fold_vmap(run, modes)
+
+
+def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
+    def run(q, k, v, bias, mask, qseg, kseg, aux, do, lse, delta):  # noqa: ANN001, ANN202
+        from ejkernel_triton.kernels.flash_attention import (
+            flash_attention_bwd_dkdv_kernel,
+            flash_attention_bwd_dq_kernel,
+        )
+
+        del aux
+        b, sq, hq, _ = q.shape
+        _, sk, hkv, _ = k.shape
+        scalars, constexprs = _common(st, q, v, bias, mask, qseg)
+        do = do.astype(q.dtype)
+        args = (q, k, v, bias, mask, qseg, kseg, do, lse, delta, *scalars,
+                *_strides(q.shape), *_strides(k.shape), *_strides(v.shape),
+                *_strides(do.shape), *_broadcast_strides(bias), *_broadcast_strides(mask))
+        bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
+        dk, dv = _launch.launch(
+            flash_attention_bwd_dkdv_kernel, *args,
+            out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                       jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            grid=(_cdiv(sk, bk), b * hkv),
+            num_warps=st.bwd.num_warps or 4,
+            num_stages=st.bwd.num_stages or 2,
+            BLOCK_M=bq,
+            BLOCK_N=bk,
+            **constexprs,
+        )
+        has_bias = bias.ndim == 4
+        qb, kb = _clamp(st.dq.q_blocksize or 128, sq), _clamp(st.dq.kv_blocksize or 32, sk)
+        dq, dbias = _launch.launch(
+            flash_attention_bwd_dq_kernel, *args,
+            out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                       jax.ShapeDtypeStruct((b, hq, sq, sk) if has_bias else (1,), jnp.float32)],
+            grid=(_cdiv(sq, qb), b * hq),
+            num_warps=st.dq.num_warps or 4,
+            num_stages=st.dq.num_stages or 2,
+            zeroed_outputs=(1,),
+            BLOCK_M=qb,
+            BLOCK_N=kb,
+            **constexprs,
+        )
+        return dq, dk, dv, dbias
+
+    return _launch.fold_vmap(run, (*modes, BATCH, BATCH, BATCH))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,71 @@
+"""Entry point of the Triton plugin: registers flash attention; imports nothing heavy.
+
+The platform is available on a CUDA or ROCm GPU when jax-triton imports, and on a CPU when
+``EJKERNEL_INTERPRET=1`` asks for Triton's interpreter; otherwise ``ejkernel info`` and every
+selection record show :func:`available`'s reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from ejkernel import _env
+from ejkernel.hookspecs import API_VERSION
+from ejkernel.plugins import hookimpl
+
+#: Above the XLA fallback (0): where Triton runs, it is the faster choice.
+PRIORITY = 20
+
+#: op -> module under ``ejkernel_triton.ops`` holding ``<op>_triton``, ``supports``,
+#: ``heuristic``, ``config_space`` and the config class.
+OPS: dict[str, tuple[str, str]] = {
+    "flash_attention": ("flash_attention", "FlashAttentionConfig"),
+    "scaled_dot_product_attention": ("flash_attention", "FlashAttentionConfig"),
+}
+
+
+def available(backend: str) -> bool | str:
+    """True where the kernels can run on ``backend``, else the reason."""
+    if backend == "gpu":
+        return _importable("jax_triton")
+    if backend == "cpu":
+        if not _env.interpret():
+            return (
+                "runs on a CPU only through Triton's interpreter: set EJKERNEL_INTERPRET=1 "
+                "(slow; for tests and debugging)"
+            )
+        return _importable("triton")
+    return f"no Triton kernels for {backend}"
+
+
+@functools.cache
+def _importable(module: str) -> bool | str:
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # ImportError, or jax-triton refusing a CPU-only jaxlib
+        return f"cannot import {module}: {type(err).__name__}: {err}"
+    return True
+
+
+@hookimpl
+def ejkernel_api_version() -> int:
+    return API_VERSION
+
+
+@hookimpl
+def ejkernel_register(registry: Any) -> None:
+    registry.add_platform("triton", available=available, distribution="ejkernel-triton")
+    for op, (name, config) in OPS.items():
+        module = f"ejkernel_triton.ops.{name}"
+        registry.register(
+            op,
+            platform="triton",
+            backend=("gpu", "cpu"),
+            priority=PRIORITY,
+            supports=f"{module}:supports",
+            config=f"{module}:{config}",
+            heuristic=f"{module}:heuristic",
+            config_space=f"{module}:config_space",
+        )(f"{module}:{op}_triton")
