@@ -16,6 +16,7 @@ axes fold into the kernel's batch axis.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import threading
@@ -53,7 +54,8 @@ def launch(
 
     Args:
         kernel: a ``@triton.jit`` function.
-        *args: JAX arrays (contiguous, row-major) and Python scalars, in the kernel's order.
+        *args: JAX arrays (contiguous, row-major) and scalars, in the kernel's order: ints,
+            and floats as ``np.float32`` (jax-triton passes a Python float as fp64).
         out_shape: shapes and dtypes of the outputs, whose pointers follow the inputs.
         grid: the launch grid (up to three ints).
         num_warps: warps per program.
@@ -118,10 +120,9 @@ def _interpret_standard_library() -> None:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    try:  # gluon wraps the originals at its import, which argument mangling triggers later
+    # gluon wraps the originals at its import, which argument mangling triggers later
+    with contextlib.suppress(ImportError):
         import triton.experimental.gluon  # noqa: F401
-    except ImportError:
-        pass
 
     for module in (tl, tl.standard, tl.math, tl.core):
         for name, value in list(vars(module).items()):
@@ -159,6 +160,18 @@ class _DType:
     __repr__ = __str__
 
 
+_DTYPES: dict[str, _DType] = {}
+
+
+def _dtype(dtype: np.dtype) -> _DType:
+    """One long-lived :class:`_DType` per dtype: Triton caches argument types by the dtype
+    object's identity, so a freed one whose address is reused would be read as another type."""
+    name = np.dtype(dtype).name
+    if name not in _DTYPES:
+        _DTYPES[name] = _DType(dtype)
+    return _DTYPES[name]
+
+
 class _HostTensor:
     """A NumPy buffer wearing the handful of tensor methods Triton's interpreter calls.
 
@@ -168,7 +181,7 @@ class _HostTensor:
 
     def __init__(self, array: np.ndarray) -> None:
         self.array = array
-        self.dtype = _DType(array.dtype)
+        self.dtype = _dtype(array.dtype)
 
     def data_ptr(self) -> int:
         return int(self.array.ctypes.data)
@@ -209,6 +222,11 @@ def _poisoned(shape: jax.ShapeDtypeStruct, zeroed: bool) -> np.ndarray:
     return out
 
 
+def _scalar(x: Any) -> Any:
+    """Python scalars for the interpreter (``np.float32`` is how jax-triton is told fp32)."""
+    return x.item() if isinstance(x, np.generic) else x
+
+
 def _interpret(
     kernel: Any,
     args: tuple[Any, ...],
@@ -218,13 +236,17 @@ def _interpret(
     constexprs: dict[str, Any],
 ) -> list[jax.Array]:
     is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in args]
-    arrays = [a for a, arr in zip(args, is_array, strict=True) if arr]
+    # Triton's interpreter multiplies bfloat16 tiles as their raw 16-bit patterns: hand it
+    # float32 copies and round the results back (the GPU path computes in bfloat16 proper)
+    arrays = [_widen(a) for a, arr in zip(args, is_array, strict=True) if arr]
+    wanted = out_shape
+    out_shape = [jax.ShapeDtypeStruct(s.shape, _wide(s.dtype)) for s in out_shape]
     interpreted = _interpreted(kernel)
 
     def host(*buffers: np.ndarray) -> list[np.ndarray]:
         it = iter(buffers)
         call_args = [
-            _HostTensor(np.array(next(it), order="C", copy=True)) if arr else a
+            _HostTensor(np.array(next(it), order="C", copy=True)) if arr else _scalar(a)
             for a, arr in zip(args, is_array, strict=True)
         ]
         outs = [_poisoned(s, i in zeroed) for i, s in enumerate(out_shape)]
@@ -234,7 +256,16 @@ def _interpret(
             interpreted[grid](*call_args, *(_HostTensor(o) for o in outs), **constexprs)
         return outs
 
-    return list(jax.pure_callback(host, out_shape, *arrays, vmap_method="sequential"))
+    outs = jax.pure_callback(host, out_shape, *arrays, vmap_method="sequential")
+    return [o.astype(w.dtype) for o, w in zip(outs, wanted, strict=True)]
+
+
+def _wide(dtype: Any) -> Any:
+    return jnp.float32 if dtype == jnp.bfloat16 else dtype
+
+
+def _widen(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
 
 
 # -- batching -------------------------------------------------------------------------------
@@ -246,7 +277,7 @@ BATCH, BROADCAST, OTHER = "batch", "broadcast", "other"
 
 
 def fold_vmap(fn: Callable[..., Any], modes: Sequence[str]) -> Callable[..., Any]:
-    """``fn(*arrays) -> tuple of arrays``, every output batch-leading, made vmappable.
+    """``fn(*arrays) -> tuple of arrays``, outputs batch-leading, made vmappable.
 
     Under ``vmap``, a mapped axis of size V on the arguments is folded into their leading
     batch axis (``[V, B, ...] -> [V·B, ...]``), the kernel runs once, and the outputs are
@@ -274,8 +305,12 @@ def fold_vmap(fn: Callable[..., Any], modes: Sequence[str]) -> Callable[..., Any
             for a, b, m in zip(args, in_batched, modes, strict=True)
         ]
         outs = fn(*folded)
-        outs = jax.tree.map(lambda o: o.reshape(axis_size, batch, *o.shape[1:]), outs)
-        return outs, jax.tree.map(lambda _: True, outs)
+        # batch-leading outputs unfold; others (placeholders) are the same for every index
+        unfolds = jax.tree.map(lambda o: o.ndim > 0 and o.shape[0] == axis_size * batch, outs)
+        outs = jax.tree.map(
+            lambda o, u: o.reshape(axis_size, batch, *o.shape[1:]) if u else o, outs, unfolds
+        )
+        return outs, unfolds
 
     return batched_fn
 

@@ -47,8 +47,15 @@ def _tanh(x):
 
 
 @triton.jit
-def _load_tile(ptrs, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-               CHECK_ROWS: tl.constexpr):
+def _load_tile(
+    ptrs,
+    rows,
+    n_rows,
+    cols,
+    N_COLS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
     """Load ``[len(rows), BLOCK_COLS]`` with zeros outside ``rows < n_rows`` / ``cols < N_COLS``."""
     if CHECK_ROWS:
         if BLOCK_COLS == N_COLS:
@@ -76,11 +83,30 @@ def _scores(qk, sm_scale, soft_cap, SOFT_CAP: tl.constexpr):
 
 
 @triton.jit
-def _visible(s, rows, cols, q_pos_offset, seqlen_q, seqlen_k, window_left, window_right,
-             bias_ptr, mask_ptr, qseg_ptr, kseg_ptr,
-             stride_biasq, stride_biask, stride_maskq, stride_maskk,
-             MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-             HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr):
+def _visible(
+    s,
+    rows,
+    cols,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    bias_ptr,
+    mask_ptr,
+    qseg_ptr,
+    kseg_ptr,
+    stride_biasq,
+    stride_biask,
+    stride_maskq,
+    stride_maskk,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+):
     """Add the bias and apply every mask to a ``[rows, cols]`` tile of log2-domain scores.
 
     ``bias_ptr``/``mask_ptr`` point at this (batch, head)'s ``[Sq, Sk]`` plane (strides may be
@@ -88,8 +114,11 @@ def _visible(s, rows, cols, q_pos_offset, seqlen_q, seqlen_k, window_left, windo
     """
     in_bounds = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
     if HAS_BIAS:
-        b = tl.load(bias_ptr + rows[:, None] * stride_biasq + cols[None, :] * stride_biask,
-                    mask=in_bounds, other=0.0)
+        b = tl.load(
+            bias_ptr + rows[:, None] * stride_biasq + cols[None, :] * stride_biask,
+            mask=in_bounds,
+            other=0.0,
+        )
         s = s + b.to(tl.float32) * LOG2E
     keep = cols[None, :] >= 0  # all true, of the tile's shape
     if MASKED:
@@ -98,10 +127,15 @@ def _visible(s, rows, cols, q_pos_offset, seqlen_q, seqlen_k, window_left, windo
         if CAUSAL:
             keep = keep & (cols[None, :] <= pos)
         if WINDOW:
-            keep = keep & (cols[None, :] >= pos - window_left) & (cols[None, :] <= pos + window_right)
+            keep = (
+                keep & (cols[None, :] >= pos - window_left) & (cols[None, :] <= pos + window_right)
+            )
     if HAS_MASK:
-        m = tl.load(mask_ptr + rows[:, None] * stride_maskq + cols[None, :] * stride_maskk,
-                    mask=in_bounds, other=0)
+        m = tl.load(
+            mask_ptr + rows[:, None] * stride_maskq + cols[None, :] * stride_maskk,
+            mask=in_bounds,
+            other=0,
+        )
         keep = keep & (m != 0)
     if HAS_SEG:
         qs = tl.load(qseg_ptr + rows, mask=rows < seqlen_q, other=-1)
@@ -113,8 +147,17 @@ def _visible(s, rows, cols, q_pos_offset, seqlen_q, seqlen_k, window_left, windo
 
 
 @triton.jit
-def _key_ranges(m_lo, m_hi, q_pos_offset, seqlen_k, window_left, window_right,
-                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+def _key_ranges(
+    m_lo,
+    m_hi,
+    q_pos_offset,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """Key blocks for query rows ``[m_lo, m_hi)``: ``(start, full_start, full_end, end)``.
 
     ``[start, end)`` holds every key some row sees; ``[full_start, full_end)`` (multiples of
@@ -144,9 +187,19 @@ def _key_ranges(m_lo, m_hi, q_pos_offset, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def _query_ranges(n_lo, n_hi, q_pos_offset, seqlen_q, seqlen_k, window_left, window_right,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW: tl.constexpr):
+def _query_ranges(
+    n_lo,
+    n_hi,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """Query blocks for key columns ``[n_lo, n_hi)``, as :func:`_key_ranges` for queries."""
     lo = 0
     hi = seqlen_q
@@ -175,32 +228,100 @@ def _query_ranges(n_lo, n_hi, q_pos_offset, seqlen_q, seqlen_k, window_left, win
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, lo, hi, offs_m, offs_d, offs_dv,
-               stride_ks, stride_vs, sm_scale, soft_cap, q_pos_offset, seqlen_q, seqlen_k,
-               window_left, window_right, bias_ptr, mask_ptr, qseg_ptr, kseg_ptr,
-               stride_biasq, stride_biask, stride_maskq, stride_maskk,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    lo,
+    hi,
+    offs_m,
+    offs_d,
+    offs_dv,
+    stride_ks,
+    stride_vs,
+    sm_scale,
+    soft_cap,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    bias_ptr,
+    mask_ptr,
+    qseg_ptr,
+    kseg_ptr,
+    stride_biasq,
+    stride_biask,
+    stride_maskq,
+    stride_maskk,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base + cols[:, None] * stride_ks + offs_d[None, :], cols, seqlen_k,
-                       offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_tile(
+            k_base + cols[:, None] * stride_ks + offs_d[None, :],
+            cols,
+            seqlen_k,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
+        )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-        s = _visible(s, offs_m, cols, q_pos_offset, seqlen_q, seqlen_k, window_left,
-                     window_right, bias_ptr, mask_ptr, qseg_ptr, kseg_ptr, stride_biasq,
-                     stride_biask, stride_maskq, stride_maskk, MASKED, CAUSAL, WINDOW,
-                     HAS_BIAS, HAS_MASK, HAS_SEG)
+        s = _visible(
+            s,
+            offs_m,
+            cols,
+            q_pos_offset,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            bias_ptr,
+            mask_ptr,
+            qseg_ptr,
+            kseg_ptr,
+            stride_biasq,
+            stride_biask,
+            stride_maskq,
+            stride_maskk,
+            MASKED,
+            CAUSAL,
+            WINDOW,
+            HAS_BIAS,
+            HAS_MASK,
+            HAS_SEG,
+        )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_tile(v_base + cols[:, None] * stride_vs + offs_dv[None, :], cols, seqlen_k,
-                       offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
+        v = _load_tile(
+            v_base + cols[:, None] * stride_vs + offs_dv[None, :],
+            cols,
+            seqlen_k,
+            offs_dv,
+            HEAD_DIM_V,
+            BLOCK_DV,
+            MASKED,
+        )
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -208,19 +329,60 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, lo, hi, offs_m, offs_d, offs_dv
 
 @triton.jit
 def flash_attention_fwd_kernel(
-    Q, K, V, Bias, Mask, QSeg, KSeg, Aux,
-    sm_scale, soft_cap, seqlen_q, seqlen_k, num_heads_q, num_heads_k, window_left,
-    window_right, num_aux,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-    stride_biasb, stride_biash, stride_biasq, stride_biask,
-    stride_maskb, stride_maskh, stride_maskq, stride_maskk,
-    Out, Lse,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-    HAS_AUX: tl.constexpr, BLOCK_AUX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KSeg,
+    Aux,
+    sm_scale,
+    soft_cap,
+    seqlen_q,
+    seqlen_k,
+    num_heads_q,
+    num_heads_k,
+    window_left,
+    window_right,
+    num_aux,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_biasb,
+    stride_biash,
+    stride_biasq,
+    stride_biask,
+    stride_maskb,
+    stride_maskh,
+    stride_maskq,
+    stride_maskk,
+    Out,
+    Lse,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    HAS_AUX: tl.constexpr,
+    BLOCK_AUX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``."""
     start_m = tl.program_id(0)
@@ -233,7 +395,9 @@ def flash_attention_fwd_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    q_ptrs = (
+        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    )
     q = _load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
@@ -247,8 +411,16 @@ def flash_attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_hi = tl.minimum(start_m * BLOCK_M + BLOCK_M, seqlen_q)
     start, full_start, full_end, end = _key_ranges(
-        start_m * BLOCK_M, m_hi, q_pos_offset, seqlen_k, window_left, window_right,
-        BLOCK_N, CAUSAL, WINDOW)
+        start_m * BLOCK_M,
+        m_hi,
+        q_pos_offset,
+        seqlen_k,
+        window_left,
+        window_right,
+        BLOCK_N,
+        CAUSAL,
+        WINDOW,
+    )
     for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
         if part == 0:
             lo, hi = start, full_start
@@ -257,12 +429,48 @@ def flash_attention_fwd_kernel(
         else:
             lo, hi = full_end, end
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, lo, hi, offs_m, offs_d, offs_dv,
-            stride_ks, stride_vs, sm_scale, soft_cap, q_pos_offset, seqlen_q, seqlen_k,
-            window_left, window_right, bias_ptr, mask_ptr, qseg_ptr, kseg_ptr,
-            stride_biasq, stride_biask, stride_maskq, stride_maskk,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, CAUSAL, WINDOW,
-            SOFT_CAP, HAS_BIAS, HAS_MASK, HAS_SEG, DOT_PRECISION)
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            lo,
+            hi,
+            offs_m,
+            offs_d,
+            offs_dv,
+            stride_ks,
+            stride_vs,
+            sm_scale,
+            soft_cap,
+            q_pos_offset,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            bias_ptr,
+            mask_ptr,
+            qseg_ptr,
+            kseg_ptr,
+            stride_biasq,
+            stride_biask,
+            stride_maskq,
+            stride_maskk,
+            HEAD_DIM,
+            HEAD_DIM_V,
+            BLOCK_D,
+            BLOCK_DV,
+            BLOCK_N,
+            part != 1,
+            CAUSAL,
+            WINDOW,
+            SOFT_CAP,
+            HAS_BIAS,
+            HAS_MASK,
+            HAS_SEG,
+            DOT_PRECISION,
+        )
 
     empty = m_i <= MASK_VALUE * 0.5
     if HAS_AUX:
@@ -279,12 +487,17 @@ def flash_attention_fwd_kernel(
     out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
     lse = tl.where(empty, EMPTY_LSE, m_i + tl.log2(l_safe))
 
-    o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :]
+    o_ptrs = (
+        Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :]
+    )
     if BLOCK_DV == HEAD_DIM_V:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
     else:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty),
-                 mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
+        tl.store(
+            o_ptrs,
+            out.to(Out.dtype.element_ty),
+            mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V),
+        )
     tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
 
@@ -292,21 +505,71 @@ def flash_attention_fwd_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, lo, hi, offs_n,
-                    offs_d, offs_dv, stride_qs, stride_dos, sm_scale, soft_cap, q_pos_offset,
-                    seqlen_q, seqlen_k, window_left, window_right, bias_ptr, mask_ptr,
-                    qseg_ptr, kseg_ptr, stride_biasq, stride_biask, stride_maskq,
-                    stride_maskk, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                    SOFT_CAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _bwd_dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    lo,
+    hi,
+    offs_n,
+    offs_d,
+    offs_dv,
+    stride_qs,
+    stride_dos,
+    sm_scale,
+    soft_cap,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    bias_ptr,
+    mask_ptr,
+    qseg_ptr,
+    kseg_ptr,
+    stride_biasq,
+    stride_biask,
+    stride_maskq,
+    stride_maskk,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_base + rows[:, None] * stride_qs + offs_d[None, :], rows, seqlen_q,
-                       offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        do = _load_tile(do_base + rows[:, None] * stride_dos + offs_dv[None, :], rows,
-                        seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
+        q = _load_tile(
+            q_base + rows[:, None] * stride_qs + offs_d[None, :],
+            rows,
+            seqlen_q,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
+        )
+        do = _load_tile(
+            do_base + rows[:, None] * stride_dos + offs_dv[None, :],
+            rows,
+            seqlen_q,
+            offs_dv,
+            HEAD_DIM_V,
+            BLOCK_DV,
+            MASKED,
+        )
         if MASKED:
             lse = tl.load(lse_base + rows, mask=rows < seqlen_q, other=EMPTY_LSE)
             delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
@@ -315,10 +578,30 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, lo, hi,
             delta = tl.load(delta_base + rows)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-        s = _visible(s, rows, offs_n, q_pos_offset, seqlen_q, seqlen_k, window_left,
-                     window_right, bias_ptr, mask_ptr, qseg_ptr, kseg_ptr, stride_biasq,
-                     stride_biask, stride_maskq, stride_maskk, MASKED, CAUSAL, WINDOW,
-                     HAS_BIAS, HAS_MASK, HAS_SEG)
+        s = _visible(
+            s,
+            rows,
+            offs_n,
+            q_pos_offset,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            bias_ptr,
+            mask_ptr,
+            qseg_ptr,
+            kseg_ptr,
+            stride_biasq,
+            stride_biask,
+            stride_maskq,
+            stride_maskk,
+            MASKED,
+            CAUSAL,
+            WINDOW,
+            HAS_BIAS,
+            HAS_MASK,
+            HAS_SEG,
+        )
         p = tl.exp2(s - lse[:, None])
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -331,18 +614,58 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, lo, hi,
 
 @triton.jit
 def flash_attention_bwd_dkdv_kernel(
-    Q, K, V, Bias, Mask, QSeg, KSeg, DO, Lse, Delta,
-    sm_scale, soft_cap, seqlen_q, seqlen_k, num_heads_q, num_heads_k, window_left,
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KSeg,
+    DO,
+    Lse,
+    Delta,
+    sm_scale,
+    soft_cap,
+    seqlen_q,
+    seqlen_k,
+    num_heads_q,
+    num_heads_k,
+    window_left,
     window_right,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-    stride_biasb, stride_biash, stride_biasq, stride_biask,
-    stride_maskb, stride_maskh, stride_maskq, stride_maskk,
-    DK, DV,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_biasb,
+    stride_biash,
+    stride_biasq,
+    stride_biask,
+    stride_maskb,
+    stride_maskh,
+    stride_maskq,
+    stride_maskk,
+    DK,
+    DV,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: ``BLOCK_N`` keys of one (batch, key head), over its group's query heads.
@@ -359,16 +682,40 @@ def flash_attention_bwd_dkdv_kernel(
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_tile(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks
-                   + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load_tile(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs
-                   + offs_dv[None, :], offs_n, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    k = _load_tile(
+        K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+        offs_n,
+        seqlen_k,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    v = _load_tile(
+        V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+        offs_n,
+        seqlen_k,
+        offs_dv,
+        HEAD_DIM_V,
+        BLOCK_DV,
+        True,
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     n_hi = tl.minimum(start_n * BLOCK_N + BLOCK_N, seqlen_k)
     start, full_start, full_end, end = _query_ranges(
-        start_n * BLOCK_N, n_hi, q_pos_offset, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+        start_n * BLOCK_N,
+        n_hi,
+        q_pos_offset,
+        seqlen_q,
+        seqlen_k,
+        window_left,
+        window_right,
+        BLOCK_M,
+        BLOCK_N,
+        CAUSAL,
+        WINDOW,
+    )
     qseg_ptr = QSeg + off_b * seqlen_q
     kseg_ptr = KSeg + off_b * seqlen_k
     for g in range(0, group):
@@ -387,53 +734,174 @@ def flash_attention_bwd_dkdv_kernel(
             else:
                 lo, hi = full_end, end
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, lo, hi,
-                offs_n, offs_d, offs_dv, stride_qs, stride_dos, sm_scale, soft_cap,
-                q_pos_offset, seqlen_q, seqlen_k, window_left, window_right, bias_ptr,
-                mask_ptr, qseg_ptr, kseg_ptr, stride_biasq, stride_biask, stride_maskq,
-                stride_maskk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, part != 1,
-                CAUSAL, WINDOW, SOFT_CAP, HAS_BIAS, HAS_MASK, HAS_SEG, DOT_PRECISION)
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                lse_base,
+                delta_base,
+                lo,
+                hi,
+                offs_n,
+                offs_d,
+                offs_dv,
+                stride_qs,
+                stride_dos,
+                sm_scale,
+                soft_cap,
+                q_pos_offset,
+                seqlen_q,
+                seqlen_k,
+                window_left,
+                window_right,
+                bias_ptr,
+                mask_ptr,
+                qseg_ptr,
+                kseg_ptr,
+                stride_biasq,
+                stride_biask,
+                stride_maskq,
+                stride_maskk,
+                HEAD_DIM,
+                HEAD_DIM_V,
+                BLOCK_D,
+                BLOCK_DV,
+                BLOCK_M,
+                part != 1,
+                CAUSAL,
+                WINDOW,
+                SOFT_CAP,
+                HAS_BIAS,
+                HAS_MASK,
+                HAS_SEG,
+                DOT_PRECISION,
+            )
 
     dk = dk * sm_scale
-    dk_ptrs = DK + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    dv_ptrs = DV + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :]
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty),
-             mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM))
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty),
-             mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V))
+    dk_ptrs = (
+        DK + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    )
+    dv_ptrs = (
+        DV + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :]
+    )
+    tl.store(
+        dk_ptrs,
+        dk.to(DK.dtype.element_ty),
+        mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM),
+    )
+    tl.store(
+        dv_ptrs,
+        dv.to(DV.dtype.element_ty),
+        mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V),
+    )
 
 
 # -- backward: dQ (and the bias gradient) ---------------------------------------------------
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, dbias_ptr, lo, hi, offs_m, offs_d,
-                  offs_dv, stride_ks, stride_vs, sm_scale, soft_cap, q_pos_offset, seqlen_q,
-                  seqlen_k, window_left, window_right, bias_ptr, mask_ptr, qseg_ptr, kseg_ptr,
-                  stride_biasq, stride_biask, stride_maskq, stride_maskk,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _bwd_dq_inner(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    dbias_ptr,
+    lo,
+    hi,
+    offs_m,
+    offs_d,
+    offs_dv,
+    stride_ks,
+    stride_vs,
+    sm_scale,
+    soft_cap,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    bias_ptr,
+    mask_ptr,
+    qseg_ptr,
+    kseg_ptr,
+    stride_biasq,
+    stride_biask,
+    stride_maskq,
+    stride_maskk,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base + cols[:, None] * stride_ks + offs_d[None, :], cols, seqlen_k,
-                       offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_tile(v_base + cols[:, None] * stride_vs + offs_dv[None, :], cols, seqlen_k,
-                       offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
+        k = _load_tile(
+            k_base + cols[:, None] * stride_ks + offs_d[None, :],
+            cols,
+            seqlen_k,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
+        )
+        v = _load_tile(
+            v_base + cols[:, None] * stride_vs + offs_dv[None, :],
+            cols,
+            seqlen_k,
+            offs_dv,
+            HEAD_DIM_V,
+            BLOCK_DV,
+            MASKED,
+        )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-        s = _visible(s, offs_m, cols, q_pos_offset, seqlen_q, seqlen_k, window_left,
-                     window_right, bias_ptr, mask_ptr, qseg_ptr, kseg_ptr, stride_biasq,
-                     stride_biask, stride_maskq, stride_maskk, MASKED, CAUSAL, WINDOW,
-                     HAS_BIAS, HAS_MASK, HAS_SEG)
+        s = _visible(
+            s,
+            offs_m,
+            cols,
+            q_pos_offset,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            bias_ptr,
+            mask_ptr,
+            qseg_ptr,
+            kseg_ptr,
+            stride_biasq,
+            stride_biask,
+            stride_maskq,
+            stride_maskk,
+            MASKED,
+            CAUSAL,
+            WINDOW,
+            HAS_BIAS,
+            HAS_MASK,
+            HAS_SEG,
+        )
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_BIAS:
-            tl.store(dbias_ptr + offs_m[:, None] * seqlen_k + cols[None, :], ds,
-                     mask=(offs_m[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
+            tl.store(
+                dbias_ptr + offs_m[:, None] * seqlen_k + cols[None, :],
+                ds,
+                mask=(offs_m[:, None] < seqlen_q) & (cols[None, :] < seqlen_k),
+            )
         if SOFT_CAP:
             ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -442,18 +910,58 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, dbias_ptr, lo, hi, offs
 
 @triton.jit
 def flash_attention_bwd_dq_kernel(
-    Q, K, V, Bias, Mask, QSeg, KSeg, DO, Lse, Delta,
-    sm_scale, soft_cap, seqlen_q, seqlen_k, num_heads_q, num_heads_k, window_left,
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KSeg,
+    DO,
+    Lse,
+    Delta,
+    sm_scale,
+    soft_cap,
+    seqlen_q,
+    seqlen_k,
+    num_heads_q,
+    num_heads_k,
+    window_left,
     window_right,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-    stride_biasb, stride_biash, stride_biasq, stride_biask,
-    stride_maskb, stride_maskh, stride_maskq, stride_maskk,
-    DQ, DBias,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_biasb,
+    stride_biash,
+    stride_biasq,
+    stride_biask,
+    stride_maskb,
+    stride_maskh,
+    stride_maskq,
+    stride_maskk,
+    DQ,
+    DBias,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``.
@@ -472,10 +980,28 @@ def flash_attention_bwd_dq_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs
-                   + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos
-                    + offs_dv[None, :], offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    q = _load_tile(
+        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        offs_m,
+        seqlen_q,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    do = _load_tile(
+        DO
+        + off_b * stride_dob
+        + off_h * stride_doh
+        + offs_m[:, None] * stride_dos
+        + offs_dv[None, :],
+        offs_m,
+        seqlen_q,
+        offs_dv,
+        HEAD_DIM_V,
+        BLOCK_DV,
+        True,
+    )
     lse = tl.load(Lse + off_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=EMPTY_LSE)
     delta = tl.load(Delta + off_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=0.0)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
@@ -489,8 +1015,16 @@ def flash_attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_hi = tl.minimum(start_m * BLOCK_M + BLOCK_M, seqlen_q)
     start, full_start, full_end, end = _key_ranges(
-        start_m * BLOCK_M, m_hi, q_pos_offset, seqlen_k, window_left, window_right,
-        BLOCK_N, CAUSAL, WINDOW)
+        start_m * BLOCK_M,
+        m_hi,
+        q_pos_offset,
+        seqlen_k,
+        window_left,
+        window_right,
+        BLOCK_N,
+        CAUSAL,
+        WINDOW,
+    )
     for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
         if part == 0:
             lo, hi = start, full_start
@@ -499,14 +1033,57 @@ def flash_attention_bwd_dq_kernel(
         else:
             lo, hi = full_end, end
         dq = _bwd_dq_inner(
-            dq, q, do, lse, delta, k_base, v_base, dbias_ptr, lo, hi, offs_m,
-            offs_d, offs_dv, stride_ks, stride_vs, sm_scale, soft_cap, q_pos_offset,
-            seqlen_q, seqlen_k, window_left, window_right, bias_ptr, mask_ptr, qseg_ptr,
-            kseg_ptr, stride_biasq, stride_biask, stride_maskq, stride_maskk,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, part != 1, CAUSAL, WINDOW,
-            SOFT_CAP, HAS_BIAS, HAS_MASK, HAS_SEG, DOT_PRECISION)
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            dbias_ptr,
+            lo,
+            hi,
+            offs_m,
+            offs_d,
+            offs_dv,
+            stride_ks,
+            stride_vs,
+            sm_scale,
+            soft_cap,
+            q_pos_offset,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            bias_ptr,
+            mask_ptr,
+            qseg_ptr,
+            kseg_ptr,
+            stride_biasq,
+            stride_biask,
+            stride_maskq,
+            stride_maskk,
+            HEAD_DIM,
+            HEAD_DIM_V,
+            BLOCK_D,
+            BLOCK_DV,
+            BLOCK_N,
+            part != 1,
+            CAUSAL,
+            WINDOW,
+            SOFT_CAP,
+            HAS_BIAS,
+            HAS_MASK,
+            HAS_SEG,
+            DOT_PRECISION,
+        )
 
     dq = dq * sm_scale
-    dq_ptrs = DQ + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+    dq_ptrs = (
+        DQ + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    )
+    tl.store(
+        dq_ptrs,
+        dq.to(DQ.dtype.element_ty),
+        mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
+    )

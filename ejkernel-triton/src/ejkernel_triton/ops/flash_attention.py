@@ -20,6 +20,7 @@ batch of the grid).
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 import attrs
@@ -97,12 +98,15 @@ def heuristic(inv: Any) -> FlashAttentionConfig:
             fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=4, num_stages=1),
             bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=4, num_stages=1),
         )
-    if d <= 64:
-        fwd = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
-        bwd = BwdParams(q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3)
-    elif d <= 128:
-        fwd = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
-        bwd = BwdParams(q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3)
+    if q.dtype == jnp.float32:  # four-byte tiles: half the blocks of bf16
+        fwd = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
+        bwd = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
+    elif d <= 64:  # H100, (8, 2048, 16, 64) bf16, causal and not: best of a sweep
+        fwd = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=4)
+        bwd = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+    elif d <= 128:  # H100, (4, 4096, 16, 128) bf16
+        fwd = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=8, num_stages=3)
+        bwd = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
     else:
         fwd = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bwd = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
@@ -236,10 +240,10 @@ def _flash_attention_fwd(
     del dropout_seed
     if dropout_prob:
         raise ValueError("flash_attention (triton): dropout is not supported; use the xla platform")
-    st = _Statics.of(query, key, value, softmax_scale, causal, sliding_window, logits_soft_cap,
-                     cfg)
-    arrays = _Arrays.of(query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids,
-                        softmax_aux)
+    st = _Statics.of(query, key, value, softmax_scale, causal, sliding_window, logits_soft_cap, cfg)
+    arrays = _Arrays.of(
+        query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux
+    )
     out, lse = _forward_call(st, arrays.modes())(*arrays.launch_args())
     return out, {"arrays": arrays, "out": out, "lse": lse}
 
@@ -259,14 +263,18 @@ def _flash_attention_bwd(
     del dropout_prob
     arrays: _Arrays = residuals["arrays"]
     out, lse = residuals["out"], residuals["lse"]
-    st = _Statics.of(arrays.query, arrays.key, arrays.value, softmax_scale, causal,
-                     sliding_window, logits_soft_cap, cfg)
-    delta = jnp.einsum(
-        "bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32)
+    st = _Statics.of(
+        arrays.query,
+        arrays.key,
+        arrays.value,
+        softmax_scale,
+        causal,
+        sliding_window,
+        logits_soft_cap,
+        cfg,
     )
-    dq, dk, dv, dbias = _backward_call(st, arrays.modes())(
-        *arrays.launch_args(), d_out, lse, delta
-    )
+    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    dq, dk, dv, dbias = _backward_call(st, arrays.modes())(*arrays.launch_args(), d_out, lse, delta)
     grads: dict[str, jax.Array | None] = {"query": dq, "key": dk, "value": dv}
     grads["bias"] = arrays.bias_gradient(dbias)
     grads["softmax_aux"] = arrays.aux_gradient(lse, delta)
@@ -322,15 +330,25 @@ class _Statics:
     precision: str
 
     @classmethod
-    def of(cls, query: jax.Array, key: jax.Array, value: jax.Array,
-           softmax_scale: float | None, causal: bool, sliding_window: tuple[int, int] | None,
-           logits_soft_cap: float | None, cfg: FlashAttentionConfig | None) -> _Statics:
+    def of(
+        cls,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        softmax_scale: float | None,
+        causal: bool,
+        sliding_window: tuple[int, int] | None,
+        logits_soft_cap: float | None,
+        cfg: FlashAttentionConfig | None,
+    ) -> _Statics:
         if cfg is None:
             cfg = _default_config(query, key, value)
         fwd, bwd = cfg.fwd_params, cfg.bwd_params
         dq = cfg.dq_params or FwdParams(
-            q_blocksize=bwd.kv_blocksize, kv_blocksize=bwd.q_blocksize,
-            num_warps=bwd.num_warps, num_stages=bwd.num_stages,
+            q_blocksize=bwd.kv_blocksize,
+            kv_blocksize=bwd.q_blocksize,
+            num_warps=bwd.num_warps,
+            num_stages=bwd.num_stages,
         )
         scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         return cls(
@@ -346,10 +364,9 @@ class _Statics:
 
 
 def _default_config(query: jax.Array, key: jax.Array, value: jax.Array) -> FlashAttentionConfig:
-    class _Inv:  # the heuristic reads only shapes and dtypes
-        kwargs = {"query": query, "key": key, "value": value}
-
-    return heuristic(_Inv())
+    # the heuristic reads only the shapes and dtypes of an invocation's arguments
+    inv = types.SimpleNamespace(kwargs={"query": query, "key": key, "value": value})
+    return heuristic(inv)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -370,9 +387,11 @@ class _Arrays:
     aux_dtype: Any = None
 
     @classmethod
-    def of(cls, query, key, value, bias, mask, q_seg, kv_seg, aux) -> _Arrays:  # noqa: ANN001
+    def of(cls, query, key, value, bias, mask, q_seg, kv_seg, aux) -> _Arrays:
         return cls(
-            query, key, value,
+            query,
+            key,
+            value,
             None if bias is None else _as_4d(bias),
             None if mask is None else _as_4d(mask).astype(jnp.int8),
             None if q_seg is None else q_seg.astype(jnp.int32),
@@ -384,8 +403,16 @@ class _Arrays:
         )
 
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        children = (self.query, self.key, self.value, self.bias, self.mask, self.q_segment_ids,
-                    self.kv_segment_ids, self.aux)
+        children = (
+            self.query,
+            self.key,
+            self.value,
+            self.bias,
+            self.mask,
+            self.q_segment_ids,
+            self.kv_segment_ids,
+            self.aux,
+        )
         return children, (self.bias_shape, self.aux_shape, self.aux_dtype)
 
     @classmethod
@@ -395,7 +422,9 @@ class _Arrays:
     def launch_args(self) -> tuple[jax.Array, ...]:
         """The eight array inputs of the kernels; absent ones are 1-element placeholders."""
         return (
-            self.query, self.key, self.value,
+            self.query,
+            self.key,
+            self.value,
             _or_placeholder(self.bias, self.query.dtype),
             _or_placeholder(self.mask, jnp.int8),
             _or_placeholder(self.q_segment_ids, jnp.int32),
@@ -405,8 +434,16 @@ class _Arrays:
 
     def modes(self) -> tuple[str, ...]:
         """How :func:`fold_vmap` folds each launch argument (placeholders never fold)."""
-        present = (True, True, True, self.bias is not None, self.mask is not None,
-                   self.q_segment_ids is not None, self.kv_segment_ids is not None, False)
+        present = (
+            True,
+            True,
+            True,
+            self.bias is not None,
+            self.mask is not None,
+            self.q_segment_ids is not None,
+            self.kv_segment_ids is not None,
+            False,
+        )
         kinds = (BATCH, BATCH, BATCH, BROADCAST, BROADCAST, BATCH, BATCH, OTHER)
         return tuple(k if p else OTHER for k, p in zip(kinds, present, strict=True))
 
@@ -452,13 +489,24 @@ def _broadcast_strides(x: jax.Array) -> list[int]:
     return strides[::-1]
 
 
-def _common(st: _Statics, q: jax.Array, v: jax.Array, bias: jax.Array, mask: jax.Array,
-            qseg: jax.Array) -> tuple[list[Any], dict[str, Any]]:
+def _common(
+    st: _Statics, q: jax.Array, v: jax.Array, bias: jax.Array, mask: jax.Array, qseg: jax.Array
+) -> tuple[list[Any], dict[str, Any]]:
     """Scalars shared by the kernels (after the arrays) and their constexprs."""
     _, sq, hq, d = q.shape
     _, sk, hkv, dv = v.shape
     left, right = st.window or (0, 0)
-    scalars = [st.sm_scale, st.soft_cap or 1.0, sq, sk, hq, hkv, left, right]
+    # floats as np.float32: jax-triton would pass a Python float as fp64
+    scalars = [
+        np.float32(st.sm_scale),
+        np.float32(st.soft_cap or 1.0),
+        sq,
+        sk,
+        hq,
+        hkv,
+        left,
+        right,
+    ]
     constexprs = {
         "HEAD_DIM": d,
         "HEAD_DIM_V": dv,
@@ -476,7 +524,7 @@ def _common(st: _Statics, q: jax.Array, v: jax.Array, bias: jax.Array, mask: jax
 
 
 def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
-    def run(q, k, v, bias, mask, qseg, kseg, aux):  # noqa: ANN001, ANN202
+    def run(q, k, v, bias, mask, qseg, kseg, aux):
         from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_kernel
 
         b, sq, hq, _ = q.shape
@@ -485,14 +533,32 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         has_aux = aux.ndim == 2
         num_aux = aux.shape[1] if has_aux else 1
         constexprs.update(HAS_AUX=has_aux, BLOCK_AUX=_pow2(num_aux))
-        bq, bk = _clamp(st.fwd.q_blocksize or 128, sq), _clamp(st.fwd.kv_blocksize or 64, k.shape[1])
+        bq, bk = (
+            _clamp(st.fwd.q_blocksize or 128, sq),
+            _clamp(st.fwd.kv_blocksize or 64, k.shape[1]),
+        )
         out, lse = _launch.launch(
             flash_attention_fwd_kernel,
-            q, k, v, bias, mask, qseg, kseg, aux, *scalars, num_aux,
-            *_strides(q.shape), *_strides(k.shape), *_strides(v.shape),
-            *_strides((b, sq, hq, dv)), *_broadcast_strides(bias), *_broadcast_strides(mask),
-            out_shape=[jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
-                       jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
+            q,
+            k,
+            v,
+            bias,
+            mask,
+            qseg,
+            kseg,
+            aux,
+            *scalars,
+            num_aux,
+            *_strides(q.shape),
+            *_strides(k.shape),
+            *_strides(v.shape),
+            *_strides((b, sq, hq, dv)),
+            *_broadcast_strides(bias),
+            *_broadcast_strides(mask),
+            out_shape=[
+                jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
+                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+            ],
             grid=(_cdiv(sq, bq), b * hq),
             num_warps=st.fwd.num_warps or 4,
             num_stages=st.fwd.num_stages or 2,
@@ -506,7 +572,7 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
 
 
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
-    def run(q, k, v, bias, mask, qseg, kseg, aux, do, lse, delta):  # noqa: ANN001, ANN202
+    def run(q, k, v, bias, mask, qseg, kseg, aux, do, lse, delta):
         from ejkernel_triton.kernels.flash_attention import (
             flash_attention_bwd_dkdv_kernel,
             flash_attention_bwd_dq_kernel,
@@ -517,14 +583,33 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         _, sk, hkv, _ = k.shape
         scalars, constexprs = _common(st, q, v, bias, mask, qseg)
         do = do.astype(q.dtype)
-        args = (q, k, v, bias, mask, qseg, kseg, do, lse, delta, *scalars,
-                *_strides(q.shape), *_strides(k.shape), *_strides(v.shape),
-                *_strides(do.shape), *_broadcast_strides(bias), *_broadcast_strides(mask))
+        args = (
+            q,
+            k,
+            v,
+            bias,
+            mask,
+            qseg,
+            kseg,
+            do,
+            lse,
+            delta,
+            *scalars,
+            *_strides(q.shape),
+            *_strides(k.shape),
+            *_strides(v.shape),
+            *_strides(do.shape),
+            *_broadcast_strides(bias),
+            *_broadcast_strides(mask),
+        )
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
         dk, dv = _launch.launch(
-            flash_attention_bwd_dkdv_kernel, *args,
-            out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                       jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            flash_attention_bwd_dkdv_kernel,
+            *args,
+            out_shape=[
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+            ],
             grid=(_cdiv(sk, bk), b * hkv),
             num_warps=st.bwd.num_warps or 4,
             num_stages=st.bwd.num_stages or 2,
@@ -535,9 +620,12 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         has_bias = bias.ndim == 4
         qb, kb = _clamp(st.dq.q_blocksize or 128, sq), _clamp(st.dq.kv_blocksize or 32, sk)
         dq, dbias = _launch.launch(
-            flash_attention_bwd_dq_kernel, *args,
-            out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                       jax.ShapeDtypeStruct((b, hq, sq, sk) if has_bias else (1,), jnp.float32)],
+            flash_attention_bwd_dq_kernel,
+            *args,
+            out_shape=[
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, hq, sq, sk) if has_bias else (1,), jnp.float32),
+            ],
             grid=(_cdiv(sq, qb), b * hq),
             num_warps=st.dq.num_warps or 4,
             num_stages=st.dq.num_stages or 2,
