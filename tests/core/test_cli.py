@@ -32,7 +32,7 @@ def test_info_lists_versions_plugins_and_the_op_platform_matrix(capsys):
     out = capsys.readouterr().out
     assert "ejkernel-core" in out and "jax" in out
     assert "xla (ejkernel_xla.plugin)" in out and "loaded" in out
-    assert re.search(r"flash_attention\s+yes", out)
+    assert re.search(r"flash_attention\b.*\byes", out)
 
 
 def test_cache_commands_path_list_export_import_clear(tmp_path, capsys, monkeypatch):
@@ -53,3 +53,46 @@ def test_cache_commands_path_list_export_import_clear(tmp_path, capsys, monkeypa
     assert PersistentCache().get("k1", C) == C(1)
     (tmp_path / "bad.json").write_text("nonsense")
     assert main(["cache", "import", str(tmp_path / "bad.json")]) == 1
+
+
+def _building_plugin() -> object:
+    """A plugin whose platform compiles ahead of time (implements the optional build hook)."""
+    from ejkernel.hookspecs import API_VERSION
+    from ejkernel.plugins import hookimpl
+
+    class BuildingPlugin:
+        @hookimpl
+        def ejkernel_api_version(self) -> int:
+            return API_VERSION
+
+        @hookimpl
+        def ejkernel_register(self, registry: object) -> None:
+            registry.add_platform("toyhw")  # type: ignore[attr-defined]
+
+        @hookimpl
+        def ejkernel_build(
+            self, platform: str, force: bool, check: bool, target: str | None
+        ) -> str | None:
+            if platform != "toyhw":
+                return None
+            if target == "bad":
+                raise RuntimeError("toycc: error: boom")
+            return f"toyhw force={force} check={check} target={target}"
+
+    return BuildingPlugin()
+
+
+def test_build_command_asks_the_plugin_that_builds_the_platform(capsys):
+    from ejkernel.plugins import register_plugin
+
+    register_plugin(_building_plugin(), name="toybuild")
+    assert main(["build", "TOYHW", "--force", "--target", "90"]) == 0
+    assert capsys.readouterr().out.strip() == "toyhw force=True check=False target=90"
+    assert main(["build", "toyhw", "--check"]) == 0
+    assert "check=True target=None" in capsys.readouterr().out
+    assert main(["build", "toyhw", "--target", "bad"]) == 1
+    assert "build of toyhw failed: toycc: error: boom" in capsys.readouterr().err
+    assert main(["build", "xla"]) == 0
+    assert "xla: nothing to build" in capsys.readouterr().out
+    assert main(["build", "nowhere"]) == 1
+    assert "no installed plugin provides platform 'nowhere'" in capsys.readouterr().err

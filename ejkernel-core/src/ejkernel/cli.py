@@ -1,4 +1,5 @@
-"""The ``ejkernel`` command: ``ejkernel info`` and ``ejkernel cache {path,list,clear,export,import}``."""
+"""The ``ejkernel`` command: ``ejkernel info``, ``ejkernel cache {path,list,clear,export,import}``
+and ``ejkernel build <platform>``."""
 
 from __future__ import annotations
 
@@ -106,6 +107,36 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build(args: argparse.Namespace) -> int:
+    from ejkernel import plugins
+
+    registry = plugins.get_registry()
+    platform = args.platform.lower()
+    pm = plugins._state.pm
+    hook = getattr(pm.hook, "ejkernel_build", None) if pm is not None else None
+    try:
+        report = (
+            None
+            if hook is None
+            else hook(platform=platform, force=args.force, check=args.check, target=args.target)
+        )
+    except Exception as err:
+        print(f"ejkernel: build of {platform} failed: {err}", file=sys.stderr)
+        return 1
+    if report is None:
+        if platform in registry.platforms():
+            print(f"{platform}: nothing to build (its kernels need no ahead-of-time step)")
+            return 0
+        print(
+            f"ejkernel: no installed plugin provides platform {platform!r} "
+            f"(known: {', '.join(registry.platforms()) or 'none'})",
+            file=sys.stderr,
+        )
+        return 1
+    print(report)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     parser = argparse.ArgumentParser(prog="ejkernel", description="ejkernel: kernels for JAX")
@@ -124,6 +155,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     actions.add_parser("export", help="write every entry to FILE").add_argument("file")
     actions.add_parser("import", help="merge the entries of FILE").add_argument("file")
     cache.set_defaults(run=_cache)
+    build = sub.add_parser(
+        "build", help="build a platform's native kernels ahead of time (e.g. `ejkernel build cuda`)"
+    )
+    build.add_argument("platform", help="the platform to build (cuda, ...)")
+    build.add_argument("--force", action="store_true", help="rebuild even if a build is cached")
+    build.add_argument("--check", action="store_true", help="report the build state only")
+    build.add_argument(
+        "--target", help="platform-specific target (cuda: compute capability, e.g. 90)"
+    )
+    build.set_defaults(run=_build)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

@@ -49,3 +49,27 @@ def ejkernel_register(registry: Registry) -> None:
     Returns:
         Nothing.
     """
+
+
+@hookspec(firstresult=True)
+def ejkernel_build(platform: str, force: bool, check: bool, target: str | None) -> str | None:
+    """Build the native code of ``platform`` ahead of time (``ejkernel build <platform>``).
+
+    Optional (API version 1 is unchanged): only plugins that compile code on first use (the
+    CUDA plugin's nvcc build) implement it. Called by the CLI, never during discovery; the
+    first plugin that returns a result answers.
+
+    Args:
+        platform: the platform name asked for (lower case); a plugin that does not build it
+            returns ``None``.
+        force: rebuild even when a cached build (or a cached failure) exists.
+        check: only report the state of the build (built, failed with the compiler's
+            message, not built yet); build nothing.
+        target: a platform-specific target (for CUDA a compute capability such as ``"90"``
+            or ``"9.0"``), or ``None`` for this machine's device.
+
+    Returns:
+        ``None`` when this plugin does not build ``platform``; else a short report (what
+        was built and where, or the state when ``check``). A failed build raises an
+        exception whose message carries the compiler's output.
+    """

@@ -1,0 +1,1 @@
+"""One module per op served by the CUDA platform (imported on first use only)."""

@@ -1,0 +1,144 @@
+"""The native split-K decode kernel shared by ``ragged_decode_attention`` and ``page_attention``.
+
+Both ops are one query per row over a range ``[lo, hi)`` of that row's cache positions; a
+dense cache ``[B, Sk, Hkv, D]`` is the paged layout with ``page_size = Sk`` and page ``b`` for
+row ``b``, so one FFI target (``ejkernel_decode_attention``, ``csrc/decode_attention.cu``)
+serves both. The callers fold clamping and the sliding window into ``lo``/``hi``.
+
+Config: ``num_splits``, the key-range splits per row (flash decoding's split-K); the heuristic
+aims at about sixteen CTAs per SM so the tail of the last wave stays short, with at least 128
+keys per split.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "DecodeConfig",
+    "decode_config_space",
+    "decode_heuristic",
+    "decode_supports",
+    "heads_per_cta",
+    "native_decode",
+]
+
+#: Head dims the kernel serves: multiples of 8 up to this.
+MAX_HEAD_DIM = 256
+DTYPES = ("bfloat16", "float16", "float32")
+MIN_KEYS_PER_SPLIT = 128
+MAX_SPLITS = 64
+
+
+@attrs.frozen(kw_only=True)
+class DecodeConfig:
+    """``num_splits``: key-range splits per row; 0 picks the heuristic's count at call time."""
+
+    num_splits: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+
+def heads_per_cta(hq: int, hkv: int) -> int:
+    """Query heads one CTA serves from each K/V read: the largest of 8, 4, 2, 1 dividing the
+    GQA group (mirrors ``launch_decode`` in csrc/decode_attention.cu)."""
+    group = hq // hkv
+    return next(h for h in (8, 4, 2, 1) if group % h == 0)
+
+
+def default_splits(rows: int, hq: int, hkv: int, capacity: int) -> int:
+    from ejkernel_cuda._device import sm_count
+
+    ctas = max(rows * (hq // heads_per_cta(hq, hkv)), 1)
+    splits = math.ceil(16 * sm_count() / ctas)
+    most = max(1, min(MAX_SPLITS, capacity // MIN_KEYS_PER_SPLIT))
+    return max(1, min(splits, most))
+
+
+def decode_heuristic(rows: int, hq: int, hkv: int, capacity: int, config: type) -> Any:
+    return config(num_splits=default_splits(rows, hq, hkv, capacity))
+
+
+def decode_config_space(rows: int, hq: int, hkv: int, capacity: int, config: type) -> list[Any]:
+    most = max(1, min(MAX_SPLITS, capacity // MIN_KEYS_PER_SPLIT))
+    counts = {1, default_splits(rows, hq, hkv, capacity)}
+    counts.update(n for n in (2, 4, 8, 16, 32, 64) if n <= most)
+    return [config(num_splits=n) for n in sorted(counts)]
+
+
+def decode_supports(query: Any, key: Any, value: Any) -> bool | str:
+    """Shape and dtype limits of the kernel, then whether it is built (first use builds)."""
+    dtype = str(jnp.dtype(query.dtype))
+    if dtype not in DTYPES:
+        return f"the CUDA decode kernel takes {'/'.join(DTYPES)}; got {dtype}"
+    d, dv = int(key.shape[-1]), int(value.shape[-1])
+    if dv != d:
+        return f"the CUDA decode kernel needs Dv == D; got D={d}, Dv={dv}"
+    if d % 8 or d > MAX_HEAD_DIM:
+        return f"the CUDA decode kernel needs a head dim that is a multiple of 8 and <= {MAX_HEAD_DIM}; got D={d}"
+    from ejkernel_cuda._build import native_status
+
+    return native_status()
+
+
+def native_decode(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    lo: jax.Array,
+    hi: jax.Array,
+    table: jax.Array | None,
+    softmax_aux: jax.Array | None,
+    *,
+    softmax_scale: float,
+    logits_soft_cap: float | None,
+    num_splits: int,
+) -> jax.Array:
+    """Launch the FFI target: ``[R, Hq, D]`` out over ``[lo, hi)`` of each row's cache.
+
+    Args:
+        query: [R, Hq, D].
+        key_cache, value_cache: [P, page_size, Hkv, D] (dense: [R, Sk, Hkv, D]).
+        lo, hi: [R] int32 visible range per row (already clamped and windowed).
+        table: [R, max_pages] int32 page ids, or ``None`` for a dense cache.
+        softmax_aux: [Hq] or [Hq, n] sink logits, or ``None``.
+        softmax_scale, logits_soft_cap: as the op's.
+        num_splits: key-range splits per row (>= 1).
+    """
+    from ejkernel_cuda._build import native_status
+
+    ready = native_status()
+    if ready is not True:  # supports() said so already; this guards direct calls
+        raise RuntimeError(str(ready))
+    r, hq, d = query.shape
+    aux = (
+        jnp.zeros((1, 1), jnp.float32)
+        if softmax_aux is None
+        else softmax_aux.astype(jnp.float32).reshape(hq, -1)
+    )
+    tab = jnp.zeros((1, 1), jnp.int32) if table is None else table.astype(jnp.int32)
+    out_types = (
+        jax.ShapeDtypeStruct((r, hq, d), query.dtype),
+        jax.ShapeDtypeStruct((r, hq, num_splits, d), jnp.float32),
+        jax.ShapeDtypeStruct((r, hq, num_splits, 2), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("ejkernel_decode_attention", out_types, vmap_method="sequential")
+    out, _, _ = call(
+        query,
+        key_cache,
+        value_cache,
+        lo.astype(jnp.int32),
+        hi.astype(jnp.int32),
+        tab,
+        aux,
+        softmax_scale=np.float32(softmax_scale),
+        soft_cap=np.float32(logits_soft_cap or 0.0),
+        num_splits=np.int64(num_splits),
+        paged=np.int64(table is not None),
+        has_aux=np.int64(softmax_aux is not None),
+    )
+    return out

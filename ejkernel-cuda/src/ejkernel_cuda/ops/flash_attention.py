@@ -1,0 +1,194 @@
+"""flash_attention on CUDA: cuDNN's fused flash attention, reached through XLA.
+
+The vendor route: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` lowers to
+cuDNN's fused attention (forward and backward, FlashAttention-2 style, Dao 2023); JAX
+differentiates it with cuDNN's backward kernel. This module maps ejkernel's arguments onto it
+and declines, with the reason, what cuDNN (as JAX exposes it) cannot compute with ejkernel's
+semantics, so selection moves on to another platform:
+
+- dtypes other than bfloat16/float16; head dims over 256 (over 128 before Hopper) or not a
+  multiple of 8; ``Dv != D``;
+- ``logits_soft_cap``, ``softmax_aux`` (sinks), ``dropout_prob > 0`` (cuDNN's dropout is not
+  ejkernel's reproducible hash), segment ids (cuDNN's packed layout is not mapped);
+- ``causal`` with ``1 < Sq != Sk`` (cuDNN's causal mask is top-left aligned, ejkernel's
+  bottom-right; they agree when Sq == Sk, and a single query sees every key either way);
+- a sliding window unless ``Sq == Sk`` and it is left-only (``right == 0``, or ``causal``);
+- no cuDNN found by JAX.
+
+Bias and ``attention_mask`` are broadcast to ``[·, ·, Sq, Sk]`` (batch and head dims may stay
+1) and given to cuDNN, which adds them (the mask as a large negative bias); rows that the mask
+leaves without any visible key are then set to zero, as ejkernel's semantics ask (cuDNN would
+average them). The bias is cast to the query dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["cudnn_attention", "cudnn_supports", "flash_attention_cuda", "supports"]
+
+DTYPES = ("bfloat16", "float16")
+
+
+def cudnn_supports(kw: Any) -> bool | str:
+    """Whether cuDNN's fused attention computes this call with ejkernel's semantics."""
+    from ejkernel_cuda._device import cc_major, cudnn_version
+
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    dtype = str(jnp.dtype(q.dtype))
+    if dtype not in DTYPES:
+        return f"cuDNN fused attention takes bfloat16/float16; got {dtype}"
+    d, dv = int(q.shape[-1]), int(v.shape[-1])
+    if dv != d:
+        return f"the cuDNN route needs Dv == D; got D={d}, Dv={dv}"
+    head_max = 256 if cc_major() >= 9 else 128
+    if d > head_max or d % 8:
+        return f"cuDNN needs a head dim <= {head_max} and a multiple of 8; got D={d}"
+    if kw.get("logits_soft_cap") is not None:
+        return "cuDNN fused attention has no logits soft cap"
+    if kw.get("softmax_aux") is not None:
+        return "cuDNN fused attention has no attention sinks (softmax_aux)"
+    if (kw.get("dropout_prob") or 0.0) > 0.0:
+        return "cuDNN's dropout is not ejkernel's reproducible dropout"
+    if kw.get("q_segment_ids") is not None:
+        return "segment ids (packed sequences) are not mapped onto cuDNN"
+    sq, sk = int(q.shape[1]), int(k.shape[1])
+    window = kw.get("sliding_window")
+    if kw.get("causal") and sq not in (1, sk):
+        return (
+            f"cuDNN's causal mask is top-left aligned, ejkernel's bottom-right: they agree only "
+            f"for Sq == Sk or Sq == 1; got Sq={sq}, Sk={sk}"
+        )
+    if window is not None:
+        if sq != sk:
+            return f"a sliding window on cuDNN needs Sq == Sk; got Sq={sq}, Sk={sk}"
+        if not kw.get("causal") and window[1] != 0:
+            return f"cuDNN takes only left windows (right == 0, or causal); got {tuple(window)}"
+    if cudnn_version() is None:
+        return "JAX finds no cuDNN"
+    return True
+
+
+def supports(inv: Any) -> bool | str:
+    return cudnn_supports(inv.kwargs)
+
+
+def flash_attention_cuda(
+    *,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: Any = None,
+    cfg: Any = None,
+) -> jax.Array:
+    """Flash attention through cuDNN (arguments as validated; ``supports()`` has declined
+    segment ids, sinks, soft cap and dropout).
+
+    Args:
+        query: [B, Sq, Hq, D].
+        key: [B, Sk, Hkv, D].
+        value: [B, Sk, Hkv, D].
+        bias: broadcastable to [B, Hq, Sq, Sk], or ``None``.
+        attention_mask: bool, broadcastable to [B, Hq, Sq, Sk], or ``None``.
+        softmax_scale: multiplies the logits.
+        causal: bottom-right aligned causal mask.
+        sliding_window: ``(left, right)`` or ``None``.
+        cfg: unused (cuDNN picks its own kernels).
+
+    Returns:
+        [B, Sq, Hq, D] in the query dtype.
+    """
+    del q_segment_ids, kv_segment_ids, softmax_aux, logits_soft_cap, dropout_prob, dropout_seed
+    del cfg
+    return cudnn_attention(
+        query,
+        key,
+        value,
+        bias=bias,
+        attention_mask=attention_mask,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+    )
+
+
+def _to_4d(x: jax.Array, sq: int, sk: int) -> jax.Array:
+    """Left-pad to rank 4 and broadcast the last two dims to ``[Sq, Sk]``."""
+    x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+    return jnp.broadcast_to(x, (x.shape[0], x.shape[1], sq, sk))
+
+
+def cudnn_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    bias: jax.Array | None,
+    attention_mask: jax.Array | None,
+    softmax_scale: float | None,
+    causal: bool,
+    sliding_window: tuple[int, int] | None,
+) -> jax.Array:
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` with ejkernel's semantics."""
+    b, sq, hq, d = query.shape
+    sk = key.shape[1]
+    scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
+    # Bottom-right causal equals cuDNN's top-left one when Sq == Sk; a single query sees all.
+    is_causal = bool(causal and sq == sk)
+    window = None
+    if sliding_window is not None:
+        # supports() let through only windows that are left-only once intersected with the
+        # causal mask: (left, 0) with the causal flag is cuDNN's sliding window.
+        window = (int(sliding_window[0]), 0)
+        is_causal = True
+    bias4 = None if bias is None else _to_4d(bias.astype(query.dtype), sq, sk)
+    mask4 = None if attention_mask is None else _to_4d(attention_mask, sq, sk)
+    out = jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        bias=bias4,
+        mask=mask4,
+        scale=scale,
+        is_causal=is_causal,
+        local_window_size=window,
+        implementation="cudnn",
+    )
+    if mask4 is not None:
+        out = jnp.where(_any_visible(mask4, b, sq, hq, sk, is_causal, window), out, 0)
+    return out
+
+
+def _any_visible(
+    mask4: jax.Array,
+    b: int,
+    sq: int,
+    hq: int,
+    sk: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+) -> jax.Array:
+    """[B, Sq, Hq, 1]: whether each query row keeps at least one key."""
+    q_pos = jnp.arange(sq)[:, None] + (sk - sq)
+    k_pos = jnp.arange(sk)[None, :]
+    band = jnp.ones((sq, sk), bool)
+    if causal:
+        band &= k_pos <= q_pos
+    if window is not None:
+        band &= k_pos >= q_pos - window[0]
+    seen = jnp.any(mask4 & band, axis=-1)  # [b', h', Sq]
+    seen = jnp.broadcast_to(seen, (b, hq, sq))
+    return jnp.transpose(seen, (0, 2, 1))[..., None]

@@ -1,0 +1,136 @@
+"""page_attention on CUDA: split-K flash decoding over a paged cache (forward only).
+
+Native kernel (``csrc/decode_attention.cu``, Flash-Decoding, Dao et al. 2023), shared with
+``ragged_decode_attention`` (:mod:`ejkernel_cuda.ops._decode`): each CTA reads one key-range
+split of one sequence for the query heads of one GQA group, looking each token's page up in
+the block table (a shift and a mask for power-of-two page sizes), 16-byte loads of the key
+and value rows; a second kernel merges the splits. Sequence ``s`` reads only positions
+``[max(0, kv_len - 1 - left), min(kv_len, capacity))``: table slots past its live pages are
+never read, and page ids are clamped to ``[0, num_pages)`` as JAX's gather would.
+
+``supports()`` declines: dtypes other than bfloat16/float16/float32, head dims that are not a
+multiple of 8 or exceed 256, and, when nvcc is missing or the build failed, every call (the
+reason carries the compiler's message). The op is forward-only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+
+from ejkernel_cuda.ops._decode import (
+    DecodeConfig,
+    decode_config_space,
+    decode_heuristic,
+    decode_supports,
+    default_splits,
+    native_decode,
+)
+
+__all__ = ["PageAttentionConfig", "config_space", "heuristic", "page_attention_cuda", "supports"]
+
+
+@attrs.frozen(kw_only=True)
+class PageAttentionConfig(DecodeConfig):
+    """``num_splits`` key-range splits per sequence (0: the heuristic's count)."""
+
+
+def _dims(kw: Any) -> tuple[int, int, int, int]:
+    q, kc, table = kw["query"], kw["key_cache"], kw["block_tables"]
+    capacity = int(table.shape[1]) * int(kc.shape[1])
+    return int(q.shape[0]), int(q.shape[1]), int(kc.shape[2]), capacity
+
+
+def heuristic(inv: Any) -> PageAttentionConfig:
+    """About sixteen CTAs per SM, at least 128 keys per split."""
+    return decode_heuristic(*_dims(inv.kwargs), PageAttentionConfig)  # type: ignore[no-any-return]
+
+
+def config_space(inv: Any) -> list[PageAttentionConfig]:
+    return decode_config_space(*_dims(inv.kwargs), PageAttentionConfig)
+
+
+def supports(inv: Any) -> bool | str:
+    kw = inv.kwargs
+    return decode_supports(kw["query"], kw["key_cache"], kw["value_cache"])
+
+
+def page_attention_cuda(
+    *,
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: tuple[int, int] | None = None,
+    cfg: PageAttentionConfig | None = None,
+) -> jax.Array:
+    """Decode attention over a paged cache (arguments as validated by the core spec).
+
+    Args:
+        query: [S, Hq, D].
+        key_cache: [num_pages, page_size, Hkv, D].
+        value_cache: [num_pages, page_size, Hkv, D].
+        kv_lens: [S] int.
+        block_tables: [S, max_pages] int.
+        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
+        logits_soft_cap: ``cap * tanh(logits / cap)``, or ``None``.
+        sliding_window: ``(left, right)`` or ``None``.
+        cfg: ``num_splits``; ``None`` or 0 takes the heuristic's.
+
+    Returns:
+        [S, Hq, D] in the query dtype; sequences with ``kv_len == 0`` give zeros.
+    """
+    s, hq, d = query.shape
+    capacity = int(block_tables.shape[1]) * int(key_cache.shape[1])
+    splits = cfg.num_splits if cfg is not None and cfg.num_splits > 0 else 0
+    splits = splits or default_splits(s, hq, int(key_cache.shape[2]), capacity)
+    scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
+    return _forward(
+        query,
+        key_cache,
+        value_cache,
+        kv_lens,
+        block_tables,
+        scale=scale,
+        cap=logits_soft_cap,
+        left=None if sliding_window is None else int(sliding_window[0]),
+        splits=int(splits),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cap", "left", "splits"))
+def _forward(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    scale: float,
+    cap: float | None,
+    left: int | None,
+    splits: int,
+) -> jax.Array:
+    capacity = block_tables.shape[1] * key_cache.shape[1]
+    kv_len = kv_lens.astype(jnp.int32)
+    hi = jnp.clip(kv_len, 0, capacity)
+    lo = jnp.zeros_like(hi) if left is None else jnp.maximum(0, kv_len - 1 - left)
+    return native_decode(
+        query,
+        key_cache,
+        value_cache,
+        lo,
+        hi,
+        block_tables,
+        None,
+        softmax_scale=scale,
+        logits_soft_cap=cap,
+        num_splits=splits,
+    )

@@ -1,0 +1,79 @@
+"""Entry point of the CUDA plugin: registers the ``cuda`` platform (imports nothing heavy).
+
+Two routes, one platform:
+
+- vendor: ``flash_attention`` and ``scaled_dot_product_attention`` through cuDNN's fused
+  attention, reached through XLA (``ejkernel_cuda.ops.flash_attention``);
+- native: CUDA C++ kernels over the XLA FFI (``ragged_decode_attention``, ``page_attention``,
+  ``mean_pooling``), built with nvcc on first use (``ejkernel_cuda._build``).
+
+The platform is available on NVIDIA GPUs (``ejkernel_cuda._device:available``). Each
+implementation's ``supports()`` declines, with the reason, what it cannot run: shapes and
+features outside cuDNN's, and for the native kernels a missing nvcc or a failed build (the
+compiler's message). Priorities sit above the XLA fallback, so a GPU picks this platform
+where it can run. ``ejkernel build cuda`` builds the native kernels ahead of time through
+:func:`ejkernel_build`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ejkernel.hookspecs import API_VERSION
+from ejkernel.plugins import hookimpl
+
+PLATFORM = "cuda"
+
+#: Priority of the CUDA implementations (the XLA fallback registers 0).
+PRIORITY = 200
+
+#: op -> (module under ejkernel_cuda.ops, name of its config class or None).
+OPS: dict[str, tuple[str, str | None]] = {
+    "flash_attention": ("flash_attention", None),
+    "scaled_dot_product_attention": ("scaled_dot_product_attention", None),
+    "ragged_decode_attention": ("ragged_decode_attention", "RaggedDecodeAttentionConfig"),
+    "page_attention": ("page_attention", "PageAttentionConfig"),
+    "mean_pooling": ("mean_pooling", None),
+}
+
+
+@hookimpl
+def ejkernel_api_version() -> int:
+    return API_VERSION
+
+
+@hookimpl
+def ejkernel_register(registry: Any) -> None:
+    registry.add_platform(
+        PLATFORM, available="ejkernel_cuda._device:available", distribution="ejkernel-cuda"
+    )
+    for op, (name, config) in OPS.items():
+        module = f"ejkernel_cuda.ops.{name}"
+        tuning: dict[str, str] = {}
+        if config is not None:
+            tuning = {
+                "config": f"{module}:{config}",
+                "heuristic": f"{module}:heuristic",
+                "config_space": f"{module}:config_space",
+            }
+        registry.register(
+            op,
+            platform=PLATFORM,
+            backend="gpu",
+            priority=PRIORITY,
+            supports=f"{module}:supports",
+            **tuning,
+        )(f"{module}:{op}_cuda")
+
+
+@hookimpl
+def ejkernel_build(platform: str, force: bool, check: bool, target: str | None) -> str | None:
+    """``ejkernel build cuda``: compile the native kernels now (or report their state)."""
+    if platform != PLATFORM:
+        return None
+    from ejkernel_cuda import _build
+
+    if check:
+        return f"cuda native kernels: {_build.status(arch=target)}"
+    library = _build.build(arch=target, force=force)
+    return f"cuda native kernels built: {library}"
