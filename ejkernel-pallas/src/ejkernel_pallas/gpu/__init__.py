@@ -1,0 +1,1 @@
+"""Pallas kernels lowered through Mosaic GPU, for Hopper GPUs (sm_90)."""

@@ -1,0 +1,69 @@
+"""Entry point of the Pallas plugin: registers its kernels lazily (imports nothing heavy).
+
+Two families, each declaring the hardware it runs on:
+
+- ``ejkernel_pallas.tpu.<op>``: Mosaic TPU kernels, registered for backends ``tpu`` and ``cpu``.
+  On the CPU they run only with ``EJKERNEL_INTERPRET=1``, through Pallas's TPU interpret mode
+  (the same kernels, with TPU memory spaces simulated), for tests and debugging.
+- ``ejkernel_pallas.gpu.<op>``: Mosaic GPU kernels for Hopper (sm_90), backend ``gpu``.
+
+The availability probe runs on first selection, never at import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ejkernel import _env
+from ejkernel.hookspecs import API_VERSION
+from ejkernel.plugins import hookimpl
+
+#: op -> the families (``tpu``, ``gpu``) with a module ``ejkernel_pallas.<family>.<op>``.
+OPS: dict[str, tuple[str, ...]] = {
+    "flash_attention": ("tpu", "gpu"),
+    "scaled_dot_product_attention": ("tpu", "gpu"),
+}
+#: family -> (backends it is registered for, priority, module holding the op). On a TPU the
+#: Mosaic kernels beat the XLA fallback (0). On a GPU the Mosaic GPU kernels rank below the
+#: Triton plugin (20) until a benchmark run on the H100 shows them faster (RESULTS.md); on a CPU
+#: (interpret mode) below Triton's interpreter path too, so ``platform="pallas"`` picks them.
+FAMILIES: dict[str, tuple[tuple[str, ...], int, str]] = {
+    "tpu": (("tpu", "cpu"), 10, "flash_attention"),
+    "gpu": (("gpu",), 10, "flash_attention"),
+}
+
+
+def available(backend: str) -> bool | str:
+    """``True`` on TPU and GPU, and on CPU with ``EJKERNEL_INTERPRET=1``; else the reason."""
+    if backend in ("tpu", "gpu"):
+        return True
+    if _env.interpret():
+        return True
+    return (
+        f"Pallas kernels need a TPU or a GPU (this device is {backend}); set "
+        f"{_env.INTERPRET}=1 to run them on the CPU in interpret mode"
+    )
+
+
+@hookimpl
+def ejkernel_api_version() -> int:
+    return API_VERSION
+
+
+@hookimpl
+def ejkernel_register(registry: Any) -> None:
+    registry.add_platform("pallas", available=available, distribution="ejkernel-pallas")
+    for op, families in OPS.items():
+        for family in families:
+            backends, priority, module_name = FAMILIES[family]
+            module = f"ejkernel_pallas.{family}.{module_name}"
+            registry.register(
+                op,
+                platform="pallas",
+                backend=backends,
+                priority=priority,
+                config=f"{module}:FlashAttentionConfig",
+                heuristic=f"{module}:heuristic",
+                config_space=f"{module}:config_space",
+                supports=f"{module}:supports",
+            )(f"{module}:{op}_pallas")

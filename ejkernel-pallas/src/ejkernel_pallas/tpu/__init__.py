@@ -1,0 +1,1 @@
+"""Pallas kernels lowered through Mosaic TPU (run on CPU in TPU interpret mode)."""

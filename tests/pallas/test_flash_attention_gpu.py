@@ -1,0 +1,113 @@
+"""The Pallas Mosaic-GPU flash attention: on an H100 (``gpu`` marker) and in interpret mode.
+
+The same test body runs in two modes: ``gpu`` runs the compiled kernels through the public op
+on the GPU; ``interpret`` runs them on the CPU in Mosaic GPU's interpret mode (warpgroups,
+barriers, TMA and shared memory simulated; ``wgmma`` replaced by ``jnp.dot`` on the same tiles).
+Interpret mode needs ``absl`` (Mosaic GPU imports it) and a few seconds per tile, so it is
+marked ``slow`` and skipped where absl is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+from ejkernel_pallas._attention import FlashAttentionConfig
+
+import ejkernel
+from ejkernel._params import BwdParams, FwdParams
+from ejkernel.specs.flash_attention import flash_attention_reference
+from ejkernel.testing import AttentionShape, assert_close, attention_inputs
+from ejkernel.testing import random_normal as normal
+
+HAS_ABSL = importlib.util.find_spec("absl") is not None
+
+GPU = pytest.param("gpu", marks=pytest.mark.gpu, id="gpu")
+INTERPRET = pytest.param(
+    "interpret",
+    marks=[
+        pytest.mark.slow,
+        pytest.mark.skipif(not HAS_ABSL, reason="Mosaic GPU interpret mode needs absl-py"),
+    ],
+    id="interpret",
+)
+
+
+def _check(mode: str, shape: AttentionShape, causal: bool, cfg: Any = None) -> None:
+    if mode == "interpret" and jax.default_backend() != "cpu":
+        pytest.skip("interpret mode is exercised on the CPU")
+    q, k, v = attention_inputs(shape, jnp.bfloat16, seed=1)
+    d_out = normal(jax.random.PRNGKey(7), (shape.b, shape.sq, shape.hq, shape.d), jnp.bfloat16)
+    if mode == "gpu":
+        sel = ejkernel.explain(ejkernel.flash_attention, q, k, v, causal=causal)
+        assert sel.platform == "pallas", sel
+
+        def ours(q: Any, k: Any, v: Any) -> Any:
+            return ejkernel.flash_attention(q, k, v, causal=causal, platform="pallas", cfg=cfg)
+
+    else:
+        from ejkernel_pallas.gpu.flash_attention import flash_attention_pallas as fn
+
+        @jax.custom_vjp
+        def ours(q: Any, k: Any, v: Any) -> Any:
+            return fn(query=q, key=k, value=v, causal=causal, cfg=cfg)
+
+        def fwd(q: Any, k: Any, v: Any) -> Any:
+            return fn.fwd(query=q, key=k, value=v, causal=causal, cfg=cfg)
+
+        def bwd(res: Any, g: Any) -> Any:
+            grads = fn.bwd(res, g, causal=causal, cfg=cfg)
+            return grads["query"], grads["key"], grads["value"]
+
+        ours.defvjp(fwd, bwd)
+
+    def run(q: Any, k: Any, v: Any, g: Any) -> Any:
+        out, vjp = jax.vjp(ours, q, k, v)
+        return out, vjp(g)
+
+    out, grads = jax.jit(run)(q, k, v, d_out)
+    up = lambda x: x.astype(jnp.float32)
+    ref_out, ref_vjp = jax.vjp(
+        lambda q, k, v: flash_attention_reference(q, k, v, causal=causal), up(q), up(k), up(v)
+    )
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, ref_out, name="out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_vjp(up(d_out))):
+        assert g.dtype == jnp.bfloat16 and g.shape == r.shape
+        assert_close(g, r, scale=2.0, name=name)
+
+
+SMALL = FlashAttentionConfig(
+    fwd_params=FwdParams(q_blocksize=64, kv_blocksize=64, num_stages=2),
+    bwd_params=BwdParams(q_blocksize=64, kv_blocksize=64, num_stages=2),
+)
+
+
+@pytest.mark.parametrize("mode", [GPU, INTERPRET])
+def test_causal_gqa_with_more_keys_than_queries(mode: str) -> None:
+    _check(mode, AttentionShape(b=1, sq=256, sk=384, hq=2, hkv=1, d=64), True, SMALL)
+
+
+@pytest.mark.parametrize("mode", [GPU, INTERPRET])
+def test_full_attention_one_tile(mode: str) -> None:
+    _check(mode, AttentionShape(b=1, sq=128, sk=128, hq=1, hkv=1, d=64), False, SMALL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        AttentionShape(b=2, sq=1024, sk=1024, hq=8, hkv=8, d=128),
+        AttentionShape(b=2, sq=512, sk=1024, hq=8, hkv=2, d=128),
+        AttentionShape(b=1, sq=1024, sk=1024, hq=4, hkv=4, d=64),
+    ],
+    ids=str,
+)
+def test_gpu_kernels_match_the_reference_with_default_configs(
+    shape: AttentionShape, causal: bool
+) -> None:
+    _check("gpu", shape, causal)
