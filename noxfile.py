@@ -7,8 +7,16 @@ import nox
 nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "venv"
 
-PACKAGES = ["-e", "ejkernel-core", "-e", "ejkernel-xla"]
-TEST_DEPS = ["pytest>=8", "pytest-xdist>=3"]
+DISTRIBUTIONS = [
+    "ejkernel-core",
+    "ejkernel-xla",
+    "ejkernel-triton",
+    "ejkernel-pallas",
+    "ejkernel-cuda",
+]
+PACKAGES = [arg for dist in DISTRIBUTIONS for arg in ("-e", dist)]
+#: triton pinned to the GPU machine's version: the interpreter path is tested against it.
+TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "triton==3.6.0"]
 
 
 @nox.session
@@ -30,6 +38,27 @@ def tests_xla(session: nox.Session) -> None:
     """XLA backend tests only."""
     session.install(*PACKAGES, *TEST_DEPS)
     session.run("pytest", "tests/xla", "-m", "not gpu", *session.posargs)
+
+
+@nox.session(name="tests-triton")
+def tests_triton(session: nox.Session) -> None:
+    """Triton kernels through Triton's interpreter on the CPU."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    session.run("pytest", "tests/triton", "-m", "not gpu", *session.posargs)
+
+
+@nox.session(name="tests-pallas")
+def tests_pallas(session: nox.Session) -> None:
+    """Pallas kernels in interpret mode (TPU kernels; Mosaic GPU ones with absl-py)."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    session.run("pytest", "tests/pallas", "-m", "not gpu", *session.posargs)
+
+
+@nox.session(name="tests-cuda")
+def tests_cuda(session: nox.Session) -> None:
+    """CUDA plugin on the CPU: nvcc compile check, build cache, cuDNN/native supports()."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    session.run("pytest", "tests/cuda", "-m", "not gpu", *session.posargs)
 
 
 @nox.session
@@ -66,7 +95,7 @@ def typecheck(session: nox.Session) -> None:
 def build(session: nox.Session) -> None:
     """Build the sdists and wheels of every distribution into dist/."""
     session.install("build")
-    for dist in ("ejkernel-core", "ejkernel-xla"):
+    for dist in DISTRIBUTIONS:
         session.run("python", "-m", "build", "--outdir", "dist", dist)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from ejkernel.hookspecs import API_VERSION
 
-PLUGINS = ["ejkernel-xla"]
+PLUGINS = ["ejkernel-xla", "ejkernel-triton", "ejkernel-pallas", "ejkernel-cuda"]
 
 
 @pytest.mark.parametrize("dist", PLUGINS)
