@@ -114,22 +114,35 @@ def relative_error(ours: Any, ref: Any) -> float:
 
 
 def compare(
-    title: str, ours: Callable[..., Any], ref: Callable[..., Any], arrays: dict[str, Any], args: Any
+    title: str,
+    ours: Callable[..., Any],
+    ref: Callable[..., Any],
+    arrays: dict[str, Any],
+    args: Any,
+    scan_bwd: bool = True,
 ) -> None:
+    """One table row per pass; ``scan_bwd=False`` times the sequential scan's forward only
+    (its backward would keep a state per token)."""
     modes = [("forward", forward)] + (
         [] if args.skip_bwd else [("forward+backward", forward_backward)]
     )
     for mode, wrap in modes:
-        f_ours, f_ref = wrap(ours), wrap(ref)
-        err = relative_error(f_ours(arrays), f_ref(arrays))
-        times = best_times(
-            {"chunked": lambda f=f_ours: f(arrays), "sequential": lambda f=f_ref: f(arrays)},
-            args.repeats,
-        )
-        (w_c, c_c), (w_s, c_s) = times["chunked"], times["sequential"]
+        f_ours = wrap(ours)
+        if mode == "forward" or scan_bwd:
+            f_ref = wrap(ref)
+            err = f"{relative_error(f_ours(arrays), f_ref(arrays)):.1e}"
+            runs = {"chunked": lambda f=f_ours: f(arrays), "sequential": lambda f=f_ref: f(arrays)}
+        else:
+            err, runs = "n/a", {"chunked": lambda f=f_ours: f(arrays)}
+        times = best_times(runs, args.repeats)
+        (w_c, c_c) = times["chunked"]
+        if "sequential" in times:
+            (w_s, c_s) = times["sequential"]
+            seq, ratio = f"{w_s:8.1f} / {c_s:8.1f}", f"{w_s / w_c:5.2f}x / {c_s / c_c:5.2f}x"
+        else:
+            seq, ratio = "n/a (states too large)", "n/a"
         print(
-            f"| {title} | {mode} | {w_c:8.1f} / {c_c:8.1f} | {w_s:8.1f} / {c_s:8.1f} | "
-            f"{w_s / w_c:5.2f}x / {c_s / c_c:5.2f}x | {err:.1e} |",
+            f"| {title} | {mode} | {w_c:8.1f} / {c_c:8.1f} | {seq} | {ratio} | {err} |",
             flush=True,
         )
 
@@ -143,44 +156,84 @@ def temp_bytes(fn: Callable[..., Any], arrays: dict[str, Any]) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=4096, help="T of the timing runs")
-    parser.add_argument("--kda", default="1,4,128,128", help="B,H,K,V of kernel_delta_attention")
+    parser.add_argument(
+        "--kda",
+        nargs="*",
+        default=["1,4,128,128", "8,16,128,128"],
+        help="B,H,K,V of kernel_delta_attention (the second: B·T = 32k at T 4096, H 16)",
+    )
+    parser.add_argument(
+        "--max-scan-gib",
+        type=float,
+        default=4.0,
+        help="time the reference scan's forward+backward only when its states fit in this",
+    )
     parser.add_argument("--v1", default="1,512,16", help="B,I,N of state_space_v1")
     parser.add_argument("--v2", default="1,8,64,1,64", help="B,H,P,G,N of state_space_v2")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-bwd", action="store_true", help="time the forward only")
+    parser.add_argument(
+        "--kda-only", action="store_true", help="kernel_delta_attention rows and memory only"
+    )
     parser.add_argument("--memory-seqs", default="1024,2048,4096,8192")
     args = parser.parse_args()
     os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
     t = args.seq
-    b, h, dk, dv = map(int, args.kda.split(","))
+    kda_shapes = [tuple(map(int, shape.split(","))) for shape in args.kda]
+    b, h, dk, dv = kda_shapes[0]
     v1 = tuple(map(int, args.v1.split(",")))
     v2 = tuple(map(int, args.v2.split(",")))
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, T={t}")
-    print("times in ms as wall / process CPU (best of runs); ratio = sequential / chunked")
+    print(f"load average at start: {os.getloadavg()}")
+    print(
+        "times in ms as wall / process CPU (best of runs; the CPU time misses work on XLA's"
+        " matmul threads, so quote the wall time); ratio = sequential / chunked"
+    )
     print("| op | pass | chunked | sequential (reference scan) | speed-up | rel. error |")
     print("|---|---|---|---|---|---|")
-    for per_channel, label in ((True, "KDA, g [B,S,H,K]"), (False, "Gated DeltaNet, g [B,S,H]")):
-        arrays = kda_inputs(b, t, h, dk, dv, per_channel)
-        config = ejkernel.explain("kernel_delta_attention", **arrays).config
-        title = f"kernel_delta_attention {label} B{b} H{h} K{dk} V{dv} (C={config.chunk_size})"
-        compare(
-            title, ejkernel.kernel_delta_attention, kernel_delta_attention_reference, arrays, args
-        )
-    arrays = ssm_inputs(1, v1[0], t, *v1[1:])
-    config = ejkernel.explain("state_space_v1", **arrays, dt_softplus=True).config
-    title = (
-        f"state_space_v1 B{v1[0]} I{v1[1]} N{v1[2]} (C={config.chunk_size}, {config.intra_chunk})"
-    )
+    for kb, kh, kk, kv in kda_shapes:
+        scan_gib = kb * t * kh * kk * kv * 4 / 2**30
+        for per_channel, label in (
+            (True, "KDA, g [B,S,H,K]"),
+            (False, "Gated DeltaNet, g [B,S,H]"),
+        ):
+            arrays = kda_inputs(kb, t, kh, kk, kv, per_channel)
+            config = ejkernel.explain("kernel_delta_attention", **arrays).config
+            title = (
+                f"kernel_delta_attention {label} B{kb} H{kh} K{kk} V{kv} (C={config.chunk_size})"
+            )
+            compare(
+                title,
+                ejkernel.kernel_delta_attention,
+                kernel_delta_attention_reference,
+                arrays,
+                args,
+                scan_bwd=scan_gib <= args.max_scan_gib,
+            )
     softplus = lambda fn: lambda **kw: fn(**kw, dt_softplus=True)
-    compare(
-        title, softplus(ejkernel.state_space_v1), softplus(state_space_v1_reference), arrays, args
-    )
-    arrays = ssm_inputs(2, v2[0], t, *v2[1:])
-    config = ejkernel.explain("state_space_v2", **arrays, dt_softplus=True).config
-    title = f"state_space_v2 B{v2[0]} H{v2[1]} P{v2[2]} G{v2[3]} N{v2[4]} (C={config.chunk_size})"
-    compare(
-        title, softplus(ejkernel.state_space_v2), softplus(state_space_v2_reference), arrays, args
-    )
+    if not args.kda_only:
+        arrays = ssm_inputs(1, v1[0], t, *v1[1:])
+        config = ejkernel.explain("state_space_v1", **arrays, dt_softplus=True).config
+        title = f"state_space_v1 B{v1[0]} I{v1[1]} N{v1[2]} (C={config.chunk_size}, {config.intra_chunk})"
+        compare(
+            title,
+            softplus(ejkernel.state_space_v1),
+            softplus(state_space_v1_reference),
+            arrays,
+            args,
+        )
+        arrays = ssm_inputs(2, v2[0], t, *v2[1:])
+        config = ejkernel.explain("state_space_v2", **arrays, dt_softplus=True).config
+        title = (
+            f"state_space_v2 B{v2[0]} H{v2[1]} P{v2[2]} G{v2[3]} N{v2[4]} (C={config.chunk_size})"
+        )
+        compare(
+            title,
+            softplus(ejkernel.state_space_v2),
+            softplus(state_space_v2_reference),
+            arrays,
+            args,
+        )
 
     print("\nCompiled temporary memory of forward+backward (MiB), by T:")
     seqs = [int(s) for s in args.memory_seqs.split(",")]
@@ -218,6 +271,8 @@ def main() -> None:
             lambda s: ssm_inputs(2, v2[0], s, *v2[1:]),
         ),
     ]
+    if args.kda_only:
+        rows = rows[:2]
     for name, fn, make in rows:
         sizes = [temp_bytes(fn, make(s)) for s in seqs]
         cells = ["n/a" if v is None else f"{v / 2**20:9.1f}" for v in sizes]
@@ -225,6 +280,8 @@ def main() -> None:
         if None not in sizes and sizes[0]:
             growth = f" (x{np.round(sizes[-1] / sizes[0], 1)} for x{seqs[-1] // seqs[0]} T)"
         print(f"| {name}{growth} | " + " | ".join(cells) + " |", flush=True)
+
+    print(f"load average at end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -166,6 +166,24 @@ def test_decays_far_past_float32_range_inside_a_chunk_stay_exact() -> None:
         assert np.all(np.isfinite(np.asarray(x)))
 
 
+def test_forward_alone_mixes_factored_and_exact_chunks_and_matches_the_reference() -> None:
+    # Not differentiated: the primal streaming forward. Tokens 30-45 of batch row 0 decay
+    # strongly (a chunk's Σg far past -80: the hierarchical products), the rest mildly (the
+    # factored ones); 101 tokens end in a padded chunk.
+    arrays = inputs(2, 101, 3, 16, 8, per_channel=True, seed=7, decay=0.1)
+    strong = (jnp.arange(101) >= 30) & (jnp.arange(101) < 46)
+    g = arrays["g"].at[0].multiply(jnp.where(strong, 400.0, 1.0)[:, None, None])
+    arrays = {**arrays, "g": g}
+    cfg = KernelDeltaAttentionConfig(chunk_size=16)
+    out, final = jax.jit(
+        lambda a: ejkernel.kernel_delta_attention(**a, return_state=True, cfg=cfg)
+    )(arrays)
+    ref_out, ref_final = kernel_delta_attention_reference(**arrays, return_state=True)
+    assert_close(out, ref_out, scale=F32, name="out")
+    assert_close(final, ref_final, scale=F32, name="final")
+    assert np.all(np.isfinite(np.asarray(out)))
+
+
 def test_bfloat16_matches_the_float32_reference() -> None:
     arrays = inputs(1, 97, 2, 16, 8, per_channel=True, dtype=jnp.bfloat16, seed=5)
     check(arrays, KernelDeltaAttentionConfig(chunk_size=16), scale=1.0, return_state=True)

@@ -7,7 +7,9 @@ differences of cumulative log gates from the chunk start; when every chunk's gat
 ±80 of its start (GLA's ``log_sigmoid(x) / 16`` gates always do) the intra-chunk part is two
 matmuls, otherwise it takes the two-level form with per-sub-chunk reference points of
 flash-linear-attention's ``chunk_gla``, exact for any gates. See that module for the
-algorithm, the chunk-aligned ``cu_seqlens`` layout and the backward from saved chunk-start
+algorithm, the chunk-aligned ``cu_seqlens`` layout, the streamed forward (one scan step per
+chunk of a batch row, all heads, in cache; the primal call builds no backward residuals), its
+flop and byte counts against the sequential scan, and the backward from saved chunk-start
 states.
 
 Tunables: ``chunk_size`` (tokens per chunk) and ``sub_chunk_size`` (tokens per sub-chunk of the
@@ -97,6 +99,7 @@ def gla_xla(
         cu_seqlens=cu_seqlens,
         return_state=return_state,
         cfg=cfg,
+        residuals=False,
     )
     return out
 
@@ -112,6 +115,7 @@ def _gla_fwd(
     cu_seqlens: jax.Array | None = None,
     return_state: bool = False,
     cfg: GlaConfig | None = None,
+    residuals: bool = True,
 ) -> tuple[Any, dict[str, Any]]:
     """Forward of :func:`gla_xla`: ``(out, residuals)`` (inputs and chunk-start states)."""
     arrays = {
@@ -125,7 +129,7 @@ def _gla_fwd(
     st = _engine.LinearStatics.of(
         arrays, cfg, softmax_scale=softmax_scale, return_state=return_state
     )
-    return _engine.linear_attention_forward(arrays, st, _gla_gates)
+    return _engine.linear_attention_forward(arrays, st, _gla_gates, residuals=residuals)
 
 
 def _gla_bwd(

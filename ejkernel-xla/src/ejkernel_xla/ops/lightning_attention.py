@@ -117,6 +117,7 @@ def lightning_attention_xla(
         cu_seqlens=cu_seqlens,
         return_state=return_state,
         cfg=cfg,
+        residuals=False,
     )
     return out
 
@@ -134,6 +135,7 @@ def _lightning_attention_fwd(
     cu_seqlens: jax.Array | None = None,
     return_state: bool = False,
     cfg: LightningAttentionConfig | None = None,
+    residuals: bool = True,
 ) -> tuple[Any, dict[str, Any]]:
     """Forward of :func:`lightning_attention_xla`: ``(out, residuals)``."""
     del layer_idx, num_layers
@@ -148,7 +150,7 @@ def _lightning_attention_fwd(
     st = _engine.LinearStatics.of(
         arrays, cfg, softmax_scale=softmax_scale, return_state=return_state
     )
-    return _engine.linear_attention_forward(arrays, st, _lightning_gates)
+    return _engine.linear_attention_forward(arrays, st, _lightning_gates, residuals=residuals)
 
 
 def _lightning_attention_bwd(

@@ -38,6 +38,24 @@ recurrent across chunks.
   chunks follow in parallel. Chunks are laid out chunk-major, [N, B, H, C, F], flattened to
   one row per (chunk, batch, head) for the matmuls (XLA's CPU code for broadcasts of more
   than four dimensions is several times slower).
+- Forward, streamed (no ``cu_seqlens``, no value gate: gla, lightning attention, most
+  ``recurrent`` calls). One ``lax.scan`` over the B·N (batch row, chunk) pairs, batch-major,
+  reads each chunk of one row, all heads, straight from the [B, S, H, F] inputs and does the
+  whole chunk while it is in cache (cumulative gates, ``q̃ S``, the [C, C] scores, ``k̃ᵀ v``,
+  the next state), carrying only that row's [H, K, V] state; the intra-chunk form is chosen
+  per chunk (a ``lax.cond`` on chunk-sized operands). The primal call emits only the outputs;
+  the custom-VJP forward also emits every chunk's start state for the backward. Packed
+  sequences and value gates take the all-chunks-at-once form described above.
+- Cost of the forward per token and head (K, V head dims, C the chunk). Sequential scan:
+  ≈ 5·K·V flops (decay, k vᵀ, q·h) as vector work, and the [K, V] state read and written
+  every step, 8·K·V bytes once the B·H·K·V-float state leaves the cache. Chunked: 2·K·V
+  (``q̃ S``) + 2·K·V (``k̃ᵀ v``) + 2·C·K (scores) + 2·C·V (scores · v) flops as batched
+  matmuls (C = 64, K = V = 128: 98 304 against the scan's ≈ 81 920), one exponential per
+  gate element, and 8·K·V / C bytes of state per token (the inputs and output, 4·(3K + V)
+  bytes, are read once either way). Both do about the same flops: the chunked forward wins
+  by running them as matmuls and by not streaming the state, not by doing less. On a 2-core
+  CPU XLA runs batched matmuls on one core (≈ 100 GFLOP/s of 64-row blocks, against
+  ≈ 300 GFLOP/s for one large 2-core matmul); see benchmarks/RESULTS.md.
 - Lengths. A sequence is padded to a multiple of C with identity tokens (zero q/k/v, zero log
   gates). ``reverse`` flips the token axis (and the packed offsets) around the same engine.
 - ``cu_seqlens``. The packed tokens are gathered into a chunk-aligned layout: each sequence
@@ -186,6 +204,7 @@ def recurrent_xla(
         cu_seqlens=cu_seqlens,
         return_state=return_state,
         cfg=cfg,
+        residuals=False,
     )
     return out
 
@@ -204,6 +223,7 @@ def _recurrent_fwd(
     cu_seqlens: jax.Array | None = None,
     return_state: bool = False,
     cfg: RecurrentConfig | None = None,
+    residuals: bool = True,
 ) -> tuple[Any, dict[str, Any]]:
     """Forward of :func:`recurrent_xla`: ``(out, residuals)``; residuals are the inputs and the
     chunk-start states."""
@@ -220,7 +240,7 @@ def _recurrent_fwd(
     st = LinearStatics.of(
         arrays, cfg, softmax_scale=softmax_scale, reverse=reverse, return_state=return_state
     )
-    return linear_attention_forward(arrays, st, _recurrent_gates)
+    return linear_attention_forward(arrays, st, _recurrent_gates, residuals=residuals)
 
 
 def _recurrent_bwd(
@@ -360,19 +380,30 @@ _DIFFERENTIABLE = ("query", "key", "value", "g", "gk", "gv", "slopes", "initial_
 
 
 def linear_attention_forward(
-    arrays: dict[str, Any], st: LinearStatics, gates: Gates
-) -> tuple[Any, dict[str, Any]]:
+    arrays: dict[str, Any], st: LinearStatics, gates: Gates, *, residuals: bool = True
+) -> tuple[Any, dict[str, Any] | None]:
     """Chunked forward: ``(out or (out, final_state), residuals)``.
+
+    Without packed sequences or a value gate this is the streaming form
+    (:func:`_stream_forward`: one ``lax.scan`` step per chunk of one batch row, all heads at
+    once); otherwise the all-chunks-at-once form (:func:`_forward`).
 
     Args:
         arrays: the op's array arguments by name (``query``, ``key``, ``value``,
             ``initial_state``, ``cu_seqlens`` and whatever ``gates`` reads).
         st: the statics.
         gates: a module-level function building the float32 log gates from ``arrays``.
+        residuals: also build what the backward needs (the chunk-start states); ``False`` for
+            the primal call, which then returns ``None`` residuals and does no extra work.
     """
-    out, final, h_start = _forward(arrays, st, gates)
+    if _streamable(arrays):
+        out, final, h_start = _stream_forward(arrays, st, gates, residuals)
+        if h_start is not None:  # [B, N, H, K, V] -> the backward's chunk-major order
+            h_start = jnp.swapaxes(h_start, 0, 1)
+    else:
+        out, final, h_start = _forward(arrays, st, gates)
     result = (out, final) if st.return_state else out
-    return result, {"arrays": arrays, "h_start": h_start}
+    return result, ({"arrays": arrays, "h_start": h_start} if residuals else None)
 
 
 def linear_attention_backward(
@@ -482,6 +513,115 @@ def _backward_pass(
         }
     )
     return {n: grads.get(n) for n in _DIFFERENTIABLE if n in a}
+
+
+def _streamable(a: dict[str, Any]) -> bool:
+    """Whether :func:`_stream_forward` serves a call: no packed sequences, no value gate."""
+    return a.get("cu_seqlens") is None and a.get("gv") is None and a["query"].shape[1] > 0
+
+
+@functools.partial(jax.jit, static_argnames=("st", "gates", "save_states"))
+def _stream_forward(
+    a: dict[str, Any], st: LinearStatics, gates: Gates, save_states: bool
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """The forward as one ``lax.scan`` over the B·N (batch row, chunk) pairs, batch-major.
+
+    Each step takes one chunk of one batch row, all H heads, straight from the input layout
+    ([B, S, H, F] viewed as [B·N, C, H, F]: no transpose of the inputs), and does the whole
+    chunk while it is in cache: cumulative gates, the carried state's contribution, the
+    intra-chunk matmuls and the next state (three batched matmuls over H and the [C, C]
+    scores; see :func:`_stream_chunk`). The carry is the [H, K, V] state of that row only, reset
+    at the row's first chunk. Nothing of size [N, ...] is built unless ``save_states`` (the
+    custom-VJP forward), which also emits every chunk's start state [B, N, H, K, V].
+
+    Returns ``(out [B, S, H, V], final states [B, H, K, V] or None, start states or None)``.
+    """
+    q, k, v = (a[n].astype(jnp.float32) for n in ("query", "key", "value"))
+    gk, _ = gates(a)
+    if gk is not None:
+        gk = jnp.broadcast_to(gk, (*q.shape[:3], gk.shape[-1]))
+    if st.reverse:
+        q, k, v = q[:, ::-1], k[:, ::-1], v[:, ::-1]
+        gk = None if gk is None else gk[:, ::-1]
+    b, s, h, dk = q.shape
+    dv = v.shape[-1]
+    c = st.chunk
+    n = -(-s // c)
+    rows = lambda x: _pad_axis(x, 1, n * c).reshape(b * n, c, h, x.shape[-1])
+    step_id = jnp.arange(b * n, dtype=jnp.int32)
+    init = a.get("initial_state")
+    init = None if init is None else init.astype(jnp.float32)
+
+    def step(carry: Any, xs: Any) -> tuple[Any, Any]:
+        state, finals = carry
+        q_c, k_c, v_c, g_c, i = xs
+        row, first = i // n, i % n == 0
+        start = (
+            jnp.zeros_like(state)
+            if init is None
+            else lax.dynamic_index_in_dim(init, row, axis=0, keepdims=False)
+        )
+        state = jnp.where(first, start, state)
+        out, new = _stream_chunk(q_c, k_c, v_c, g_c, state, st)
+        if finals is not None:
+            keep = lax.dynamic_index_in_dim(finals, row, axis=0, keepdims=False)
+            last = jnp.where(i % n == n - 1, new, keep)
+            finals = lax.dynamic_update_index_in_dim(finals, last, row, axis=0)
+        return (new, finals), (out, state if save_states else None)
+
+    finals = jnp.zeros((b, h, dk, dv), jnp.float32) if st.return_state else None
+    carry = (jnp.zeros((h, dk, dv), jnp.float32), finals)
+    xs = (rows(q), rows(k), rows(v), None if gk is None else rows(gk), step_id)
+    (_, finals), (out, h_start) = lax.scan(step, carry, xs)
+    out = out.reshape(b, n * c, h, dv)[:, :s]
+    out = (out[:, ::-1] if st.reverse else out).astype(a["query"].dtype)
+    if h_start is not None:
+        h_start = h_start.reshape(b, n, h, dk, dv)
+    return out, finals, h_start
+
+
+def _stream_chunk(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array | None,
+    state: jax.Array,
+    st: LinearStatics,
+) -> tuple[jax.Array, jax.Array]:
+    """One chunk of one batch row, all heads: ``(out [C, H, V], next state [H, K, V])``.
+
+    Inputs arrive [C, H, F] and are turned head-major ([H, C, F], in cache) for the batched
+    matmuls. A per-head scalar gate (or none) takes the exact scalar form; a gate over K takes
+    the factored form when this chunk's cumulative gates stay within
+    ±:data:`_FACTORED_RANGE` (decided per chunk with a ``lax.cond`` on chunk-sized operands),
+    else the exact two-level form.
+    """
+    heads = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
+    q, k, v, g = heads(q), heads(k), heads(v), heads(g)
+    bk = _cumulate(g)
+
+    def exact() -> tuple[jax.Array, jax.Array]:
+        local = _local_terms(q, k, v, bk, None)
+        out = _chunk_output(q, k, v, bk, None, local, state, st, "exact")
+        return out, _decay(state, local[3], None) + local[5]
+
+    def factored() -> tuple[jax.Array, jax.Array]:
+        # One exponential per element: q̃ = q ⊙ exp(b), k̃ = k ⊙ exp(-b) (both within
+        # exp(±80)); scores q̃ k̃ᵀ carry exp(b_t - b_s); the next state is
+        # exp(b_last) ⊙ (S + k̃ᵀ v).
+        e = jnp.exp(bk)
+        q_in, k_f = q * e, k / e
+        scores = jnp.where(_causal(q.shape[1]), _dot("mck,msk->mcs", q_in, k_f), 0.0)
+        out = _dot("mck,mkv->mcv", q_in, state) + _dot("mcs,msv->mcv", scores, v)
+        new = (state + _dot("mck,mcv->mkv", k_f, v)) * e[:, -1, :, None]
+        return st.scale * out, new
+
+    mode_ok = _factorable(bk, None)
+    if mode_ok is None:
+        out, new = exact()
+    else:
+        out, new = lax.cond(mode_ok, factored, exact)
+    return jnp.swapaxes(out, 0, 1), new
 
 
 def _flat(x: jax.Array | None) -> jax.Array | None:
