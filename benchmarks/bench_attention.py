@@ -1,0 +1,377 @@
+"""Attention benchmark harness: ejkernel's GPU platforms and the anchors, in one run.
+
+For each shape, causal and not: forward and forward+backward time and TFLOP/s (forward
+4·B·H·Sq·Sk·D, halved for causal; forward+backward 3.5× that) of every implementation, each
+checked in the same run against a float32 reference on one (batch, head) slice, so a fast wrong
+result never counts. Anchors (BENCHMARKS.md): cuDNN and XLA through ``jax.nn.dot_product_attention``,
+JAX's Pallas GPU ``mha``, tokamax (when importable), upstream ejkernel 0.0.80.3 (in a child
+process, from ``--upstream-path``: its package name is ours). Also a sequence sweep at B·S = 16384
+for the plot, and the cold/warm start of one new shape.
+
+Writes ``<out>.json`` and ``<out>.png`` (TFLOP/s against sequence length per implementation) and
+prints a table.
+
+Run (GPU): ``python benchmarks/bench_attention.py [--quick] [--out benchmarks/results/attention]``
+(``nox -s bench-gpu`` does the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata as md
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+SHAPES = [(4, 4096, 16, 128), (8, 2048, 16, 64), (1, 16384, 16, 128)]
+SWEEP = [(16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)]  # (B, S) at H 16, D 128
+
+
+def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5) -> float:
+    """Median milliseconds per call (compiled and warmed up first)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(runs)
+
+
+def flops(b: int, s: int, h: int, d: int, causal: bool) -> float:
+    return 4.0 * b * h * s * s * d / (2 if causal else 1)
+
+
+# -- implementations: attn(q, k, v, causal) -> out, layout [B, S, H, D] -------------------------
+
+
+def implementations() -> dict[str, Callable[..., Any]]:
+    impls: dict[str, Callable[..., Any]] = {}
+    import ejkernel
+
+    def ours(platform: str) -> Callable[..., Any]:
+        return lambda q, k, v, causal: ejkernel.flash_attention(
+            q, k, v, causal=causal, platform=platform
+        )
+
+    from ejkernel.plugins import get_registry
+
+    for platform in ("triton", "pallas", "cuda"):
+        if any(i.platform == platform for i in get_registry().implementations("flash_attention")):
+            impls[f"ejkernel {platform}"] = ours(platform)
+    impls["cuDNN"] = lambda q, k, v, causal: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn"
+    )
+    impls["XLA"] = lambda q, k, v, causal: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="xla"
+    )
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+        impls["JAX Pallas mha"] = lambda q, k, v, causal: pallas_attention.mha(
+            q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal
+        )
+    except Exception as err:
+        print(f"JAX Pallas mha unavailable: {err}")
+    try:
+        _stand_in_xprof()
+        import tokamax
+
+        def tokamax_attention(kind: str) -> Callable[..., Any]:
+            return lambda q, k, v, causal: tokamax.dot_product_attention(
+                q, k, v, is_causal=causal, implementation=kind
+            )
+
+        for kind in ("mosaic", "triton"):
+            impls[f"tokamax {kind}"] = tokamax_attention(kind)
+    except Exception as err:
+        print(f"tokamax unavailable: {type(err).__name__}: {err}")
+    return impls
+
+
+def _stand_in_xprof() -> None:
+    """tokamax imports ``xprof.cli.tools`` at start; the GPU image lacks it."""
+    import types
+
+    for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+
+
+# -- one measurement ----------------------------------------------------------------------------
+
+
+def measure(attn: Callable[..., Any], shape: tuple[int, ...], causal: bool) -> dict[str, Any]:
+    b, s, h, d = shape
+    ks = jax.random.split(jax.random.PRNGKey(s + d), 4)
+    q, k, v, do = (jax.random.normal(x, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for x in ks)
+    fwd = jax.jit(lambda q, k, v: attn(q, k, v, causal))
+    fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(lambda *a: attn(*a, causal), q, k, v)[1](do))
+    row: dict[str, Any] = {}
+    try:
+        out = fwd(q, k, v)
+        dq = fwd_bwd(q, k, v, do)[0]
+        row["err_out"], row["err_dq"] = _errors(q, k, v, do, out, dq, causal)
+        row["fwd_ms"] = timed(fwd, q, k, v)
+        row["fwd_bwd_ms"] = timed(fwd_bwd, q, k, v, do, iters=5)
+        total = flops(b, s, h, d, causal)
+        row["fwd_tflops"] = total / row["fwd_ms"] / 1e9
+        row["fwd_bwd_tflops"] = 3.5 * total / row["fwd_bwd_ms"] / 1e9
+    except Exception as err:
+        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return row
+
+
+def _errors(
+    q: Any, k: Any, v: Any, do: Any, out: Any, dq: Any, causal: bool
+) -> tuple[float, float]:
+    """Relative error of out and dQ on batch 0, head 0 against a float32 reference."""
+    sl = lambda x: x[:1, :, :1].astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        ref = lambda q, k, v: _dense_reference(q, k, v, causal)
+        ref_out, vjp = jax.vjp(ref, sl(q), sl(k), sl(v))
+        ref_dq = vjp(sl(do))[0]
+    rel = lambda a, b: float(jnp.linalg.norm(sl(a) - b) / jnp.linalg.norm(b))
+    return rel(out, ref_out), rel(dq, ref_dq)
+
+
+def _dense_reference(q: Any, k: Any, v: Any, causal: bool) -> Any:
+    """Plain softmax attention (self-contained: the upstream child process has another
+    ``ejkernel`` package under the same name)."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        visible = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
+        s = jnp.where(visible, s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def upstream_rows(path: str, shapes: list[tuple[int, ...]]) -> dict[str, dict[str, Any]]:
+    """Upstream ejkernel 0.0.80.3 timed in a child process that imports it from ``path``."""
+    code = f"""
+import json, sys
+sys.path.insert(0, {path!r})
+import ejkernel.modules as um
+sys.path.pop(0)
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import bench_attention as h
+out = {{}}
+for shape in {shapes!r}:
+    for causal in (False, True):
+        attn = lambda q, k, v, causal: um.flash_attention(q, k, v, causal=causal)
+        out[repr((tuple(shape), causal))] = h.measure(attn, tuple(shape), causal)
+print("UPSTREAM" + json.dumps(out))
+"""
+    env = {**os.environ, "PYTHONPATH": ""}
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=400, env=env
+        )
+        line = [x for x in res.stdout.splitlines() if x.startswith("UPSTREAM")]
+        if not line:
+            err = (res.stderr.strip().splitlines() or ["no output"])[-1][:160]
+            return {repr((tuple(s), c)): {"error": err} for s in shapes for c in (False, True)}
+        return json.loads(line[0][len("UPSTREAM") :])
+    except Exception as err:
+        return {repr((tuple(s), c)): {"error": str(err)} for s in shapes for c in (False, True)}
+
+
+def startup(shape: tuple[int, ...]) -> dict[str, float]:
+    """Seconds to the first fwd+bwd result of a new shape: cold (empty config cache, autotune,
+    empty Triton cache) and warm (both caches filled), each in a fresh process."""
+    code = f"""
+import time; t0 = time.perf_counter()
+import jax, jax.numpy as jnp, ejkernel
+q = jax.random.normal(jax.random.PRNGKey(0), {tuple(shape)!r}, jnp.bfloat16)
+f = jax.jit(jax.grad(lambda q: ejkernel.flash_attention(q, q, q, causal=True,
+    platform="triton").astype(jnp.float32).sum()))
+jax.block_until_ready(f(q)); print("SECONDS", time.perf_counter() - t0)
+"""
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {
+            **os.environ,
+            "EJKERNEL_CACHE_DIR": f"{tmp}/ejk",
+            "TRITON_CACHE_DIR": f"{tmp}/tri",
+            "EJKERNEL_AUTOTUNE_POLICY": "autotune",
+        }
+        for name in ("cold", "warm"):
+            res = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+            )
+            secs = [float(x.split()[1]) for x in res.stdout.splitlines() if x.startswith("SECONDS")]
+            result[name] = secs[0] if secs else float("nan")
+            if not secs:
+                print(res.stderr[-2000:])
+    return result
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    out = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
+    for dist in ("jaxlib", "triton", "jax-triton", "tokamax", "ejkernel-core", "ejkernel-triton"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            out[dist] = md.version(dist)
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| B, S, H, D | causal | implementation | fwd TFLOP/s | fwd+bwd TFLOP/s | "
+        "x cuDNN fwd / fwd+bwd | err out / dQ |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    cudnn = {(tuple(r["shape"]), r["causal"]): r for r in rows if r["impl"] == "cuDNN"}
+    for r in rows:
+        c = cudnn.get((tuple(r["shape"]), r["causal"]), {})
+        if "error" in r:
+            lines.append(
+                f"| {r['shape']} | {r['causal']} | {r['impl']} | fails: {r['error']} | | | |"
+            )
+            continue
+        ratio = (
+            (
+                f"{r['fwd_tflops'] / c['fwd_tflops']:.2f} / "
+                f"{r['fwd_bwd_tflops'] / c['fwd_bwd_tflops']:.2f}"
+            )
+            if "fwd_tflops" in c
+            else ""
+        )
+        lines.append(
+            f"| {r['shape']} | {r['causal']} | {r['impl']} | {r['fwd_tflops']:.0f} | "
+            f"{r['fwd_bwd_tflops']:.0f} | {ratio} | "
+            f"{r['err_out']:.1e} / {r['err_dq']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(sweep: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, key, title in (
+        (axes[0], "fwd_tflops", "forward"),
+        (axes[1], "fwd_bwd_tflops", "forward+backward"),
+    ):
+        for impl in sorted({r["impl"] for r in sweep}):
+            for causal, style in ((False, "-"), (True, "--")):
+                pts = [
+                    (r["shape"][1], r[key])
+                    for r in sweep
+                    if r["impl"] == impl and r["causal"] == causal and key in r
+                ]
+                if pts:
+                    ax.plot(
+                        *zip(*sorted(pts)),
+                        style,
+                        marker="o",
+                        label=f"{impl}{' causal' if causal else ''}",
+                    )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (B·S = 16384, H 16, D 128, bf16)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="main shapes only, no sweep")
+    parser.add_argument("--out", default="benchmarks/results/attention")
+    parser.add_argument("--impls", nargs="*", default=None, help="subset of implementations")
+    parser.add_argument("--upstream-path", default=os.environ.get("EJKERNEL_UPSTREAM_PATH"))
+    parser.add_argument("--no-startup", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
+
+    impls = implementations()
+    if args.impls:
+        impls = {n: f for n, f in impls.items() if n in args.impls}
+    rows: list[dict[str, Any]] = []
+    for shape in SHAPES:
+        for causal in (False, True):
+            for name, attn in impls.items():
+                if name == "XLA" and shape[1] > 8192:
+                    rows.append(
+                        {
+                            "shape": shape,
+                            "causal": causal,
+                            "impl": name,
+                            "error": "skipped: O(S^2) memory",
+                        }
+                    )
+                    continue
+                row = {
+                    "shape": shape,
+                    "causal": causal,
+                    "impl": name,
+                    **measure(attn, shape, causal),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.upstream_path:
+        for key, row in upstream_rows(args.upstream_path, SHAPES[:2]).items():
+            shape, causal = eval(key)
+            rows.append({"shape": shape, "causal": causal, "impl": "upstream ejkernel", **row})
+    sweep: list[dict[str, Any]] = []
+    if not args.quick:
+        for b, s in SWEEP:
+            for causal in (False, True):
+                for name in [n for n in impls if n.startswith(("ejkernel", "cuDNN", "tokamax"))]:
+                    row = measure(impls[name], (b, s, 16, 128), causal)
+                    sweep.append({"shape": (b, s, 16, 128), "causal": causal, "impl": name, **row})
+    start = {} if args.no_startup else startup((2, 3072, 16, 128))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "versions": versions(),
+        "command": " ".join(sys.argv),
+        "rows": rows,
+        "sweep": sweep,
+        "startup_s": start,
+    }
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    if sweep:
+        plot(sweep, out.with_suffix(".png"))
+    print(json.dumps(report["versions"]))
+    print(table(rows))
+    if start:
+        print(
+            f"startup of a new shape (2, 3072, 16, 128) causal fwd+bwd: cold {start['cold']:.1f} s, "
+            f"warm {start['warm']:.1f} s"
+        )
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        raise

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The issue-5 GPU session in one call: install ours (.whl) and the anchors (.whl-anchors:
+# tokamax and its pure-Python dependencies, upstream ejkernel 0.0.80.3 into its own folder),
+# run the Triton GPU tests, then the attention harness. Arguments go to the harness.
+# Here, before the call:
+#   pip wheel --no-deps ./ejkernel-core ./ejkernel-xla ./ejkernel-triton -w .whl
+#   pip download --no-deps -d .whl-anchors tokamax einshape qwix immutabledict tensorboardx \
+#       typeguard==2.13.3 pydantic pydantic-core annotated-types typing-inspection beartype \
+#       ejkernel==0.0.80.3   (pydantic-core for cp312)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+pip() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "$@"; }
+pip --target /tmp/site .whl/*.whl || exit 1
+if [ -d .whl-anchors ]; then
+  pip --target /tmp/anchors $(ls .whl-anchors/*.whl | grep -v -e "/ejkernel-" -e beartype)
+  pip --target /tmp/upstream .whl-anchors/ejkernel-*.whl .whl-anchors/beartype-*.whl
+fi
+export PYTHONPATH=/tmp/site:/tmp/anchors PYTHONUNBUFFERED=1 EJKERNEL_CACHE_DIR=/tmp/ejkernel-cache
+export EJKERNEL_UPSTREAM_PATH=/tmp/upstream
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout 300 python3 -m pytest ${TESTS:-tests/triton} -m gpu -q -p no:cacheprovider -rf 2>&1 \
+    | tee "$OUT/pytest.log" | tail -15
+fi
+timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_attention.py --out "$OUT/attention" "$@" 2>&1 \
+  | tee "$OUT/bench.log" | grep -v '^{' | tail -60
