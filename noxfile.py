@@ -62,6 +62,36 @@ def tests_cuda(session: nox.Session) -> None:
 
 
 @nox.session
+def conformance(session: nox.Session) -> None:
+    """The conformance kit over every in-tree plugin (Triton and Pallas through interpreters)."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    session.run(
+        "pytest",
+        "tests/conformance",
+        "-m",
+        "not gpu",
+        "-n",
+        "2",
+        *session.posargs,
+        env={"EJKERNEL_INTERPRET": "1"},
+    )
+
+
+@nox.session(name="example-plugin")
+def example_plugin(session: nox.Session) -> None:
+    """Install the example third-party plugin and run its tests (the conformance kit on it)."""
+    session.install(*PACKAGES, "./examples/ejkernel-plugin-example", "pytest>=8")
+    session.run("pytest", "examples/ejkernel-plugin-example/tests", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with MkDocs, warnings as errors (into build/site)."""
+    session.install(*PACKAGES, "-r", "docs/requirements.txt")
+    session.run("mkdocs", "build", "--strict")
+
+
+@nox.session
 def oldest(session: nox.Session) -> None:
     """Tests against the oldest supported jax (0.10)."""
     session.install(*PACKAGES, *TEST_DEPS, "jax==0.10.*", "jaxlib==0.10.*")

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 SHAPES = [(4, 4096, 16, 128), (8, 2048, 16, 64), (1, 16384, 16, 128)]
-SWEEP = [(16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)]  # (B, S) at H 16, D 128
+SWEEP = [(8, 2048), (4, 4096), (2, 8192), (1, 16384)]  # (B, S) at H 16, D 128
 
 
 def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5) -> float:
@@ -92,6 +92,9 @@ def implementations() -> dict[str, Callable[..., Any]]:
     try:
         _stand_in_xprof()
         import tokamax
+        from absl import flags
+
+        flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags; ours are not
 
         def tokamax_attention(kind: str) -> Callable[..., Any]:
             return lambda q, k, v, causal: tokamax.dot_product_attention(
@@ -162,12 +165,12 @@ def _dense_reference(q: Any, k: Any, v: Any, causal: bool) -> Any:
 
 
 def upstream_rows(path: str, shapes: list[tuple[int, ...]]) -> dict[str, dict[str, Any]]:
-    """Upstream ejkernel 0.0.80.3 timed in a child process that imports it from ``path``."""
+    """Upstream ejkernel 0.0.80.3 timed in a child process that imports it from ``path`` (an
+    ``os.pathsep``-separated list: its folder, then its dependencies' folder)."""
     code = f"""
 import json, sys
-sys.path.insert(0, {path!r})
+sys.path[:0] = {path.split(os.pathsep)!r}
 import ejkernel.modules as um
-sys.path.pop(0)
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import bench_attention as h
 out = {{}}
@@ -307,6 +310,8 @@ def main() -> None:
     parser.add_argument("--impls", nargs="*", default=None, help="subset of implementations")
     parser.add_argument("--upstream-path", default=os.environ.get("EJKERNEL_UPSTREAM_PATH"))
     parser.add_argument("--no-startup", action="store_true")
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="first N main shapes")
+    parser.add_argument("--sweep-impls", nargs="*", default=None, help="subset for the sweep")
     args = parser.parse_args()
     os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
 
@@ -314,7 +319,7 @@ def main() -> None:
     if args.impls:
         impls = {n: f for n, f in impls.items() if n in args.impls}
     rows: list[dict[str, Any]] = []
-    for shape in SHAPES:
+    for shape in SHAPES[: args.shapes]:
         for causal in (False, True):
             for name, attn in impls.items():
                 if name == "XLA" and shape[1] > 8192:
@@ -336,14 +341,17 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.upstream_path:
-        for key, row in upstream_rows(args.upstream_path, SHAPES[:2]).items():
+        for key, row in upstream_rows(args.upstream_path, SHAPES[: min(args.shapes, 2)]).items():
             shape, causal = eval(key)
             rows.append({"shape": shape, "causal": causal, "impl": "upstream ejkernel", **row})
     sweep: list[dict[str, Any]] = []
     if not args.quick:
         for b, s in SWEEP:
             for causal in (False, True):
-                for name in [n for n in impls if n.startswith(("ejkernel", "cuDNN", "tokamax"))]:
+                chosen = args.sweep_impls or [
+                    n for n in impls if n.startswith(("ejkernel", "cuDNN", "tokamax"))
+                ]
+                for name in [n for n in chosen if n in impls]:
                     row = measure(impls[name], (b, s, 16, 128), causal)
                     sweep.append({"shape": (b, s, 16, 128), "causal": causal, "impl": name, **row})
     start = {} if args.no_startup else startup((2, 3072, 16, 128))

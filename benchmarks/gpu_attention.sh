@@ -17,7 +17,7 @@ if [ -d .whl-anchors ]; then
   pip --target /tmp/upstream .whl-anchors/ejkernel-*.whl .whl-anchors/beartype-*.whl
 fi
 export PYTHONPATH=/tmp/site:/tmp/anchors PYTHONUNBUFFERED=1 EJKERNEL_CACHE_DIR=/tmp/ejkernel-cache
-export EJKERNEL_UPSTREAM_PATH=/tmp/upstream
+export EJKERNEL_UPSTREAM_PATH=/tmp/upstream:/tmp/anchors
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout 300 python3 -m pytest ${TESTS:-tests/triton} -m gpu -q -p no:cacheprovider -rf 2>&1 \
     | tee "$OUT/pytest.log" | tail -15

@@ -15,13 +15,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
-from ejkernel_pallas._attention import FlashAttentionConfig
 
 import ejkernel
 from ejkernel._params import BwdParams, FwdParams
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import AttentionShape, assert_close, attention_inputs
 from ejkernel.testing import random_normal as normal
+from ejkernel_pallas._attention import FlashAttentionConfig
 
 HAS_ABSL = importlib.util.find_spec("absl") is not None
 
@@ -42,8 +42,10 @@ def _check(mode: str, shape: AttentionShape, causal: bool, cfg: Any = None) -> N
     q, k, v = attention_inputs(shape, jnp.bfloat16, seed=1)
     d_out = normal(jax.random.PRNGKey(7), (shape.b, shape.sq, shape.hq, shape.d), jnp.bfloat16)
     if mode == "gpu":
-        sel = ejkernel.explain(ejkernel.flash_attention, q, k, v, causal=causal)
-        assert sel.platform == "pallas", sel
+        # The Mosaic GPU kernels must accept the call (supports() is True) when asked for by
+        # platform: unasked, a higher-priority plugin (the CUDA one) may rightly be chosen.
+        sel = ejkernel.explain(ejkernel.flash_attention, q, k, v, causal=causal, platform="pallas")
+        assert sel.implementation.startswith("ejkernel_pallas.gpu."), sel
 
         def ours(q: Any, k: Any, v: Any) -> Any:
             return ejkernel.flash_attention(q, k, v, causal=causal, platform="pallas", cfg=cfg)

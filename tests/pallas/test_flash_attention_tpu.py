@@ -14,6 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import ejkernel
+from ejkernel._params import BwdParams, FwdParams
+from ejkernel.specs.flash_attention import flash_attention_reference
+from ejkernel.testing import AttentionShape, assert_close, attention_inputs
+from ejkernel.testing import random_normal as normal
 from ejkernel_pallas.tpu.flash_attention import (
     FlashAttentionConfig,
     config_space,
@@ -21,12 +27,6 @@ from ejkernel_pallas.tpu.flash_attention import (
     heuristic,
     supports,
 )
-
-import ejkernel
-from ejkernel._params import BwdParams, FwdParams
-from ejkernel.specs.flash_attention import flash_attention_reference
-from ejkernel.testing import AttentionShape, assert_close, attention_inputs
-from ejkernel.testing import random_normal as normal
 
 SQUARE = AttentionShape(b=1, sq=37, sk=37, hq=2, hkv=2, d=80)
 GQA = AttentionShape(b=1, sq=129, sk=129, hq=4, hkv=2, d=64)

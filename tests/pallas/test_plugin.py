@@ -8,13 +8,13 @@ from typing import Any
 
 import jax.numpy as jnp
 import pytest
-from ejkernel_pallas import plugin
 
 import ejkernel
 from ejkernel._invocation import Invocation
 from ejkernel.errors import NoImplementationError
 from ejkernel.plugins import get_registry, plugin_infos
 from ejkernel.testing import AttentionShape, attention_inputs
+from ejkernel_pallas import plugin
 
 
 def test_plugin_is_discovered_and_registers_both_families() -> None:

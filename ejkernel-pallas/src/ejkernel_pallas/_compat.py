@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 __all__ = [
     "gpu_compiler_params",
     "gpu_interpret_params",
+    "gpu_load",
     "pl",
     "plgpu",
     "pltpu",
@@ -121,6 +122,18 @@ def gpu_kernel(body: Any, *, out: Any, scratch: Any, name: str, **kwargs: Any) -
             error = err
     assert error is not None
     raise error
+
+
+def gpu_load(ref: Any, *, layout: Any) -> Any:
+    """``plgpu.load`` of a whole ref into registers with ``layout``: jax 0.11 deprecates the
+    separate index argument (index the ref itself); jax 0.10 requires it (``()``: all of it)."""
+    import inspect
+
+    load = plgpu().load
+    idx = inspect.signature(load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return load(ref, (), layout=layout)
+    return load(ref, layout=layout)
 
 
 def transpose_ref(ref: Any, permutation: tuple[int, ...]) -> Any:

@@ -24,12 +24,13 @@ OPS: dict[str, tuple[str, ...]] = {
     "scaled_dot_product_attention": ("tpu", "gpu"),
 }
 #: family -> (backends it is registered for, priority, module holding the op). On a TPU the
-#: Mosaic kernels beat the XLA fallback (0). On a GPU the Mosaic GPU kernels rank below the
-#: Triton plugin (20) until a benchmark run on the H100 shows them faster (RESULTS.md); on a CPU
-#: (interpret mode) below Triton's interpreter path too, so ``platform="pallas"`` picks them.
+#: Mosaic kernels beat the XLA fallback (0). On a GPU the Mosaic GPU kernels rank above the
+#: Triton plugin (20): on the H100 they ran 0.87-1.00x cuDNN forward against Triton's 0.4x
+#: (benchmarks/RESULTS.md); cuDNN through the cuda plugin (200) still comes first where it
+#: accepts the call. On a CPU (interpret mode) they rank below Triton's interpreter path.
 FAMILIES: dict[str, tuple[tuple[str, ...], int, str]] = {
     "tpu": (("tpu", "cpu"), 10, "flash_attention"),
-    "gpu": (("gpu",), 10, "flash_attention"),
+    "gpu": (("gpu",), 30, "flash_attention"),
 }
 
 

@@ -44,6 +44,13 @@ class OpSpec:
         differentiable: whether the op has a backward pass.
         synthetic: builds valid concrete inputs from abstract ones for autotuning (integer
             lengths and tables inside their ranges); ``None`` uses :func:`default_synthetic`.
+        examples: the conformance kit's cases for this op (``examples() -> list`` of
+            :class:`ejkernel.testing.Example` and :class:`ejkernel.testing.Invalid`), or a
+            ``"module:attr"`` string naming that function (imported only by the kit).
+            ``None``: the kit has nothing to run for this op and says so.
+        tolerances: ``{dtype name: (rtol, atol)}`` entries that replace
+            :data:`ejkernel.testing.TOLERANCES` for this op (long recurrences accumulate more
+            rounding); ``None`` keeps the table.
     """
 
     name: str
@@ -52,6 +59,8 @@ class OpSpec:
     reference: Callable[..., Any]
     differentiable: bool = True
     synthetic: Callable[[Mapping[str, Any], int], dict[str, Any]] | None = None
+    examples: Callable[[], Any] | str | None = None
+    tolerances: Mapping[str, tuple[float, float]] | None = attrs.field(default=None, eq=False)
     _by_name: dict[str, Arg] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:

@@ -87,6 +87,7 @@ SPEC = OpSpec(
     args=_args(dropout=True, sinks=True),
     validate=lambda a: validate_flash_attention(a, op=OP),
     reference=attention_reference,
+    examples="ejkernel.testing.cases.attention:examples",
 )
 
 

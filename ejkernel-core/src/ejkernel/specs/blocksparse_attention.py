@@ -146,6 +146,7 @@ SPEC = OpSpec(
     args=_blocksparse_args(),
     validate=validate_blocksparse_attention,
     reference=blocksparse_attention_reference,
+    examples="ejkernel.testing.cases.blocksparse_attention:examples",
 )
 
 

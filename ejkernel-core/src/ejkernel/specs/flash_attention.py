@@ -362,6 +362,7 @@ SPEC = OpSpec(
     args=_args(dropout=True, sinks=True),
     validate=validate_flash_attention,
     reference=flash_attention_reference,
+    examples="ejkernel.testing.cases.flash_attention:examples",
 )
 
 

@@ -163,6 +163,7 @@ SPEC = OpSpec(
     validate=validate_grouped_matmul,
     reference=grouped_matmul_reference,
     synthetic=grouped_matmul_synthetic,
+    examples="ejkernel.testing.cases.grouped_matmul:examples",
 )
 
 

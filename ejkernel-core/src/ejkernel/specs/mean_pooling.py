@@ -107,6 +107,7 @@ SPEC = OpSpec(
     validate=validate_mean_pooling,
     reference=mean_pooling_reference,
     synthetic=mean_pooling_synthetic,
+    examples="ejkernel.testing.cases.mean_pooling:examples",
 )
 
 

@@ -145,6 +145,7 @@ SPEC = OpSpec(
     ),
     validate=validate_multi_head_latent_attention,
     reference=multi_head_latent_attention_reference,
+    examples="ejkernel.testing.cases.multi_head_latent_attention:examples",
 )
 
 

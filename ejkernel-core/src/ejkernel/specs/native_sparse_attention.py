@@ -304,6 +304,7 @@ SPEC = OpSpec(
     validate=validate_native_sparse_attention,
     reference=native_sparse_attention_reference,
     synthetic=_synthetic,
+    examples="ejkernel.testing.cases.native_sparse_attention:examples",
 )
 
 

@@ -115,6 +115,7 @@ SPEC = OpSpec(
     reference=page_attention_reference,
     differentiable=False,
     synthetic=_synthetic,
+    examples="ejkernel.testing.cases.page_attention:examples",
 )
 
 

@@ -129,6 +129,7 @@ SPEC = OpSpec(
     reference=prefill_page_attention_reference,
     differentiable=False,
     synthetic=_synthetic,
+    examples="ejkernel.testing.cases.prefill_page_attention:examples",
 )
 
 

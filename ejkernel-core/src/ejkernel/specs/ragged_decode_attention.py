@@ -138,6 +138,7 @@ SPEC = OpSpec(
     reference=ragged_decode_attention_reference,
     differentiable=False,
     synthetic=_synthetic,
+    examples="ejkernel.testing.cases.ragged_decode_attention:examples",
 )
 
 

@@ -518,6 +518,7 @@ SPEC = OpSpec(
     reference=ragged_page_attention_reference,
     differentiable=False,
     synthetic=synthetic_packed_inputs,
+    examples="ejkernel.testing.cases.ragged_page_attention:examples",
 )
 
 

@@ -140,6 +140,7 @@ SPEC = OpSpec(
     reference=ragged_page_attention_v3_reference,
     differentiable=False,
     synthetic=synthetic_packed_inputs,
+    examples="ejkernel.testing.cases.ragged_page_attention_v3:examples",
 )
 
 

@@ -175,6 +175,7 @@ SPEC = OpSpec(
     args=_ring_args(),
     validate=validate_ring_attention,
     reference=ring_attention_reference,
+    examples="ejkernel.testing.cases.ring_attention:examples",
 )
 
 

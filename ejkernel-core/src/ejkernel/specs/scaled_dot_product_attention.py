@@ -57,6 +57,7 @@ SPEC = OpSpec(
     args=_args(dropout=False, sinks=False),
     validate=lambda a: validate_flash_attention(a, op=OP),
     reference=scaled_dot_product_attention_reference,
+    examples="ejkernel.testing.cases.scaled_dot_product_attention:examples",
 )
 
 

@@ -103,6 +103,7 @@ SPEC = OpSpec(
     reference=unified_attention_reference,
     differentiable=False,
     synthetic=synthetic_packed_inputs,
+    examples="ejkernel.testing.cases.unified_attention:examples",
 )
 
 

@@ -442,7 +442,7 @@ def _load_row_vector(pr: _Problem, ref: Any, axis: int) -> Any:
     """A [n] float32 vector from shared memory in the WGMMA layout reduced over ``axis``."""
     if pr.interpret:
         return ref[...]
-    return _compat.plgpu().load(ref, (), layout=_compat.gpu_layout("WGMMA").reduce(axis))
+    return _compat.gpu_load(ref, layout=_compat.gpu_layout("WGMMA").reduce(axis))
 
 
 def _iota(pr: _Problem, shape: tuple[int, int], dim: int) -> Any:

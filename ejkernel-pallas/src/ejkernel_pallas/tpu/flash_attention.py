@@ -558,7 +558,8 @@ def _fwd_call(
         _compat.vmem((bq, LANES), jnp.float32),  # running denominator
         _compat.vmem((bq, pr.dv_pad), jnp.float32),  # output accumulator
     ]
-    out, lse = _compat.pl.pallas_call(
+    out, lse = _pallas_call(
+        pr,
         functools.partial(_flash_attention_fwd_kernel, pr=pr),
         out_shape=out_shape,
         grid=(pr.b, pr.hq, pr.nq, pr.nk),
@@ -608,7 +609,8 @@ def _bwd_dq_call(
             _spec((None, SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_block(i, j))),
         ]
         args += list(segs)
-    return _compat.pl.pallas_call(
+    return _pallas_call(
+        pr,
         functools.partial(_bwd_dq_kernel, pr=pr),
         out_shape=jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq_pad, pr.d_pad), pr.dtype),
         grid=(pr.b, pr.hq, pr.nq, pr.nk),
@@ -657,7 +659,8 @@ def _bwd_dkv_call(
             _spec((None, SUBLANES, bk), lambda b, h, j, g, i: (b, 0, j)),
         ]
         args += list(segs)
-    return _compat.pl.pallas_call(
+    return _pallas_call(
+        pr,
         functools.partial(_bwd_dkv_kernel, pr=pr),
         out_shape=[
             jax.ShapeDtypeStruct((pr.b, pr.hkv, pr.sk_pad, pr.d_pad), pr.dtype),
@@ -684,6 +687,13 @@ def _bwd_dkv_call(
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
+
+
+def _pallas_call(pr: _Problem, kernel: Any, **kwargs: Any) -> Any:
+    """``pl.pallas_call``; in interpret mode made vmappable one example at a time (the TPU
+    interpreter's batching of a pallas_call fails on these block specs with jax 0.10)."""
+    call = _compat.pl.pallas_call(kernel, **kwargs)
+    return jax.custom_batching.sequential_vmap(call) if pr.interpret else call
 
 
 def _when(cond: Any) -> Callable[[Callable[[], None]], None]:

@@ -79,20 +79,39 @@ def _leaves(x: Any) -> Iterator[Any]:
 
 
 def assert_close(
-    actual: Any, expected: Any, *, dtype: Any = None, scale: float = 1.0, name: str = ""
+    actual: Any,
+    expected: Any,
+    *,
+    dtype: Any = None,
+    scale: float = 1.0,
+    name: str = "",
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> None:
     """Compare pytrees with the per-dtype tolerance table (``scale`` widens it).
 
     The tolerance applies relative to the largest magnitude of ``expected`` as well, so
-    near-zero entries of long reductions do not fail spuriously; NaN never passes.
+    near-zero entries of long reductions do not fail spuriously (the largest finite
+    magnitude); NaN passes only where ``expected`` is NaN too (a cache slot nobody owns).
+
+    Args:
+        actual: the pytree under test.
+        expected: the reference pytree (same structure).
+        dtype: the dtype whose tolerance applies; default each leaf's own.
+        scale: multiplies the tolerance.
+        name: named in failure messages.
+        rtol: replaces the table's relative tolerance (before ``scale``).
+        atol: replaces the table's absolute tolerance (before ``scale``).
     """
     for a, e in zip(_leaves(actual), _leaves(expected), strict=True):
         a32 = np.asarray(jnp.asarray(a, jnp.float32))
         e32 = np.asarray(jnp.asarray(e, jnp.float32))
         assert a32.shape == e32.shape, f"{name}: shape {a32.shape} != {e32.shape}"
         key = str(jnp.dtype(dtype if dtype is not None else a.dtype))
-        rtol, atol = TOLERANCES.get(key, TOLERANCES["float32"])
-        rtol, atol = rtol * scale, atol * scale
+        table_rtol, table_atol = TOLERANCES.get(key, TOLERANCES["float32"])
+        r = (table_rtol if rtol is None else rtol) * scale
+        t = (table_atol if atol is None else atol) * scale
         assert np.all(np.isfinite(a32) | ~np.isfinite(e32)), f"{name}: non-finite values"
-        peak = float(np.max(np.abs(e32))) if e32.size else 0.0
-        np.testing.assert_allclose(a32, e32, rtol=rtol, atol=atol + rtol * peak, err_msg=name)
+        finite = np.abs(e32[np.isfinite(e32)])
+        peak = float(np.max(finite)) if finite.size else 0.0
+        np.testing.assert_allclose(a32, e32, rtol=r, atol=t + r * peak, err_msg=name)

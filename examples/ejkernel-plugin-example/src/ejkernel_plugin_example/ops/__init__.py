@@ -1,0 +1,1 @@
+"""Implementations on the ``example`` platform (one module per op)."""

@@ -1,0 +1,1 @@
+"""Specs of the ops this plugin adds (one module per op)."""
