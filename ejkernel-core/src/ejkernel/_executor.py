@@ -155,7 +155,12 @@ def select_implementation(
             if impl.platform == forced:
                 return impl, why or "forced", rejected
         known = {i.platform for i in registry.implementations(spec.name)}
-        cause = next((r for name, r in rejected.items() if name.split("[")[0] == forced), None)
+        # every reason of the forced platform, those of implementations for other devices last
+        causes = sorted(
+            (r for name, r in rejected.items() if name.split("[")[0] == forced),
+            key=lambda r: r.startswith("serves "),
+        )
+        cause = "; ".join(causes) or None
         if cause is None and forced not in known:
             cause = f"no {forced!r} implementation of {spec.name} is installed ({_install_hint(spec, registry, forced)})"
         raise NoImplementationError(
