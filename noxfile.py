@@ -101,7 +101,7 @@ def oldest(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The quick start: install core + xla, run flash attention, print what was chosen and why."""
-    session.install(*PACKAGES)
+    session.install("-e", "ejkernel-core", "-e", "ejkernel-xla")
     session.run("python", "examples/quickstart.py", env={"EJKERNEL_AUTOTUNE_POLICY": "autotune"})
     session.run("ejkernel", "info")
 
