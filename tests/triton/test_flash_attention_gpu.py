@@ -1,7 +1,7 @@
 """The Triton flash attention compiled by Triton and launched by jax-triton on a GPU.
 
 Realistic shapes, bf16 and f32, every feature, gradients, against the float32 reference computed
-at the highest matmul precision. Run on the lent H100 (``benchmarks/gpu_run.sh``).
+at the highest matmul precision. Run on the lent H100 (``benchmarks/gpu_attention.sh``).
 """
 
 from __future__ import annotations
