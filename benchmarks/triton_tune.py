@@ -46,53 +46,120 @@ def sweep(quick: bool) -> None:
         )
         fwds = [
             FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=st)
-            for bq, bk, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+            for bq, bk, w, st in FWD_CANDIDATES
         ]
-        if quick:
-            fwds = [f for f in fwds if (f.q_blocksize, f.num_stages) in ((128, 3), (128, 4))]
-        results = []
-        for fp in fwds:
-            cfg = FlashAttentionConfig(fwd_params=fp)
-            f = jax.jit(
-                lambda q, k, v, cfg=cfg: ejkernel.flash_attention(
+        best_fwd = _best(
+            "fwd",
+            [FlashAttentionConfig(fwd_params=fp) for fp in fwds],
+            lambda cfg: jax.jit(
+                lambda q, k, v: ejkernel.flash_attention(
                     q, k, v, causal=causal, platform="triton", cfg=cfg
                 )
-            )
-            try:
-                results.append((timed(f, q, k, v, iters=5, repeats=3), fp))
-            except Exception as err:
-                print(f"  fwd {fp}: {type(err).__name__}: {str(err)[:120]}")
-        results.sort(key=lambda r: r[0])
-        for t, fp in results[:4]:
-            print(f"  fwd {tf(t):5.0f} TFLOP/s ({tf(t) / tf(t_c):.2f}x cuDNN) {fp}", flush=True)
-        best_fwd = results[0][1]
-        bwds = [
-            BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=st)
-            for (bq, bk), w, st in itertools.product(
-                ((32, 64), (32, 128), (64, 64), (64, 128), (16, 128)), (4, 8), (1, 2, 3)
-            )
-        ]
-        if quick:
-            bwds = [b for b in bwds if b.num_stages == 2 and b.q_blocksize != 16]
-        results = []
-        for bp in bwds:
-            cfg = FlashAttentionConfig(fwd_params=best_fwd, bwd_params=bp)
+            ),
+            (q, k, v),
+            lambda t: f"{tf(t):5.0f} TFLOP/s ({t_c / t:.2f}x cuDNN)",
+            quick,
+        ).fwd_params
 
-            def att(q, k, v, cfg=cfg):
+        def fwd_bwd(cfg):
+            def att(q, k, v):
                 return ejkernel.flash_attention(q, k, v, causal=causal, platform="triton", cfg=cfg)
 
-            f = jax.jit(lambda q, k, v, do, att=att: jax.vjp(att, q, k, v)[1](do))
-            try:
-                results.append((timed(f, q, k, v, do, iters=3, repeats=3), bp))
-            except Exception as err:
-                print(f"  bwd {bp}: {type(err).__name__}: {str(err)[:120]}")
-        results.sort(key=lambda r: r[0])
-        for t, bp in results[:4]:
-            print(
-                f"  fwd+bwd {tf(t, 3.5):5.0f} TFLOP/s ({tf(t, 3.5) / tf(t_cfb, 3.5):.2f}x cuDNN) "
-                f"{bp}",
-                flush=True,
-            )
+            return jax.jit(lambda q, k, v, do: jax.vjp(att, q, k, v)[1](do))
+
+        def report(t):
+            return f"fwd+bwd {tf(t, 3.5):5.0f} TFLOP/s ({t_cfb / t:.2f}x cuDNN)"
+
+        dq0 = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
+        best_bwd = _best(
+            "dkdv",
+            [
+                FlashAttentionConfig(
+                    fwd_params=best_fwd,
+                    bwd_params=BwdParams(
+                        q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=st
+                    ),
+                    dq_params=dq0,
+                )
+                for bq, bk, w, st in DKDV_CANDIDATES
+            ],
+            fwd_bwd,
+            (q, k, v, do),
+            report,
+            quick,
+        ).bwd_params
+        _best(
+            "dq",
+            [
+                FlashAttentionConfig(
+                    fwd_params=best_fwd,
+                    bwd_params=best_bwd,
+                    dq_params=FwdParams(
+                        q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=st
+                    ),
+                )
+                for bq, bk, w, st in DQ_CANDIDATES
+            ],
+            fwd_bwd,
+            (q, k, v, do),
+            report,
+            quick,
+        )
+
+
+#: (rows per program or step, keys, warps, stages): the configs that compile for sm_90 without
+#: register spills or with few (``python -m ejkernel_triton._codegen`` counts them), and fit
+#: the H100's shared memory at D 128.
+FWD_CANDIDATES = [
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (64, 128, 8, 2),
+    (64, 128, 8, 3),
+    (64, 64, 4, 3),
+    (128, 64, 4, 3),
+]
+#: dK/dV: (queries per step, keys per program, warps, stages)
+DKDV_CANDIDATES = [
+    (16, 128, 8, 1),
+    (16, 128, 8, 2),
+    (16, 128, 8, 3),
+    (32, 128, 8, 2),
+    (32, 64, 8, 2),
+    (64, 64, 8, 2),
+    (64, 64, 4, 2),
+    (64, 128, 8, 2),
+    (64, 32, 8, 1),
+]
+#: dQ: (queries per program, keys per step, warps, stages)
+DQ_CANDIDATES = [
+    (64, 64, 8, 2),
+    (64, 64, 8, 3),
+    (128, 64, 8, 2),
+    (128, 32, 8, 2),
+    (128, 32, 8, 3),
+    (32, 128, 8, 2),
+    (64, 32, 8, 2),
+    (16, 128, 8, 2),
+    (64, 64, 4, 2),
+]
+
+
+def _best(name, configs, build, args, describe, quick):
+    """Time each config (``build(cfg)`` is a jitted function of ``args``); print the top four."""
+    results = []
+    for cfg in configs[:4] if quick else configs:
+        try:
+            results.append((timed(build(cfg), *args, iters=5, repeats=3), cfg))
+        except Exception as err:
+            print(f"  {name} {cfg}: {type(err).__name__}: {str(err)[:120]}")
+    results.sort(key=lambda r: r[0])
+    for t, cfg in results[:4]:
+        part = {"fwd": cfg.fwd_params, "dkdv": cfg.bwd_params, "dq": cfg.dq_params}[name]
+        print(f"  {name:4s} {describe(t)} {part}", flush=True)
+    return results[0][1]
 
 
 def main() -> None:

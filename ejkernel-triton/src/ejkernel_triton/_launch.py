@@ -69,6 +69,9 @@ def launch(
         return _interpret(kernel, args, out_shape, grid, tuple(zeroed_outputs), constexprs)
     import jax_triton
 
+    from ejkernel_triton import _kernel_cache
+
+    _kernel_cache.install()
     outs = jax_triton.triton_call(
         *args,
         kernel=kernel,

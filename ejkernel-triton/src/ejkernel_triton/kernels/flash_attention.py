@@ -47,6 +47,18 @@ def _tanh(x):
 
 
 @triton.jit
+def _aligned(stride, ALIGN: tl.constexpr):
+    """A q/k/v/o/dO stride, passed in units of ``ALIGN`` elements, in elements.
+
+    jax-triton passes integer arguments without divisibility hints (and ``tl.multiple_of`` /
+    ``tl.assume`` on an argument reach no analysis), so a stride counted in elements would
+    leave every tile load a 2-byte load with no pipelined copy. Multiplying by the constexpr
+    ``ALIGN`` gives the compiler the divisibility: 16-byte loads, ``cp.async`` stages.
+    """
+    return stride * ALIGN
+
+
+@triton.jit
 def _load_tile(
     ptrs,
     rows,
@@ -85,8 +97,8 @@ def _scores(qk, sm_scale, soft_cap, SOFT_CAP: tl.constexpr):
 @triton.jit
 def _visible(
     s,
-    rows,
-    cols,
+    qi,
+    kj,
     q_pos_offset,
     seqlen_q,
     seqlen_k,
@@ -107,40 +119,41 @@ def _visible(
     HAS_MASK: tl.constexpr,
     HAS_SEG: tl.constexpr,
 ):
-    """Add the bias and apply every mask to a ``[rows, cols]`` tile of log2-domain scores.
+    """Add the bias and apply every mask to a tile of log2-domain scores.
 
-    ``bias_ptr``/``mask_ptr`` point at this (batch, head)'s ``[Sq, Sk]`` plane (strides may be
-    0 for broadcast dims); ``qseg_ptr``/``kseg_ptr`` at this batch's segment ids.
+    ``qi``/``kj`` are the query and key indices broadcast to the tile: ``rows[:, None]`` and
+    ``cols[None, :]`` for a ``[queries, keys]`` tile, or the other way round for the
+    transposed tile of the dK/dV kernel. ``bias_ptr``/``mask_ptr`` point at this (batch,
+    head)'s ``[Sq, Sk]`` plane (strides may be 0 for broadcast dims); ``qseg_ptr``/``kseg_ptr``
+    at this batch's segment ids.
     """
-    in_bounds = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
+    in_bounds = (qi < seqlen_q) & (kj < seqlen_k)
     if HAS_BIAS:
         b = tl.load(
-            bias_ptr + rows[:, None] * stride_biasq + cols[None, :] * stride_biask,
+            bias_ptr + qi * stride_biasq + kj * stride_biask,
             mask=in_bounds,
             other=0.0,
         )
         s = s + b.to(tl.float32) * LOG2E
-    keep = cols[None, :] >= 0  # all true, of the tile's shape
+    keep = (qi >= 0) & (kj >= 0)  # all true, of the tile's shape
     if MASKED:
-        keep = cols[None, :] < seqlen_k
-        pos = rows[:, None] + q_pos_offset
+        keep = keep & (kj < seqlen_k)
+        pos = qi + q_pos_offset
         if CAUSAL:
-            keep = keep & (cols[None, :] <= pos)
+            keep = keep & (kj <= pos)
         if WINDOW:
-            keep = (
-                keep & (cols[None, :] >= pos - window_left) & (cols[None, :] <= pos + window_right)
-            )
+            keep = keep & (kj >= pos - window_left) & (kj <= pos + window_right)
     if HAS_MASK:
         m = tl.load(
-            mask_ptr + rows[:, None] * stride_maskq + cols[None, :] * stride_maskk,
+            mask_ptr + qi * stride_maskq + kj * stride_maskk,
             mask=in_bounds,
             other=0,
         )
         keep = keep & (m != 0)
     if HAS_SEG:
-        qs = tl.load(qseg_ptr + rows, mask=rows < seqlen_q, other=-1)
-        ks = tl.load(kseg_ptr + cols, mask=cols < seqlen_k, other=-2)
-        keep = keep & (qs[:, None] == ks[None, :]) & (qs[:, None] >= 0)
+        qs = tl.load(qseg_ptr + qi, mask=qi < seqlen_q, other=-1)
+        ks = tl.load(kseg_ptr + kj, mask=kj < seqlen_k, other=-2)
+        keep = keep & (qs == ks) & (qs >= 0)
     if MASKED or HAS_MASK or HAS_SEG:
         s = tl.where(keep, s, MASK_VALUE)
     return s
@@ -286,8 +299,8 @@ def _fwd_inner(
         s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
         s = _visible(
             s,
-            offs_m,
-            cols,
+            offs_m[:, None],
+            cols[None, :],
             q_pos_offset,
             seqlen_q,
             seqlen_k,
@@ -383,8 +396,21 @@ def flash_attention_fwd_kernel(
     HAS_AUX: tl.constexpr,
     BLOCK_AUX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``."""
+    stride_qb = _aligned(stride_qb, ALIGN)
+    stride_qs = _aligned(stride_qs, ALIGN)
+    stride_qh = _aligned(stride_qh, ALIGN)
+    stride_kb = _aligned(stride_kb, ALIGN)
+    stride_ks = _aligned(stride_ks, ALIGN)
+    stride_kh = _aligned(stride_kh, ALIGN)
+    stride_vb = _aligned(stride_vb, ALIGN)
+    stride_vs = _aligned(stride_vs, ALIGN)
+    stride_vh = _aligned(stride_vh, ALIGN)
+    stride_ob = _aligned(stride_ob, ALIGN)
+    stride_os = _aligned(stride_os, ALIGN)
+    stride_oh = _aligned(stride_oh, ALIGN)
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // num_heads_q
@@ -576,12 +602,14 @@ def _bwd_dkdv_inner(
         else:
             lse = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-        s = _visible(
-            s,
-            rows,
-            offs_n,
+        # transposed scores, [BLOCK_N, BLOCK_M]: p and ds then feed dV and dK as they are,
+        # with no transpose of a register tile (which costs a trip through shared memory)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        s_t, t_t = _scores(qk_t, sm_scale, soft_cap, SOFT_CAP)
+        s_t = _visible(
+            s_t,
+            rows[None, :],
+            offs_n[:, None],
             q_pos_offset,
             seqlen_q,
             seqlen_k,
@@ -602,13 +630,13 @@ def _bwd_dkdv_inner(
             HAS_MASK,
             HAS_SEG,
         )
-        p = tl.exp2(s - lse[:, None])
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+        p_t = tl.exp2(s_t - lse[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
         if SOFT_CAP:
-            ds = ds * (1.0 - t * t)
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -667,11 +695,24 @@ def flash_attention_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr,
     HAS_SEG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """One program: ``BLOCK_N`` keys of one (batch, key head), over its group's query heads.
 
     Grid ``(⌈Sk/BN⌉, B·Hkv)``; dK/dV are written in the key dtype, ``[B, Sk, Hkv, D]`` layout.
     """
+    stride_qb = _aligned(stride_qb, ALIGN)
+    stride_qs = _aligned(stride_qs, ALIGN)
+    stride_qh = _aligned(stride_qh, ALIGN)
+    stride_kb = _aligned(stride_kb, ALIGN)
+    stride_ks = _aligned(stride_ks, ALIGN)
+    stride_kh = _aligned(stride_kh, ALIGN)
+    stride_vb = _aligned(stride_vb, ALIGN)
+    stride_vs = _aligned(stride_vs, ALIGN)
+    stride_vh = _aligned(stride_vh, ALIGN)
+    stride_dob = _aligned(stride_dob, ALIGN)
+    stride_dos = _aligned(stride_dos, ALIGN)
+    stride_doh = _aligned(stride_doh, ALIGN)
     start_n = tl.program_id(0)
     off_bhk = tl.program_id(1)
     off_b = off_bhk // num_heads_k
@@ -871,8 +912,8 @@ def _bwd_dq_inner(
         s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
         s = _visible(
             s,
-            offs_m,
-            cols,
+            offs_m[:, None],
+            cols[None, :],
             q_pos_offset,
             seqlen_q,
             seqlen_k,
@@ -963,6 +1004,7 @@ def flash_attention_bwd_dq_kernel(
     HAS_MASK: tl.constexpr,
     HAS_SEG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``.
 
@@ -970,6 +1012,18 @@ def flash_attention_bwd_dq_kernel(
     (``[B, Hq, Sq, Sk]`` float32, zeroed before the launch); the wrapper sums it into the bias's
     broadcast shape.
     """
+    stride_qb = _aligned(stride_qb, ALIGN)
+    stride_qs = _aligned(stride_qs, ALIGN)
+    stride_qh = _aligned(stride_qh, ALIGN)
+    stride_kb = _aligned(stride_kb, ALIGN)
+    stride_ks = _aligned(stride_ks, ALIGN)
+    stride_kh = _aligned(stride_kh, ALIGN)
+    stride_vb = _aligned(stride_vb, ALIGN)
+    stride_vs = _aligned(stride_vs, ALIGN)
+    stride_vh = _aligned(stride_vh, ALIGN)
+    stride_dob = _aligned(stride_dob, ALIGN)
+    stride_dos = _aligned(stride_dos, ALIGN)
+    stride_doh = _aligned(stride_doh, ALIGN)
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // num_heads_q

@@ -20,6 +20,7 @@ batch of the grid).
 from __future__ import annotations
 
 import functools
+import math
 import types
 from typing import Any
 
@@ -172,6 +173,11 @@ def _shared_memory_limit() -> int:
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def _pow2_factor(n: int, cap: int) -> int:
+    """The largest power of two dividing ``n``, at most ``cap``."""
+    return min(n & -n, cap)
 
 
 def _clamp(block: int, seq: int) -> int:
@@ -480,9 +486,10 @@ def _or_placeholder(x: jax.Array | None, dtype: Any) -> jax.Array:
     return jnp.zeros((1,), dtype) if x is None else x
 
 
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    """Row-major element strides of the three leading axes of a [B, S, H, D] array."""
-    return [int(np.prod(shape[i + 1 :])) for i in range(3)]
+def _strides(shape: tuple[int, ...], align: int) -> list[int]:
+    """Row-major strides of the three leading axes of a [B, S, H, D] array, in units of
+    ``align`` elements (the kernels multiply them back by their constexpr ``ALIGN``)."""
+    return [int(np.prod(shape[i + 1 :])) // align for i in range(3)]
 
 
 def _broadcast_strides(x: jax.Array) -> list[int]:
@@ -526,6 +533,8 @@ def _common(
         "HAS_MASK": mask.ndim == 4,
         "HAS_SEG": qseg.ndim == 2,
         "DOT_PRECISION": st.precision,
+        # every q/k/v/o/dO stride is a multiple of gcd(D, Dv): say so, up to 16 elements
+        "ALIGN": _pow2_factor(math.gcd(d, dv), 16),
     }
     return scalars, constexprs
 
@@ -556,10 +565,10 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             aux,
             *scalars,
             num_aux,
-            *_strides(q.shape),
-            *_strides(k.shape),
-            *_strides(v.shape),
-            *_strides((b, sq, hq, dv)),
+            *_strides(q.shape, constexprs["ALIGN"]),
+            *_strides(k.shape, constexprs["ALIGN"]),
+            *_strides(v.shape, constexprs["ALIGN"]),
+            *_strides((b, sq, hq, dv), constexprs["ALIGN"]),
             *_broadcast_strides(bias),
             *_broadcast_strides(mask),
             out_shape=[
@@ -602,10 +611,10 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             lse,
             delta,
             *scalars,
-            *_strides(q.shape),
-            *_strides(k.shape),
-            *_strides(v.shape),
-            *_strides(do.shape),
+            *_strides(q.shape, constexprs["ALIGN"]),
+            *_strides(k.shape, constexprs["ALIGN"]),
+            *_strides(v.shape, constexprs["ALIGN"]),
+            *_strides(do.shape, constexprs["ALIGN"]),
             *_broadcast_strides(bias),
             *_broadcast_strides(mask),
         )

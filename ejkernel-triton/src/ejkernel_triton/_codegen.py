@@ -1,0 +1,138 @@
+"""Compile the kernels a call would launch for a GPU target, on any machine (no GPU needed).
+
+Triton compiles to PTX and SASS with its own LLVM and bundled ``ptxas``, so what the GPU will
+run can be inspected on a CPU. :func:`recorded_launches` runs a launching function with
+:func:`ejkernel_triton._launch.launch` replaced by a recorder; :func:`compile_launch` compiles
+one recorded launch the way jax-triton does (arrays as 16-byte-aligned pointers, integer
+arguments unspecialised, integers equal to 1 folded to constants) and :func:`instruction_mix`
+counts the instructions that decide speed: global loads by width, ``cp.async`` copies,
+``wgmma``/``mma`` matrix instructions.
+
+Used by ``tests/triton/test_codegen.py`` (a check that tile loads stay vectorised and
+pipelined) and handy when tuning: ``python -m ejkernel_triton._codegen`` prints the mix of the
+heuristic configs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Launch",
+    "compile_launch",
+    "flash_attention_launches",
+    "instruction_mix",
+    "recorded_launches",
+]
+
+_POINTER_TYPES = {
+    jnp.dtype(jnp.bfloat16): "*bf16",
+    jnp.dtype(jnp.float16): "*fp16",
+    jnp.dtype(jnp.float32): "*fp32",
+    jnp.dtype(jnp.int32): "*i32",
+    jnp.dtype(jnp.int8): "*i8",
+    jnp.dtype(jnp.bool_): "*i1",
+}
+
+
+@attrs.frozen
+class Launch:
+    """One kernel launch as :func:`~ejkernel_triton._launch.launch` received it."""
+
+    kernel: Any
+    args: tuple[Any, ...]
+    out_shape: tuple[jax.ShapeDtypeStruct, ...]
+    num_warps: int
+    num_stages: int
+    constexprs: dict[str, Any]
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[Launch]]:
+    """Within the block, launches are recorded (and return zeros) instead of running."""
+    from ejkernel_triton import _launch
+
+    record: list[Launch] = []
+
+    def fake(kernel, *args, out_shape, grid, num_warps, num_stages, zeroed_outputs=(), **cx):
+        del grid, zeroed_outputs
+        record.append(Launch(kernel, args, tuple(out_shape), num_warps, num_stages, cx))
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
+
+    real = _launch.launch
+    _launch.launch = fake
+    try:
+        yield record
+    finally:
+        _launch.launch = real
+
+
+def compile_launch(launch: Launch, capability: int = 90) -> Any:
+    """The compiled kernel (``.asm["ptx"]``, ``.metadata.shared``) for ``sm_<capability>``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = launch.kernel
+    values = [*launch.args, *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in launch.out_shape)]
+    signature: dict[str, str] = {}
+    constexprs = dict(launch.constexprs)
+    attrs_: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, (name, value) in enumerate(zip(fn.arg_names, values, strict=False)):
+        if hasattr(value, "dtype") and hasattr(value, "shape") and np.ndim(value) > 0:
+            signature[name] = _POINTER_TYPES[jnp.dtype(value.dtype)]
+            attrs_[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, np.floating | float):
+            signature[name] = "fp32"
+        elif int(value) == 1:  # jax-triton folds integers equal to 1
+            constexprs[name] = 1
+        else:
+            signature[name] = "i32" if -(2**31) <= int(value) < 2**31 else "i64"
+    for name in constexprs:
+        signature[name] = "constexpr"
+    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs_)
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def instruction_mix(ptx: str) -> dict[str, int]:
+    """Counts of the PTX instructions that decide a kernel's speed, by mnemonic."""
+    pattern = r"\b(ld\.global[.\w]*|cp\.async\.c[ag][.\w]*|wgmma\.mma_async[.\w]*|mma\.sync[.\w]*)"
+    return dict(collections.Counter(re.findall(pattern, ptx)))
+
+
+def flash_attention_launches(
+    shape: tuple[int, int, int, int] = (1, 256, 2, 128),
+    dtype: Any = jnp.bfloat16,
+    *,
+    causal: bool = True,
+    cfg: Any = None,
+) -> list[Launch]:
+    """The three launches (forward, dK/dV, dQ) of a flash-attention forward and backward."""
+    from ejkernel_triton.ops import flash_attention as fa
+
+    q, k, v = (jnp.ones(shape, dtype) for _ in range(3))
+    cfg = cfg or fa._default_config(q, k, v)
+    with recorded_launches() as record:
+        out, res = fa._flash_attention_fwd(query=q, key=k, value=v, causal=causal, cfg=cfg)
+        fa._flash_attention_bwd(res, out, cfg=cfg, causal=causal)
+    return record
+
+
+if __name__ == "__main__":
+    for d in (64, 80, 128):
+        print(f"--- D {d}")
+        for launch in flash_attention_launches((1, 256, 2, d)):
+            compiled = compile_launch(launch)
+            print(f"{launch.kernel.fn.__name__}: shared {compiled.metadata.shared} B")
+            for name, count in sorted(instruction_mix(compiled.asm["ptx"]).items()):
+                print(f"  {name:60s} {count}")

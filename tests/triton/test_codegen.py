@@ -1,0 +1,48 @@
+"""What the GPU will run, checked on any machine: the kernels compiled for sm_90 by Triton's
+own compiler (no GPU needed). Guards the property that once cost 2.5x: every tile load is a
+16-byte pipelined copy (jax-triton passes integer strides without divisibility hints; the
+kernels take them in units of ``ALIGN`` elements to restore it)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from ejkernel_triton import _codegen
+
+pytest.importorskip("triton")
+
+#: The H100's shared memory per block (227 KiB, opt-in maximum).
+H100_SHARED = 232448
+
+
+@pytest.fixture(autouse=True)
+def _triton_cache_in_tmp(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_tile_loads_are_vectorised_and_pipelined(head_dim):
+    launches = _codegen.flash_attention_launches((1, 256, 2, head_dim), jnp.bfloat16, causal=True)
+    assert [launch.kernel.fn.__name__ for launch in launches] == [
+        "flash_attention_fwd_kernel",
+        "flash_attention_bwd_dkdv_kernel",
+        "flash_attention_bwd_dq_kernel",
+    ]
+    for launch in launches:
+        compiled = _codegen.compile_launch(launch, capability=90)
+        mix = _codegen.instruction_mix(compiled.asm["ptx"])
+        name = launch.kernel.fn.__name__
+        narrow = {k: n for k, n in mix.items() if k.endswith((".b16", ".u16", ".b8", ".u8"))}
+        assert not narrow, f"{name}: narrow global loads {narrow}"
+        assert mix.get("cp.async.cg.shared.global", 0) > 0, f"{name}: no 16-byte async copies"
+        assert any(k.startswith("wgmma") for k in mix), f"{name}: no Hopper matrix instructions"
+        assert compiled.metadata.shared <= H100_SHARED, name
+
+
+def test_strides_not_divisible_by_16_keep_what_they_can():
+    # D 40: strides are multiples of 8 elements (16 bytes in bf16), still one vector per copy
+    (fwd, *_) = _codegen.flash_attention_launches((1, 64, 2, 40), jnp.bfloat16, causal=False)
+    assert fwd.constexprs["ALIGN"] == 8
+    mix = _codegen.instruction_mix(_codegen.compile_launch(fwd).asm["ptx"])
+    assert not any(k.endswith(".b16") for k in mix), mix
