@@ -200,6 +200,7 @@ def startup(shape: tuple[int, ...]) -> dict[str, float]:
     code = f"""
 import time; t0 = time.perf_counter()
 import jax, jax.numpy as jnp, ejkernel
+print("IMPORTED", time.perf_counter() - t0)
 q = jax.random.normal(jax.random.PRNGKey(0), {tuple(shape)!r}, jnp.bfloat16)
 f = jax.jit(jax.grad(lambda q: ejkernel.flash_attention(q, q, q, causal=True,
     platform="triton").astype(jnp.float32).sum()))
@@ -217,8 +218,11 @@ jax.block_until_ready(f(q)); print("SECONDS", time.perf_counter() - t0)
             res = subprocess.run(
                 [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
             )
-            secs = [float(x.split()[1]) for x in res.stdout.splitlines() if x.startswith("SECONDS")]
+            lines = res.stdout.splitlines()
+            secs = [float(x.split()[1]) for x in lines if x.startswith("SECONDS")]
             result[name] = secs[0] if secs else float("nan")
+            imported = [float(x.split()[1]) for x in lines if x.startswith("IMPORTED")]
+            result[f"{name}_import"] = imported[0] if imported else float("nan")
             if not secs:
                 print(res.stderr[-2000:])
     return result
@@ -373,7 +377,8 @@ def main() -> None:
     if start:
         print(
             f"startup of a new shape (2, 3072, 16, 128) causal fwd+bwd: cold {start['cold']:.1f} s, "
-            f"warm {start['warm']:.1f} s"
+            f"warm {start['warm']:.1f} s (of which importing jax and ejkernel: cold "
+            f"{start['cold_import']:.1f} s, warm {start['warm_import']:.1f} s)"
         )
 
 

@@ -22,9 +22,9 @@ from ejkernel._params import BwdParams, FwdParams
 from ejkernel_triton.ops.flash_attention import FlashAttentionConfig
 
 
-def sweep(quick: bool) -> None:
-    shapes = [(4, 4096, 16, 128), (8, 2048, 16, 64)]
-    for (b, s, h, d), causal in itertools.product(shapes, (False, True)):
+def sweep(quick: bool, dims: list[int], causals: list[bool]) -> None:
+    shapes = [shape for shape in ((4, 4096, 16, 128), (8, 2048, 16, 64)) if shape[3] in dims]
+    for (b, s, h, d), causal in itertools.product(shapes, causals):
         ks = jax.random.split(jax.random.PRNGKey(1), 4)
         q, k, v, do = (jax.random.normal(x, (b, s, h, d), jnp.bfloat16) for x in ks)
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
@@ -166,9 +166,12 @@ def main() -> None:
     os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dims", type=int, nargs="*", default=[128, 64], help="head dims")
+    parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     args = parser.parse_args()
     print(jax.devices(), jax.__version__, flush=True)
-    sweep(args.quick)
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    sweep(args.quick, args.dims, causals)
 
 
 if __name__ == "__main__":

@@ -31,18 +31,42 @@ def test_tile_loads_are_vectorised_and_pipelined(head_dim):
     ]
     for launch in launches:
         compiled = _codegen.compile_launch(launch, capability=90)
-        mix = _codegen.instruction_mix(compiled.asm["ptx"])
+        mix = _codegen.instruction_mix(compiled.ptx)
         name = launch.kernel.fn.__name__
         narrow = {k: n for k, n in mix.items() if k.endswith((".b16", ".u16", ".b8", ".u8"))}
         assert not narrow, f"{name}: narrow global loads {narrow}"
         assert mix.get("cp.async.cg.shared.global", 0) > 0, f"{name}: no 16-byte async copies"
         assert any(k.startswith("wgmma") for k in mix), f"{name}: no Hopper matrix instructions"
-        assert compiled.metadata.shared <= H100_SHARED, name
+        assert compiled.shared <= H100_SHARED, name
 
 
 def test_strides_not_divisible_by_16_keep_what_they_can():
     # D 40: strides are multiples of 8 elements (16 bytes in bf16), still one vector per copy
     (fwd, *_) = _codegen.flash_attention_launches((1, 64, 2, 40), jnp.bfloat16, causal=False)
     assert fwd.constexprs["ALIGN"] == 8
-    mix = _codegen.instruction_mix(_codegen.compile_launch(fwd).asm["ptx"])
+    mix = _codegen.instruction_mix(_codegen.compile_launch(fwd).ptx)
     assert not any(k.endswith(".b16") for k in mix), mix
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+def test_bias_and_mask_tiles_fit_in_shared_memory(bias_dtype):
+    # the deepest pipeline of the config space; bias and mask tiles join every stage
+    from ejkernel._params import BwdParams, FwdParams
+    from ejkernel_triton.ops.flash_attention import FlashAttentionConfig
+
+    cfg = FlashAttentionConfig(
+        fwd_params=FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=8, num_stages=3),
+        bwd_params=BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3),
+    )
+    s = 256
+    launches = _codegen.flash_attention_launches(
+        (1, s, 2, 128),
+        causal=False,
+        cfg=cfg,
+        bias=jnp.ones((1, 2, s, s), bias_dtype),
+        attention_mask=jnp.ones((1, 1, s, s), bool),
+    )
+    for launch in launches:
+        compiled = _codegen.compile_launch(launch)
+        assert compiled.shared <= H100_SHARED, (launch.kernel.fn.__name__, launch)
+    assert launches[0].num_stages < 3  # the forward gave up stages to fit

@@ -15,9 +15,13 @@ heuristic configs.
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "Compiled",
     "Launch",
     "compile_launch",
     "flash_attention_launches",
@@ -76,21 +81,22 @@ def recorded_launches() -> Iterator[list[Launch]]:
         _launch.launch = real
 
 
-def compile_launch(launch: Launch, capability: int = 90) -> Any:
-    """The compiled kernel (``.asm["ptx"]``, ``.metadata.shared``) for ``sm_<capability>``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def compile_launch(launch: Launch, capability: int = 90) -> Compiled:
+    """Compile ``launch`` for ``sm_<capability>`` in a child process.
 
+    A child process, because Triton's interpreter (the CPU path of this plugin) leaves
+    ``triton.language`` patched in a process that has used it, and a patched process cannot
+    compile. The child imports triton and the kernel's module only (no JAX).
+    """
     fn = launch.kernel
     values = [*launch.args, *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in launch.out_shape)]
     signature: dict[str, str] = {}
     constexprs = dict(launch.constexprs)
-    attrs_: dict[tuple[int, ...], list[list[Any]]] = {}
+    attrs_: list[int] = []
     for i, (name, value) in enumerate(zip(fn.arg_names, values, strict=False)):
         if hasattr(value, "dtype") and hasattr(value, "shape") and np.ndim(value) > 0:
             signature[name] = _POINTER_TYPES[jnp.dtype(value.dtype)]
-            attrs_[(i,)] = [["tt.divisibility", 16]]
+            attrs_.append(i)  # jax-triton: every array is 16-byte aligned
         elif isinstance(value, np.floating | float):
             signature[name] = "fp32"
         elif int(value) == 1:  # jax-triton folds integers equal to 1
@@ -99,9 +105,50 @@ def compile_launch(launch: Launch, capability: int = 90) -> Any:
             signature[name] = "i32" if -(2**31) <= int(value) < 2**31 else "i64"
     for name in constexprs:
         signature[name] = "constexpr"
-    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs_)
-    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    request = {
+        "module": fn.fn.__module__,
+        "kernel": fn.fn.__name__,
+        "signature": signature,
+        "constexprs": constexprs,
+        "aligned": attrs_,
+        "options": {"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+        "capability": capability,
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"compiling {fn.fn.__name__} failed:\n{res.stderr[-4000:]}")
+    out = json.loads(res.stdout.splitlines()[-1])
+    return Compiled(ptx=out["ptx"], cubin=base64.b64decode(out["cubin"]), shared=out["shared"])
+
+
+@attrs.frozen
+class Compiled:
+    """A kernel compiled for a GPU target: its PTX, its cubin and its shared memory (bytes)."""
+
+    ptx: str
+    cubin: bytes
+    shared: int
+
+
+_CHILD = """
+import base64, importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+r = json.loads(sys.stdin.read())
+fn = getattr(importlib.import_module(r["module"]), r["kernel"])
+attrs = {(i,): [["tt.divisibility", 16]] for i in r["aligned"]}
+src = ASTSource(fn, r["signature"], constexprs=r["constexprs"], attrs=attrs)
+k = triton.compile(src, target=GPUTarget("cuda", r["capability"], 32), options=r["options"])
+print(json.dumps({"ptx": k.asm["ptx"], "cubin": base64.b64encode(k.asm["cubin"]).decode(),
+                  "shared": k.metadata.shared}))
+"""
 
 
 def instruction_mix(ptx: str) -> dict[str, int]:
@@ -116,14 +163,18 @@ def flash_attention_launches(
     *,
     causal: bool = True,
     cfg: Any = None,
+    **kwargs: Any,
 ) -> list[Launch]:
-    """The three launches (forward, dK/dV, dQ) of a flash-attention forward and backward."""
+    """The three launches (forward, dK/dV, dQ) of a flash-attention forward and backward;
+    ``kwargs`` (``bias``, ``attention_mask``, ...) go to the op."""
     from ejkernel_triton.ops import flash_attention as fa
 
     q, k, v = (jnp.ones(shape, dtype) for _ in range(3))
     cfg = cfg or fa._default_config(q, k, v)
     with recorded_launches() as record:
-        out, res = fa._flash_attention_fwd(query=q, key=k, value=v, causal=causal, cfg=cfg)
+        out, res = fa._flash_attention_fwd(
+            query=q, key=k, value=v, causal=causal, cfg=cfg, **kwargs
+        )
         fa._flash_attention_bwd(res, out, cfg=cfg, causal=causal)
     return record
 
@@ -133,6 +184,6 @@ if __name__ == "__main__":
         print(f"--- D {d}")
         for launch in flash_attention_launches((1, 256, 2, d)):
             compiled = compile_launch(launch)
-            print(f"{launch.kernel.fn.__name__}: shared {compiled.metadata.shared} B")
-            for name, count in sorted(instruction_mix(compiled.asm["ptx"]).items()):
+            print(f"{launch.kernel.fn.__name__}: shared {compiled.shared} B")
+            for name, count in sorted(instruction_mix(compiled.ptx).items()):
                 print(f"  {name:60s} {count}")

@@ -102,11 +102,9 @@ def heuristic(inv: Any) -> FlashAttentionConfig:
     if q.dtype == jnp.float32:  # four-byte tiles: half the blocks of bf16
         fwd = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bwd = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
-    elif d <= 64:  # H100, (8, 2048, 16, 64) bf16, causal and not: best of a sweep
-        fwd = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=4)
-        bwd = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
-    elif d <= 128:  # H100, (4, 4096, 16, 128) bf16
-        fwd = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=8, num_stages=3)
+    elif d <= 128:  # H100, (8, 2048, 16, 64) and (4, 4096, 16, 128) bf16, causal and not:
+        # best of benchmarks/triton_tune.py's sweep for every kernel (RESULTS.md)
+        fwd = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
         bwd = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
     else:
         fwd = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
@@ -127,13 +125,13 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
     limit = _shared_memory_limit()
     fwd_blocks = (
         (128, 128, 8, 3),
-        (128, 128, 8, 4),
-        (128, 64, 4, 3),
-        (128, 64, 4, 4),
+        (128, 64, 8, 4),
         (128, 64, 8, 3),
         (64, 64, 4, 3),
+        (64, 128, 8, 3),
     )
-    bwd_blocks = ((64, 64, 4, 2), (32, 128, 8, 2), (32, 128, 4, 2), (64, 128, 8, 2))
+    bwd_blocks = ((64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2))
+    dq_blocks = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3))
     configs = [base]
     configs += [
         attrs.evolve(
@@ -149,11 +147,31 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
         for bq, bk, w, s in bwd_blocks
         if _bwd_smem(bq, bk, s, d, dv, size) <= limit
     ]
+    configs += [
+        attrs.evolve(
+            base, dq_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+        )
+        for bq, bk, w, s in dq_blocks
+        if _bwd_smem(bk, bq, s, d, dv, size) <= limit
+    ]
     return list(dict.fromkeys(configs))
 
 
 def _fwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
     return (bq * d + stages * bk * (d + dv)) * size
+
+
+def _fit_stages(stages: int, smem_of: Any) -> int:
+    """``stages``, fewer while ``smem_of(stages)`` (an upper estimate, checked against the
+    compiler's figure by tests/triton/test_codegen.py) exceeds the device's shared memory."""
+    while stages > 1 and smem_of(stages) > _shared_memory_limit():
+        stages -= 1
+    return stages
+
+
+def _extra_tile_bytes(bias: jax.Array, mask: jax.Array) -> int:
+    """Bytes per score-tile element that bias and mask tiles add to each pipelined stage."""
+    return (bias.dtype.itemsize if bias.ndim == 4 else 0) + (1 if mask.ndim == 4 else 0)
 
 
 def _bwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
@@ -577,7 +595,13 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             ],
             grid=(_cdiv(sq, bq), b * hq),
             num_warps=st.fwd.num_warps or 4,
-            num_stages=st.fwd.num_stages or 2,
+            num_stages=_fit_stages(
+                st.fwd.num_stages or 2,
+                lambda n: (
+                    _fwd_smem(bq, bk, n, _pow2(q.shape[-1]), _pow2(dv), q.dtype.itemsize)
+                    + (n - 1) * bq * bk * _extra_tile_bytes(bias, mask)
+                ),
+            ),
             BLOCK_M=bq,
             BLOCK_N=bk,
             **constexprs,
@@ -619,6 +643,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             *_broadcast_strides(mask),
         )
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
+        d_pow2, dv_pow2 = _pow2(q.shape[-1]), _pow2(v.shape[-1])
         dk, dv = _launch.launch(
             flash_attention_bwd_dkdv_kernel,
             *args,
@@ -628,7 +653,13 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             ],
             grid=(_cdiv(sk, bk), b * hkv),
             num_warps=st.bwd.num_warps or 4,
-            num_stages=st.bwd.num_stages or 2,
+            num_stages=_fit_stages(
+                st.bwd.num_stages or 2,
+                lambda n: (
+                    _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize)
+                    + (n - 1) * bq * bk * _extra_tile_bytes(bias, mask)
+                ),
+            ),
             BLOCK_M=bq,
             BLOCK_N=bk,
             **constexprs,
@@ -644,7 +675,13 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             ],
             grid=(_cdiv(sq, qb), b * hq),
             num_warps=st.dq.num_warps or 4,
-            num_stages=st.dq.num_stages or 2,
+            num_stages=_fit_stages(
+                st.dq.num_stages or 2,
+                lambda n: (
+                    _bwd_smem(kb, qb, n, d_pow2, dv_pow2, q.dtype.itemsize)
+                    + (n - 1) * qb * kb * _extra_tile_bytes(bias, mask)
+                ),
+            ),
             zeroed_outputs=(1,),
             BLOCK_M=qb,
             BLOCK_N=kb,
