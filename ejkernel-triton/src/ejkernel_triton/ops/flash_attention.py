@@ -178,15 +178,20 @@ def _bwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
     return (bk * (d + dv) + stages * bq * (d + dv)) * size + bq * bk * 4
 
 
+#: Shared memory per block (opt-in maximum) by compute capability; unknown GPUs get the least.
+_SHARED_MEMORY = {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448, (10, 0): 232448}
+_SHARED_MEMORY_DEFAULT = 101376  # sm_86, sm_89, sm_120
+
+
 @functools.cache
 def _shared_memory_limit() -> int:
+    """From the device's compute capability (asking Triton's driver would import PyTorch,
+    seconds of every process's start where it is installed)."""
     try:
-        import triton
-
-        props = triton.runtime.driver.active.utils.get_device_properties(0)
-        return int(props["max_shared_mem"])
-    except Exception:  # no driver: assume Hopper's 227 KiB
-        return 232448
+        major, minor = (int(x) for x in str(jax.devices()[0].compute_capability).split("."))
+    except Exception:  # not a CUDA device (the interpreter): assume Hopper's 227 KiB
+        return _SHARED_MEMORY[9, 0]
+    return _SHARED_MEMORY.get((major, minor), _SHARED_MEMORY_DEFAULT)
 
 
 def _pow2(n: int) -> int:
