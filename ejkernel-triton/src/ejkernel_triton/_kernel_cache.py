@@ -50,6 +50,8 @@ def cache_folder() -> Path:
 def install() -> None:
     """Wrap jax-triton's compilation with the disk cache (idempotent, once per process)."""
     global _installed
+    if _installed:  # every launch asks; only the first takes the lock
+        return
     with _install_lock:
         if _installed:
             return

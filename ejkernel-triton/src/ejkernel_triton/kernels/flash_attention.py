@@ -47,15 +47,16 @@ def _tanh(x):
 
 
 @triton.jit
-def _aligned(stride, ALIGN: tl.constexpr):
-    """A q/k/v/o/dO stride, passed in units of ``ALIGN`` elements, in elements.
+def _aligned(stride_b, stride_s, stride_h, ALIGN: tl.constexpr):
+    """A tensor's batch, sequence and head strides, passed in units of ``ALIGN`` elements, in
+    elements.
 
     jax-triton passes integer arguments without divisibility hints (and ``tl.multiple_of`` /
-    ``tl.assume`` on an argument reach no analysis), so a stride counted in elements would
+    ``tl.assume`` on an argument reach no analysis), so strides counted in elements would
     leave every tile load a 2-byte load with no pipelined copy. Multiplying by the constexpr
     ``ALIGN`` gives the compiler the divisibility: 16-byte loads, ``cp.async`` stages.
     """
-    return stride * ALIGN
+    return stride_b * ALIGN, stride_s * ALIGN, stride_h * ALIGN
 
 
 @triton.jit
@@ -399,18 +400,10 @@ def flash_attention_fwd_kernel(
     ALIGN: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``."""
-    stride_qb = _aligned(stride_qb, ALIGN)
-    stride_qs = _aligned(stride_qs, ALIGN)
-    stride_qh = _aligned(stride_qh, ALIGN)
-    stride_kb = _aligned(stride_kb, ALIGN)
-    stride_ks = _aligned(stride_ks, ALIGN)
-    stride_kh = _aligned(stride_kh, ALIGN)
-    stride_vb = _aligned(stride_vb, ALIGN)
-    stride_vs = _aligned(stride_vs, ALIGN)
-    stride_vh = _aligned(stride_vh, ALIGN)
-    stride_ob = _aligned(stride_ob, ALIGN)
-    stride_os = _aligned(stride_os, ALIGN)
-    stride_oh = _aligned(stride_oh, ALIGN)
+    stride_qb, stride_qs, stride_qh = _aligned(stride_qb, stride_qs, stride_qh, ALIGN)
+    stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
+    stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
+    stride_ob, stride_os, stride_oh = _aligned(stride_ob, stride_os, stride_oh, ALIGN)
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // num_heads_q
@@ -701,18 +694,10 @@ def flash_attention_bwd_dkdv_kernel(
 
     Grid ``(⌈Sk/BN⌉, B·Hkv)``; dK/dV are written in the key dtype, ``[B, Sk, Hkv, D]`` layout.
     """
-    stride_qb = _aligned(stride_qb, ALIGN)
-    stride_qs = _aligned(stride_qs, ALIGN)
-    stride_qh = _aligned(stride_qh, ALIGN)
-    stride_kb = _aligned(stride_kb, ALIGN)
-    stride_ks = _aligned(stride_ks, ALIGN)
-    stride_kh = _aligned(stride_kh, ALIGN)
-    stride_vb = _aligned(stride_vb, ALIGN)
-    stride_vs = _aligned(stride_vs, ALIGN)
-    stride_vh = _aligned(stride_vh, ALIGN)
-    stride_dob = _aligned(stride_dob, ALIGN)
-    stride_dos = _aligned(stride_dos, ALIGN)
-    stride_doh = _aligned(stride_doh, ALIGN)
+    stride_qb, stride_qs, stride_qh = _aligned(stride_qb, stride_qs, stride_qh, ALIGN)
+    stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
+    stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
+    stride_dob, stride_dos, stride_doh = _aligned(stride_dob, stride_dos, stride_doh, ALIGN)
     start_n = tl.program_id(0)
     off_bhk = tl.program_id(1)
     off_b = off_bhk // num_heads_k
@@ -1012,18 +997,10 @@ def flash_attention_bwd_dq_kernel(
     (``[B, Hq, Sq, Sk]`` float32, zeroed before the launch); the wrapper sums it into the bias's
     broadcast shape.
     """
-    stride_qb = _aligned(stride_qb, ALIGN)
-    stride_qs = _aligned(stride_qs, ALIGN)
-    stride_qh = _aligned(stride_qh, ALIGN)
-    stride_kb = _aligned(stride_kb, ALIGN)
-    stride_ks = _aligned(stride_ks, ALIGN)
-    stride_kh = _aligned(stride_kh, ALIGN)
-    stride_vb = _aligned(stride_vb, ALIGN)
-    stride_vs = _aligned(stride_vs, ALIGN)
-    stride_vh = _aligned(stride_vh, ALIGN)
-    stride_dob = _aligned(stride_dob, ALIGN)
-    stride_dos = _aligned(stride_dos, ALIGN)
-    stride_doh = _aligned(stride_doh, ALIGN)
+    stride_qb, stride_qs, stride_qh = _aligned(stride_qb, stride_qs, stride_qh, ALIGN)
+    stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
+    stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
+    stride_dob, stride_dos, stride_doh = _aligned(stride_dob, stride_dos, stride_doh, ALIGN)
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // num_heads_q

@@ -161,17 +161,14 @@ def _fwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
     return (bq * d + stages * bk * (d + dv)) * size
 
 
-def _fit_stages(stages: int, smem_of: Any) -> int:
-    """``stages``, fewer while ``smem_of(stages)`` (an upper estimate, checked against the
-    compiler's figure by tests/triton/test_codegen.py) exceeds the device's shared memory."""
-    while stages > 1 and smem_of(stages) > _shared_memory_limit():
+def _fit_stages(stages: int, smem_of: Any, tile: int, bias: jax.Array, mask: jax.Array) -> int:
+    """``stages``, fewer while the shared memory they need exceeds the device's: ``smem_of(n)``
+    for the q/k/v tiles plus, per extra stage, the bias and mask tiles of ``tile`` scores (an
+    upper estimate, checked against the compiler's figure by tests/triton/test_codegen.py)."""
+    extra = tile * (bias.dtype.itemsize if bias.ndim == 4 else 0) + tile * (mask.ndim == 4)
+    while stages > 1 and smem_of(stages) + (stages - 1) * extra > _shared_memory_limit():
         stages -= 1
     return stages
-
-
-def _extra_tile_bytes(bias: jax.Array, mask: jax.Array) -> int:
-    """Bytes per score-tile element that bias and mask tiles add to each pipelined stage."""
-    return (bias.dtype.itemsize if bias.ndim == 4 else 0) + (1 if mask.ndim == 4 else 0)
 
 
 def _bwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
@@ -602,10 +599,10 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             num_warps=st.fwd.num_warps or 4,
             num_stages=_fit_stages(
                 st.fwd.num_stages or 2,
-                lambda n: (
-                    _fwd_smem(bq, bk, n, _pow2(q.shape[-1]), _pow2(dv), q.dtype.itemsize)
-                    + (n - 1) * bq * bk * _extra_tile_bytes(bias, mask)
-                ),
+                lambda n: _fwd_smem(bq, bk, n, _pow2(q.shape[-1]), _pow2(dv), q.dtype.itemsize),
+                bq * bk,
+                bias,
+                mask,
             ),
             BLOCK_M=bq,
             BLOCK_N=bk,
@@ -660,10 +657,10 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             num_warps=st.bwd.num_warps or 4,
             num_stages=_fit_stages(
                 st.bwd.num_stages or 2,
-                lambda n: (
-                    _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize)
-                    + (n - 1) * bq * bk * _extra_tile_bytes(bias, mask)
-                ),
+                lambda n: _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
+                bq * bk,
+                bias,
+                mask,
             ),
             BLOCK_M=bq,
             BLOCK_N=bk,
@@ -682,10 +679,10 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             num_warps=st.dq.num_warps or 4,
             num_stages=_fit_stages(
                 st.dq.num_stages or 2,
-                lambda n: (
-                    _bwd_smem(kb, qb, n, d_pow2, dv_pow2, q.dtype.itemsize)
-                    + (n - 1) * qb * kb * _extra_tile_bytes(bias, mask)
-                ),
+                lambda n: _bwd_smem(kb, qb, n, d_pow2, dv_pow2, q.dtype.itemsize),
+                qb * kb,
+                bias,
+                mask,
             ),
             zeroed_outputs=(1,),
             BLOCK_M=qb,
