@@ -142,7 +142,7 @@ def bench_decode(quick: bool) -> None:
     print(f"  decode heuristic config: {selection.config}", flush=True)
     attempt("decode", "cuda ragged_decode (heuristic)", ours())
     if not quick:
-        for splits in (4, 8, 16, 32):
+        for splits in (1, 2, 3, 4, 5, 6, 8, 16):
             attempt(
                 "decode",
                 f"cuda num_splits={splits}",
@@ -229,7 +229,7 @@ def bench_decode(quick: bool) -> None:
 
     attempt("paged", "cuda page_attention (heuristic)", paged())
     if not quick:
-        for splits in (8, 16):
+        for splits in (1, 2, 4, 8):
             attempt(
                 "paged",
                 f"cuda page_attention num_splits={splits}",

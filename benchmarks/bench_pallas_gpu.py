@@ -15,6 +15,7 @@ its own try/except: a failure prints its cause and the table says FAIL; the scri
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -139,13 +140,60 @@ def run_case(b: int, s: int, h: int, d: int, causal: bool, iters: int, reps: int
     return row
 
 
+def sweep_case(b: int, s: int, h: int, d: int, causal: bool, iters: int, reps: int) -> None:
+    """Forward and forward+backward TFLOP/s of each (bq, bk, stages) of the tuning list, with
+    cuDNN timed in the same process."""
+    import ejkernel
+    from ejkernel._params import BwdParams, FwdParams
+    from ejkernel_pallas.gpu.flash_attention import TUNING, FlashAttentionConfig
+
+    print(f"\n== sweep B{b} S{s} H{h} D{d} {'causal' if causal else 'full'} ==", flush=True)
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, do = (
+        jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in keys
+    )
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    cudnn = _implementations(causal)["cudnn"]
+    for triple in (None, *TUNING):
+        if triple is None:
+            name, attn = "cudnn", cudnn
+        else:
+            bq, bk, stages = triple
+            cfg = FlashAttentionConfig(
+                fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_stages=stages),
+                bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_stages=stages),
+            )
+            name = f"{bq}x{bk} st{stages}"
+            attn = functools.partial(
+                ejkernel.flash_attention, causal=causal, platform="pallas", cfg=cfg
+            )
+        try:
+            fwd_t = _time(jax.jit(attn), q, k, v, iters=iters, reps=reps)
+            both_t = _time(_fwd_bwd(attn), q, k, v, do, iters=iters, reps=reps)
+            print(
+                f"  {name:15s} fwd {flops / fwd_t / 1e12:6.1f}  fwd+bwd "
+                f"{3.5 * flops / both_t / 1e12:6.1f} TFLOP/s",
+                flush=True,
+            )
+        except Exception as e:
+            print(f"  {name:15s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="first case only")
+    parser.add_argument(
+        "--sweep", action="store_true", help="time every tuning config (D 128 cases) and stop"
+    )
     args = parser.parse_args()
     import ejkernel
+
+    if args.sweep:
+        for case in CASES[:2]:
+            sweep_case(*case, iters=args.iters, reps=args.reps)
+        return
 
     print(f"jax {jax.__version__}, devices {jax.devices()}, python {sys.version.split()[0]}")
     print(f"ejkernel from {os.path.dirname(ejkernel.__file__)}")

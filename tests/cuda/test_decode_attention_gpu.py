@@ -118,6 +118,13 @@ def test_ragged_options_match_the_reference(options: dict[str, Any]) -> None:
     check_ragged(jnp.float32, **options)
 
 
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 8), (8, 4), (8, 2), (16, 2)])
+def test_ragged_soft_cap_in_every_head_grouping(hq: int, hkv: int) -> None:
+    # 1, 2, 4 and 4 (two CTAs per KV head) query heads per CTA, each with the soft cap.
+    check_ragged(jnp.float32, hq=hq, hkv=hkv, logits_soft_cap=1.5)
+    check_ragged(jnp.bfloat16, hq=hq, hkv=hkv, d=80, logits_soft_cap=1.5)
+
+
 @pytest.mark.parametrize("splits", [1, 3, 64])
 def test_ragged_any_split_count_gives_the_same_result(splits: int) -> None:
     check_ragged(jnp.float32, cfg=RaggedDecodeAttentionConfig(num_splits=splits))

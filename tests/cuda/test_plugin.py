@@ -211,15 +211,18 @@ def test_native_route_is_chosen_once_built(fake_gpu: None, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("hq", "hkv", "want"), [(32, 8, 4), (64, 8, 8), (16, 1, 8), (6, 2, 1), (12, 2, 2), (8, 8, 1)]
+    ("hq", "hkv", "want"), [(32, 8, 4), (64, 8, 4), (16, 1, 4), (6, 2, 1), (12, 2, 2), (8, 8, 1)]
 )
 def test_heads_per_cta_shares_every_kv_read_within_a_group(hq: int, hkv: int, want: int) -> None:
     assert _decode.heads_per_cta(hq, hkv) == want
 
 
 def test_split_heuristic_fills_the_gpu_and_keeps_splits_long() -> None:
-    # B 32, Hq 32 / Hkv 8 (4 heads per CTA), 8192 keys: 256 CTAs without splits.
-    splits = _decode.default_splits(32, 32, 8, 8192)
-    assert 32 * 8 * splits >= 8 * 132 and 8192 // splits >= _decode.MIN_KEYS_PER_SPLIT
-    assert _decode.default_splits(32, 32, 8, 100) == 1
+    # B 32, Hq 32 / Hkv 8 (4 heads per CTA), 8192 keys: 256 CTAs a split, 4 x 132 slots (bf16).
+    assert _decode.default_splits(32, 32, 8, 8192) == 2  # 512 of 528 slots: one full wave
+    assert _decode.default_splits(32, 32, 8, 8192, itemsize=4) == 3  # 768 of 792 (3 a SM)
+    # 300 CTAs: 3 splits fill 85 % of two waves, 5 fill 95 % of three.
+    assert _decode.default_splits(300, 4, 1, 8192) == 5
+    assert _decode.default_splits(32, 32, 8, 100) == 1  # fewer than 128 keys a split
+    # Too few rows to fill the GPU: as many splits as allowed.
     assert _decode.default_splits(1, 8, 1, 1 << 20) == _decode.MAX_SPLITS

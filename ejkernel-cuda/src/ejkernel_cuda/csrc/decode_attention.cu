@@ -7,15 +7,20 @@
 //   r * page_size + t                                                    (dense, no table)
 // so a dense cache [B, Sk, Hkv, D] is the paged layout with page_size = Sk and page r for row r.
 //
-// Kernel 1 (_decode_split_kernel): grid (rows x splits, query-head blocks). A CTA takes one
-// split of one row's range and HPC query heads that share one KV head (GQA: every K/V read
-// serves HPC heads). TPT threads hold one key row (8 elements each, 16-byte loads); the CTA's
-// 128 threads form NG = 128 / TPT token groups, each running its own online softmax over
-// every NG-th token, UNROLL tokens per step with all their loads issued first. The groups
-// merge through shared memory; the CTA writes an unnormalised partial (acc, max, sum) in
-// float32 with logits in log2 units.
+// Kernel 1 (_decode_split_kernel): one CTA per (row, split, block of HPC query heads that
+// share one KV head; GQA: every K/V read serves HPC heads), the head blocks of one (row, split)
+// adjacent in the launch order so the CTAs running together read whole [Hkv, D] cache rows
+// rather than one head's slice of many rows. TPT threads hold one key row (8 elements each,
+// 16-byte copies); the CTA's 128 threads form NG = 128 / TPT token groups, each running its own
+// online softmax over every NG-th token. K/V stream through a ring of STAGES shared-memory
+// slots of UNROLL tokens per group, filled with asynchronous copies (cp.async) STAGES - 1 steps
+// ahead of use; each thread reads back only the bytes it copied, so the ring needs no CTA
+// barrier and the loads in flight cost no registers. The groups merge through shared memory;
+// the CTA writes an unnormalised partial (acc, max, sum) in float32 with logits in log2 units.
 // Kernel 2 (_decode_merge_kernel): one CTA per (row, query head) merges the splits and the
 // attention sinks; a row with no visible key gives zeros.
+#include <atomic>
+
 #include "common.cuh"
 
 namespace ejk {
@@ -23,22 +28,55 @@ namespace {
 
 constexpr int kDecodeThreads = 128;
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Shape of one CTA's work: token groups, tokens per group per ring slot, ring depth.
 template <typename T, int TPT, int HPC>
-__global__ void __launch_bounds__(kDecodeThreads)
+struct DecodeTile {
+  static_assert(HPC <= 4, "at most 4 query heads per CTA (the register cap)");
+  static constexpr int NG = kDecodeThreads / TPT;
+  static constexpr int UNROLL = 4;
+  static constexpr int DMAX = TPT * 8;
+  static constexpr int CHUNKS = static_cast<int>(sizeof(typename Pack8<T>::Raw)) / 16;
+  // Measured on an H100 (bf16, D 128, 4 heads per CTA): four resident CTAs of 3 slots beat
+  // three of 4 slots by 15 %: the softmax and the shuffles need the warps more than the
+  // copies need depth. The register cap (128 a thread) follows from MIN_BLOCKS.
+  static constexpr int STAGES = CHUNKS == 1 ? 3 : 2;
+  static constexpr int MIN_BLOCKS = CHUNKS == 1 ? 4 : 3;
+  // Ring: [STAGES][UNROLL][K, V][CHUNKS][thread] 16-byte chunks (a warp's chunks contiguous).
+  static constexpr int RING_BYTES = STAGES * UNROLL * 2 * CHUNKS * kDecodeThreads * 16;
+  // The groups' merge reuses the ring: max and sum [NG][HPC], acc [NG][HPC][DMAX].
+  static constexpr int MERGE_BYTES = (2 * NG * HPC + NG * HPC * DMAX) * 4;
+  static constexpr int SMEM_BYTES = RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES;
+};
+
+template <typename T, int TPT, int HPC>
+__global__ void __launch_bounds__(kDecodeThreads, DecodeTile<T, TPT, HPC>::MIN_BLOCKS)
     _decode_split_kernel(const T* __restrict__ q, const T* __restrict__ k_cache,
                          const T* __restrict__ v_cache, const int32_t* __restrict__ lo_arr,
                          const int32_t* __restrict__ hi_arr, const int32_t* __restrict__ table,
                          int table_stride, int page_size, int page_shift, int num_pages, int hq,
                          int hkv, int d, float q_scale, float soft_cap, int num_splits,
                          float* __restrict__ o_part, float* __restrict__ ml_part) {
-  constexpr int NG = kDecodeThreads / TPT;
-  constexpr int UNROLL = HPC <= 4 ? 4 : 2;
-  constexpr int DMAX = TPT * 8;
+  using Tile = DecodeTile<T, TPT, HPC>;
+  constexpr int NG = Tile::NG, UNROLL = Tile::UNROLL, STAGES = Tile::STAGES;
+  constexpr int CHUNKS = Tile::CHUNKS, DMAX = Tile::DMAX;
   using P = Pack8<T>;
+  extern __shared__ uint4 smem[];
 
-  const int r = blockIdx.x / num_splits;
-  const int split = blockIdx.x - r * num_splits;
-  const int h0 = blockIdx.y * HPC;
+  const int head_blocks = hq / HPC;
+  const int rs = blockIdx.x / head_blocks;  // (row, split), head blocks adjacent
+  const int h0 = (blockIdx.x - rs * head_blocks) * HPC;
+  const int r = rs / num_splits;
+  const int split = rs - r * num_splits;
   const int kvh = h0 / (hq / hkv);
   const int lane = threadIdx.x % TPT;
   const int group = threadIdx.x / TPT;
@@ -76,8 +114,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int64_t head_offset = static_cast<int64_t>(kvh) * d + lane * 8;
   const int32_t* row_table = table ? table + static_cast<int64_t>(r) * table_stride : nullptr;
   const int page_mask = page_shift >= 0 ? (1 << page_shift) - 1 : 0;
-  // Cache row of position t (-1 past the split). The block-table reads for the next step are
-  // issued right after this step's K/V loads, so their latency hides behind them.
+  // Cache row of position t (-1 past the split).
   auto row_of = [&](int t) -> int64_t {
     if (t >= s_hi) return -1;
     if (!row_table) return static_cast<int64_t>(r) * page_size + t;
@@ -92,34 +129,61 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const int page = min(max(__ldg(row_table + page_idx), 0), num_pages - 1);
     return static_cast<int64_t>(page) * page_size + offset;
   };
+  auto chunk_at = [&](int stage, int u, int kv, int c) -> uint4* {
+    return smem + (((stage * UNROLL + u) * 2 + kv) * CHUNKS + c) * kDecodeThreads + threadIdx.x;
+  };
 
+  // Ring slot `stage` <- this thread's chunks of the step starting at t0. The cache rows of the
+  // next issue are looked up right after, so block-table latency hides behind the copies.
+  constexpr int STEP = NG * UNROLL;
   int64_t rows[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) rows[u] = row_of(s_lo + u * NG + group);
-
-  for (int t0 = s_lo; t0 < s_hi; t0 += NG * UNROLL) {
-    typename P::Raw kr[UNROLL], vr[UNROLL];
-    bool valid[UNROLL];
+  auto issue = [&](int stage, int t0) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      valid[u] = rows[u] >= 0;
-      if (valid[u] && active) {
+      if (rows[u] >= 0 && active) {
         const int64_t off = rows[u] * hkv * d + head_offset;
-        kr[u] = P::load(k_cache + off);
-        vr[u] = P::load(v_cache + off);
-      } else {
-        kr[u] = zero_raw<T>();
-        vr[u] = zero_raw<T>();
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+          cp_async16(chunk_at(stage, u, 0, c), k_cache + off + c * (8 / CHUNKS));
+          cp_async16(chunk_at(stage, u, 1, c), v_cache + off + c * (8 / CHUNKS));
+        }
       }
     }
+    cp_async_commit();
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) rows[u] = row_of(t0 + NG * UNROLL + u * NG + group);
+    for (int u = 0; u < UNROLL; ++u) rows[u] = row_of(t0 + STEP + u * NG + group);
+  };
+  auto raw_at = [&](int stage, int u, int kv) {
+    typename P::Raw raw;
+    uint4* words = reinterpret_cast<uint4*>(&raw);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) words[c] = *chunk_at(stage, u, kv, c);
+    return raw;
+  };
+
+  const int steps = (s_hi - s_lo + STEP - 1) / STEP;
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) issue(st, s_lo + st * STEP);
+
+  for (int i = 0; i < steps; ++i) {
+    const int t0 = s_lo + i * STEP;
+    const int stage = i % STAGES;
+    issue((i + STAGES - 1) % STAGES, t0 + (STAGES - 1) * STEP);
+    cp_async_wait<STAGES - 1>();
 
     float s[UNROLL][HPC];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
+      const bool valid = t0 + u * NG + group < s_hi;
       float kf[8];
-      P::convert(kr[u], kf);
+      if (valid && active) {
+        P::convert(raw_at(stage, u, 0), kf);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) kf[j] = 0.f;
+      }
 #pragma unroll
       for (int h = 0; h < HPC; ++h) {
         float dot = 0.f;
@@ -128,7 +192,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
         for (int off = TPT / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off, TPT);
         if (soft_cap > 0.f) dot = soft_cap * tanhf(dot / soft_cap) * kLog2e;
-        s[u][h] = valid[u] ? dot : -INFINITY;
+        s[u][h] = valid ? dot : -INFINITY;
       }
     }
 
@@ -149,8 +213,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
+      const bool valid = t0 + u * NG + group < s_hi;
       float vf[8];
-      P::convert(vr[u], vf);
+      if (valid && active) {
+        P::convert(raw_at(stage, u, 1), vf);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vf[j] = 0.f;
+      }
 #pragma unroll
       for (int h = 0; h < HPC; ++h) {
         if (m[h] == -INFINITY) continue;
@@ -161,11 +231,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
       }
     }
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring becomes the merge buffer
 
   // Merge the NG token groups of this CTA.
-  __shared__ float sm_m[NG][HPC];
-  __shared__ float sm_l[NG][HPC];
-  __shared__ float sm_acc[NG][HPC][DMAX];
+  float(*sm_m)[HPC] = reinterpret_cast<float(*)[HPC]>(smem);
+  float(*sm_l)[HPC] = sm_m + NG;
+  float(*sm_acc)[HPC][DMAX] = reinterpret_cast<float(*)[HPC][DMAX]>(sm_l + NG);
   if (lane == 0) {
 #pragma unroll
     for (int h = 0; h < HPC; ++h) {
@@ -249,8 +321,19 @@ struct DecodeArgs {
 
 template <typename T, int TPT, int HPC>
 void launch_split(const DecodeArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.rows * a.num_splits, a.hq / HPC);
-  _decode_split_kernel<T, TPT, HPC><<<grid, kDecodeThreads, 0, stream>>>(
+  using Tile = DecodeTile<T, TPT, HPC>;
+  auto* kernel = &_decode_split_kernel<T, TPT, HPC>;
+  // Above 48 KiB a kernel must opt in to its dynamic shared memory, once per device.
+  static std::atomic<uint64_t> opted_in{0};
+  int device = 0;
+  cudaGetDevice(&device);
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if (!(opted_in.load(std::memory_order_relaxed) & bit)) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::SMEM_BYTES);
+    opted_in.fetch_or(bit);
+  }
+  const int ctas = a.rows * a.num_splits * (a.hq / HPC);
+  kernel<<<ctas, kDecodeThreads, Tile::SMEM_BYTES, stream>>>(
       static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), a.lo,
       a.hi, a.table, a.table_stride, a.page_size, a.page_shift, a.num_pages, a.hq, a.hkv, a.d,
       a.q_scale, a.soft_cap, a.num_splits, a.o_part, a.ml_part);
@@ -259,7 +342,6 @@ void launch_split(const DecodeArgs& a, cudaStream_t stream) {
 template <typename T, int TPT>
 void dispatch_heads(const DecodeArgs& a, int hpc, cudaStream_t stream) {
   switch (hpc) {
-    case 8: return launch_split<T, TPT, 8>(a, stream);
     case 4: return launch_split<T, TPT, 4>(a, stream);
     case 2: return launch_split<T, TPT, 2>(a, stream);
     default: return launch_split<T, TPT, 1>(a, stream);
@@ -268,9 +350,10 @@ void dispatch_heads(const DecodeArgs& a, int hpc, cudaStream_t stream) {
 
 template <typename T>
 ffi::Error launch_decode(const DecodeArgs& a, cudaStream_t stream) {
-  // Query heads per CTA: the largest of 8, 4, 2, 1 that divides the GQA group.
+  // Query heads per CTA: the largest of 4, 2, 1 that divides the GQA group (larger groups run
+  // as adjacent CTAs, whose second read of a K/V row hits L2).
   const int group = a.hq / a.hkv;
-  const int hpc = group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+  const int hpc = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
   const int vecs = a.d / 8;
   if (vecs <= 8) {
     dispatch_heads<T, 8>(a, hpc, stream);

@@ -5,9 +5,11 @@ dense cache ``[B, Sk, Hkv, D]`` is the paged layout with ``page_size = Sk`` and 
 row ``b``, so one FFI target (``ejkernel_decode_attention``, ``csrc/decode_attention.cu``)
 serves both. The callers fold clamping and the sliding window into ``lo``/``hi``.
 
-Config: ``num_splits``, the key-range splits per row (flash decoding's split-K); the heuristic
-aims at about sixteen CTAs per SM so the tail of the last wave stays short, with at least 128
-keys per split.
+Config: ``num_splits``, the key-range splits per row (flash decoding's split-K). The heuristic
+takes the fewest splits whose CTAs fill at least 90 % of the resident slots of their last wave
+(at least 128 keys per split): on an H100, B 32, 32/8 heads, 8192 keys (256 CTAs per split,
+528 slots), 2 splits read at 92 % of the copy bandwidth, 3 (1.45 waves) at 78 %, 4 and 8 at
+90 %, 9 (the old "16 CTAs per SM" rule) at 86 %, 16 at 82 %.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ MAX_HEAD_DIM = 256
 DTYPES = ("bfloat16", "float16", "float32")
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
+#: Resident split-kernel CTAs per SM by cache element size (``MIN_BLOCKS`` of ``DecodeTile`` in
+#: csrc/decode_attention.cu: its shared-memory ring and register cap).
+RESIDENT_CTAS = {2: 4, 4: 3}
+#: Smallest fill of the last wave's slots the heuristic accepts.
+WAVE_FILL = 0.9
 
 
 @attrs.frozen(kw_only=True)
@@ -44,28 +51,43 @@ class DecodeConfig:
 
 
 def heads_per_cta(hq: int, hkv: int) -> int:
-    """Query heads one CTA serves from each K/V read: the largest of 8, 4, 2, 1 dividing the
+    """Query heads one CTA serves from each K/V read: the largest of 4, 2, 1 dividing the
     GQA group (mirrors ``launch_decode`` in csrc/decode_attention.cu)."""
     group = hq // hkv
-    return next(h for h in (8, 4, 2, 1) if group % h == 0)
+    return next(h for h in (4, 2, 1) if group % h == 0)
 
 
-def default_splits(rows: int, hq: int, hkv: int, capacity: int) -> int:
+def default_splits(rows: int, hq: int, hkv: int, capacity: int, itemsize: int = 2) -> int:
+    """The fewest splits whose CTAs fill ``WAVE_FILL`` of the slots of every wave they take
+    (``MAX_SPLITS`` at most, ``MIN_KEYS_PER_SPLIT`` keys each); failing that, the count that
+    fills them best."""
     from ejkernel_cuda._device import sm_count
 
+    slots = sm_count() * RESIDENT_CTAS.get(itemsize, 4)
     ctas = max(rows * (hq // heads_per_cta(hq, hkv)), 1)
-    splits = math.ceil(16 * sm_count() / ctas)
     most = max(1, min(MAX_SPLITS, capacity // MIN_KEYS_PER_SPLIT))
-    return max(1, min(splits, most))
+
+    def fill(splits: int) -> float:
+        n = ctas * splits
+        return n / (math.ceil(n / slots) * slots)
+
+    for splits in range(1, most + 1):
+        if fill(splits) >= WAVE_FILL:
+            return splits
+    return max(range(1, most + 1), key=fill)
 
 
-def decode_heuristic(rows: int, hq: int, hkv: int, capacity: int, config: type) -> Any:
-    return config(num_splits=default_splits(rows, hq, hkv, capacity))
+def decode_heuristic(
+    rows: int, hq: int, hkv: int, capacity: int, itemsize: int, config: type
+) -> Any:
+    return config(num_splits=default_splits(rows, hq, hkv, capacity, itemsize))
 
 
-def decode_config_space(rows: int, hq: int, hkv: int, capacity: int, config: type) -> list[Any]:
+def decode_config_space(
+    rows: int, hq: int, hkv: int, capacity: int, itemsize: int, config: type
+) -> list[Any]:
     most = max(1, min(MAX_SPLITS, capacity // MIN_KEYS_PER_SPLIT))
-    counts = {1, default_splits(rows, hq, hkv, capacity)}
+    counts = {1, default_splits(rows, hq, hkv, capacity, itemsize)}
     counts.update(n for n in (2, 4, 8, 16, 32, 64) if n <= most)
     return [config(num_splits=n) for n in sorted(counts)]
 

@@ -39,14 +39,14 @@ class PageAttentionConfig(DecodeConfig):
     """``num_splits`` key-range splits per sequence (0: the heuristic's count)."""
 
 
-def _dims(kw: Any) -> tuple[int, int, int, int]:
+def _dims(kw: Any) -> tuple[int, int, int, int, int]:
     q, kc, table = kw["query"], kw["key_cache"], kw["block_tables"]
     capacity = int(table.shape[1]) * int(kc.shape[1])
-    return int(q.shape[0]), int(q.shape[1]), int(kc.shape[2]), capacity
+    return int(q.shape[0]), int(q.shape[1]), int(kc.shape[2]), capacity, kc.dtype.itemsize
 
 
 def heuristic(inv: Any) -> PageAttentionConfig:
-    """About sixteen CTAs per SM, at least 128 keys per split."""
+    """The fewest splits that fill the GPU's resident CTA slots (see ``default_splits``)."""
     return decode_heuristic(*_dims(inv.kwargs), PageAttentionConfig)  # type: ignore[no-any-return]
 
 
@@ -90,7 +90,9 @@ def page_attention_cuda(
     s, hq, d = query.shape
     capacity = int(block_tables.shape[1]) * int(key_cache.shape[1])
     splits = cfg.num_splits if cfg is not None and cfg.num_splits > 0 else 0
-    splits = splits or default_splits(s, hq, int(key_cache.shape[2]), capacity)
+    splits = splits or default_splits(
+        s, hq, int(key_cache.shape[2]), capacity, key_cache.dtype.itemsize
+    )
     scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
     return _forward(
         query,

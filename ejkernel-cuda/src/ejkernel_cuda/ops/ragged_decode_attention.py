@@ -46,13 +46,13 @@ class RaggedDecodeAttentionConfig(DecodeConfig):
     """``num_splits`` key-range splits per row (0: the heuristic's count)."""
 
 
-def _dims(kw: Any) -> tuple[int, int, int, int]:
+def _dims(kw: Any) -> tuple[int, int, int, int, int]:
     q, k = kw["query"], kw["key"]
-    return int(q.shape[0]), int(q.shape[1]), int(k.shape[2]), int(k.shape[1])
+    return int(q.shape[0]), int(q.shape[1]), int(k.shape[2]), int(k.shape[1]), k.dtype.itemsize
 
 
 def heuristic(inv: Any) -> RaggedDecodeAttentionConfig:
-    """About sixteen CTAs per SM, at least 128 keys per split."""
+    """The fewest splits that fill the GPU's resident CTA slots (see ``default_splits``)."""
     return decode_heuristic(*_dims(inv.kwargs), RaggedDecodeAttentionConfig)  # type: ignore[no-any-return]
 
 
@@ -97,7 +97,9 @@ def ragged_decode_attention_cuda(
     """
     b, hq, d = query.shape
     splits = cfg.num_splits if cfg is not None and cfg.num_splits > 0 else 0
-    splits = splits or default_splits(b, hq, int(key.shape[2]), int(key.shape[1]))
+    splits = splits or default_splits(
+        b, hq, int(key.shape[2]), int(key.shape[1]), key.dtype.itemsize
+    )
     scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
     return _forward(
         query,
