@@ -627,7 +627,12 @@ def _channel_products(
         both = jnp.where(t[:, None] >= t[None, :], both.reshape(*both.shape[:-2], 2, c, c), 0.0)
         return both[..., 0, :, :], both[..., 1, :, :]
 
-    return lax.cond(spread <= _FACTORED_RANGE, factored, lambda: _decayed_products(q, k, g))
+    # The factored products are computed outside the conditional, which only passes them on
+    # or builds the hierarchical ones instead (their factors overflow there and are dropped):
+    # computed inside the branch they did not overlap the rest of the step on XLA:CPU, and
+    # the forward at B 8, H 16, K = V = 128 took ≈ 16% longer (benchmarks/RESULTS.md, issue 4).
+    fast = factored()
+    return lax.cond(spread <= _FACTORED_RANGE, lambda: fast, lambda: _decayed_products(q, k, g))
 
 
 def _recurrence(p: _Prepared, state: jax.Array) -> tuple[jax.Array, jax.Array]:

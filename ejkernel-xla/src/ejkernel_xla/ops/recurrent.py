@@ -532,7 +532,10 @@ def _stream_forward(
     intra-chunk matmuls and the next state (three batched matmuls over H and the [C, C]
     scores; see :func:`_stream_chunk`). The carry is the [H, K, V] state of that row only, reset
     at the row's first chunk. Nothing of size [N, ...] is built unless ``save_states`` (the
-    custom-VJP forward), which also emits every chunk's start state [B, N, H, K, V].
+    custom-VJP forward), which also emits every chunk's start state [B, N, H, K, V]. A step
+    written as independent lanes (head or batch-row groups, for XLA:CPU to run on different
+    cores) measured slower on 2 cores: XLA already runs the step's elementwise work on both and
+    its batched matmuls stayed on one (benchmarks/RESULTS.md, issue 4).
 
     Returns ``(out [B, S, H, V], final states [B, H, K, V] or None, start states or None)``.
     """
@@ -594,7 +597,11 @@ def _stream_chunk(
     matmuls. A per-head scalar gate (or none) takes the exact scalar form; a gate over K takes
     the factored form when this chunk's cumulative gates stay within
     ±:data:`_FACTORED_RANGE` (decided per chunk with a ``lax.cond`` on chunk-sized operands),
-    else the exact two-level form.
+    else the exact two-level form. The factored form is computed outside the conditional,
+    which only passes its result on or runs the exact form instead: computed inside the
+    branch, its work did not overlap the rest of the step on XLA:CPU (whose elementwise
+    fusions otherwise run on both cores), and the forward at B 8, H 16, K = V = 128 took ≈ 8%
+    longer (benchmarks/RESULTS.md, issue 4).
     """
     heads = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
     q, k, v, g = heads(q), heads(k), heads(v), heads(g)
@@ -608,7 +615,8 @@ def _stream_chunk(
     def factored() -> tuple[jax.Array, jax.Array]:
         # One exponential per element: q̃ = q ⊙ exp(b), k̃ = k ⊙ exp(-b) (both within
         # exp(±80)); scores q̃ k̃ᵀ carry exp(b_t - b_s); the next state is
-        # exp(b_last) ⊙ (S + k̃ᵀ v).
+        # exp(b_last) ⊙ (S + k̃ᵀ v). Outside that range the factors overflow; the
+        # conditional below then discards them.
         e = jnp.exp(bk)
         q_in, k_f = q * e, k / e
         scores = jnp.where(_causal(q.shape[1]), _dot("mck,msk->mcs", q_in, k_f), 0.0)
@@ -620,7 +628,8 @@ def _stream_chunk(
     if mode_ok is None:
         out, new = exact()
     else:
-        out, new = lax.cond(mode_ok, factored, exact)
+        fast = factored()
+        out, new = lax.cond(mode_ok, lambda: fast, exact)
     return jnp.swapaxes(out, 0, 1), new
 
 
