@@ -15,6 +15,7 @@ __all__ = [
     "gpu_compiler_params",
     "gpu_interpret_params",
     "gpu_load",
+    "gpu_named_barrier",
     "pl",
     "plgpu",
     "pltpu",
@@ -103,6 +104,25 @@ def gpu_accumulator(shape: tuple[int, int], dtype: Any) -> Any:
 def gpu_accumulator_init(value: Any) -> Any:
     """A WGMMA accumulator initialised from registers, for ``pl.run_state``."""
     return _first(plgpu(), "ACC", "WGMMAAccumulatorRef").init(value)
+
+
+def gpu_named_barrier(operation: str, barrier_id: int, num_threads: int) -> None:
+    """``bar.<operation> barrier_id, num_threads;`` (``arrive`` or ``sync``): a hardware named
+    barrier, through Mosaic GPU's inline escape (Pallas exposes only mbarriers)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm
+
+    @plgpu().inline_mgpu()
+    def body(_ctx: Any) -> None:
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"),
+            [],
+            f"bar.{operation} {barrier_id}, {num_threads};",
+            "",
+            has_side_effects=True,
+        )
+
+    body()
 
 
 def gpu_kernel(body: Any, *, out: Any, scratch: Any, name: str, **kwargs: Any) -> Any:

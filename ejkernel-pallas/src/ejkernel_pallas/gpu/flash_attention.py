@@ -5,10 +5,10 @@ Sec. 3.1-3.2) on an H100: every CTA runs three warpgroups; one is a producer tha
 and value tiles from global to shared memory with the bulk tensor copy engine (TMA) into a
 ring of ``num_stages`` slots guarded by mbarriers, two are consumers that each own ``bq`` query
 rows and run the warpgroup matrix instructions (``wgmma``) for ``S = QKᵀ`` and ``O += PV`` with
-the online softmax in registers between them. A ping-pong barrier between the two consumers
-lets one warpgroup's softmax overlap the other's matmuls (FA3 Sec. 3.1). The softmax runs in
-base 2 (``exp2`` of logits pre-multiplied by ``scale · log2 e``), with the logsumexp saved in
-base 2 for the backward.
+the online softmax in registers between them. A ping-pong on two hardware named barriers
+between the two consumers lets one warpgroup's softmax overlap the other's matmuls (FA3 Sec.
+3.1). The softmax runs in base 2 (``exp2(s · scale · log2 e − m)``, one FMA a logit), with the
+logsumexp saved in base 2 for the backward.
 
 - Forward: grid (Hq, Sq / 2bq, B); each consumer loops over the kv blocks its rows can see.
   Causal (bottom-right aligned): the blocks every row sees run unmasked, the diagonal ones
@@ -28,7 +28,8 @@ What was verified how: the kernels run on the CPU in Mosaic GPU's interpret mode
 warpgroups, barriers, TMA copies and shared memory simulated) in ``tests/pallas/
 test_flash_attention_gpu.py``, where the ``wgmma`` calls are replaced by ``jnp.dot`` on the same
 shared-memory tiles (the interpreter does not model WGMMA accumulators): the pipelines,
-barriers, masks and softmax are the ones that run on the GPU. The real lowering is exercised by
+mbarriers, masks and softmax are the ones that run on the GPU (the consumers' named-barrier
+ping-pong only orders work, and is skipped there). The real lowering is exercised by
 the ``gpu``-marked tests and ``benchmarks/bench_pallas_gpu.py`` on an H100.
 """
 
@@ -431,6 +432,23 @@ def _mma_acc(pr: _Problem, acc: Any, a: Any, b: Any, *, transpose_b: bool = Fals
     return pl.run_state(body)(_compat.gpu_accumulator_init(acc))
 
 
+#: Named barriers of the consumers' ping-pong (Mosaic GPU itself uses the low IDs).
+SCHEDULE_BARRIERS = (8, 9)
+
+
+def _schedule_barrier(pr: _Problem, wg: Any, operation: str) -> None:
+    """Consumer ``wg`` (0 or 1) arrives at the other's named barrier (``"arrive"``) or waits
+    at its own for the other's arrival (``"sync"``); 256 threads each. A no-op in interpret
+    mode, which runs the warpgroups without a schedule to order."""
+    if pr.interpret:
+        return
+    pl = _compat.pl
+    for me, mine in enumerate(SCHEDULE_BARRIERS):
+        theirs = SCHEDULE_BARRIERS[1 - me]
+        target = theirs if operation == "arrive" else mine
+        pl.when(wg == me)(functools.partial(_compat.gpu_named_barrier, operation, target, 2 * 128))
+
+
 def _layout(pr: _Problem, x: Any, layout: str, reduce: int | None = None) -> Any:
     if pr.interpret:
         return x
@@ -514,7 +532,6 @@ def _fwd_call(
         plgpu.Barrier(num_barriers=2),  # Q landed
         plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # K slot free
         plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # V slot free
-        plgpu.Barrier(num_arrivals=2),  # consumer ping-pong
     ]
     out_types = [
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -544,7 +561,6 @@ def _flash_attention_fwd_kernel(
     q_landed,
     k_free,
     v_free,
-    pingpong,
     *,
     pr: _Problem,
 ):
@@ -556,9 +572,11 @@ def _flash_attention_fwd_kernel(
     cta_steps = pr.kv_steps(tile_q0 + pr.bq)  # the second consumer's rows see the most
     bq, bk, d = pr.bq, pr.bk, pr.d
 
-    def pingpong_sync() -> None:
-        plgpu.barrier_arrive(pingpong)
-        plgpu.barrier_wait(pingpong)
+    # FA3's ping-pong on two hardware named barriers: a consumer signals the other once its
+    # Q·Kᵀ is issued, and issues its P·V only after the other's Q·Kᵀ is, so one consumer's
+    # softmax runs under the other's matmuls. Strictly alternating, balanced at the ends.
+    issued = functools.partial(_schedule_barrier, pr, wg, "arrive")
+    wait_other = functools.partial(_schedule_barrier, pr, wg, "sync")
 
     @pl.when(wg < 2)
     def _consumer():
@@ -577,14 +595,12 @@ def _flash_attention_fwd_kernel(
         def _():
             plgpu.barrier_wait(k_landed.at[0])
 
-        pl.when(wg == 1)(pingpong_sync)
+        pl.when(wg == 1)(wait_other)
 
         def step(j, carry, masked: bool):
             acc, m, denom = carry
             slot = lax.rem(j, jnp.int32(pr.stages))
-            s = _mma(
-                pr, qo_smem, k_smem.at[slot], (bq, bk), transpose_b=True, after_issue=pingpong_sync
-            )
+            s = _mma(pr, qo_smem, k_smem.at[slot], (bq, bk), transpose_b=True, after_issue=issued)
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
                 rows = _iota(pr, (bq, bk), 0) + (q0 + pr.offset)
@@ -601,9 +617,8 @@ def _flash_attention_fwd_kernel(
             # Pin the order (softmax finished before the barriers below): measured faster.
             acc, p16 = lax.optimization_barrier((acc, p16))
             denom, m_new = lax.optimization_barrier((denom, m_new))
-            plgpu.barrier_arrive(pingpong)  # softmax done: the other consumer may issue
             plgpu.barrier_wait(v_landed.at[slot])
-            plgpu.barrier_wait(pingpong)
+            wait_other()
             acc = _mma_acc(pr, acc, p16, v_smem.at[slot])
             nxt = j + 1
 
@@ -626,12 +641,12 @@ def _flash_attention_fwd_kernel(
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_landed.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
-                pingpong_sync()
-                pingpong_sync()
+                issued()
+                wait_other()
 
             lax.fori_loop(steps, cta_steps, release, None)
         acc, m, denom = carry
-        pl.when(wg == 0)(pingpong_sync)
+        pl.when(wg == 0)(issued)
         empty = denom == 0.0
         l_safe = jnp.where(empty, 1.0, denom)
         acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
