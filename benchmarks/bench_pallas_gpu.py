@@ -51,6 +51,21 @@ def _time(fn: Callable[..., Any], *args: Any, iters: int, reps: int) -> float:
     return statistics.median(samples)
 
 
+def _time_both(
+    name: str, attn: Callable[..., Any], qkvdo: tuple[Any, ...], flops: float, iters: int, reps: int
+) -> tuple[float, float]:
+    """Seconds per forward and per forward+backward call, printed as TFLOP/s."""
+    q, k, v, do = qkvdo
+    fwd_t = _time(jax.jit(attn), q, k, v, iters=iters, reps=reps)
+    both_t = _time(_fwd_bwd(attn), q, k, v, do, iters=iters, reps=reps)
+    print(
+        f"  {name:15s} fwd {flops / fwd_t / 1e12:6.1f} TFLOP/s   "
+        f"fwd+bwd {3.5 * flops / both_t / 1e12:6.1f} TFLOP/s",
+        flush=True,
+    )
+    return fwd_t, both_t
+
+
 def _fwd_bwd(attn: Callable[..., Any]) -> Callable[..., Any]:
     def f(q: Any, k: Any, v: Any, do: Any) -> Any:
         out, vjp = jax.vjp(attn, q, k, v)
@@ -118,13 +133,7 @@ def run_case(b: int, s: int, h: int, d: int, causal: bool, iters: int, reps: int
         err = "FAIL"
         try:
             err = _check(name, attn, q, k, v, do, causal)
-            fwd_t = _time(jax.jit(attn), q, k, v, iters=iters, reps=reps)
-            both_t = _time(_fwd_bwd(attn), q, k, v, do, iters=iters, reps=reps)
-            print(
-                f"  {name:15s} fwd {flops / fwd_t / 1e12:6.1f} TFLOP/s   "
-                f"fwd+bwd {3.5 * flops / both_t / 1e12:6.1f} TFLOP/s",
-                flush=True,
-            )
+            fwd_t, both_t = _time_both(name, attn, (q, k, v, do), flops, iters, reps)
         except Exception as e:
             print(f"  {name:15s} FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
             traceback.print_exc(limit=8)
@@ -168,13 +177,7 @@ def sweep_case(b: int, s: int, h: int, d: int, causal: bool, iters: int, reps: i
                 ejkernel.flash_attention, causal=causal, platform="pallas", cfg=cfg
             )
         try:
-            fwd_t = _time(jax.jit(attn), q, k, v, iters=iters, reps=reps)
-            both_t = _time(_fwd_bwd(attn), q, k, v, do, iters=iters, reps=reps)
-            print(
-                f"  {name:15s} fwd {flops / fwd_t / 1e12:6.1f}  fwd+bwd "
-                f"{3.5 * flops / both_t / 1e12:6.1f} TFLOP/s",
-                flush=True,
-            )
+            _time_both(name, attn, (q, k, v, do), flops, iters, reps)
         except Exception as e:
             print(f"  {name:15s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
