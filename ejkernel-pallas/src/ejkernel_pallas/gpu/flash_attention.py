@@ -614,7 +614,8 @@ def _flash_attention_fwd_kernel(
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             denom = denom * alpha + p.sum(axis=1)
             p16 = p.astype(pr.dtype)
-            # Pin the order (softmax finished before the barriers below): measured faster.
+            # Pin the order: the softmax finishes before the barriers below (with the scale
+            # fold above, forward 594 -> 612 TFLOP/s at D 128; not timed apart).
             acc, p16 = lax.optimization_barrier((acc, p16))
             denom, m_new = lax.optimization_barrier((denom, m_new))
             plgpu.barrier_wait(v_landed.at[slot])
