@@ -231,19 +231,33 @@ print("UPSTREAM" + json.dumps(out))
         return {repr((tuple(s), c)): {"error": str(err)} for s in shapes for c in (False, True)}
 
 
+#: The phases of a start, in order: each is printed by the child as ``PHASE <seconds>``.
+STARTUP_PHASES = ("imported", "backend", "input", "traced", "compiled", "result")
+
+
 def startup(shape: tuple[int, ...]) -> dict[str, float]:
     """Seconds to the first fwd+bwd result of a new shape: cold (empty config cache, autotune,
-    empty Triton cache) and warm (both caches filled), each in a fresh process."""
+    empty Triton cache) and warm (both caches filled), each in a fresh process.
+
+    Per start: ``<name>`` the whole process to the result; ``<name>_op`` from the first call
+    for the new shape (tracing, Triton, XLA compile, first execution) to the result, without
+    importing jax and starting its GPU client; ``<name>_<phase>`` the time each phase ended."""
     code = f"""
 import time; t0 = time.perf_counter()
+def mark(phase): print(phase.upper(), time.perf_counter() - t0, flush=True)
 import jax, jax.numpy as jnp, ejkernel
-print("IMPORTED", time.perf_counter() - t0)
-q = jax.random.normal(jax.random.PRNGKey(0), {tuple(shape)!r}, jnp.bfloat16)
+mark("imported")
+jax.devices(); mark("backend")
+q = jax.block_until_ready(
+    jax.random.normal(jax.random.PRNGKey(0), {tuple(shape)!r}, jnp.bfloat16))
+mark("input")
 f = jax.jit(jax.grad(lambda q: ejkernel.flash_attention(q, q, q, causal=True,
     platform="triton").astype(jnp.float32).sum()))
-jax.block_until_ready(f(q)); print("SECONDS", time.perf_counter() - t0)
+lowered = f.lower(q); mark("traced")
+compiled = lowered.compile(); mark("compiled")
+jax.block_until_ready(compiled(q)); mark("result")
 """
-    result = {}
+    result: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         env = {
             **os.environ,
@@ -255,14 +269,34 @@ jax.block_until_ready(f(q)); print("SECONDS", time.perf_counter() - t0)
             res = subprocess.run(
                 [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
             )
-            lines = res.stdout.splitlines()
-            secs = [float(x.split()[1]) for x in lines if x.startswith("SECONDS")]
-            result[name] = secs[0] if secs else float("nan")
-            imported = [float(x.split()[1]) for x in lines if x.startswith("IMPORTED")]
-            result[f"{name}_import"] = imported[0] if imported else float("nan")
-            if not secs:
+            marks = {}
+            for line in res.stdout.splitlines():
+                word, _, value = line.partition(" ")
+                if word.lower() in STARTUP_PHASES:
+                    marks[word.lower()] = float(value)
+            for phase in STARTUP_PHASES:
+                result[f"{name}_{phase}"] = marks.get(phase, float("nan"))
+            result[name] = result[f"{name}_result"]
+            result[f"{name}_op"] = result[name] - result[f"{name}_input"]
+            if "result" not in marks:
                 print(res.stderr[-2000:])
     return result
+
+
+def startup_line(shape: tuple[int, ...], start: dict[str, float]) -> str:
+    """One line per start: the total, the new shape's own part, and each phase's seconds."""
+    parts = [f"startup of a new shape {shape} causal fwd+bwd (seconds):"]
+    for name in ("cold", "warm"):
+        ends = [start[f"{name}_{phase}"] for phase in STARTUP_PHASES]
+        steps = ", ".join(
+            f"{phase} {end - prev:.2f}"
+            for phase, end, prev in zip(STARTUP_PHASES, ends, [0.0, *ends], strict=False)
+        )
+        parts.append(
+            f"{name} {start[name]:.1f} in all, {start[f'{name}_op']:.1f} from the first call "
+            f"({steps})"
+        )
+    return "\n  ".join(parts)
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -395,7 +429,8 @@ def main() -> None:
                 for name in [n for n in chosen if n in impls]:
                     row = measure(impls[name], (b, s, 16, 128), causal)
                     sweep.append({"shape": (b, s, 16, 128), "causal": causal, "impl": name, **row})
-    start = {} if args.no_startup else startup((2, 3072, 16, 128))
+    startup_shape = (2, 3072, 16, 128)
+    start = {} if args.no_startup else startup(startup_shape)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
@@ -412,11 +447,7 @@ def main() -> None:
     print(json.dumps(report["versions"]))
     print(table(rows))
     if start:
-        print(
-            f"startup of a new shape (2, 3072, 16, 128) causal fwd+bwd: cold {start['cold']:.1f} s, "
-            f"warm {start['warm']:.1f} s (of which importing jax and ejkernel: cold "
-            f"{start['cold_import']:.1f} s, warm {start['warm_import']:.1f} s)"
-        )
+        print(startup_line(startup_shape, start))
 
 
 if __name__ == "__main__":

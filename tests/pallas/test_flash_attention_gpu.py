@@ -93,9 +93,44 @@ def test_causal_gqa_with_more_keys_than_queries(mode: str) -> None:
     _check(mode, AttentionShape(b=1, sq=256, sk=384, hq=2, hkv=1, d=64), True, SMALL)
 
 
+@pytest.mark.parametrize("d", [64, 128])  # the forward orders its waits per head dim
 @pytest.mark.parametrize("mode", [GPU, INTERPRET])
-def test_full_attention_one_tile(mode: str) -> None:
-    _check(mode, AttentionShape(b=1, sq=128, sk=128, hq=1, hkv=1, d=64), False, SMALL)
+def test_full_attention_one_tile(mode: str, d: int) -> None:
+    _check(mode, AttentionShape(b=1, sq=128, sk=128, hq=1, hkv=1, d=d), False, SMALL)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_kernels_lower_to_mosaic_gpu_on_any_machine(d: int, causal: bool) -> None:
+    # The GPU lowering itself (wgmma, named barriers, TMA), traced for CUDA without a GPU:
+    # what interpret mode never builds (the wgmma accumulators, the named-barrier PTX).
+    import attrs
+
+    from ejkernel_pallas.gpu import flash_attention as fa
+
+    x = jax.ShapeDtypeStruct((1, 256, 2, d), jnp.bfloat16)
+    row = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)  # logsumexp, delta
+
+    def problem(q: Any, k: Any, backward: bool) -> Any:
+        pr = fa._Problem.of(q, k, None, backward=backward, softmax_scale=None, causal=causal)
+        return attrs.evolve(pr, interpret=False)
+
+    kernels = {
+        "fwd": (lambda q, k, v: fa._fwd_call(q, k, v, problem(q, k, False)), (x, x, x)),
+        "dq": (
+            lambda q, k, v, do, lse, dl: fa._bwd_dq_call(q, k, v, do, lse, dl, problem(q, k, True)),
+            (x, x, x, x, row, row),
+        ),
+        "dkv": (
+            lambda q, k, v, do, lse, dl: fa._bwd_dkv_call(
+                q, k, v, do, lse, dl, problem(q, k, True)
+            ),
+            (x, x, x, x, row, row),
+        ),
+    }
+    for name, (fn, args) in kernels.items():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, name
 
 
 @pytest.mark.gpu

@@ -356,7 +356,7 @@ class _Problem:
     def kv_steps(self, q0: Any) -> Any:
         """Kv blocks rows ``[q0, q0 + bq)`` see: keys ``< q0 + bq + offset`` when causal."""
         if not self.causal:
-            return jnp.int32(self.nk)
+            return self.nk
         end = jnp.maximum(q0 + self.bq + self.offset, 0)
         return jnp.minimum(lax.div(end + self.bk - 1, jnp.int32(self.bk)), self.nk)
 
@@ -419,15 +419,31 @@ def _mma(
     return pl.run_scoped(body, _compat.gpu_accumulator(shape, jnp.float32))
 
 
-def _mma_acc(pr: _Problem, acc: Any, a: Any, b: Any, *, transpose_b: bool = False) -> Any:
-    """``acc + a @ b``, accumulating in the wgmma accumulator on the GPU."""
+def _mma_acc(
+    pr: _Problem,
+    acc: Any,
+    a: Any,
+    b: Any,
+    *,
+    transpose_b: bool = False,
+    after_issue: Callable[[], None] | None = None,
+) -> Any:
+    """``acc + a @ b``, accumulating in the wgmma accumulator on the GPU; ``after_issue`` runs
+    while the matmul is in flight. Whatever it closes over should be traced values or Python
+    scalars: with jax 0.11 a concrete ``jax.Array`` constant there failed to lower ("Shaped
+    arrays must be represented by ir.Values")."""
     if pr.interpret:
-        return acc + jnp.dot(_value(a), _value(b, transpose_b), preferred_element_type=jnp.float32)
+        out = acc + jnp.dot(_value(a), _value(b, transpose_b), preferred_element_type=jnp.float32)
+        if after_issue is not None:
+            after_issue()
+        return out
     plgpu, pl = _compat.plgpu(), _compat.pl
     b_ref = _compat.transpose_ref(b, (1, 0)) if transpose_b else b
 
     def body(acc_ref: Any) -> None:
         plgpu.wgmma(acc_ref, a, b_ref)
+        if after_issue is not None:
+            after_issue()
 
     return pl.run_state(body)(_compat.gpu_accumulator_init(acc))
 
@@ -620,13 +636,20 @@ def _flash_attention_fwd_kernel(
             denom, m_new = lax.optimization_barrier((denom, m_new))
             plgpu.barrier_wait(v_landed.at[slot])
             wait_other()
-            acc = _mma_acc(pr, acc, p16, v_smem.at[slot])
             nxt = j + 1
 
-            @pl.when(nxt < steps)
-            def _():
-                plgpu.barrier_wait(k_landed.at[lax.rem(nxt, jnp.int32(pr.stages))])
+            def wait_next_k() -> None:
+                @pl.when(nxt < steps)
+                def _():
+                    plgpu.barrier_wait(k_landed.at[lax.rem(nxt, pr.stages)])
 
+            # D 128: wait for the next K tile while P·V runs (tokamax's order), +1 % forward;
+            # D 64, whose P·V is too short to hide the wait, -3 %: after it (H100, same run).
+            if pr.d >= 128:
+                acc = _mma_acc(pr, acc, p16, v_smem.at[slot], after_issue=wait_next_k)
+            else:
+                acc = _mma_acc(pr, acc, p16, v_smem.at[slot])
+                wait_next_k()
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, denom
 
