@@ -99,9 +99,37 @@ def test_full_attention_one_tile(mode: str, d: int) -> None:
     _check(mode, AttentionShape(b=1, sq=128, sk=128, hq=1, hkv=1, d=d), False, SMALL)
 
 
+@pytest.mark.parametrize("mode", [GPU, INTERPRET])
+def test_overlapped_forward_over_many_kv_tiles(mode: str) -> None:
+    # D 128 non-causal: the forward overlapping the next Q·Kᵀ with P·V, over six kv tiles
+    # (every ring slot reused), GQA, more keys than queries
+    _check(mode, AttentionShape(b=1, sq=128, sk=384, hq=2, hkv=1, d=128), False, SMALL)
+
+
+@pytest.mark.parametrize(
+    ("mode", "d"),
+    [(GPU, 64), (INTERPRET, 64), (INTERPRET, 128)],  # the GPU runs it at D 64 only
+)
+def test_persistent_forward_runs_several_tiles_per_cta(
+    mode: str, d: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # non-causal with more (head, query tile, batch) tiles than CTAs: one ring across tiles
+    # (3 CTAs in interpret mode, one per SM on the GPU)
+    from ejkernel_pallas.gpu import flash_attention as fa
+
+    monkeypatch.setattr(fa, "PERSISTENT_FORWARD_HEAD_DIMS", (d,))
+    if mode == "gpu":
+        shape = AttentionShape(b=2, sq=1024, sk=1024, hq=16, hkv=4, d=d)  # 256 tiles
+    else:
+        shape = AttentionShape(b=1, sq=256, sk=384, hq=2, hkv=1, d=d)  # 4 tiles
+    _check(mode, shape, False, SMALL)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_kernels_lower_to_mosaic_gpu_on_any_machine(d: int, causal: bool) -> None:
+def test_kernels_lower_to_mosaic_gpu_on_any_machine(
+    d: int, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The GPU lowering itself (wgmma, named barriers, TMA), traced for CUDA without a GPU:
     # what interpret mode never builds (the wgmma accumulators, the named-barrier PTX).
     import attrs
@@ -115,22 +143,19 @@ def test_kernels_lower_to_mosaic_gpu_on_any_machine(d: int, causal: bool) -> Non
         pr = fa._Problem.of(q, k, None, backward=backward, softmax_scale=None, causal=causal)
         return attrs.evolve(pr, interpret=False)
 
-    kernels = {
-        "fwd": (lambda q, k, v: fa._fwd_call(q, k, v, problem(q, k, False)), (x, x, x)),
-        "dq": (
-            lambda q, k, v, do, lse, dl: fa._bwd_dq_call(q, k, v, do, lse, dl, problem(q, k, True)),
-            (x, x, x, x, row, row),
-        ),
-        "dkv": (
-            lambda q, k, v, do, lse, dl: fa._bwd_dkv_call(
-                q, k, v, do, lse, dl, problem(q, k, True)
-            ),
-            (x, x, x, x, row, row),
-        ),
-    }
-    for name, (fn, args) in kernels.items():
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text, name
+    def lowered(fn: Any, *args: Any) -> str:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    fwd = lambda q, k, v: fa._fwd_call(q, k, v, problem(q, k, False))
+    dq = lambda q, k, v, do, lse, dl: fa._bwd_dq_call(q, k, v, do, lse, dl, problem(q, k, True))
+    dkv = lambda q, k, v, do, lse, dl: fa._bwd_dkv_call(q, k, v, do, lse, dl, problem(q, k, True))
+    assert "ejkernel_flash_attention_fwd" in lowered(fwd, x, x, x)
+    assert "mosaic_gpu" in lowered(dq, x, x, x, x, row, row)
+    assert "mosaic_gpu" in lowered(dkv, x, x, x, x, row, row)
+    monkeypatch.setattr(fa, "_sm_count", lambda pr: 1)  # 2 tiles > 1 CTA: persistent if not causal
+    monkeypatch.setattr(fa, "PERSISTENT_FORWARD_HEAD_DIMS", (d,))
+    persistent = lowered(lambda *a: fwd(*a), x, x, x)  # a new function: not jit's cached trace
+    assert ("ejkernel_flash_attention_fwd_persistent" in persistent) != causal
 
 
 @pytest.mark.gpu

@@ -13,7 +13,10 @@ logsumexp saved in base 2 for the backward.
 - Forward: grid (Hq, Sq / 2bq, B); each consumer loops over the kv blocks its rows can see.
   Causal (bottom-right aligned): the blocks every row sees run unmasked, the diagonal ones
   masked, and the rest are never loaded (the producer stops at the CTA's last visible block;
-  a consumer that finishes earlier releases the remaining ring slots).
+  a consumer that finishes earlier releases the remaining ring slots). Non-causal at D 64 with
+  more tiles than SMs, the forward is persistent instead: one CTA per SM walks its tiles, its
+  producer streams their K/V through one ring (the next tile's loads overlap this tile's
+  epilogue), and each consumer reloads Q before writing its output from a separate buffer.
 - Backward: ``Δ = rowsum(dO ∘ O)`` in XLA, then two kernels with the same producer/consumer
   structure: ``dQ`` (consumers own query rows, stream K/V) and ``dK``/``dV`` (consumers own key
   rows, stream Q, dO, logsumexp and Δ; causal starts each consumer at its first visible query
@@ -429,9 +432,9 @@ def _mma_acc(
     after_issue: Callable[[], None] | None = None,
 ) -> Any:
     """``acc + a @ b``, accumulating in the wgmma accumulator on the GPU; ``after_issue`` runs
-    while the matmul is in flight. Whatever it closes over should be traced values or Python
-    scalars: with jax 0.11 a concrete ``jax.Array`` constant there failed to lower ("Shaped
-    arrays must be represented by ir.Values")."""
+    while the matmul is in flight. Refs it reads (``b`` too) must be indexed by traced values:
+    with jax 0.11, a constant index there fails to lower ("Shaped arrays must be represented by
+    ir.Values")."""
     if pr.interpret:
         out = acc + jnp.dot(_value(a), _value(b, transpose_b), preferred_element_type=jnp.float32)
         if after_issue is not None:
@@ -535,6 +538,9 @@ def _fwd_call(
     q: jax.Array, k: jax.Array, v: jax.Array, pr: _Problem
 ) -> tuple[jax.Array, jax.Array]:
     """out [B, Sq, Hq, D] and the base-2 logsumexp [B, Hq, Sq] (float32)."""
+    tiles = pr.hq * (pr.sq // (2 * pr.bq)) * pr.b
+    if pr.d in PERSISTENT_FORWARD_HEAD_DIMS and not pr.causal and tiles > _sm_count(pr):
+        return _fwd_persistent_call(q, k, v, pr)
     plgpu = _compat.plgpu()
     scratch = [
         (
@@ -692,6 +698,178 @@ def _flash_attention_fwd_kernel(
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_landed.at[slot])
 
         _produce(pr, cta_steps, load, (k_free, v_free), start=jnp.int32(0))
+
+
+#: Non-causal forwards at D 64 with more tiles than SMs run persistent (_fwd_persistent_call):
+#: H100, same run, TFLOP/s grid → persistent: D 64 (8, 2048, 16) 406 → 418; at D 128 it lost,
+#: (4, 4096, 16) 564 → 567 and (2, 8192, 16) 598 → 570, so D 128 keeps the grid.
+PERSISTENT_FORWARD_HEAD_DIMS = (64,)
+
+
+def _sm_count(pr: _Problem) -> int:
+    """CTAs of a persistent launch: the GPU's SMs (3 in interpret mode, to loop over tiles)."""
+    if pr.interpret:
+        return 3
+    return int(getattr(jax.devices()[0], "core_count", 132) or 132)
+
+
+def _fwd_persistent_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, pr: _Problem
+) -> tuple[jax.Array, jax.Array]:
+    """The non-causal forward as a persistent kernel: one CTA per SM walks the (head, query
+    tile, batch) tiles ``cta, cta + ctas, …``; its producer streams the K/V tiles of all of them
+    through one ring, so the next tile's first loads overlap this tile's epilogue, and each
+    consumer loads its next Q before writing its output (separate Q and O buffers)."""
+    plgpu = _compat.plgpu()
+    tiles = pr.hq * (pr.sq // (2 * pr.bq)) * pr.b
+    ctas = min(_sm_count(pr), tiles)
+    scratch = [
+        (
+            _smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q, per consumer
+            _smem(pr, (2, pr.bq, pr.d), pr.dtype),  # O, per consumer
+            _smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
+            _smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
+            _smem(pr, (2, pr.bq), jnp.float32, tiled=False),
+        ),
+        plgpu.Barrier(num_barriers=pr.stages),  # K landed
+        plgpu.Barrier(num_barriers=pr.stages),  # V landed
+        plgpu.Barrier(num_barriers=2),  # Q landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # K slot free
+        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # V slot free
+    ]
+    out_types = [
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq), jnp.float32),
+    ]
+    out, lse = _launch(
+        pr,
+        functools.partial(_fwd_persistent_kernel, pr=pr, tiles=tiles, ctas=ctas),
+        out=out_types,
+        scratch=scratch,
+        grid=(ctas,),
+        grid_names=("cta",),
+        name="ejkernel_flash_attention_fwd_persistent",
+    )(q, k, v)
+    return out, lse
+
+
+def _fwd_persistent_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    out_ref,
+    lse_ref,
+    smem,
+    k_landed,
+    v_landed,
+    q_landed,
+    k_free,
+    v_free,
+    *,
+    pr: _Problem,
+    tiles: int,
+    ctas: int,
+):
+    pl, plgpu = _compat.pl, _compat.plgpu()
+    q_smem2, o_smem2, k_smem, v_smem, lse_smem2 = smem
+    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+    bq, bk, d, nk = pr.bq, pr.bk, pr.d, pr.nk
+    q_tiles = pr.sq // (2 * bq)
+    mine = lax.div(tiles - cta + (ctas - 1), jnp.int32(ctas))  # tiles this CTA runs
+
+    def tile_of(i: Any) -> tuple[Any, Any, Any]:
+        """(batch, head, first query row) of this CTA's i-th tile; heads vary fastest."""
+        t = cta + i * ctas
+        h = lax.rem(t, jnp.int32(pr.hq))
+        rest = lax.div(t, jnp.int32(pr.hq))
+        return lax.div(rest, jnp.int32(q_tiles)), h, lax.rem(rest, jnp.int32(q_tiles)) * (2 * bq)
+
+    issued = functools.partial(_schedule_barrier, pr, wg, "arrive")
+    wait_other = functools.partial(_schedule_barrier, pr, wg, "sync")
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
+
+        def load_q(i: Any) -> None:
+            b, h, tile_q0 = tile_of(i)
+            rows = (b, pl.ds(tile_q0 + wg * bq, bq), h)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_landed.at[wg])
+
+        load_q(jnp.int32(0))
+        plgpu.barrier_wait(k_landed.at[0])
+
+        def tile(i, _):
+            b, h, tile_q0 = tile_of(i)
+            q0 = tile_q0 + wg * bq
+            first = i * nk  # global step of this tile's first kv block
+            plgpu.barrier_wait(q_landed.at[wg])
+            m = _layout(pr, jnp.full((bq,), M_INIT, jnp.float32), "WGMMA", reduce=1)
+            denom = _layout(pr, jnp.full((bq,), 0.0, jnp.float32), "WGMMA", reduce=1)
+            acc = _layout(pr, jnp.full((bq, d), 0.0, jnp.float32), "WGMMA")
+            pl.when(wg == 1)(wait_other)
+
+            def step(j, carry):
+                acc, m, denom = carry
+                g = first + j
+                slot = lax.rem(g, pr.stages)
+                s = _mma(
+                    pr, q_smem, k_smem.at[slot], (bq, bk), transpose_b=True, after_issue=issued
+                )
+                plgpu.barrier_arrive(k_free.at[slot])
+                scale = pr.scale * LOG2E
+                m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                denom = denom * alpha + p.sum(axis=1)
+                p16 = p.astype(pr.dtype)
+                acc, p16 = lax.optimization_barrier((acc, p16))
+                denom, m_new = lax.optimization_barrier((denom, m_new))
+                plgpu.barrier_wait(v_landed.at[slot])
+                wait_other()
+                nxt = g + 1
+
+                def wait_next_k() -> None:  # the next tile's first K too
+                    @pl.when(nxt < mine * nk)
+                    def _():
+                        plgpu.barrier_wait(k_landed.at[lax.rem(nxt, pr.stages)])
+
+                if d >= 128:
+                    acc = _mma_acc(pr, acc, p16, v_smem.at[slot], after_issue=wait_next_k)
+                else:
+                    acc = _mma_acc(pr, acc, p16, v_smem.at[slot])
+                    wait_next_k()
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, denom
+
+            acc, m, denom = lax.fori_loop(0, nk, step, (acc, m, denom))
+            pl.when(i + 1 < mine)(functools.partial(load_q, i + 1))  # Q is read: refill it
+            pl.when(wg == 0)(issued)
+            l_safe = jnp.where(denom == 0.0, 1.0, denom)
+            acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's output
+            o_smem[...] = acc.astype(pr.dtype)
+            lse_smem[...] = m + jnp.log2(l_safe)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, pl.ds(q0, bq), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+
+        lax.fori_loop(0, mine, tile, None)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        def load(g, slot):
+            b, h, _ = tile_of(lax.div(g, jnp.int32(nk)))
+            rows = (b, pl.ds(lax.rem(g, jnp.int32(nk)) * bk, bk), lax.div(h, jnp.int32(pr.group)))
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_landed.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_landed.at[slot])
+
+        _produce(pr, mine * nk, load, (k_free, v_free), start=jnp.int32(0))
 
 
 # --------------------------------------------------------------------------------------------
