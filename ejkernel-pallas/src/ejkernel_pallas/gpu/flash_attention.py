@@ -534,6 +534,75 @@ def _launch(
 # --------------------------------------------------------------------------------------------
 
 
+def _fwd_barriers(pr: _Problem) -> list[Any]:
+    """K landed, V landed, Q landed (per consumer), K slot free, V slot free."""
+    plgpu = _compat.plgpu()
+    return [
+        plgpu.Barrier(num_barriers=pr.stages),
+        plgpu.Barrier(num_barriers=pr.stages),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),
+    ]
+
+
+def _fwd_step(
+    pr: _Problem,
+    carry: tuple[Any, Any, Any],
+    *,
+    step: Any,
+    end: Any,
+    q_smem: Any,
+    ring: tuple[Any, ...],
+    issued: Callable[[], None],
+    wait_other: Callable[[], None],
+    mask: Callable[[Any], Any] | None = None,
+) -> tuple[Any, Any, Any]:
+    """One kv block of one consumer: ``S = Q·Kᵀ``, the online softmax, ``acc += P·V``.
+
+    ``step`` is the block's position in the ring's stream and ``end`` where the stream stops
+    (the K of ``step + 1`` is awaited when it exists); ``ring`` holds the K and V slots with
+    their landed and free barriers; ``mask`` sets hidden scores to -inf."""
+    pl, plgpu = _compat.pl, _compat.plgpu()
+    k_smem, v_smem, k_landed, v_landed, k_free, v_free = ring
+    acc, m, denom = carry
+    slot = lax.rem(step, jnp.int32(pr.stages))
+    s = _mma(pr, q_smem, k_smem.at[slot], (pr.bq, pr.bk), transpose_b=True, after_issue=issued)
+    plgpu.barrier_arrive(k_free.at[slot])
+    if mask is not None:
+        s = mask(s)
+    # The softmax scale (base 2) folds into the exponent's argument: one FMA a logit.
+    scale = pr.scale * LOG2E
+    m_new = jnp.maximum(m, s.max(axis=1) * scale)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    denom = denom * alpha + p.sum(axis=1)
+    p16 = p.astype(pr.dtype)
+    # Pin the order: the softmax finishes before the barriers below (with the scale fold
+    # above, forward 594 -> 612 TFLOP/s at D 128; not timed apart).
+    acc, p16 = lax.optimization_barrier((acc, p16))
+    denom, m_new = lax.optimization_barrier((denom, m_new))
+    plgpu.barrier_wait(v_landed.at[slot])
+    wait_other()
+    nxt = step + 1
+
+    def wait_next_k() -> None:
+        @pl.when(nxt < end)
+        def _():
+            plgpu.barrier_wait(k_landed.at[lax.rem(nxt, pr.stages)])
+
+    # D 128: wait for the next K tile while P·V runs (tokamax's order), +1 % forward; D 64,
+    # whose P·V is too short to hide the wait, -3 %: after it (H100, same run).
+    if pr.d >= 128:
+        acc = _mma_acc(pr, acc, p16, v_smem.at[slot], after_issue=wait_next_k)
+    else:
+        acc = _mma_acc(pr, acc, p16, v_smem.at[slot])
+        wait_next_k()
+    plgpu.barrier_arrive(v_free.at[slot])
+    return acc, m_new, denom
+
+
 def _fwd_call(
     q: jax.Array, k: jax.Array, v: jax.Array, pr: _Problem
 ) -> tuple[jax.Array, jax.Array]:
@@ -541,7 +610,6 @@ def _fwd_call(
     tiles = pr.hq * (pr.sq // (2 * pr.bq)) * pr.b
     if pr.d in PERSISTENT_FORWARD_HEAD_DIMS and not pr.causal and tiles > _sm_count(pr):
         return _fwd_persistent_call(q, k, v, pr)
-    plgpu = _compat.plgpu()
     scratch = [
         (
             _smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q in, O out, per consumer
@@ -549,11 +617,7 @@ def _fwd_call(
             _smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
             _smem(pr, (2, pr.bq), jnp.float32, tiled=False),
         ),
-        plgpu.Barrier(num_barriers=pr.stages),  # K landed
-        plgpu.Barrier(num_barriers=pr.stages),  # V landed
-        plgpu.Barrier(num_barriers=2),  # Q landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # K slot free
-        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # V slot free
+        *_fwd_barriers(pr),
     ]
     out_types = [
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -619,45 +683,26 @@ def _flash_attention_fwd_kernel(
 
         pl.when(wg == 1)(wait_other)
 
+        ring = (k_smem, v_smem, k_landed, v_landed, k_free, v_free)
+
+        def causal_mask(j: Any, s: Any) -> Any:
+            rows = _iota(pr, (bq, bk), 0) + (q0 + pr.offset)
+            cols = _iota(pr, (bq, bk), 1) + j * bk
+            return jnp.where(cols <= rows, s, -jnp.inf)
+
         def step(j, carry, masked: bool):
-            acc, m, denom = carry
-            slot = lax.rem(j, jnp.int32(pr.stages))
-            s = _mma(pr, qo_smem, k_smem.at[slot], (bq, bk), transpose_b=True, after_issue=issued)
-            plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                rows = _iota(pr, (bq, bk), 0) + (q0 + pr.offset)
-                cols = _iota(pr, (bq, bk), 1) + j * bk
-                s = jnp.where(cols <= rows, s, -jnp.inf)
-            # The softmax scale (base 2) folds into the exponent's argument: one FMA a logit.
-            scale = pr.scale * LOG2E
-            m_new = jnp.maximum(m, s.max(axis=1) * scale)
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            denom = denom * alpha + p.sum(axis=1)
-            p16 = p.astype(pr.dtype)
-            # Pin the order: the softmax finishes before the barriers below (with the scale
-            # fold above, forward 594 -> 612 TFLOP/s at D 128; not timed apart).
-            acc, p16 = lax.optimization_barrier((acc, p16))
-            denom, m_new = lax.optimization_barrier((denom, m_new))
-            plgpu.barrier_wait(v_landed.at[slot])
-            wait_other()
-            nxt = j + 1
-
-            def wait_next_k() -> None:
-                @pl.when(nxt < steps)
-                def _():
-                    plgpu.barrier_wait(k_landed.at[lax.rem(nxt, pr.stages)])
-
-            # D 128: wait for the next K tile while P·V runs (tokamax's order), +1 % forward;
-            # D 64, whose P·V is too short to hide the wait, -3 %: after it (H100, same run).
-            if pr.d >= 128:
-                acc = _mma_acc(pr, acc, p16, v_smem.at[slot], after_issue=wait_next_k)
-            else:
-                acc = _mma_acc(pr, acc, p16, v_smem.at[slot])
-                wait_next_k()
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, denom
+            mask = functools.partial(causal_mask, j) if masked else None
+            return _fwd_step(
+                pr,
+                carry,
+                step=j,
+                end=steps,
+                q_smem=qo_smem,
+                ring=ring,
+                issued=issued,
+                wait_other=wait_other,
+                mask=mask,
+            )
 
         carry = (acc, m, denom)
         carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
@@ -720,7 +765,6 @@ def _fwd_persistent_call(
     tile, batch) tiles ``cta, cta + ctas, …``; its producer streams the K/V tiles of all of them
     through one ring, so the next tile's first loads overlap this tile's epilogue, and each
     consumer loads its next Q before writing its output (separate Q and O buffers)."""
-    plgpu = _compat.plgpu()
     tiles = pr.hq * (pr.sq // (2 * pr.bq)) * pr.b
     ctas = min(_sm_count(pr), tiles)
     scratch = [
@@ -731,11 +775,7 @@ def _fwd_persistent_call(
             _smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
             _smem(pr, (2, pr.bq), jnp.float32, tiled=False),
         ),
-        plgpu.Barrier(num_barriers=pr.stages),  # K landed
-        plgpu.Barrier(num_barriers=pr.stages),  # V landed
-        plgpu.Barrier(num_barriers=2),  # Q landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # K slot free
-        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # V slot free
+        *_fwd_barriers(pr),
     ]
     out_types = [
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -810,39 +850,17 @@ def _fwd_persistent_kernel(
             acc = _layout(pr, jnp.full((bq, d), 0.0, jnp.float32), "WGMMA")
             pl.when(wg == 1)(wait_other)
 
-            def step(j, carry):
-                acc, m, denom = carry
-                g = first + j
-                slot = lax.rem(g, pr.stages)
-                s = _mma(
-                    pr, q_smem, k_smem.at[slot], (bq, bk), transpose_b=True, after_issue=issued
+            def step(j, carry):  # the last one awaits the next tile's first K
+                return _fwd_step(
+                    pr,
+                    carry,
+                    step=first + j,
+                    end=mine * nk,
+                    q_smem=q_smem,
+                    ring=(k_smem, v_smem, k_landed, v_landed, k_free, v_free),
+                    issued=issued,
+                    wait_other=wait_other,
                 )
-                plgpu.barrier_arrive(k_free.at[slot])
-                scale = pr.scale * LOG2E
-                m_new = jnp.maximum(m, s.max(axis=1) * scale)
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                denom = denom * alpha + p.sum(axis=1)
-                p16 = p.astype(pr.dtype)
-                acc, p16 = lax.optimization_barrier((acc, p16))
-                denom, m_new = lax.optimization_barrier((denom, m_new))
-                plgpu.barrier_wait(v_landed.at[slot])
-                wait_other()
-                nxt = g + 1
-
-                def wait_next_k() -> None:  # the next tile's first K too
-                    @pl.when(nxt < mine * nk)
-                    def _():
-                        plgpu.barrier_wait(k_landed.at[lax.rem(nxt, pr.stages)])
-
-                if d >= 128:
-                    acc = _mma_acc(pr, acc, p16, v_smem.at[slot], after_issue=wait_next_k)
-                else:
-                    acc = _mma_acc(pr, acc, p16, v_smem.at[slot])
-                    wait_next_k()
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, denom
 
             acc, m, denom = lax.fori_loop(0, nk, step, (acc, m, denom))
             pl.when(i + 1 < mine)(functools.partial(load_q, i + 1))  # Q is read: refill it
