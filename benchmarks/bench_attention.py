@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import datetime
 import importlib.metadata as md
+import itertools
 import json
 import os
 import statistics
@@ -288,10 +289,8 @@ def startup_line(shape: tuple[int, ...], start: dict[str, float]) -> str:
     parts = [f"startup of a new shape {shape} causal fwd+bwd (seconds):"]
     for name in ("cold", "warm"):
         ends = [start[f"{name}_{phase}"] for phase in STARTUP_PHASES]
-        steps = ", ".join(
-            f"{phase} {end - prev:.2f}"
-            for phase, end, prev in zip(STARTUP_PHASES, ends, [0.0, *ends], strict=False)
-        )
+        spans = [end - prev for prev, end in itertools.pairwise([0.0, *ends])]
+        steps = ", ".join(f"{phase} {span:.2f}" for phase, span in zip(STARTUP_PHASES, spans))
         parts.append(
             f"{name} {start[name]:.1f} in all, {start[f'{name}_op']:.1f} from the first call "
             f"({steps})"

@@ -356,6 +356,11 @@ class _Problem:
     def nq(self) -> int:
         return self.sq // self.bq
 
+    @property
+    def fwd_tiles(self) -> int:
+        """Forward tiles (CTAs of the grid launch): (head, pair of query blocks, batch)."""
+        return self.hq * (self.sq // (2 * self.bq)) * self.b
+
     def kv_steps(self, q0: Any) -> Any:
         """Kv blocks rows ``[q0, q0 + bq)`` see: keys ``< q0 + bq + offset`` when causal."""
         if not self.causal:
@@ -607,8 +612,7 @@ def _fwd_call(
     q: jax.Array, k: jax.Array, v: jax.Array, pr: _Problem
 ) -> tuple[jax.Array, jax.Array]:
     """out [B, Sq, Hq, D] and the base-2 logsumexp [B, Hq, Sq] (float32)."""
-    tiles = pr.hq * (pr.sq // (2 * pr.bq)) * pr.b
-    if pr.d in PERSISTENT_FORWARD_HEAD_DIMS and not pr.causal and tiles > _sm_count(pr):
+    if pr.d in PERSISTENT_FORWARD_HEAD_DIMS and not pr.causal and pr.fwd_tiles > _sm_count(pr):
         return _fwd_persistent_call(q, k, v, pr)
     scratch = [
         (
@@ -765,7 +769,7 @@ def _fwd_persistent_call(
     tile, batch) tiles ``cta, cta + ctas, …``; its producer streams the K/V tiles of all of them
     through one ring, so the next tile's first loads overlap this tile's epilogue, and each
     consumer loads its next Q before writing its output (separate Q and O buffers)."""
-    tiles = pr.hq * (pr.sq // (2 * pr.bq)) * pr.b
+    tiles = pr.fwd_tiles
     ctas = min(_sm_count(pr), tiles)
     scratch = [
         (
