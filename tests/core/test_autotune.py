@@ -105,3 +105,26 @@ def test_autotune_inside_jit_logs_each_candidate_and_the_winner(monkeypatch, cap
     lines = [r.getMessage() for r in caplog.records]
     assert any("good2" in line and "ms" in line for line in lines), lines
     assert any("best" in line for line in lines), lines
+
+
+def test_kernel_candidates_are_timed_on_inputs_already_on_the_device():
+    # Synthetic NumPy inputs must be copied to the device once, not at every timed call.
+    class Good(Flaky):
+        def config_space(self, inv):
+            return [Cfg(mode="good"), Cfg(mode="good2")]
+
+        def run(self, x, *, cfg):
+            return x * 2.0
+
+    executor = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
+    x = jax.random.normal(jax.random.PRNGKey(2), (8, 8))
+    before = jax.config.jax_transfer_guard_host_to_device
+    jax.config.update("jax_transfer_guard_host_to_device", "disallow")
+    try:
+        with policy_override(autotune=True):
+            out = jax.jit(lambda x: executor(Good(), x))(x)
+        best = autotune(Good(), x, num_warmup=1, num_iters=2)
+    finally:
+        jax.config.update("jax_transfer_guard_host_to_device", before)
+    assert jnp.allclose(out, 2 * x)
+    assert best in (Cfg(mode="good"), Cfg(mode="good2"))

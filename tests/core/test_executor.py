@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import pathlib
 
@@ -207,6 +208,40 @@ def test_autotune_inside_jit_builds_synthetic_inputs_outside_the_trace(toy):
         out = jax.jit(lambda q, m: ejkernel.flash_attention(q, q, q, attention_mask=m))(q, mask)
     assert_close(out, flash_attention_reference(q, q, q, attention_mask=mask))
     assert ejkernel.explain("flash_attention", q, q, q, attention_mask=mask).origin == "autotune"
+
+
+@contextlib.contextmanager
+def no_implicit_host_to_device():
+    """Implicit host-to-device copies raise (explicit ``jax.device_put`` is allowed)."""
+    before = jax.config.jax_transfer_guard_host_to_device
+    jax.config.update("jax_transfer_guard_host_to_device", "disallow")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_transfer_guard_host_to_device", before)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_autotune_times_candidates_on_inputs_already_on_the_device(toy, grad):
+    # Synthetic inputs are NumPy; passed as they are, each timed call would copy them to the
+    # device first (tens of ms at attention sizes on a GPU), and the pick would be noise.
+    q, k, v = attention_inputs(SHAPE)
+
+    def f(q, k, v):
+        return ejkernel.flash_attention(q, k, v, causal=True)
+
+    fn = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2)) if grad else f)
+    with policy_override(autotune=True), no_implicit_host_to_device():
+        out = fn(q, k, v)
+    assert ejkernel.explain("flash_attention", q, k, v, causal=True, grad=grad).origin == (
+        "autotune"
+    )
+    want = (
+        jax.grad(lambda *a: jnp.sum(flash_attention_reference(*a, causal=True) ** 2))(q, k, v)
+        if grad
+        else flash_attention_reference(q, k, v, causal=True)
+    )
+    assert_close(out, want)
 
 
 def test_memoised_eager_dispatch_follows_cache_changes(toy):

@@ -26,7 +26,7 @@ from ejkernel import _env
 from ejkernel._json import stable_json
 from ejkernel.errors import AutotuneWarning, warn_once
 
-__all__ = ["benchmark", "progress_logger", "run_outside_trace", "tune_candidates"]
+__all__ = ["benchmark", "on_device", "progress_logger", "run_outside_trace", "tune_candidates"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,17 @@ def run_outside_trace(fn: Callable[[], Any]) -> Any:
     if _pool is None:
         _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ejkernel-autotune")
     return _pool.submit(fn).result()
+
+
+def on_device(tree: Any) -> Any:
+    """``tree`` with its NumPy arrays copied to the default device once.
+
+    Candidates are timed on these: a NumPy argument would be copied host to device at every
+    call, and for attention-sized inputs that copy (tens of milliseconds) drowns the kernel
+    being timed, so the pick would be noise."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, tree
+    )
 
 
 def _block(x: Any) -> Any:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel import _env
-from ejkernel._autotune import run_outside_trace, tune_candidates
+from ejkernel._autotune import on_device, run_outside_trace, tune_candidates
 from ejkernel._chain import Choice, ConfigSelectorChain, Tunable, overlay_state
 from ejkernel._invocation import Invocation, current_backend, fast_signature
 from ejkernel._kernel import Kernel, OpKernel, _overrides
@@ -458,7 +458,7 @@ class Executor:
     ) -> tuple[Any, dict[str, Any]]:
         abstract = inv.abstract_kwargs
         # On the tuning thread: under an active trace, jnp calls would stage into it.
-        concrete = run_outside_trace(lambda: spec.make_synthetic(abstract))
+        concrete = run_outside_trace(lambda: on_device(spec.make_synthetic(abstract)))
         arrays = {k: v for k, v in concrete.items() if spec.arg(k).array and v is not None}
 
         def make_runner(cfg: Any) -> Callable[[], Any]:
@@ -467,9 +467,11 @@ class Executor:
                 jitted = jax.jit(f)
                 return lambda: jitted(arrays)
             out_shape = jax.eval_shape(f, arrays)
-            d_out = jax.tree_util.tree_map(
-                lambda s: jnp.asarray(np.random.default_rng(1).standard_normal(s.shape), s.dtype),
-                out_shape,
+            d_out = on_device(
+                jax.tree_util.tree_map(
+                    lambda s: np.random.default_rng(1).standard_normal(s.shape).astype(s.dtype),
+                    out_shape,
+                )
             )
 
             def fwd_bwd(arrs: dict[str, Any], ct: Any) -> Any:
@@ -547,10 +549,12 @@ class Executor:
 
         abstract_kwargs = inv.abstract_kwargs
         pos = run_outside_trace(
-            lambda: default_synthetic({str(i): a for i, a in enumerate(inv.abstract_args)})
+            lambda: on_device(
+                default_synthetic({str(i): a for i, a in enumerate(inv.abstract_args)})
+            )
         )
         args = tuple(pos[str(i)] for i in range(len(inv.args)))
-        kw = run_outside_trace(lambda: default_synthetic(abstract_kwargs))
+        kw = run_outside_trace(lambda: on_device(default_synthetic(abstract_kwargs)))
         arrays = [i for i, a in enumerate(args) if hasattr(a, "shape")]
 
         def make_runner(cfg: Any) -> Callable[[], Any]:

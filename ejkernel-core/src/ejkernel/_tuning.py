@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from ejkernel._autotune import benchmark, tune_candidates
+from ejkernel._autotune import benchmark, on_device, tune_candidates
 from ejkernel._executor import Executor, build_op_function, coerce_config, default_executor
 from ejkernel._invocation import Invocation
 from ejkernel._kernel import Kernel, OpKernel
@@ -47,7 +47,9 @@ def autotune(
         inv = Invocation(kernel=spec.name, kwargs=arguments, metadata={"grad": False})
         space = list(configs) if configs is not None else _space(impl.get_config_space(), inv)
         space = [coerce_config(spec, impl, c) for c in space]
-        arrays = {k: v for k, v in arguments.items() if spec.arg(k).array and v is not None}
+        arrays = on_device(
+            {k: v for k, v in arguments.items() if spec.arg(k).array and v is not None}
+        )
 
         def make_runner(cfg: Any) -> Callable[[], Any]:
             jitted = jax.jit(build_op_function(spec, impl, arguments, lambda grad: cfg))
@@ -69,9 +71,11 @@ def autotune(
     )
     space = list(configs) if configs is not None else _space(kernel.config_space, inv)
 
+    device_args = on_device(args)
+
     def make_kernel_runner(cfg: Any) -> Callable[[], Any]:
         jitted = jax.jit(lambda *a: method(*a, cfg=cfg, **kwargs))
-        return lambda: jitted(*args)
+        return lambda: jitted(*device_args)
 
     best, timings = tune_candidates(
         kernel.name, space, make_kernel_runner, num_warmup=num_warmup, num_iters=num_iters
@@ -117,7 +121,7 @@ def autotune_platforms(
     arguments = spec.validate(spec.bind(args, kwargs))
     inv = Invocation(kernel=spec.name, kwargs=arguments, metadata={"grad": False})
     candidates, _ = _runnable(get_registry(), spec, inv, current_backend())
-    arrays = {k: v for k, v in arguments.items() if spec.arg(k).array and v is not None}
+    arrays = on_device({k: v for k, v in arguments.items() if spec.arg(k).array and v is not None})
     timings: dict[str, float] = {}
     for impl in candidates:
         choose, _ = ex._chooser(spec, impl, arguments, None)
