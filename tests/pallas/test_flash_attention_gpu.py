@@ -36,6 +36,16 @@ INTERPRET = pytest.param(
 )
 
 
+def _gpu(*values: Any, id: str) -> Any:
+    """A ``gpu`` case with more parameters (marks of a ``pytest.param`` nested in a tuple are
+    lost: build the whole case here)."""
+    return pytest.param("gpu", *values, marks=GPU.marks, id=id)
+
+
+def _interpret(*values: Any, id: str) -> Any:
+    return pytest.param("interpret", *values, marks=INTERPRET.marks, id=id)
+
+
 def _check(mode: str, shape: AttentionShape, causal: bool, cfg: Any = None) -> None:
     if mode == "interpret" and jax.default_backend() != "cpu":
         pytest.skip("interpret mode is exercised on the CPU")
@@ -107,9 +117,47 @@ def test_overlapped_forward_over_many_kv_tiles(mode: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "d"),
-    [(GPU, 64), (INTERPRET, 64), (INTERPRET, 128)],  # the GPU runs it at D 64 only
+    ("mode", "sk"),
+    [
+        _gpu(4096, id="gpu-20x192+2x128"),
+        _gpu(1152, id="gpu-6x192"),
+        _interpret(512, id="interpret-2x192+1x128"),
+        _interpret(256, id="interpret-2x128"),
+    ],
 )
+def test_wide_kv_forward_with_narrower_tail_steps(mode: str, sk: int) -> None:
+    # the default non-causal D 128 forward takes 192-row kv tiles; where 192 does not divide
+    # Sk, the last steps fill only the first 128 rows of their ring slots
+    from ejkernel_pallas.gpu import flash_attention as fa
+
+    q = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, sk, 1, 128), jnp.bfloat16)
+    pr = fa._Problem.of(q, k, None, backward=False, softmax_scale=None, causal=False)
+    assert pr.bk == 192 and pr.wide_steps * 192 + pr.tail * fa.TAIL_ROWS == sk
+    sq = 1024 if mode == "gpu" else 128
+    _check(mode, AttentionShape(b=2 if mode == "gpu" else 1, sq=sq, sk=sk, hq=4, hkv=2, d=128), False)
+
+
+def test_kv_tiles_that_cannot_cover_the_keys_are_refused() -> None:
+    from ejkernel_pallas.gpu import flash_attention as fa
+
+    q = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 640, 1, 128), jnp.bfloat16)
+    wide = FlashAttentionConfig(fwd_params=FwdParams(kv_blocksize=192))
+    assert fa._Problem.of(q, k, wide, backward=False, softmax_scale=None, causal=False).tail == 2
+    with pytest.raises(ValueError, match="kv_blocksize=192"):  # tail steps: non-causal only
+        fa._Problem.of(q, k, wide, backward=False, softmax_scale=None, causal=True)
+    with pytest.raises(ValueError, match="kv_blocksize=192 x 2"):
+        wide_bwd = FlashAttentionConfig(bwd_params=BwdParams(kv_blocksize=192))
+        fa._Problem.of(q, k, wide_bwd, backward=True, softmax_scale=None, causal=False)
+    assert fa._tail_steps(4096, 192) == 2 and fa._tail_steps(384, 192) == 0
+    assert fa._tail_steps(640, 256) == 1 and fa._tail_steps(64, 192) is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "d"),
+    [_gpu(64, id="gpu-64"), _interpret(64, id="interpret-64"), _interpret(128, id="interpret-128")],
+)  # the GPU runs it at D 64 only
 def test_persistent_forward_runs_several_tiles_per_cta(
     mode: str, d: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -152,6 +200,11 @@ def test_kernels_lower_to_mosaic_gpu_on_any_machine(
     assert "ejkernel_flash_attention_fwd" in lowered(fwd, x, x, x)
     assert "mosaic_gpu" in lowered(dq, x, x, x, x, row, row)
     assert "mosaic_gpu" in lowered(dkv, x, x, x, x, row, row)
+    if d in fa.FWD_WIDE_KV and not causal:  # 192-row kv steps, then 128-row ones
+        long = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
+        assert problem(x, long, False).tail == 1
+        assert "ejkernel_flash_attention_fwd" in lowered(fwd, x, long, long)
+    monkeypatch.setattr(fa, "FWD_WIDE_KV", {})  # the persistent forward takes no tail steps
     monkeypatch.setattr(fa, "_sm_count", lambda pr: 1)  # 2 tiles > 1 CTA: persistent if not causal
     monkeypatch.setattr(fa, "PERSISTENT_FORWARD_HEAD_DIMS", (d,))
     persistent = lowered(lambda *a: fwd(*a), x, x, x)  # a new function: not jit's cached trace

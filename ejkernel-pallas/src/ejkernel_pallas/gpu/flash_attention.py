@@ -17,6 +17,8 @@ logsumexp saved in base 2 for the backward.
   more tiles than SMs, the forward is persistent instead: one CTA per SM walks its tiles, its
   producer streams their K/V through one ring (the next tile's loads overlap this tile's
   epilogue), and each consumer reloads Q before writing its output from a separate buffer.
+  Non-causal at D 128 the kv tiles have 192 rows (FA3's wide tiles: fewer steps); where 192
+  does not divide Sk, one or two final steps use the first 128 rows of their ring slots.
 - Backward: ``Δ = rowsum(dO ∘ O)`` in XLA, then two kernels with the same producer/consumer
   structure: ``dQ`` (consumers own query rows, stream K/V) and ``dK``/``dV`` (consumers own key
   rows, stream Q, dO, logsumexp and Δ; causal starts each consumer at its first visible query
@@ -76,6 +78,14 @@ DTYPES = ("bfloat16", "float16")
 #: Defaults per head dim: forward (bq per consumer, bk, stages), backward (bq, bk, stages).
 FWD_DEFAULT = {64: (64, 128, 2), 128: (64, 128, 2)}
 BWD_DEFAULT = {64: (64, 64, 2), 128: (64, 64, 2)}
+#: Non-causal forwards at these head dims take kv tiles of 192 rows (FA3's choice of wide kv
+#: tiles for D 128): fewer steps, so less per-step softmax and barrier overhead. H100, same
+#: run, forward TFLOP/s bk 128 → 192: (4, 3072, 16, 128) 614 → 636, (2, 4608, 16, 128)
+#: 640 → 658 (tokamax mosaic 621, 636). When 192 does not divide Sk, the last one or two
+#: steps take :data:`TAIL_ROWS` rows (4096 = 20 · 192 + 2 · 128).
+FWD_WIDE_KV = {128: 192}
+#: Rows of the narrower kv steps that end a forward whose kv tile does not divide Sk.
+TAIL_ROWS = 128
 TUNING = ((64, 64, 2), (64, 128, 2), (64, 128, 3), (64, 64, 3))
 #: Registers per thread of consumer and producer warpgroups (FA3's split of the 64K file).
 CONSUMER_REGISTERS = 232
@@ -85,12 +95,26 @@ PRODUCER_REGISTERS = 40
 def heuristic(inv: Any) -> FlashAttentionConfig:
     """FA3's blocks for the head dim (two consumers of 64 query rows, kv tiles of 64-128)."""
     d = inv.kwargs["query"].shape[3]
-    fq, fk, fs = FWD_DEFAULT.get(d, (64, 64, 2))
+    fq, fk, fs = _fwd_defaults(d, bool(inv.kwargs.get("causal")))
     bq, bk, bs = BWD_DEFAULT.get(d, (64, 64, 2))
     return FlashAttentionConfig(
         fwd_params=FwdParams(q_blocksize=fq, kv_blocksize=fk, num_stages=fs),
         bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_stages=bs),
     )
+
+
+def _fwd_defaults(d: int, causal: bool) -> tuple[int, int, int]:
+    bq, bk, stages = FWD_DEFAULT.get(d, (64, 64, 2))
+    return bq, (bk if causal else FWD_WIDE_KV.get(d, bk)), stages
+
+
+def _tail_steps(sk: int, bk: int) -> int | None:
+    """Fewest :data:`TAIL_ROWS`-row steps after which ``bk``-row steps cover ``sk`` exactly."""
+    for tail in range(bk // 64 + 1):
+        rest = sk - tail * TAIL_ROWS
+        if rest >= 0 and rest % bk == 0:
+            return tail
+    return None
 
 
 def config_space(inv: Any) -> list[FlashAttentionConfig]:
@@ -294,6 +318,8 @@ class _Problem:
     causal: bool
     dtype: Any
     interpret: bool
+    #: Non-causal forward only: steps of TAIL_ROWS rows ending the kv loop (bk ∤ Sk).
+    tail: int = 0
 
     @classmethod
     def of(
@@ -308,7 +334,10 @@ class _Problem:
     ) -> _Problem:
         b, sq, hq, d = query.shape
         _, sk, hkv, _ = key.shape
-        defaults = (BWD_DEFAULT if backward else FWD_DEFAULT).get(d, (64, 64, 2))
+        if backward:
+            defaults = BWD_DEFAULT.get(d, (64, 64, 2))
+        else:
+            defaults = _fwd_defaults(d, causal)
         params = None if cfg is None else (cfg.bwd_params if backward else cfg.fwd_params)
         bq = (params and params.q_blocksize) or defaults[0]
         bk = (params and params.kv_blocksize) or defaults[1]
@@ -318,10 +347,14 @@ class _Problem:
                 raise ValueError(
                     f"flash_attention (pallas gpu): {name} must be a multiple of 64; got {blk}"
                 )
-        if sq % (2 * bq) or sk % (2 * bk if backward else bk):
+        tail = 0
+        if not backward and not causal and sk % bk:
+            tail = _tail_steps(sk, bk)
+        if sq % (2 * bq) or tail is None or (sk % (2 * bk if backward else bk) and not tail):
             raise ValueError(
                 f"flash_attention (pallas gpu): Sq={sq} must be a multiple of 2·q_blocksize="
                 f"{2 * bq} and Sk={sk} of kv_blocksize={bk}{' x 2' if backward else ''}"
+                + ("" if backward or causal else f" (or of it plus {TAIL_ROWS}-row steps)")
             )
         return cls(
             b=b,
@@ -337,6 +370,7 @@ class _Problem:
             causal=bool(causal),
             dtype=jnp.dtype(query.dtype),
             interpret=jax.default_backend() == "cpu",
+            tail=tail,
         )
 
     @property
@@ -350,7 +384,13 @@ class _Problem:
 
     @property
     def nk(self) -> int:
-        return self.sk // self.bk
+        """Kv steps: ``bk`` rows each, then ``tail`` steps of TAIL_ROWS rows."""
+        return (self.sk - self.tail * TAIL_ROWS) // self.bk + self.tail
+
+    @property
+    def wide_steps(self) -> int:
+        """Kv steps of ``bk`` rows (all of them unless there is a tail)."""
+        return self.nk - self.tail
 
     @property
     def nq(self) -> int:
@@ -516,7 +556,9 @@ def _launch(
     grid_names: tuple[str, ...],
     name: str,
 ) -> Any:
-    params = {"approx_math": True}
+    # No cross-warp reduction scratch: every row reduction of a wgmma tile stays in one warp,
+    # and the 2 KiB it reserves by default are what a third K/V stage at D 128 lacks.
+    params = {"approx_math": True, "reduction_scratch_bytes": 0}
     kwargs: dict[str, Any] = {}
     if pr.interpret:
         kwargs["interpret"] = _compat.gpu_interpret_params()
@@ -562,17 +604,24 @@ def _fwd_step(
     issued: Callable[[], None],
     wait_other: Callable[[], None],
     mask: Callable[[Any], Any] | None = None,
+    rows: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """One kv block of one consumer: ``S = Q·Kᵀ``, the online softmax, ``acc += P·V``.
 
     ``step`` is the block's position in the ring's stream and ``end`` where the stream stops
     (the K of ``step + 1`` is awaited when it exists); ``ring`` holds the K and V slots with
-    their landed and free barriers; ``mask`` sets hidden scores to -inf."""
+    their landed and free barriers; ``mask`` sets hidden scores to -inf; ``rows`` (default
+    ``bk``) is how many leading rows of the slots the block fills (a tail step's TAIL_ROWS)."""
     pl, plgpu = _compat.pl, _compat.plgpu()
     k_smem, v_smem, k_landed, v_landed, k_free, v_free = ring
     acc, m, denom = carry
     slot = lax.rem(step, jnp.int32(pr.stages))
-    s = _mma(pr, q_smem, k_smem.at[slot], (pr.bq, pr.bk), transpose_b=True, after_issue=issued)
+    k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+    rows = rows or pr.bk
+    if rows != pr.bk:
+        part = pl.ds(step * 0, rows)  # a traced start: see _mma_acc
+        k_tile, v_tile = k_smem.at[slot, part], v_smem.at[slot, part]
+    s = _mma(pr, q_smem, k_tile, (pr.bq, rows), transpose_b=True, after_issue=issued)
     plgpu.barrier_arrive(k_free.at[slot])
     if mask is not None:
         s = mask(s)
@@ -600,9 +649,9 @@ def _fwd_step(
     # D 128: wait for the next K tile while P·V runs (tokamax's order), +1 % forward; D 64,
     # whose P·V is too short to hide the wait, -3 %: after it (H100, same run).
     if pr.d >= 128:
-        acc = _mma_acc(pr, acc, p16, v_smem.at[slot], after_issue=wait_next_k)
+        acc = _mma_acc(pr, acc, p16, v_tile, after_issue=wait_next_k)
     else:
-        acc = _mma_acc(pr, acc, p16, v_smem.at[slot])
+        acc = _mma_acc(pr, acc, p16, v_tile)
         wait_next_k()
     plgpu.barrier_arrive(v_free.at[slot])
     return acc, m_new, denom
@@ -612,7 +661,8 @@ def _fwd_call(
     q: jax.Array, k: jax.Array, v: jax.Array, pr: _Problem
 ) -> tuple[jax.Array, jax.Array]:
     """out [B, Sq, Hq, D] and the base-2 logsumexp [B, Hq, Sq] (float32)."""
-    if pr.d in PERSISTENT_FORWARD_HEAD_DIMS and not pr.causal and pr.fwd_tiles > _sm_count(pr):
+    persistent = pr.d in PERSISTENT_FORWARD_HEAD_DIMS and not pr.causal and not pr.tail
+    if persistent and pr.fwd_tiles > _sm_count(pr):
         return _fwd_persistent_call(q, k, v, pr)
     scratch = [
         (
@@ -694,7 +744,7 @@ def _flash_attention_fwd_kernel(
             cols = _iota(pr, (bq, bk), 1) + j * bk
             return jnp.where(cols <= rows, s, -jnp.inf)
 
-        def step(j, carry, masked: bool):
+        def step(j, carry, masked: bool, rows: int | None = None):
             mask = functools.partial(causal_mask, j) if masked else None
             return _fwd_step(
                 pr,
@@ -706,10 +756,14 @@ def _flash_attention_fwd_kernel(
                 issued=issued,
                 wait_other=wait_other,
                 mask=mask,
+                rows=rows,
             )
 
         carry = (acc, m, denom)
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(0, full - pr.tail, functools.partial(step, masked=False), carry)
+        if pr.tail:  # non-causal: full == steps == nk
+            tail_step = functools.partial(step, masked=False, rows=TAIL_ROWS)
+            carry = lax.fori_loop(full - pr.tail, full, tail_step, carry)
         if pr.causal:
             carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
 
@@ -741,10 +795,20 @@ def _flash_attention_fwd_kernel(
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_h = lax.div(h, jnp.int32(pr.group))
 
+        def copy(start, n, slot, rows):
+            src = (b, pl.ds(start, n), kv_h)
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[rows], k_landed.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[rows], v_landed.at[slot])
+
         def load(j, slot):
-            rows = (b, pl.ds(j * bk, bk), kv_h)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_landed.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_landed.at[slot])
+            if not pr.tail:
+                copy(j * bk, bk, slot, slot)
+                return
+            wide = pr.wide_steps
+            pl.when(j < wide)(lambda: copy(j * bk, bk, slot, slot))
+            tail_rows = (slot, pl.ds(j * 0, TAIL_ROWS))
+            tail_start = wide * bk + (j - wide) * TAIL_ROWS
+            pl.when(j >= wide)(lambda: copy(tail_start, TAIL_ROWS, slot, tail_rows))
 
         _produce(pr, cta_steps, load, (k_free, v_free), start=jnp.int32(0))
 
