@@ -57,6 +57,16 @@ class AllBroken(Flaky):
         raise RuntimeError(f"fails: {cfg.mode}")
 
 
+class Good(Flaky):
+    """Two candidates, both right."""
+
+    def config_space(self, inv):
+        return [Cfg(mode="good"), Cfg(mode="good2")]
+
+    def run(self, x, *, cfg):
+        return x * 2.0
+
+
 def test_failing_and_wrong_candidates_are_dropped_with_a_warning():
     x = jax.random.normal(jax.random.PRNGKey(0), (16, 16))
     with pytest.warns(AutotuneWarning) as record:
@@ -88,13 +98,6 @@ def test_every_candidate_failing_raises_an_exception_group_with_notes():
 def test_autotune_inside_jit_logs_each_candidate_and_the_winner(monkeypatch, caplog):
     monkeypatch.setenv("EJKERNEL_LOG_AUTOTUNE", "1")
 
-    class Good(Flaky):
-        def config_space(self, inv):
-            return [Cfg(mode="good"), Cfg(mode="good2")]
-
-        def run(self, x, *, cfg):
-            return x * 2.0
-
     executor = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
     progress = logging.getLogger("ejkernel.progress")
     monkeypatch.setattr(progress, "propagate", True)
@@ -109,13 +112,6 @@ def test_autotune_inside_jit_logs_each_candidate_and_the_winner(monkeypatch, cap
 
 def test_kernel_candidates_are_timed_on_inputs_already_on_the_device():
     # Synthetic NumPy inputs must be copied to the device once, not at every timed call.
-    class Good(Flaky):
-        def config_space(self, inv):
-            return [Cfg(mode="good"), Cfg(mode="good2")]
-
-        def run(self, x, *, cfg):
-            return x * 2.0
-
     executor = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
     x = jax.random.normal(jax.random.PRNGKey(2), (8, 8))
     before = jax.config.jax_transfer_guard_host_to_device
