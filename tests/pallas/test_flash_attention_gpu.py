@@ -135,7 +135,9 @@ def test_wide_kv_forward_with_narrower_tail_steps(mode: str, sk: int) -> None:
     pr = fa._Problem.of(q, k, None, backward=False, softmax_scale=None, causal=False)
     assert pr.bk == 192 and pr.wide_steps * 192 + pr.tail * fa.TAIL_ROWS == sk
     sq = 1024 if mode == "gpu" else 128
-    _check(mode, AttentionShape(b=2 if mode == "gpu" else 1, sq=sq, sk=sk, hq=4, hkv=2, d=128), False)
+    _check(
+        mode, AttentionShape(b=2 if mode == "gpu" else 1, sq=sq, sk=sk, hq=4, hkv=2, d=128), False
+    )
 
 
 def test_kv_tiles_that_cannot_cover_the_keys_are_refused() -> None:

@@ -335,10 +335,7 @@ class _Problem:
     ) -> _Problem:
         b, sq, hq, d = query.shape
         _, sk, hkv, _ = key.shape
-        if backward:
-            defaults = BWD_DEFAULT.get(d, (64, 64, 2))
-        else:
-            defaults = _fwd_defaults(d, causal)
+        defaults = BWD_DEFAULT.get(d, (64, 64, 2)) if backward else _fwd_defaults(d, causal)
         params = None if cfg is None else (cfg.bwd_params if backward else cfg.fwd_params)
         bq = (params and params.q_blocksize) or defaults[0]
         bk = (params and params.kv_blocksize) or defaults[1]
