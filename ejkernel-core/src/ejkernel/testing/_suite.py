@@ -69,6 +69,7 @@ class Case:
                 f"{self.op} declares no conformance examples (OpSpec.examples is None); "
                 "the kit cannot check it"
             )
+        assert self.example is not None  # pytest.skip raised (typed as returning to mypy)
         return self.example
 
 
