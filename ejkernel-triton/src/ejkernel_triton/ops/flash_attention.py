@@ -59,11 +59,17 @@ class FlashAttentionConfig:
             per step, warps, stages.
         dq_params: dQ kernel: ``q_blocksize`` rows per program, ``kv_blocksize`` keys per step;
             ``None`` takes ``bwd_params`` with the two block sizes swapped.
+        atomic_dq: the dK/dV kernel also accumulates dQ, with float32 atomic additions (five
+            matmuls per block pair instead of seven; the order of the additions, and so the
+            last bits of dQ, can change from run to run). ``False`` (the default): a separate
+            dQ kernel, bitwise reproducible. A bias always takes the dQ kernel (it writes the
+            bias gradient).
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
     bwd_params: BwdParams = attrs.field(factory=BwdParams)
     dq_params: FwdParams | None = None
+    atomic_dq: bool = False
 
 
 # -- what is served -------------------------------------------------------------------------
@@ -131,6 +137,7 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
         (64, 128, 8, 3),
     )
     bwd_blocks = ((64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2))
+    atomic_blocks = ((64, 128, 8, 2),)  # the best atomic-dQ config at D 128 (RESULTS.md)
     dq_blocks = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3))
     configs = [base]
     configs += [
@@ -145,6 +152,15 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
             base, bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
         )
         for bq, bk, w, s in bwd_blocks
+        if _bwd_smem(bq, bk, s, d, dv, size) <= limit
+    ]
+    configs += [
+        attrs.evolve(
+            base,
+            atomic_dq=True,
+            bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s),
+        )
+        for bq, bk, w, s in atomic_blocks
         if _bwd_smem(bq, bk, s, d, dv, size) <= limit
     ]
     configs += [
@@ -361,6 +377,7 @@ class _Statics:
     bwd: BwdParams
     dq: FwdParams
     precision: str
+    atomic_dq: bool
 
     @classmethod
     def of(
@@ -393,6 +410,7 @@ class _Statics:
             bwd=bwd,
             dq=dq,
             precision="ieee" if query.dtype == jnp.float32 else "tf32",
+            atomic_dq=cfg.atomic_dq,
         )
 
 
@@ -646,12 +664,15 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         )
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
         d_pow2, dv_pow2 = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-        dk, dv = _launch.launch(
+        has_bias = bias.ndim == 4
+        atomic = st.atomic_dq and not has_bias
+        dk, dv, dq_sum = _launch.launch(
             flash_attention_bwd_dkdv_kernel,
             *args,
             out_shape=[
                 jax.ShapeDtypeStruct(k.shape, k.dtype),
                 jax.ShapeDtypeStruct(v.shape, v.dtype),
+                jax.ShapeDtypeStruct(q.shape if atomic else (1,), jnp.float32),
             ],
             grid=(_cdiv(sk, bk), b * hkv),
             num_warps=st.bwd.num_warps or 4,
@@ -662,11 +683,15 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
                 bias,
                 mask,
             ),
+            zeroed_outputs=(2,) if atomic else (),
             BLOCK_M=bq,
             BLOCK_N=bk,
+            ATOMIC_DQ=atomic,
             **constexprs,
         )
-        has_bias = bias.ndim == 4
+        if atomic:
+            dq = (dq_sum * np.float32(st.sm_scale)).astype(q.dtype)
+            return dq, dk, dv, jnp.zeros((1,), jnp.float32)
         qb, kb = _clamp(st.dq.q_blocksize or 128, sq), _clamp(st.dq.kv_blocksize or 32, sk)
         dq, dbias = _launch.launch(
             flash_attention_bwd_dq_kernel,
