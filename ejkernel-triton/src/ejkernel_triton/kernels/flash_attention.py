@@ -13,6 +13,8 @@ The algorithm is FlashAttention-2 (Dao, 2023). Layout is OPS.md's: ``q [B, Sq, H
   on the other side. Blocks nobody sees are never visited.
 - GQA: the dK/dV program of one key head loops over the query heads of its group, so K/V are
   never repeated in memory and dK/dV need no atomics.
+- dQ comes from its own kernel (deterministic), or, with ``ATOMIC_DQ``, from the dK/dV kernel
+  adding each block's share into a float32 buffer (two matmuls per block pair fewer).
 - Sinks (``softmax_aux``) join the maximum and the denominator once, after the key loop.
 - Head dims that are not powers of two (80, 96) load ``BLOCK_D = next_pow2(D)`` columns with a
   mask; powers of two skip the mask.
