@@ -13,6 +13,10 @@ and attributes, the constexprs, warps, stages, CTAs, compute capability, fp fusi
 versions of triton, jax-triton and jaxlib. CUDA only (on ROCm jax-triton passes a file path,
 not the code).
 
+Gluon kernels (``@gluon.jit``, Triton's lower-level language) take the same road: jax-triton
+would build them as Triton IR, which they are not, so the wrapper compiles them itself
+(:func:`_compile_gluon`) and hands jax-triton's launcher the same kind of kernel object.
+
 A file that cannot be read or parsed is ignored with a warning and compiled again; a folder
 that cannot be written gives one warning and the process goes on with the in-memory cache.
 """
@@ -26,6 +30,7 @@ import json
 import os
 import tempfile
 import threading
+import types
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -102,9 +107,12 @@ def _cached(get_or_create: Any) -> Any:
             _memory[key] = kernel, {(i,): attr for i, attr in entry["attrs"]}
             return _memory[key]
         _captured.last = None
-        kernel, attrs = get_or_create(
-            backend_init_func, platform, fn, arg_dtypes, scalar_args, **kw
-        )
+        if _is_gluon(fn):
+            kernel, attrs = _compile_gluon(fn, arg_dtypes, scalar_args, **kw)
+        else:
+            kernel, attrs = get_or_create(
+                backend_init_func, platform, fn, arg_dtypes, scalar_args, **kw
+            )
         _memory[key] = kernel, attrs
         captured = getattr(_captured, "last", None)
         if captured is not None:
@@ -122,6 +130,72 @@ def _cached(get_or_create: Any) -> Any:
         return kernel, attrs
 
     return wrapper
+
+
+def _is_gluon(fn: Any) -> bool:
+    return type(fn).__name__ == "GluonJITFunction"
+
+
+def _compile_gluon(
+    fn: Any, arg_dtypes: Any, scalar_args: Any, **kw: Any
+) -> tuple[Any, dict[tuple[int], list[Any]]]:
+    """Compile a Gluon kernel for jax-triton's launcher.
+
+    jax-triton builds its kernels from Triton IR (``ASTSource``); a Gluon kernel's source lowers
+    straight to TritonGPU IR, so it goes through ``triton.compile`` with a ``GluonASTSource``
+    instead. The launch contract is jax-triton's: arrays 16-byte aligned, integers equal to 1
+    folded into constants (and not passed), the same trailing scratch parameters.
+    """
+    import triton
+    from jax_triton import triton_lib
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    scalars = {i for i, _, _ in scalar_args}
+    signature = {fn.arg_names[i]: t for i, t in enumerate(arg_dtypes)}
+    constexprs = dict(kw.get("metaparams") or {})
+    constexprs.update({fn.arg_names[i]: 1 for i, _, v in scalar_args if v == 1})
+    for name in constexprs:
+        signature[name] = "constexpr"
+    attrs = {
+        (i,): ([] if i in scalars else [["tt.divisibility", 16]]) for i in range(len(arg_dtypes))
+    }
+    num_warps = kw.get("num_warps") or 4
+    source = GluonASTSource(
+        fn, signature, constexprs=constexprs, attrs={k: v for k, v in attrs.items() if v}
+    )
+    # jax-triton switches Triton's own cache off (TRITON_CACHE_DIR=""), and triton.compile
+    # needs one: a throwaway folder (the PTX goes to this module's cache below)
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="ejkernel-gluon-") as scratch:
+        os.environ["TRITON_CACHE_DIR"] = scratch
+        try:
+            compiled = triton.compile(
+                source,
+                target=GPUTarget("cuda", kw["compute_capability"], 32),
+                options={"num_warps": num_warps, "num_ctas": kw.get("num_ctas") or 1},
+            )
+        finally:
+            if previous is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = previous
+    result = types.SimpleNamespace(
+        name=compiled.metadata.name,
+        shared_mem_bytes=compiled.metadata.shared,
+        binary=compiled.asm["ptx"],
+    )
+    _captured.last = ("", result)
+    kernel = triton_lib.triton_kernel_call_lib.TritonKernel(
+        result.name,
+        num_warps,
+        kw.get("num_ctas") or 1,
+        result.shared_mem_bytes,
+        result.binary,
+        "",
+        kw["compute_capability"],
+    )
+    return kernel, attrs
 
 
 def _key(fn: Any, arg_dtypes: Any, scalar_args: Any, kw: dict[str, Any]) -> str:
