@@ -19,7 +19,7 @@ fi
 export PYTHONPATH=/tmp/site:/tmp/anchors PYTHONUNBUFFERED=1 EJKERNEL_CACHE_DIR=/tmp/ejkernel-cache
 export EJKERNEL_UPSTREAM_PATH=/tmp/upstream:/tmp/anchors
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 300 python3 -m pytest ${TESTS:-tests/triton} -m gpu -q -p no:cacheprovider -rf 2>&1 \
+  timeout 480 python3 -m pytest ${TESTS:-tests/triton} -m gpu -q -p no:cacheprovider -rf 2>&1 \
     | tee "$OUT/pytest.log" | tail -15
 fi
 timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_attention.py --out "$OUT/attention" "$@" 2>&1 \
