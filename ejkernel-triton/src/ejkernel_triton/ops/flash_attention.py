@@ -62,9 +62,9 @@ class FlashAttentionConfig:
         atomic_dq: experimental, off by default and never picked by the tuner: the dK/dV
             kernel also accumulates dQ with float32 atomic additions (five matmuls per block
             pair instead of seven; the last bits of dQ can change from run to run). Known
-            wrong on an H100 at (B, Sq, Sk, H, D) = (2, 1000, 1500, 8, 64) with 64 × 128
-            blocks and 8 warps (tests/triton/test_flash_attention_gpu.py, an expected
-            failure); right at every other shape tested. ``False``: a separate dQ kernel,
+            wrong on an H100 when Sk is not a multiple of the key block (wrong dQ and dK in
+            the last query block, then an illegal address; tests/triton/test_flash_attention_gpu.py
+            keeps one such case as an expected failure). ``False``: a separate dQ kernel,
             bitwise reproducible. A bias always takes the dQ kernel.
     """
 
