@@ -32,6 +32,13 @@ SMALL = FlashAttentionConfig(
     bwd_params=BwdParams(q_blocksize=16, kv_blocksize=32, num_warps=4, num_stages=1),
 )
 
+#: odd shapes (b, sq, sk, hq, hkv, d, dv): square D 80, GQA with Sq < Sk, MQA with Sq > Sk, Dv != D
+SHAPES = pytest.mark.parametrize(
+    "shape",
+    [(2, 37, 37, 4, 4, 80, None), (1, 37, 45, 4, 2, 32, None), (1, 45, 37, 3, 1, 80, 48)],
+    ids=["square-d80", "gqa-sq<sk-d32", "mqa-sq>sk-dv48"],
+)
+
 #: the same blocks, dQ accumulated by the dK/dV kernel with float32 atomics
 ATOMIC = attrs.evolve(SMALL, atomic_dq=True)
 
@@ -89,21 +96,13 @@ def compare(q: Any, k: Any, v: Any, cfg: Any = SMALL, grads: bool = True, **kwar
     return out
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [(2, 37, 37, 4, 4, 80, None), (1, 37, 45, 4, 2, 32, None), (1, 45, 37, 3, 1, 80, 48)],
-    ids=["square-d80", "gqa-sq<sk-d32", "mqa-sq>sk-dv48"],
-)
+@SHAPES
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_output_and_gradients_match_the_reference(shape: tuple, causal: bool) -> None:
     compare(*qkv(*shape), causal=causal)
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [(2, 37, 37, 4, 4, 80, None), (1, 37, 45, 4, 2, 32, None), (1, 45, 37, 3, 1, 80, 48)],
-    ids=["square-d80", "gqa-sq<sk-d32", "mqa-sq>sk-dv48"],
-)
+@SHAPES
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_atomic_dq_matches_the_reference(shape: tuple, causal: bool) -> None:
     compare(*qkv(*shape), cfg=ATOMIC, causal=causal)
