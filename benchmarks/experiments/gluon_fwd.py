@@ -49,6 +49,12 @@ def _issue_kv(
 
 
 @gluon.jit
+def _aligned(stride_b, stride_s, stride_h, ALIGN: gl.constexpr):
+    """Strides arrive in units of ``ALIGN`` elements (a divisibility jax-triton cannot state)."""
+    return stride_b * ALIGN, stride_s * ALIGN, stride_h * ALIGN
+
+
+@gluon.jit
 def _mask(s, start_n, diag, offs_m, offs_n, seqlen_k, q_pos_offset, CAUSAL: gl.constexpr):
     if start_n >= diag:
         cols = start_n + offs_n
@@ -92,18 +98,10 @@ def flash_attention_fwd_gluon(
 ):
     NUM_WARPS: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = Q.dtype.element_ty
-    stride_qb = stride_qb * ALIGN
-    stride_qs = stride_qs * ALIGN
-    stride_qh = stride_qh * ALIGN
-    stride_kb = stride_kb * ALIGN
-    stride_ks = stride_ks * ALIGN
-    stride_kh = stride_kh * ALIGN
-    stride_vb = stride_vb * ALIGN
-    stride_vs = stride_vs * ALIGN
-    stride_vh = stride_vh * ALIGN
-    stride_ob = stride_ob * ALIGN
-    stride_os = stride_os * ALIGN
-    stride_oh = stride_oh * ALIGN
+    stride_qb, stride_qs, stride_qh = _aligned(stride_qb, stride_qs, stride_qh, ALIGN)
+    stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
+    stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
+    stride_ob, stride_os, stride_oh = _aligned(stride_ob, stride_os, stride_oh, ALIGN)
 
     start_m = gl.program_id(0)
     off_bh = gl.program_id(1)

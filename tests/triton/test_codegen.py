@@ -40,26 +40,6 @@ def test_tile_loads_are_vectorised_and_pipelined(head_dim):
         assert compiled.shared <= H100_SHARED, name
 
 
-@pytest.mark.parametrize("head_dim", [80, 128])
-def test_atomic_dq_adds_four_floats_per_instruction(head_dim):
-    from ejkernel._params import BwdParams
-    from ejkernel_triton.ops import flash_attention as fa
-
-    q = jnp.ones((1, 256, 2, head_dim), jnp.bfloat16)
-    cfg = fa.FlashAttentionConfig(
-        fwd_params=fa._default_config(q, q, q).fwd_params,
-        bwd_params=BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=2),
-        atomic_dq=True,
-    )
-    launches = _codegen.flash_attention_launches(q.shape, jnp.bfloat16, causal=True, cfg=cfg)
-    names = [launch.kernel.fn.__name__ for launch in launches]
-    assert names == ["flash_attention_fwd_kernel", "flash_attention_bwd_dkdv_kernel"]
-    mix = _codegen.instruction_mix(_codegen.compile_launch(launches[1], capability=90).ptx)
-    atomics = {k: n for k, n in mix.items() if k.startswith(("atom.", "red."))}
-    assert atomics, "no atomic additions of dQ"
-    assert all(".v4.f32" in k for k in atomics), atomics
-
-
 def test_strides_not_divisible_by_16_keep_what_they_can():
     # D 40: strides are multiples of 8 elements (16 bytes in bf16), still one vector per copy
     (fwd, *_) = _codegen.flash_attention_launches((1, 64, 2, 40), jnp.bfloat16, causal=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import types
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,16 +30,6 @@ SMALL = FlashAttentionConfig(
     fwd_params=FwdParams(q_blocksize=16, kv_blocksize=16, num_warps=4, num_stages=1),
     bwd_params=BwdParams(q_blocksize=16, kv_blocksize=32, num_warps=4, num_stages=1),
 )
-
-#: odd shapes (b, sq, sk, hq, hkv, d, dv): square D 80, GQA with Sq < Sk, MQA with Sq > Sk, Dv != D
-SHAPES = pytest.mark.parametrize(
-    "shape",
-    [(2, 37, 37, 4, 4, 80, None), (1, 37, 45, 4, 2, 32, None), (1, 45, 37, 3, 1, 80, 48)],
-    ids=["square-d80", "gqa-sq<sk-d32", "mqa-sq>sk-dv48"],
-)
-
-#: the same blocks, dQ accumulated by the dK/dV kernel with float32 atomics
-ATOMIC = attrs.evolve(SMALL, atomic_dq=True)
 
 
 @pytest.fixture(autouse=True)
@@ -96,27 +85,14 @@ def compare(q: Any, k: Any, v: Any, cfg: Any = SMALL, grads: bool = True, **kwar
     return out
 
 
-@SHAPES
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 37, 37, 4, 4, 80, None), (1, 37, 45, 4, 2, 32, None), (1, 45, 37, 3, 1, 80, 48)],
+    ids=["square-d80", "gqa-sq<sk-d32", "mqa-sq>sk-dv48"],
+)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_output_and_gradients_match_the_reference(shape: tuple, causal: bool) -> None:
     compare(*qkv(*shape), causal=causal)
-
-
-@SHAPES
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_atomic_dq_matches_the_reference(shape: tuple, causal: bool) -> None:
-    compare(*qkv(*shape), cfg=ATOMIC, causal=causal)
-
-
-def test_atomic_dq_with_window_soft_cap_sinks_segments_and_a_bias() -> None:
-    q, k, v = qkv(2, 37, 45, 4, 2, 32)
-    seg = jnp.asarray(np.repeat([[0] * 20 + [1] * 17], 2, axis=0).astype(np.int32))
-    kseg = jnp.asarray(np.repeat([[0] * 25 + [1] * 20], 2, axis=0).astype(np.int32))
-    compare(q, k, v, cfg=ATOMIC, sliding_window=(9, 4), logits_soft_cap=2.5)
-    compare(q, k, v, cfg=ATOMIC, causal=True, q_segment_ids=seg, kv_segment_ids=kseg)
-    compare(q, k, v, cfg=ATOMIC, softmax_aux=normal(jax.random.PRNGKey(7), (4,)))
-    # a bias takes the dQ kernel (it writes the bias gradient) whatever the config says
-    compare(q, k, v, cfg=ATOMIC, bias=normal(jax.random.PRNGKey(5), (1, 4, 37, 45)))
 
 
 def test_sliding_window_and_soft_cap() -> None:

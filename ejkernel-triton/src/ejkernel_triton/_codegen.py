@@ -6,7 +6,7 @@ run can be inspected on a CPU. :func:`recorded_launches` runs a launching functi
 one recorded launch the way jax-triton does (arrays as 16-byte-aligned pointers, integer
 arguments unspecialised, integers equal to 1 folded to constants) and :func:`instruction_mix`
 counts the instructions that decide speed: global loads by width, ``cp.async`` copies,
-``wgmma``/``mma`` matrix instructions, global atomics.
+``wgmma``/``mma`` matrix instructions.
 
 Used by ``tests/triton/test_codegen.py`` (a check that tile loads stay vectorised and
 pipelined) and handy when tuning: ``python -m ejkernel_triton._codegen`` prints the mix of the
@@ -153,10 +153,7 @@ print(json.dumps({"ptx": k.asm["ptx"], "cubin": base64.b64encode(k.asm["cubin"])
 
 def instruction_mix(ptx: str) -> dict[str, int]:
     """Counts of the PTX instructions that decide a kernel's speed, by mnemonic."""
-    pattern = (
-        r"\b(ld\.global[.\w]*|cp\.async\.c[ag][.\w]*|wgmma\.mma_async[.\w]*|mma\.sync[.\w]*"
-        r"|atom\.global[.\w]*|red\.global[.\w]*)"
-    )
+    pattern = r"\b(ld\.global[.\w]*|cp\.async\.c[ag][.\w]*|wgmma\.mma_async[.\w]*|mma\.sync[.\w]*)"
     return dict(collections.Counter(re.findall(pattern, ptx)))
 
 
@@ -168,8 +165,8 @@ def flash_attention_launches(
     cfg: Any = None,
     **kwargs: Any,
 ) -> list[Launch]:
-    """The launches (forward, dK/dV, and dQ unless ``cfg.atomic_dq``) of a flash-attention
-    forward and backward; ``kwargs`` (``bias``, ``attention_mask``, ...) go to the op."""
+    """The three launches (forward, dK/dV, dQ) of a flash-attention forward and backward;
+    ``kwargs`` (``bias``, ``attention_mask``, ...) go to the op."""
     from ejkernel_triton.ops import flash_attention as fa
 
     q, k, v = (jnp.ones(shape, dtype) for _ in range(3))

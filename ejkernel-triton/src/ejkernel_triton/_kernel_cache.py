@@ -133,7 +133,11 @@ def _cached(get_or_create: Any) -> Any:
 
 
 def _is_gluon(fn: Any) -> bool:
-    return type(fn).__name__ == "GluonJITFunction"
+    try:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+    except ImportError:  # a Triton without Gluon
+        return False
+    return isinstance(fn, GluonJITFunction)
 
 
 def _compile_gluon(
@@ -166,20 +170,16 @@ def _compile_gluon(
     )
     # jax-triton switches Triton's own cache off (TRITON_CACHE_DIR=""), and triton.compile
     # needs one: a throwaway folder (the PTX goes to this module's cache below)
-    previous = os.environ.get("TRITON_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="ejkernel-gluon-") as scratch:
-        os.environ["TRITON_CACHE_DIR"] = scratch
-        try:
-            compiled = triton.compile(
-                source,
-                target=GPUTarget("cuda", kw["compute_capability"], 32),
-                options={"num_warps": num_warps, "num_ctas": kw.get("num_ctas") or 1},
-            )
-        finally:
-            if previous is None:
-                os.environ.pop("TRITON_CACHE_DIR", None)
-            else:
-                os.environ["TRITON_CACHE_DIR"] = previous
+    with (
+        tempfile.TemporaryDirectory(prefix="ejkernel-gluon-") as scratch,
+        triton.knobs.cache.scope(),
+    ):
+        triton.knobs.cache.dir = scratch
+        compiled = triton.compile(
+            source,
+            target=GPUTarget("cuda", kw["compute_capability"], 32),
+            options={"num_warps": num_warps, "num_ctas": kw.get("num_ctas") or 1},
+        )
     result = types.SimpleNamespace(
         name=compiled.metadata.name,
         shared_mem_bytes=compiled.metadata.shared,

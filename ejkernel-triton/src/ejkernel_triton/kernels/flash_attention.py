@@ -13,8 +13,6 @@ The algorithm is FlashAttention-2 (Dao, 2023). Layout is OPS.md's: ``q [B, Sq, H
   on the other side. Blocks nobody sees are never visited.
 - GQA: the dK/dV program of one key head loops over the query heads of its group, so K/V are
   never repeated in memory and dK/dV need no atomics.
-- dQ comes from its own kernel (deterministic), or, with ``ATOMIC_DQ``, from the dK/dV kernel
-  adding each block's share into a float32 buffer (two matmuls per block pair fewer).
 - Sinks (``softmax_aux``) join the maximum and the denominator once, after the key loop.
 - Head dims that are not powers of two (80, 96) load ``BLOCK_D = next_pow2(D)`` columns with a
   mask; powers of two skip the mask.
@@ -533,7 +531,6 @@ def _bwd_dkdv_inner(
     v,
     q_base,
     do_base,
-    dq_base,
     lse_base,
     delta_base,
     lo,
@@ -571,18 +568,8 @@ def _bwd_dkdv_inner(
     HAS_MASK: tl.constexpr,
     HAS_SEG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
-    count = tl.cdiv(hi - lo, BLOCK_M)
-    # with atomic dQ, programs that start together would all add into the same dQ rows at
-    # the same time: each starts its whole blocks at its own offset (measured on an H100:
-    # +10 to +25 % fwd+bwd at D 128, non-causal)
-    shift = tl.program_id(0) % tl.maximum(count, 1)
-    for j in range(0, count):
-        if ATOMIC_DQ and not MASKED:
-            start_m = lo + ((j + shift) % count) * BLOCK_M
-        else:
-            start_m = lo + j * BLOCK_M
+    for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         q = _load_tile(
             q_base + rows[:, None] * stride_qs + offs_d[None, :],
@@ -642,20 +629,7 @@ def _bwd_dkdv_inner(
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFT_CAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
-        ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:  # this key block's share of dQ (unscaled), added into float32
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
-            dq_ptrs = dq_base + rows[:, None] * stride_qs + offs_d[None, :]
-            if MASKED or BLOCK_D != HEAD_DIM:
-                tl.atomic_add(
-                    dq_ptrs,
-                    dq,
-                    mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
-                    sem="relaxed",
-                )
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -701,7 +675,6 @@ def flash_attention_bwd_dkdv_kernel(
     stride_maskk,
     DK,
     DV,
-    DQ,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -716,14 +689,10 @@ def flash_attention_bwd_dkdv_kernel(
     HAS_SEG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ALIGN: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
     """One program: ``BLOCK_N`` keys of one (batch, key head), over its group's query heads.
 
     Grid ``(⌈Sk/BN⌉, B·Hkv)``; dK/dV are written in the key dtype, ``[B, Sk, Hkv, D]`` layout.
-    With ``ATOMIC_DQ`` the program also adds ``dS·K`` of its keys into ``DQ`` (float32, the
-    query's layout, zeroed before the launch; unscaled), so that no dQ kernel has to compute
-    ``Q·Kᵀ`` and ``dO·Vᵀ`` again: five matmuls per block pair instead of seven.
     """
     stride_qb, stride_qs, stride_qh = _aligned(stride_qb, stride_qs, stride_qh, ALIGN)
     stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
@@ -779,7 +748,6 @@ def flash_attention_bwd_dkdv_kernel(
         off_h = off_hk * group + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
-        dq_base = DQ + off_b * stride_qb + off_h * stride_qh
         lse_base = Lse + (off_b * num_heads_q + off_h) * seqlen_q
         delta_base = Delta + (off_b * num_heads_q + off_h) * seqlen_q
         bias_ptr = Bias + off_b * stride_biasb + off_h * stride_biash
@@ -798,7 +766,6 @@ def flash_attention_bwd_dkdv_kernel(
                 v,
                 q_base,
                 do_base,
-                dq_base,
                 lse_base,
                 delta_base,
                 lo,
@@ -836,7 +803,6 @@ def flash_attention_bwd_dkdv_kernel(
                 HAS_MASK,
                 HAS_SEG,
                 DOT_PRECISION,
-                ATOMIC_DQ,
             )
 
     dk = dk * sm_scale

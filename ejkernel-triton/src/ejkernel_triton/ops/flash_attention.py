@@ -59,19 +59,11 @@ class FlashAttentionConfig:
             per step, warps, stages.
         dq_params: dQ kernel: ``q_blocksize`` rows per program, ``kv_blocksize`` keys per step;
             ``None`` takes ``bwd_params`` with the two block sizes swapped.
-        atomic_dq: experimental, off by default and never picked by the tuner: the dK/dV
-            kernel also accumulates dQ with float32 atomic additions (five matmuls per block
-            pair instead of seven; the last bits of dQ can change from run to run). Known
-            wrong on an H100 when Sk is not a multiple of the key block (wrong dQ and dK in
-            the last query block, then an illegal address; tests/triton/test_flash_attention_gpu.py
-            keeps one such case as an expected failure). ``False``: a separate dQ kernel,
-            bitwise reproducible. A bias always takes the dQ kernel.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
     bwd_params: BwdParams = attrs.field(factory=BwdParams)
     dq_params: FwdParams | None = None
-    atomic_dq: bool = False
 
 
 # -- what is served -------------------------------------------------------------------------
@@ -369,7 +361,6 @@ class _Statics:
     bwd: BwdParams
     dq: FwdParams
     precision: str
-    atomic_dq: bool
 
     @classmethod
     def of(
@@ -402,7 +393,6 @@ class _Statics:
             bwd=bwd,
             dq=dq,
             precision="ieee" if query.dtype == jnp.float32 else "tf32",
-            atomic_dq=cfg.atomic_dq,
         )
 
 
@@ -656,15 +646,12 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         )
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
         d_pow2, dv_pow2 = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-        has_bias = bias.ndim == 4
-        atomic = st.atomic_dq and not has_bias
-        dk, dv, dq_sum = _launch.launch(
+        dk, dv = _launch.launch(
             flash_attention_bwd_dkdv_kernel,
             *args,
             out_shape=[
                 jax.ShapeDtypeStruct(k.shape, k.dtype),
                 jax.ShapeDtypeStruct(v.shape, v.dtype),
-                jax.ShapeDtypeStruct(q.shape if atomic else (1,), jnp.float32),
             ],
             grid=(_cdiv(sk, bk), b * hkv),
             num_warps=st.bwd.num_warps or 4,
@@ -675,15 +662,11 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
                 bias,
                 mask,
             ),
-            zeroed_outputs=(2,) if atomic else (),
             BLOCK_M=bq,
             BLOCK_N=bk,
-            ATOMIC_DQ=atomic,
             **constexprs,
         )
-        if atomic:
-            dq = (dq_sum * np.float32(st.sm_scale)).astype(q.dtype)
-            return dq, dk, dv, jnp.zeros((1,), jnp.float32)
+        has_bias = bias.ndim == 4
         qb, kb = _clamp(st.dq.q_blocksize or 128, sq), _clamp(st.dq.kv_blocksize or 32, sk)
         dq, dbias = _launch.launch(
             flash_attention_bwd_dq_kernel,
