@@ -136,6 +136,72 @@ def test_bf16_inputs_within_bf16_tolerance() -> None:
     compare(q, k, v, causal=True)
 
 
+#: The warp-specialized forward (Hopper's TMA kernel; the interpreter runs its math).
+WS = FlashAttentionConfig(
+    fwd_params=FwdParams(q_blocksize=32, kv_blocksize=16, num_warps=4, num_stages=2),
+    bwd_params=SMALL.bwd_params,
+    warp_specialize=True,
+)
+
+
+@pytest.fixture
+def forward_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernels launched, in order (the launches still run)."""
+    from ejkernel_triton import _launch
+
+    names: list[str] = []
+    real = _launch.launch
+
+    def spy(kernel: Any, *args: Any, **kwargs: Any) -> Any:
+        names.append(kernel.fn.__name__)
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(_launch, "launch", spy)
+    return names
+
+
+@pytest.mark.parametrize(
+    ("shape", "kwargs"),
+    [
+        ((2, 37, 37, 4, 2, 64), {"causal": True}),
+        ((1, 50, 70, 2, 1, 128), {"causal": True, "logits_soft_cap": 5.0}),
+        ((1, 45, 20, 2, 2, 64), {"causal": True}),  # Sq > Sk: the first 25 rows see nothing
+        ((2, 40, 37, 2, 2, 64), {"softmax_scale": 0.3}),  # a cut last key block
+    ],
+    ids=["gqa-s37", "mqa-sq<sk-d128-softcap", "sq>sk-empty-rows", "full-cut-keys"],
+)
+def test_warp_specialized_forward_matches_the_reference(
+    forward_kernels: list[str], shape: tuple, kwargs: dict[str, Any]
+) -> None:
+    out = compare(*qkv(*shape, dtype=jnp.bfloat16), cfg=WS, **kwargs)
+    # the output, then the forward of the VJP and the usual backward
+    assert forward_kernels == [
+        "flash_attention_fwd_ws_kernel",
+        "flash_attention_fwd_ws_kernel",
+        "flash_attention_bwd_dkdv_kernel",
+        "flash_attention_bwd_dq_kernel",
+    ]
+    if kwargs.get("causal") and shape[1] > shape[2]:
+        assert float(jnp.abs(out[:, :25].astype(jnp.float32)).max()) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "kwargs"),
+    [
+        ((1, 37, 37, 2, 2, 80), jnp.bfloat16, {}),  # D not 64 or 128
+        ((1, 37, 37, 2, 2, 64), jnp.float32, {}),
+        ((1, 37, 37, 2, 2, 64), jnp.bfloat16, {"sliding_window": (8, 0)}),
+        ((1, 37, 37, 2, 2, 64), jnp.bfloat16, {"softmax_aux": jnp.ones((2,), jnp.float32)}),
+    ],
+    ids=["d80", "f32", "window", "sinks"],
+)
+def test_warp_specialization_falls_back_where_it_does_not_apply(
+    forward_kernels: list[str], shape: tuple, dtype: Any, kwargs: dict[str, Any]
+) -> None:
+    compare(*qkv(*shape, dtype=dtype), cfg=WS, grads=False, causal=True, **kwargs)
+    assert forward_kernels == ["flash_attention_fwd_kernel"]
+
+
 def test_default_config_and_scaled_dot_product_attention() -> None:
     q, k, v = qkv(1, 37, 37, 2, 2, 32)
     compare(q, k, v, cfg=None, grads=False, causal=True)

@@ -23,7 +23,7 @@ def rel(a: Any, b: Any) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-def check(shape: tuple[int, ...], dtype: Any, tol: float, **kwargs: Any) -> None:
+def check(shape: tuple[int, ...], dtype: Any, tol: float, cfg: Any = None, **kwargs: Any) -> None:
     b, sq, sk, hq, hkv, d = shape
     ks = jax.random.split(jax.random.PRNGKey(sq + d), 8)
     q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32).astype(dtype)
@@ -45,7 +45,7 @@ def check(shape: tuple[int, ...], dtype: Any, tol: float, **kwargs: Any) -> None
         out, vjp = jax.vjp(lambda q, k, v, a: fn(q, k, v, **a, **fixed, **extra), *inputs)
         return out, vjp(d_out.astype(out.dtype))
 
-    out, grads = jax.jit(lambda *a: run(ejkernel.flash_attention, *a, platform="triton"))(
+    out, grads = jax.jit(lambda *a: run(ejkernel.flash_attention, *a, platform="triton", cfg=cfg))(
         q, k, v, diff
     )
     up = jax.tree.map(lambda x: x.astype(jnp.float32), (q, k, v, diff))
@@ -108,3 +108,31 @@ def test_vmap_folds_into_the_grid() -> None:
             q.astype(jnp.float32)
         )
     assert rel(out, want) < 2e-2
+
+
+@pytest.mark.parametrize(
+    ("shape", "kwargs"),
+    [
+        ((2, 1024, 1024, 8, 2, 128), {"causal": True}),
+        ((2, 1000, 1500, 8, 8, 128), {}),
+        ((1, 1500, 1000, 4, 4, 64), {"causal": True}),
+        ((1, 777, 777, 4, 1, 128), {"causal": True, "logits_soft_cap": 30.0}),
+    ],
+    ids=["gqa-causal", "sq<sk-cut-keys", "sq>sk-empty-rows-d64", "mqa-softcap"],
+)
+def test_warp_specialized_forward(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], kwargs: dict[str, Any]
+) -> None:
+    from ejkernel_triton import _launch
+    from ejkernel_triton.ops.flash_attention import _WS_FWD, FlashAttentionConfig
+
+    names: list[str] = []
+    real = _launch.launch
+    monkeypatch.setattr(
+        _launch,
+        "launch",
+        lambda kernel, *a, **k: names.append(kernel.fn.__name__) or real(kernel, *a, **k),
+    )
+    cfg = FlashAttentionConfig(fwd_params=_WS_FWD, warp_specialize=True)
+    check(shape, jnp.bfloat16, 2e-2, cfg=cfg, **kwargs)
+    assert names[0] == "flash_attention_fwd_ws_kernel"

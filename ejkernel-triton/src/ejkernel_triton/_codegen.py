@@ -124,16 +124,23 @@ def compile_launch(launch: Launch, capability: int = 90) -> Compiled:
     if res.returncode != 0:
         raise RuntimeError(f"compiling {fn.fn.__name__} failed:\n{res.stderr[-4000:]}")
     out = json.loads(res.stdout.splitlines()[-1])
-    return Compiled(ptx=out["ptx"], cubin=base64.b64decode(out["cubin"]), shared=out["shared"])
+    return Compiled(
+        ptx=out["ptx"],
+        cubin=base64.b64decode(out["cubin"]),
+        shared=out["shared"],
+        num_warps=out["num_warps"],
+    )
 
 
 @attrs.frozen
 class Compiled:
-    """A kernel compiled for a GPU target: its PTX, its cubin and its shared memory (bytes)."""
+    """A kernel compiled for a GPU target: its PTX, its cubin, its shared memory (bytes) and
+    the warps it launches with (more than asked for when Triton warp-specializes it)."""
 
     ptx: str
     cubin: bytes
     shared: int
+    num_warps: int
 
 
 _CHILD = """
@@ -147,7 +154,7 @@ attrs = {(i,): [["tt.divisibility", 16]] for i in r["aligned"]}
 src = ASTSource(fn, r["signature"], constexprs=r["constexprs"], attrs=attrs)
 k = triton.compile(src, target=GPUTarget("cuda", r["capability"], 32), options=r["options"])
 print(json.dumps({"ptx": k.asm["ptx"], "cubin": base64.b64encode(k.asm["cubin"]).decode(),
-                  "shared": k.metadata.shared}))
+                  "shared": k.metadata.shared, "num_warps": k.metadata.num_warps}))
 """
 
 

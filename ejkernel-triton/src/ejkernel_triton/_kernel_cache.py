@@ -13,9 +13,11 @@ and attributes, the constexprs, warps, stages, CTAs, compute capability, fp fusi
 versions of triton, jax-triton and jaxlib. CUDA only (on ROCm jax-triton passes a file path,
 not the code).
 
-Gluon kernels (``@gluon.jit``, Triton's lower-level language) take the same road: jax-triton
-would build them as Triton IR, which they are not, so the wrapper compiles them itself
-(:func:`_compile_gluon`) and hands jax-triton's launcher the same kind of kernel object.
+Gluon kernels (``@gluon.jit``, Triton's lower-level language) and kernels marked with
+:func:`compile_directly` (warp-specialized ones) take the same road, but the wrapper compiles
+them itself with ``triton.compile`` (:func:`_compile_direct`) and hands jax-triton's launcher the
+same kind of kernel object: jax-triton would build Gluon as Triton IR, which it is not, and would
+launch a warp-specialized kernel with the warps asked for, not the ones the compiler added.
 
 A file that cannot be read or parsed is ignored with a warning and compiled again; a folder
 that cannot be written gives one warning and the process goes on with the in-memory cache.
@@ -38,7 +40,7 @@ from typing import Any
 
 from ejkernel import _env
 
-__all__ = ["cache_folder", "install"]
+__all__ = ["GLOBAL_SCRATCH_BYTES", "cache_folder", "compile_directly", "install"]
 
 _installed = False
 _install_lock = threading.Lock()
@@ -97,7 +99,7 @@ def _cached(get_or_create: Any) -> Any:
         if entry is not None:
             kernel = triton_lib.triton_kernel_call_lib.TritonKernel(
                 entry["name"],
-                kw.get("num_warps") or 4,
+                entry.get("num_warps") or kw.get("num_warps") or 4,
                 kw["num_ctas"],
                 entry["shared_mem_bytes"],
                 entry["ptx"],
@@ -107,8 +109,9 @@ def _cached(get_or_create: Any) -> Any:
             _memory[key] = kernel, {(i,): attr for i, attr in entry["attrs"]}
             return _memory[key]
         _captured.last = None
-        if _is_gluon(fn):
-            kernel, attrs = _compile_gluon(fn, arg_dtypes, scalar_args, **kw)
+        gluon = _is_gluon(fn)
+        if gluon or getattr(fn, "ejkernel_compile_directly", False):
+            kernel, attrs = _compile_direct(fn, arg_dtypes, scalar_args, gluon=gluon, **kw)
         else:
             kernel, attrs = get_or_create(
                 backend_init_func, platform, fn, arg_dtypes, scalar_args, **kw
@@ -121,6 +124,7 @@ def _cached(get_or_create: Any) -> Any:
                 path,
                 {
                     "name": result.name,
+                    "num_warps": getattr(result, "num_warps", None) or kw.get("num_warps") or 4,
                     "shared_mem_bytes": result.shared_mem_bytes,
                     "ptx": result.binary,
                     "ttir": ttir,
@@ -132,28 +136,55 @@ def _cached(get_or_create: Any) -> Any:
     return wrapper
 
 
+def compile_directly(fn: Any) -> Any:
+    """Mark a ``@triton.jit`` kernel to be compiled by :func:`_compile_direct` (a decorator).
+
+    For kernels that Triton warp-specializes (``tl.range(..., warp_specialize=True)``): the
+    compiler adds warps (a producer and consumer warp groups), which jax-triton would not
+    launch, and device-side TMA descriptors need per-program global scratch, for which
+    jaxlib passes a null pointer. See :func:`_compile_direct` for the scratch contract.
+    """
+    fn.ejkernel_compile_directly = True
+    return fn
+
+#: bytes of global scratch per program that launchers allocate for ``GlobalScratch``
+GLOBAL_SCRATCH_BYTES = 1024
+
+
 def _is_gluon(fn: Any) -> bool:
     try:
         from triton.experimental.gluon._runtime import GluonJITFunction
-    except ImportError:  # a Triton without Gluon
+    except ImportError:
         return False
     return isinstance(fn, GluonJITFunction)
 
 
-def _compile_gluon(
-    fn: Any, arg_dtypes: Any, scalar_args: Any, **kw: Any
+def _compile_direct(
+    fn: Any, arg_dtypes: Any, scalar_args: Any, *, gluon: bool, **kw: Any
 ) -> tuple[Any, dict[tuple[int], list[Any]]]:
-    """Compile a Gluon kernel for jax-triton's launcher.
+    """Compile a kernel with ``triton.compile`` and wrap it for jax-triton's launcher.
 
-    jax-triton builds its kernels from Triton IR (``ASTSource``); a Gluon kernel's source lowers
-    straight to TritonGPU IR, so it goes through ``triton.compile`` with a ``GluonASTSource``
-    instead. The launch contract is jax-triton's: arrays 16-byte aligned, integers equal to 1
-    folded into constants (and not passed), the same trailing scratch parameters.
+    Two kinds of kernels come here. Gluon kernels (``@gluon.jit``) lower straight to TritonGPU
+    IR, which jax-triton's Triton-IR pipeline cannot take (``GluonASTSource``). Kernels marked
+    with :func:`compile_directly` go through Triton's own driver so that the launch takes the
+    warp count the compiler settled on (``metadata.num_warps``), not the one asked for.
+
+    Global scratch: jaxlib passes a null pointer for Triton's hidden scratch parameter. A kernel
+    that needs scratch (device-side TMA descriptors) declares an output ``GlobalScratch`` as its
+    last runtime parameter, of :data:`GLOBAL_SCRATCH_BYTES` per program; the PTX is rewritten
+    so the hidden parameter's loads read that one instead.
+
+    The launch contract is jax-triton's: arrays 16-byte aligned, integers equal to 1 folded into
+    constants (and not passed), the same two trailing hidden parameters.
     """
     import triton
     from jax_triton import triton_lib
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        from triton.compiler import ASTSource as Source
 
     scalars = {i for i, _, _ in scalar_args}
     signature = {fn.arg_names[i]: t for i, t in enumerate(arg_dtypes)}
@@ -165,30 +196,38 @@ def _compile_gluon(
         (i,): ([] if i in scalars else [["tt.divisibility", 16]]) for i in range(len(arg_dtypes))
     }
     num_warps = kw.get("num_warps") or 4
-    source = GluonASTSource(
+    options = {"num_warps": num_warps, "num_ctas": kw.get("num_ctas") or 1}
+    if not gluon:
+        options["num_stages"] = kw.get("num_stages") or 3
+    source = Source(
         fn, signature, constexprs=constexprs, attrs={k: v for k, v in attrs.items() if v}
     )
     # jax-triton switches Triton's own cache off (TRITON_CACHE_DIR=""), and triton.compile
     # needs one: a throwaway folder (the PTX goes to this module's cache below)
     with (
-        tempfile.TemporaryDirectory(prefix="ejkernel-gluon-") as scratch,
+        tempfile.TemporaryDirectory(prefix="ejkernel-direct-") as scratch,
         triton.knobs.cache.scope(),
     ):
         triton.knobs.cache.dir = scratch
         compiled = triton.compile(
-            source,
-            target=GPUTarget("cuda", kw["compute_capability"], 32),
-            options={"num_warps": num_warps, "num_ctas": kw.get("num_ctas") or 1},
+            source, target=GPUTarget("cuda", kw["compute_capability"], 32), options=options
+        )
+    ptx = compiled.asm["ptx"]
+    if getattr(compiled.metadata, "global_scratch_size", 0):
+        runtime = [n for n in signature if signature[n] != "constexpr"]
+        ptx = _redirect_global_scratch(
+            fn, ptx, compiled.metadata.name, runtime, compiled.metadata.global_scratch_size
         )
     result = types.SimpleNamespace(
         name=compiled.metadata.name,
+        num_warps=compiled.metadata.num_warps,
         shared_mem_bytes=compiled.metadata.shared,
-        binary=compiled.asm["ptx"],
+        binary=ptx,
     )
     _captured.last = ("", result)
     kernel = triton_lib.triton_kernel_call_lib.TritonKernel(
         result.name,
-        num_warps,
+        result.num_warps,
         kw.get("num_ctas") or 1,
         result.shared_mem_bytes,
         result.binary,
@@ -196,6 +235,25 @@ def _compile_gluon(
         kw["compute_capability"],
     )
     return kernel, attrs
+
+
+def _redirect_global_scratch(fn: Any, ptx: str, name: str, runtime: list[str], size: int) -> str:
+    """Point the loads of Triton's hidden global-scratch parameter at ``GlobalScratch``."""
+    if not runtime or runtime[-1] != "GlobalScratch":
+        raise ValueError(
+            f"kernel {fn.__name__} needs {size} bytes of global scratch per program: give it an "
+            "output 'GlobalScratch' as its last runtime parameter"
+        )
+    if size > GLOBAL_SCRATCH_BYTES:
+        raise ValueError(
+            f"kernel {fn.__name__} needs {size} bytes of global scratch per program, more than "
+            f"the {GLOBAL_SCRATCH_BYTES} launchers allocate"
+        )
+    ours, hidden = len(runtime) - 1, len(runtime)
+    hidden_ref, our_ref = f"[{name}_param_{hidden}]", f"[{name}_param_{ours}]"
+    if f"{name}_param_{hidden + 1}" not in ptx or hidden_ref not in ptx:
+        raise RuntimeError(f"unexpected PTX parameters in {name}: cannot place global scratch")
+    return ptx.replace(hidden_ref, our_ref)
 
 
 def _key(fn: Any, arg_dtypes: Any, scalar_args: Any, kw: dict[str, Any]) -> str:

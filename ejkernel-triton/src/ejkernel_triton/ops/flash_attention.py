@@ -59,11 +59,17 @@ class FlashAttentionConfig:
             per step, warps, stages.
         dq_params: dQ kernel: ``q_blocksize`` rows per program, ``kv_blocksize`` keys per step;
             ``None`` takes ``bwd_params`` with the two block sizes swapped.
+        warp_specialize: run the forward as the warp-specialized TMA kernel
+            (``flash_attention_fwd_ws_kernel``: a producer warp group and two consumer warp
+            groups, ``num_warps`` each) where it applies: a Hopper GPU (or the interpreter),
+            bf16/f16, D = Dv of 64 or 128, no bias, mask, segment ids, window or sinks.
+            Elsewhere the forward is the usual kernel, with the same ``fwd_params``.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
     bwd_params: BwdParams = attrs.field(factory=BwdParams)
     dq_params: FwdParams | None = None
+    warp_specialize: bool = False
 
 
 # -- what is served -------------------------------------------------------------------------
@@ -102,14 +108,38 @@ def heuristic(inv: Any) -> FlashAttentionConfig:
     if q.dtype == jnp.float32:  # four-byte tiles: half the blocks of bf16
         fwd = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bwd = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
+    elif d == 128 and _ws_candidate(inv.kwargs):
+        # H100, (4, 4096, 16, 128) bf16: 1.26x / 1.12x the usual forward, non-causal / causal
+        # (RESULTS.md, eighth session); at D 64 the usual forward is faster
+        return FlashAttentionConfig(fwd_params=_WS_FWD, bwd_params=_BWD_D128, warp_specialize=True)
     elif d <= 128:  # H100, (8, 2048, 16, 64) and (4, 4096, 16, 128) bf16, causal and not:
         # best of benchmarks/triton_tune.py's sweep for every kernel (RESULTS.md)
         fwd = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
-        bwd = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+        bwd = _BWD_D128
     else:
         fwd = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bwd = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
     return FlashAttentionConfig(fwd_params=fwd, bwd_params=bwd)
+
+
+#: The warp-specialized forward's one config: the compiler's partitioning gave wrong results
+#: on the H100 with 64-key blocks or a third stage (triton 3.6), so neither is offered.
+_WS_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
+_BWD_D128 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+
+
+def _ws_candidate(a: Any) -> bool:
+    """Whether the warp-specialized forward would serve these arguments on this device."""
+    q, v = a["query"], a["value"]
+    extras = ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "softmax_aux")
+    return (
+        all(a.get(name) is None for name in (*extras, "sliding_window"))
+        and q.shape[-1] == v.shape[-1]
+        and q.shape[-1] in (64, 128)
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and not _launch.interpreting()
+        and _compute_capability()[0] == 9
+    )
 
 
 def config_space(inv: Any) -> list[FlashAttentionConfig]:
@@ -135,11 +165,15 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
     configs = [base]
     configs += [
         attrs.evolve(
-            base, fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+            base,
+            fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s),
+            warp_specialize=False,
         )
         for bq, bk, w, s in fwd_blocks
         if _fwd_smem(bq, bk, s, d, dv, size) <= limit
     ]
+    if _ws_candidate(inv.kwargs):  # Hopper, the plain case
+        configs.append(attrs.evolve(base, fwd_params=_WS_FWD, warp_specialize=True))
     configs += [
         attrs.evolve(
             base, bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
@@ -159,6 +193,13 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
 
 def _fwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
     return (bq * d + stages * bk * (d + dv)) * size
+
+
+def _fwd_ws_smem(bq: int, bk: int, stages: int, d: int, size: int) -> int:
+    """An upper estimate of the warp-specialized forward's shared memory: the Q tile and as
+    much again for the consumers' split, a K and a V tile per stage, the barriers (checked
+    against the compiler's figure by tests/triton/test_codegen.py)."""
+    return 2 * bq * d * size + 64 + stages * (2 * bk * d * size + 128)
 
 
 def _fit_stages(stages: int, smem_of: Any, tile: int, bias: jax.Array, mask: jax.Array) -> int:
@@ -184,11 +225,20 @@ _SHARED_MEMORY_DEFAULT = 101376  # sm_86, sm_89, sm_120
 def _shared_memory_limit() -> int:
     """From the device's compute capability (asking Triton's driver would import PyTorch,
     seconds of every process's start where it is installed)."""
+    cc = _compute_capability()
+    if cc == (0, 0):  # not a CUDA device (the interpreter): assume Hopper's 227 KiB
+        return _SHARED_MEMORY[9, 0]
+    return _SHARED_MEMORY.get(cc, _SHARED_MEMORY_DEFAULT)
+
+
+@functools.cache
+def _compute_capability() -> tuple[int, int]:
+    """The default device's compute capability; ``(0, 0)`` when it is not a CUDA GPU."""
     try:
         major, minor = (int(x) for x in str(jax.devices()[0].compute_capability).split("."))
-    except Exception:  # not a CUDA device (the interpreter): assume Hopper's 227 KiB
-        return _SHARED_MEMORY[9, 0]
-    return _SHARED_MEMORY.get((major, minor), _SHARED_MEMORY_DEFAULT)
+    except Exception:
+        return 0, 0
+    return major, minor
 
 
 def _pow2(n: int) -> int:
@@ -361,6 +411,7 @@ class _Statics:
     bwd: BwdParams
     dq: FwdParams
     precision: str
+    warp_specialize: bool = False
 
     @classmethod
     def of(
@@ -393,6 +444,7 @@ class _Statics:
             bwd=bwd,
             dq=dq,
             precision="ieee" if query.dtype == jnp.float32 else "tf32",
+            warp_specialize=cfg.warp_specialize,
         )
 
 
@@ -563,6 +615,8 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
     def run(q, k, v, bias, mask, qseg, kseg, aux):
         from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_kernel
 
+        if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
+            return _forward_ws(st, q, k, v)
         b, sq, hq, _ = q.shape
         dv = v.shape[-1]
         scalars, constexprs = _common(st, q, v, bias, mask, qseg)
@@ -611,6 +665,62 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         return out, lse
 
     return _launch.fold_vmap(run, modes)
+
+
+def _ws_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
+    """Whether :func:`_forward_ws` serves this call (see ``FlashAttentionConfig``)."""
+    d = q.shape[-1]
+    plain = bias.ndim != 4 and mask.ndim != 4 and qseg.ndim != 2 and aux.ndim != 2
+    return (
+        plain
+        and st.window is None
+        and d == v.shape[-1]
+        and d in (64, 128)
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and (_launch.interpreting() or _compute_capability()[0] == 9)
+    )
+
+
+def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[Any, Any]:
+    from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
+    from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel
+
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    bq = _clamp(st.fwd.q_blocksize or 128, sq)
+    bk = _clamp(st.fwd.kv_blocksize or 128, sk)
+    grid = (_cdiv(sq, bq), b * hq)
+    stages = st.fwd.num_stages or 2
+    while stages > 1 and _fwd_ws_smem(bq, bk, stages, d, q.dtype.itemsize) > _shared_memory_limit():
+        stages -= 1
+    out, lse, _ = _launch.launch(
+        flash_attention_fwd_ws_kernel,
+        q,
+        k,
+        v,
+        np.float32(st.sm_scale),
+        np.float32(st.soft_cap or 1.0),
+        b,
+        sq,
+        sk,
+        hq,
+        hkv,
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+            jax.ShapeDtypeStruct((grid[0] * grid[1] * GLOBAL_SCRATCH_BYTES,), jnp.int8),
+        ],
+        grid=grid,
+        num_warps=st.fwd.num_warps or 4,
+        num_stages=stages,
+        BLOCK_M=bq,
+        BLOCK_N=bk,
+        HEAD_DIM=d,
+        CAUSAL=st.causal,
+        SOFT_CAP=st.soft_cap is not None,
+        EVEN_K=sk % bk == 0,
+    )
+    return out, lse
 
 
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
