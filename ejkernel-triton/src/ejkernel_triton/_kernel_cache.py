@@ -147,6 +147,7 @@ def compile_directly(fn: Any) -> Any:
     fn.ejkernel_compile_directly = True
     return fn
 
+
 #: bytes of global scratch per program that launchers allocate for ``GlobalScratch``
 GLOBAL_SCRATCH_BYTES = 1024
 
