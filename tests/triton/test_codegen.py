@@ -73,7 +73,7 @@ def test_bias_and_mask_tiles_fit_in_shared_memory(bias_dtype):
     assert launches[0].num_stages < 3  # the forward gave up stages to fit
 
 
-def test_warp_specialized_forward_is_a_producer_and_two_consumer_warp_groups(monkeypatch):
+def test_warp_specialized_kernels_are_a_producer_and_two_consumer_warp_groups(monkeypatch):
     from ejkernel._params import FwdParams
     from ejkernel_triton.ops import flash_attention as fa
 
@@ -82,14 +82,17 @@ def test_warp_specialized_forward_is_a_producer_and_two_consumer_warp_groups(mon
         fwd_params=FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
         warp_specialize=True,
     )
-    fwd, dkdv, _ = _codegen.flash_attention_launches((1, 300, 2, 128), causal=True, cfg=cfg)
+    fwd, dkdv, dq = _codegen.flash_attention_launches((1, 300, 2, 128), causal=True, cfg=cfg)
     assert fwd.kernel.fn.__name__ == "flash_attention_fwd_ws_kernel"
-    assert dkdv.kernel.fn.__name__ == "flash_attention_bwd_dkdv_kernel"  # the usual backward
-    compiled = _codegen.compile_launch(fwd)
-    assert compiled.num_warps == 12  # 4 asked for: the producer and two consumers of 4
-    assert compiled.ptx.count("setmaxnreg") > 0  # registers moved from producer to consumers
-    assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
-    assert compiled.shared <= fa._fwd_ws_smem(128, 128, 2, 128, 2) <= H100_SHARED
+    assert dkdv.kernel.fn.__name__ == "flash_attention_bwd_dkdv_ws_kernel"
+    assert dq.kernel.fn.__name__ == "flash_attention_bwd_dq_kernel"  # the usual one
+    for launch in (fwd, dkdv):
+        compiled = _codegen.compile_launch(launch)
+        assert compiled.num_warps == 12  # 4 asked for: the producer and two consumers of 4
+        assert compiled.ptx.count("setmaxnreg") > 0  # registers moved to the consumers
+        assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
+        assert compiled.shared <= H100_SHARED
+    assert _codegen.compile_launch(fwd).shared <= fa._fwd_ws_smem(128, 128, 2, 128, 2)
     # a third stage would not fit: the launch gives it up
     deep = attrs.evolve(cfg, fwd_params=attrs.evolve(cfg.fwd_params, num_stages=3))
     (fwd3, *_) = _codegen.flash_attention_launches((1, 300, 2, 128), causal=True, cfg=deep)

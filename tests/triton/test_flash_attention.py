@@ -136,7 +136,8 @@ def test_bf16_inputs_within_bf16_tolerance() -> None:
     compare(q, k, v, causal=True)
 
 
-#: The warp-specialized forward (Hopper's TMA kernel; the interpreter runs its math).
+#: The warp-specialized forward and dK/dV kernels (Hopper's TMA kernels; the interpreter runs
+#: their math): 16-key blocks in the dK/dV kernel, so its loop crosses query blocks and heads.
 WS = FlashAttentionConfig(
     fwd_params=FwdParams(q_blocksize=32, kv_blocksize=16, num_warps=4, num_stages=2),
     bwd_params=SMALL.bwd_params,
@@ -167,18 +168,19 @@ def forward_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         ((1, 50, 70, 2, 1, 128), {"causal": True, "logits_soft_cap": 5.0}),
         ((1, 45, 20, 2, 2, 64), {"causal": True}),  # Sq > Sk: the first 25 rows see nothing
         ((2, 40, 37, 2, 2, 64), {"softmax_scale": 0.3}),  # a cut last key block
+        ((1, 37, 50, 4, 2, 64), {"causal": True, "logits_soft_cap": 3.0}),
     ],
-    ids=["gqa-s37", "mqa-sq<sk-d128-softcap", "sq>sk-empty-rows", "full-cut-keys"],
+    ids=["gqa-s37", "mqa-sq<sk-d128-softcap", "sq>sk-empty-rows", "full-cut-keys", "gqa-softcap"],
 )
-def test_warp_specialized_forward_matches_the_reference(
+def test_warp_specialized_kernels_match_the_reference(
     forward_kernels: list[str], shape: tuple, kwargs: dict[str, Any]
 ) -> None:
     out = compare(*qkv(*shape, dtype=jnp.bfloat16), cfg=WS, **kwargs)
-    # the output, then the forward of the VJP and the usual backward
+    # the output, then the forward of the VJP and the backward (dK/dV specialized too)
     assert forward_kernels == [
         "flash_attention_fwd_ws_kernel",
         "flash_attention_fwd_ws_kernel",
-        "flash_attention_bwd_dkdv_kernel",
+        "flash_attention_bwd_dkdv_ws_kernel",
         "flash_attention_bwd_dq_kernel",
     ]
     if kwargs.get("causal") and shape[1] > shape[2]:

@@ -120,7 +120,7 @@ def test_vmap_folds_into_the_grid() -> None:
     ],
     ids=["gqa-causal", "sq<sk-cut-keys", "sq>sk-empty-rows-d64", "mqa-softcap"],
 )
-def test_warp_specialized_forward(
+def test_warp_specialized_kernels(
     monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], kwargs: dict[str, Any]
 ) -> None:
     from ejkernel_triton import _launch
@@ -135,4 +135,8 @@ def test_warp_specialized_forward(
     )
     cfg = FlashAttentionConfig(fwd_params=_WS_FWD, warp_specialize=True)
     check(shape, jnp.bfloat16, 2e-2, cfg=cfg, **kwargs)
-    assert names[0] == "flash_attention_fwd_ws_kernel"
+    assert names == [
+        "flash_attention_fwd_ws_kernel",
+        "flash_attention_bwd_dkdv_ws_kernel",
+        "flash_attention_bwd_dq_kernel",
+    ]

@@ -59,6 +59,7 @@ class Launch:
     num_warps: int
     num_stages: int
     constexprs: dict[str, Any]
+    grid: tuple[int, ...] = ()
 
 
 @contextlib.contextmanager
@@ -69,8 +70,8 @@ def recorded_launches() -> Iterator[list[Launch]]:
     record: list[Launch] = []
 
     def fake(kernel, *args, out_shape, grid, num_warps, num_stages, zeroed_outputs=(), **cx):
-        del grid, zeroed_outputs
-        record.append(Launch(kernel, args, tuple(out_shape), num_warps, num_stages, cx))
+        del zeroed_outputs
+        record.append(Launch(kernel, args, tuple(out_shape), num_warps, num_stages, cx, grid))
         return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
 
     real = _launch.launch

@@ -1225,3 +1225,105 @@ def flash_attention_fwd_ws_kernel(
     )
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
     tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+# -- backward dK/dV, warp-specialized (Hopper) -----------------------------------------------
+
+
+@compile_directly
+@triton.jit
+def flash_attention_bwd_dkdv_ws_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    sm_scale,
+    soft_cap,
+    batch,
+    seqlen_q,
+    seqlen_k,
+    num_heads,
+    num_kv_heads,
+    DK,
+    DV,
+    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+):
+    """The dK/dV kernel for the plain case, written for Triton's Hopper warp specialization
+    (as :func:`flash_attention_fwd_ws_kernel`): Q and dO arrive by TMA and the compiler splits
+    the program's ``BLOCK_N`` keys between two consumer warp groups.
+
+    One specialized loop walks (query head of the group, query block) pairs. Query rows past
+    ``seqlen_q`` (read from the next batch, or zeros) get ``lse = EMPTY_LSE`` and so ``p = 0``;
+    key rows past ``seqlen_k`` are computed and not stored.
+    """
+    start_n = tl.program_id(0)
+    off_bhk = tl.program_id(1)
+    off_b = off_bhk // num_kv_heads
+    off_hk = off_bhk % num_kv_heads
+    group = num_heads // num_kv_heads
+    q_desc = tl.make_tensor_descriptor(
+        Q,
+        shape=[batch * seqlen_q, num_heads * HEAD_DIM],
+        strides=[num_heads * HEAD_DIM, 1],
+        block_shape=[BLOCK_M, HEAD_DIM],
+    )
+    do_desc = tl.make_tensor_descriptor(
+        DO,
+        shape=[batch * seqlen_q, num_heads * HEAD_DIM],
+        strides=[num_heads * HEAD_DIM, 1],
+        block_shape=[BLOCK_M, HEAD_DIM],
+    )
+    k_desc = tl.make_tensor_descriptor(
+        K,
+        shape=[batch * seqlen_k, num_kv_heads * HEAD_DIM],
+        strides=[num_kv_heads * HEAD_DIM, 1],
+        block_shape=[BLOCK_N, HEAD_DIM],
+    )
+    v_desc = tl.make_tensor_descriptor(
+        V,
+        shape=[batch * seqlen_k, num_kv_heads * HEAD_DIM],
+        strides=[num_kv_heads * HEAD_DIM, 1],
+        block_shape=[BLOCK_N, HEAD_DIM],
+    )
+    k = k_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
+    v = v_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
+    lo = 0
+    if CAUSAL:  # the first query block that sees this program's first key
+        lo = tl.maximum(start_n * BLOCK_N - q_pos_offset, 0) // BLOCK_M * BLOCK_M
+    blocks = tl.cdiv(seqlen_q - lo, BLOCK_M)
+    for it in tl.range(0, group * blocks, warp_specialize=True):
+        off_h = off_hk * group + it // blocks
+        start_m = lo + (it % blocks) * BLOCK_M
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = q_desc.load([off_b * seqlen_q + start_m, off_h * HEAD_DIM])
+        stats = (off_b * num_heads + off_h) * seqlen_q + rows
+        lse = tl.load(Lse + stats, mask=rows < seqlen_q, other=EMPTY_LSE)
+        # transposed scores, [BLOCK_N, BLOCK_M], as in the usual dK/dV kernel
+        s_t, t_t = _scores(tl.dot(k, tl.trans(q)), sm_scale, soft_cap, SOFT_CAP)
+        if CAUSAL:
+            s_t = tl.where(offs_n[:, None] <= rows[None, :] + q_pos_offset, s_t, MASK_VALUE)
+        p_t = tl.exp2(s_t - lse[None, :])
+        do = do_desc.load([off_b * seqlen_q + start_m, off_h * HEAD_DIM])
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        delta = tl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        if SOFT_CAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows_k = (off_b * seqlen_k + offs_n[:, None]) * (num_kv_heads * HEAD_DIM)
+    ptrs = rows_k + off_hk * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)
+    tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)

@@ -59,11 +59,13 @@ class FlashAttentionConfig:
             per step, warps, stages.
         dq_params: dQ kernel: ``q_blocksize`` rows per program, ``kv_blocksize`` keys per step;
             ``None`` takes ``bwd_params`` with the two block sizes swapped.
-        warp_specialize: run the forward as the warp-specialized TMA kernel
-            (``flash_attention_fwd_ws_kernel``: a producer warp group and two consumer warp
-            groups, ``num_warps`` each) where it applies: a Hopper GPU (or the interpreter),
-            bf16/f16, D = Dv of 64 or 128, no bias, mask, segment ids, window or sinks.
-            Elsewhere the forward is the usual kernel, with the same ``fwd_params``.
+        warp_specialize: run the forward and the dK/dV kernel as the warp-specialized TMA
+            kernels (``flash_attention_fwd_ws_kernel``, ``flash_attention_bwd_dkdv_ws_kernel``:
+            a producer warp group and two consumer warp groups, ``num_warps`` each) where they
+            apply: a Hopper GPU (or the interpreter), bf16/f16, D = Dv of 64 or 128, no bias,
+            mask, segment ids, window or sinks. On a GPU the dK/dV kernel runs its one
+            validated config (``_WS_DKDV``) and the dQ kernel is the usual one. Elsewhere the
+            usual kernels run, with the same params.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
@@ -125,6 +127,8 @@ def heuristic(inv: Any) -> FlashAttentionConfig:
 #: The warp-specialized forward's one config: the compiler's partitioning gave wrong results
 #: on the H100 with 64-key blocks or a third stage (triton 3.6), so neither is offered.
 _WS_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
+#: ... and of the warp-specialized dK/dV kernel (the same limits): 128 keys per program.
+_WS_DKDV = BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2)
 _BWD_D128 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
 
 
@@ -723,6 +727,51 @@ def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple
     return out, lse
 
 
+def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> tuple[Any, Any]:
+    """dK and dV by ``flash_attention_bwd_dkdv_ws_kernel``: on a GPU in its one config,
+    :data:`_WS_DKDV`; in the interpreter with the config's backward blocks (small ones in the
+    tests, so that the loop crosses several query blocks and heads)."""
+    from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
+    from ejkernel_triton.kernels.flash_attention import flash_attention_bwd_dkdv_ws_kernel
+
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    blocks = st.bwd if _launch.interpreting() else _WS_DKDV
+    bq = _clamp(blocks.q_blocksize or _WS_DKDV.q_blocksize, sq)
+    bk = _clamp(blocks.kv_blocksize or _WS_DKDV.kv_blocksize, sk)
+    grid = (_cdiv(sk, bk), b * hkv)
+    dk, dv, _ = _launch.launch(
+        flash_attention_bwd_dkdv_ws_kernel,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        np.float32(st.sm_scale),
+        np.float32(st.soft_cap or 1.0),
+        b,
+        sq,
+        sk,
+        hq,
+        hkv,
+        out_shape=[
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((grid[0] * grid[1] * GLOBAL_SCRATCH_BYTES,), jnp.int8),
+        ],
+        grid=grid,
+        num_warps=_WS_DKDV.num_warps,
+        num_stages=_WS_DKDV.num_stages,
+        BLOCK_M=bq,
+        BLOCK_N=bk,
+        HEAD_DIM=d,
+        CAUSAL=st.causal,
+        SOFT_CAP=st.soft_cap is not None,
+    )
+    return dk, dv
+
+
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
     def run(q, k, v, bias, mask, qseg, kseg, aux, do, lse, delta):
         from ejkernel_triton.kernels.flash_attention import (
@@ -730,6 +779,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             flash_attention_bwd_dq_kernel,
         )
 
+        ws = st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux)
         del aux
         b, sq, hq, _ = q.shape
         _, sk, hkv, _ = k.shape
@@ -756,26 +806,29 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         )
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
         d_pow2, dv_pow2 = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-        dk, dv = _launch.launch(
-            flash_attention_bwd_dkdv_kernel,
-            *args,
-            out_shape=[
-                jax.ShapeDtypeStruct(k.shape, k.dtype),
-                jax.ShapeDtypeStruct(v.shape, v.dtype),
-            ],
-            grid=(_cdiv(sk, bk), b * hkv),
-            num_warps=st.bwd.num_warps or 4,
-            num_stages=_fit_stages(
-                st.bwd.num_stages or 2,
-                lambda n: _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
-                bq * bk,
-                bias,
-                mask,
-            ),
-            BLOCK_M=bq,
-            BLOCK_N=bk,
-            **constexprs,
-        )
+        if ws:
+            dk, dv = _dkdv_ws(st, q, k, v, do, lse, delta)
+        else:
+            dk, dv = _launch.launch(
+                flash_attention_bwd_dkdv_kernel,
+                *args,
+                out_shape=[
+                    jax.ShapeDtypeStruct(k.shape, k.dtype),
+                    jax.ShapeDtypeStruct(v.shape, v.dtype),
+                ],
+                grid=(_cdiv(sk, bk), b * hkv),
+                num_warps=st.bwd.num_warps or 4,
+                num_stages=_fit_stages(
+                    st.bwd.num_stages or 2,
+                    lambda n: _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
+                    bq * bk,
+                    bias,
+                    mask,
+                ),
+                BLOCK_M=bq,
+                BLOCK_N=bk,
+                **constexprs,
+            )
         has_bias = bias.ndim == 4
         qb, kb = _clamp(st.dq.q_blocksize or 128, sq), _clamp(st.dq.kv_blocksize or 32, sk)
         dq, dbias = _launch.launch(
