@@ -1128,6 +1128,18 @@ def flash_attention_bwd_dq_kernel(
 # -- forward, warp-specialized (Hopper) ------------------------------------------------------
 
 
+@triton.jit
+def _head_rows(ptr, rows, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A TMA descriptor of ``[B, S, H, D]`` seen as ``[rows = B·S, H·D]``, ``BLOCK`` rows of one
+    head per load (at column ``head · HEAD_DIM``)."""
+    return tl.make_tensor_descriptor(
+        ptr,
+        shape=[rows, heads * HEAD_DIM],
+        strides=[heads * HEAD_DIM, 1],
+        block_shape=[BLOCK, HEAD_DIM],
+    )
+
+
 @compile_directly
 @triton.jit
 def flash_attention_fwd_ws_kernel(
@@ -1166,24 +1178,9 @@ def flash_attention_fwd_ws_kernel(
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     off_hk = off_h // (num_heads // num_kv_heads)
-    q_desc = tl.make_tensor_descriptor(
-        Q,
-        shape=[batch * seqlen_q, num_heads * HEAD_DIM],
-        strides=[num_heads * HEAD_DIM, 1],
-        block_shape=[BLOCK_M, HEAD_DIM],
-    )
-    k_desc = tl.make_tensor_descriptor(
-        K,
-        shape=[batch * seqlen_k, num_kv_heads * HEAD_DIM],
-        strides=[num_kv_heads * HEAD_DIM, 1],
-        block_shape=[BLOCK_N, HEAD_DIM],
-    )
-    v_desc = tl.make_tensor_descriptor(
-        V,
-        shape=[batch * seqlen_k, num_kv_heads * HEAD_DIM],
-        strides=[num_kv_heads * HEAD_DIM, 1],
-        block_shape=[BLOCK_N, HEAD_DIM],
-    )
+    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = q_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
     q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
@@ -1268,30 +1265,10 @@ def flash_attention_bwd_dkdv_ws_kernel(
     off_b = off_bhk // num_kv_heads
     off_hk = off_bhk % num_kv_heads
     group = num_heads // num_kv_heads
-    q_desc = tl.make_tensor_descriptor(
-        Q,
-        shape=[batch * seqlen_q, num_heads * HEAD_DIM],
-        strides=[num_heads * HEAD_DIM, 1],
-        block_shape=[BLOCK_M, HEAD_DIM],
-    )
-    do_desc = tl.make_tensor_descriptor(
-        DO,
-        shape=[batch * seqlen_q, num_heads * HEAD_DIM],
-        strides=[num_heads * HEAD_DIM, 1],
-        block_shape=[BLOCK_M, HEAD_DIM],
-    )
-    k_desc = tl.make_tensor_descriptor(
-        K,
-        shape=[batch * seqlen_k, num_kv_heads * HEAD_DIM],
-        strides=[num_kv_heads * HEAD_DIM, 1],
-        block_shape=[BLOCK_N, HEAD_DIM],
-    )
-    v_desc = tl.make_tensor_descriptor(
-        V,
-        shape=[batch * seqlen_k, num_kv_heads * HEAD_DIM],
-        strides=[num_kv_heads * HEAD_DIM, 1],
-        block_shape=[BLOCK_N, HEAD_DIM],
-    )
+    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
     k = k_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
     v = v_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
