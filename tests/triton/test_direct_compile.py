@@ -29,12 +29,9 @@ def scale_kernel(X, factor, n, Y, BLOCK: gl.constexpr):
     gl.store(Y + offs, gl.load(X + offs, mask=offs < n) * factor, mask=offs < n)
 """
 
-CHILD = """
-import json, os, sys, types
-sys.path.insert(0, {folder!r})
-os.environ["EJKERNEL_CACHE_DIR"] = {cache!r}
-os.environ["TRITON_CACHE_DIR"] = ""  # as jax-triton leaves it
-compiled = []
+#: A stand-in jax-triton (the real one needs a GPU jaxlib): the kernel object is the tuple of
+#: its constructor's arguments; a kernel sent down jax-triton's own route is recorded.
+STANDIN = """
 lib = types.ModuleType("jax_triton.triton_lib")
 lib.get_or_create_triton_kernel = lambda *a, **k: compiled.append("ttir route")
 lib.compile_ttir_inplace = lambda *a, **k: None
@@ -43,9 +40,17 @@ lib.triton_kernel_call_lib = types.SimpleNamespace(
 )
 pkg = types.ModuleType("jax_triton")
 pkg.triton_lib = lib
-sys.modules.update({{"jax_triton": pkg, "jax_triton.triton_lib": lib}})
+sys.modules.update({"jax_triton": pkg, "jax_triton.triton_lib": lib})
 from ejkernel_triton import _kernel_cache
-from gluon_scale import scale_kernel
+"""
+
+CHILD = """
+import json, os, sys, types
+sys.path.insert(0, {folder!r})
+os.environ["EJKERNEL_CACHE_DIR"] = {cache!r}
+os.environ["TRITON_CACHE_DIR"] = ""  # as jax-triton leaves it
+compiled = []
+{standin}from gluon_scale import scale_kernel
 _kernel_cache.install()
 kw = dict(num_warps=4, num_stages=1, num_ctas=1, compute_capability=90,
           enable_fp_fusion=True, metaparams={{"BLOCK": 512}}, dump=False)
@@ -66,7 +71,7 @@ print(json.dumps({{
 def test_a_gluon_kernel_compiles_for_hopper_and_is_cached(tmp_path):
     pytest.importorskip("triton.experimental.gluon")
     (tmp_path / "gluon_scale.py").write_text(textwrap.dedent(KERNEL))
-    code = CHILD.format(folder=str(tmp_path), cache=str(tmp_path / "cache"))
+    code = CHILD.format(folder=str(tmp_path), cache=str(tmp_path / "cache"), standin=STANDIN)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.splitlines()[-1])
@@ -86,18 +91,8 @@ def test_a_gluon_kernel_compiles_for_hopper_and_is_cached(tmp_path):
 WS_CHILD = """
 import json, os, re, sys, types
 os.environ["EJKERNEL_CACHE_DIR"] = {cache!r}
-made = []
-lib = types.ModuleType("jax_triton.triton_lib")
-lib.get_or_create_triton_kernel = lambda *a, **k: made.append("ttir route")
-lib.compile_ttir_inplace = lambda *a, **k: None
-lib.triton_kernel_call_lib = types.SimpleNamespace(
-    TritonKernel=lambda *args: args, get_compute_capability=lambda device: 90
-)
-pkg = types.ModuleType("jax_triton")
-pkg.triton_lib = lib
-sys.modules.update({{"jax_triton": pkg, "jax_triton.triton_lib": lib}})
-from ejkernel_triton import _kernel_cache
-from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel as fn
+compiled = []
+{standin}from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel as fn
 _kernel_cache.install()
 kw = dict(num_warps=4, num_stages=2, num_ctas=1, compute_capability=90, enable_fp_fusion=True,
           metaparams=dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, CAUSAL=True, SOFT_CAP=False,
@@ -112,7 +107,7 @@ name, ptx = kernel[0], kernel[4]
 params = re.findall(r"[.]param [^\\n]*" + name + r"_param_(\\d+)", ptx)
 print(json.dumps({{"warps": kernel[1], "again_warps": again[1], "shared": kernel[3],
     "params": [int(p) for p in params], "loads": sorted(set(re.findall(r"\\[" + name
-    + r"_param_(\\d+)\\]", ptx))), "ttir_route": made}}))
+    + r"_param_(\\d+)\\]", ptx))), "ttir_route": compiled}}))
 """
 
 
@@ -120,7 +115,7 @@ def test_the_warp_specialized_forward_launches_its_warps_and_reads_our_scratch(t
     """The launch takes the compiler's 12 warps (also when read back from the disk cache), and
     the hidden global-scratch parameter (null from jaxlib) is never read: its loads read the
     kernel's own ``GlobalScratch`` output instead."""
-    code = WS_CHILD.format(cache=str(tmp_path / "cache"))
+    code = WS_CHILD.format(cache=str(tmp_path / "cache"), standin=STANDIN)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.splitlines()[-1])

@@ -17,8 +17,8 @@ The algorithm is FlashAttention-2 (Dao, 2023). Layout is OPS.md's: ``q [B, Sq, H
 - Head dims that are not powers of two (80, 96) load ``BLOCK_D = next_pow2(D)`` columns with a
   mask; powers of two skip the mask.
 
-On Hopper the plain case has a fourth kernel, :func:`flash_attention_fwd_ws_kernel`: the forward
-through TMA descriptors with Triton's automatic warp specialization.
+On Hopper the plain case has two more kernels, :func:`flash_attention_fwd_ws_kernel` and
+:func:`flash_attention_bwd_dkdv_ws_kernel`: TMA loads and Triton's automatic warp specialization.
 
 The kernels are plain ``@triton.jit`` functions. The launch wrapper
 (:mod:`ejkernel_triton.ops.flash_attention`) calls them through jax-triton on a GPU, or through

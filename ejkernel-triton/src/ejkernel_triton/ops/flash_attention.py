@@ -63,9 +63,10 @@ class FlashAttentionConfig:
             kernels (``flash_attention_fwd_ws_kernel``, ``flash_attention_bwd_dkdv_ws_kernel``:
             a producer warp group and two consumer warp groups, ``num_warps`` each) where they
             apply: a Hopper GPU (or the interpreter), bf16/f16, D = Dv of 64 or 128, no bias,
-            mask, segment ids, window or sinks. On a GPU the dK/dV kernel runs its one
-            validated config (``_WS_DKDV``) and the dQ kernel is the usual one. Elsewhere the
-            usual kernels run, with the same params.
+            mask, segment ids, window or sinks. On a GPU each runs its one validated config
+            (``_WS_FWD``, ``_WS_DKDV``) whatever ``fwd_params``/``bwd_params`` say; the
+            interpreter takes their block sizes. The dQ kernel is the usual one. Elsewhere the
+            usual kernels run, with the given params.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
@@ -133,16 +134,33 @@ _BWD_D128 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2
 
 
 def _ws_candidate(a: Any) -> bool:
-    """Whether the warp-specialized forward would serve these arguments on this device."""
-    q, v = a["query"], a["value"]
+    """Whether the warp-specialized kernels would serve these arguments on this GPU (the
+    heuristic's and the config space's question; :func:`_ws_applies` is the launch's)."""
     extras = ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "softmax_aux")
     return (
         all(a.get(name) is None for name in (*extras, "sliding_window"))
-        and q.shape[-1] == v.shape[-1]
-        and q.shape[-1] in (64, 128)
-        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and _ws_shapes(a["query"], a["value"])
         and not _launch.interpreting()
         and _compute_capability()[0] == 9
+    )
+
+
+def _ws_shapes(q: Any, v: Any) -> bool:
+    """Head dims and dtypes the warp-specialized kernels take."""
+    d = q.shape[-1]
+    return d == v.shape[-1] and d in (64, 128) and q.dtype in (jnp.bfloat16, jnp.float16)
+
+
+def _ws_params(given: Any, validated: Any) -> Any:
+    """The block sizes a warp-specialized kernel runs with: on a GPU its validated config (other
+    block sizes and stage counts compiled to wrong results, triton 3.6), in the interpreter the
+    config's (the tests use small blocks, so that loops cross several blocks)."""
+    if not _launch.interpreting():
+        return validated
+    return attrs.evolve(
+        validated,
+        q_blocksize=given.q_blocksize or validated.q_blocksize,
+        kv_blocksize=given.kv_blocksize or validated.kv_blocksize,
     )
 
 
@@ -197,13 +215,6 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
 
 def _fwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
     return (bq * d + stages * bk * (d + dv)) * size
-
-
-def _fwd_ws_smem(bq: int, bk: int, stages: int, d: int, size: int) -> int:
-    """An upper estimate of the warp-specialized forward's shared memory: the Q tile and as
-    much again for the consumers' split, a K and a V tile per stage, the barriers (checked
-    against the compiler's figure by tests/triton/test_codegen.py)."""
-    return 2 * bq * d * size + 64 + stages * (2 * bk * d * size + 128)
 
 
 def _fit_stages(stages: int, smem_of: Any, tile: int, bias: jax.Array, mask: jax.Array) -> int:
@@ -672,31 +683,26 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
 
 
 def _ws_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
-    """Whether :func:`_forward_ws` serves this call (see ``FlashAttentionConfig``)."""
-    d = q.shape[-1]
+    """Whether the warp-specialized kernels serve this launch (see ``FlashAttentionConfig``)."""
     plain = bias.ndim != 4 and mask.ndim != 4 and qseg.ndim != 2 and aux.ndim != 2
     return (
         plain
         and st.window is None
-        and d == v.shape[-1]
-        and d in (64, 128)
-        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and _ws_shapes(q, v)
         and (_launch.interpreting() or _compute_capability()[0] == 9)
     )
 
 
 def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[Any, Any]:
+    """Output and lse by ``flash_attention_fwd_ws_kernel`` (blocks by :func:`_ws_params`)."""
     from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
     from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel
 
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    bq = _clamp(st.fwd.q_blocksize or 128, sq)
-    bk = _clamp(st.fwd.kv_blocksize or 128, sk)
+    params = _ws_params(st.fwd, _WS_FWD)
+    bq, bk = _clamp(params.q_blocksize, sq), _clamp(params.kv_blocksize, sk)
     grid = (_cdiv(sq, bq), b * hq)
-    stages = st.fwd.num_stages or 2
-    while stages > 1 and _fwd_ws_smem(bq, bk, stages, d, q.dtype.itemsize) > _shared_memory_limit():
-        stages -= 1
     out, lse, _ = _launch.launch(
         flash_attention_fwd_ws_kernel,
         q,
@@ -715,8 +721,8 @@ def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple
             jax.ShapeDtypeStruct((grid[0] * grid[1] * GLOBAL_SCRATCH_BYTES,), jnp.int8),
         ],
         grid=grid,
-        num_warps=st.fwd.num_warps or 4,
-        num_stages=stages,
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
         BLOCK_M=bq,
         BLOCK_N=bk,
         HEAD_DIM=d,
@@ -728,17 +734,14 @@ def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple
 
 
 def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> tuple[Any, Any]:
-    """dK and dV by ``flash_attention_bwd_dkdv_ws_kernel``: on a GPU in its one config,
-    :data:`_WS_DKDV`; in the interpreter with the config's backward blocks (small ones in the
-    tests, so that the loop crosses several query blocks and heads)."""
+    """dK and dV by ``flash_attention_bwd_dkdv_ws_kernel`` (blocks by :func:`_ws_params`)."""
     from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
     from ejkernel_triton.kernels.flash_attention import flash_attention_bwd_dkdv_ws_kernel
 
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    blocks = st.bwd if _launch.interpreting() else _WS_DKDV
-    bq = _clamp(blocks.q_blocksize or _WS_DKDV.q_blocksize, sq)
-    bk = _clamp(blocks.kv_blocksize or _WS_DKDV.kv_blocksize, sk)
+    params = _ws_params(st.bwd, _WS_DKDV)
+    bq, bk = _clamp(params.q_blocksize, sq), _clamp(params.kv_blocksize, sk)
     grid = (_cdiv(sk, bk), b * hkv)
     dk, dv, _ = _launch.launch(
         flash_attention_bwd_dkdv_ws_kernel,
@@ -761,8 +764,8 @@ def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> tuple[Any, Any]:
             jax.ShapeDtypeStruct((grid[0] * grid[1] * GLOBAL_SCRATCH_BYTES,), jnp.int8),
         ],
         grid=grid,
-        num_warps=_WS_DKDV.num_warps,
-        num_stages=_WS_DKDV.num_stages,
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
         BLOCK_M=bq,
         BLOCK_N=bk,
         HEAD_DIM=d,
