@@ -138,5 +138,5 @@ def test_warp_specialized_kernels(
     assert names == [
         "flash_attention_fwd_ws_kernel",
         "flash_attention_bwd_dkdv_ws_kernel",
-        "flash_attention_bwd_dq_kernel",
+        "flash_attention_bwd_dq_ws_kernel",
     ]

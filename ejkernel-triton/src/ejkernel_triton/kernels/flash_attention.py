@@ -17,8 +17,9 @@ The algorithm is FlashAttention-2 (Dao, 2023). Layout is OPS.md's: ``q [B, Sq, H
 - Head dims that are not powers of two (80, 96) load ``BLOCK_D = next_pow2(D)`` columns with a
   mask; powers of two skip the mask.
 
-On Hopper the plain case has two more kernels, :func:`flash_attention_fwd_ws_kernel` and
-:func:`flash_attention_bwd_dkdv_ws_kernel`: TMA loads and Triton's automatic warp specialization.
+On Hopper the plain case has three more kernels, :func:`flash_attention_fwd_ws_kernel`,
+:func:`flash_attention_bwd_dkdv_ws_kernel` and :func:`flash_attention_bwd_dq_ws_kernel`: TMA
+loads and Triton's automatic warp specialization.
 
 The kernels are plain ``@triton.jit`` functions. The launch wrapper
 (:mod:`ejkernel_triton.ops.flash_attention`) calls them through jax-triton on a GPU, or through
@@ -1125,7 +1126,7 @@ def flash_attention_bwd_dq_kernel(
     )
 
 
-# -- forward, warp-specialized (Hopper) ------------------------------------------------------
+# -- warp-specialized kernels (Hopper) -------------------------------------------------------
 
 
 @triton.jit
@@ -1138,6 +1139,12 @@ def _head_rows(ptr, rows, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
         strides=[heads * HEAD_DIM, 1],
         block_shape=[BLOCK, HEAD_DIM],
     )
+
+
+@triton.jit
+def _row_stats(ptr, size, BLOCK: tl.constexpr):
+    """A TMA descriptor of a flat float32 ``[B·H·S]`` array, ``BLOCK`` entries per load."""
+    return tl.make_tensor_descriptor(ptr, shape=[size], strides=[1], block_shape=[BLOCK])
 
 
 @compile_directly
@@ -1304,3 +1311,89 @@ def flash_attention_bwd_dkdv_ws_kernel(
     ptrs = rows_k + off_hk * HEAD_DIM + offs_d[None, :]
     tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)
     tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)
+
+
+# -- backward dQ, warp-specialized (Hopper) --------------------------------------------------
+
+
+@compile_directly
+@triton.jit
+def flash_attention_bwd_dq_ws_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    sm_scale,
+    soft_cap,
+    batch,
+    seqlen_q,
+    seqlen_k,
+    num_heads,
+    num_kv_heads,
+    stats_len,
+    DQ,
+    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The dQ kernel for the plain case, written for Triton's Hopper warp specialization (as
+    :func:`flash_attention_fwd_ws_kernel`, whose loop it follows): K and V arrive by TMA and
+    the compiler splits the program's ``BLOCK_M`` query rows between two consumer warp groups.
+
+    ``Lse``/``Delta`` come as ``[B, H, stats_len]`` (``stats_len`` a multiple of ``BLOCK_M``,
+    so every TMA offset is 16-byte aligned). Query rows past ``seqlen_q`` are computed from
+    the padding (or the next batch's rows) and not stored; key rows past ``seqlen_k`` (the
+    next batch's, or zeros) are masked like the forward's.
+    """
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    off_hk = off_h // (num_heads // num_kv_heads)
+    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = q_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
+    do = do_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
+    # the row statistics by TMA too (the pass fails on pointer loads it must split by rows),
+    # from rows of stats_len >= seqlen_q entries, a multiple of BLOCK_M (padded by the caller)
+    stats = off_bh * stats_len + start_m * BLOCK_M
+    lse = _row_stats(Lse, batch * num_heads * stats_len, BLOCK_M).load([stats])
+    delta = _row_stats(Delta, batch * num_heads * stats_len, BLOCK_M).load([stats])
+    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    end = seqlen_k
+    if CAUSAL:
+        end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
+    k_row = off_b * seqlen_k
+    for start_n in tl.range(0, end, BLOCK_N, warp_specialize=True):
+        k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
+        s, t = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
+        if CAUSAL:  # for a stored row, a causally visible key is also inside seqlen_k
+            cols = start_n + tl.arange(0, BLOCK_N)
+            s = tl.where(cols[None, :] <= offs_m[:, None] + q_pos_offset, s, MASK_VALUE)
+        elif not EVEN_K:
+            cols = start_n + tl.arange(0, BLOCK_N)
+            s = tl.where(cols[None, :] < seqlen_k, s, MASK_VALUE)
+        p = tl.exp2(s - lse[:, None])
+        v = v_desc.load([k_row + start_n, off_hk * HEAD_DIM])
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        if SOFT_CAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = (off_b * seqlen_q + offs_m[:, None]) * (num_heads * HEAD_DIM) + off_h * HEAD_DIM
+    tl.store(
+        DQ + ptrs + offs_d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=offs_m[:, None] < seqlen_q,
+    )

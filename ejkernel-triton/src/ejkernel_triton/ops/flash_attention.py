@@ -59,14 +59,14 @@ class FlashAttentionConfig:
             per step, warps, stages.
         dq_params: dQ kernel: ``q_blocksize`` rows per program, ``kv_blocksize`` keys per step;
             ``None`` takes ``bwd_params`` with the two block sizes swapped.
-        warp_specialize: run the forward and the dK/dV kernel as the warp-specialized TMA
-            kernels (``flash_attention_fwd_ws_kernel``, ``flash_attention_bwd_dkdv_ws_kernel``:
-            a producer warp group and two consumer warp groups, ``num_warps`` each) where they
-            apply: a Hopper GPU (or the interpreter), bf16/f16, D = Dv of 64 or 128, no bias,
-            mask, segment ids, window or sinks. On a GPU each runs its one validated config
-            (``_WS_FWD``, ``_WS_DKDV``) whatever ``fwd_params``/``bwd_params`` say; the
-            interpreter takes their block sizes. The dQ kernel is the usual one. Elsewhere the
-            usual kernels run, with the given params.
+        warp_specialize: run the forward, dK/dV and dQ kernels as the warp-specialized TMA
+            kernels (``flash_attention_fwd_ws_kernel``, ``flash_attention_bwd_dkdv_ws_kernel``,
+            ``flash_attention_bwd_dq_ws_kernel``: a producer warp group and two consumer warp
+            groups, ``num_warps`` each) where they apply: a Hopper GPU (or the interpreter),
+            bf16/f16, D = Dv of 64 or 128, no bias, mask, segment ids, window or sinks. On a
+            GPU each runs its one validated config (``_WS_FWD``, ``_WS_DKDV``, ``_WS_DQ``)
+            whatever ``fwd_params``/``bwd_params``/``dq_params`` say; the interpreter takes
+            their block sizes. Elsewhere the usual kernels run, with the given params.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
@@ -130,6 +130,9 @@ def heuristic(inv: Any) -> FlashAttentionConfig:
 _WS_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
 #: ... and of the warp-specialized dK/dV kernel (the same limits): 128 keys per program.
 _WS_DKDV = BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2)
+#: ... and of the warp-specialized dQ kernel (H100, D 128: 1.19x / 1.07x the usual dQ kernel
+#: non-causal / causal, 128x64 slower, a third stage over the shared memory; RESULTS.md).
+_WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
 _BWD_D128 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
 
 
@@ -775,6 +778,55 @@ def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> tuple[Any, Any]:
     return dk, dv
 
 
+def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
+    """dQ by ``flash_attention_bwd_dq_ws_kernel`` (blocks by :func:`_ws_params`)."""
+    from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
+    from ejkernel_triton.kernels.flash_attention import (
+        EMPTY_LSE,
+        flash_attention_bwd_dq_ws_kernel,
+    )
+
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    params = _ws_params(st.dq, _WS_DQ)
+    bq, bk = _clamp(params.q_blocksize, sq), _clamp(params.kv_blocksize, sk)
+    grid = (_cdiv(sq, bq), b * hq)
+    pad = ((0, 0), (0, 0), (0, grid[0] * bq - sq))  # whole blocks of row statistics
+    lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
+    delta = jnp.pad(delta, pad)
+    dq, _ = _launch.launch(
+        flash_attention_bwd_dq_ws_kernel,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        np.float32(st.sm_scale),
+        np.float32(st.soft_cap or 1.0),
+        b,
+        sq,
+        sk,
+        hq,
+        hkv,
+        grid[0] * bq,
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((grid[0] * grid[1] * GLOBAL_SCRATCH_BYTES,), jnp.int8),
+        ],
+        grid=grid,
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
+        BLOCK_M=bq,
+        BLOCK_N=bk,
+        HEAD_DIM=d,
+        CAUSAL=st.causal,
+        SOFT_CAP=st.soft_cap is not None,
+        EVEN_K=sk % bk == 0,
+    )
+    return dq
+
+
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
     def run(q, k, v, bias, mask, qseg, kseg, aux, do, lse, delta):
         from ejkernel_triton.kernels.flash_attention import (
@@ -811,6 +863,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         d_pow2, dv_pow2 = _pow2(q.shape[-1]), _pow2(v.shape[-1])
         if ws:
             dk, dv = _dkdv_ws(st, q, k, v, do, lse, delta)
+            return _dq_ws(st, q, k, v, do, lse, delta), dk, dv, jnp.zeros((1,), jnp.float32)
         else:
             dk, dv = _launch.launch(
                 flash_attention_bwd_dkdv_kernel,
