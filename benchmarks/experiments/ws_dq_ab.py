@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import ws_causal_probe as probe
+import ws_one_tile_probe as one_tile
 
 import ejkernel
 from ejkernel_triton import _codegen, _launch
@@ -62,8 +63,8 @@ SHAPES = [
     ((8, 2048, 16, 64), False),
     ((8, 2048, 16, 64), True),
 ]
-if "tiny" in PARTS:  # a dry run of the dQ part on a CPU, in the interpreter
-    SHAPES, ROUNDS = [((1, 256, 2, 64), True)], 1
+if "tiny" in PARTS:  # a dry run on a CPU, in the interpreter
+    SHAPES, ROUNDS = [((1, 256, 2, 64), True), ((1, 256, 2, 64), False)], 1
 
 if "dq" in PARTS:
     for shape, causal in SHAPES:
@@ -211,6 +212,219 @@ if "causal" in PARTS:
         for n, o in outs.items():
             print(f"  err vs cuDNN {n:24s} {rel(o, outs['cuDNN']):.2e}", flush=True)
         race(f"causal forward {shape}", fns, (q, k, v), ba.flops(b, s, h, d, True))
+
+if "persist" in PARTS:
+    impls = ba.implementations()
+    n_sm = jax.devices()[0].core_count if hasattr(jax.devices()[0], "core_count") else 132
+    for shape, causal in SHAPES:
+        b, s, h, d = shape
+        q, k, v = inputs(shape, 3, s + d)
+        fns = {
+            "library ws (op)": jax.jit(
+                lambda q, k, v: ejkernel.flash_attention(
+                    q,
+                    k,
+                    v,
+                    causal=causal,
+                    platform="triton",
+                    cfg=fa.FlashAttentionConfig(fwd_params=fa._WS_FWD, warp_specialize=True),
+                )
+            ),
+            "library default (op)": jax.jit(
+                lambda q, k, v: ejkernel.flash_attention(q, k, v, causal=causal, platform="triton")
+            ),
+        }
+        if jax.default_backend() == "gpu":
+            fns["cuDNN"] = jax.jit(lambda q, k, v: impls["cuDNN"](q, k, v, causal))
+        else:
+            fns["XLA"] = jax.jit(lambda q, k, v: impls["XLA"](q, k, v, causal))
+        for programs in (n_sm, 2 * n_sm):
+
+            def run(q, k, v, programs=programs):
+                grid = (programs,)
+                return _launch.launch(
+                    probe.fwd_causal_persistent_probe,
+                    q,
+                    k,
+                    v,
+                    np.float32(d**-0.5 * 1.4426950408889634),
+                    b,
+                    s,
+                    h,
+                    out_shape=[
+                        jax.ShapeDtypeStruct(q.shape, q.dtype),
+                        jax.ShapeDtypeStruct((programs * GLOBAL_SCRATCH_BYTES,), jnp.int8),
+                    ],
+                    grid=grid,
+                    num_warps=4,
+                    num_stages=2,
+                    HEAD_DIM=d,
+                    BLOCK_M=128,
+                    BLOCK_N=128,
+                    SPLIT=False,
+                    BRANCH=False,
+                    CAUSAL=causal,
+                )[0]
+
+            fns[f"persistent x{programs}"] = jax.jit(run)
+        outs = {}
+        for n, f in list(fns.items()):
+            try:
+                outs[n] = jax.block_until_ready(f(q, k, v))
+            except Exception as e:
+                print("FAIL", n, type(e).__name__, str(e)[:400], flush=True)
+                fns.pop(n)
+        ref = outs.get("cuDNN", next(iter(outs.values())))
+        for n, o in outs.items():
+            print(f"  err vs cuDNN {n:24s} {rel(o, ref):.2e}", flush=True)
+        race(f"forward {shape} causal={causal}", fns, (q, k, v), ba.flops(b, s, h, d, causal))
+
+if "pers2" in PARTS:  # the persistent library kernels against the one-tile ones they replaced
+    impls = ba.implementations()
+    from ejkernel_triton.kernels import flash_attention as kern
+
+    for shape, causal in SHAPES:
+        b, s, h, d = shape
+        q, k, v, do = inputs(shape, 4, s + d)
+        scale = d**-0.5
+
+        def scratch(n):
+            return jax.ShapeDtypeStruct((n * GLOBAL_SCRATCH_BYTES,), jnp.int8)
+
+        def fwd_one(q, k, v):
+            grid = (s // 128, b * h)
+            return _launch.launch(
+                one_tile.fwd_ws_one_tile,
+                q,
+                k,
+                v,
+                np.float32(scale),
+                np.float32(1.0),
+                b,
+                s,
+                s,
+                h,
+                h,
+                out_shape=[
+                    jax.ShapeDtypeStruct(q.shape, q.dtype),
+                    jax.ShapeDtypeStruct((b, h, s), jnp.float32),
+                    scratch(grid[0] * grid[1]),
+                ],
+                grid=grid,
+                num_warps=4,
+                num_stages=2,
+                HEAD_DIM=d,
+                BLOCK_M=128,
+                BLOCK_N=128,
+                CAUSAL=causal,
+                SOFT_CAP=False,
+                EVEN_K=True,
+            )[0]
+
+        cfg = fa.FlashAttentionConfig(fwd_params=fa._WS_FWD, warp_specialize=True)
+        fns = {
+            "fwd persistent (op)": jax.jit(
+                lambda q, k, v: ejkernel.flash_attention(
+                    q, k, v, causal=causal, platform="triton", cfg=cfg
+                )
+            ),
+            "fwd one tile": jax.jit(fwd_one),
+            "cuDNN": jax.jit(lambda q, k, v: impls["cuDNN"](q, k, v, causal)),
+        }
+        outs = {n: jax.block_until_ready(f(q, k, v)) for n, f in fns.items()}
+        for n, o in outs.items():
+            print(f"  err vs cuDNN {n:24s} {rel(o, outs['cuDNN']):.2e}", flush=True)
+        race(f"forward {shape} causal={causal}", fns, (q, k, v), ba.flops(b, s, h, d, causal))
+
+        out = outs["cuDNN"]
+        sc = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+        if causal:
+            sc = jnp.where(jnp.tril(jnp.ones((s, s), bool)), sc, -jnp.inf)
+        lse = jax.nn.logsumexp(sc, axis=-1) * 1.4426950408889634
+        del sc
+        delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
+
+        def dq_one(q, k, v, do, lse, delta):
+            grid = (s // 128, b * h)
+            return _launch.launch(
+                one_tile.dq_ws_one_tile,
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                np.float32(scale),
+                np.float32(1.0),
+                b,
+                s,
+                s,
+                h,
+                h,
+                s,
+                out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), scratch(grid[0] * grid[1])],
+                grid=grid,
+                num_warps=4,
+                num_stages=2,
+                HEAD_DIM=d,
+                BLOCK_M=128,
+                BLOCK_N=128,
+                CAUSAL=causal,
+                SOFT_CAP=False,
+                EVEN_K=True,
+            )[0]
+
+        dfns = {"dq one tile 128x128 s2": jax.jit(dq_one)}
+        for bn, st in ((128, 1), (64, 2)):
+
+            def dq_pers(q, k, v, do, lse, delta, bn=bn, st=st):
+                grid = (min(s // 128 * b * h, fa._persistent_programs()),)
+                return _launch.launch(
+                    kern.flash_attention_bwd_dq_ws_kernel,
+                    q,
+                    k,
+                    v,
+                    do,
+                    lse,
+                    delta,
+                    np.float32(scale),
+                    np.float32(1.0),
+                    b,
+                    s,
+                    s,
+                    h,
+                    h,
+                    s,
+                    out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), scratch(grid[0])],
+                    grid=grid,
+                    num_warps=4,
+                    num_stages=st,
+                    HEAD_DIM=d,
+                    BLOCK_M=128,
+                    BLOCK_N=bn,
+                    CAUSAL=causal,
+                    SOFT_CAP=False,
+                    EVEN_K=True,
+                )[0]
+
+            dfns[f"dq persistent 128x{bn} s{st}"] = jax.jit(dq_pers)
+        douts = {}
+        for n, f in list(dfns.items()):
+            try:
+                douts[n] = jax.block_until_ready(f(q, k, v, do, lse, delta))
+            except Exception as e:
+                print("FAIL", n, type(e).__name__, str(e)[:400], flush=True)
+                dfns.pop(n)
+        first = next(iter(douts.values()))
+        for n, o in douts.items():
+            nan = bool(jnp.isnan(o.astype(jnp.float32)).any())
+            print(f"  err vs one tile {n:24s} {rel(o, first):.2e} nan={nan}", flush=True)
+        race(
+            f"dQ alone {shape} causal={causal}",
+            dfns,
+            (q, k, v, do, lse, delta),
+            6.0 * b * h * s * s * d / (2 if causal else 1),
+        )
 
 if "op" in PARTS:
     impls = ba.implementations()

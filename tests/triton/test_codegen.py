@@ -101,3 +101,4 @@ def test_warp_specialized_kernels_are_a_producer_and_two_consumer_warp_groups(mo
         fa._flash_attention_fwd(query=q, key=q, value=q, causal=True, cfg=other)
     (launch,) = record
     assert launch.constexprs["BLOCK_N"] == 128 and (launch.num_warps, launch.num_stages) == (4, 2)
+    assert launch.grid == (6,)  # persistent: min(tiles = 3 query blocks x 2 heads, SMs)

@@ -1147,6 +1147,18 @@ def _row_stats(ptr, size, BLOCK: tl.constexpr):
     return tl.make_tensor_descriptor(ptr, shape=[size], strides=[1], block_shape=[BLOCK])
 
 
+@triton.jit
+def _ws_tile(tile, num_m, heads, num_heads, num_kv_heads, CAUSAL: tl.constexpr):
+    """A persistent program's tile: (query block, batch, query head, key head). Query blocks
+    go in descending order when ``CAUSAL`` (the longest rows first), heads fastest."""
+    start_m = tile // heads
+    if CAUSAL:
+        start_m = num_m - 1 - start_m
+    off_bh = tile % heads
+    off_h = off_bh % num_heads
+    return start_m, off_bh, off_bh // num_heads, off_h, off_h // (num_heads // num_kv_heads)
+
+
 @compile_directly
 @triton.jit
 def flash_attention_fwd_ws_kernel(
@@ -1171,64 +1183,67 @@ def flash_attention_fwd_ws_kernel(
     EVEN_K: tl.constexpr,
 ):
     """The forward for the plain case (no bias, mask, segments, window or sinks; D = Dv, a
-    power of two), written for Triton's Hopper warp specialization: K/V arrive by TMA, the key
-    loop carries ``warp_specialize=True``, and the compiler splits the program into a producer
-    warp group and two consumer warp groups of ``BLOCK_M / 2`` rows each.
+    power of two), written for Triton's Hopper warp specialization. Persistent: the grid's
+    programs (one per SM) walk the (query block, batch·head) tiles, and the tile loop carries
+    ``warp_specialize=True``, so the compiler splits the program into a producer warp group
+    (the TMA loads of Q, K and V) and two consumer warp groups of ``BLOCK_M / 2`` rows each;
+    one tile's epilogue overlaps the next tile's loads.
 
-    One loop over all visible key blocks, each masked when ``CAUSAL`` or a cut last block
-    (``EVEN_K`` false) needs it: the pass rejects a second specialized loop. Rows and blocks
-    are addressed in 2-D views ``[B·S, H·D]``; a key block that runs into the next batch's rows
-    is masked like one past the end, and query rows past ``seqlen_q`` are never stored.
+    The key loop inside masks every block when ``CAUSAL`` or a cut last block (``EVEN_K``
+    false) needs it: the pass rejects a second loop, and a branch in the loop turns the
+    specialization off. Rows and blocks are addressed in 2-D views ``[B·S, H·D]``; a key block
+    that runs into the next batch's rows is masked like one past the end, and query rows past
+    ``seqlen_q`` are never stored.
     """
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // num_heads
-    off_h = off_bh % num_heads
-    off_hk = off_h // (num_heads // num_kv_heads)
+    num_m = tl.cdiv(seqlen_q, BLOCK_M)
+    heads = batch * num_heads
     q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
     k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
     v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = q_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
     q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
-    m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    end = seqlen_k
-    if CAUSAL:
-        end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
-    k_row = off_b * seqlen_k
-    for start_n in tl.range(0, end, BLOCK_N, warp_specialize=True):
-        k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
-        s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
-        if CAUSAL:  # for a stored row, a causally visible key is also inside seqlen_k
-            cols = start_n + tl.arange(0, BLOCK_N)
-            s = tl.where(cols[None, :] <= offs_m[:, None] + q_pos_offset, s, MASK_VALUE)
-        elif not EVEN_K:
-            cols = start_n + tl.arange(0, BLOCK_N)
-            s = tl.where(cols[None, :] < seqlen_k, s, MASK_VALUE)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = v_desc.load([k_row + start_n, off_hk * HEAD_DIM])
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-
-    empty = m_i <= MASK_VALUE * 0.5
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
-    lse = tl.where(empty, EMPTY_LSE, m_i + tl.log2(l_safe))
     offs_d = tl.arange(0, HEAD_DIM)
-    o_ptrs = (
-        Out
-        + (off_b * seqlen_q + offs_m[:, None]) * (num_heads * HEAD_DIM)
-        + off_h * HEAD_DIM
-        + offs_d[None, :]
-    )
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
-    tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    for tile in tl.range(tl.program_id(0), num_m * heads, tl.num_programs(0), warp_specialize=True):
+        start_m, off_bh, off_b, off_h, off_hk = _ws_tile(
+            tile, num_m, heads, num_heads, num_kv_heads, CAUSAL
+        )
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = q_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
+        m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        end = seqlen_k
+        if CAUSAL:
+            end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
+        k_row = off_b * seqlen_k
+        for start_n in tl.range(0, end, BLOCK_N):
+            k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
+            s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
+            if CAUSAL:  # for a stored row, a causally visible key is also inside seqlen_k
+                cols = start_n + tl.arange(0, BLOCK_N)
+                s = tl.where(cols[None, :] <= offs_m[:, None] + q_pos_offset, s, MASK_VALUE)
+            elif not EVEN_K:
+                cols = start_n + tl.arange(0, BLOCK_N)
+                s = tl.where(cols[None, :] < seqlen_k, s, MASK_VALUE)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = v_desc.load([k_row + start_n, off_hk * HEAD_DIM])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+
+        empty = m_i <= MASK_VALUE * 0.5
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+        lse = tl.where(empty, EMPTY_LSE, m_i + tl.log2(l_safe))
+        rows = (off_b * seqlen_q + offs_m[:, None]) * (num_heads * HEAD_DIM) + off_h * HEAD_DIM
+        tl.store(
+            Out + rows + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=offs_m[:, None] < seqlen_q,
+        )
+        tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 # -- backward dK/dV, warp-specialized (Hopper) -----------------------------------------------
