@@ -8,7 +8,11 @@ installed, as ``benchmarks/gpu_attention.sh`` does):
 3. forward+backward through the op: warp specialization on (now with the dQ kernel too) and
    off, against cuDNN and tokamax's Triton attention.
 
-Results: ``benchmarks/results/triton-ws-dq-ab-h100-2026-11-23-s9.log``."""
+Parts (arguments): ``dq``, ``causal``, ``persist`` (the probe's persistent forward), ``pers2``
+(the persistent library forward against ``ws_one_tile_probe.py``), ``op``; ``tiny`` for a dry
+run on a CPU. Results: ``benchmarks/results/triton-ws-*-h100-2026-11-23-s9*.log``. The
+persistent dQ rows of ``…-persistent-ab-…`` came from a persistent dQ kernel that was not kept
+(64-key steps returned NaN, 128-key steps lost 20 %); ``pers2`` now times the library's."""
 
 # ruff: noqa: B023 (closures over loop variables run within their own iteration)
 
@@ -347,7 +351,7 @@ if "pers2" in PARTS:  # the persistent library kernels against the one-tile ones
         def dq_one(q, k, v, do, lse, delta):
             grid = (s // 128, b * h)
             return _launch.launch(
-                one_tile.dq_ws_one_tile,
+                kern.flash_attention_bwd_dq_ws_kernel,
                 q,
                 k,
                 v,
@@ -375,39 +379,6 @@ if "pers2" in PARTS:  # the persistent library kernels against the one-tile ones
             )[0]
 
         dfns = {"dq one tile 128x128 s2": jax.jit(dq_one)}
-        for bn, st in ((128, 1), (64, 2)):
-
-            def dq_pers(q, k, v, do, lse, delta, bn=bn, st=st):
-                grid = (min(s // 128 * b * h, fa._persistent_programs()),)
-                return _launch.launch(
-                    kern.flash_attention_bwd_dq_ws_kernel,
-                    q,
-                    k,
-                    v,
-                    do,
-                    lse,
-                    delta,
-                    np.float32(scale),
-                    np.float32(1.0),
-                    b,
-                    s,
-                    s,
-                    h,
-                    h,
-                    s,
-                    out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), scratch(grid[0])],
-                    grid=grid,
-                    num_warps=4,
-                    num_stages=st,
-                    HEAD_DIM=d,
-                    BLOCK_M=128,
-                    BLOCK_N=bn,
-                    CAUSAL=causal,
-                    SOFT_CAP=False,
-                    EVEN_K=True,
-                )[0]
-
-            dfns[f"dq persistent 128x{bn} s{st}"] = jax.jit(dq_pers)
         douts = {}
         for n, f in list(dfns.items()):
             try:

@@ -1,6 +1,6 @@
-"""Probe: the warp-specialized forward and dQ kernels as first written (one program per
-tile, the key loop specialized), for the A/B against the persistent kernels that replaced them
-(``ws_dq_ab.py``)."""
+"""Probe: the warp-specialized forward as first written (one program per tile, the key loop
+specialized), for the A/B against the persistent forward that replaced it (``ws_dq_ab.py``;
+the one-tile dQ kernel of that A/B is the library's ``flash_attention_bwd_dq_ws_kernel``)."""
 
 # ruff: noqa
 
@@ -12,7 +12,6 @@ from ejkernel_triton.kernels.flash_attention import (
     EMPTY_LSE,
     MASK_VALUE,
     _head_rows,
-    _row_stats,
     _scores,
 )
 
@@ -99,86 +98,3 @@ def fwd_ws_one_tile(
     )
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
     tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-
-
-@compile_directly
-@triton.jit
-def dq_ws_one_tile(
-    Q,
-    K,
-    V,
-    DO,
-    Lse,
-    Delta,
-    sm_scale,
-    soft_cap,
-    batch,
-    seqlen_q,
-    seqlen_k,
-    num_heads,
-    num_kv_heads,
-    stats_len,
-    DQ,
-    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """The dQ kernel for the plain case, written for Triton's Hopper warp specialization (as
-    :func:`flash_attention_fwd_ws_kernel`, whose loop it follows): K and V arrive by TMA and
-    the compiler splits the program's ``BLOCK_M`` query rows between two consumer warp groups.
-
-    ``Lse``/``Delta`` come as ``[B, H, stats_len]`` (``stats_len`` a multiple of ``BLOCK_M``,
-    so every TMA offset is 16-byte aligned). Query rows past ``seqlen_q`` are computed from
-    the padding (or the next batch's rows) and not stored; key rows past ``seqlen_k`` (the
-    next batch's, or zeros) are masked like the forward's.
-    """
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // num_heads
-    off_h = off_bh % num_heads
-    off_hk = off_h // (num_heads // num_kv_heads)
-    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
-    do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
-    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
-    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = q_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
-    do = do_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
-    # the row statistics by TMA too (the pass fails on pointer loads it must split by rows),
-    # from rows of stats_len >= seqlen_q entries, a multiple of BLOCK_M (padded by the caller)
-    stats = off_bh * stats_len + start_m * BLOCK_M
-    lse = _row_stats(Lse, batch * num_heads * stats_len, BLOCK_M).load([stats])
-    delta = _row_stats(Delta, batch * num_heads * stats_len, BLOCK_M).load([stats])
-    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    end = seqlen_k
-    if CAUSAL:
-        end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
-    k_row = off_b * seqlen_k
-    for start_n in tl.range(0, end, BLOCK_N, warp_specialize=True):
-        k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
-        s, t = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
-        if CAUSAL:  # for a stored row, a causally visible key is also inside seqlen_k
-            cols = start_n + tl.arange(0, BLOCK_N)
-            s = tl.where(cols[None, :] <= offs_m[:, None] + q_pos_offset, s, MASK_VALUE)
-        elif not EVEN_K:
-            cols = start_n + tl.arange(0, BLOCK_N)
-            s = tl.where(cols[None, :] < seqlen_k, s, MASK_VALUE)
-        p = tl.exp2(s - lse[:, None])
-        v = v_desc.load([k_row + start_n, off_hk * HEAD_DIM])
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        if SOFT_CAP:
-            ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq)
-
-    offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = (off_b * seqlen_q + offs_m[:, None]) * (num_heads * HEAD_DIM) + off_h * HEAD_DIM
-    tl.store(
-        DQ + ptrs + offs_d[None, :],
-        (dq * sm_scale).to(DQ.dtype.element_ty),
-        mask=offs_m[:, None] < seqlen_q,
-    )
