@@ -279,6 +279,24 @@ def test_config_space_starts_with_the_heuristic_and_fits_shared_memory() -> None
     assert fa.config_space(inv) == [fa.heuristic(inv)]  # interpreting: one candidate
 
 
+def test_config_space_on_hopper_varies_the_backward_on_the_usual_kernels() -> None:
+    # under warp_specialize a GPU runs the validated configs, so a backward variant of the
+    # specialized base would time the same kernels again
+    from ejkernel_triton.ops import flash_attention as fa
+
+    shape = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
+    inv = types.SimpleNamespace(kwargs={"query": shape, "key": shape, "value": shape})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fa._launch, "interpreting", lambda: False)
+        mp.setattr(fa, "_compute_capability", lambda: (9, 0))
+        space = fa.config_space(inv)
+    assert space[0].warp_specialize  # the heuristic: all three kernels specialized
+    specialized = [cfg for cfg in space if cfg.warp_specialize]
+    assert specialized == [space[0]]
+    varied = [cfg for cfg in space if cfg.bwd_params != space[0].bwd_params or cfg.dq_params]
+    assert varied and all(cfg.fwd_params == fa._FWD_D128 for cfg in varied)
+
+
 def test_importing_the_plugin_imports_no_triton_or_jax_triton() -> None:
     import subprocess
     import sys

@@ -1148,6 +1148,29 @@ def _row_stats(ptr, size, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _ws_mask(
+    s,
+    start_n,
+    offs_m,
+    q_pos_offset,
+    seqlen_k,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Scores of a key block starting at ``start_n`` for rows ``offs_m``, masked where
+    ``CAUSAL`` or a cut last block (``EVEN_K`` false) needs it (for a stored row, a causally
+    visible key is also inside ``seqlen_k``)."""
+    if CAUSAL:
+        cols = start_n + tl.arange(0, BLOCK_N)
+        s = tl.where(cols[None, :] <= offs_m[:, None] + q_pos_offset, s, MASK_VALUE)
+    elif not EVEN_K:
+        cols = start_n + tl.arange(0, BLOCK_N)
+        s = tl.where(cols[None, :] < seqlen_k, s, MASK_VALUE)
+    return s
+
+
+@triton.jit
 def _ws_tile(tile, num_m, heads, num_heads, num_kv_heads, CAUSAL: tl.constexpr):
     """A persistent program's tile: (query block, batch, query head, key head). Query blocks
     go in descending order when ``CAUSAL`` (the longest rows first), heads fastest."""
@@ -1218,12 +1241,7 @@ def flash_attention_fwd_ws_kernel(
         for start_n in tl.range(0, end, BLOCK_N):
             k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
             s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
-            if CAUSAL:  # for a stored row, a causally visible key is also inside seqlen_k
-                cols = start_n + tl.arange(0, BLOCK_N)
-                s = tl.where(cols[None, :] <= offs_m[:, None] + q_pos_offset, s, MASK_VALUE)
-            elif not EVEN_K:
-                cols = start_n + tl.arange(0, BLOCK_N)
-                s = tl.where(cols[None, :] < seqlen_k, s, MASK_VALUE)
+            s = _ws_mask(s, start_n, offs_m, q_pos_offset, seqlen_k, BLOCK_N, CAUSAL, EVEN_K)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
@@ -1392,12 +1410,7 @@ def flash_attention_bwd_dq_ws_kernel(
     for start_n in tl.range(0, end, BLOCK_N, warp_specialize=True):
         k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
         s, t = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
-        if CAUSAL:  # for a stored row, a causally visible key is also inside seqlen_k
-            cols = start_n + tl.arange(0, BLOCK_N)
-            s = tl.where(cols[None, :] <= offs_m[:, None] + q_pos_offset, s, MASK_VALUE)
-        elif not EVEN_K:
-            cols = start_n + tl.arange(0, BLOCK_N)
-            s = tl.where(cols[None, :] < seqlen_k, s, MASK_VALUE)
+        s = _ws_mask(s, start_n, offs_m, q_pos_offset, seqlen_k, BLOCK_N, CAUSAL, EVEN_K)
         p = tl.exp2(s - lse[:, None])
         v = v_desc.load([k_row + start_n, off_hk * HEAD_DIM])
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])

@@ -117,8 +117,7 @@ def heuristic(inv: Any) -> FlashAttentionConfig:
         return FlashAttentionConfig(fwd_params=_WS_FWD, bwd_params=_BWD_D128, warp_specialize=True)
     elif d <= 128:  # H100, (8, 2048, 16, 64) and (4, 4096, 16, 128) bf16, causal and not:
         # best of benchmarks/triton_tune.py's sweep for every kernel (RESULTS.md)
-        fwd = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
-        bwd = _BWD_D128
+        fwd, bwd = _FWD_D128, _BWD_D128
     else:
         fwd = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bwd = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
@@ -136,6 +135,7 @@ _WS_DKDV = BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2
 #: non-causal / causal). Not persistent: as a persistent kernel (as the forward) 64-key steps
 #: gave NaN and 128-key steps need one stage to fit, 20 % slower (RESULTS.md, ninth session).
 _WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
+_FWD_D128 = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
 _BWD_D128 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
 
 
@@ -202,16 +202,20 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
     ]
     if _ws_candidate(inv.kwargs):  # Hopper, the plain case
         configs.append(attrs.evolve(base, fwd_params=_WS_FWD, warp_specialize=True))
+    # the backward variants run the usual kernels (under warp_specialize a GPU runs the
+    # validated configs, whatever bwd_params/dq_params say)
+    usual = attrs.evolve(base, fwd_params=_FWD_D128, warp_specialize=False)
+    usual = usual if base.warp_specialize else base
     configs += [
         attrs.evolve(
-            base, bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+            usual, bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
         )
         for bq, bk, w, s in bwd_blocks
         if _bwd_smem(bq, bk, s, d, dv, size) <= limit
     ]
     configs += [
         attrs.evolve(
-            base, dq_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+            usual, dq_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
         )
         for bq, bk, w, s in dq_blocks
         if _bwd_smem(bk, bq, s, d, dv, size) <= limit
@@ -648,7 +652,7 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_kernel
 
         if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
-            return _forward_ws(st, q, k, v)
+            return tuple(_forward_ws(st, q, k, v))
         b, sq, hq, _ = q.shape
         dv = v.shape[-1]
         scalars, constexprs = _common(st, q, v, bias, mask, qseg)
@@ -710,132 +714,113 @@ def _ws_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
     )
 
 
-def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[Any, Any]:
-    """Output and lse by ``flash_attention_fwd_ws_kernel`` (blocks by :func:`_ws_params`)."""
+def _ws_launch(
+    st: _Statics,
+    kernel: Any,
+    arrays: tuple[jax.Array, ...],
+    out_shape: list[jax.ShapeDtypeStruct],
+    grid: tuple[int, ...],
+    params: Any,
+    *extra: int,
+    **constexprs: Any,
+) -> list[Any]:
+    """Launch a warp-specialized kernel: its arrays, the scalars all three take (scale, soft
+    cap, B, Sq, Sk, Hq, Hkv), ``extra`` ones, its outputs and the per-program scratch its TMA
+    descriptors live in (dropped from the result)."""
     from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
+
+    q, k = arrays[0], arrays[1]
+    (b, sq, hq, d), (sk, hkv) = q.shape, k.shape[1:3]
+    *outs, _ = _launch.launch(
+        kernel,
+        *arrays,
+        np.float32(st.sm_scale),
+        np.float32(st.soft_cap or 1.0),
+        b,
+        sq,
+        sk,
+        hq,
+        hkv,
+        *extra,
+        out_shape=[
+            *out_shape,
+            jax.ShapeDtypeStruct((math.prod(grid) * GLOBAL_SCRATCH_BYTES,), jnp.int8),
+        ],
+        grid=grid,
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
+        HEAD_DIM=d,
+        CAUSAL=st.causal,
+        SOFT_CAP=st.soft_cap is not None,
+        **constexprs,
+    )
+    return outs
+
+
+def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[Any]:
+    """Output and lse by ``flash_attention_fwd_ws_kernel`` (blocks by :func:`_ws_params`)."""
     from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel
 
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    (b, sq, hq, _), sk = q.shape, k.shape[1]
     params = _ws_params(st.fwd, _WS_FWD)
     bq, bk = _clamp(params.q_blocksize, sq), _clamp(params.kv_blocksize, sk)
-    grid = (min(_cdiv(sq, bq) * b * hq, _persistent_programs()),)
-    out, lse, _ = _launch.launch(
+    return _ws_launch(
+        st,
         flash_attention_fwd_ws_kernel,
-        q,
-        k,
-        v,
-        np.float32(st.sm_scale),
-        np.float32(st.soft_cap or 1.0),
-        b,
-        sq,
-        sk,
-        hq,
-        hkv,
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-            jax.ShapeDtypeStruct((grid[0] * GLOBAL_SCRATCH_BYTES,), jnp.int8),
-        ],
-        grid=grid,
-        num_warps=params.num_warps,
-        num_stages=params.num_stages,
+        (q, k, v),
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
+        (min(_cdiv(sq, bq) * b * hq, _persistent_programs()),),
+        params,
         BLOCK_M=bq,
         BLOCK_N=bk,
-        HEAD_DIM=d,
-        CAUSAL=st.causal,
-        SOFT_CAP=st.soft_cap is not None,
         EVEN_K=sk % bk == 0,
     )
-    return out, lse
 
 
-def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> tuple[Any, Any]:
+def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
     """dK and dV by ``flash_attention_bwd_dkdv_ws_kernel`` (blocks by :func:`_ws_params`)."""
-    from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
     from ejkernel_triton.kernels.flash_attention import flash_attention_bwd_dkdv_ws_kernel
 
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    sq, (b, sk, hkv, _) = q.shape[1], k.shape
     params = _ws_params(st.bwd, _WS_DKDV)
     bq, bk = _clamp(params.q_blocksize, sq), _clamp(params.kv_blocksize, sk)
-    grid = (_cdiv(sk, bk), b * hkv)
-    dk, dv, _ = _launch.launch(
+    return _ws_launch(
+        st,
         flash_attention_bwd_dkdv_ws_kernel,
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        np.float32(st.sm_scale),
-        np.float32(st.soft_cap or 1.0),
-        b,
-        sq,
-        sk,
-        hq,
-        hkv,
-        out_shape=[
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((grid[0] * grid[1] * GLOBAL_SCRATCH_BYTES,), jnp.int8),
-        ],
-        grid=grid,
-        num_warps=params.num_warps,
-        num_stages=params.num_stages,
+        (q, k, v, do, lse, delta),
+        [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        (_cdiv(sk, bk), b * hkv),
+        params,
         BLOCK_M=bq,
         BLOCK_N=bk,
-        HEAD_DIM=d,
-        CAUSAL=st.causal,
-        SOFT_CAP=st.soft_cap is not None,
     )
-    return dk, dv
 
 
 def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
     """dQ by ``flash_attention_bwd_dq_ws_kernel`` (blocks by :func:`_ws_params`)."""
-    from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
     from ejkernel_triton.kernels.flash_attention import (
         EMPTY_LSE,
         flash_attention_bwd_dq_ws_kernel,
     )
 
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    (b, sq, hq, _), sk = q.shape, k.shape[1]
     params = _ws_params(st.dq, _WS_DQ)
     bq, bk = _clamp(params.q_blocksize, sq), _clamp(params.kv_blocksize, sk)
-    grid = (_cdiv(sq, bq), b * hq)
-    pad = ((0, 0), (0, 0), (0, grid[0] * bq - sq))  # whole blocks of row statistics
-    lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
-    delta = jnp.pad(delta, pad)
-    dq, _ = _launch.launch(
+    blocks = _cdiv(sq, bq)
+    if blocks * bq != sq:  # whole blocks of row statistics
+        pad = ((0, 0), (0, 0), (0, blocks * bq - sq))
+        lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
+        delta = jnp.pad(delta, pad)
+    (dq,) = _ws_launch(
+        st,
         flash_attention_bwd_dq_ws_kernel,
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        np.float32(st.sm_scale),
-        np.float32(st.soft_cap or 1.0),
-        b,
-        sq,
-        sk,
-        hq,
-        hkv,
-        grid[0] * bq,
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((grid[0] * grid[1] * GLOBAL_SCRATCH_BYTES,), jnp.int8),
-        ],
-        grid=grid,
-        num_warps=params.num_warps,
-        num_stages=params.num_stages,
+        (q, k, v, do, lse, delta),
+        [jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        (blocks, b * hq),
+        params,
+        blocks * bq,
         BLOCK_M=bq,
         BLOCK_N=bk,
-        HEAD_DIM=d,
-        CAUSAL=st.causal,
-        SOFT_CAP=st.soft_cap is not None,
         EVEN_K=sk % bk == 0,
     )
     return dq
@@ -848,7 +833,10 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             flash_attention_bwd_dq_kernel,
         )
 
-        ws = st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux)
+        if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
+            do = do.astype(q.dtype)
+            dk, dv = _dkdv_ws(st, q, k, v, do, lse, delta)
+            return _dq_ws(st, q, k, v, do, lse, delta), dk, dv, jnp.zeros((1,), jnp.float32)
         del aux
         b, sq, hq, _ = q.shape
         _, sk, hkv, _ = k.shape
@@ -875,30 +863,26 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         )
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
         d_pow2, dv_pow2 = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-        if ws:
-            dk, dv = _dkdv_ws(st, q, k, v, do, lse, delta)
-            return _dq_ws(st, q, k, v, do, lse, delta), dk, dv, jnp.zeros((1,), jnp.float32)
-        else:
-            dk, dv = _launch.launch(
-                flash_attention_bwd_dkdv_kernel,
-                *args,
-                out_shape=[
-                    jax.ShapeDtypeStruct(k.shape, k.dtype),
-                    jax.ShapeDtypeStruct(v.shape, v.dtype),
-                ],
-                grid=(_cdiv(sk, bk), b * hkv),
-                num_warps=st.bwd.num_warps or 4,
-                num_stages=_fit_stages(
-                    st.bwd.num_stages or 2,
-                    lambda n: _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
-                    bq * bk,
-                    bias,
-                    mask,
-                ),
-                BLOCK_M=bq,
-                BLOCK_N=bk,
-                **constexprs,
-            )
+        dk, dv = _launch.launch(
+            flash_attention_bwd_dkdv_kernel,
+            *args,
+            out_shape=[
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+            ],
+            grid=(_cdiv(sk, bk), b * hkv),
+            num_warps=st.bwd.num_warps or 4,
+            num_stages=_fit_stages(
+                st.bwd.num_stages or 2,
+                lambda n: _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
+                bq * bk,
+                bias,
+                mask,
+            ),
+            BLOCK_M=bq,
+            BLOCK_N=bk,
+            **constexprs,
+        )
         has_bias = bias.ndim == 4
         qb, kb = _clamp(st.dq.q_blocksize or 128, sq), _clamp(st.dq.kv_blocksize or 32, sk)
         dq, dbias = _launch.launch(
