@@ -6,7 +6,9 @@ checked in the same run against a float32 reference on one (batch, head) slice, 
 result never counts. Anchors (BENCHMARKS.md): cuDNN and XLA through ``jax.nn.dot_product_attention``,
 JAX's Pallas GPU ``mha``, tokamax (when importable), upstream ejkernel 0.0.80.3 (in a child
 process, from ``--upstream-path``: its package name is ours). Also a sequence sweep at B·S = 16384
-for the plot, and the cold/warm start of one new shape.
+for the plot, and the cold/warm start of one new shape. Each ejkernel row also records the config
+its forward and forward+backward ran with and where it came from (``ejkernel.explain``: heuristic,
+cache or autotune), printed after the table.
 
 Writes ``<out>.json`` and ``<out>.png`` (TFLOP/s against sequence length per implementation) and
 prints a table.
@@ -62,15 +64,20 @@ def flops(b: int, s: int, h: int, d: int, causal: bool) -> float:
 # -- implementations: attn(q, k, v, causal) -> out, layout [B, S, H, D] -------------------------
 
 
+def ours(platform: str) -> Callable[..., Any]:
+    """ejkernel's flash attention on one platform; ``.platform`` names it for :func:`chosen`."""
+
+    def attn(q: Any, k: Any, v: Any, causal: bool) -> Any:
+        import ejkernel
+
+        return ejkernel.flash_attention(q, k, v, causal=causal, platform=platform)
+
+    attn.platform = platform  # type: ignore[attr-defined]
+    return attn
+
+
 def implementations() -> dict[str, Callable[..., Any]]:
     impls: dict[str, Callable[..., Any]] = {}
-    import ejkernel
-
-    def ours(platform: str) -> Callable[..., Any]:
-        return lambda q, k, v, causal: ejkernel.flash_attention(
-            q, k, v, causal=causal, platform=platform
-        )
-
     from ejkernel.plugins import get_registry
 
     for platform in ("triton", "pallas", "cuda"):
@@ -176,6 +183,71 @@ def measure(attn: Callable[..., Any], shape: tuple[int, ...], causal: bool) -> d
     except Exception as err:
         row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
     return row
+
+
+def bench_row(
+    name: str, attn: Callable[..., Any], shape: tuple[int, ...], causal: bool
+) -> dict[str, Any]:
+    """One measured row; an ejkernel one (``attn.platform`` set) also gets ``"chosen"``."""
+    row = {"shape": shape, "causal": causal, "impl": name, **measure(attn, shape, causal)}
+    platform = getattr(attn, "platform", None)
+    if platform is not None:
+        row["chosen"] = chosen(platform, shape, causal)
+    return row
+
+
+def chosen(platform: str, shape: tuple[int, ...], causal: bool) -> dict[str, Any]:
+    """The config the forward and the forward+backward ran with, from ``ejkernel.explain`` on the
+    arguments :func:`ours` passes: ``{"fwd": {"config", "source", "origin"}, "fwd_bwd": ...}``,
+    ``{"error": ...}`` for a pass that cannot be explained. Asked after :func:`measure`, so an
+    autotuned choice is already cached (``source`` memory, ``origin`` autotune)."""
+    out: dict[str, Any] = {}
+    for name, grad in (("fwd", False), ("fwd_bwd", True)):
+        try:
+            import ejkernel
+            from ejkernel._json import stable_json
+
+            # An array, not a ShapeDtypeStruct: the cache key signs arrays by shape and dtype
+            # but a ShapeDtypeStruct by its repr, another key than the measured call's.
+            x = jnp.zeros(shape, jnp.bfloat16)
+            sel = ejkernel.explain(
+                ejkernel.flash_attention, x, x, x, grad=grad, causal=causal, platform=platform
+            )
+            out[name] = {
+                "config": json.loads(stable_json(sel.config)),
+                "source": sel.source,
+                "origin": sel.origin,
+            }
+        except Exception as err:
+            out[name] = {"error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"}
+    return out
+
+
+def chosen_line(row: dict[str, Any]) -> str:
+    """``chosen <impl> <shape> [causal]: fwd <source> <config>; fwd+bwd <source> <config>``,
+    the source as ``memory(autotune)`` where the cached entry was made by another tier."""
+    parts = []
+    for name, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
+        pick = row["chosen"].get(name, {})
+        if "config" not in pick:
+            parts.append(f"{label} fails: {pick.get('error', 'not recorded')}")
+            continue
+        origin = pick.get("origin")
+        source = pick["source"] + (f"({origin})" if origin and origin != pick["source"] else "")
+        parts.append(f"{label} {source} {_short(pick['config'])}")
+    causal = " causal" if row["causal"] else ""
+    return f"chosen {row['impl']} {tuple(row['shape'])}{causal}: " + "; ".join(parts)
+
+
+def _short(config: Any) -> str:
+    """A config's JSON without quotes and unset (null) fields."""
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in sorted(x.items()) if v is not None}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return json.dumps(strip(config), separators=(",", ":")).replace('"', "")
 
 
 def _errors(
@@ -406,12 +478,7 @@ def main() -> None:
                         }
                     )
                     continue
-                row = {
-                    "shape": shape,
-                    "causal": causal,
-                    "impl": name,
-                    **measure(attn, shape, causal),
-                }
+                row = bench_row(name, attn, shape, causal)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.upstream_path:
@@ -422,12 +489,11 @@ def main() -> None:
     if not args.quick:
         for b, s in SWEEP:
             for causal in (False, True):
-                chosen = args.sweep_impls or [
+                names = args.sweep_impls or [
                     n for n in impls if n.startswith(("ejkernel", "cuDNN", "tokamax"))
                 ]
-                for name in [n for n in chosen if n in impls]:
-                    row = measure(impls[name], (b, s, 16, 128), causal)
-                    sweep.append({"shape": (b, s, 16, 128), "causal": causal, "impl": name, **row})
+                for name in [n for n in names if n in impls]:
+                    sweep.append(bench_row(name, impls[name], (b, s, 16, 128), causal))
     startup_shape = (2, 3072, 16, 128)
     start = {} if args.no_startup else startup(startup_shape)
     out = Path(args.out)
@@ -445,6 +511,9 @@ def main() -> None:
         plot(sweep, out.with_suffix(".png"))
     print(json.dumps(report["versions"]))
     print(table(rows))
+    for row in rows:
+        if "chosen" in row:
+            print(chosen_line(row))
     if start:
         print(startup_line(startup_shape, start))
 

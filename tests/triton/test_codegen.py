@@ -93,12 +93,63 @@ def test_warp_specialized_kernels_are_a_producer_and_two_consumer_warp_groups(mo
         assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
         assert compiled.shared <= H100_SHARED
     # on a GPU the validated config runs, whatever the config's forward blocks and stages say
+    # (at D 64: at D 128 the GPU's forward is the Gluon kernel, tested below)
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
     other = attrs.evolve(cfg, fwd_params=FwdParams(kv_blocksize=64, num_warps=8, num_stages=3))
     with _codegen.recorded_launches() as record:
-        q = jnp.ones((1, 300, 2, 128), jnp.bfloat16)
+        q = jnp.ones((1, 300, 2, 64), jnp.bfloat16)
         monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
         fa._flash_attention_fwd(query=q, key=q, value=q, causal=True, cfg=other)
     (launch,) = record
     assert launch.constexprs["BLOCK_N"] == 128 and (launch.num_warps, launch.num_stages) == (4, 2)
     assert launch.grid == (6,)  # persistent: min(tiles = 3 query blocks x 2 heads, SMs)
+
+
+@pytest.mark.parametrize(
+    ("causal", "soft_cap", "sk"),
+    [(False, None, 256), (True, 30.0, 200)],
+    ids=["plain-even-keys", "causal-softcap-cut-keys"],
+)
+def test_hopper_forward_at_d128_is_the_gluon_pingpong_kernel(monkeypatch, causal, soft_cap, sk):
+    from ejkernel_triton.ops import flash_attention as fa
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # a GPU's choice, recorded on the CPU
+    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
+    cfg = fa.FlashAttentionConfig(fwd_params=fa._WS_FWD, warp_specialize=True)
+    q = jnp.ones((2, 300, 4, 128), jnp.bfloat16)
+    kv = jnp.ones((2, sk, 2, 128), jnp.bfloat16)
+    with _codegen.recorded_launches() as record:
+        fa._flash_attention_fwd(
+            query=q, key=kv, value=kv, causal=causal, logits_soft_cap=soft_cap, cfg=cfg
+        )
+    (launch,) = record
+    assert launch.kernel.fn.__name__ == "flash_attention_fwd_pingpong_kernel"
+    assert launch.grid == (3, 8)  # 128-row query tiles x batch·heads
+    assert launch.constexprs == {
+        "HEAD_DIM": 128,
+        "CAUSAL": causal,
+        "SOFT_CAP": soft_cap is not None,
+        "BLOCK_N": 128,
+        "STAGES": 3,
+        "EVEN_K": sk % 128 == 0,
+    }
+    compiled = _codegen.compile_launch(launch)
+    assert compiled.num_warps == 12  # two consumer warp groups and the loader's
+    # registers handed from the loader (24) to the consumers (240)
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in compiled.ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in compiled.ptx
+    assert compiled.ptx.count("cp.async.bulk.tensor") >= 4  # Q halves, K and V by TMA
+    assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
+    assert compiled.shared <= H100_SHARED
+
+
+def test_hopper_forward_at_d64_stays_the_triton_kernel(monkeypatch):
+    from ejkernel_triton.ops import flash_attention as fa
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
+    cfg = fa.FlashAttentionConfig(fwd_params=fa._WS_FWD, warp_specialize=True)
+    q = jnp.ones((1, 300, 2, 64), jnp.bfloat16)
+    with _codegen.recorded_launches() as record:
+        fa._flash_attention_fwd(query=q, key=q, value=q, causal=True, cfg=cfg)
+    assert [launch.kernel.fn.__name__ for launch in record] == ["flash_attention_fwd_ws_kernel"]

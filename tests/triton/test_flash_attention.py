@@ -307,3 +307,9 @@ def test_importing_the_plugin_imports_no_triton_or_jax_triton() -> None:
         "sorted(m for m in sys.modules if 'triton' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_soft_cap_of_large_logits_stays_finite() -> None:
+    # scale·q·kᵀ / cap reaches about ±100: a tanh through exp2(-2x) overflows to inf / inf
+    q, k, v = qkv(1, 37, 45, 2, 1, 32)
+    compare(q * 60.0, k, v, causal=True, logits_soft_cap=1.0)

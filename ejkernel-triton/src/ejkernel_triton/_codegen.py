@@ -112,7 +112,11 @@ def compile_launch(launch: Launch, capability: int = 90) -> Compiled:
         "signature": signature,
         "constexprs": constexprs,
         "aligned": attrs_,
-        "options": {"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+        "options": {
+            "num_warps": launch.num_warps,
+            "num_stages": launch.num_stages,
+            **(getattr(fn, "ejkernel_compile_options", None) or {}),
+        },
         "capability": capability,
     }
     res = subprocess.run(
@@ -151,6 +155,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 r = json.loads(sys.stdin.read())
 fn = getattr(importlib.import_module(r["module"]), r["kernel"])
+if type(fn).__name__ == "GluonJITFunction":
+    from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 attrs = {(i,): [["tt.divisibility", 16]] for i in r["aligned"]}
 src = ASTSource(fn, r["signature"], constexprs=r["constexprs"], attrs=attrs)
 k = triton.compile(src, target=GPUTarget("cuda", r["capability"], 32), options=r["options"])

@@ -200,6 +200,7 @@ def _compile_direct(
     options = {"num_warps": num_warps, "num_ctas": kw.get("num_ctas") or 1}
     if not gluon:
         options["num_stages"] = kw.get("num_stages") or 3
+    options.update(_compile_options(fn))
     source = Source(
         fn, signature, constexprs=constexprs, attrs={k: v for k, v in attrs.items() if v}
     )
@@ -238,6 +239,12 @@ def _compile_direct(
     return kernel, attrs
 
 
+def _compile_options(fn: Any) -> dict[str, Any]:
+    """Extra ``triton.compile`` options a kernel asks for (``fn.ejkernel_compile_options``,
+    e.g. ``{"maxnreg": 168}`` for a Gluon kernel that hands registers between partitions)."""
+    return dict(getattr(fn, "ejkernel_compile_options", None) or {})
+
+
 def _redirect_global_scratch(fn: Any, ptx: str, name: str, runtime: list[str], size: int) -> str:
     """Point the loads of Triton's hidden global-scratch parameter at ``GlobalScratch``."""
     if not runtime or runtime[-1] != "GlobalScratch":
@@ -270,6 +277,7 @@ def _key(fn: Any, arg_dtypes: Any, scalar_args: Any, kw: dict[str, Any]) -> str:
         kw.get("num_ctas"),
         kw.get("compute_capability"),
         kw.get("enable_fp_fusion"),
+        sorted(_compile_options(fn).items()),
         bool(kw.get("dump")),
         _versions(),
     ]

@@ -19,7 +19,9 @@ The algorithm is FlashAttention-2 (Dao, 2023). Layout is OPS.md's: ``q [B, Sq, H
 
 On Hopper the plain case has three more kernels, :func:`flash_attention_fwd_ws_kernel`,
 :func:`flash_attention_bwd_dkdv_ws_kernel` and :func:`flash_attention_bwd_dq_ws_kernel`: TMA
-loads and Triton's automatic warp specialization.
+loads and Triton's automatic warp specialization. On the GPU at D 128 the forward among them
+gives way to a Gluon kernel with FlashAttention-3's schedule
+(:mod:`ejkernel_triton.kernels.flash_attention_hopper`), which the interpreter cannot run.
 
 The kernels are plain ``@triton.jit`` functions. The launch wrapper
 (:mod:`ejkernel_triton.ops.flash_attention`) calls them through jax-triton on a GPU, or through
@@ -47,9 +49,11 @@ EMPTY_LSE: tl.constexpr = tl.constexpr(3.0e38)
 
 @triton.jit
 def _tanh(x):
-    # tanh through exp2 (works in the interpreter and compiles to ex2 on the GPU)
-    e = tl.exp2(x * (-2.0 * LOG2E))
-    return (1.0 - e) / (1.0 + e)
+    # tanh through exp2 (works in the interpreter and compiles to ex2 on the GPU), of |x| so
+    # that exp2 never overflows (inf / inf for x below about -44)
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
 
 
 @triton.jit

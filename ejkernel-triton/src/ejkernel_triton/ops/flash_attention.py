@@ -1,6 +1,7 @@
 """flash_attention (and scaled_dot_product_attention) in Triton: launch wrappers, fwd and bwd.
 
-The kernels are in :mod:`ejkernel_triton.kernels.flash_attention`; this module checks what they
+The kernels are in :mod:`ejkernel_triton.kernels.flash_attention` (and the Gluon forward for
+Hopper in :mod:`ejkernel_triton.kernels.flash_attention_hopper`); this module checks what they
 serve (:func:`supports`), picks block sizes (:func:`heuristic`, :func:`config_space`), lays the
 arguments out for them and wires forward and backward through :func:`ejkernel.plugins.defvjp`:
 
@@ -64,9 +65,12 @@ class FlashAttentionConfig:
             ``flash_attention_bwd_dq_ws_kernel``: a producer warp group and two consumer warp
             groups, ``num_warps`` each) where they apply: a Hopper GPU (or the interpreter),
             bf16/f16, D = Dv of 64 or 128, no bias, mask, segment ids, window or sinks. On a
-            GPU each runs its one validated config (``_WS_FWD``, ``_WS_DKDV``, ``_WS_DQ``)
-            whatever ``fwd_params``/``bwd_params``/``dq_params`` say; the interpreter takes
-            their block sizes. Elsewhere the usual kernels run, with the given params.
+            GPU at D 128 the forward is the Gluon kernel ``flash_attention_fwd_pingpong_kernel``
+            instead (FlashAttention-3's schedule: the two consumers take turns on the tensor
+            cores). On a GPU each runs its one validated config (``_WS_FWD`` or
+            ``_PINGPONG_FWD``, ``_WS_DKDV``, ``_WS_DQ``) whatever ``fwd_params``/``bwd_params``/
+            ``dq_params`` say; the interpreter takes their block sizes. Elsewhere the usual
+            kernels run, with the given params.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
@@ -135,6 +139,12 @@ _WS_DKDV = BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2
 #: non-causal / causal). Not persistent: as a persistent kernel (as the forward) 64-key steps
 #: gave NaN and 128-key steps need one stage to fit, 20 % slower (RESULTS.md, ninth session).
 _WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
+#: The Gluon forward (``flash_attention_fwd_pingpong_kernel``), which replaces the one above on
+#: a GPU at D 128: a 128-row tile (two consumers of 64), 128-key blocks, a ring of 3 K/V slots
+#: (225 KiB of shared memory). H100: 570 / 464 TFLOP/s against the above's 512 / 425,
+#: non-causal / causal, 128-key blocks with 2 slots 529 / 442, 64-key with 3 slots 493 / 387
+#: (RESULTS.md, tenth session). Not persistent.
+_PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3)
 _FWD_D128 = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
 _BWD_D128 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
 
@@ -758,10 +768,13 @@ def _ws_launch(
 
 
 def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[Any]:
-    """Output and lse by ``flash_attention_fwd_ws_kernel`` (blocks by :func:`_ws_params`)."""
+    """Output and lse by ``flash_attention_fwd_pingpong_kernel`` where it applies (a GPU, D
+    128), else by ``flash_attention_fwd_ws_kernel`` (blocks by :func:`_ws_params`)."""
     from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel
 
-    (b, sq, hq, _), sk = q.shape, k.shape[1]
+    (b, sq, hq, d), sk = q.shape, k.shape[1]
+    if d == 128 and not _launch.interpreting() and _gluon_available():
+        return _forward_pingpong(st, q, k, v)
     params = _ws_params(st.fwd, _WS_FWD)
     bq, bk = _clamp(params.q_blocksize, sq), _clamp(params.kv_blocksize, sk)
     return _ws_launch(
@@ -775,6 +788,36 @@ def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[
         BLOCK_N=bk,
         EVEN_K=sk % bk == 0,
     )
+
+
+def _forward_pingpong(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[Any]:
+    """Output and lse by the Gluon kernel ``flash_attention_fwd_pingpong_kernel`` (FA3's
+    schedule; the GPU only): one program per 128-row query tile and batch·head."""
+    from ejkernel_triton.kernels.flash_attention_hopper import flash_attention_fwd_pingpong_kernel
+
+    (b, sq, hq, _), sk = q.shape, k.shape[1]
+    params = _PINGPONG_FWD
+    return _ws_launch(
+        st,
+        flash_attention_fwd_pingpong_kernel,
+        (q, k, v),
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
+        (_cdiv(sq, params.q_blocksize), b * hq),
+        params,
+        BLOCK_N=params.kv_blocksize,
+        STAGES=params.num_stages,
+        EVEN_K=sk % params.kv_blocksize == 0,
+    )
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper API (triton 3.6 has)."""
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
