@@ -131,6 +131,30 @@ def test_rows_that_see_no_key_are_zero_with_zero_gradients() -> None:
     assert float(jnp.abs(out[:, :25]).max()) == 0.0
 
 
+@pytest.mark.parametrize(
+    ("sq", "sk", "programs"),
+    [(70, 70, 3), (50, 61, 2), (61, 50, 2)],
+    ids=["5-blocks-middle-alone", "4-blocks-sq<sk", "4-blocks-sq>sk"],
+)
+def test_causal_dkdv_programs_pair_first_and_last_key_blocks(sq, sk, programs) -> None:
+    from ejkernel_triton import _codegen
+
+    q, k, v = qkv(1, sq, sk, 4, 2, 32)
+    cfg = FlashAttentionConfig(
+        fwd_params=SMALL.fwd_params,
+        bwd_params=BwdParams(q_blocksize=16, kv_blocksize=16, num_warps=4, num_stages=1),
+    )
+    compare(q, k, v, cfg=cfg, causal=True)
+    with _codegen.recorded_launches() as rec:
+        jax.grad(
+            lambda q: ejkernel.flash_attention(
+                q, k, v, causal=True, platform="triton", cfg=cfg
+            ).sum()
+        )(q)
+    (dkdv,) = [r for r in rec if r.kernel.fn.__name__ == "flash_attention_bwd_dkdv_kernel"]
+    assert dkdv.constexprs["PAIRED"] and dkdv.grid == (programs, 2)
+
+
 def test_bf16_inputs_within_bf16_tolerance() -> None:
     q, k, v = qkv(1, 37, 45, 4, 2, 80, dtype=jnp.bfloat16)
     compare(q, k, v, causal=True)

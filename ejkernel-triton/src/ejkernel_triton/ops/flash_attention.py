@@ -906,6 +906,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         )
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
         d_pow2, dv_pow2 = _pow2(q.shape[-1]), _pow2(v.shape[-1])
+        paired = st.causal and st.window is None
         dk, dv = _launch.launch(
             flash_attention_bwd_dkdv_kernel,
             *args,
@@ -913,7 +914,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
                 jax.ShapeDtypeStruct(k.shape, k.dtype),
                 jax.ShapeDtypeStruct(v.shape, v.dtype),
             ],
-            grid=(_cdiv(sk, bk), b * hkv),
+            grid=(_cdiv(_cdiv(sk, bk), 1 + paired), b * hkv),
             num_warps=st.bwd.num_warps or 4,
             num_stages=_fit_stages(
                 st.bwd.num_stages or 2,
@@ -924,6 +925,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             ),
             BLOCK_M=bq,
             BLOCK_N=bk,
+            PAIRED=paired,
             **constexprs,
         )
         has_bias = bias.ndim == 4
