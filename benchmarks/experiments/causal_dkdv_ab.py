@@ -1,17 +1,20 @@
 """A/B on the GPU, one process, interleaved rounds (run from the repository root with ours
-installed, as ``benchmarks/gpu_attention.sh`` does): the usual (not warp-specialized) kernels
-under a causal mask.
+installed, as ``benchmarks/gpu_attention.sh`` does): the usual (not warp-specialized) kernels,
+mostly under a causal mask, at D 64 where the specialized ones lose.
 
 1. ``kernels``: each of the three kernels alone (forward, dK/dV, dQ) on the same inputs at
-   several block configs; the dK/dV kernel with its key blocks paired (``PAIRED``: program ``i``
-   does blocks ``i`` and ``last - i``) and one per program; errors against the first row.
-2. ``op``: forward+backward through the op at the backward configs of the config space, paired
-   and not, against cuDNN and tokamax's Triton attention.
+   several block configs, and the warp-specialized kernels; errors against the first row.
+2. ``op``: forward+backward through the op: the tenth session's heuristic (64×64 blocks
+   everywhere; its forward in grid order and grouped), the backward configs ``DKDV`` × ``DQ``,
+   the heuristic, cuDNN and tokamax's Triton attention.
 
-Arguments: the parts, and shapes by name (``d64c``, ``d128c``, ``d64``; all three by default).
-``tiny`` runs it on a CPU in the interpreter (a dry run). The first version of this script
-(``causal_order_ab.py``, ``results/triton-causal-order-ab-h100-2026-11-23-s11.log``) launched
-the programs longest first instead, through a constexpr that was not kept.
+Arguments: the parts; the configs: ``wide``, ``more``, ``grouped`` (the forward's
+``HEAD_GROUP`` too) or ``opcfg`` (the op's candidates); shapes by name (``d64c``, ``d128c``,
+``d64``, ``d128``; all four by default). ``tiny``: a dry run on a CPU, in the interpreter.
+Results: ``benchmarks/results/triton-*-h100-2026-11-23-s11.log``. Variants measured with
+earlier versions of this script and not kept: all programs longest first (``…-causal-order-…``),
+dK/dV programs doing key blocks ``i`` and ``last - i`` (``…-dkdv-paired-…``), one masked loop
+over all blocks (``…-one-loop-…``).
 """
 
 # ruff: noqa: B023 (closures over loop variables run within their own iteration)
@@ -32,11 +35,39 @@ from ejkernel_triton.ops import flash_attention as fa
 
 ROUNDS = 3
 PARTS = sys.argv[1:] or ["kernels", "op"]
-SHAPES = [((8, 2048, 16, 64), True), ((4, 4096, 16, 128), True), ((8, 2048, 16, 64), False)]
+SHAPES = [
+    ((8, 2048, 16, 64), True),
+    ((4, 4096, 16, 128), True),
+    ((8, 2048, 16, 64), False),
+    ((4, 4096, 16, 128), False),
+]
 FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
 DKDV = [(64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (128, 128, 8, 2)]
 DQ = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3)]
-PICK = {"d64c": SHAPES[0], "d128c": SHAPES[1], "d64": SHAPES[2]}
+if "wide" in PARTS:  # 4-warp tiles with 128-wide matmuls, more stages
+    FWD = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 2), (128, 128, 4, 2), (64, 64, 4, 4)]
+    DKDV = [(64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2)]
+    DKDV += [(128, 64, 4, 1), (64, 64, 8, 2)]
+    DQ = [(64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]
+if "more" in PARTS:  # more dK/dV and dQ configs at 4 warps
+    FWD = [(64, 64, 4, 3)]
+    DKDV = [(64, 64, 4, 2), (128, 64, 4, 1), (64, 64, 4, 1), (32, 64, 4, 3), (32, 64, 4, 1)]
+    DKDV += [(128, 32, 4, 1), (64, 32, 4, 2), (256, 64, 4, 1), (32, 64, 4, 2), (64, 64, 4, 3)]
+    DQ = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 4, 3)]
+GROUPS = []
+if "opcfg" in PARTS:  # the op's candidates: dK/dV and dQ configs (with the grouped forward)
+    DKDV = [(64, 64, 4, 2), (32, 64, 4, 2), (128, 64, 4, 1), (64, 64, 4, 3)]
+    DQ = [(64, 64, 4, 3), (64, 64, 4, 2)]
+if "grouped" in PARTS:  # causal: longest blocks first within groups of heads (HEAD_GROUP)
+    GROUPS = [4, 16, 128]
+    FWD, DKDV, DQ = (
+        [(64, 64, 4, 3)],
+        [(64, 64, 4, 2), (128, 64, 4, 1), (32, 64, 4, 2)],
+        [
+            (64, 64, 4, 3),
+        ],
+    )
+PICK = {"d64c": SHAPES[0], "d128c": SHAPES[1], "d64": SHAPES[2], "d128": SHAPES[3]}
 if any(p in PICK for p in PARTS):  # shapes by name among the arguments
     SHAPES = [PICK[p] for p in PARTS if p in PICK]
 if "tiny" in PARTS:
@@ -68,7 +99,7 @@ def inputs(shape, n, seed):
 
 def usual(q, k, v, fwd=None, bwd=None, dq=None):
     base = attrs.evolve(fa._default_config(q, k, v), warp_specialize=False)
-    base = attrs.evolve(base, fwd_params=fa._FWD_D128, bwd_params=fa._BWD_D128)
+    base = attrs.evolve(base, fwd_params=fa._FWD_D128, bwd_params=fa._BWD_D128, dq_params=None)
     if fwd:
         base = attrs.evolve(base, fwd_params=FwdParams(**_params(fwd)))
     if bwd:
@@ -83,23 +114,24 @@ def _params(t):
 
 
 def launched(cfg, q, k, v, do, causal):
-    """The three recorded launches (forward, dK/dV, dQ) of ``cfg``."""
+    """The recorded launches of ``cfg``: ``[forward, dK/dV, dQ]``."""
     with _codegen.recorded_launches() as rec:
         _, res = fa._flash_attention_fwd(query=q, key=k, value=v, causal=causal, cfg=cfg)
         fa._flash_attention_bwd(res, do, cfg=cfg, causal=causal)
-    return rec
+    dq = next(r for r in rec if "dq" in r.kernel.fn.__name__)
+    dkdv = next(r for r in rec if "dkdv" in r.kernel.fn.__name__)
+    return [rec[0], dkdv, dq]
 
 
-def runner(launch, concrete, paired):
+def runner(launch, concrete, head_group=0):
     names = launch.kernel.arg_names
     idx = [i for i, a in enumerate(launch.args) if getattr(a, "ndim", 0) > 0]
     arrs = [
         concrete.get(names[i], jnp.zeros(launch.args[i].shape, launch.args[i].dtype)) for i in idx
     ]
-    cx, grid = dict(launch.constexprs), launch.grid
-    if "PAIRED" in cx and cx["PAIRED"] != paired:
-        blocks = -(-launch.args[1].shape[1] // cx["BLOCK_N"])
-        cx["PAIRED"], grid = paired, (-(-blocks // 2) if paired else blocks, grid[1])
+    cx = dict(launch.constexprs)
+    if "HEAD_GROUP" in cx:
+        cx["HEAD_GROUP"] = head_group
 
     def run(*xs):
         args = list(launch.args)
@@ -109,7 +141,7 @@ def runner(launch, concrete, paired):
             launch.kernel,
             *args,
             out_shape=launch.out_shape,
-            grid=grid,
+            grid=launch.grid,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
             **cx,
@@ -121,15 +153,14 @@ def runner(launch, concrete, paired):
 
 if "kernels" in PARTS:
     for shape, causal in SHAPES:
-        if not causal:
-            continue
         b, s, h, d = shape
         q, k, v, do = inputs(shape, 4, s + d)
         cfg = usual(q, k, v)
         out, res = fa._flash_attention_fwd(query=q, key=k, value=v, causal=causal, cfg=cfg)
         delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
-        concrete = {"Q": q, "K": k, "V": v, "DO": do, "Lse": res["lse"], "Delta": delta}
-        unit = b * h * s * s * d / 2
+        concrete = {"Q": q, "K": k, "V": v, "DO": do, "Lse": res["lse"], "Delta": delta, "Out": out}
+        unit = b * h * s * s * d / (2 if causal else 1)
+        ws = launched(attrs.evolve(cfg, warp_specialize=True), q, k, v, do, causal)
         for which, blocks, key, mult in (
             ("fwd", FWD, "fwd", 4),
             ("dkdv", DKDV, "bwd", 8),
@@ -139,10 +170,12 @@ if "kernels" in PARTS:
             for blk in blocks:
                 rec = launched(usual(q, k, v, **{key: blk}), q, k, v, do, causal)
                 launch = rec[("fwd", "dkdv", "dq").index(which)]
-                for paired in (True, False) if which == "dkdv" else (False,):
-                    name = f"{which} {blk[0]}x{blk[1]} w{blk[2]} s{blk[3]}"
-                    name += " paired" if paired else ""
-                    fns[name] = runner(launch, concrete, paired)
+                name = f"{which} {blk[0]}x{blk[1]} w{blk[2]} s{blk[3]}"
+                fns[name] = runner(launch, concrete)
+                for g in GROUPS if causal and which == "fwd" else ():
+                    fns[name + f" group {g}"] = runner(launch, concrete, head_group=g)
+            launch = ws[("fwd", "dkdv", "dq").index(which)]
+            fns[f"{which} {launch.kernel.fn.__name__}"] = runner(launch, concrete)
             for n, f in list(fns.items()):
                 try:
                     outs[n] = jax.block_until_ready(f())
@@ -152,53 +185,52 @@ if "kernels" in PARTS:
             ref = next(iter(outs.values()))
             for n, o in outs.items():
                 print(f"  err {n:36s} {rel(o, ref):.2e}", flush=True)
-            race(f"{which} {shape} causal", fns, (), mult * unit)
+            race(f"{which} {shape} causal={causal}", fns, (), mult * unit)
 
 if "op" in PARTS:
     impls = ba.implementations()
     real_launch = _launch.launch
 
-    def unpaired_launch(kernel, *args, grid, **kw):
-        if kw.get("PAIRED"):
-            kw["PAIRED"], grid = False, (-(-args[1].shape[1] // kw["BLOCK_N"]), grid[1])
-        return real_launch(kernel, *args, grid=grid, **kw)
+    def grid_order_launch(kernel, *args, **kw):
+        if kw.get("HEAD_GROUP"):
+            kw["HEAD_GROUP"] = 0
+        return real_launch(kernel, *args, **kw)
 
     for shape, causal in SHAPES:
         b, s, h, d = shape
         q, k, v = inputs(shape, 3, s + d)
 
-        def grad_of(attn, unpaired=False):
+        def grad_of(attn, grid_order=False):
             def loss(q, k, v):
                 return jnp.sum(attn(q, k, v).astype(jnp.float32) ** 2)
 
             g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-            if not unpaired:
+            if not grid_order:
                 return g
 
-            def traced_unpaired(*xs):  # the patch is read while tracing (first call)
-                _launch.launch = unpaired_launch
+            def traced_in_grid_order(*xs):  # the patch is read while tracing (first call)
+                _launch.launch = grid_order_launch
                 try:
                     return g(*xs)
                 finally:
                     _launch.launch = real_launch
 
-            return traced_unpaired
+            return traced_in_grid_order
 
         def tri(cfg):
             return lambda q, k, v: ejkernel.flash_attention(
                 q, k, v, causal=causal, platform="triton", cfg=cfg
             )
 
-        fns = {}
-        for bwd in DKDV[:3]:
-            for dq in DQ[:2]:
-                cfg = usual(q, k, v, bwd=bwd, dq=dq)
-                tag = f"bwd {bwd[0]}x{bwd[1]}w{bwd[2]} dq {dq[0]}x{dq[1]}w{dq[2]}"
-                fns[f"{tag}"] = grad_of(tri(cfg))
-                if causal and dq == DQ[0]:
-                    fns[f"{tag} unpaired"] = grad_of(tri(cfg), unpaired=True)
-        if d == 128:
-            fns["heuristic (ws)"] = grad_of(tri(None))
+        fns = {
+            "session-10 heuristic, grid order": grad_of(tri(usual(q, k, v)), grid_order=True),
+            "session-10 heuristic": grad_of(tri(usual(q, k, v))),
+        }
+        for bwd in DKDV:
+            for dq in DQ:
+                tag = f"bwd {bwd[0]}x{bwd[1]}w{bwd[2]}s{bwd[3]} dq {dq[0]}x{dq[1]}w{dq[2]}s{dq[3]}"
+                fns[tag] = grad_of(tri(usual(q, k, v, bwd=bwd, dq=dq)))
+        fns["heuristic"] = grad_of(tri(None))
         if "tiny" not in PARTS:
             fns["cuDNN"] = grad_of(lambda q, k, v: impls["cuDNN"](q, k, v, causal))
             fns["tokamax triton"] = grad_of(

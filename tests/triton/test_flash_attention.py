@@ -131,28 +131,36 @@ def test_rows_that_see_no_key_are_zero_with_zero_gradients() -> None:
     assert float(jnp.abs(out[:, :25]).max()) == 0.0
 
 
-@pytest.mark.parametrize(
-    ("sq", "sk", "programs"),
-    [(70, 70, 3), (50, 61, 2), (61, 50, 2)],
-    ids=["5-blocks-middle-alone", "4-blocks-sq<sk", "4-blocks-sq>sk"],
-)
-def test_causal_dkdv_programs_pair_first_and_last_key_blocks(sq, sk, programs) -> None:
+def test_causal_forward_walks_heads_in_groups_longest_blocks_first() -> None:
+    # 3 x 7 = 21 (batch, head) pairs: a group of 16 and a cut group of 5
     from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import flash_attention as fa
 
-    q, k, v = qkv(1, sq, sk, 4, 2, 32)
-    cfg = FlashAttentionConfig(
-        fwd_params=SMALL.fwd_params,
-        bwd_params=BwdParams(q_blocksize=16, kv_blocksize=16, num_warps=4, num_stages=1),
-    )
-    compare(q, k, v, cfg=cfg, causal=True)
+    q, k, v = qkv(3, 37, 45, 7, 7, 32)
+    compare(q, k, v, causal=True)
     with _codegen.recorded_launches() as rec:
-        jax.grad(
-            lambda q: ejkernel.flash_attention(
-                q, k, v, causal=True, platform="triton", cfg=cfg
-            ).sum()
-        )(q)
-    (dkdv,) = [r for r in rec if r.kernel.fn.__name__ == "flash_attention_bwd_dkdv_kernel"]
-    assert dkdv.constexprs["PAIRED"] and dkdv.grid == (programs, 2)
+        fa._flash_attention_fwd(query=q, key=k, value=v, causal=True, cfg=SMALL)
+    assert rec[0].constexprs["HEAD_GROUP"] == fa._FWD_HEAD_GROUP == 16
+
+
+def test_heuristic_by_head_dim_and_causality(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ejkernel_triton.ops import flash_attention as fa
+
+    monkeypatch.setattr(fa._launch, "interpreting", lambda: False)
+    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
+
+    def config(d: int, causal: bool, **extra: Any) -> Any:
+        x = jax.ShapeDtypeStruct((8, 2048, 16, d), jnp.bfloat16)
+        kwargs = {"query": x, "key": x, "value": x, "causal": causal, **extra}
+        return fa.heuristic(types.SimpleNamespace(kwargs=kwargs))
+
+    assert config(64, True).bwd_params == fa._BWD_D64_CAUSAL
+    assert config(64, False).bwd_params == fa._BWD_D64
+    assert config(64, True).dq_params == config(64, False).dq_params == fa._DQ_D64
+    assert config(128, True).warp_specialize  # plain D 128: the specialized kernels
+    bias = jax.ShapeDtypeStruct((8, 16, 2048, 2048), jnp.bfloat16)
+    assert config(128, True, bias=bias).bwd_params == fa._BWD_D128_CAUSAL
+    assert config(128, False, bias=bias).bwd_params == fa._BWD_D128
 
 
 def test_bf16_inputs_within_bf16_tolerance() -> None:

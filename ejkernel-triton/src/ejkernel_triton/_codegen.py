@@ -179,12 +179,13 @@ def flash_attention_launches(
     cfg: Any = None,
     **kwargs: Any,
 ) -> list[Launch]:
-    """The three launches (forward, dK/dV, dQ) of a flash-attention forward and backward;
+    """The three launches of a flash-attention forward and backward, in launch order (the usual
+    kernels: forward, dQ, dK/dV; the warp-specialized ones: forward, dK/dV, dQ);
     ``kwargs`` (``bias``, ``attention_mask``, ...) go to the op."""
     from ejkernel_triton.ops import flash_attention as fa
 
     q, k, v = (jnp.ones(shape, dtype) for _ in range(3))
-    cfg = cfg or fa._default_config(q, k, v)
+    cfg = cfg or fa._default_config(q, k, v, causal)
     with recorded_launches() as record:
         out, res = fa._flash_attention_fwd(
             query=q, key=k, value=v, causal=causal, cfg=cfg, **kwargs

@@ -102,8 +102,9 @@ def supports(inv: Any) -> bool | str:
 
 
 def heuristic(inv: Any) -> FlashAttentionConfig:
-    """Block sizes by head dim (measured on an H100; see benchmarks/RESULTS.md)."""
+    """Block sizes by head dim and causality (measured on an H100; see benchmarks/RESULTS.md)."""
     q, v = inv.kwargs["query"], inv.kwargs["value"]
+    causal = bool(inv.kwargs.get("causal"))
     d = _pow2(max(q.shape[-1], v.shape[-1]))
     sq, sk = q.shape[1], inv.kwargs["key"].shape[1]
     if _launch.interpreting():  # the interpreter's cost is per program: few, large blocks
@@ -119,9 +120,14 @@ def heuristic(inv: Any) -> FlashAttentionConfig:
         # H100, (4, 4096, 16, 128) bf16: the specialized kernels beat the usual ones in each
         # of the three (RESULTS.md, eighth and ninth sessions); at D 64 they do not
         return FlashAttentionConfig(fwd_params=_WS_FWD, bwd_params=_BWD_D128, warp_specialize=True)
-    elif d <= 128:  # H100, (8, 2048, 16, 64) and (4, 4096, 16, 128) bf16, causal and not:
-        # best of benchmarks/triton_tune.py's sweep for every kernel (RESULTS.md)
-        fwd, bwd = _FWD_D128, _BWD_D128
+    elif d <= 64:  # H100, (8, 2048, 16, 64) bf16: each kernel's best (RESULTS.md, 11th session)
+        return FlashAttentionConfig(
+            fwd_params=_FWD_D128,
+            bwd_params=_BWD_D64_CAUSAL if causal else _BWD_D64,
+            dq_params=_DQ_D64,
+        )
+    elif d <= 128:  # H100, (4, 4096, 16, 128) bf16, where the specialized kernels do not apply
+        fwd, bwd = _FWD_D128, _BWD_D128_CAUSAL if causal else _BWD_D128
     else:
         fwd = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bwd = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
@@ -145,8 +151,20 @@ _WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
 #: non-causal / causal, 128-key blocks with 2 slots 529 / 442, 64-key with 3 slots 493 / 387
 #: (RESULTS.md, tenth session). Not persistent.
 _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3)
+#: Causal forward: the programs of 16 heads at a time, longest query blocks first (H100, D 64:
+#: 308 against 292 TFLOP/s in grid order, D 128 (the usual kernel) 378 against 348).
+_FWD_HEAD_GROUP = 16
 _FWD_D128 = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
 _BWD_D128 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+#: The usual kernels' dK/dV under a causal mask at D 128: 32 query rows a step, 406 against
+#: 323 TFLOP/s for 64 (non-causal 414 against 467; the eleventh session's sweep).
+_BWD_D128_CAUSAL = BwdParams(q_blocksize=32, kv_blocksize=64, num_warps=4, num_stages=2)
+#: D 64: dK/dV 394 against 357 TFLOP/s with a third stage; causal, 128 query rows a step and
+#: no pipelining 270 against 251 (a third stage there: 229); dQ with a third stage 537 / 443
+#: against 468 / 389 (non-causal / causal). At D 128 the third stage loses in both kernels.
+_BWD_D64 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+_BWD_D64_CAUSAL = BwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=1)
+_DQ_D64 = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
 
 
 def _ws_candidate(a: Any) -> bool:
@@ -198,8 +216,8 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
         (64, 64, 4, 3),
         (64, 128, 8, 3),
     )
-    bwd_blocks = ((64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2))
-    dq_blocks = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3))
+    bwd_blocks = ((64, 64, 4, 2), (32, 64, 4, 2), (128, 64, 4, 1), (64, 64, 4, 3))
+    dq_blocks = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3))
     configs = [base]
     configs += [
         attrs.evolve(
@@ -402,8 +420,8 @@ def _flash_attention_bwd(
         logits_soft_cap,
         cfg,
     )
-    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    dq, dk, dv, dbias = _backward_call(st, arrays.modes())(*arrays.launch_args(), d_out, lse, delta)
+    call = _backward_call(st, arrays.modes())
+    dq, dk, dv, dbias, delta = call(*arrays.launch_args(), d_out, lse, out)
     grads: dict[str, jax.Array | None] = {"query": dq, "key": dk, "value": dv}
     grads["bias"] = arrays.bias_gradient(dbias)
     grads["softmax_aux"] = arrays.aux_gradient(lse, delta)
@@ -472,7 +490,7 @@ class _Statics:
         cfg: FlashAttentionConfig | None,
     ) -> _Statics:
         if cfg is None:
-            cfg = _default_config(query, key, value)
+            cfg = _default_config(query, key, value, causal)
         fwd, bwd = cfg.fwd_params, cfg.bwd_params
         dq = cfg.dq_params or FwdParams(
             q_blocksize=bwd.kv_blocksize,
@@ -494,9 +512,13 @@ class _Statics:
         )
 
 
-def _default_config(query: jax.Array, key: jax.Array, value: jax.Array) -> FlashAttentionConfig:
-    # the heuristic reads only the shapes and dtypes of an invocation's arguments
-    inv = types.SimpleNamespace(kwargs={"query": query, "key": key, "value": value})
+def _default_config(
+    query: jax.Array, key: jax.Array, value: jax.Array, causal: bool = False
+) -> FlashAttentionConfig:
+    # the heuristic reads only the shapes and dtypes of these arguments, and causal
+    inv = types.SimpleNamespace(
+        kwargs={"query": query, "key": key, "value": value, "causal": causal}
+    )
     return heuristic(inv)
 
 
@@ -668,7 +690,9 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         scalars, constexprs = _common(st, q, v, bias, mask, qseg)
         has_aux = aux.ndim == 2
         num_aux = aux.shape[1] if has_aux else 1
-        constexprs.update(HAS_AUX=has_aux, BLOCK_AUX=_pow2(num_aux))
+        # causal: longest query blocks first, heads in groups (RESULTS.md, eleventh session)
+        head_group = _FWD_HEAD_GROUP if st.causal else 0
+        constexprs.update(HAS_AUX=has_aux, BLOCK_AUX=_pow2(num_aux), HEAD_GROUP=head_group)
         bq, bk = (
             _clamp(st.fwd.q_blocksize or 128, sq),
             _clamp(st.fwd.kv_blocksize or 64, k.shape[1]),
@@ -870,72 +894,58 @@ def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
 
 
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
-    def run(q, k, v, bias, mask, qseg, kseg, aux, do, lse, delta):
+    """``run(arrays..., dO, lse, out) -> (dQ, dK, dV, dBias, delta)``; ``delta = rowsum(out ∘ dO)``
+    (``[B, Hq, Sq]``) comes out for the sinks' gradient."""
+
+    def run(q, k, v, bias, mask, qseg, kseg, aux, do, lse, out):
         from ejkernel_triton.kernels.flash_attention import (
             flash_attention_bwd_dkdv_kernel,
             flash_attention_bwd_dq_kernel,
         )
 
+        do = do.astype(q.dtype)
         if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
-            do = do.astype(q.dtype)
+            delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
             dk, dv = _dkdv_ws(st, q, k, v, do, lse, delta)
-            return _dq_ws(st, q, k, v, do, lse, delta), dk, dv, jnp.zeros((1,), jnp.float32)
+            dq = _dq_ws(st, q, k, v, do, lse, delta)
+            return dq, dk, dv, jnp.zeros((1,), jnp.float32), delta
         del aux
         b, sq, hq, _ = q.shape
         _, sk, hkv, _ = k.shape
         scalars, constexprs = _common(st, q, v, bias, mask, qseg)
-        do = do.astype(q.dtype)
-        args = (
-            q,
-            k,
-            v,
-            bias,
-            mask,
-            qseg,
-            kseg,
-            do,
-            lse,
-            delta,
-            *scalars,
-            *_strides(q.shape, constexprs["ALIGN"]),
-            *_strides(k.shape, constexprs["ALIGN"]),
-            *_strides(v.shape, constexprs["ALIGN"]),
-            *_strides(do.shape, constexprs["ALIGN"]),
-            *_broadcast_strides(bias),
-            *_broadcast_strides(mask),
-        )
-        bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
-        d_pow2, dv_pow2 = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-        paired = st.causal and st.window is None
-        dk, dv = _launch.launch(
-            flash_attention_bwd_dkdv_kernel,
-            *args,
-            out_shape=[
-                jax.ShapeDtypeStruct(k.shape, k.dtype),
-                jax.ShapeDtypeStruct(v.shape, v.dtype),
-            ],
-            grid=(_cdiv(_cdiv(sk, bk), 1 + paired), b * hkv),
-            num_warps=st.bwd.num_warps or 4,
-            num_stages=_fit_stages(
-                st.bwd.num_stages or 2,
-                lambda n: _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
-                bq * bk,
+
+        def args(rows):  # the arrays and scalars of both kernels; ``rows``: out or delta
+            return (
+                q,
+                k,
+                v,
                 bias,
                 mask,
-            ),
-            BLOCK_M=bq,
-            BLOCK_N=bk,
-            PAIRED=paired,
-            **constexprs,
-        )
+                qseg,
+                kseg,
+                do,
+                lse,
+                rows,
+                *scalars,
+                *_strides(q.shape, constexprs["ALIGN"]),
+                *_strides(k.shape, constexprs["ALIGN"]),
+                *_strides(v.shape, constexprs["ALIGN"]),
+                *_strides(do.shape, constexprs["ALIGN"]),
+                *_broadcast_strides(bias),
+                *_broadcast_strides(mask),
+            )
+
+        d_pow2, dv_pow2 = _pow2(q.shape[-1]), _pow2(v.shape[-1])
+        # dQ first: it computes delta for the dK/dV kernel
         has_bias = bias.ndim == 4
         qb, kb = _clamp(st.dq.q_blocksize or 128, sq), _clamp(st.dq.kv_blocksize or 32, sk)
-        dq, dbias = _launch.launch(
+        dq, dbias, delta = _launch.launch(
             flash_attention_bwd_dq_kernel,
-            *args,
+            *args(out),
             out_shape=[
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq, sk) if has_bias else (1,), jnp.float32),
+                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
             ],
             grid=(_cdiv(sq, qb), b * hq),
             num_warps=st.dq.num_warps or 4,
@@ -951,7 +961,28 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             BLOCK_N=kb,
             **constexprs,
         )
-        return dq, dk, dv, dbias
+        bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
+        dk, dv = _launch.launch(
+            flash_attention_bwd_dkdv_kernel,
+            *args(delta),
+            out_shape=[
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+            ],
+            grid=(_cdiv(sk, bk), b * hkv),
+            num_warps=st.bwd.num_warps or 4,
+            num_stages=_fit_stages(
+                st.bwd.num_stages or 2,
+                lambda n: _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
+                bq * bk,
+                bias,
+                mask,
+            ),
+            BLOCK_M=bq,
+            BLOCK_N=bk,
+            **constexprs,
+        )
+        return dq, dk, dv, dbias, delta
 
     return _launch.fold_vmap(run, (*modes, BATCH, BATCH, BATCH))
 
