@@ -1061,33 +1061,15 @@ def flash_attention_bwd_dq_kernel(
         BLOCK_D,
         True,
     )
+    # dO and the forward's output share a layout: one set of offsets
+    row_offs = off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos
     do = _load_tile(
-        DO
-        + off_b * stride_dob
-        + off_h * stride_doh
-        + offs_m[:, None] * stride_dos
-        + offs_dv[None, :],
-        offs_m,
-        seqlen_q,
-        offs_dv,
-        HEAD_DIM_V,
-        BLOCK_DV,
-        True,
+        DO + row_offs + offs_dv[None, :], offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True
+    )
+    o = _load_tile(
+        Out + row_offs + offs_dv[None, :], offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True
     )
     lse = tl.load(Lse + off_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=EMPTY_LSE)
-    o = _load_tile(
-        Out
-        + off_b * stride_dob
-        + off_h * stride_doh
-        + offs_m[:, None] * stride_dos
-        + offs_dv[None, :],
-        offs_m,
-        seqlen_q,
-        offs_dv,
-        HEAD_DIM_V,
-        BLOCK_DV,
-        True,
-    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # 0 past seqlen_q
     tl.store(Delta + off_bh * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
