@@ -1030,8 +1030,8 @@ def flash_attention_bwd_dq_kernel(
 ):
     """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``.
 
-    The program also computes its rows' ``delta = rowsum(Out ∘ dO)`` (``Out`` is the forward's output,
-    ``[B, Sq, Hq, Dv]`` like ``dO``) and stores it to ``Delta`` (``[B, Hq, Sq]`` float32) for the
+    The program also computes its rows' ``delta = rowsum(Out ∘ dO)`` (``Out``: the forward's
+    output, laid out as ``dO``) and stores it to ``Delta`` (``[B, Hq, Sq]`` float32) for the
     dK/dV kernel, which runs after it: no separate pass over ``Out`` and ``dO``.
 
     With a bias, the logit gradient ``dS`` of every visited entry goes to ``DBias``

@@ -894,8 +894,8 @@ def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
 
 
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
-    """``run(arrays..., dO, lse, out) -> (dQ, dK, dV, dBias, delta)``; ``delta = rowsum(out ∘ dO)``
-    (``[B, Hq, Sq]``) comes out for the sinks' gradient."""
+    """``run(arrays..., dO, lse, out) -> (dQ, dK, dV, dBias, delta)``; delta
+    (``rowsum(out ∘ dO)``, ``[B, Hq, Sq]``) comes out for the sinks' gradient."""
 
     def run(q, k, v, bias, mask, qseg, kseg, aux, do, lse, out):
         from ejkernel_triton.kernels.flash_attention import (
