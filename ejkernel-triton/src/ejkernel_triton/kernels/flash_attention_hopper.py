@@ -407,3 +407,316 @@ def flash_attention_fwd_pingpong_kernel(
 
 #: 3 warp groups at 168 registers each (65536 per SM), redistributed as 240 / 240 / 24
 flash_attention_fwd_pingpong_kernel.ejkernel_compile_options = {"maxnreg": 168}
+
+
+# -- backward dK/dV -----------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dkdv_loader(descs, smem, bars, loads, n_m, n_iters, STAGES: gl.constexpr):
+    """The loader warp: both consumers' K and V rows once, then Q and dO of each (query head,
+    query block) step into the ring."""
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = descs
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem = smem
+    kv_bar, q_ready, do_ready, q_empty, do_empty = bars
+    q_row, q_col, k_row, k_col, stats0, stats_len = loads
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    for wg in gl.static_range(2):
+        mbarrier.expect(kv_bar.index(wg), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [k_row + wg * HALF, k_col], kv_bar.index(wg), k_smem.index(wg)
+        )
+        tma.async_copy_global_to_shared(
+            v_desc, [k_row + wg * HALF, k_col], kv_bar.index(wg), v_smem.index(wg)
+        )
+    for it in range(n_iters):
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        row = q_row + (it % n_m) * BLOCK_M
+        col = q_col + (it // n_m) * HEAD_DIM
+        stat = stats0 + (it // n_m) * stats_len + (it % n_m) * BLOCK_M
+        ready = q_ready.index(slot)
+        mbarrier.wait(q_empty.index(slot), phase ^ 1)
+        mbarrier.expect(ready, q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, col], ready, q_smem.index(slot))
+        tma.async_copy_global_to_shared(lse_desc, [stat], ready, lse_smem.index(slot))
+        ready = do_ready.index(slot)
+        mbarrier.wait(do_empty.index(slot), phase ^ 1)
+        mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row, col], ready, do_smem.index(slot))
+        tma.async_copy_global_to_shared(delta_desc, [stat], ready, delta_smem.index(slot))
+
+
+@gluon.jit
+def _dkdv_consumer(
+    smem,
+    bars,
+    tile,
+    n_m,
+    n_iters,
+    WG: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+):
+    """Consumer ``WG`` (0 or 1): dK and dV of keys ``[WG·64, WG·64 + 64)`` of the program's
+    block, in transposed form (keys are rows): ``sᵀ = k·qᵀ``, ``pᵀ = exp2(sᵀ − lse)``,
+    ``dV += pᵀ·dO``, ``dPᵀ = v·dOᵀ``, ``dSᵀ = pᵀ ∘ (dPᵀ − delta)``, ``dK += dSᵀ·q``."""
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem = smem
+    kv_bar, q_ready, do_ready, q_empty, do_empty = bars
+    (
+        dk_ptr,
+        dv_ptr,
+        sm_scale,
+        soft_cap,
+        seqlen_q,
+        seqlen_k,
+        num_kv_heads,
+        start_n,
+        m_start,
+        off_b,
+        off_hk,
+    ) = tile
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    stat_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
+    key0 = start_n * (2 * HALF) + WG * HALF
+    offs_n = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    if SOFT_CAP:
+        cap_in = sm_scale / soft_cap
+        cap_out = soft_cap * LOG2E
+    else:
+        scale = sm_scale * LOG2E
+
+    dk = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    mbarrier.wait(kv_bar.index(WG), 0)
+    for it in range(n_iters):
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        row0 = (m_start + it % n_m) * BLOCK_M
+        rows = row0 + offs_m
+        mbarrier.wait(q_ready.index(slot), phase)
+        mbarrier.wait(do_ready.index(slot), phase)
+        seen = True
+        if CAUSAL:  # whether the block's last row sees the first of these keys (the other
+            seen = row0 + BLOCK_M - 1 + q_pos_offset >= key0  # consumer's may see some)
+        if seen:
+            q = q_smem.index(slot)
+            do = do_smem.index(slot)
+            s = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            if SOFT_CAP:
+                t = _tanh(s * cap_in)
+                s = t * cap_out
+            else:
+                s = s * scale
+            if CAUSAL:  # noqa: SIM102 (a constexpr: no mask code at all when false)
+                if row0 + q_pos_offset < key0 + HALF - 1:
+                    visible = offs_n[:, None] <= rows[None, :] + q_pos_offset
+                    s = gl.where(visible, s, MASK_VALUE)
+            lse = lse_smem.index(slot).load(stat_layout)
+            p = gl.exp2(s - lse[None, :])
+            p_op = gl.convert_layout(p.to(dtype), op_layout)
+            dv = warpgroup_mma(p_op, do, dv, is_async=True)
+            dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+            delta = delta_smem.index(slot).load(stat_layout)
+            ds = p * (dp - delta[None, :])
+            if SOFT_CAP:
+                ds = ds * (1.0 - t * t)
+            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+        else:
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            mbarrier.arrive(q_empty.index(slot), count=1)
+
+    offs_k = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    rows_k = (off_b * seqlen_k + offs_k) * num_kv_heads + off_hk
+    ptrs = rows_k[:, None] * HEAD_DIM + offs_d[None, :]
+    in_k = (offs_k < seqlen_k)[:, None]
+    gl.store(dk_ptr + ptrs, (dk * sm_scale).to(dtype), mask=in_k)
+    gl.store(dv_ptr + ptrs, dv.to(dtype), mask=in_k)
+
+
+@gluon.jit
+def _dkdv_consumer_0(
+    descs,
+    smem,
+    bars,
+    tile,
+    loads,
+    n_m,
+    n_iters,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+):
+    _dkdv_consumer(smem, bars, tile, n_m, n_iters, 0, STAGES, CAUSAL, SOFT_CAP)
+
+
+@gluon.jit
+def _dkdv_consumer_1(
+    descs,
+    smem,
+    bars,
+    tile,
+    loads,
+    n_m,
+    n_iters,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+):
+    _dkdv_consumer(smem, bars, tile, n_m, n_iters, 1, STAGES, CAUSAL, SOFT_CAP)
+
+
+@gluon.jit
+def _dkdv_loader_warp(
+    descs,
+    smem,
+    bars,
+    tile,
+    loads,
+    n_m,
+    n_iters,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+):
+    _dkdv_loader(descs, smem, bars, loads, n_m, n_iters, STAGES)
+
+
+@gluon.jit
+def flash_attention_bwd_dkdv_gluon_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    sm_scale,
+    soft_cap,
+    batch,
+    seqlen_q,
+    seqlen_k,
+    num_heads,
+    num_kv_heads,
+    stats_len,
+    DK,
+    DV,
+    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
+    HEAD_DIM: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One program per (128-key block, batch·key head): see the section's consumer."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
+    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M, q_sl)
+    do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M, q_sl)
+    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, HALF, kv_sl)
+    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, HALF, kv_sl)
+    st_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
+    stats_size = batch * num_heads * stats_len
+    lse_desc = tma.make_tensor_descriptor(
+        Lse, shape=[stats_size], strides=[1], block_shape=[BLOCK_M], layout=st_sl
+    )
+    delta_desc = tma.make_tensor_descriptor(
+        Delta, shape=[stats_size], strides=[1], block_shape=[BLOCK_M], layout=st_sl
+    )
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], st_sl)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], st_sl)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_sl)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], kv_sl)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], kv_sl)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(do_empty.index(i), count=2)
+    fence_async_shared()
+
+    start_n = gl.program_id(0)
+    off_bhk = gl.program_id(1)
+    off_b = off_bhk // num_kv_heads
+    off_hk = off_bhk % num_kv_heads
+    group = num_heads // num_kv_heads
+    m_start = 0
+    if CAUSAL:  # the first query block that sees the block's first key
+        m_start = gl.maximum(start_n * (2 * HALF) - (seqlen_k - seqlen_q), 0) // BLOCK_M
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_start, 0)
+    n_iters = group * n_m
+    n_m = gl.maximum(n_m, 1)  # a divisor in the loops (which do not run when n_iters is 0)
+    descs = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc)
+    smem = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem)
+    bars = (kv_bar, q_ready, do_ready, q_empty, do_empty)
+    tile = (
+        DK,
+        DV,
+        sm_scale,
+        soft_cap,
+        seqlen_q,
+        seqlen_k,
+        num_kv_heads,
+        start_n,
+        m_start,
+        off_b,
+        off_hk,
+    )
+    q_row = off_b * seqlen_q + m_start * BLOCK_M
+    stats0 = (off_b * num_heads + off_hk * group) * stats_len + m_start * BLOCK_M
+    k_row = off_b * seqlen_k + start_n * (2 * HALF)
+    loads = (q_row, off_hk * group * HEAD_DIM, k_row, off_hk * HEAD_DIM, stats0, stats_len)
+    gl.warp_specialize(
+        [
+            (
+                _dkdv_consumer_0,
+                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP),
+            ),
+            (
+                _dkdv_consumer_1,
+                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP),
+            ),
+            (
+                _dkdv_loader_warp,
+                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
+
+
+flash_attention_bwd_dkdv_gluon_kernel.ejkernel_compile_options = {"maxnreg": 168}

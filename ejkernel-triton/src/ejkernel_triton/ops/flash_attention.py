@@ -151,6 +151,11 @@ _WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
 #: non-causal / causal, 128-key blocks with 2 slots 529 / 442, 64-key with 3 slots 493 / 387
 #: (RESULTS.md, tenth session). Not persistent.
 _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3)
+#: The Gluon dK/dV kernel by head dim: query rows a step and ring slots for Q and dO
+_GLUON_DKDV = {
+    64: BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2),
+    128: BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2),
+}
 #: Causal forward: the programs of 16 heads at a time, longest query blocks first (H100, D 64:
 #: 308 against 292 TFLOP/s in grid order, D 128 (the usual kernel) 378 against 348).
 _FWD_HEAD_GROUP = 16
@@ -860,6 +865,38 @@ def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
         params,
         BLOCK_M=bq,
         BLOCK_N=bk,
+    )
+
+
+def _dkdv_gluon(
+    st: _Statics, q, k, v, do, lse, delta, params: BwdParams | None = None
+) -> list[Any]:
+    """dK and dV by the Gluon kernel ``flash_attention_bwd_dkdv_gluon_kernel`` (the GPU only):
+    one program per 128 keys and batch·key head; lse and delta padded to whole query blocks
+    (the loader brings them by TMA)."""
+    from ejkernel_triton.kernels.flash_attention import EMPTY_LSE
+    from ejkernel_triton.kernels.flash_attention_hopper import (
+        flash_attention_bwd_dkdv_gluon_kernel,
+    )
+
+    sq, (b, sk, hkv, d) = q.shape[1], k.shape
+    params = params or _GLUON_DKDV[d]
+    bm = params.q_blocksize
+    stats_len = _cdiv(sq, bm) * bm
+    if stats_len != sq:
+        pad = ((0, 0), (0, 0), (0, stats_len - sq))
+        lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
+        delta = jnp.pad(delta, pad)
+    return _ws_launch(
+        st,
+        flash_attention_bwd_dkdv_gluon_kernel,
+        (q, k, v, do, lse, delta),
+        [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        (_cdiv(sk, 128), b * hkv),
+        params,
+        stats_len,
+        BLOCK_M=bm,
+        STAGES=params.num_stages,
     )
 
 
