@@ -146,6 +146,45 @@ def test_hopper_forward_at_d128_is_the_gluon_pingpong_kernel(monkeypatch, causal
     assert compiled.shared <= H100_SHARED
 
 
+@pytest.mark.parametrize(
+    ("d", "causal", "warp_specialize"),
+    [(128, True, True), (64, False, False), (64, True, True)],
+    ids=["d128-ws", "d64-usual", "d64-ws"],
+)
+def test_hopper_dkdv_is_the_gluon_kernel_in_the_plain_case(monkeypatch, d, causal, warp_specialize):
+    from ejkernel_triton.ops import flash_attention as fa
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # a GPU's choice, recorded on the CPU
+    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
+    q = jnp.ones((2, 300, 4, d), jnp.bfloat16)
+    kv = jnp.ones((2, 200, 2, d), jnp.bfloat16)
+    cfg = attrs.evolve(fa._default_config(q, kv, kv, causal), warp_specialize=warp_specialize)
+    with _codegen.recorded_launches() as record:
+        out, res = fa._flash_attention_fwd(query=q, key=kv, value=kv, causal=causal, cfg=cfg)
+        fa._flash_attention_bwd(res, out, cfg=cfg, causal=causal)
+    names = [launch.kernel.fn.__name__ for launch in record]
+    dkdv = record[names.index("flash_attention_bwd_dkdv_gluon_kernel")]
+    block_m = fa._GLUON_DKDV[d].q_blocksize
+    assert dkdv.grid == (2, 4)  # 128-key blocks x batch·key heads
+    assert dkdv.constexprs == {
+        "HEAD_DIM": d,
+        "CAUSAL": causal,
+        "SOFT_CAP": False,
+        "BLOCK_M": block_m,
+        "STAGES": 2,
+    }
+    lse, delta = dkdv.args[4:6]  # padded to whole query blocks for their TMA loads
+    assert lse.shape == delta.shape == (2, 4, -(-300 // block_m) * block_m)
+    compiled = _codegen.compile_launch(dkdv)
+    assert compiled.num_warps == 12  # two consumer warp groups and the loader's
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in compiled.ptx
+    assert compiled.ptx.count("cp.async.bulk.tensor") >= 6  # K, V, Q, dO, lse, delta
+    assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
+    assert compiled.shared <= H100_SHARED
+    # the other kernels of the backward are Triton's
+    assert names[0] != "flash_attention_bwd_dkdv_gluon_kernel" and len(names) == 3
+
+
 def test_hopper_forward_at_d64_stays_the_triton_kernel(monkeypatch):
     from ejkernel_triton.ops import flash_attention as fa
 

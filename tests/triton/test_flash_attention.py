@@ -311,9 +311,11 @@ def test_config_space_starts_with_the_heuristic_and_fits_shared_memory() -> None
     assert fa.config_space(inv) == [fa.heuristic(inv)]  # interpreting: one candidate
 
 
-def test_config_space_on_hopper_varies_the_backward_on_the_usual_kernels() -> None:
+@pytest.mark.parametrize("gluon", [True, False])
+def test_config_space_on_hopper_varies_the_backward_on_the_usual_kernels(gluon: bool) -> None:
     # under warp_specialize a GPU runs the validated configs, so a backward variant of the
-    # specialized base would time the same kernels again
+    # specialized base would time the same kernels again; with Gluon the dK/dV kernel of the
+    # plain case is the Gluon one whatever the config, so only dQ varies
     from ejkernel_triton.ops import flash_attention as fa
 
     shape = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
@@ -321,12 +323,15 @@ def test_config_space_on_hopper_varies_the_backward_on_the_usual_kernels() -> No
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fa._launch, "interpreting", lambda: False)
         mp.setattr(fa, "_compute_capability", lambda: (9, 0))
+        mp.setattr(fa, "_gluon_available", lambda: gluon)
         space = fa.config_space(inv)
     assert space[0].warp_specialize  # the heuristic: all three kernels specialized
     specialized = [cfg for cfg in space if cfg.warp_specialize]
     assert specialized == [space[0]]
-    varied = [cfg for cfg in space if cfg.bwd_params != space[0].bwd_params or cfg.dq_params]
-    assert varied and all(cfg.fwd_params == fa._FWD_D128 for cfg in varied)
+    dkdv = [cfg for cfg in space if cfg.bwd_params != space[0].bwd_params]
+    dq = [cfg for cfg in space if cfg.dq_params]
+    assert bool(dkdv) != gluon and dq
+    assert all(cfg.fwd_params == fa._FWD_D128 for cfg in dkdv + dq)
 
 
 def test_importing_the_plugin_imports_no_triton_or_jax_triton() -> None:

@@ -152,6 +152,38 @@ def test_warp_specialized_kernels(
     )
     assert names == [
         forward,
-        "flash_attention_bwd_dkdv_ws_kernel",
+        "flash_attention_bwd_dkdv_gluon_kernel",  # the Gluon dK/dV kernel replaces Triton's
         "flash_attention_bwd_dq_ws_kernel",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("shape", "kwargs"),
+    [
+        ((2, 1000, 1000, 8, 2, 64), {"causal": True}),
+        ((1, 1500, 1000, 4, 4, 64), {"causal": True}),
+        ((2, 300, 555, 4, 1, 64), {"logits_soft_cap": 20.0}),
+        ((1, 37, 37, 2, 1, 128), {"causal": True}),
+    ],
+    ids=["gqa-causal-d64", "sq>sk-empty-rows-d64", "mqa-softcap-sq<sk-d64", "seq37-d128"],
+)
+def test_usual_kernels_with_the_gluon_dkdv_kernel(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], kwargs: dict[str, Any]
+) -> None:
+    from ejkernel_triton import _launch
+    from ejkernel_triton.ops.flash_attention import _BWD_D64, _FWD_D128, FlashAttentionConfig
+
+    names: list[str] = []
+    real = _launch.launch
+    monkeypatch.setattr(
+        _launch,
+        "launch",
+        lambda kernel, *a, **k: names.append(kernel.fn.__name__) or real(kernel, *a, **k),
+    )
+    cfg = FlashAttentionConfig(fwd_params=_FWD_D128, bwd_params=_BWD_D64)
+    check(shape, jnp.bfloat16, 2e-2, cfg=cfg, **kwargs)
+    assert names == [
+        "flash_attention_fwd_kernel",
+        "flash_attention_bwd_dq_kernel",  # which computes delta for the dK/dV kernel
+        "flash_attention_bwd_dkdv_gluon_kernel",
     ]

@@ -151,9 +151,14 @@ _WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
 #: non-causal / causal, 128-key blocks with 2 slots 529 / 442, 64-key with 3 slots 493 / 387
 #: (RESULTS.md, tenth session). Not persistent.
 _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3)
-#: The Gluon dK/dV kernel by head dim: query rows a step and ring slots for Q and dO
+#: The Gluon dK/dV kernel (``flash_attention_bwd_dkdv_gluon_kernel``) by head dim: query
+#: rows a step and ring slots for Q and dO (128 keys a program, two consumers of 64). It
+#: replaces both Triton dK/dV kernels wherever it applies (``_gluon_dkdv_applies``). H100, D
+#: 128 (4, 4096, 16): 525 / 603 TFLOP/s, causal / not, against the warp-specialized kernel's
+#: 396 / 491 (a third slot 486 / 565, 128 rows 327 / 328); D 64 (8, 2048, 16), 128 rows: 324 /
+#: 462 against the usual kernel's 272 / 396 (64 rows 308 / 387; RESULTS.md, twelfth session).
 _GLUON_DKDV = {
-    64: BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2),
+    64: BwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
     128: BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2),
 }
 #: Causal forward: the programs of 16 heads at a time, longest query blocks first (H100, D 64:
@@ -239,13 +244,15 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
     # validated configs, whatever bwd_params/dq_params say)
     usual = attrs.evolve(base, fwd_params=_FWD_D128, warp_specialize=False)
     usual = usual if base.warp_specialize else base
-    configs += [
-        attrs.evolve(
-            usual, bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
-        )
-        for bq, bk, w, s in bwd_blocks
-        if _bwd_smem(bq, bk, s, d, dv, size) <= limit
-    ]
+    if not (_ws_candidate(inv.kwargs) and _gluon_available()):  # else the Gluon dK/dV runs
+        configs += [
+            attrs.evolve(
+                usual,
+                bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s),
+            )
+            for bq, bk, w, s in bwd_blocks
+            if _bwd_smem(bq, bk, s, d, dv, size) <= limit
+        ]
     configs += [
         attrs.evolve(
             usual, dq_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
@@ -742,6 +749,16 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
     return _launch.fold_vmap(run, modes)
 
 
+def _gluon_dkdv_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
+    """Whether ``flash_attention_bwd_dkdv_gluon_kernel`` serves this backward: the plain case
+    of the warp-specialized kernels, on a Hopper GPU with Gluon."""
+    return (
+        _ws_applies(st, q, v, bias, mask, qseg, aux)
+        and not _launch.interpreting()
+        and _gluon_available()
+    )
+
+
 def _ws_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
     """Whether the warp-specialized kernels serve this launch (see ``FlashAttentionConfig``)."""
     plain = bias.ndim != 4 and mask.ndim != 4 and qseg.ndim != 2 and aux.ndim != 2
@@ -941,9 +958,11 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         )
 
         do = do.astype(q.dtype)
+        gluon_dkdv = _gluon_dkdv_applies(st, q, v, bias, mask, qseg, aux)
         if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
-            dk, dv = _dkdv_ws(st, q, k, v, do, lse, delta)
+            dkdv = _dkdv_gluon if gluon_dkdv else _dkdv_ws
+            dk, dv = dkdv(st, q, k, v, do, lse, delta)
             dq = _dq_ws(st, q, k, v, do, lse, delta)
             return dq, dk, dv, jnp.zeros((1,), jnp.float32), delta
         del aux
@@ -998,6 +1017,9 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             BLOCK_N=kb,
             **constexprs,
         )
+        if gluon_dkdv:
+            dk, dv = _dkdv_gluon(st, q, k, v, do, lse, delta)
+            return dq, dk, dv, dbias, delta
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
         dk, dv = _launch.launch(
             flash_attention_bwd_dkdv_kernel,
