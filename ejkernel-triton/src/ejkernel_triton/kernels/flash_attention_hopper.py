@@ -720,3 +720,294 @@ def flash_attention_bwd_dkdv_gluon_kernel(
 
 
 flash_attention_bwd_dkdv_gluon_kernel.ejkernel_compile_options = {"maxnreg": 168}
+
+
+# -- backward dQ --------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dq_loader(descs, smem, bars, loads, n_blocks, STAGES: gl.constexpr):
+    """The loader warp: both halves of Q and dO, then K and V of each key block into the ring."""
+    q_desc, do_desc, k_desc, v_desc = descs
+    q_smem, do_smem, k_smem, v_smem = smem
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    q_row, q_col, k_row, k_col = loads
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            q_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), q_smem.index(wg)
+        )
+        tma.async_copy_global_to_shared(
+            do_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), do_smem.index(wg)
+        )
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [k_row + j * BLOCK_N, k_col], k_ready.index(slot), k_smem.index(slot)
+        )
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            v_desc, [k_row + j * BLOCK_N, k_col], v_ready.index(slot), v_smem.index(slot)
+        )
+
+
+@gluon.jit
+def _dq_consumer(
+    smem,
+    bars,
+    tile,
+    n_blocks,
+    WG: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+    EVEN_K: gl.constexpr,
+):
+    """Consumer ``WG`` (0 or 1): dQ of rows ``[WG·64, WG·64 + 64)`` of the program's tile:
+    ``s = q·kᵀ``, ``p = exp2(s − lse)``, ``dP = dO·vᵀ``, ``dS = p ∘ (dP − delta)``,
+    ``dQ += dS·k``."""
+    q_smem, do_smem, k_smem, v_smem = smem
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    (
+        dq_ptr,
+        lse_ptr,
+        delta_ptr,
+        sm_scale,
+        soft_cap,
+        seqlen_q,
+        seqlen_k,
+        num_heads,
+        start_m,
+        off_b,
+        off_h,
+    ) = tile
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    MASKED: gl.constexpr = CAUSAL or not EVEN_K
+
+    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
+    row0 = start_m * (2 * HALF) + WG * HALF
+    offs_m = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    in_q = offs_m < seqlen_q
+    stats = (off_b * num_heads + off_h) * seqlen_q + offs_m
+    lse = gl.load(lse_ptr + stats, mask=in_q, other=EMPTY_LSE)
+    delta = gl.load(delta_ptr + stats, mask=in_q, other=0.0)
+    if SOFT_CAP:
+        cap_in = sm_scale / soft_cap
+        cap_out = soft_cap * LOG2E
+    else:
+        scale = sm_scale * LOG2E
+    # key blocks from mask_from on are cut by the sequence end or this half's diagonal
+    mask_from = seqlen_k - BLOCK_N + 1
+    if CAUSAL:
+        mask_from = gl.minimum(mask_from, row0 + q_pos_offset - BLOCK_N + 1)
+
+    dq = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    mbarrier.wait(q_bar.index(WG), 0)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        k = k_smem.index(slot)
+        mbarrier.wait(k_ready.index(slot), phase)
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp = warpgroup_mma(
+            do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        if SOFT_CAP:
+            t = _tanh(s * cap_in)
+            s = t * cap_out
+        else:
+            s = s * scale
+        if MASKED:  # noqa: SIM102 (a constexpr: no mask code at all when false)
+            if j * BLOCK_N >= mask_from:
+                cols = j * BLOCK_N + offs_n
+                visible = (cols < seqlen_k)[None, :]
+                if CAUSAL:
+                    visible = visible & (cols[None, :] <= offs_m[:, None] + q_pos_offset)
+                s = gl.where(visible, s, MASK_VALUE)
+        p = gl.exp2(s - lse[:, None])
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        ds = p * (dp - delta[:, None])
+        if SOFT_CAP:
+            ds = ds * (1.0 - t * t)
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        dq = warpgroup_mma(ds_op, k, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+
+    offs_mo = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    rows = (off_b * seqlen_q + offs_mo) * num_heads + off_h
+    gl.store(
+        dq_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+        (dq * sm_scale).to(dtype),
+        mask=(offs_mo < seqlen_q)[:, None],
+    )
+
+
+@gluon.jit
+def _dq_consumer_0(
+    descs,
+    smem,
+    bars,
+    tile,
+    loads,
+    n_blocks,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+    EVEN_K: gl.constexpr,
+):
+    _dq_consumer(smem, bars, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, EVEN_K)
+
+
+@gluon.jit
+def _dq_consumer_1(
+    descs,
+    smem,
+    bars,
+    tile,
+    loads,
+    n_blocks,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+    EVEN_K: gl.constexpr,
+):
+    _dq_consumer(smem, bars, tile, n_blocks, 1, STAGES, CAUSAL, SOFT_CAP, EVEN_K)
+
+
+@gluon.jit
+def _dq_loader_warp(
+    descs,
+    smem,
+    bars,
+    tile,
+    loads,
+    n_blocks,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+    EVEN_K: gl.constexpr,
+):
+    _dq_loader(descs, smem, bars, loads, n_blocks, STAGES)
+
+
+@gluon.jit
+def flash_attention_bwd_dq_gluon_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    sm_scale,
+    soft_cap,
+    batch,
+    seqlen_q,
+    seqlen_k,
+    num_heads,
+    num_kv_heads,
+    DQ,
+    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
+    HEAD_DIM: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    EVEN_K: gl.constexpr,
+):
+    """One program per (128-row query tile, batch·head): see the section's consumer."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, HALF, q_sl)
+    do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, HALF, q_sl)
+    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N, kv_sl)
+    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N, kv_sl)
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
+    do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    start_m = gl.program_id(0)
+    off_bh = gl.program_id(1)
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    off_hk = off_h // (num_heads // num_kv_heads)
+    hi = seqlen_k
+    if CAUSAL:  # the last key the tile's last row sees
+        hi = gl.maximum(gl.minimum(hi, (start_m + 1) * (2 * HALF) + seqlen_k - seqlen_q), 0)
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    descs = (q_desc, do_desc, k_desc, v_desc)
+    smem = (q_smem, do_smem, k_smem, v_smem)
+    bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
+    tile = (
+        DQ,
+        Lse,
+        Delta,
+        sm_scale,
+        soft_cap,
+        seqlen_q,
+        seqlen_k,
+        num_heads,
+        start_m,
+        off_b,
+        off_h,
+    )
+    q_row = off_b * seqlen_q + start_m * (2 * HALF)
+    loads = (q_row, off_h * HEAD_DIM, off_b * seqlen_k, off_hk * HEAD_DIM)
+    gl.warp_specialize(
+        [
+            (
+                _dq_consumer_0,
+                (descs, smem, bars, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
+            ),
+            (
+                _dq_consumer_1,
+                (descs, smem, bars, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
+            ),
+            (
+                _dq_loader_warp,
+                (descs, smem, bars, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
+
+
+flash_attention_bwd_dq_gluon_kernel.ejkernel_compile_options = {"maxnreg": 168}

@@ -157,6 +157,10 @@ _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_st
 #: 128 (4, 4096, 16): 525 / 603 TFLOP/s, causal / not, against the warp-specialized kernel's
 #: 396 / 491 (a third slot 486 / 565, 128 rows 327 / 328); D 64 (8, 2048, 16), 128 rows: 324 /
 #: 462 against the usual kernel's 272 / 396 (64 rows 308 / 387; RESULTS.md, twelfth session).
+_GLUON_DQ = {
+    64: FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
+    128: FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3),
+}
 _GLUON_DKDV = {
     64: BwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
     128: BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2),
@@ -915,6 +919,28 @@ def _dkdv_gluon(
         BLOCK_M=bm,
         STAGES=params.num_stages,
     )
+
+
+def _dq_gluon(st: _Statics, q, k, v, do, lse, delta, params: FwdParams | None = None) -> Any:
+    """dQ by the Gluon kernel ``flash_attention_bwd_dq_gluon_kernel`` (the GPU only): one
+    program per 128 query rows and batch·head, key blocks of ``params.kv_blocksize``."""
+    from ejkernel_triton.kernels.flash_attention_hopper import flash_attention_bwd_dq_gluon_kernel
+
+    (b, sq, hq, d), sk = q.shape, k.shape[1]
+    params = params or _GLUON_DQ[d]
+    bn = params.kv_blocksize
+    (dq,) = _ws_launch(
+        st,
+        flash_attention_bwd_dq_gluon_kernel,
+        (q, k, v, do, lse, delta),
+        [jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        (_cdiv(sq, 128), b * hq),
+        params,
+        BLOCK_N=bn,
+        STAGES=params.num_stages,
+        EVEN_K=sk % bn == 0,
+    )
+    return dq
 
 
 def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
