@@ -151,7 +151,7 @@ def test_hopper_forward_at_d128_is_the_gluon_pingpong_kernel(monkeypatch, causal
     [(128, True, True), (64, False, False), (64, True, True)],
     ids=["d128-ws", "d64-usual", "d64-ws"],
 )
-def test_hopper_dkdv_is_the_gluon_kernel_in_the_plain_case(monkeypatch, d, causal, warp_specialize):
+def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp_specialize):
     from ejkernel_triton.ops import flash_attention as fa
 
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # a GPU's choice, recorded on the CPU
@@ -181,8 +181,26 @@ def test_hopper_dkdv_is_the_gluon_kernel_in_the_plain_case(monkeypatch, d, causa
     assert compiled.ptx.count("cp.async.bulk.tensor") >= 6  # K, V, Q, dO, lse, delta
     assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
     assert compiled.shared <= H100_SHARED
-    # the other kernels of the backward are Triton's
-    assert names[0] != "flash_attention_bwd_dkdv_gluon_kernel" and len(names) == 3
+    # under warp_specialize dQ is Gluon's too (delta from JAX); else the usual dQ kernel runs
+    # first and computes delta
+    if warp_specialize:
+        assert names[1:] == [
+            "flash_attention_bwd_dkdv_gluon_kernel",
+            "flash_attention_bwd_dq_gluon_kernel",
+        ]
+        dq = record[2]
+        assert dq.grid == (3, 8)  # 128-row query tiles x batch·heads
+        assert dq.constexprs["BLOCK_N"] == fa._GLUON_DQ[d].kv_blocksize
+        assert dq.constexprs["EVEN_K"] is False  # 200 keys: a cut last block
+        compiled = _codegen.compile_launch(dq)
+        assert compiled.num_warps == 12
+        assert compiled.ptx.count("cp.async.bulk.tensor") >= 4  # Q, dO, K, V
+        assert compiled.shared <= H100_SHARED
+    else:
+        assert names[1:] == [
+            "flash_attention_bwd_dq_kernel",
+            "flash_attention_bwd_dkdv_gluon_kernel",
+        ]
 
 
 def test_hopper_forward_at_d64_stays_the_triton_kernel(monkeypatch):

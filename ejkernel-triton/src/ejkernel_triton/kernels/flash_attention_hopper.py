@@ -1,5 +1,7 @@
-"""The Hopper forward of flash attention in Gluon, scheduled as FlashAttention-3 (Shah et al.,
-2024): a loader warp and two consumer warp groups that take turns on the tensor cores.
+"""Flash attention for Hopper in Gluon: the forward, scheduled as FlashAttention-3 (Shah et al.,
+2024), a loader warp and two consumer warp groups that take turns on the tensor cores; and
+the backward's dK/dV and dQ kernels, a loader warp and two consumer warp groups each (see
+their sections at the end).
 
 Triton 3.6's automatic warp specialization (the ``*_ws_kernel`` functions of
 :mod:`ejkernel_triton.kernels.flash_attention`) splits a program into a producer and two
@@ -23,6 +25,14 @@ bottom-right; output ``[B, Sq, Hq, D]`` and ``lse`` ``[B, Hq, Sq]`` in the log2 
 is. Rows and blocks are addressed in the 2-D views ``[B·S, H·D]``: a key block that runs into
 the next batch's rows is masked like one past the end, and query rows past ``seqlen_q`` are
 never stored.
+
+The backward kernels take ``lse`` and ``delta`` as the Triton kernels do (``[B, Hq, S]``,
+log2 domain; dK/dV wants them padded to whole query blocks, because its loader brings them by
+TMA). dK/dV: one program per 128 keys and batch·key head; each consumer keeps dK and dV of
+its 64 keys in registers and walks (query head of the group, query block) steps whose Q, dO,
+lse and delta the loader puts in a ring; a query block whose last row sees none of a
+consumer's keys is skipped by that consumer. dQ: one program per 128 query rows and
+batch·head, K and V blocks in a ring as in the forward.
 
 GPU only: Triton's interpreter does not run Gluon, so the CPU tests run the Triton twin and
 compile this kernel for sm_90 (``tests/triton/test_codegen.py``); ``tests/triton`` runs it on

@@ -1,16 +1,18 @@
 """flash_attention (and scaled_dot_product_attention) in Triton: launch wrappers, fwd and bwd.
 
-The kernels are in :mod:`ejkernel_triton.kernels.flash_attention` (and the Gluon forward for
+The kernels are in :mod:`ejkernel_triton.kernels.flash_attention` (and the Gluon kernels for
 Hopper in :mod:`ejkernel_triton.kernels.flash_attention_hopper`); this module checks what they
 serve (:func:`supports`), picks block sizes (:func:`heuristic`, :func:`config_space`), lays the
 arguments out for them and wires forward and backward through :func:`ejkernel.plugins.defvjp`:
 
 - forward: one kernel, output ``[B, Sq, Hq, Dv]`` and the per-row log2-sum-exp ``[B, Hq, Sq]``
   (float32, the only residual besides the inputs and the output);
-- backward: ``delta = rowsum(dO ∘ O)`` in JAX, then the dK/dV kernel (one program per key block
-  and key head, looping over the group's query heads: no K/V repeat, no atomics) and the dQ
-  kernel (one program per query block and query head), which also writes the logit gradient
-  when there is a bias; the sink gradient is ``-Σ p_sink · delta``, in JAX.
+- backward: the dQ kernel (one program per query block and query head), which also computes
+  ``delta = rowsum(dO ∘ O)`` and writes the logit gradient when there is a bias, then the dK/dV
+  kernel (one program per key block and key head, looping over the group's query heads: no
+  K/V repeat, no atomics); the sink gradient is ``-Σ p_sink · delta``, in JAX. In the plain
+  case on a Hopper GPU the dK/dV kernel is the Gluon one (:func:`_gluon_dkdv_applies`), and
+  under ``warp_specialize`` delta comes from JAX and both backward kernels are Gluon's.
 
 Everything of OPS.md's flash_attention is served except dropout, which :func:`supports`
 declines (the XLA platform then serves the call). Both functions compose with ``jit``,
@@ -67,10 +69,14 @@ class FlashAttentionConfig:
             bf16/f16, D = Dv of 64 or 128, no bias, mask, segment ids, window or sinks. On a
             GPU at D 128 the forward is the Gluon kernel ``flash_attention_fwd_pingpong_kernel``
             instead (FlashAttention-3's schedule: the two consumers take turns on the tensor
-            cores). On a GPU each runs its one validated config (``_WS_FWD`` or
-            ``_PINGPONG_FWD``, ``_WS_DKDV``, ``_WS_DQ``) whatever ``fwd_params``/``bwd_params``/
-            ``dq_params`` say; the interpreter takes their block sizes. Elsewhere the usual
-            kernels run, with the given params.
+            cores), and with Gluon the backward is the Gluon kernels
+            ``flash_attention_bwd_dkdv_gluon_kernel`` and ``flash_attention_bwd_dq_gluon_kernel``.
+            On a GPU each runs its one validated config (``_WS_FWD`` or ``_PINGPONG_FWD``,
+            ``_GLUON_DKDV`` or ``_WS_DKDV``, ``_GLUON_DQ`` or ``_WS_DQ``) whatever
+            ``fwd_params``/``bwd_params``/``dq_params`` say; the interpreter takes their block
+            sizes. Elsewhere the usual kernels run, with the given params, except that in the
+            same plain case on a Hopper GPU with Gluon the dK/dV kernel is always the Gluon one
+            (it beats both Triton dK/dV kernels at every measured shape).
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
@@ -157,9 +163,15 @@ _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_st
 #: 128 (4, 4096, 16): 525 / 603 TFLOP/s, causal / not, against the warp-specialized kernel's
 #: 396 / 491 (a third slot 486 / 565, 128 rows 327 / 328); D 64 (8, 2048, 16), 128 rows: 324 /
 #: 462 against the usual kernel's 272 / 396 (64 rows 308 / 387; RESULTS.md, twelfth session).
+#: The Gluon dQ kernel (``flash_attention_bwd_dq_gluon_kernel``) by head dim: keys a step and
+#: ring slots for K and V (128 query rows a program, two consumers of 64). It replaces the
+#: warp-specialized Triton dQ kernel (``_gluon_dkdv_applies``). H100, D 128 (4, 4096, 16):
+#: 529 / 655 TFLOP/s, causal / not, against 507 / 633 (a third slot 505 / 629, 128 keys
+#: 539 / 610); D 64 (8, 2048, 16), 128 keys: 311 / 432 against 281 / 349, where the usual
+#: kernel of the heuristic's config does 413 / 529 (RESULTS.md, twelfth session).
 _GLUON_DQ = {
     64: FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
-    128: FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3),
+    128: FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=2),
 }
 _GLUON_DKDV = {
     64: BwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
@@ -754,8 +766,9 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
 
 
 def _gluon_dkdv_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
-    """Whether ``flash_attention_bwd_dkdv_gluon_kernel`` serves this backward: the plain case
-    of the warp-specialized kernels, on a Hopper GPU with Gluon."""
+    """Whether ``flash_attention_bwd_dkdv_gluon_kernel`` serves this backward (and, under
+    ``warp_specialize``, ``flash_attention_bwd_dq_gluon_kernel``): the plain case of the
+    warp-specialized kernels, on a Hopper GPU with Gluon."""
     return (
         _ws_applies(st, q, v, bias, mask, qseg, aux)
         and not _launch.interpreting()
@@ -987,9 +1000,8 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         gluon_dkdv = _gluon_dkdv_applies(st, q, v, bias, mask, qseg, aux)
         if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
-            dkdv = _dkdv_gluon if gluon_dkdv else _dkdv_ws
-            dk, dv = dkdv(st, q, k, v, do, lse, delta)
-            dq = _dq_ws(st, q, k, v, do, lse, delta)
+            dk, dv = (_dkdv_gluon if gluon_dkdv else _dkdv_ws)(st, q, k, v, do, lse, delta)
+            dq = (_dq_gluon if gluon_dkdv else _dq_ws)(st, q, k, v, do, lse, delta)
             return dq, dk, dv, jnp.zeros((1,), jnp.float32), delta
         del aux
         b, sq, hq, _ = q.shape
