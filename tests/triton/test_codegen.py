@@ -181,26 +181,41 @@ def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp
     assert compiled.ptx.count("cp.async.bulk.tensor") >= 6  # K, V, Q, dO, lse, delta
     assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
     assert compiled.shared <= H100_SHARED
-    # under warp_specialize dQ is Gluon's too (delta from JAX); else the usual dQ kernel runs
-    # first and computes delta
+    # dQ: under warp_specialize the warp-specialized kernel (delta from JAX), else the usual
+    # one, which runs first and computes delta
     if warp_specialize:
         assert names[1:] == [
             "flash_attention_bwd_dkdv_gluon_kernel",
-            "flash_attention_bwd_dq_gluon_kernel",
+            "flash_attention_bwd_dq_ws_kernel",
         ]
-        dq = record[2]
-        assert dq.grid == (3, 8)  # 128-row query tiles x batch·heads
-        assert dq.constexprs["BLOCK_N"] == fa._GLUON_DQ[d].kv_blocksize
-        assert dq.constexprs["EVEN_K"] is False  # 200 keys: a cut last block
-        compiled = _codegen.compile_launch(dq)
-        assert compiled.num_warps == 12
-        assert compiled.ptx.count("cp.async.bulk.tensor") >= 4  # Q, dO, K, V
-        assert compiled.shared <= H100_SHARED
     else:
         assert names[1:] == [
             "flash_attention_bwd_dq_kernel",
             "flash_attention_bwd_dkdv_gluon_kernel",
         ]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_gluon_dq_kernel_compiles_for_hopper(monkeypatch, d):
+    # launched by experiments only (no faster than the warp-specialized dQ through the op)
+    from ejkernel_triton.ops import flash_attention as fa
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    q = jnp.ones((2, 300, 4, d), jnp.bfloat16)
+    kv = jnp.ones((2, 200, 2, d), jnp.bfloat16)
+    stats = jnp.ones((2, 4, 300), jnp.float32)
+    st = fa._Statics.of(q, kv, kv, None, True, None, None, None)
+    with _codegen.recorded_launches() as record:
+        fa._dq_gluon(st, q, kv, kv, q, stats, stats)
+    (dq,) = record
+    assert dq.kernel.fn.__name__ == "flash_attention_bwd_dq_gluon_kernel"
+    assert dq.grid == (3, 8)  # 128-row query tiles x batch·heads
+    assert dq.constexprs["BLOCK_N"] == fa._GLUON_DQ[d].kv_blocksize
+    assert dq.constexprs["EVEN_K"] is False  # 200 keys: a cut last block
+    compiled = _codegen.compile_launch(dq)
+    assert compiled.num_warps == 12
+    assert compiled.ptx.count("cp.async.bulk.tensor") >= 4  # Q, dO, K, V
+    assert compiled.shared <= H100_SHARED
 
 
 def test_hopper_forward_at_d64_stays_the_triton_kernel(monkeypatch):

@@ -22,7 +22,7 @@ On Hopper the plain case has three more kernels, :func:`flash_attention_fwd_ws_k
 :func:`flash_attention_bwd_dkdv_ws_kernel` and :func:`flash_attention_bwd_dq_ws_kernel`: TMA
 loads and Triton's automatic warp specialization. On the GPU the Gluon kernels of
 :mod:`ejkernel_triton.kernels.flash_attention_hopper` (which the interpreter cannot run) take
-over: the forward at D 128 (FlashAttention-3's schedule), dK/dV and dQ.
+over the forward at D 128 (FlashAttention-3's schedule) and dK/dV.
 
 The kernels are plain ``@triton.jit`` functions. The launch wrapper
 (:mod:`ejkernel_triton.ops.flash_attention`) calls them through jax-triton on a GPU, or through

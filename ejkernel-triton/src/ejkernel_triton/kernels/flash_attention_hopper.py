@@ -32,7 +32,9 @@ TMA). dK/dV: one program per 128 keys and batch·key head; each consumer keeps d
 its 64 keys in registers and walks (query head of the group, query block) steps whose Q, dO,
 lse and delta the loader puts in a ring; a query block whose last row sees none of a
 consumer's keys is skipped by that consumer. dQ: one program per 128 query rows and
-batch·head, K and V blocks in a ring as in the forward.
+batch·head, K and V blocks in a ring as in the forward; measured no faster than the
+warp-specialized Triton dQ kernel through the op, it is launched by experiments only
+(``ops.flash_attention._dq_gluon``, ``benchmarks/experiments/gluon_dq_ab.py``).
 
 GPU only: Triton's interpreter does not run Gluon, so the CPU tests run the Triton twin and
 compile this kernel for sm_90 (``tests/triton/test_codegen.py``); ``tests/triton`` runs it on

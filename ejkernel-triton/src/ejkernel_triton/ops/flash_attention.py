@@ -12,7 +12,7 @@ arguments out for them and wires forward and backward through :func:`ejkernel.pl
   kernel (one program per key block and key head, looping over the group's query heads: no
   K/V repeat, no atomics); the sink gradient is ``-Σ p_sink · delta``, in JAX. In the plain
   case on a Hopper GPU the dK/dV kernel is the Gluon one (:func:`_gluon_dkdv_applies`), and
-  under ``warp_specialize`` delta comes from JAX and both backward kernels are Gluon's.
+  under ``warp_specialize`` delta comes from JAX and dQ is the warp-specialized kernel.
 
 Everything of OPS.md's flash_attention is served except dropout, which :func:`supports`
 declines (the XLA platform then serves the call). Both functions compose with ``jit``,
@@ -69,10 +69,9 @@ class FlashAttentionConfig:
             bf16/f16, D = Dv of 64 or 128, no bias, mask, segment ids, window or sinks. On a
             GPU at D 128 the forward is the Gluon kernel ``flash_attention_fwd_pingpong_kernel``
             instead (FlashAttention-3's schedule: the two consumers take turns on the tensor
-            cores), and with Gluon the backward is the Gluon kernels
-            ``flash_attention_bwd_dkdv_gluon_kernel`` and ``flash_attention_bwd_dq_gluon_kernel``.
-            On a GPU each runs its one validated config (``_WS_FWD`` or ``_PINGPONG_FWD``,
-            ``_GLUON_DKDV`` or ``_WS_DKDV``, ``_GLUON_DQ`` or ``_WS_DQ``) whatever
+            cores), and with Gluon the dK/dV kernel is the Gluon kernel
+            ``flash_attention_bwd_dkdv_gluon_kernel``. On a GPU each runs its one validated
+            config (``_WS_FWD`` or ``_PINGPONG_FWD``, ``_GLUON_DKDV`` or ``_WS_DKDV``, ``_WS_DQ``) whatever
             ``fwd_params``/``bwd_params``/``dq_params`` say; the interpreter takes their block
             sizes. Elsewhere the usual kernels run, with the given params, except that in the
             same plain case on a Hopper GPU with Gluon the dK/dV kernel is always the Gluon one
@@ -165,10 +164,12 @@ _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_st
 #: 462 against the usual kernel's 272 / 396 (64 rows 308 / 387; RESULTS.md, twelfth session).
 #: The Gluon dQ kernel (``flash_attention_bwd_dq_gluon_kernel``) by head dim: keys a step and
 #: ring slots for K and V (128 query rows a program, two consumers of 64). It replaces the
-#: warp-specialized Triton dQ kernel (``_gluon_dkdv_applies``). H100, D 128 (4, 4096, 16):
-#: 529 / 655 TFLOP/s, causal / not, against 507 / 633 (a third slot 505 / 629, 128 keys
-#: 539 / 610); D 64 (8, 2048, 16), 128 keys: 311 / 432 against 281 / 349, where the usual
-#: kernel of the heuristic's config does 413 / 529 (RESULTS.md, twelfth session).
+#: warp-specialized Triton dQ kernel alone: H100, D 128 (4, 4096, 16): 529 / 655 TFLOP/s,
+#: causal / not, against 507 / 633 (a third slot 505 / 629, 128 keys 539 / 610); D 64
+#: (8, 2048, 16), 128 keys: 311 / 432 against 281 / 349, where the usual kernel of the
+#: heuristic's config does 413 / 529. Through the op, fwd+bwd at D 128, it is no faster
+#: (387 / 456 against 390 / 459, interleaved), so no launch takes it yet: an experiment's
+#: building block (``_dq_gluon``; RESULTS.md, twelfth session).
 _GLUON_DQ = {
     64: FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
     128: FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=2),
@@ -766,9 +767,8 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
 
 
 def _gluon_dkdv_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
-    """Whether ``flash_attention_bwd_dkdv_gluon_kernel`` serves this backward (and, under
-    ``warp_specialize``, ``flash_attention_bwd_dq_gluon_kernel``): the plain case of the
-    warp-specialized kernels, on a Hopper GPU with Gluon."""
+    """Whether ``flash_attention_bwd_dkdv_gluon_kernel`` serves this backward: the plain case
+    of the warp-specialized kernels, on a Hopper GPU with Gluon."""
     return (
         _ws_applies(st, q, v, bias, mask, qseg, aux)
         and not _launch.interpreting()
@@ -1001,7 +1001,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
             dk, dv = (_dkdv_gluon if gluon_dkdv else _dkdv_ws)(st, q, k, v, do, lse, delta)
-            dq = (_dq_gluon if gluon_dkdv else _dq_ws)(st, q, k, v, do, lse, delta)
+            dq = _dq_ws(st, q, k, v, do, lse, delta)
             return dq, dk, dv, jnp.zeros((1,), jnp.float32), delta
         del aux
         b, sq, hq, _ = q.shape
