@@ -3,8 +3,6 @@ with ours installed, as ``benchmarks/gpu_attention.sh`` does): under the heurist
 warp-specialized config at D 128, the backward's dQ by the Gluon kernel against the
 warp-specialized Triton one (both after the Gluon dK/dV kernel), beside cuDNN."""
 
-
-
 import statistics
 import sys
 
