@@ -4,6 +4,7 @@
 # run the Triton GPU tests, then the attention harness. Arguments go to the harness.
 # Here, before the call:
 #   pip wheel --no-deps ./ejkernel-core ./ejkernel-xla ./ejkernel-triton -w .whl
+#   pip download --no-deps -d .whl jax-triton==0.3.1 cattrs   (the image lacks both)
 #   pip download --no-deps -d .whl-anchors tokamax einshape qwix immutabledict tensorboardx \
 #       typeguard==2.13.3 pydantic pydantic-core annotated-types typing-inspection beartype \
 #       ejkernel==0.0.80.3   (pydantic-core for cp312)

@@ -8,9 +8,12 @@ its shared memory and the argument attributes are also written to
 ``<ejkernel cache folder>/triton/<key>.json`` and read back from there.
 
 The key hashes everything that can change the compiler's output: the kernel's source and the
-sources of the functions it calls (Triton's own ``JITFunction.cache_key``), the argument types
+sources of the functions and constexprs it names (:func:`source_key`), the argument types
 and attributes, the constexprs, warps, stages, CTAs, compute capability, fp fusion, and the
-versions of triton, jax-triton and jaxlib. CUDA only (on ROCm jax-triton passes a file path,
+versions of triton, jax-triton and jaxlib (NumPy scalars spelled as the Python numbers they
+equal). jax-triton keeps its own in-memory cache, whose keys compare by value: where it answers
+a key of ours without compiling (``True`` where an earlier launch passed ``1``), the entry made
+for that kernel object is written under our key as well, so the next process finds both. CUDA only (on ROCm jax-triton passes a file path,
 not the code).
 
 Gluon kernels (``@gluon.jit``, Triton's lower-level language) and kernels marked with
@@ -30,6 +33,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import tempfile
 import threading
 import types
@@ -40,13 +44,17 @@ from typing import Any
 
 from ejkernel import _env
 
-__all__ = ["GLOBAL_SCRATCH_BYTES", "cache_folder", "compile_directly", "install"]
+__all__ = ["GLOBAL_SCRATCH_BYTES", "cache_folder", "compile_directly", "install", "source_key"]
 
 _installed = False
 _install_lock = threading.Lock()
 _captured = threading.local()
 _warned_unwritable = False
 _memory: dict[str, Any] = {}
+#: the cache entry of each kernel object this process made or read, by ``id`` (the objects live
+#: in ``_memory``): jax-triton's own in-memory cache can answer a key of ours that differs only
+#: in how a value is spelled, without compiling; that answer is written under our key too
+_entries: dict[int, dict[str, Any]] = {}
 
 
 def cache_folder() -> Path:
@@ -107,6 +115,7 @@ def _cached(get_or_create: Any) -> Any:
                 kw["compute_capability"],
             )
             _memory[key] = kernel, {(i,): attr for i, attr in entry["attrs"]}
+            _entries[id(kernel)] = entry
             return _memory[key]
         _captured.last = None
         gluon = _is_gluon(fn)
@@ -120,17 +129,17 @@ def _cached(get_or_create: Any) -> Any:
         captured = getattr(_captured, "last", None)
         if captured is not None:
             ttir, result = captured
-            _write(
-                path,
-                {
-                    "name": result.name,
-                    "num_warps": getattr(result, "num_warps", None) or kw.get("num_warps") or 4,
-                    "shared_mem_bytes": result.shared_mem_bytes,
-                    "ptx": result.binary,
-                    "ttir": ttir,
-                    "attrs": [[i[0], attr] for i, attr in attrs.items()],
-                },
-            )
+            _entries[id(kernel)] = {
+                "name": result.name,
+                "num_warps": getattr(result, "num_warps", None) or kw.get("num_warps") or 4,
+                "shared_mem_bytes": result.shared_mem_bytes,
+                "ptx": result.binary,
+                "ttir": ttir,
+                "attrs": [[i[0], attr] for i, attr in attrs.items()],
+            }
+        entry = _entries.get(id(kernel))  # without a capture: a hit in jax-triton's own cache
+        if entry is not None:
+            _write(path, entry)
         return kernel, attrs
 
     return wrapper
@@ -266,12 +275,18 @@ def _redirect_global_scratch(fn: Any, ptx: str, name: str, runtime: list[str], s
 
 def _key(fn: Any, arg_dtypes: Any, scalar_args: Any, kw: dict[str, Any]) -> str:
     """A hex digest of everything that decides the compiled code (see the module docstring)."""
-    parts = [
-        fn.cache_key,  # source of the kernel and of every function it calls
+    return hashlib.sha256(repr(_key_parts(fn, arg_dtypes, scalar_args, kw)).encode()).hexdigest()[
+        :32
+    ]
+
+
+def _key_parts(fn: Any, arg_dtypes: Any, scalar_args: Any, kw: dict[str, Any]) -> list[Any]:
+    return [
+        source_key(fn),  # source of the kernel, of every function it calls, their constexprs
         tuple(arg_dtypes),
-        tuple((i, name, value) for i, name, value in scalar_args if value in (None, 1)),
+        tuple((i, name, _plain(v)) for i, name, v in scalar_args if v is None or v == 1),
         tuple(i for i, _, _ in scalar_args),
-        tuple(sorted((k, repr(v)) for k, v in kw.get("metaparams", {}).items())),
+        tuple(sorted((k, repr(_plain(v))) for k, v in kw.get("metaparams", {}).items())),
         kw.get("num_warps") or 4,
         kw.get("num_stages") or 3,
         kw.get("num_ctas"),
@@ -281,7 +296,77 @@ def _key(fn: Any, arg_dtypes: Any, scalar_args: Any, kw: dict[str, Any]) -> str:
         bool(kw.get("dump")),
         _versions(),
     ]
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+_source_keys: dict[int, tuple[Any, str]] = {}
+
+
+def source_key(fn: Any) -> str:
+    """A digest of a Triton or Gluon function's source and, recursively, of the functions and
+    constexpr globals it names (those of Triton itself are covered by its version).
+
+    Not Triton's ``JITFunction.cache_key``: that one depends on the order in which a process
+    first asks for the keys of the kernels that share a helper (it merges a helper's globals
+    before it works out the helper's own key), so a kernel launched first in one process and
+    after another kernel in the next had two keys, and a warm start compiled it again.
+    """
+    known = _source_keys.get(id(fn))
+    if known is not None and known[0] is fn:
+        return known[1]
+    hasher = hashlib.sha256()
+    seen: set[int] = set()
+
+    def visit(f: Any) -> None:
+        if id(f) in seen:
+            return
+        seen.add(id(f))
+        src, scope = getattr(f, "src", None), getattr(f, "__globals__", None)
+        if not isinstance(src, str) or not isinstance(scope, dict):
+            hasher.update(repr(getattr(f, "cache_key", f)).encode())
+            return
+        hasher.update(f"{f.__module__}.{f.__qualname__}\n{src}\n".encode())
+        for dotted in sorted(set(_NAME.findall(src))):
+            head, *attrs = dotted.split(".")
+            value = scope.get(head, _MISSING)
+            for attr in attrs:  # module.helper
+                if not isinstance(value, types.ModuleType):
+                    break
+                value = getattr(value, attr, _MISSING)
+            if value is _MISSING or isinstance(value, types.ModuleType):
+                continue
+            if _is_jit(value):
+                if not str(getattr(value, "__module__", "")).startswith("triton."):
+                    visit(value)
+            elif isinstance(value, (bool, int, float, str)) or _is_constexpr(value):
+                hasher.update(f"{dotted}={getattr(value, 'value', value)!r}\n".encode())
+
+    visit(fn)
+    digest = hasher.hexdigest()
+    _source_keys[id(fn)] = fn, digest
+    return digest
+
+
+_MISSING = object()
+
+
+def _is_jit(value: Any) -> bool:
+    return isinstance(getattr(value, "src", None), str) and hasattr(value, "__globals__")
+
+
+def _is_constexpr(value: Any) -> bool:
+    try:
+        from triton.language import constexpr
+    except ImportError:
+        return False
+    return isinstance(value, constexpr)
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy scalar as the Python number it equals (``np.int64(64)`` and ``64`` compile to
+    the same code, and jax-triton's in-memory cache already takes them as one)."""
+    item = getattr(value, "item", None)
+    return item() if item is not None and getattr(value, "ndim", None) == 0 else value
 
 
 @functools.cache
