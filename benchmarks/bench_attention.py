@@ -99,11 +99,13 @@ def implementations() -> dict[str, Callable[..., Any]]:
         print(f"JAX Pallas mha unavailable: {err}")
     try:
         _stand_in_xprof()
-        bridged = _bridge_pallas_renames()
-        if bridged:
-            print(f"tokamax: bridged for this jax: {', '.join(bridged)}")
         import tokamax
         from absl import flags
+
+        if tuple(int(x) for x in tokamax.__version__.split(".")[:3]) < (0, 0, 17):
+            bridged = _bridge_pallas_renames()  # looked up at call time, so bridging after import works
+            if bridged:
+                print(f"tokamax {tokamax.__version__}: bridged for this jax: {', '.join(bridged)}")
 
         flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags; ours are not
 
@@ -154,11 +156,15 @@ def _bridge_pallas_renames() -> list[str]:
 
 
 def _stand_in_xprof() -> None:
-    """tokamax imports ``xprof.cli.tools`` at start; the GPU image lacks it."""
+    """tokamax imports ``xprof.cli.tools.get_kernel_stats_tool`` at start (its own profiling
+    timer, unused here); the GPU image lacks xprof."""
     import types
 
     for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
         sys.modules.setdefault(name, types.ModuleType(name))
+    tools = sys.modules["xprof.cli.tools"]
+    if not hasattr(tools, "get_kernel_stats_tool"):
+        tools.get_kernel_stats_tool = None
 
 
 # -- one measurement ----------------------------------------------------------------------------
