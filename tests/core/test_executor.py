@@ -57,6 +57,19 @@ def test_explain_runs_nothing_and_reports_the_heuristic(toy):
     assert "toy" in str(sel)
 
 
+def test_explain_with_shape_dtype_structs_keys_as_the_arrays_do(toy):
+    q, k, v = attention_inputs(SHAPE)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    before = ejkernel.explain("flash_attention", *abstract, causal=True)
+    assert before.key == ejkernel.explain("flash_attention", q, k, v, causal=True).key
+    assert before.source == "heuristic"
+    ejkernel.flash_attention(q, k, v, causal=True)
+    after = ejkernel.explain("flash_attention", *abstract, causal=True)
+    assert (after.source, after.key) == ("memory", before.key)
+    half = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q, k, v)]
+    assert ejkernel.explain("flash_attention", *half, causal=True).key != before.key
+
+
 def test_override_applies_to_one_call_and_is_never_cached(toy):
     q, k, v = attention_inputs(SHAPE)
     ejkernel.flash_attention(q, k, v, cfg=toy.ToyConfig(block=16))

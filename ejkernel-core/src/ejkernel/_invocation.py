@@ -83,6 +83,8 @@ def sharding_fingerprint(x: Any) -> str | None:
 
 
 def abstract_value(x: Any) -> jax.ShapeDtypeStruct:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
     return jax.ShapeDtypeStruct(tuple(np.shape(x)), jax.numpy.result_type(x))
 
 
@@ -130,7 +132,8 @@ _key_memo: dict[Any, str] = {}
 
 
 def _array_sig(x: Any) -> dict[str, Any]:
-    sig: dict[str, Any] = {"shape": list(np.shape(x)), "dtype": str(jax.numpy.result_type(x))}
+    a = abstract_value(x)
+    sig: dict[str, Any] = {"shape": list(a.shape), "dtype": str(a.dtype)}
     shard = sharding_fingerprint(x)
     if shard is not None:
         sig["sharding"] = shard
@@ -138,7 +141,8 @@ def _array_sig(x: Any) -> dict[str, Any]:
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer, np.generic))
+    """Arrays, tracers and ``jax.ShapeDtypeStruct`` (``explain``'s stand-ins key as arrays)."""
+    return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer, np.generic, jax.ShapeDtypeStruct))
 
 
 @attrs.frozen(kw_only=True, eq=False)
