@@ -103,7 +103,8 @@ def implementations() -> dict[str, Callable[..., Any]]:
         from absl import flags
 
         if tuple(int(x) for x in tokamax.__version__.split(".")[:3]) < (0, 0, 17):
-            bridged = _bridge_pallas_renames()  # looked up at call time, so bridging after import works
+            # tokamax looks these up at call time, so bridging after its import works
+            bridged = _bridge_pallas_renames()
             if bridged:
                 print(f"tokamax {tokamax.__version__}: bridged for this jax: {', '.join(bridged)}")
 
