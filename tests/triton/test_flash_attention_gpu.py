@@ -119,6 +119,7 @@ def test_vmap_folds_into_the_grid() -> None:
         ((1, 777, 777, 4, 1, 128), {"causal": True, "logits_soft_cap": 30.0}),
         ((2, 300, 200, 4, 2, 128), {"causal": True}),
         ((1, 37, 37, 2, 1, 128), {}),
+        ((3, 700, 700, 4, 2, 128), {"causal": True}),
     ],
     ids=[
         "gqa-causal",
@@ -127,6 +128,7 @@ def test_vmap_folds_into_the_grid() -> None:
         "mqa-softcap",
         "sq>sk-empty-rows-gqa",
         "seq37",
+        "causal-12-heads",  # the forward's head groups of 8: one whole, one of 4
     ],
 )
 def test_warp_specialized_kernels(

@@ -156,6 +156,11 @@ _WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
 #: non-causal / causal, 128-key blocks with 2 slots 529 / 442, 64-key with 3 slots 493 / 387
 #: (RESULTS.md, tenth session). Not persistent.
 _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3)
+#: ... and its causal program order (``_pingpong_tile``; 0: grid order): longest query tiles
+#: first in groups of 8 heads. H100, causal, B·S 16384, H 16: forward 341 / 481 / 541 TFLOP/s
+#: at S 2048 / 4096 / 8192 against 329 / 462 / 523 in grid order (16 heads: 336 / 478 / 538);
+#: fwd+bwd within noise (RESULTS.md, fourteenth session).
+_PINGPONG_HEAD_GROUP = 8
 #: The Gluon dK/dV kernel (``flash_attention_bwd_dkdv_gluon_kernel``) by head dim: query
 #: rows a step and ring slots for Q and dO (128 keys a program, two consumers of 64). It
 #: replaces both Triton dK/dV kernels wherever it applies (``_gluon_dkdv_applies``). H100, D
@@ -870,6 +875,7 @@ def _forward_pingpong(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) ->
         BLOCK_N=params.kv_blocksize,
         STAGES=params.num_stages,
         EVEN_K=sk % params.kv_blocksize == 0,
+        HEAD_GROUP=_PINGPONG_HEAD_GROUP if st.causal else 0,
     )
 
 
