@@ -53,6 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ejkernel_triton.kernels.flash_attention import _program_tile
+
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 MASK_VALUE: gl.constexpr = gl.constexpr(-1.0e30)
 #: as :data:`ejkernel_triton.kernels.flash_attention.EMPTY_LSE`
@@ -323,26 +325,6 @@ def _loader_warp(
 
 
 @gluon.jit
-def _pingpong_tile(HEAD_GROUP: gl.constexpr):
-    """``(query tile, batch·head)`` of a forward program: grid order for ``HEAD_GROUP`` 0, else
-    the Triton forward's causal order (``flash_attention._program_tile``): heads in groups of
-    ``HEAD_GROUP``, the longest (last) query tiles of a group's heads first."""
-    if HEAD_GROUP == 0:
-        start_m = gl.program_id(0)
-        off_bh = gl.program_id(1)
-    else:
-        blocks = gl.num_programs(0)
-        heads = gl.num_programs(1)
-        order = gl.program_id(1) * blocks + gl.program_id(0)
-        group = order // (HEAD_GROUP * blocks)
-        within = order % (HEAD_GROUP * blocks)
-        size = gl.minimum(heads - group * HEAD_GROUP, HEAD_GROUP)
-        start_m = blocks - 1 - within // size
-        off_bh = group * HEAD_GROUP + within % size
-    return start_m, off_bh
-
-
-@gluon.jit
 def _head_rows(ptr, rows, heads, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, layout):
     """A TMA descriptor of ``[B, S, H, D]`` seen as ``[B·S, H·D]``: ``BLOCK`` rows of one head."""
     return tma.make_tensor_descriptor(
@@ -377,8 +359,9 @@ def flash_attention_fwd_pingpong_kernel(
     EVEN_K: gl.constexpr,
     HEAD_GROUP: gl.constexpr = 0,
 ):
-    """One program per (128-row query tile, batch·head), in the order of
-    :func:`_pingpong_tile`: see the module docstring."""
+    """One program per (128-row query tile, batch·head), in the order of the Triton
+    forward's ``_program_tile`` (a Triton function: Gluon calls it as its own; causal: longest
+    tiles first in groups of ``HEAD_GROUP`` heads): see the module docstring."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -404,7 +387,7 @@ def flash_attention_fwd_pingpong_kernel(
         mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
 
-    start_m, off_bh = _pingpong_tile(HEAD_GROUP)
+    start_m, off_bh = _program_tile(HEAD_GROUP)
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     off_hk = off_h // (num_heads // num_kv_heads)
