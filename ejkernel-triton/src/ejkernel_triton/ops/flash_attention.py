@@ -156,10 +156,10 @@ _WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
 #: non-causal / causal, 128-key blocks with 2 slots 529 / 442, 64-key with 3 slots 493 / 387
 #: (RESULTS.md, tenth session). Not persistent.
 _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3)
-#: ... and its causal program order (the kernels' ``_program_tile``; 0: grid order): longest query tiles
-#: first in groups of 8 heads. H100, causal, B·S 16384, H 16: forward 341 / 481 / 541 TFLOP/s
-#: at S 2048 / 4096 / 8192 against 329 / 462 / 523 in grid order (16 heads: 336 / 478 / 538);
-#: fwd+bwd within noise (RESULTS.md, fourteenth session).
+#: ... and its causal program order (the kernels' ``_program_tile``; 0: grid order): longest
+#: query tiles first in groups of 8 heads. H100, causal, B·S 16384, H 16: forward 481 / 541
+#: TFLOP/s at S 4096 / 8192 against 462 / 523 in grid order (16 heads: 478 / 538); fwd+bwd
+#: within noise (RESULTS.md, fourteenth session).
 _PINGPONG_HEAD_GROUP = 8
 #: The Gluon dK/dV kernel (``flash_attention_bwd_dkdv_gluon_kernel``) by head dim: query
 #: rows a step and ring slots for Q and dO (128 keys a program, two consumers of 64). It
