@@ -3,9 +3,11 @@ installed, as ``benchmarks/gpu_attention.sh`` does; ``causal_spread.sh`` runs it
 processes): ours fwd and fwd+bwd, cuDNN's and, with the anchors installed, tokamax Triton's,
 interleaved rounds at (4, 4096, 16, 128) causal, each round's TFLOP/s printed."""
 
+import os
 import statistics
 import sys
 
+os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")  # as the harness: no tuning
 sys.path.insert(0, "benchmarks")
 import bench_attention as ba
 import jax
