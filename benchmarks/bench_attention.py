@@ -43,10 +43,22 @@ SHAPES = [(4, 4096, 16, 128), (8, 2048, 16, 64), (1, 16384, 16, 128)]
 SWEEP = [(8, 2048), (4, 4096), (2, 8192), (1, 16384)]  # (B, S) at H 16, D 128
 
 
+#: Seconds each function runs before it is timed. An H100 under attention's load sits at its
+#: 700 W limit with its clock lowered; a function timed right after an idle moment or a lighter
+#: function runs up to 8 % faster for a few tens of milliseconds, which favours whoever is
+#: timed first. After this warm-up each is timed at the steady clock of its own load, as in a
+#: training loop (fifteenth session, RESULTS.md). ``BENCH_WARM_S=0``: no warm-up.
+WARM_S = float(os.environ.get("BENCH_WARM_S", "0.3"))
+
+
 def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5) -> float:
-    """Median milliseconds per call (compiled and warmed up first)."""
+    """Median milliseconds per call (compiled first, then run for ``WARM_S`` seconds)."""
     jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    while True:
+        jax.block_until_ready([fn(*args) for _ in range(3)])
+        if time.perf_counter() - start >= WARM_S:
+            break
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -173,6 +173,7 @@ def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp
         "SOFT_CAP": False,
         "BLOCK_M": block_m,
         "STAGES": 2,
+        "HEAD_GROUP": 8 if causal else 0,  # causal: the first key blocks first
     }
     lse, delta = dkdv.args[4:6]  # padded to whole query blocks for their TMA loads
     assert lse.shape == delta.shape == (2, 4, -(-300 // block_m) * block_m)
@@ -182,13 +183,17 @@ def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp
     assert compiled.ptx.count("cp.async.bulk.tensor") >= 6  # K, V, Q, dO, lse, delta
     assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
     assert compiled.shared <= H100_SHARED
-    # dQ: under warp_specialize the warp-specialized kernel (delta from JAX), else the usual
-    # one, which runs first and computes delta
+    # dQ: under warp_specialize the Gluon kernel (delta from JAX), else the usual one, which
+    # runs first and computes delta
     if warp_specialize:
         assert names[1:] == [
             "flash_attention_bwd_dkdv_gluon_kernel",
-            "flash_attention_bwd_dq_ws_kernel",
+            "flash_attention_bwd_dq_gluon_kernel",
         ]
+        dq = record[2]
+        assert dq.grid == (3, 8)  # 128-row query tiles x batch·heads
+        # causal: the longest programs first, in head groups (dK/dV's as well, above)
+        assert dq.constexprs["HEAD_GROUP"] == (fa._DQ_HEAD_GROUP if causal else 0) == 8
     else:
         assert names[1:] == [
             "flash_attention_bwd_dq_kernel",
@@ -198,7 +203,7 @@ def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_the_gluon_dq_kernel_compiles_for_hopper(monkeypatch, d):
-    # launched by experiments only (no faster than the warp-specialized dQ through the op)
+    # the backward's dQ kernel on a Hopper GPU with Gluon (see above); here at both head dims
     from ejkernel_triton.ops import flash_attention as fa
 
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")

@@ -154,8 +154,8 @@ def test_warp_specialized_kernels(
     )
     assert names == [
         forward,
-        "flash_attention_bwd_dkdv_gluon_kernel",  # the Gluon dK/dV kernel replaces Triton's
-        "flash_attention_bwd_dq_ws_kernel",
+        "flash_attention_bwd_dkdv_gluon_kernel",  # the Gluon backward replaces Triton's
+        "flash_attention_bwd_dq_gluon_kernel",
     ]
 
 

@@ -1405,6 +1405,7 @@ def flash_attention_bwd_dq_ws_kernel(
     CAUSAL: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     EVEN_K: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
 ):
     """The dQ kernel for the plain case, written for Triton's Hopper warp specialization (as
     :func:`flash_attention_fwd_ws_kernel`, whose loop it follows): K and V arrive by TMA and
@@ -1413,10 +1414,10 @@ def flash_attention_bwd_dq_ws_kernel(
     ``Lse``/``Delta`` come as ``[B, H, stats_len]`` (``stats_len`` a multiple of ``BLOCK_M``,
     so every TMA offset is 16-byte aligned). Query rows past ``seqlen_q`` are computed from
     the padding (or the next batch's rows) and not stored; key rows past ``seqlen_k`` (the
-    next batch's, or zeros) are masked like the forward's.
+    next batch's, or zeros) are masked like the forward's. ``HEAD_GROUP``: the program order
+    of :func:`_program_tile`.
     """
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    start_m, off_bh = _program_tile(HEAD_GROUP)
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     off_hk = off_h // (num_heads // num_kv_heads)

@@ -32,9 +32,8 @@ TMA). dK/dV: one program per 128 keys and batch·key head; each consumer keeps d
 its 64 keys in registers and walks (query head of the group, query block) steps whose Q, dO,
 lse and delta the loader puts in a ring; a query block whose last row sees none of a
 consumer's keys is skipped by that consumer. dQ: one program per 128 query rows and
-batch·head, K and V blocks in a ring as in the forward; measured no faster than the
-warp-specialized Triton dQ kernel through the op, it is launched by experiments only
-(``ops.flash_attention._dq_gluon``, ``benchmarks/experiments/gluon_dq_ab.py``).
+batch·head, K and V blocks in a ring as in the forward (``ops.flash_attention._dq_gluon``).
+Under a causal mask both run the longest programs first, in head groups, as the forward.
 
 GPU only: Triton's interpreter does not run Gluon, so the CPU tests run the Triton twin and
 compile this kernel for sm_90 (``tests/triton/test_codegen.py``); ``tests/triton`` runs it on
@@ -647,8 +646,11 @@ def flash_attention_bwd_dkdv_gluon_kernel(
     SOFT_CAP: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
+    HEAD_GROUP: gl.constexpr = 0,
 ):
-    """One program per (128-key block, batch·key head): see the section's consumer."""
+    """One program per (128-key block, batch·key head), in the order of ``_program_tile``
+    reversed (causal: the longest programs, the first key blocks, first in groups of
+    ``HEAD_GROUP`` heads): see the section's consumer."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
@@ -684,8 +686,9 @@ def flash_attention_bwd_dkdv_gluon_kernel(
         mbarrier.init(do_empty.index(i), count=2)
     fence_async_shared()
 
-    start_n = gl.program_id(0)
-    off_bhk = gl.program_id(1)
+    start_n, off_bhk = _program_tile(HEAD_GROUP)
+    if HEAD_GROUP != 0:  # the tile order's longest blocks are its last query blocks: reversed
+        start_n = gl.num_programs(0) - 1 - start_n
     off_b = off_bhk // num_kv_heads
     off_hk = off_bhk % num_kv_heads
     group = num_heads // num_kv_heads
@@ -952,8 +955,11 @@ def flash_attention_bwd_dq_gluon_kernel(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     EVEN_K: gl.constexpr,
+    HEAD_GROUP: gl.constexpr = 0,
 ):
-    """One program per (128-row query tile, batch·head): see the section's consumer."""
+    """One program per (128-row query tile, batch·head), in the order of ``_program_tile``
+    (causal: longest tiles first in groups of ``HEAD_GROUP`` heads): see the section's
+    consumer."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -979,8 +985,7 @@ def flash_attention_bwd_dq_gluon_kernel(
         mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
 
-    start_m = gl.program_id(0)
-    off_bh = gl.program_id(1)
+    start_m, off_bh = _program_tile(HEAD_GROUP)
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     off_hk = off_h // (num_heads // num_kv_heads)

@@ -69,9 +69,10 @@ class FlashAttentionConfig:
             bf16/f16, D = Dv of 64 or 128, no bias, mask, segment ids, window or sinks. On a
             GPU at D 128 the forward is the Gluon kernel ``flash_attention_fwd_pingpong_kernel``
             instead (FlashAttention-3's schedule: the two consumers take turns on the tensor
-            cores), and with Gluon the dK/dV kernel is the Gluon kernel
-            ``flash_attention_bwd_dkdv_gluon_kernel``. On a GPU each runs its one validated
-            config (``_WS_FWD`` or ``_PINGPONG_FWD``, ``_GLUON_DKDV`` or ``_WS_DKDV``, ``_WS_DQ``) whatever
+            cores), and with Gluon the backward's kernels are the Gluon kernels
+            ``flash_attention_bwd_dkdv_gluon_kernel`` and ``flash_attention_bwd_dq_gluon_kernel``.
+            On a GPU each runs its one validated config (``_WS_FWD`` or ``_PINGPONG_FWD``,
+            ``_GLUON_DKDV`` or ``_WS_DKDV``, ``_GLUON_DQ`` or ``_WS_DQ``) whatever
             ``fwd_params``/``bwd_params``/``dq_params`` say; the interpreter takes their block
             sizes. Elsewhere the usual kernels run, with the given params, except that in the
             same plain case on a Hopper GPU with Gluon the dK/dV kernel is always the Gluon one
@@ -161,6 +162,13 @@ _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_st
 #: TFLOP/s at S 4096 / 8192 against 462 / 523 in grid order (16 heads: 478 / 538); fwd+bwd
 #: within noise (RESULTS.md, fourteenth session).
 _PINGPONG_HEAD_GROUP = 8
+#: The backward kernels' causal program order, as the forward's: the longest programs first
+#: (dQ: the last query blocks; dK/dV: the first key blocks) in groups of 8 heads. H100,
+#: (4, 4096, 16, 128) causal, each kernel alone, steady clock: Gluon dQ 539 against 515
+#: TFLOP/s in grid order (the Triton dQ kernel 523 / 505), Gluon dK/dV 513 / 497; at S 8192
+#: 593 / 580 and 561 / 551 (RESULTS.md, fifteenth session).
+_DQ_HEAD_GROUP = 8
+_DKDV_HEAD_GROUP = 8
 #: The Gluon dK/dV kernel (``flash_attention_bwd_dkdv_gluon_kernel``) by head dim: query
 #: rows a step and ring slots for Q and dO (128 keys a program, two consumers of 64). It
 #: replaces both Triton dK/dV kernels wherever it applies (``_gluon_dkdv_applies``). H100, D
@@ -169,12 +177,13 @@ _PINGPONG_HEAD_GROUP = 8
 #: 462 against the usual kernel's 272 / 396 (64 rows 308 / 387; RESULTS.md, twelfth session).
 #: The Gluon dQ kernel (``flash_attention_bwd_dq_gluon_kernel``) by head dim: keys a step and
 #: ring slots for K and V (128 query rows a program, two consumers of 64). It replaces the
-#: warp-specialized Triton dQ kernel alone: H100, D 128 (4, 4096, 16): 529 / 655 TFLOP/s,
-#: causal / not, against 507 / 633 (a third slot 505 / 629, 128 keys 539 / 610); D 64
-#: (8, 2048, 16), 128 keys: 311 / 432 against 281 / 349, where the usual kernel of the
-#: heuristic's config does 413 / 529. Through the op, fwd+bwd at D 128, it is no faster
-#: (387 / 456 against 390 / 459, interleaved), so no launch takes it yet: an experiment's
-#: building block (``_dq_gluon``; RESULTS.md, twelfth session).
+#: warp-specialized Triton dQ kernel wherever the Gluon dK/dV kernel serves: H100, D 128
+#: (4, 4096, 16): 529 / 655 TFLOP/s, causal / not, against 507 / 633 (a third slot 505 / 629,
+#: 128 keys 539 / 610); D 64 (8, 2048, 16), 128 keys: 311 / 432 against 281 / 349, where the
+#: usual kernel of the heuristic's config does 413 / 529 (RESULTS.md, twelfth session).
+#: Through the op, with the causal order above, fwd+bwd at D 128 causal: 441 against 423
+#: TFLOP/s at S 8192; level at S 4096 and 2048, where the H100 runs at its 700 W limit and the
+#: same work takes the same time (RESULTS.md, fifteenth session).
 _GLUON_DQ = {
     64: FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
     128: FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=2),
@@ -937,6 +946,7 @@ def _dkdv_gluon(
         stats_len,
         BLOCK_M=bm,
         STAGES=params.num_stages,
+        HEAD_GROUP=_DKDV_HEAD_GROUP if st.causal else 0,
     )
 
 
@@ -958,6 +968,7 @@ def _dq_gluon(st: _Statics, q, k, v, do, lse, delta, params: FwdParams | None = 
         BLOCK_N=bn,
         STAGES=params.num_stages,
         EVEN_K=sk % bn == 0,
+        HEAD_GROUP=_DQ_HEAD_GROUP if st.causal else 0,
     )
     return dq
 
@@ -988,6 +999,7 @@ def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
         BLOCK_M=bq,
         BLOCK_N=bk,
         EVEN_K=sk % bk == 0,
+        HEAD_GROUP=_DQ_HEAD_GROUP if st.causal else 0,
     )
     return dq
 
@@ -1006,8 +1018,9 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         gluon_dkdv = _gluon_dkdv_applies(st, q, v, bias, mask, qseg, aux)
         if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
-            dk, dv = (_dkdv_gluon if gluon_dkdv else _dkdv_ws)(st, q, k, v, do, lse, delta)
-            dq = _dq_ws(st, q, k, v, do, lse, delta)
+            dkdv, dq_of = (_dkdv_gluon, _dq_gluon) if gluon_dkdv else (_dkdv_ws, _dq_ws)
+            dk, dv = dkdv(st, q, k, v, do, lse, delta)
+            dq = dq_of(st, q, k, v, do, lse, delta)
             return dq, dk, dv, jnp.zeros((1,), jnp.float32), delta
         del aux
         b, sq, hq, _ = q.shape
