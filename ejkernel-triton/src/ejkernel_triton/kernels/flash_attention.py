@@ -257,7 +257,8 @@ def _program_tile(HEAD_GROUP: tl.constexpr):
     which starts programs in order of their linear id, gets the heads in groups of
     ``HEAD_GROUP`` and, within a group, the longest (last) query blocks of all its heads first:
     the last programs to start are short, and the programs running at one time read the K/V of
-    a few heads only, which stay in L2. (The backward kernels measured no better or worse.)
+    a few heads only, which stay in L2. The backward's kernels take the same order (dK/dV
+    reversed: its longest programs are its first key blocks).
     """
     if HEAD_GROUP == 0:
         block = tl.program_id(0)
