@@ -1,0 +1,72 @@
+"""A/B on the GPU, one process, rotating rounds at the steady clock (run from the repository
+root with ours installed, as ``benchmarks/gpu_attention.sh`` does): delta (``rowsum(out ∘ dO)``)
+computed by the Gluon dQ kernel, which then runs first (``_DQ_FUSED_DELTA``), against a
+separate XLA reduction before the dK/dV and dQ kernels; fwd+bwd through the op at D 128,
+beside cuDNN and tokamax's Triton attention; gradients of the two compared."""
+
+# ruff: noqa: B023 (closures over loop variables run within their own iteration)
+
+import statistics
+import sys
+
+sys.path.insert(0, "benchmarks")
+import bench_attention as ba
+import jax
+import jax.numpy as jnp
+
+import ejkernel
+from ejkernel_triton.ops import flash_attention as fa
+
+ROUNDS = 5
+
+
+def rel(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+for shape, causal in [
+    ((4, 4096, 16, 128), True),
+    ((4, 4096, 16, 128), False),
+    ((2, 8192, 16, 128), True),
+]:
+    ks = jax.random.split(jax.random.PRNGKey(7), 4)
+    q, k, v, do = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in ks)
+
+    def ours(q, k, v, do):
+        f = lambda *a: ejkernel.flash_attention(*a, causal=causal, platform="triton")
+        return jax.vjp(f, q, k, v)[1](do)
+
+    fns = {}
+    for fused in (True, False):
+        fa._DQ_FUSED_DELTA = fused  # read when the backward is traced
+        fns[f"fused delta {fused}"] = jax.jit(lambda *a: ours(*a))
+        jax.block_until_ready(fns[f"fused delta {fused}"](q, k, v, do))
+    fa._DQ_FUSED_DELTA = True
+    impls = ba.implementations()
+    for name in ("cuDNN", "tokamax triton"):
+        if name in impls:
+            attn = impls[name]
+            fns[name] = jax.jit(
+                lambda q, k, v, do, attn=attn: jax.vjp(lambda *a: attn(*a, causal), q, k, v)[1](do)
+            )
+    a, b, c = (
+        fns["fused delta True"](q, k, v, do),
+        fns["fused delta False"](q, k, v, do),
+        fns["cuDNN"](q, k, v, do),
+    )
+    print(
+        f"{shape} causal={causal}: fused vs not dq dk dv "
+        + " ".join(f"{rel(x, y):.1e}" for x, y in zip(a, b))
+        + "; fused vs cuDNN "
+        + " ".join(f"{rel(x, y):.1e}" for x, y in zip(a, c)),
+        flush=True,
+    )
+    total = 3.5 * ba.flops(*shape, causal)
+    names, res = list(fns), {}
+    for r in range(ROUNDS):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            res.setdefault(n, []).append(total / ba.timed(fns[n], q, k, v, do, iters=20) / 1e9)
+    print(f"== {shape} causal={causal} fwd+bwd TFLOP/s (median of {ROUNDS}; rounds)", flush=True)
+    for n, xs in res.items():
+        print(f"  {n:20s} {statistics.median(xs):7.1f}  " + " ".join(f"{x:.0f}" for x in xs))
