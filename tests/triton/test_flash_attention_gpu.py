@@ -154,8 +154,8 @@ def test_warp_specialized_kernels(
     )
     assert names == [
         forward,
-        "flash_attention_bwd_dq_gluon_kernel",  # the Gluon backward replaces Triton's; dQ
-        "flash_attention_bwd_dkdv_gluon_kernel",  # first, as it computes delta for dK/dV
+        "flash_attention_bwd_dkdv_gluon_kernel",  # the Gluon backward replaces Triton's
+        "flash_attention_bwd_dq_gluon_kernel",
     ]
 
 

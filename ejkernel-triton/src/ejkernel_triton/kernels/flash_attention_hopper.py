@@ -745,22 +745,15 @@ flash_attention_bwd_dkdv_gluon_kernel.ejkernel_compile_options = {"maxnreg": 168
 
 
 @gluon.jit
-def _dq_loader(descs, smem, bars, loads, n_blocks, STAGES: gl.constexpr, FUSED_DELTA: gl.constexpr):
-    """The loader warp: both halves of Q and dO (and of the output, ``FUSED_DELTA``), then K
-    and V of each key block into the ring."""
-    q_desc, do_desc, k_desc, v_desc, o_desc = descs
-    q_smem, do_smem, k_smem, v_smem, o_smem = smem
+def _dq_loader(descs, smem, bars, loads, n_blocks, STAGES: gl.constexpr):
+    """The loader warp: both halves of Q and dO, then K and V of each key block into the ring."""
+    q_desc, do_desc, k_desc, v_desc = descs
+    q_smem, do_smem, k_smem, v_smem = smem
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     q_row, q_col, k_row, k_col = loads
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     for wg in gl.static_range(2):
-        if FUSED_DELTA:
-            mbarrier.expect(q_bar.index(wg), 3 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                o_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), o_smem.index(wg)
-            )
-        else:
-            mbarrier.expect(q_bar.index(wg), 2 * q_desc.block_type.nbytes)
+        mbarrier.expect(q_bar.index(wg), 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
             q_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), q_smem.index(wg)
         )
@@ -793,21 +786,16 @@ def _dq_consumer(
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
     EVEN_K: gl.constexpr,
-    FUSED_DELTA: gl.constexpr,
 ):
     """Consumer ``WG`` (0 or 1): dQ of rows ``[WG·64, WG·64 + 64)`` of the program's tile:
     ``s = q·kᵀ``, ``p = exp2(s − lse)``, ``dP = dO·vᵀ``, ``dS = p ∘ (dP − delta)``,
-    ``dQ += dS·k``. ``FUSED_DELTA``: ``delta = rowsum(out ∘ dO)`` computed here from the
-    output's rows and stored for the dK/dV kernel (every row of the tile, past ``seqlen_q``
-    too, so the padded statistics it reads are finite), instead of read."""
-    q_smem, do_smem, k_smem, v_smem, o_smem = smem
+    ``dQ += dS·k``."""
+    q_smem, do_smem, k_smem, v_smem = smem
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     (
         dq_ptr,
         lse_ptr,
         delta_ptr,
-        delta_out_ptr,
-        stats_len,
         sm_scale,
         soft_cap,
         seqlen_q,
@@ -836,17 +824,7 @@ def _dq_consumer(
     in_q = offs_m < seqlen_q
     stats = (off_b * num_heads + off_h) * seqlen_q + offs_m
     lse = gl.load(lse_ptr + stats, mask=in_q, other=EMPTY_LSE)
-    q = q_smem.index(WG)
-    do = do_smem.index(WG)
-    mbarrier.wait(q_bar.index(WG), 0)
-    if FUSED_DELTA:
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        o_rows = o_smem.index(WG).load(rows_layout).to(gl.float32)
-        do_rows = do.load(rows_layout).to(gl.float32)
-        delta = gl.convert_layout(gl.sum(o_rows * do_rows, axis=1), gl.SliceLayout(1, s_layout))
-        gl.store(delta_out_ptr + (off_b * num_heads + off_h) * stats_len + offs_m, delta)
-    else:
-        delta = gl.load(delta_ptr + stats, mask=in_q, other=0.0)
+    delta = gl.load(delta_ptr + stats, mask=in_q, other=0.0)
     if SOFT_CAP:
         cap_in = sm_scale / soft_cap
         cap_out = soft_cap * LOG2E
@@ -859,6 +837,9 @@ def _dq_consumer(
 
     dq = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    mbarrier.wait(q_bar.index(WG), 0)
     for j in range(n_blocks):
         slot = j % STAGES
         phase = (j // STAGES) & 1
@@ -915,9 +896,8 @@ def _dq_consumer_0(
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
     EVEN_K: gl.constexpr,
-    FUSED_DELTA: gl.constexpr,
 ):
-    _dq_consumer(smem, bars, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, EVEN_K, FUSED_DELTA)
+    _dq_consumer(smem, bars, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, EVEN_K)
 
 
 @gluon.jit
@@ -932,9 +912,8 @@ def _dq_consumer_1(
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
     EVEN_K: gl.constexpr,
-    FUSED_DELTA: gl.constexpr,
 ):
-    _dq_consumer(smem, bars, tile, n_blocks, 1, STAGES, CAUSAL, SOFT_CAP, EVEN_K, FUSED_DELTA)
+    _dq_consumer(smem, bars, tile, n_blocks, 1, STAGES, CAUSAL, SOFT_CAP, EVEN_K)
 
 
 @gluon.jit
@@ -949,9 +928,8 @@ def _dq_loader_warp(
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
     EVEN_K: gl.constexpr,
-    FUSED_DELTA: gl.constexpr,
 ):
-    _dq_loader(descs, smem, bars, loads, n_blocks, STAGES, FUSED_DELTA)
+    _dq_loader(descs, smem, bars, loads, n_blocks, STAGES)
 
 
 @gluon.jit
@@ -960,7 +938,6 @@ def flash_attention_bwd_dq_gluon_kernel(
     K,
     V,
     DO,
-    Out,
     Lse,
     Delta,
     sm_scale,
@@ -970,9 +947,7 @@ def flash_attention_bwd_dq_gluon_kernel(
     seqlen_k,
     num_heads,
     num_kv_heads,
-    stats_len,
     DQ,
-    DeltaOut,
     GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
     HEAD_DIM: gl.constexpr,
     CAUSAL: gl.constexpr,
@@ -981,12 +956,10 @@ def flash_attention_bwd_dq_gluon_kernel(
     STAGES: gl.constexpr,
     EVEN_K: gl.constexpr,
     HEAD_GROUP: gl.constexpr = 0,
-    FUSED_DELTA: gl.constexpr = False,
 ):
     """One program per (128-row query tile, batch·head), in the order of ``_program_tile``
     (causal: longest tiles first in groups of ``HEAD_GROUP`` heads): see the section's
-    consumer. ``FUSED_DELTA``: ``Delta`` is not read; delta comes from ``Out`` and goes to
-    ``DeltaOut`` (``[B, Hq, stats_len]``); else ``Out`` and ``DeltaOut`` are not read."""
+    consumer."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -998,12 +971,6 @@ def flash_attention_bwd_dq_gluon_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    if FUSED_DELTA:
-        o_desc = _head_rows(Out, batch * seqlen_q, num_heads, HEAD_DIM, HALF, q_sl)
-        o_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
-    else:
-        o_desc = q_desc
-        o_smem = q_smem
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1026,15 +993,13 @@ def flash_attention_bwd_dq_gluon_kernel(
     if CAUSAL:  # the last key the tile's last row sees
         hi = gl.maximum(gl.minimum(hi, (start_m + 1) * (2 * HALF) + seqlen_k - seqlen_q), 0)
     n_blocks = gl.cdiv(hi, BLOCK_N)
-    descs = (q_desc, do_desc, k_desc, v_desc, o_desc)
-    smem = (q_smem, do_smem, k_smem, v_smem, o_smem)
+    descs = (q_desc, do_desc, k_desc, v_desc)
+    smem = (q_smem, do_smem, k_smem, v_smem)
     bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
     tile = (
         DQ,
         Lse,
         Delta,
-        DeltaOut,
-        stats_len,
         sm_scale,
         soft_cap,
         seqlen_q,
@@ -1050,51 +1015,15 @@ def flash_attention_bwd_dq_gluon_kernel(
         [
             (
                 _dq_consumer_0,
-                (
-                    descs,
-                    smem,
-                    bars,
-                    tile,
-                    loads,
-                    n_blocks,
-                    STAGES,
-                    CAUSAL,
-                    SOFT_CAP,
-                    EVEN_K,
-                    FUSED_DELTA,
-                ),
+                (descs, smem, bars, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
             ),
             (
                 _dq_consumer_1,
-                (
-                    descs,
-                    smem,
-                    bars,
-                    tile,
-                    loads,
-                    n_blocks,
-                    STAGES,
-                    CAUSAL,
-                    SOFT_CAP,
-                    EVEN_K,
-                    FUSED_DELTA,
-                ),
+                (descs, smem, bars, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
             ),
             (
                 _dq_loader_warp,
-                (
-                    descs,
-                    smem,
-                    bars,
-                    tile,
-                    loads,
-                    n_blocks,
-                    STAGES,
-                    CAUSAL,
-                    SOFT_CAP,
-                    EVEN_K,
-                    FUSED_DELTA,
-                ),
+                (descs, smem, bars, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
             ),
         ],
         [4, 1],

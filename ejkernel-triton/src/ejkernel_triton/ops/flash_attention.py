@@ -169,9 +169,6 @@ _PINGPONG_HEAD_GROUP = 8
 #: 593 / 580 and 561 / 551 (RESULTS.md, fifteenth session).
 _DQ_HEAD_GROUP = 8
 _DKDV_HEAD_GROUP = 8
-#: The Gluon dQ kernel runs first and computes delta (``rowsum(out ∘ dO)``) for the dK/dV
-#: kernel, in place of a separate XLA reduction (EXPERIMENT).
-_DQ_FUSED_DELTA = True
 #: The Gluon dK/dV kernel (``flash_attention_bwd_dkdv_gluon_kernel``) by head dim: query
 #: rows a step and ring slots for Q and dO (128 keys a program, two consumers of 64). It
 #: replaces both Triton dK/dV kernels wherever it applies (``_gluon_dkdv_applies``). H100, D
@@ -938,8 +935,7 @@ def _dkdv_gluon(
     if stats_len != sq:
         pad = ((0, 0), (0, 0), (0, stats_len - sq))
         lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
-    if delta.shape[-1] != stats_len:  # delta of the Gluon dQ kernel comes padded to 128 rows
-        delta = jnp.pad(delta[..., :sq], ((0, 0), (0, 0), (0, stats_len - sq)))
+        delta = jnp.pad(delta, pad)
     return _ws_launch(
         st,
         flash_attention_bwd_dkdv_gluon_kernel,
@@ -957,41 +953,24 @@ def _dkdv_gluon(
 def _dq_gluon(st: _Statics, q, k, v, do, lse, delta, params: FwdParams | None = None) -> Any:
     """dQ by the Gluon kernel ``flash_attention_bwd_dq_gluon_kernel`` (the GPU only): one
     program per 128 query rows and batch·head, key blocks of ``params.kv_blocksize``."""
-    dq, _ = _dq_gluon_launch(st, q, k, v, do, do, lse, delta, False, params)
-    return dq
-
-
-def _dq_gluon_delta(st: _Statics, q, k, v, do, out, lse) -> tuple[Any, Any]:
-    """dQ and delta (``rowsum(out ∘ dO)``, ``[B, Hq, Sq]`` padded to whole 128-row tiles) by
-    the Gluon dQ kernel, which computes delta from ``out`` (no separate pass over out and dO)."""
-    return _dq_gluon_launch(st, q, k, v, do, out, lse, lse, True, None)
-
-
-def _dq_gluon_launch(st, q, k, v, do, out, lse, delta, fused: bool, params) -> tuple[Any, Any]:
     from ejkernel_triton.kernels.flash_attention_hopper import flash_attention_bwd_dq_gluon_kernel
 
     (b, sq, hq, d), sk = q.shape, k.shape[1]
     params = params or _GLUON_DQ[d]
     bn = params.kv_blocksize
-    stats_len = _cdiv(sq, 128) * 128
-    dq, delta_out = _ws_launch(
+    (dq,) = _ws_launch(
         st,
         flash_attention_bwd_dq_gluon_kernel,
-        (q, k, v, do, out, lse, delta),
-        [
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((b, hq, stats_len) if fused else (1,), jnp.float32),
-        ],
+        (q, k, v, do, lse, delta),
+        [jax.ShapeDtypeStruct(q.shape, q.dtype)],
         (_cdiv(sq, 128), b * hq),
         params,
-        stats_len,
         BLOCK_N=bn,
         STAGES=params.num_stages,
         EVEN_K=sk % bn == 0,
         HEAD_GROUP=_DQ_HEAD_GROUP if st.causal else 0,
-        FUSED_DELTA=fused,
     )
-    return dq, delta_out
+    return dq
 
 
 def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
@@ -1038,10 +1017,6 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         do = do.astype(q.dtype)
         gluon_dkdv = _gluon_dkdv_applies(st, q, v, bias, mask, qseg, aux)
         if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
-            if gluon_dkdv and _DQ_FUSED_DELTA:  # dQ first: it computes delta for dK/dV
-                dq, delta = _dq_gluon_delta(st, q, k, v, do, out, lse)
-                dk, dv = _dkdv_gluon(st, q, k, v, do, lse, delta)
-                return dq, dk, dv, jnp.zeros((1,), jnp.float32), delta[..., : q.shape[1]]
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
             dkdv, dq_of = (_dkdv_gluon, _dq_gluon) if gluon_dkdv else (_dkdv_ws, _dq_ws)
             dk, dv = dkdv(st, q, k, v, do, lse, delta)
