@@ -69,6 +69,25 @@ def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5)
     return statistics.median(runs)
 
 
+def normal_inputs(shape: tuple[int, ...], seed: int, n: int = 4) -> list[Any]:
+    """``n`` bf16 arrays of ``shape`` from a standard normal (for experiments)."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), n)
+    return [jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in keys]
+
+
+def ours_vjp(causal: bool, platform: str = "triton") -> Callable[..., Any]:
+    """``(q, k, v, do) -> (dq, dk, dv)`` through ejkernel's flash attention (for experiments:
+    trace it in a new function for each variant, as jit keeps traces by function)."""
+
+    def run(q: Any, k: Any, v: Any, do: Any) -> Any:
+        import ejkernel
+
+        attn = lambda *a: ejkernel.flash_attention(*a, causal=causal, platform=platform)
+        return jax.vjp(attn, q, k, v)[1](do)
+
+    return run
+
+
 def flops(b: int, s: int, h: int, d: int, causal: bool) -> float:
     return 4.0 * b * h * s * s * d / (2 if causal else 1)
 

@@ -9,21 +9,13 @@ import sys
 sys.path.insert(0, "benchmarks")
 import bench_attention as ba
 import jax
-import jax.numpy as jnp
 
-import ejkernel
 from ejkernel_triton.ops import flash_attention as fa
 
 ROUNDS = 3
 shape = (8, 2048, 16, 64)
-ks = jax.random.split(jax.random.PRNGKey(3), 4)
-q, k, v, do = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in ks)
-
-
-def ours(q, k, v, do):
-    f = lambda *a: ejkernel.flash_attention(*a, causal=True, platform="triton")
-    return jax.vjp(f, q, k, v)[1](do)
-
+q, k, v, do = ba.normal_inputs(shape, 3)
+ours = ba.ours_vjp(causal=True)
 
 fns = {}
 for g in (0, 8):

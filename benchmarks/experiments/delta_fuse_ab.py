@@ -18,7 +18,6 @@ import bench_attention as ba
 import jax
 import jax.numpy as jnp
 
-import ejkernel
 from ejkernel_triton.ops import flash_attention as fa
 
 ROUNDS = 5
@@ -34,12 +33,8 @@ for shape, causal in [
     ((4, 4096, 16, 128), False),
     ((2, 8192, 16, 128), True),
 ]:
-    ks = jax.random.split(jax.random.PRNGKey(7), 4)
-    q, k, v, do = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in ks)
-
-    def ours(q, k, v, do):
-        f = lambda *a: ejkernel.flash_attention(*a, causal=causal, platform="triton")
-        return jax.vjp(f, q, k, v)[1](do)
+    q, k, v, do = ba.normal_inputs(shape, 7)
+    ours = ba.ours_vjp(causal)
 
     fns = {}
     for fused in (True, False):
