@@ -79,11 +79,10 @@ def ours_vjp(causal: bool, platform: str = "triton") -> Callable[..., Any]:
     """``(q, k, v, do) -> (dq, dk, dv)`` through ejkernel's flash attention (for experiments:
     trace it in a new function for each variant, as jit keeps traces by function)."""
 
-    def run(q: Any, k: Any, v: Any, do: Any) -> Any:
-        import ejkernel
+    attn = ours(platform)
 
-        attn = lambda *a: ejkernel.flash_attention(*a, causal=causal, platform=platform)
-        return jax.vjp(attn, q, k, v)[1](do)
+    def run(q: Any, k: Any, v: Any, do: Any) -> Any:
+        return jax.vjp(lambda *a: attn(*a, causal), q, k, v)[1](do)
 
     return run
 

@@ -13,10 +13,10 @@ import tempfile
 import time
 
 sys.path.insert(0, "benchmarks")
+import bench_attention as ba
 import jax
 import jax.numpy as jnp
 
-import ejkernel
 from ejkernel_triton.ops import flash_attention as fa
 
 WARM_S, ITERS = 0.5, 20
@@ -24,15 +24,12 @@ DQ_WS, DQ_GLUON = fa._dq_ws, fa._dq_gluon
 VARIANTS = {"ws dq, grid order": ("ws", 0, 0), "gluon dq 8, dkdv 8": ("gluon", 8, 8)}
 
 
-def ours(q, k, v, do):
-    f = lambda *a: ejkernel.flash_attention(*a, causal=True, platform="triton")
-    return jax.vjp(f, q, k, v)[1](do)
-
-
-def traced(variant, *args):
+def traced(fn, variant, *args):
+    """``fn`` jitted and traced now under ``variant`` = (dq kernel, dq group, dkdv group),
+    which the backward reads at trace time (``dq_order_ab.py`` uses it too)."""
     kind, fa._DQ_HEAD_GROUP, fa._DKDV_HEAD_GROUP = variant
     fa._dq_gluon = DQ_GLUON if kind == "gluon" else (lambda st, *a: DQ_WS(st, *a))
-    jitted = jax.jit(lambda *a: ours(*a))
+    jitted = jax.jit(lambda *a: fn(*a))  # a new function: jit's cache holds traces by function
     jax.block_until_ready(jitted(*args))
     fa._dq_gluon = DQ_GLUON
     return jitted
@@ -65,7 +62,7 @@ if __name__ == "__main__":
         ks = jax.random.split(jax.random.PRNGKey(shape[1]), 4)
         q, k, v, do = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in ks)
         for name, variant in VARIANTS.items():
-            f = traced(variant, q, k, v, do)
+            f = traced(ba.ours_vjp(causal=True), variant, q, k, v, do)
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < WARM_S:
                 jax.block_until_ready([f(q, k, v, do) for _ in range(5)])

@@ -7,30 +7,28 @@ programs first in head groups of 8, and the Gluon dQ kernel against the warp-spe
 2. ``op``: forward+backward through the op for each variant, beside cuDNN and tokamax's
    Triton attention (where installed).
 
-Every timing first runs its function for ``WARM_S`` seconds, so that each is measured at the
-GPU's steady clock under its own load (a function timed right after a lighter one, or after
-an idle GPU, runs up to 8 % faster for a few tens of milliseconds); the order of the variants
-rotates from round to round. Arguments: the parts (both by default)."""
+Every timing (``bench_attention.timed``) first runs its function for 0.3 s, so that each is
+measured at the GPU's steady clock under its own load (a function timed right after a lighter
+one, or after an idle GPU, runs up to 8 % faster for a few tens of milliseconds); the order
+of the variants rotates from round to round. Arguments: the parts (both by default)."""
 
 # ruff: noqa: B023 (closures over loop variables run within their own iteration)
 
 import statistics
 import sys
-import time
 
 sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "benchmarks/experiments")
 import bench_attention as ba
 import jax
 import jax.numpy as jnp
+from bwd_profile import traced
 
-import ejkernel
 from ejkernel_triton.ops import flash_attention as fa
 
 PARTS = sys.argv[1:] or ["alone", "op"]
 ROUNDS = 5
-WARM_S = 0.3
 SHAPES = [(4, 4096, 16, 128), (2, 8192, 16, 128), (8, 2048, 16, 128)]
-DQ_WS, DQ_GLUON = fa._dq_ws, fa._dq_gluon
 
 
 def rel(a, b):
@@ -38,30 +36,14 @@ def rel(a, b):
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-def steady(f, *args):
-    """Median ms per call, after ``WARM_S`` seconds of calls."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < WARM_S:
-        jax.block_until_ready([f(*args) for _ in range(5)])
-    return ba.timed(f, *args, iters=20, repeats=5)
-
-
-def traced(fn, variant, *args):
-    """``fn`` jitted and traced now under ``variant`` = (dq kernel, dq group, dkdv group)."""
-    kind, fa._DQ_HEAD_GROUP, fa._DKDV_HEAD_GROUP = variant
-    fa._dq_gluon = DQ_GLUON if kind == "gluon" else (lambda st, *a: DQ_WS(st, *a))
-    jitted = jax.jit(lambda *a: fn(*a))  # a new function: jit's cache holds traces by function
-    jax.block_until_ready(jitted(*args))
-    fa._dq_gluon = DQ_GLUON
-    return jitted
-
-
 def race(title, fns, args, flops):
     times: dict[str, list[float]] = {}
     names = list(fns)
     for r in range(ROUNDS):
         for n in names[r % len(names) :] + names[: r % len(names)]:
-            times.setdefault(n, []).append(flops[n] / steady(fns[n], *args) / 1e9)
+            times.setdefault(n, []).append(
+                flops[n] / ba.timed(fns[n], *args, iters=20, repeats=5) / 1e9
+            )
     print(f"== {title} TFLOP/s (median of {ROUNDS}; rounds in launch order)", flush=True)
     for n in names:
         xs = times[n]
@@ -100,11 +82,7 @@ for shape in SHAPES:
         flops = {n: total * (1.5 if n.startswith("dq") else 2.0) for n in fns}
         race(f"{shape} causal, kernels alone", fns, args, flops)
     if "op" in PARTS:
-
-        def ours(q, k, v, do):
-            f = lambda *a: ejkernel.flash_attention(*a, causal=True, platform="triton")
-            return jax.vjp(f, q, k, v)[1](do)
-
+        ours = ba.ours_vjp(causal=True)
         variants = {
             "ws dq, grid order": ("ws", 0, 0),
             "ws dq 8, dkdv 8": ("ws", 8, 8),

@@ -19,7 +19,9 @@ WARM_S, N = 0.5, 200
 for shape in [(4, 4096, 16, 128), (8, 2048, 16, 128)]:
     ks = jax.random.split(jax.random.PRNGKey(shape[1]), 4)
     q, k, v, do = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in ks)
-    fns = {n: bp.traced(var, q, k, v, do) for n, var in bp.VARIANTS.items()}
+    fns = {
+        n: bp.traced(ba.ours_vjp(causal=True), var, q, k, v, do) for n, var in bp.VARIANTS.items()
+    }
     attn = ba.implementations()["cuDNN"]
     fns["cuDNN"] = jax.jit(
         lambda q, k, v, do, attn=attn: jax.vjp(lambda *a: attn(*a, True), q, k, v)[1](do)

@@ -16,8 +16,6 @@ import bwd_profile as bp
 import jax
 import jax.numpy as jnp
 
-import ejkernel
-
 RUN_S = 2.0
 QUERY = "clocks.sm,power.draw,power.limit,temperature.gpu"
 
@@ -44,12 +42,7 @@ for causal in (True, False):
     ks = jax.random.split(jax.random.PRNGKey(1), 4)
     q, k, v, do = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in ks)
 
-    def ours(q, k, v, do):
-        f = lambda *a: ejkernel.flash_attention(*a, causal=causal, platform="triton")  # noqa: B023
-        return jax.vjp(f, q, k, v)[1](do)
-
-    bp.ours = ours
-    fns = {n: bp.traced(var, q, k, v, do) for n, var in bp.VARIANTS.items()}
+    fns = {n: bp.traced(ba.ours_vjp(causal), var, q, k, v, do) for n, var in bp.VARIANTS.items()}
     for name in ("cuDNN", "tokamax triton"):
         impl = ba.implementations().get(name)
         if impl:
