@@ -1,6 +1,6 @@
 """On the GPU (run from the repository root with ours installed, as
 ``benchmarks/gpu_attention.sh`` does): where the time of one causal D 128 forward+backward
-goes, kernel by kernel, for the backward variants of ``dq_order_ab.py``. Each variant runs
+goes, kernel by kernel, for the backward variants below. Each variant runs
 ``WARM_S`` seconds, then ``ITERS`` calls under ``jax.profiler.trace``; the device events of the
 Perfetto trace give each kernel's mean duration and the span of a call."""
 
@@ -20,18 +20,25 @@ import jax.numpy as jnp
 from ejkernel_triton.ops import flash_attention as fa
 
 WARM_S, ITERS = 0.5, 20
-DQ_WS, DQ_GLUON = fa._dq_ws, fa._dq_gluon
-VARIANTS = {"ws dq, grid order": ("ws", 0, 0), "gluon dq 8, dkdv 8": ("gluon", 8, 8)}
+#: variants: attributes of ``ops.flash_attention`` set while the backward is traced
+VARIANTS = {
+    "gluon backward (one kernel)": {},
+    "triton ws dk/dv + dq": {"_gluon_bwd_applies": lambda *a: False},
+}
 
 
-def traced(fn, variant, *args):
-    """``fn`` jitted and traced now under ``variant`` = (dq kernel, dq group, dkdv group),
-    which the backward reads at trace time (``dq_order_ab.py`` uses it too)."""
-    kind, fa._DQ_HEAD_GROUP, fa._DKDV_HEAD_GROUP = variant
-    fa._dq_gluon = DQ_GLUON if kind == "gluon" else (lambda st, *a: DQ_WS(st, *a))
-    jitted = jax.jit(lambda *a: fn(*a))  # a new function: jit's cache holds traces by function
-    jax.block_until_ready(jitted(*args))
-    fa._dq_gluon = DQ_GLUON
+def traced(fn, overrides, *args):
+    """``fn`` jitted and traced now with ``overrides`` (attribute -> value) set on
+    ``ops.flash_attention``, which the backward reads at trace time."""
+    saved = {name: getattr(fa, name) for name in overrides}
+    try:
+        for name, value in overrides.items():
+            setattr(fa, name, value)
+        jitted = jax.jit(lambda *a: fn(*a))  # a new function: jit's cache holds traces by function
+        jax.block_until_ready(jitted(*args))
+    finally:
+        for name, value in saved.items():
+            setattr(fa, name, value)
     return jitted
 
 

@@ -1,6 +1,6 @@
 """On the GPU (run from the repository root with ours installed, as
 ``benchmarks/gpu_attention.sh`` does): D 64 causal forward+backward, (8, 2048, 16, 64), with
-the Gluon dK/dV kernel's causal order (``_DKDV_HEAD_GROUP``) 0 and 8, beside cuDNN; each
+the Gluon backward kernel's causal order (``_BWD_HEAD_GROUP``) 0 and 8, beside cuDNN; each
 timed after a warm-up of 0.3 s (steady clock) and of none (burst), in rotating rounds."""
 
 import statistics
@@ -19,7 +19,7 @@ ours = ba.ours_vjp(causal=True)
 
 fns = {}
 for g in (0, 8):
-    fa._DKDV_HEAD_GROUP = g
+    fa._BWD_HEAD_GROUP = g
     fns[f"dkdv group {g}"] = jax.jit(lambda *a: ours(*a))
     jax.block_until_ready(fns[f"dkdv group {g}"](q, k, v, do))
 attn = ba.implementations()["cuDNN"]

@@ -164,10 +164,12 @@ def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp
         out, res = fa._flash_attention_fwd(query=q, key=kv, value=kv, causal=causal, cfg=cfg)
         fa._flash_attention_bwd(res, out, cfg=cfg, causal=causal)
     names = [launch.kernel.fn.__name__ for launch in record]
-    dkdv = record[names.index("flash_attention_bwd_dkdv_gluon_kernel")]
-    block_m = fa._GLUON_DKDV[d].q_blocksize
-    assert dkdv.grid == (2, 4)  # 128-key blocks x batch·key heads
-    assert dkdv.constexprs == {
+    # one backward kernel whatever warp_specialize says (delta from JAX)
+    assert names[1:] == ["flash_attention_bwd_gluon_kernel"]
+    bwd = record[1]
+    block_m = fa._GLUON_BWD[d].q_blocksize
+    assert bwd.grid == (2, 4)  # 128-key blocks x batch·key heads
+    assert bwd.constexprs == {
         "HEAD_DIM": d,
         "CAUSAL": causal,
         "SOFT_CAP": False,
@@ -175,52 +177,22 @@ def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp
         "STAGES": 2,
         "HEAD_GROUP": 8 if causal else 0,  # causal: the first key blocks first
     }
-    lse, delta = dkdv.args[4:6]  # padded to whole query blocks for their TMA loads
+    lse, delta = bwd.args[4:6]  # padded to whole query blocks for their TMA loads
     assert lse.shape == delta.shape == (2, 4, -(-300 // block_m) * block_m)
-    compiled = _codegen.compile_launch(dkdv)
+    # outputs dK, dV and the float32 dQ accumulator, zeroed before the launch
+    assert [o.dtype for o in bwd.out_shape[:3]] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+    assert bwd.out_shape[2].shape == q.shape and bwd.zeroed_outputs == (2,)
+    compiled = _codegen.compile_launch(bwd)
     assert compiled.num_warps == 12  # two consumer warp groups and the loader's
     assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in compiled.ptx
-    assert compiled.ptx.count("cp.async.bulk.tensor") >= 6  # K, V, Q, dO, lse, delta
-    assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
-    assert compiled.shared <= H100_SHARED
-    # dQ: under warp_specialize the Gluon kernel (delta from JAX), else the usual one, which
-    # runs first and computes delta
-    if warp_specialize:
-        assert names[1:] == [
-            "flash_attention_bwd_dkdv_gluon_kernel",
-            "flash_attention_bwd_dq_gluon_kernel",
-        ]
-        dq = record[2]
-        assert dq.grid == (3, 8)  # 128-row query tiles x batch·heads
-        # causal: the longest programs first, in head groups (dK/dV's as well, above)
-        assert dq.constexprs["HEAD_GROUP"] == (fa._DQ_HEAD_GROUP if causal else 0) == 8
-    else:
-        assert names[1:] == [
-            "flash_attention_bwd_dq_kernel",
-            "flash_attention_bwd_dkdv_gluon_kernel",
-        ]
-
-
-@pytest.mark.parametrize("d", [64, 128])
-def test_the_gluon_dq_kernel_compiles_for_hopper(monkeypatch, d):
-    # the backward's dQ kernel on a Hopper GPU with Gluon (see above); here at both head dims
-    from ejkernel_triton.ops import flash_attention as fa
-
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
-    q = jnp.ones((2, 300, 4, d), jnp.bfloat16)
-    kv = jnp.ones((2, 200, 2, d), jnp.bfloat16)
-    stats = jnp.ones((2, 4, 300), jnp.float32)
-    st = fa._Statics.of(q, kv, kv, None, True, None, None, None)
-    with _codegen.recorded_launches() as record:
-        fa._dq_gluon(st, q, kv, kv, q, stats, stats)
-    (dq,) = record
-    assert dq.kernel.fn.__name__ == "flash_attention_bwd_dq_gluon_kernel"
-    assert dq.grid == (3, 8)  # 128-row query tiles x batch·heads
-    assert dq.constexprs["BLOCK_N"] == fa._GLUON_DQ[d].kv_blocksize
-    assert dq.constexprs["EVEN_K"] is False  # 200 keys: a cut last block
-    compiled = _codegen.compile_launch(dq)
-    assert compiled.num_warps == 12
-    assert compiled.ptx.count("cp.async.bulk.tensor") >= 4  # Q, dO, K, V
+    # loads of K, V, Q, dO, lse and delta; dQ added into global memory by TMA
+    assert compiled.ptx.count("cp.async.bulk.tensor") >= 6
+    assert compiled.ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") == 2
+    mix = _codegen.instruction_mix(compiled.ptx)
+    # S, dP (N = query rows), dV, dK (N = D) and dQ (N = 64: half of D 128, all of D 64)
+    assert {k for k in mix if k.startswith("wgmma.mma_async")} == {
+        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" for n in {block_m, d, 64}
+    }
     assert compiled.shared <= H100_SHARED
 
 

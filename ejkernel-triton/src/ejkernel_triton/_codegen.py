@@ -60,6 +60,7 @@ class Launch:
     num_stages: int
     constexprs: dict[str, Any]
     grid: tuple[int, ...] = ()
+    zeroed_outputs: tuple[int, ...] = ()
 
 
 @contextlib.contextmanager
@@ -70,8 +71,18 @@ def recorded_launches() -> Iterator[list[Launch]]:
     record: list[Launch] = []
 
     def fake(kernel, *args, out_shape, grid, num_warps, num_stages, zeroed_outputs=(), **cx):
-        del zeroed_outputs
-        record.append(Launch(kernel, args, tuple(out_shape), num_warps, num_stages, cx, grid))
+        record.append(
+            Launch(
+                kernel,
+                args,
+                tuple(out_shape),
+                num_warps,
+                num_stages,
+                cx,
+                grid,
+                tuple(zeroed_outputs),
+            )
+        )
         return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
 
     real = _launch.launch

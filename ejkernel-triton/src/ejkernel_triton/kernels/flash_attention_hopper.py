@@ -1,7 +1,7 @@
 """Flash attention for Hopper in Gluon: the forward, scheduled as FlashAttention-3 (Shah et al.,
 2024), a loader warp and two consumer warp groups that take turns on the tensor cores; and
-the backward's dK/dV and dQ kernels, a loader warp and two consumer warp groups each (see
-their sections at the end).
+the backward, dQ, dK and dV in one kernel of a loader warp and two consumer warp groups (see
+its section at the end).
 
 Triton 3.6's automatic warp specialization (the ``*_ws_kernel`` functions of
 :mod:`ejkernel_triton.kernels.flash_attention`) splits a program into a producer and two
@@ -26,14 +26,18 @@ is. Rows and blocks are addressed in the 2-D views ``[B·S, H·D]``: a key block
 the next batch's rows is masked like one past the end, and query rows past ``seqlen_q`` are
 never stored.
 
-The backward kernels take ``lse`` and ``delta`` as the Triton kernels do (``[B, Hq, S]``,
-log2 domain; dK/dV wants them padded to whole query blocks, because its loader brings them by
-TMA). dK/dV: one program per 128 keys and batch·key head; each consumer keeps dK and dV of
-its 64 keys in registers and walks (query head of the group, query block) steps whose Q, dO,
-lse and delta the loader puts in a ring; a query block whose last row sees none of a
-consumer's keys is skipped by that consumer. dQ: one program per 128 query rows and
-batch·head, K and V blocks in a ring as in the forward (``ops.flash_attention._dq_gluon``).
-Under a causal mask both run the longest programs first, in head groups, as the forward.
+The backward takes ``lse`` and ``delta`` as the Triton kernels do (``[B, Hq, S]``, log2
+domain), padded to whole query blocks, because its loader brings them by TMA. One program per
+128 keys and batch·key head; each consumer keeps dK and dV of its 64 keys in registers and
+walks (query head of the group, query block) steps whose Q, dO, lse and delta the loader puts
+in a ring; a query block whose last row sees none of a consumer's keys is skipped by that
+consumer. Each step's dQ = dS·K takes both consumers' dSᵀ, which they exchange through a pair
+of shared-memory buffers (``ds_ready``/``ds_empty``); each computes its half of the step's
+dQ tile and adds it into a float32 accumulator ``[B·Sq, Hq·D]`` by a TMA reduce-add, so the
+programs of all key blocks sum into it (in no fixed order: dQ's last bits vary from run to
+run). Rows of a step past ``seqlen_q`` belong to the next batch; their lse is padded with
+``EMPTY_LSE``, so they add exact zeros. Under a causal mask the longest programs run first, in
+head groups, as the forward's.
 
 GPU only: Triton's interpreter does not run Gluon, so the CPU tests run the Triton twin and
 compile this kernel for sm_90 (``tests/triton/test_codegen.py``); ``tests/triton`` runs it on
@@ -42,8 +46,10 @@ the GPU (``-m gpu``). Launched by :func:`ejkernel_triton._kernel_cache._compile_
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -424,16 +430,27 @@ def flash_attention_fwd_pingpong_kernel(
 flash_attention_fwd_pingpong_kernel.ejkernel_compile_options = {"maxnreg": 168}
 
 
-# -- backward dK/dV -----------------------------------------------------------------------------
+# -- backward -----------------------------------------------------------------------------------
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``global[coord:] += src`` (a shared-memory tile) by TMA (``cp.reduce.async.bulk``);
+    ``tma.store_wait`` waits for it. Gluon 3.6's ``tma`` module has no reduce; its op builder
+    has (``benchmarks/experiments/tma_reduce_probe.py``)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
 
 
 @gluon.jit
-def _dkdv_loader(descs, smem, bars, loads, n_m, n_iters, STAGES: gl.constexpr):
+def _bwd_loader(descs, smem, bars, loads, n_m, n_iters, STAGES: gl.constexpr):
     """The loader warp: both consumers' K and V rows once, then Q and dO of each (query head,
     query block) step into the ring."""
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = descs
-    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem = smem
-    kv_bar, q_ready, do_ready, q_empty, do_empty = bars
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, _ = descs
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, _, _ = smem
+    kv_bar, q_ready, do_ready, q_empty, do_empty, _, _ = bars
     q_row, q_col, k_row, k_col, stats0, stats_len = loads
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -464,10 +481,64 @@ def _dkdv_loader(descs, smem, bars, loads, n_m, n_iters, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_consumer(
+def _put_ds(ds_smem, ds_ready, ds_empty, n_ds, ds, WG: gl.constexpr):
+    """Consumer ``WG``'s half of dSᵀ (its 64 keys × the step's rows) into buffer ``n_ds % 2``
+    of the pair both consumers read their dQ from."""
+    buf = n_ds % 2
+    mbarrier.wait(ds_empty.index(buf), ((n_ds // 2) & 1) ^ 1)
+    ds_smem.index(2 * buf + WG).store(ds)
+    fence_async_shared()
+    gl.thread_barrier()  # the whole warp group's part is written before the arrive
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _dq_step(descs, smem, bars, n_ds, dq_row, dq_col, WG: gl.constexpr):
+    """Consumer ``WG``'s share of the step's dQ once both halves of dSᵀ are in: at 128 query
+    rows a step the rows ``[WG·64, WG·64 + 64)``, at 64 the columns ``[WG·D/2, WG·D/2 + D/2)``;
+    ``dQ = dS·k`` over the program's 128 keys (both consumers' K), added into the float32
+    accumulator by TMA."""
+    dq_desc = descs[6]
+    k_smem, ds_smem, dq_smem = smem[2], smem[6], smem[7]
+    ds_ready, ds_empty = bars[5], bars[6]
+    BLOCK_M: gl.constexpr = ds_smem.type.shape[2]
+    DQ_M: gl.constexpr = dq_smem.type.shape[1]
+    DQ_N: gl.constexpr = dq_smem.type.shape[2]
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_N, 16]
+    )
+    buf = n_ds % 2
+    mbarrier.wait(ds_ready.index(buf), (n_ds // 2) & 1)
+    dq = gl.zeros([DQ_M, DQ_N], gl.float32, layout=dq_layout)
+    for j in gl.static_range(2):  # the keys of consumer j
+        ds_t = ds_smem.index(2 * buf + j)  # [keys, rows]
+        k = k_smem.index(j)  # [keys, D]
+        if DQ_M == BLOCK_M:  # a share of the columns
+            k = k.slice(WG * DQ_N, DQ_N, dim=1)
+        else:  # a share of the rows
+            ds_t = ds_t.slice(WG * DQ_M, DQ_M, dim=1)
+        dq = warpgroup_mma(ds_t.permute((1, 0)), k, dq, use_acc=j > 0, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    mbarrier.arrive(ds_empty.index(buf), count=1)
+    staging = dq_smem.index(WG)
+    tma.store_wait(0)  # the previous step's reduce has read the staging tile
+    gl.thread_barrier()
+    staging.store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    if DQ_M == BLOCK_M:
+        _tma_reduce_add(dq_desc, [dq_row, dq_col + WG * DQ_N], staging)
+    else:
+        _tma_reduce_add(dq_desc, [dq_row + WG * DQ_M, dq_col], staging)
+
+
+@gluon.jit
+def _bwd_consumer(
+    descs,
     smem,
     bars,
     tile,
+    loads,
     n_m,
     n_iters,
     WG: gl.constexpr,
@@ -477,9 +548,10 @@ def _dkdv_consumer(
 ):
     """Consumer ``WG`` (0 or 1): dK and dV of keys ``[WG·64, WG·64 + 64)`` of the program's
     block, in transposed form (keys are rows): ``sᵀ = k·qᵀ``, ``pᵀ = exp2(sᵀ − lse)``,
-    ``dV += pᵀ·dO``, ``dPᵀ = v·dOᵀ``, ``dSᵀ = pᵀ ∘ (dPᵀ − delta)``, ``dK += dSᵀ·q``."""
-    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem = smem
-    kv_bar, q_ready, do_ready, q_empty, do_empty = bars
+    ``dV += pᵀ·dO``, ``dPᵀ = v·dOᵀ``, ``dSᵀ = pᵀ ∘ (dPᵀ − delta)``, ``dK += dSᵀ·q``; and its
+    share of each step's dQ from both consumers' dSᵀ (:func:`_dq_step`)."""
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, _ = smem
+    kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready, ds_empty = bars
     (
         dk_ptr,
         dv_ptr,
@@ -493,6 +565,7 @@ def _dkdv_consumer(
         off_b,
         off_hk,
     ) = tile
+    q_row, q_col = loads[0], loads[1]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     dtype: gl.constexpr = q_smem.dtype
@@ -506,9 +579,11 @@ def _dkdv_consumer(
     stat_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
-    key0 = start_n * (2 * HALF) + WG * HALF
+    key_first = start_n * (2 * HALF)
+    key0 = key_first + WG * HALF
     offs_n = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    key_in = offs_n < seqlen_k
     if SOFT_CAP:
         cap_in = sm_scale / soft_cap
         cap_out = soft_cap * LOG2E
@@ -520,6 +595,7 @@ def _dkdv_consumer(
     s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
     k = k_smem.index(WG)
     v = v_smem.index(WG)
+    n_ds = 0  # steps with a dQ (both consumers count the same ones)
     mbarrier.wait(kv_bar.index(WG), 0)
     for it in range(n_iters):
         slot = it % STAGES
@@ -528,9 +604,11 @@ def _dkdv_consumer(
         rows = row0 + offs_m
         mbarrier.wait(q_ready.index(slot), phase)
         mbarrier.wait(do_ready.index(slot), phase)
-        seen = True
-        if CAUSAL:  # whether the block's last row sees the first of these keys (the other
-            seen = row0 + BLOCK_M - 1 + q_pos_offset >= key0  # consumer's may see some)
+        seen = True  # whether the block's last row sees the first of these keys
+        any_seen = True  # ... of the program's keys (then both consumers take part in dQ)
+        if CAUSAL:
+            seen = row0 + BLOCK_M - 1 + q_pos_offset >= key0
+            any_seen = row0 + BLOCK_M - 1 + q_pos_offset >= key_first
         if seen:
             q = q_smem.index(slot)
             do = do_smem.index(slot)
@@ -555,8 +633,12 @@ def _dkdv_consumer(
             ds = p * (dp - delta[None, :])
             if SOFT_CAP:
                 ds = ds * (1.0 - t * t)
-            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+            if key0 + HALF > seqlen_k:  # keys past the end (another batch's) give dQ nothing
+                ds = gl.where(key_in[:, None], ds, 0.0)
+            ds = ds.to(dtype)
+            ds_op = gl.convert_layout(ds, op_layout)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            _put_ds(ds_smem, ds_ready, ds_empty, n_ds, ds, WG)
             dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
             mbarrier.arrive(do_empty.index(slot), count=1)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
@@ -564,6 +646,14 @@ def _dkdv_consumer(
         else:
             mbarrier.arrive(do_empty.index(slot), count=1)
             mbarrier.arrive(q_empty.index(slot), count=1)
+            if any_seen:  # the other consumer's keys are seen: this half of dSᵀ is zero
+                _put_ds(ds_smem, ds_ready, ds_empty, n_ds, s_zero.to(dtype), WG)
+        if any_seen:
+            dq_row = q_row + (it % n_m) * BLOCK_M
+            dq_col = q_col + (it // n_m) * HEAD_DIM
+            _dq_step(descs, smem, bars, n_ds, dq_row, dq_col, WG)
+            n_ds += 1
+    tma.store_wait(0)
 
     offs_k = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -575,7 +665,7 @@ def _dkdv_consumer(
 
 
 @gluon.jit
-def _dkdv_consumer_0(
+def _bwd_consumer_0(
     descs,
     smem,
     bars,
@@ -587,11 +677,11 @@ def _dkdv_consumer_0(
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
 ):
-    _dkdv_consumer(smem, bars, tile, n_m, n_iters, 0, STAGES, CAUSAL, SOFT_CAP)
+    _bwd_consumer(descs, smem, bars, tile, loads, n_m, n_iters, 0, STAGES, CAUSAL, SOFT_CAP)
 
 
 @gluon.jit
-def _dkdv_consumer_1(
+def _bwd_consumer_1(
     descs,
     smem,
     bars,
@@ -603,11 +693,11 @@ def _dkdv_consumer_1(
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
 ):
-    _dkdv_consumer(smem, bars, tile, n_m, n_iters, 1, STAGES, CAUSAL, SOFT_CAP)
+    _bwd_consumer(descs, smem, bars, tile, loads, n_m, n_iters, 1, STAGES, CAUSAL, SOFT_CAP)
 
 
 @gluon.jit
-def _dkdv_loader_warp(
+def _bwd_loader_warp(
     descs,
     smem,
     bars,
@@ -619,11 +709,11 @@ def _dkdv_loader_warp(
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
 ):
-    _dkdv_loader(descs, smem, bars, loads, n_m, n_iters, STAGES)
+    _bwd_loader(descs, smem, bars, loads, n_m, n_iters, STAGES)
 
 
 @gluon.jit
-def flash_attention_bwd_dkdv_gluon_kernel(
+def flash_attention_bwd_gluon_kernel(
     Q,
     K,
     V,
@@ -640,6 +730,7 @@ def flash_attention_bwd_dkdv_gluon_kernel(
     stats_len,
     DK,
     DV,
+    DQ,  # float32, zeroed: dQ / sm_scale accumulates here
     GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
     HEAD_DIM: gl.constexpr,
     CAUSAL: gl.constexpr,
@@ -654,10 +745,22 @@ def flash_attention_bwd_dkdv_gluon_kernel(
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
+    ds_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
+    # each consumer's dQ share of a step: 64 rows of 128, or half the columns of 64 rows
+    DQ_M: gl.constexpr = HALF
+    DQ_N: gl.constexpr = HEAD_DIM * BLOCK_M // (2 * HALF)
+    dq_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DQ_M, DQ_N], gl.float32)
     q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M, q_sl)
     do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M, q_sl)
     k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, HALF, kv_sl)
     v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, HALF, kv_sl)
+    dq_desc = tma.make_tensor_descriptor(
+        DQ,
+        shape=[batch * seqlen_q, num_heads * HEAD_DIM],
+        strides=[num_heads * HEAD_DIM, 1],
+        block_shape=[DQ_M, DQ_N],
+        layout=dq_sl,
+    )
     st_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
     stats_size = batch * num_heads * stats_len
     lse_desc = tma.make_tensor_descriptor(
@@ -672,13 +775,19 @@ def flash_attention_bwd_dkdv_gluon_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], kv_sl)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], ds_sl)  # 2 buffers x 2 halves
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_M, DQ_N], dq_sl)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_bar.index(i), count=1)
+        mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves
+        mbarrier.init(ds_empty.index(i), count=2)  # both consumers' dQ read them
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -698,9 +807,9 @@ def flash_attention_bwd_dkdv_gluon_kernel(
     n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_start, 0)
     n_iters = group * n_m
     n_m = gl.maximum(n_m, 1)  # a divisor in the loops (which do not run when n_iters is 0)
-    descs = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc)
-    smem = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem)
-    bars = (kv_bar, q_ready, do_ready, q_empty, do_empty)
+    descs = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc)
+    smem = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem)
+    bars = (kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready, ds_empty)
     tile = (
         DK,
         DV,
@@ -721,15 +830,15 @@ def flash_attention_bwd_dkdv_gluon_kernel(
     gl.warp_specialize(
         [
             (
-                _dkdv_consumer_0,
+                _bwd_consumer_0,
                 (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP),
             ),
             (
-                _dkdv_consumer_1,
+                _bwd_consumer_1,
                 (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP),
             ),
             (
-                _dkdv_loader_warp,
+                _bwd_loader_warp,
                 (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP),
             ),
         ],
@@ -738,297 +847,4 @@ def flash_attention_bwd_dkdv_gluon_kernel(
     )
 
 
-flash_attention_bwd_dkdv_gluon_kernel.ejkernel_compile_options = {"maxnreg": 168}
-
-
-# -- backward dQ --------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _dq_loader(descs, smem, bars, loads, n_blocks, STAGES: gl.constexpr):
-    """The loader warp: both halves of Q and dO, then K and V of each key block into the ring."""
-    q_desc, do_desc, k_desc, v_desc = descs
-    q_smem, do_smem, k_smem, v_smem = smem
-    q_bar, k_ready, v_ready, k_empty, v_empty = bars
-    q_row, q_col, k_row, k_col = loads
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bar.index(wg), 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            q_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), q_smem.index(wg)
-        )
-        tma.async_copy_global_to_shared(
-            do_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), do_smem.index(wg)
-        )
-    for j in range(n_blocks):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            k_desc, [k_row + j * BLOCK_N, k_col], k_ready.index(slot), k_smem.index(slot)
-        )
-        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            v_desc, [k_row + j * BLOCK_N, k_col], v_ready.index(slot), v_smem.index(slot)
-        )
-
-
-@gluon.jit
-def _dq_consumer(
-    smem,
-    bars,
-    tile,
-    n_blocks,
-    WG: gl.constexpr,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    EVEN_K: gl.constexpr,
-):
-    """Consumer ``WG`` (0 or 1): dQ of rows ``[WG·64, WG·64 + 64)`` of the program's tile:
-    ``s = q·kᵀ``, ``p = exp2(s − lse)``, ``dP = dO·vᵀ``, ``dS = p ∘ (dP − delta)``,
-    ``dQ += dS·k``."""
-    q_smem, do_smem, k_smem, v_smem = smem
-    q_bar, k_ready, v_ready, k_empty, v_empty = bars
-    (
-        dq_ptr,
-        lse_ptr,
-        delta_ptr,
-        sm_scale,
-        soft_cap,
-        seqlen_q,
-        seqlen_k,
-        num_heads,
-        start_m,
-        off_b,
-        off_h,
-    ) = tile
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    MASKED: gl.constexpr = CAUSAL or not EVEN_K
-
-    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
-    row0 = start_m * (2 * HALF) + WG * HALF
-    offs_m = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    in_q = offs_m < seqlen_q
-    stats = (off_b * num_heads + off_h) * seqlen_q + offs_m
-    lse = gl.load(lse_ptr + stats, mask=in_q, other=EMPTY_LSE)
-    delta = gl.load(delta_ptr + stats, mask=in_q, other=0.0)
-    if SOFT_CAP:
-        cap_in = sm_scale / soft_cap
-        cap_out = soft_cap * LOG2E
-    else:
-        scale = sm_scale * LOG2E
-    # key blocks from mask_from on are cut by the sequence end or this half's diagonal
-    mask_from = seqlen_k - BLOCK_N + 1
-    if CAUSAL:
-        mask_from = gl.minimum(mask_from, row0 + q_pos_offset - BLOCK_N + 1)
-
-    dq = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=acc_layout)
-    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
-    q = q_smem.index(WG)
-    do = do_smem.index(WG)
-    mbarrier.wait(q_bar.index(WG), 0)
-    for j in range(n_blocks):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        k = k_smem.index(slot)
-        mbarrier.wait(k_ready.index(slot), phase)
-        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(slot), phase)
-        dp = warpgroup_mma(
-            do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
-        )
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        if SOFT_CAP:
-            t = _tanh(s * cap_in)
-            s = t * cap_out
-        else:
-            s = s * scale
-        if MASKED:  # noqa: SIM102 (a constexpr: no mask code at all when false)
-            if j * BLOCK_N >= mask_from:
-                cols = j * BLOCK_N + offs_n
-                visible = (cols < seqlen_k)[None, :]
-                if CAUSAL:
-                    visible = visible & (cols[None, :] <= offs_m[:, None] + q_pos_offset)
-                s = gl.where(visible, s, MASK_VALUE)
-        p = gl.exp2(s - lse[:, None])
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-        mbarrier.arrive(v_empty.index(slot), count=1)
-        ds = p * (dp - delta[:, None])
-        if SOFT_CAP:
-            ds = ds * (1.0 - t * t)
-        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-        dq = warpgroup_mma(ds_op, k, dq, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-
-    offs_mo = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    rows = (off_b * seqlen_q + offs_mo) * num_heads + off_h
-    gl.store(
-        dq_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
-        (dq * sm_scale).to(dtype),
-        mask=(offs_mo < seqlen_q)[:, None],
-    )
-
-
-@gluon.jit
-def _dq_consumer_0(
-    descs,
-    smem,
-    bars,
-    tile,
-    loads,
-    n_blocks,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    EVEN_K: gl.constexpr,
-):
-    _dq_consumer(smem, bars, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, EVEN_K)
-
-
-@gluon.jit
-def _dq_consumer_1(
-    descs,
-    smem,
-    bars,
-    tile,
-    loads,
-    n_blocks,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    EVEN_K: gl.constexpr,
-):
-    _dq_consumer(smem, bars, tile, n_blocks, 1, STAGES, CAUSAL, SOFT_CAP, EVEN_K)
-
-
-@gluon.jit
-def _dq_loader_warp(
-    descs,
-    smem,
-    bars,
-    tile,
-    loads,
-    n_blocks,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    EVEN_K: gl.constexpr,
-):
-    _dq_loader(descs, smem, bars, loads, n_blocks, STAGES)
-
-
-@gluon.jit
-def flash_attention_bwd_dq_gluon_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    Lse,
-    Delta,
-    sm_scale,
-    soft_cap,
-    batch,
-    seqlen_q,
-    seqlen_k,
-    num_heads,
-    num_kv_heads,
-    DQ,
-    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
-    HEAD_DIM: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    EVEN_K: gl.constexpr,
-    HEAD_GROUP: gl.constexpr = 0,
-):
-    """One program per (128-row query tile, batch·head), in the order of ``_program_tile``
-    (causal: longest tiles first in groups of ``HEAD_GROUP`` heads): see the section's
-    consumer."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
-    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, HALF, q_sl)
-    do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, HALF, q_sl)
-    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N, kv_sl)
-    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N, kv_sl)
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
-    do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
-        mbarrier.init(v_empty.index(i), count=2)
-    fence_async_shared()
-
-    start_m, off_bh = _program_tile(HEAD_GROUP)
-    off_b = off_bh // num_heads
-    off_h = off_bh % num_heads
-    off_hk = off_h // (num_heads // num_kv_heads)
-    hi = seqlen_k
-    if CAUSAL:  # the last key the tile's last row sees
-        hi = gl.maximum(gl.minimum(hi, (start_m + 1) * (2 * HALF) + seqlen_k - seqlen_q), 0)
-    n_blocks = gl.cdiv(hi, BLOCK_N)
-    descs = (q_desc, do_desc, k_desc, v_desc)
-    smem = (q_smem, do_smem, k_smem, v_smem)
-    bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
-    tile = (
-        DQ,
-        Lse,
-        Delta,
-        sm_scale,
-        soft_cap,
-        seqlen_q,
-        seqlen_k,
-        num_heads,
-        start_m,
-        off_b,
-        off_h,
-    )
-    q_row = off_b * seqlen_q + start_m * (2 * HALF)
-    loads = (q_row, off_h * HEAD_DIM, off_b * seqlen_k, off_hk * HEAD_DIM)
-    gl.warp_specialize(
-        [
-            (
-                _dq_consumer_0,
-                (descs, smem, bars, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
-            ),
-            (
-                _dq_consumer_1,
-                (descs, smem, bars, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
-            ),
-            (
-                _dq_loader_warp,
-                (descs, smem, bars, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
-            ),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, LOADER_REGS],
-    )
-
-
-flash_attention_bwd_dq_gluon_kernel.ejkernel_compile_options = {"maxnreg": 168}
+flash_attention_bwd_gluon_kernel.ejkernel_compile_options = {"maxnreg": 168}

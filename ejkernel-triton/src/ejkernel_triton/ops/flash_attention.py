@@ -11,8 +11,10 @@ arguments out for them and wires forward and backward through :func:`ejkernel.pl
   ``delta = rowsum(dO ∘ O)`` and writes the logit gradient when there is a bias, then the dK/dV
   kernel (one program per key block and key head, looping over the group's query heads: no
   K/V repeat, no atomics); the sink gradient is ``-Σ p_sink · delta``, in JAX. In the plain
-  case on a Hopper GPU the dK/dV kernel is the Gluon one (:func:`_gluon_dkdv_applies`), and
-  under ``warp_specialize`` delta comes from JAX and dQ is the warp-specialized kernel.
+  case on a Hopper GPU with Gluon the backward is one Gluon kernel (:func:`_bwd_gluon`: dQ
+  accumulates in float32 by TMA reduce-adds across the key blocks' programs, so its last bits
+  depend on their order), and under ``warp_specialize`` without Gluon the warp-specialized
+  dK/dV and dQ kernels; both take delta from JAX.
 
 Everything of OPS.md's flash_attention is served except dropout, which :func:`supports`
 declines (the XLA platform then serves the call). Both functions compose with ``jit``,
@@ -69,14 +71,13 @@ class FlashAttentionConfig:
             bf16/f16, D = Dv of 64 or 128, no bias, mask, segment ids, window or sinks. On a
             GPU at D 128 the forward is the Gluon kernel ``flash_attention_fwd_pingpong_kernel``
             instead (FlashAttention-3's schedule: the two consumers take turns on the tensor
-            cores), and with Gluon the backward's kernels are the Gluon kernels
-            ``flash_attention_bwd_dkdv_gluon_kernel`` and ``flash_attention_bwd_dq_gluon_kernel``.
-            On a GPU each runs its one validated config (``_WS_FWD`` or ``_PINGPONG_FWD``,
-            ``_GLUON_DKDV`` or ``_WS_DKDV``, ``_GLUON_DQ`` or ``_WS_DQ``) whatever
+            cores). On a GPU each runs its one validated config (``_WS_FWD`` or
+            ``_PINGPONG_FWD``, ``_WS_DKDV``, ``_WS_DQ``) whatever
             ``fwd_params``/``bwd_params``/``dq_params`` say; the interpreter takes their block
             sizes. Elsewhere the usual kernels run, with the given params, except that in the
-            same plain case on a Hopper GPU with Gluon the dK/dV kernel is always the Gluon one
-            (it beats both Triton dK/dV kernels at every measured shape).
+            same plain case on a Hopper GPU with Gluon the backward is always the one Gluon
+            kernel ``flash_attention_bwd_gluon_kernel`` (dQ, dK and dV; ``_GLUON_BWD``), whether
+            ``warp_specialize`` is set or not.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
@@ -163,32 +164,23 @@ _PINGPONG_FWD = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_st
 #: within noise (RESULTS.md, fourteenth session).
 _PINGPONG_HEAD_GROUP = 8
 #: The backward kernels' causal program order, as the forward's: the longest programs first
-#: (dQ: the last query blocks; dK/dV: the first key blocks) in groups of 8 heads. H100,
-#: (4, 4096, 16, 128) causal, each kernel alone, steady clock: Gluon dQ 539 against 515
-#: TFLOP/s in grid order (the Triton dQ kernel 523 / 505), Gluon dK/dV 513 / 497; at S 8192
-#: 593 / 580 and 561 / 551 (RESULTS.md, fifteenth session).
+#: (dQ: the last query blocks; dK/dV and the Gluon backward: the first key blocks) in groups of
+#: 8 heads. H100, (4, 4096, 16, 128) causal, each kernel alone, steady clock: the Gluon dQ
+#: kernel of then 539 against 515 TFLOP/s in grid order (the Triton dQ kernel 523 / 505), the
+#: Gluon dK/dV kernel of then 513 / 497; at S 8192 593 / 580 and 561 / 551 (RESULTS.md,
+#: fifteenth session).
 _DQ_HEAD_GROUP = 8
-_DKDV_HEAD_GROUP = 8
-#: The Gluon dK/dV kernel (``flash_attention_bwd_dkdv_gluon_kernel``) by head dim: query
-#: rows a step and ring slots for Q and dO (128 keys a program, two consumers of 64). It
-#: replaces both Triton dK/dV kernels wherever it applies (``_gluon_dkdv_applies``). H100, D
-#: 128 (4, 4096, 16): 525 / 603 TFLOP/s, causal / not, against the warp-specialized kernel's
-#: 396 / 491 (a third slot 486 / 565, 128 rows 327 / 328); D 64 (8, 2048, 16), 128 rows: 324 /
-#: 462 against the usual kernel's 272 / 396 (64 rows 308 / 387; RESULTS.md, twelfth session).
-#: The Gluon dQ kernel (``flash_attention_bwd_dq_gluon_kernel``) by head dim: keys a step and
-#: ring slots for K and V (128 query rows a program, two consumers of 64). It replaces the
-#: warp-specialized Triton dQ kernel wherever the Gluon dK/dV kernel serves: H100, D 128
-#: (4, 4096, 16): 529 / 655 TFLOP/s, causal / not, against 507 / 633 (a third slot 505 / 629,
-#: 128 keys 539 / 610); D 64 (8, 2048, 16), 128 keys: 311 / 432 against 281 / 349, where the
-#: usual kernel of the heuristic's config does 413 / 529 (RESULTS.md, twelfth session).
-#: Through the op, with the causal order above, fwd+bwd at D 128 causal: 441 against 423
-#: TFLOP/s at S 8192; level at S 4096 and 2048, where the H100 runs at its 700 W limit and the
-#: same work takes the same time (RESULTS.md, fifteenth session).
-_GLUON_DQ = {
-    64: FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
-    128: FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=2),
-}
-_GLUON_DKDV = {
+_BWD_HEAD_GROUP = 8
+#: The Gluon backward (``flash_attention_bwd_gluon_kernel``: dQ, dK and dV in one kernel, five
+#: matmuls a step as FlashAttention-3's) by head dim: query rows a step and ring slots for Q
+#: and dO (128 keys a program, two consumers of 64). It serves the plain case on a Hopper GPU
+#: with Gluon whatever the config (``_gluon_bwd_applies``). H100, (4, 4096, 16, 128) causal,
+#: profiler: 1.461 ms against 1.714 for the Gluon dK/dV and dQ kernels it replaced and 2.117
+#: for the warp-specialized Triton ones; S 8192 (B 2): 2.729 / 3.185 / 3.902 (RESULTS.md,
+#: sixteenth session). The step sizes are the dK/dV kernel's of the twelfth session: D 128, 64
+#: rows: 525 / 603 TFLOP/s causal / not (a third slot 486 / 565, 128 rows 327 / 328); D 64,
+#: 128 rows: 324 / 462 (64 rows 308 / 387).
+_GLUON_BWD = {
     64: BwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
     128: BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2),
 }
@@ -272,10 +264,11 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
     if _ws_candidate(inv.kwargs):  # Hopper, the plain case
         configs.append(attrs.evolve(base, fwd_params=_WS_FWD, warp_specialize=True))
     # the backward variants run the usual kernels (under warp_specialize a GPU runs the
-    # validated configs, whatever bwd_params/dq_params say)
+    # validated configs, whatever bwd_params/dq_params say); with Gluon the plain case's
+    # backward is the one Gluon kernel whatever the config: no variants
     usual = attrs.evolve(base, fwd_params=_FWD_D128, warp_specialize=False)
     usual = usual if base.warp_specialize else base
-    if not (_ws_candidate(inv.kwargs) and _gluon_available()):  # else the Gluon dK/dV runs
+    if not (_ws_candidate(inv.kwargs) and _gluon_available()):
         configs += [
             attrs.evolve(
                 usual,
@@ -284,13 +277,14 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
             for bq, bk, w, s in bwd_blocks
             if _bwd_smem(bq, bk, s, d, dv, size) <= limit
         ]
-    configs += [
-        attrs.evolve(
-            usual, dq_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
-        )
-        for bq, bk, w, s in dq_blocks
-        if _bwd_smem(bk, bq, s, d, dv, size) <= limit
-    ]
+        configs += [
+            attrs.evolve(
+                usual,
+                dq_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s),
+            )
+            for bq, bk, w, s in dq_blocks
+            if _bwd_smem(bk, bq, s, d, dv, size) <= limit
+        ]
     return list(dict.fromkeys(configs))
 
 
@@ -780,8 +774,8 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
     return _launch.fold_vmap(run, modes)
 
 
-def _gluon_dkdv_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
-    """Whether ``flash_attention_bwd_dkdv_gluon_kernel`` serves this backward: the plain case
+def _gluon_bwd_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
+    """Whether ``flash_attention_bwd_gluon_kernel`` serves this backward: the plain case
     of the warp-specialized kernels, on a Hopper GPU with Gluon."""
     return (
         _ws_applies(st, q, v, bias, mask, qseg, aux)
@@ -809,11 +803,13 @@ def _ws_launch(
     grid: tuple[int, ...],
     params: Any,
     *extra: int,
+    zeroed_outputs: tuple[int, ...] = (),
     **constexprs: Any,
 ) -> list[Any]:
     """Launch a warp-specialized kernel: its arrays, the scalars all three take (scale, soft
-    cap, B, Sq, Sk, Hq, Hkv), ``extra`` ones, its outputs and the per-program scratch its TMA
-    descriptors live in (dropped from the result)."""
+    cap, B, Sq, Sk, Hq, Hkv), ``extra`` ones, its outputs (those of ``zeroed_outputs`` set to
+    zero first) and the per-program scratch its TMA descriptors live in (dropped from the
+    result)."""
     from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
 
     q, k = arrays[0], arrays[1]
@@ -836,6 +832,7 @@ def _ws_launch(
         grid=grid,
         num_warps=params.num_warps,
         num_stages=params.num_stages,
+        zeroed_outputs=zeroed_outputs,
         HEAD_DIM=d,
         CAUSAL=st.causal,
         SOFT_CAP=st.soft_cap is not None,
@@ -917,60 +914,40 @@ def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
     )
 
 
-def _dkdv_gluon(
-    st: _Statics, q, k, v, do, lse, delta, params: BwdParams | None = None
-) -> list[Any]:
-    """dK and dV by the Gluon kernel ``flash_attention_bwd_dkdv_gluon_kernel`` (the GPU only):
+def _bwd_gluon(st: _Statics, q, k, v, do, lse, delta, params: BwdParams | None = None) -> Any:
+    """dQ, dK and dV by the Gluon kernel ``flash_attention_bwd_gluon_kernel`` (the GPU only):
     one program per 128 keys and batch·key head; lse and delta padded to whole query blocks
-    (the loader brings them by TMA)."""
+    (the loader brings them by TMA); dQ accumulates in float32 across the key blocks' programs
+    (TMA reduce-adds) and is scaled and cast here."""
     from ejkernel_triton.kernels.flash_attention import EMPTY_LSE
-    from ejkernel_triton.kernels.flash_attention_hopper import (
-        flash_attention_bwd_dkdv_gluon_kernel,
-    )
+    from ejkernel_triton.kernels.flash_attention_hopper import flash_attention_bwd_gluon_kernel
 
     sq, (b, sk, hkv, d) = q.shape[1], k.shape
-    params = params or _GLUON_DKDV[d]
+    params = params or _GLUON_BWD[d]
     bm = params.q_blocksize
     stats_len = _cdiv(sq, bm) * bm
     if stats_len != sq:
         pad = ((0, 0), (0, 0), (0, stats_len - sq))
         lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
         delta = jnp.pad(delta, pad)
-    return _ws_launch(
+    dk, dv, dq = _ws_launch(
         st,
-        flash_attention_bwd_dkdv_gluon_kernel,
+        flash_attention_bwd_gluon_kernel,
         (q, k, v, do, lse, delta),
-        [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        [
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        ],
         (_cdiv(sk, 128), b * hkv),
         params,
         stats_len,
+        zeroed_outputs=(2,),
         BLOCK_M=bm,
         STAGES=params.num_stages,
-        HEAD_GROUP=_DKDV_HEAD_GROUP if st.causal else 0,
+        HEAD_GROUP=_BWD_HEAD_GROUP if st.causal else 0,
     )
-
-
-def _dq_gluon(st: _Statics, q, k, v, do, lse, delta, params: FwdParams | None = None) -> Any:
-    """dQ by the Gluon kernel ``flash_attention_bwd_dq_gluon_kernel`` (the GPU only): one
-    program per 128 query rows and batch·head, key blocks of ``params.kv_blocksize``."""
-    from ejkernel_triton.kernels.flash_attention_hopper import flash_attention_bwd_dq_gluon_kernel
-
-    (b, sq, hq, d), sk = q.shape, k.shape[1]
-    params = params or _GLUON_DQ[d]
-    bn = params.kv_blocksize
-    (dq,) = _ws_launch(
-        st,
-        flash_attention_bwd_dq_gluon_kernel,
-        (q, k, v, do, lse, delta),
-        [jax.ShapeDtypeStruct(q.shape, q.dtype)],
-        (_cdiv(sq, 128), b * hq),
-        params,
-        BLOCK_N=bn,
-        STAGES=params.num_stages,
-        EVEN_K=sk % bn == 0,
-        HEAD_GROUP=_DQ_HEAD_GROUP if st.causal else 0,
-    )
-    return dq
+    return (dq * st.sm_scale).astype(q.dtype), dk, dv
 
 
 def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
@@ -1015,12 +992,14 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         )
 
         do = do.astype(q.dtype)
-        gluon_dkdv = _gluon_dkdv_applies(st, q, v, bias, mask, qseg, aux)
-        if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
+        gluon = _gluon_bwd_applies(st, q, v, bias, mask, qseg, aux)
+        if gluon or (st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux)):
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
-            dkdv, dq_of = (_dkdv_gluon, _dq_gluon) if gluon_dkdv else (_dkdv_ws, _dq_ws)
-            dk, dv = dkdv(st, q, k, v, do, lse, delta)
-            dq = dq_of(st, q, k, v, do, lse, delta)
+            if gluon:
+                dq, dk, dv = _bwd_gluon(st, q, k, v, do, lse, delta)
+            else:
+                dk, dv = _dkdv_ws(st, q, k, v, do, lse, delta)
+                dq = _dq_ws(st, q, k, v, do, lse, delta)
             return dq, dk, dv, jnp.zeros((1,), jnp.float32), delta
         del aux
         b, sq, hq, _ = q.shape
@@ -1074,9 +1053,6 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             BLOCK_N=kb,
             **constexprs,
         )
-        if gluon_dkdv:
-            dk, dv = _dkdv_gluon(st, q, k, v, do, lse, delta)
-            return dq, dk, dv, dbias, delta
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
         dk, dv = _launch.launch(
             flash_attention_bwd_dkdv_kernel,
