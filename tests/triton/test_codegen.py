@@ -149,8 +149,8 @@ def test_hopper_forward_at_d128_is_the_gluon_pingpong_kernel(monkeypatch, causal
 
 @pytest.mark.parametrize(
     ("d", "causal", "warp_specialize"),
-    [(128, True, True), (64, False, False), (64, True, True)],
-    ids=["d128-ws", "d64-usual", "d64-ws"],
+    [(128, True, True), (128, False, False), (64, False, False), (64, True, True)],
+    ids=["d128-ws", "d128-usual", "d64-usual", "d64-causal-ws"],
 )
 def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp_specialize):
     from ejkernel_triton.ops import flash_attention as fa
@@ -164,9 +164,12 @@ def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp
         out, res = fa._flash_attention_fwd(query=q, key=kv, value=kv, causal=causal, cfg=cfg)
         fa._flash_attention_bwd(res, out, cfg=cfg, causal=causal)
     names = [launch.kernel.fn.__name__ for launch in record]
-    # one backward kernel whatever warp_specialize says (delta from JAX)
-    assert names[1:] == ["flash_attention_bwd_gluon_kernel"]
-    bwd = record[1]
+    fused = fa._gluon_fuses_dq(d, causal)  # all but D 64 causal
+    if fused:  # one backward kernel whatever warp_specialize says (delta from JAX)
+        assert names[1:] == ["flash_attention_bwd_gluon_kernel"]
+    else:  # the usual dQ kernel first, which computes delta; the Gluon kernel's dK/dV
+        assert names[1:] == ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_gluon_kernel"]
+    bwd = record[-1]
     block_m = fa._GLUON_BWD[d].q_blocksize
     assert bwd.grid == (2, 4)  # 128-key blocks x batch·key heads
     assert bwd.constexprs == {
@@ -176,22 +179,26 @@ def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp
         "BLOCK_M": block_m,
         "STAGES": 2,
         "HEAD_GROUP": 8 if causal else 0,  # causal: the first key blocks first
+        "FUSE_DQ": fused,
     }
     lse, delta = bwd.args[4:6]  # padded to whole query blocks for their TMA loads
     assert lse.shape == delta.shape == (2, 4, -(-300 // block_m) * block_m)
-    # outputs dK, dV and the float32 dQ accumulator, zeroed before the launch
+    # outputs dK, dV and the float32 dQ accumulator, zeroed before the launch (unfused: a token)
     assert [o.dtype for o in bwd.out_shape[:3]] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
-    assert bwd.out_shape[2].shape == q.shape and bwd.zeroed_outputs == (2,)
+    assert bwd.out_shape[2].shape == (q.shape if fused else (1,))
+    assert bwd.zeroed_outputs == ((2,) if fused else ())
     compiled = _codegen.compile_launch(bwd)
     assert compiled.num_warps == 12  # two consumer warp groups and the loader's
     assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in compiled.ptx
     # loads of K, V, Q, dO, lse and delta; dQ added into global memory by TMA
     assert compiled.ptx.count("cp.async.bulk.tensor") >= 6
-    assert compiled.ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") == 2
+    reduces = compiled.ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add")
+    assert reduces >= 2 if fused else reduces == 0  # at least one per consumer
     mix = _codegen.instruction_mix(compiled.ptx)
     # S, dP (N = query rows), dV, dK (N = D) and dQ (N = 64: half of D 128, all of D 64)
     assert {k for k in mix if k.startswith("wgmma.mma_async")} == {
-        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" for n in {block_m, d, 64}
+        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"
+        for n in {block_m, d, *([64] if fused else [])}
     }
     assert compiled.shared <= H100_SHARED
 

@@ -493,14 +493,13 @@ def _put_ds(ds_smem, ds_ready, ds_empty, n_ds, ds, WG: gl.constexpr):
 
 
 @gluon.jit
-def _dq_step(descs, smem, bars, n_ds, dq_row, dq_col, WG: gl.constexpr):
-    """Consumer ``WG``'s share of the step's dQ once both halves of dSᵀ are in: at 128 query
-    rows a step the rows ``[WG·64, WG·64 + 64)``, at 64 the columns ``[WG·D/2, WG·D/2 + D/2)``;
-    ``dQ = dS·k`` over the program's 128 keys (both consumers' K), added into the float32
-    accumulator by TMA."""
-    dq_desc = descs[6]
+def _dq_issue(smem, bars, n_ds, WG: gl.constexpr):
+    """Consumer ``WG``'s share of the step's dQ, issued once both halves of dSᵀ are in (its
+    ``warpgroup_mma`` token): at 128 query rows a step the rows ``[WG·64, WG·64 + 64)``, at 64
+    the columns ``[WG·D/2, WG·D/2 + D/2)``; ``dQ = dS·k`` over the program's 128 keys (both
+    consumers' K)."""
     k_smem, ds_smem, dq_smem = smem[2], smem[6], smem[7]
-    ds_ready, ds_empty = bars[5], bars[6]
+    ds_ready = bars[5]
     BLOCK_M: gl.constexpr = ds_smem.type.shape[2]
     DQ_M: gl.constexpr = dq_smem.type.shape[1]
     DQ_N: gl.constexpr = dq_smem.type.shape[2]
@@ -518,8 +517,20 @@ def _dq_step(descs, smem, bars, n_ds, dq_row, dq_col, WG: gl.constexpr):
         else:  # a share of the rows
             ds_t = ds_t.slice(WG * DQ_M, DQ_M, dim=1)
         dq = warpgroup_mma(ds_t.permute((1, 0)), k, dq, use_acc=j > 0, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    mbarrier.arrive(ds_empty.index(buf), count=1)
+    return dq
+
+
+@gluon.jit
+def _dq_add(descs, smem, bars, n_ds, dq, dq_row, dq_col, WG: gl.constexpr):
+    """Frees the step's dSᵀ buffer and adds consumer ``WG``'s finished dQ share (see
+    :func:`_dq_issue`) into the float32 accumulator by TMA."""
+    dq_desc = descs[6]
+    dq_smem = smem[7]
+    ds_empty = bars[6]
+    BLOCK_M: gl.constexpr = smem[6].type.shape[2]
+    DQ_M: gl.constexpr = dq_smem.type.shape[1]
+    DQ_N: gl.constexpr = dq_smem.type.shape[2]
+    mbarrier.arrive(ds_empty.index(n_ds % 2), count=1)
     staging = dq_smem.index(WG)
     tma.store_wait(0)  # the previous step's reduce has read the staging tile
     gl.thread_barrier()
@@ -545,6 +556,7 @@ def _bwd_consumer(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
+    FUSE_DQ: gl.constexpr,
 ):
     """Consumer ``WG`` (0 or 1): dK and dV of keys ``[WG·64, WG·64 + 64)`` of the program's
     block, in transposed form (keys are rows): ``sᵀ = k·qᵀ``, ``pᵀ = exp2(sᵀ − lse)``,
@@ -604,6 +616,8 @@ def _bwd_consumer(
         rows = row0 + offs_m
         mbarrier.wait(q_ready.index(slot), phase)
         mbarrier.wait(do_ready.index(slot), phase)
+        dq_row = q_row + (it % n_m) * BLOCK_M
+        dq_col = q_col + (it // n_m) * HEAD_DIM
         seen = True  # whether the block's last row sees the first of these keys
         any_seen = True  # ... of the program's keys (then both consumers take part in dQ)
         if CAUSAL:
@@ -638,21 +652,27 @@ def _bwd_consumer(
             ds = ds.to(dtype)
             ds_op = gl.convert_layout(ds, op_layout)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-            _put_ds(ds_smem, ds_ready, ds_empty, n_ds, ds, WG)
+            if FUSE_DQ:
+                _put_ds(ds_smem, ds_ready, ds_empty, n_ds, ds, WG)
             dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
             mbarrier.arrive(do_empty.index(slot), count=1)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
             mbarrier.arrive(q_empty.index(slot), count=1)
+            if FUSE_DQ:
+                dq = _dq_issue(smem, bars, n_ds, WG)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                _dq_add(descs, smem, bars, n_ds, dq, dq_row, dq_col, WG)
+                n_ds += 1
         else:
             mbarrier.arrive(do_empty.index(slot), count=1)
             mbarrier.arrive(q_empty.index(slot), count=1)
-            if any_seen:  # the other consumer's keys are seen: this half of dSᵀ is zero
-                _put_ds(ds_smem, ds_ready, ds_empty, n_ds, s_zero.to(dtype), WG)
-        if any_seen:
-            dq_row = q_row + (it % n_m) * BLOCK_M
-            dq_col = q_col + (it // n_m) * HEAD_DIM
-            _dq_step(descs, smem, bars, n_ds, dq_row, dq_col, WG)
-            n_ds += 1
+            if FUSE_DQ:  # noqa: SIM102 (a constexpr: no dQ code at all when false)
+                if any_seen:  # the other consumer's keys are seen: this half of dSᵀ is zero
+                    _put_ds(ds_smem, ds_ready, ds_empty, n_ds, s_zero.to(dtype), WG)
+                    dq = _dq_issue(smem, bars, n_ds, WG)
+                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                    _dq_add(descs, smem, bars, n_ds, dq, dq_row, dq_col, WG)
+                    n_ds += 1
     tma.store_wait(0)
 
     offs_k = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
@@ -676,8 +696,11 @@ def _bwd_consumer_0(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
+    FUSE_DQ: gl.constexpr,
 ):
-    _bwd_consumer(descs, smem, bars, tile, loads, n_m, n_iters, 0, STAGES, CAUSAL, SOFT_CAP)
+    _bwd_consumer(
+        descs, smem, bars, tile, loads, n_m, n_iters, 0, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ
+    )
 
 
 @gluon.jit
@@ -692,8 +715,11 @@ def _bwd_consumer_1(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
+    FUSE_DQ: gl.constexpr,
 ):
-    _bwd_consumer(descs, smem, bars, tile, loads, n_m, n_iters, 1, STAGES, CAUSAL, SOFT_CAP)
+    _bwd_consumer(
+        descs, smem, bars, tile, loads, n_m, n_iters, 1, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ
+    )
 
 
 @gluon.jit
@@ -708,6 +734,7 @@ def _bwd_loader_warp(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     SOFT_CAP: gl.constexpr,
+    FUSE_DQ: gl.constexpr,
 ):
     _bwd_loader(descs, smem, bars, loads, n_m, n_iters, STAGES)
 
@@ -738,6 +765,7 @@ def flash_attention_bwd_gluon_kernel(
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
     HEAD_GROUP: gl.constexpr = 0,
+    FUSE_DQ: gl.constexpr = True,
 ):
     """One program per (128-key block, batch·key head), in the order of ``_program_tile``
     reversed (causal: the longest programs, the first key blocks, first in groups of
@@ -775,8 +803,9 @@ def flash_attention_bwd_gluon_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], kv_sl)
-    ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], ds_sl)  # 2 buffers x 2 halves
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_M, DQ_N], dq_sl)
+    # dSᵀ: 2 buffers x 2 halves; dQ staging: a tile per consumer (a token one without FUSE_DQ)
+    ds_smem = gl.allocate_shared_memory(dtype, [4 if FUSE_DQ else 1, HALF, BLOCK_M], ds_sl)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2 if FUSE_DQ else 1, DQ_M, DQ_N], dq_sl)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -831,15 +860,15 @@ def flash_attention_bwd_gluon_kernel(
         [
             (
                 _bwd_consumer_0,
-                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP),
+                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ),
             ),
             (
                 _bwd_consumer_1,
-                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP),
+                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ),
             ),
             (
                 _bwd_loader_warp,
-                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP),
+                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ),
             ),
         ],
         [4, 1],

@@ -264,11 +264,12 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
     if _ws_candidate(inv.kwargs):  # Hopper, the plain case
         configs.append(attrs.evolve(base, fwd_params=_WS_FWD, warp_specialize=True))
     # the backward variants run the usual kernels (under warp_specialize a GPU runs the
-    # validated configs, whatever bwd_params/dq_params say); with Gluon the plain case's
-    # backward is the one Gluon kernel whatever the config: no variants
+    # validated configs, whatever bwd_params/dq_params say); with Gluon the plain case's dK/dV
+    # (and, but at D 64 causal, dQ) are the Gluon kernel's whatever the config: no variants
     usual = attrs.evolve(base, fwd_params=_FWD_D128, warp_specialize=False)
     usual = usual if base.warp_specialize else base
-    if not (_ws_candidate(inv.kwargs) and _gluon_available()):
+    gluon = _ws_candidate(inv.kwargs) and _gluon_available()
+    if not gluon:
         configs += [
             attrs.evolve(
                 usual,
@@ -277,6 +278,7 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
             for bq, bk, w, s in bwd_blocks
             if _bwd_smem(bq, bk, s, d, dv, size) <= limit
         ]
+    if not (gluon and _gluon_fuses_dq(q.shape[-1], bool(inv.kwargs.get("causal")))):
         configs += [
             attrs.evolve(
                 usual,
@@ -784,6 +786,14 @@ def _gluon_bwd_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
     )
 
 
+def _gluon_fuses_dq(d: int, causal: bool) -> bool:
+    """Whether the Gluon backward computes dQ too (else the usual dQ kernel does, first, with
+    delta): everywhere but D 64 causal. H100, fwd+bwd TFLOP/s fused / Gluon dK/dV with a
+    separate dQ kernel: D 128 (4, 4096, 16) 431 / 396 causal, 480 / 465 not; D 64 (8, 2048,
+    16) 357 / 351 not, but 257 / 279 causal (RESULTS.md, sixteenth session)."""
+    return not (d == 64 and causal)
+
+
 def _ws_applies(st: _Statics, q, v, bias, mask, qseg, aux) -> bool:
     """Whether the warp-specialized kernels serve this launch (see ``FlashAttentionConfig``)."""
     plain = bias.ndim != 4 and mask.ndim != 4 and qseg.ndim != 2 and aux.ndim != 2
@@ -914,11 +924,14 @@ def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
     )
 
 
-def _bwd_gluon(st: _Statics, q, k, v, do, lse, delta, params: BwdParams | None = None) -> Any:
-    """dQ, dK and dV by the Gluon kernel ``flash_attention_bwd_gluon_kernel`` (the GPU only):
+def _bwd_gluon(
+    st: _Statics, q, k, v, do, lse, delta, fuse_dq: bool = True, params: BwdParams | None = None
+) -> Any:
+    """``(dQ, dK, dV)`` by the Gluon kernel ``flash_attention_bwd_gluon_kernel`` (the GPU only):
     one program per 128 keys and batch·key head; lse and delta padded to whole query blocks
     (the loader brings them by TMA); dQ accumulates in float32 across the key blocks' programs
-    (TMA reduce-adds) and is scaled and cast here."""
+    (TMA reduce-adds) and is scaled and cast here. Without ``fuse_dq`` only dK and dV (dQ is
+    ``None``)."""
     from ejkernel_triton.kernels.flash_attention import EMPTY_LSE
     from ejkernel_triton.kernels.flash_attention_hopper import flash_attention_bwd_gluon_kernel
 
@@ -937,17 +950,18 @@ def _bwd_gluon(st: _Statics, q, k, v, do, lse, delta, params: BwdParams | None =
         [
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(q.shape, jnp.float32),
+            jax.ShapeDtypeStruct(q.shape if fuse_dq else (1,), jnp.float32),
         ],
         (_cdiv(sk, 128), b * hkv),
         params,
         stats_len,
-        zeroed_outputs=(2,),
+        zeroed_outputs=(2,) if fuse_dq else (),
         BLOCK_M=bm,
         STAGES=params.num_stages,
         HEAD_GROUP=_BWD_HEAD_GROUP if st.causal else 0,
+        FUSE_DQ=fuse_dq,
     )
-    return (dq * st.sm_scale).astype(q.dtype), dk, dv
+    return ((dq * st.sm_scale).astype(q.dtype) if fuse_dq else None), dk, dv
 
 
 def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
@@ -993,9 +1007,11 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
 
         do = do.astype(q.dtype)
         gluon = _gluon_bwd_applies(st, q, v, bias, mask, qseg, aux)
-        if gluon or (st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux)):
+        fused = gluon and _gluon_fuses_dq(q.shape[-1], st.causal)
+        ws = not gluon and st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux)
+        if fused or ws:
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
-            if gluon:
+            if fused:
                 dq, dk, dv = _bwd_gluon(st, q, k, v, do, lse, delta)
             else:
                 dk, dv = _dkdv_ws(st, q, k, v, do, lse, delta)
@@ -1053,6 +1069,9 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             BLOCK_N=kb,
             **constexprs,
         )
+        if gluon:  # D 64 causal: dK and dV alone
+            _, dk, dv = _bwd_gluon(st, q, k, v, do, lse, delta, fuse_dq=False)
+            return dq, dk, dv, dbias, delta
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
         dk, dv = _launch.launch(
             flash_attention_bwd_dkdv_kernel,
