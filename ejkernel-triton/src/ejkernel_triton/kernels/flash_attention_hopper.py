@@ -36,8 +36,9 @@ of shared-memory buffers (``ds_ready``/``ds_empty``); each computes its half of 
 dQ tile and adds it into a float32 accumulator ``[B·Sq, Hq·D]`` by a TMA reduce-add, so the
 programs of all key blocks sum into it (in no fixed order: dQ's last bits vary from run to
 run). Rows of a step past ``seqlen_q`` belong to the next batch; their lse is padded with
-``EMPTY_LSE``, so they add exact zeros. Under a causal mask the longest programs run first, in
-head groups, as the forward's.
+``EMPTY_LSE``, so they add exact zeros. Without ``FUSE_DQ`` (D 64 causal, where the usual dQ
+kernel is faster: ``ops.flash_attention._gluon_fuses_dq``) the kernel computes dK and dV only.
+Under a causal mask the longest programs run first, in head groups, as the forward's.
 
 GPU only: Triton's interpreter does not run Gluon, so the CPU tests run the Triton twin and
 compile this kernel for sm_90 (``tests/triton/test_codegen.py``); ``tests/triton`` runs it on

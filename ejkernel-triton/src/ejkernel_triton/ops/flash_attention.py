@@ -13,8 +13,9 @@ arguments out for them and wires forward and backward through :func:`ejkernel.pl
   K/V repeat, no atomics); the sink gradient is ``-Σ p_sink · delta``, in JAX. In the plain
   case on a Hopper GPU with Gluon the backward is one Gluon kernel (:func:`_bwd_gluon`: dQ
   accumulates in float32 by TMA reduce-adds across the key blocks' programs, so its last bits
-  depend on their order), and under ``warp_specialize`` without Gluon the warp-specialized
-  dK/dV and dQ kernels; both take delta from JAX.
+  depend on their order; at D 64 causal dK and dV only, after the usual dQ kernel), and under
+  ``warp_specialize`` without Gluon the warp-specialized dK/dV and dQ kernels; both take
+  delta from JAX.
 
 Everything of OPS.md's flash_attention is served except dropout, which :func:`supports`
 declines (the XLA platform then serves the call). Both functions compose with ``jit``,
@@ -75,9 +76,10 @@ class FlashAttentionConfig:
             ``_PINGPONG_FWD``, ``_WS_DKDV``, ``_WS_DQ``) whatever
             ``fwd_params``/``bwd_params``/``dq_params`` say; the interpreter takes their block
             sizes. Elsewhere the usual kernels run, with the given params, except that in the
-            same plain case on a Hopper GPU with Gluon the backward is always the one Gluon
-            kernel ``flash_attention_bwd_gluon_kernel`` (dQ, dK and dV; ``_GLUON_BWD``), whether
-            ``warp_specialize`` is set or not.
+            same plain case on a Hopper GPU with Gluon the backward is always the Gluon kernel
+            ``flash_attention_bwd_gluon_kernel`` (dQ, dK and dV; ``_GLUON_BWD``), whether
+            ``warp_specialize`` is set or not; at D 64 causal it computes dK and dV only, after
+            the usual dQ kernel (``_gluon_fuses_dq``).
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
