@@ -562,7 +562,7 @@ def _bwd_consumer(
     """Consumer ``WG`` (0 or 1): dK and dV of keys ``[WG·64, WG·64 + 64)`` of the program's
     block, in transposed form (keys are rows): ``sᵀ = k·qᵀ``, ``pᵀ = exp2(sᵀ − lse)``,
     ``dV += pᵀ·dO``, ``dPᵀ = v·dOᵀ``, ``dSᵀ = pᵀ ∘ (dPᵀ − delta)``, ``dK += dSᵀ·q``; and its
-    share of each step's dQ from both consumers' dSᵀ (:func:`_dq_step`)."""
+    share of each step's dQ from both consumers' dSᵀ (:func:`_dq_issue`, :func:`_dq_add`)."""
     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, _ = smem
     kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready, ds_empty = bars
     (
