@@ -15,7 +15,6 @@ import time
 sys.path.insert(0, "benchmarks")
 import bench_attention as ba
 import jax
-import jax.numpy as jnp
 
 from ejkernel_triton.ops import flash_attention as fa
 
@@ -66,8 +65,7 @@ def device_events(folder):
 
 if __name__ == "__main__":
     for shape in [(4, 4096, 16, 128), (2, 8192, 16, 128)]:
-        ks = jax.random.split(jax.random.PRNGKey(shape[1]), 4)
-        q, k, v, do = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in ks)
+        q, k, v, do = ba.normal_inputs(shape, shape[1])
         for name, variant in VARIANTS.items():
             f = traced(ba.ours_vjp(causal=True), variant, q, k, v, do)
             t0 = time.perf_counter()

@@ -926,9 +926,7 @@ def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
     )
 
 
-def _bwd_gluon(
-    st: _Statics, q, k, v, do, lse, delta, fuse_dq: bool = True, params: BwdParams | None = None
-) -> Any:
+def _bwd_gluon(st: _Statics, q, k, v, do, lse, delta, fuse_dq: bool = True) -> Any:
     """``(dQ, dK, dV)`` by the Gluon kernel ``flash_attention_bwd_gluon_kernel`` (the GPU only):
     one program per 128 keys and batch·key head; lse and delta padded to whole query blocks
     (the loader brings them by TMA); dQ accumulates in float32 across the key blocks' programs
@@ -938,7 +936,7 @@ def _bwd_gluon(
     from ejkernel_triton.kernels.flash_attention_hopper import flash_attention_bwd_gluon_kernel
 
     sq, (b, sk, hkv, d) = q.shape[1], k.shape
-    params = params or _GLUON_BWD[d]
+    params = _GLUON_BWD[d]
     bm = params.q_blocksize
     stats_len = _cdiv(sq, bm) * bm
     if stats_len != sq:
@@ -1071,7 +1069,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             BLOCK_N=kb,
             **constexprs,
         )
-        if gluon:  # D 64 causal: dK and dV alone
+        if gluon:  # the Gluon kernel does not fuse dQ here (_gluon_fuses_dq): dK, dV alone
             _, dk, dv = _bwd_gluon(st, q, k, v, do, lse, delta, fuse_dq=False)
             return dq, dk, dv, dbias, delta
         bq, bk = _clamp(st.bwd.q_blocksize or 32, sq), _clamp(st.bwd.kv_blocksize or 128, sk)
