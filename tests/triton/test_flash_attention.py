@@ -101,6 +101,34 @@ def test_sliding_window_and_soft_cap() -> None:
     compare(q, k, v, sliding_window=(5, 0), causal=True)
 
 
+@pytest.mark.parametrize(("scale", "spread"), [(0.3, 1.0), (-0.2, 30.0)], ids=["pos", "neg"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softmax_scale_of_either_sign_on_whole_and_cut_blocks(
+    scale: float, spread: float, causal: bool
+) -> None:
+    # 16-key blocks over 45 keys: whole blocks, where a scale >= 0 rides in the exponent, and
+    # a cut one. Negative: logits spread over hundreds, so that a row maximum taken from the
+    # wrong end (the raw scores' maximum) would overflow exp2.
+    q, k, v = qkv(1, 37, 45, 2, 2, 32)
+    compare(q * spread, k, v, causal=causal, softmax_scale=scale)
+
+
+def test_the_scale_rides_in_the_exponent_only_where_nothing_is_masked_or_added() -> None:
+    from ejkernel_triton import _codegen
+
+    def plain_scale(**kwargs: Any) -> bool:
+        (fwd, *_) = _codegen.flash_attention_launches((1, 64, 2, 64), causal=False, **kwargs)
+        return fwd.constexprs["PLAIN_SCALE"]
+
+    assert plain_scale()
+    assert not plain_scale(softmax_scale=-0.5)
+    assert not plain_scale(logits_soft_cap=3.0)
+    assert not plain_scale(bias=jnp.ones((1, 2, 64, 64)))
+    assert not plain_scale(attention_mask=jnp.ones((1, 1, 64, 64), bool))
+    seg = jnp.zeros((1, 64), jnp.int32)
+    assert not plain_scale(q_segment_ids=seg, kv_segment_ids=seg)
+
+
 @pytest.mark.parametrize("bias_shape", [(1, 4, 37, 45), (2, 1, 1, 45), (37, 45)], ids=str)
 def test_bias_and_its_gradient_in_the_bias_shape(bias_shape: tuple[int, ...]) -> None:
     q, k, v = qkv(2, 37, 45, 4, 2, 32)

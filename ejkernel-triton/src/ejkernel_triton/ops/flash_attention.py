@@ -154,6 +154,12 @@ _WS_DKDV = BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2
 #: non-causal / causal). Not persistent: as a persistent kernel (as the forward) 64-key steps
 #: gave NaN and 128-key steps need one stage to fit, 20 % slower (RESULTS.md, ninth session).
 _WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
+#: The usual forward folds the softmax scale into the exponent where nothing is masked or
+#: added (``PLAIN_SCALE``). H100, (8, 2048, 16, 64), 64x64 blocks: 384 / 309 TFLOP/s against
+#: 367 / 296 without, non-causal / causal (RESULTS.md, seventeenth session). Experiments turn
+#: it off to measure it.
+_SCALE_IN_EXP = True
+
 #: The Gluon forward (``flash_attention_fwd_pingpong_kernel``), which replaces the one above on
 #: a GPU at D 128: a 128-row tile (two consumers of 64), 128-key blocks, a ring of 3 K/V slots
 #: (225 KiB of shared memory). H100: 570 / 464 TFLOP/s against the above's 512 / 425,
@@ -733,7 +739,13 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         num_aux = aux.shape[1] if has_aux else 1
         # causal: longest query blocks first, heads in groups (RESULTS.md, eleventh session)
         head_group = _FWD_HEAD_GROUP if st.causal else 0
-        constexprs.update(HAS_AUX=has_aux, BLOCK_AUX=_pow2(num_aux), HEAD_GROUP=head_group)
+        plain = not any(constexprs[f] for f in ("SOFT_CAP", "HAS_BIAS", "HAS_MASK", "HAS_SEG"))
+        constexprs.update(
+            HAS_AUX=has_aux,
+            BLOCK_AUX=_pow2(num_aux),
+            HEAD_GROUP=head_group,
+            PLAIN_SCALE=_SCALE_IN_EXP and plain and st.sm_scale >= 0,
+        )
         bq, bk = (
             _clamp(st.fwd.q_blocksize or 128, sq),
             _clamp(st.fwd.kv_blocksize or 64, k.shape[1]),
