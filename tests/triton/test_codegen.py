@@ -147,6 +147,20 @@ def test_hopper_forward_at_d128_is_the_gluon_pingpong_kernel(monkeypatch, causal
     assert compiled.shared <= H100_SHARED
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.1])
+def test_hopper_forward_at_d128_leaves_a_scale_of_zero_or_less_to_triton(monkeypatch, scale):
+    # the Gluon kernel masks and takes row maxima of unscaled scores
+    from ejkernel_triton.ops import flash_attention as fa
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # a GPU's choice, recorded on the CPU
+    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
+    cfg = fa.FlashAttentionConfig(fwd_params=fa._WS_FWD, warp_specialize=True)
+    q = jnp.ones((2, 300, 4, 128), jnp.bfloat16)
+    with _codegen.recorded_launches() as record:
+        fa._flash_attention_fwd(query=q, key=q, value=q, causal=True, softmax_scale=scale, cfg=cfg)
+    assert [launch.kernel.fn.__name__ for launch in record] == ["flash_attention_fwd_ws_kernel"]
+
+
 @pytest.mark.parametrize(
     ("d", "causal", "warp_specialize"),
     [(128, True, True), (128, False, False), (64, False, False), (64, True, True)],

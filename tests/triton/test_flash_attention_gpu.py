@@ -132,6 +132,7 @@ def test_vmap_folds_into_the_grid() -> None:
         ((3, 700, 700, 4, 2, 128), {"causal": True}),
         ((2, 2500, 3000, 4, 2, 64), {}),
         ((1, 4096, 4096, 4, 4, 128), {"causal": True}),
+        ((1, 300, 300, 4, 2, 128), {"causal": True, "softmax_scale": -0.05}),
     ],
     ids=[
         "gqa-causal",
@@ -143,6 +144,7 @@ def test_vmap_folds_into_the_grid() -> None:
         "causal-12-heads",  # the forward's head groups of 8: one whole, one of 4
         "d64-rows-cross-batches",  # 128-row steps run into the next batch's rows: dQ adds 0
         "long-causal",  # dQ of a row: the sum of up to 32 programs' TMA reduce-adds
+        "negative-scale",  # the Gluon forward masks unscaled scores: Triton's takes it
     ],
 )
 def test_warp_specialized_kernels(
@@ -160,10 +162,10 @@ def test_warp_specialized_kernels(
     )
     cfg = FlashAttentionConfig(fwd_params=_WS_FWD, warp_specialize=True)
     check(shape, jnp.bfloat16, 2e-2, cfg=cfg, **kwargs)
-    # at D 128 the forward is the Gluon kernel (FA3's ping-pong), at D 64 Triton's
+    # at D 128 the forward is the Gluon kernel (FA3's ping-pong) for a scale > 0, else Triton's
     forward = (
         "flash_attention_fwd_pingpong_kernel"
-        if shape[-1] == 128
+        if shape[-1] == 128 and kwargs.get("softmax_scale", 1.0) > 0
         else "flash_attention_fwd_ws_kernel"
     )
     assert names == [forward, *gluon_backward(shape[-1], kwargs)]

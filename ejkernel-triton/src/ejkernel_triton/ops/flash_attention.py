@@ -867,11 +867,12 @@ def _ws_launch(
 
 def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[Any]:
     """Output and lse by ``flash_attention_fwd_pingpong_kernel`` where it applies (a GPU, D
-    128), else by ``flash_attention_fwd_ws_kernel`` (blocks by :func:`_ws_params`)."""
+    128, a scale > 0: it masks and takes row maxima before scaling), else by
+    ``flash_attention_fwd_ws_kernel`` (blocks by :func:`_ws_params`)."""
     from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel
 
     (b, sq, hq, d), sk = q.shape, k.shape[1]
-    if d == 128 and not _launch.interpreting() and _gluon_available():
+    if d == 128 and st.sm_scale > 0 and not _launch.interpreting() and _gluon_available():
         return _forward_pingpong(st, q, k, v)
     params = _ws_params(st.fwd, _WS_FWD)
     bq, bk = _clamp(params.q_blocksize, sq), _clamp(params.kv_blocksize, sk)
