@@ -660,21 +660,18 @@ def _bwd_consumer(
             mbarrier.arrive(do_empty.index(slot), count=1)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
             mbarrier.arrive(q_empty.index(slot), count=1)
-            if FUSE_DQ:
-                dq = _dq_issue(smem, bars, n_ds, WG)
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                _dq_add(descs, smem, bars, n_ds, dq, dq_row, dq_col, WG)
-                n_ds += 1
         else:
             mbarrier.arrive(do_empty.index(slot), count=1)
             mbarrier.arrive(q_empty.index(slot), count=1)
             if FUSE_DQ:  # noqa: SIM102 (a constexpr: no dQ code at all when false)
                 if any_seen:  # the other consumer's keys are seen: this half of dSᵀ is zero
                     _put_ds(ds_smem, ds_ready, ds_empty, n_ds, s_zero.to(dtype), WG)
-                    dq = _dq_issue(smem, bars, n_ds, WG)
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                    _dq_add(descs, smem, bars, n_ds, dq, dq_row, dq_col, WG)
-                    n_ds += 1
+        if FUSE_DQ:  # noqa: SIM102 (a constexpr: no dQ code at all when false)
+            if any_seen:  # (seen implies any_seen)
+                dq = _dq_issue(smem, bars, n_ds, WG)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                _dq_add(descs, smem, bars, n_ds, dq, dq_row, dq_col, WG)
+                n_ds += 1
     tma.store_wait(0)
 
     offs_k = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
