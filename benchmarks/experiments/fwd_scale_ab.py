@@ -2,8 +2,7 @@
 ``benchmarks/gpu_attention.sh`` does): the D 64 forward, (8, 2048, 16, 64), with the softmax
 scale folded into the exponent (``PLAIN_SCALE``, ``ops.flash_attention._SCALE_IN_EXP``) and
 without, at a few forward configs, against cuDNN in rotating rounds, each timed after the
-harness's warm-up. ``fwd_scale_ab.py 4 lazy``: folded, with and without lazy rescaling
-(``_LAZY_RESCALE``)."""
+harness's warm-up."""
 
 import statistics
 import sys
@@ -16,25 +15,15 @@ import ejkernel
 from ejkernel._params import FwdParams
 from ejkernel_triton.ops import flash_attention as fa
 
-ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 4
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 CONFIGS = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3)]
-#: attribute overrides of ``ejkernel_triton.ops.flash_attention`` per variant
-VARIANTS = {
-    "fused": {"_SCALE_IN_EXP": True},
-    "mul": {"_SCALE_IN_EXP": False},
-}
-if "lazy" in sys.argv:  # rescale only when a row's maximum grew past 2^8 (FA4's trick)
-    CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3)]
-    VARIANTS = {"fused": {"_SCALE_IN_EXP": True}, "lazy": {"_LAZY_RESCALE": True}}
-DEFAULTS = {"_SCALE_IN_EXP": True, "_LAZY_RESCALE": False}
 shape = (8, 2048, 16, 64)
 q, k, v, _ = ba.normal_inputs(shape, 4)
 cudnn = ba.implementations()["cuDNN"]
 for causal in (False, True):
     fns = {}
-    for variant, overrides in VARIANTS.items():
-        for name, value in overrides.items():  # read when the call is traced: trace it now
-            setattr(fa, name, value)
+    for fused in (True, False):
+        fa._SCALE_IN_EXP = fused  # read when the call is traced: trace each variant now
         for bq, bk, w, s in CONFIGS:
             cfg = fa.FlashAttentionConfig(
                 fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
@@ -45,9 +34,8 @@ for causal in (False, True):
                 )
             )
             jax.block_until_ready(f(q, k, v))
-            fns[f"{variant} {bq}x{bk} w{w} s{s}"] = f
-        for name, value in DEFAULTS.items():
-            setattr(fa, name, value)
+            fns[f"{'fused' if fused else 'mul'} {bq}x{bk} w{w} s{s}"] = f
+    fa._SCALE_IN_EXP = True
     fns["cuDNN"] = jax.jit(lambda q, k, v, causal=causal: cudnn(q, k, v, causal))
     names = list(fns)
     want = fns["cuDNN"](q, k, v).astype("float32")

@@ -322,7 +322,6 @@ def _fwd_inner(
     HAS_SEG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SCALE_IN_EXP: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):
     """The online softmax over key blocks ``[lo, hi)``. With ``SCALE_IN_EXP`` (whole blocks,
     nothing to add or mask, no soft cap, a scale ≥ 0) the raw scores' row maximum is scaled
@@ -343,16 +342,7 @@ def _fwd_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SCALE_IN_EXP:  # nothing to mask or add: the scale rides in the exponent's FFMA
             m_new = tl.maximum(m_i, tl.max(qk, 1) * (sm_scale * LOG2E))
-            if LAZY_RESCALE:  # rescale only when some row's maximum grew past 2^8
-                if tl.max(m_new - m_i, 0) > 8.0:
-                    alpha = tl.exp2(m_i - m_new)
-                    l_i = l_i * alpha
-                    acc = acc * alpha[:, None]
-                    m_i = m_new
-                m_new = m_i
-                p = tl.exp2(qk * (sm_scale * LOG2E) - m_i[:, None])
-            else:
-                p = tl.exp2(qk * (sm_scale * LOG2E) - m_new[:, None])
+            p = tl.exp2(qk * (sm_scale * LOG2E) - m_new[:, None])
         else:
             s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
             s = _visible(
@@ -381,12 +371,9 @@ def _fwd_inner(
             )
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
-        if LAZY_RESCALE and SCALE_IN_EXP:
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         v = _load_tile(
             v_base + cols[:, None] * stride_vs + offs_dv[None, :],
             cols,
@@ -460,7 +447,6 @@ def flash_attention_fwd_kernel(
     ALIGN: tl.constexpr,
     HEAD_GROUP: tl.constexpr,
     PLAIN_SCALE: tl.constexpr = False,
-    LAZY_RESCALE: tl.constexpr = False,
 ):
     """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``.
     ``PLAIN_SCALE``: no soft cap, bias, mask or segments and a scale ≥ 0 (see ``_fwd_inner``)."""
@@ -553,7 +539,6 @@ def flash_attention_fwd_kernel(
             HAS_SEG,
             DOT_PRECISION,
             PLAIN_SCALE and part == 1,
-            LAZY_RESCALE,
         )
 
     empty = m_i <= MASK_VALUE * 0.5

@@ -159,7 +159,6 @@ _WS_DQ = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
 #: 367 / 296 without, non-causal / causal (RESULTS.md, seventeenth session). Experiments turn
 #: it off to measure it.
 _SCALE_IN_EXP = True
-_LAZY_RESCALE = False
 
 #: The Gluon forward (``flash_attention_fwd_pingpong_kernel``), which replaces the one above on
 #: a GPU at D 128: a 128-row tile (two consumers of 64), 128-key blocks, a ring of 3 K/V slots
@@ -746,7 +745,6 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             BLOCK_AUX=_pow2(num_aux),
             HEAD_GROUP=head_group,
             PLAIN_SCALE=_SCALE_IN_EXP and plain and st.sm_scale >= 0,
-            LAZY_RESCALE=_LAZY_RESCALE,
         )
         bq, bk = (
             _clamp(st.fwd.q_blocksize or 128, sq),
