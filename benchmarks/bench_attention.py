@@ -69,6 +69,31 @@ def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5)
     return statistics.median(runs)
 
 
+def rotating_rounds(
+    fns: dict[str, Callable[..., Any]], args: tuple[Any, ...], rounds: int, gflop: float
+) -> dict[str, list[float]]:
+    """TFLOP/s of each function per round, timed by :func:`timed` in an order that rotates
+    by one each round (for experiments: which function follows which changes the clock)."""
+    names = list(fns)
+    res: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            res[n].append(gflop / timed(fns[n], *args))
+    return res
+
+
+def print_rounds(title: str, res: dict[str, list[float]], ref: str = "cuDNN") -> None:
+    """Each function's median TFLOP/s and its ratio to ``ref`` round by round."""
+    print(f"== {title} (TFLOP/s, {ref} median {statistics.median(res[ref]):.0f})")
+    for n, xs in res.items():
+        ratios = [x / c for x, c in zip(xs, res[ref], strict=True)]
+        print(
+            f"  {n:22s} {statistics.median(xs):6.1f}  ÷ {ref} by round: "
+            + " ".join(f"{x:.2f}" for x in ratios),
+            flush=True,
+        )
+
+
 def normal_inputs(shape: tuple[int, ...], seed: int, n: int = 4) -> list[Any]:
     """``n`` bf16 arrays of ``shape`` from a standard normal (for experiments)."""
     keys = jax.random.split(jax.random.PRNGKey(seed), n)

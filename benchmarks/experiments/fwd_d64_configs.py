@@ -4,7 +4,6 @@ config of the Triton config space (and the warp-specialized kernel) against cuDN
 rotating rounds, each timed after the harness's warm-up: is there a heuristic that keeps the
 forward ≥ 0.9× cuDNN in every round?"""
 
-import statistics
 import sys
 
 sys.path.insert(0, "benchmarks")
@@ -45,17 +44,5 @@ for causal in (False, True):
         for n, c in cfgs.items()
     }
     fns["cuDNN"] = jax.jit(lambda q, k, v, causal=causal: cudnn(q, k, v, causal))
-    names = list(fns)
-    res: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(ROUNDS):
-        for n in names[r::] + names[:r]:
-            res[n].append(ba.flops(*shape, causal) / ba.timed(fns[n], q, k, v) / 1e9)
-    ref = statistics.median(res["cuDNN"])
-    print(f"== {shape} causal={causal} forward TFLOP/s, {ROUNDS} rounds (cuDNN median {ref:.0f})")
-    for n, xs in res.items():
-        ratios = [x / c for x, c in zip(xs, res["cuDNN"], strict=True)]
-        print(
-            f"  {n:18s} {statistics.median(xs):6.1f}  ÷ cuDNN by round: "
-            + " ".join(f"{x:.2f}" for x in ratios),
-            flush=True,
-        )
+    res = ba.rotating_rounds(fns, (q, k, v), ROUNDS, ba.flops(*shape, causal) / 1e9)
+    ba.print_rounds(f"{shape} causal={causal} forward, {ROUNDS} rounds", res)

@@ -4,7 +4,6 @@ scale folded into the exponent (``PLAIN_SCALE``, ``ops.flash_attention._SCALE_IN
 without, at a few forward configs, against cuDNN in rotating rounds, each timed after the
 harness's warm-up."""
 
-import statistics
 import sys
 
 sys.path.insert(0, "benchmarks")
@@ -42,16 +41,5 @@ for causal in (False, True):
     for n in names[:-1]:
         err = float(abs(fns[n](q, k, v).astype("float32") - want).max())
         print(f"  {n:22s} max |out - cuDNN's| {err:.2e}", flush=True)
-    res: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(ROUNDS):
-        for n in names[r::] + names[:r]:
-            res[n].append(ba.flops(*shape, causal) / ba.timed(fns[n], q, k, v) / 1e9)
-    ref = statistics.median(res["cuDNN"])
-    print(f"== {shape} causal={causal} forward TFLOP/s, {ROUNDS} rounds (cuDNN median {ref:.0f})")
-    for n, xs in res.items():
-        ratios = [x / c for x, c in zip(xs, res["cuDNN"], strict=True)]
-        print(
-            f"  {n:22s} {statistics.median(xs):6.1f}  ÷ cuDNN by round: "
-            + " ".join(f"{x:.2f}" for x in ratios),
-            flush=True,
-        )
+    res = ba.rotating_rounds(fns, (q, k, v), ROUNDS, ba.flops(*shape, causal) / 1e9)
+    ba.print_rounds(f"{shape} causal={causal} forward, {ROUNDS} rounds", res)
