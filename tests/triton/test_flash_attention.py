@@ -182,6 +182,14 @@ def test_heuristic_by_head_dim_and_causality(monkeypatch: pytest.MonkeyPatch) ->
         kwargs = {"query": x, "key": x, "value": x, "causal": causal, **extra}
         return fa.heuristic(types.SimpleNamespace(kwargs=kwargs))
 
+    # the D 64 forward: 128 rows with 8 warps where plain and not causal, else 64 with 4
+    assert config(64, False).fwd_params == fa._FWD_D64_PLAIN
+    assert config(64, True).fwd_params == fa._FWD_D128
+    assert config(64, False, logits_soft_cap=5.0).fwd_params == fa._FWD_D128
+    assert config(64, False, softmax_scale=-0.1).fwd_params == fa._FWD_D128
+    seg = jax.ShapeDtypeStruct((8, 2048), jnp.int32)
+    assert config(64, False, q_segment_ids=seg, kv_segment_ids=seg).fwd_params == fa._FWD_D128
+    assert config(32, False).fwd_params == fa._FWD_D128
     assert config(64, True).bwd_params == fa._BWD_D64_CAUSAL
     assert config(64, False).bwd_params == fa._BWD_D64
     assert config(64, True).dq_params == config(64, False).dq_params == fa._DQ_D64

@@ -130,8 +130,9 @@ def heuristic(inv: Any) -> FlashAttentionConfig:
         # of the three (RESULTS.md, eighth and ninth sessions); at D 64 they do not
         return FlashAttentionConfig(fwd_params=_WS_FWD, bwd_params=_BWD_D128, warp_specialize=True)
     elif d <= 64:  # H100, (8, 2048, 16, 64) bf16: each kernel's best (RESULTS.md, 11th session)
+        plain_d64 = not causal and q.shape[-1] == v.shape[-1] == 64 and _plain_scale(inv.kwargs)
         return FlashAttentionConfig(
-            fwd_params=_FWD_D128,
+            fwd_params=_FWD_D64_PLAIN if plain_d64 else _FWD_D128,
             bwd_params=_BWD_D64_CAUSAL if causal else _BWD_D64,
             dq_params=_DQ_D64,
         )
@@ -196,6 +197,10 @@ _GLUON_BWD = {
 #: 308 against 292 TFLOP/s in grid order, D 128 (the usual kernel) 378 against 348).
 _FWD_HEAD_GROUP = 16
 _FWD_D128 = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+#: The usual forward at D 64, not causal, where the scale rides in the exponent: 128 query rows
+#: and 8 warps. H100, (8, 2048, 16, 64): 385 / 386 / 392 against 384 / 376 / 381 TFLOP/s for
+#: the above in three runs; causal it is 23 % slower (RESULTS.md, seventeenth session).
+_FWD_D64_PLAIN = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
 _BWD_D128 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
 #: The usual kernels' dK/dV under a causal mask at D 128: 32 query rows a step, 406 against
 #: 323 TFLOP/s for 64 (non-causal 414 against 467; the eleventh session's sweep).
@@ -206,6 +211,14 @@ _BWD_D128_CAUSAL = BwdParams(q_blocksize=32, kv_blocksize=64, num_warps=4, num_s
 _BWD_D64 = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
 _BWD_D64_CAUSAL = BwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=1)
 _DQ_D64 = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+
+
+def _plain_scale(a: Any) -> bool:
+    """Whether the usual forward folds the scale into the exponent for these arguments on
+    whole key blocks (``PLAIN_SCALE``: nothing to add or mask, no soft cap, a scale ≥ 0)."""
+    extras = ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "logits_soft_cap")
+    scale = a.get("softmax_scale")
+    return all(a.get(name) is None for name in extras) and (scale is None or scale >= 0)
 
 
 def _ws_candidate(a: Any) -> bool:
