@@ -15,10 +15,7 @@ impls = {"ours": ba.ours("triton"), "cuDNN": ba.implementations()["cuDNN"]}
 for shape, causal in [((8, 2048, 16, 64), False), ((8, 2048, 16, 64), True)]:
     q, k, v, _ = ba.normal_inputs(shape, 2)
     fns = {n: jax.jit(lambda q, k, v, f=f, c=causal: f(q, k, v, c)) for n, f in impls.items()}
-    res: dict[str, list[float]] = {n: [] for n in fns}
-    for r in range(ROUNDS):
-        for n in list(fns)[r % 2 :] + list(fns)[: r % 2]:
-            res[n].append(ba.flops(*shape, causal) / ba.timed(fns[n], q, k, v) / 1e9)
+    res = ba.rotating_rounds(fns, (q, k, v), ROUNDS, ba.flops(*shape, causal) / 1e9)
     ratios = [a / b for a, b in zip(res["ours"], res["cuDNN"], strict=True)]
     print(f"== {shape} causal={causal} forward TFLOP/s, {ROUNDS} rounds")
     for n, xs in res.items():

@@ -19,13 +19,13 @@ cores wait. Gluon (``triton.experimental.gluon``) writes the partitions out:
   block j runs while the latter finishes.
 
 Same contract as ``flash_attention_fwd_ws_kernel``: the plain case (no bias, mask, segments,
-window or sinks), bf16/f16, D = Dv a power of two; soft cap; a softmax scale > 0 only (it
-masks and takes row maxima of unscaled scores; ``_forward_ws`` sends the rest to Triton's); GQA/MQA by head index; causal is
-bottom-right; output ``[B, Sq, Hq, D]`` and ``lse`` ``[B, Hq, Sq]`` in the log2 domain, with
-``EMPTY_LSE`` and zeros for rows that see no key, so the warp-specialized backward takes it as
-is. Rows and blocks are addressed in the 2-D views ``[B·S, H·D]``: a key block that runs into
-the next batch's rows is masked like one past the end, and query rows past ``seqlen_q`` are
-never stored.
+window or sinks), bf16/f16, D = Dv a power of two; soft cap; GQA/MQA by head index; causal is
+bottom-right; but a softmax scale > 0 only (it masks and takes row maxima of unscaled scores;
+``_forward_ws`` sends the rest to Triton's); output ``[B, Sq, Hq, D]`` and ``lse``
+``[B, Hq, Sq]`` in the log2 domain, with ``EMPTY_LSE`` and zeros for rows that see no key, so
+the warp-specialized backward takes it as is. Rows and blocks are addressed in the 2-D views
+``[B·S, H·D]``: a key block that runs into the next batch's rows is masked like one past the
+end, and query rows past ``seqlen_q`` are never stored.
 
 The backward takes ``lse`` and ``delta`` as the Triton kernels do (``[B, Hq, S]``, log2
 domain), padded to whole query blocks, because its loader brings them by TMA. One program per
