@@ -1,6 +1,7 @@
 """Environment variables ejkernel reads, each read at call time (never frozen at import).
 
 The README's table of variables is generated from :data:`VARIABLES`; a test keeps them equal.
+The public face of this module, for plugins and users, is :mod:`ejkernel.env`.
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ def autotune_policy() -> str:
 
 
 def log_autotune() -> bool:
+    """Whether every autotune candidate and its time is logged at INFO level."""
     return _get(LOG_AUTOTUNE).lower() in ("1", "true", "yes", "on")
 
 
 def cache_dir() -> Path:
+    """The persistent cache folder (plugins keep their own caches in subfolders of it)."""
     explicit = _get(CACHE_DIR)
     if explicit:
         return Path(explicit).expanduser()
@@ -76,10 +79,12 @@ def cache_dir() -> Path:
 
 
 def forced_platform() -> str | None:
+    """The platform ``EJKERNEL_PLATFORM`` forces for every op, lower-cased, or ``None``."""
     return _get(PLATFORM).lower() or None
 
 
 def disabled_plugins() -> frozenset[str]:
+    """Entry-point names of the plugins ``EJKERNEL_DISABLE_PLUGINS`` skips."""
     return frozenset(p.strip() for p in _get(DISABLE_PLUGINS).split(",") if p.strip())
 
 
@@ -89,4 +94,5 @@ def interpret() -> bool:
 
 
 def plugins_autoload() -> bool:
+    """Whether plugins are discovered through entry points (``EJKERNEL_PLUGINS_AUTOLOAD``)."""
     return _get(PLUGINS_AUTOLOAD).lower() not in ("0", "false", "no", "off")

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import jax.numpy as jnp
 
-from ejkernel._params import BwdParams, FwdParams
+from ejkernel.plugins import BwdParams, FwdParams
 
 __all__ = ["FlashAttentionConfig", "Visibility", "declined_features"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ejkernel import _env
+from ejkernel import env
 from ejkernel.hookspecs import API_VERSION
 from ejkernel.plugins import hookimpl
 
@@ -38,11 +38,11 @@ def available(backend: str) -> bool | str:
     """``True`` on TPU and GPU, and on CPU with ``EJKERNEL_INTERPRET=1``; else the reason."""
     if backend in ("tpu", "gpu"):
         return True
-    if _env.interpret():
+    if env.interpret():
         return True
     return (
         f"Pallas kernels need a TPU or a GPU (this device is {backend}); set "
-        f"{_env.INTERPRET}=1 to run them on the CPU in interpret mode"
+        f"{env.INTERPRET}=1 to run them on the CPU in interpret mode"
     )
 
 

@@ -42,7 +42,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ejkernel import _env
+from ejkernel import env
 
 __all__ = ["GLOBAL_SCRATCH_BYTES", "cache_folder", "compile_directly", "install", "source_key"]
 
@@ -59,7 +59,7 @@ _entries: dict[int, dict[str, Any]] = {}
 
 def cache_folder() -> Path:
     """``<ejkernel cache folder>/triton`` (read at each call, like the core's caches)."""
-    return _env.cache_dir() / "triton"
+    return env.cache_dir() / "triton"
 
 
 def install() -> None:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel import _env
+from ejkernel import env
 
 __all__ = ["fold_vmap", "interpreting", "launch"]
 
@@ -37,7 +37,7 @@ _interpret_lock = threading.RLock()
 
 def interpreting() -> bool:
     """Whether kernels run through the interpreter: asked for, and no GPU is the default device."""
-    return _env.interpret() and jax.default_backend() == "cpu"
+    return env.interpret() and jax.default_backend() == "cpu"
 
 
 def launch(

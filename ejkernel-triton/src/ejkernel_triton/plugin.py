@@ -11,7 +11,7 @@ import functools
 import importlib
 from typing import Any
 
-from ejkernel import _env
+from ejkernel import env
 from ejkernel.hookspecs import API_VERSION
 from ejkernel.plugins import hookimpl
 
@@ -31,7 +31,7 @@ def available(backend: str) -> bool | str:
     if backend == "gpu":
         return _importable("jax_triton")
     if backend == "cpu":
-        if not _env.interpret():
+        if not env.interpret():
             return (
                 "runs on a CPU only through Triton's interpreter: set EJKERNEL_INTERPRET=1 "
                 "(slow; for tests and debugging)"

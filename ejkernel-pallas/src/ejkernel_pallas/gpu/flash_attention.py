@@ -51,9 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel import _env
-from ejkernel._params import BwdParams, FwdParams
-from ejkernel.plugins import defvjp
+from ejkernel import env
+from ejkernel.plugins import BwdParams, FwdParams, defvjp
 from ejkernel_pallas import _compat
 from ejkernel_pallas._attention import FlashAttentionConfig, declined_features
 
@@ -157,7 +156,7 @@ def supports(inv: Any) -> bool | str:
             f"the Pallas Mosaic GPU kernels take Sq and Sk multiples of {SEQ_MULTIPLE}; "
             f"got Sq={sq}, Sk={sk}"
         )
-    if not _env.interpret():
+    if not env.interpret():
         cc = _compute_capability()
         if cc is not None and cc < (9, 0):
             return (

@@ -46,9 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ejkernel import _env
-from ejkernel._params import BwdParams, FwdParams
-from ejkernel.plugins import defvjp
+from ejkernel import env
+from ejkernel.plugins import BwdParams, FwdParams, defvjp
 from ejkernel_pallas import _compat
 from ejkernel_pallas._attention import FlashAttentionConfig, Visibility, declined_features
 
@@ -459,7 +458,7 @@ class _Problem:
     @property
     def interpret(self) -> Any:
         """TPU interpret parameters on the CPU (only reachable with EJKERNEL_INTERPRET=1)."""
-        if jax.default_backend() == "tpu" and not _env.interpret():
+        if jax.default_backend() == "tpu" and not env.interpret():
             return False
         return _compat.tpu_interpret_params()
 

@@ -35,8 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel._params import BwdParams, FwdParams
-from ejkernel.plugins import defvjp
+from ejkernel.plugins import BwdParams, FwdParams, defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, BROADCAST, OTHER
 

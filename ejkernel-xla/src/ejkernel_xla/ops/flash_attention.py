@@ -45,8 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ejkernel._params import BwdParams, FwdParams
-from ejkernel.plugins import defvjp
+from ejkernel.plugins import BwdParams, FwdParams, defvjp
 from ejkernel.specs.flash_attention import dropout_keep
 
 __all__ = [

@@ -48,8 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ejkernel._params import BwdParams, FwdParams
-from ejkernel.plugins import defvjp
+from ejkernel.plugins import BwdParams, FwdParams, defvjp
 
 __all__ = [
     "MultiHeadLatentAttentionConfig",

@@ -40,8 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ejkernel._params import FwdParams
-from ejkernel.plugins import defvjp
+from ejkernel.plugins import FwdParams, defvjp
 from ejkernel.specs.native_sparse_attention import nsa_select_blocks, sequence_layout
 from ejkernel_xla.ops.flash_attention import flash_attention_xla
 

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ejkernel._params import FwdParams
+from ejkernel.plugins import FwdParams
 
 __all__ = [
     "Problem",

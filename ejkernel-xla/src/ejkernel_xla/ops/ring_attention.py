@@ -47,8 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel._params import BwdParams, FwdParams
-from ejkernel.plugins import defvjp
+from ejkernel.plugins import BwdParams, FwdParams, defvjp
 from ejkernel.specs.flash_attention import dropout_keep
 
 # Blockwise building blocks shared with flash attention (same layout, same masking value).
