@@ -74,5 +74,5 @@ def test_the_public_plugin_names_import_without_a_backend() -> None:
     from ejkernel.plugins import BwdParams, FwdParams, Registry, defvjp, hookimpl
 
     assert FwdParams(q_blocksize=64).q_blocksize == 64 and BwdParams().num_warps is None
-    assert callable(defvjp) and callable(hookimpl) and hasattr(Registry, "register")
+    assert callable(defvjp) and callable(hookimpl) and hasattr(Registry, "register_module")
     assert env.INTERPRET == "EJKERNEL_INTERPRET" and isinstance(env.interpret(), bool)

@@ -23,7 +23,6 @@ from ejkernel_xla.ops.flash_attention import (
     flash_attention_xla,
     heuristic,
     scaled_dot_product_attention_xla,
-    supports,
 )
 
 ARRAY_ARGS = (
@@ -329,7 +328,3 @@ def test_configs_never_use_blocks_longer_than_the_sequence(shape: AttentionShape
         for params in (cfg.fwd_params, cfg.bwd_params):
             assert 1 <= params.q_blocksize <= shape.sq
             assert 1 <= params.kv_blocksize <= shape.sk
-
-
-def test_supports_every_call() -> None:
-    assert supports(_Invocation(SQUARE, grad=False)) is True

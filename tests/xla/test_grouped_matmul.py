@@ -23,7 +23,6 @@ from ejkernel_xla.ops.grouped_matmul import (
     GroupedMatmulConfig,
     config_space,
     heuristic,
-    supports,
 )
 
 
@@ -356,10 +355,6 @@ def test_cpu_tiles_bound_the_straddling_waste(m: int, g: int, block: int) -> Non
 def test_config_rejects_a_non_positive_tile() -> None:
     with pytest.raises(ValueError, match="block_m"):
         GroupedMatmulConfig(block_m=0)
-
-
-def test_supports_every_call() -> None:
-    assert supports(_Invocation(37, 5)) is True
 
 
 def test_autotuning_inputs_route_every_row() -> None:

@@ -26,7 +26,6 @@ from ejkernel_xla.ops.native_sparse_attention import (
     NativeSparseAttentionConfig,
     config_space,
     heuristic,
-    supports,
 )
 
 NAMES = ("query", "key", "value", "g_cmp", "g_slc", "g_swa")
@@ -315,8 +314,3 @@ def test_configs_use_chunks_no_longer_than_the_sequence() -> None:
     space = config_space(inv)
     assert space[0] == heuristic(inv) and len(space) == len(set(space))
     assert all(1 <= cfg.fwd_params.q_blocksize <= GQA.s for cfg in space)
-
-
-def test_supports_every_call() -> None:
-    assert supports(_Invocation(GQA)) is True
-    assert supports(_Invocation(MQA)) is True

@@ -19,7 +19,7 @@ import ejkernel
 from ejkernel.specs.state_space_v1 import state_space_v1_reference
 from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal
-from ejkernel_xla.ops.state_space_v1 import StateSpaceV1Config, config_space, heuristic, supports
+from ejkernel_xla.ops.state_space_v1 import StateSpaceV1Config, config_space, heuristic
 
 #: f32 tolerance of this op: 1e-4 relative (the float32 table's 1e-5, times 10).
 F32 = 10.0
@@ -139,7 +139,7 @@ class _Inv:
         self.metadata = {"grad": True}
 
 
-def test_explain_configs_and_supports() -> None:
+def test_explain_and_configs() -> None:
     arrays = inputs(1, 37, 4, 3)
     record = ejkernel.explain("state_space_v1", **arrays)
     assert record.platform == "xla" and record.source == "heuristic"
@@ -149,7 +149,6 @@ def test_explain_configs_and_supports() -> None:
     space = config_space(_Inv(1000))
     assert space[0] == heuristic(_Inv(1000)) and len(space) == len(set(space)) > 1
     assert {c.intra_chunk for c in space} == {"sequential", "associative"}
-    assert supports(_Inv(100)) is True
     with pytest.raises(ValueError, match="intra_chunk"):
         StateSpaceV1Config(intra_chunk="magic")
     with pytest.raises(ValueError, match="chunk_size"):

@@ -270,17 +270,18 @@ def build_op_function(
     def primal(arrays: dict[str, Any]) -> Any:
         return fn(**statics, **nones, **arrays, cfg=choose(False))
 
-    fwd_fn, bwd_fn = getattr(fn, "fwd", None), getattr(fn, "bwd", None)
-    if not (spec.differentiable and diff and fwd_fn is not None and bwd_fn is not None):
+    vjp = impl.get_vjp()
+    if not (spec.differentiable and diff and vjp is not None):
         return primal
+    fwd_fn, bwd_fn = vjp
     cell: dict[str, Any] = {}
 
     def fwd(arrays: dict[str, Any]) -> tuple[Any, Any]:
         cfg = cell["cfg"] = choose(True)
-        return fwd_fn(**statics, **nones, **arrays, cfg=cfg)  # type: ignore[misc]
+        return fwd_fn(**statics, **nones, **arrays, cfg=cfg)
 
     def bwd(residuals: Any, d_out: Any) -> tuple[dict[str, Any]]:
-        grads = bwd_fn(residuals, d_out, **statics, cfg=cell["cfg"])  # type: ignore[misc]
+        grads = bwd_fn(residuals, d_out, **statics, cfg=cell["cfg"])
         return ({k: (grads.get(k) if k in diff else None) for k in cell["names"]},)
 
     wrapped = jax.custom_vjp(primal)

@@ -4,10 +4,10 @@ What a plugin imports from core, all public: :data:`hookimpl` (hooks are specifi
 :mod:`ejkernel.hookspecs`, with ``API_VERSION``), :func:`defvjp` (a forward/backward pair for an
 implementation), :class:`FwdParams` and :class:`BwdParams` (the tunables configs share),
 :class:`Registry` (what ``ejkernel_register`` receives: :meth:`Registry.register`,
-:meth:`Registry.register_module`, :meth:`Registry.add_op`, :meth:`Registry.add_platform`), the
-op contract in :mod:`ejkernel.specs`, the environment in :mod:`ejkernel.env`, and the
-conformance kit in :mod:`ejkernel.testing`. A plugin never imports ``ejkernel._*`` modules:
-they change without notice.
+:meth:`Registry.register_module` with :func:`conventional_names`, :meth:`Registry.add_op`,
+:meth:`Registry.add_platform`), the op contract in :mod:`ejkernel.specs`, the environment in
+:mod:`ejkernel.env`, and the conformance kit in :mod:`ejkernel.testing`. A plugin never imports
+``ejkernel._*`` modules: they change without notice.
 
 Core loads entry points in its own loop, sorted by name, one failure isolated per plugin: a
 plugin that fails to import, declares another API version, or raises while registering is
@@ -30,7 +30,7 @@ import pluggy
 
 from ejkernel import _env, hookspecs
 from ejkernel._params import BwdParams, FwdParams
-from ejkernel._registry import Registry
+from ejkernel._registry import Registry, conventional_names
 from ejkernel.errors import PluginWarning, warn_once
 from ejkernel.specs import builtin_ops, builtin_spec
 
@@ -40,6 +40,7 @@ __all__ = [
     "FwdParams",
     "PluginInfo",
     "Registry",
+    "conventional_names",
     "defvjp",
     "get_registry",
     "hookimpl",

@@ -27,14 +27,18 @@ PLATFORM = "cuda"
 #: Priority of the CUDA implementations (the XLA fallback registers 0).
 PRIORITY = 200
 
-#: op -> (module under ejkernel_cuda.ops, name of its config class or None).
-OPS: dict[str, tuple[str, str | None]] = {
-    "flash_attention": ("flash_attention", None),
-    "scaled_dot_product_attention": ("scaled_dot_product_attention", None),
-    "ragged_decode_attention": ("ragged_decode_attention", "RaggedDecodeAttentionConfig"),
-    "page_attention": ("page_attention", "PageAttentionConfig"),
-    "mean_pooling": ("mean_pooling", None),
-}
+#: Every op this plugin implements, each in ``ejkernel_cuda.ops.<op>``, registered with
+#: ``registry.register_module`` (core finds ``<op>_cuda``, its config class if any,
+#: ``heuristic``, ``config_space`` and ``supports`` there by name on first use).
+#: ``scaled_dot_product_attention`` has its own module, so flash attention's does not serve it
+#: here (core's ``served_by`` applies only where a platform registers none).
+OPS: tuple[str, ...] = (
+    "flash_attention",
+    "scaled_dot_product_attention",
+    "ragged_decode_attention",
+    "page_attention",
+    "mean_pooling",
+)
 
 
 @hookimpl
@@ -47,23 +51,10 @@ def ejkernel_register(registry: Any) -> None:
     registry.add_platform(
         PLATFORM, available="ejkernel_cuda._device:available", distribution="ejkernel-cuda"
     )
-    for op, (name, config) in OPS.items():
-        module = f"ejkernel_cuda.ops.{name}"
-        tuning: dict[str, str] = {}
-        if config is not None:
-            tuning = {
-                "config": f"{module}:{config}",
-                "heuristic": f"{module}:heuristic",
-                "config_space": f"{module}:config_space",
-            }
-        registry.register(
-            op,
-            platform=PLATFORM,
-            backend="gpu",
-            priority=PRIORITY,
-            supports=f"{module}:supports",
-            **tuning,
-        )(f"{module}:{op}_cuda")
+    for op in OPS:
+        registry.register_module(
+            op, f"ejkernel_cuda.ops.{op}", platform=PLATFORM, backend="gpu", priority=PRIORITY
+        )
 
 
 @hookimpl

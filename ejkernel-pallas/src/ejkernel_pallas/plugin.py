@@ -7,7 +7,10 @@ Two families, each declaring the hardware it runs on:
   (the same kernels, with TPU memory spaces simulated), for tests and debugging.
 - ``ejkernel_pallas.gpu.<op>``: Mosaic GPU kernels for Hopper (sm_90), backend ``gpu``.
 
-The availability probe runs on first selection, never at import.
+Each module is registered with ``registry.register_module`` (core finds ``<op>_pallas``, its
+config class, ``heuristic``, ``config_space`` and ``supports`` there by name on first use);
+flash attention's also serves ``scaled_dot_product_attention`` (core's ``served_by``). The
+availability probe runs on first selection, never at import.
 """
 
 from __future__ import annotations
@@ -21,16 +24,15 @@ from ejkernel.plugins import hookimpl
 #: op -> the families (``tpu``, ``gpu``) with a module ``ejkernel_pallas.<family>.<op>``.
 OPS: dict[str, tuple[str, ...]] = {
     "flash_attention": ("tpu", "gpu"),
-    "scaled_dot_product_attention": ("tpu", "gpu"),
 }
-#: family -> (backends it is registered for, priority, module holding the op). On a TPU the
+#: family -> (backends it is registered for, priority). On a TPU the
 #: Mosaic kernels beat the XLA fallback (0). On a GPU the Mosaic GPU kernels rank above the
 #: Triton plugin (20): on the H100 they ran 0.87-1.00x cuDNN forward against Triton's 0.4x
 #: (benchmarks/RESULTS.md); cuDNN through the cuda plugin (200) still comes first where it
 #: accepts the call. On a CPU (interpret mode) they rank below Triton's interpreter path.
-FAMILIES: dict[str, tuple[tuple[str, ...], int, str]] = {
-    "tpu": (("tpu", "cpu"), 10, "flash_attention"),
-    "gpu": (("gpu",), 30, "flash_attention"),
+FAMILIES: dict[str, tuple[tuple[str, ...], int]] = {
+    "tpu": (("tpu", "cpu"), 10),
+    "gpu": (("gpu",), 30),
 }
 
 
@@ -56,15 +58,11 @@ def ejkernel_register(registry: Any) -> None:
     registry.add_platform("pallas", available=available, distribution="ejkernel-pallas")
     for op, families in OPS.items():
         for family in families:
-            backends, priority, module_name = FAMILIES[family]
-            module = f"ejkernel_pallas.{family}.{module_name}"
-            registry.register(
+            backends, priority = FAMILIES[family]
+            registry.register_module(
                 op,
+                f"ejkernel_pallas.{family}.{op}",
                 platform="pallas",
                 backend=backends,
                 priority=priority,
-                config=f"{module}:FlashAttentionConfig",
-                heuristic=f"{module}:heuristic",
-                config_space=f"{module}:config_space",
-                supports=f"{module}:supports",
-            )(f"{module}:{op}_pallas")
+            )

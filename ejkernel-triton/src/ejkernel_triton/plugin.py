@@ -1,5 +1,10 @@
 """Entry point of the Triton plugin: registers flash attention; imports nothing heavy.
 
+``ejkernel_triton.ops.flash_attention`` is registered with ``registry.register_module`` (core
+finds ``flash_attention_triton``, ``FlashAttentionConfig``, ``heuristic``, ``config_space`` and
+``supports`` there by name on first use); it also serves ``scaled_dot_product_attention``
+(core's ``served_by``).
+
 The platform is available on a CUDA or ROCm GPU when jax-triton imports, and on a CPU when
 ``EJKERNEL_INTERPRET=1`` asks for Triton's interpreter; otherwise ``ejkernel info`` and every
 selection record show :func:`available`'s reason.
@@ -18,12 +23,8 @@ from ejkernel.plugins import hookimpl
 #: Above the XLA fallback (0): where Triton runs, it is the faster choice.
 PRIORITY = 20
 
-#: op -> module under ``ejkernel_triton.ops`` holding ``<op>_triton``, ``supports``,
-#: ``heuristic``, ``config_space`` and the config class.
-OPS: dict[str, tuple[str, str]] = {
-    "flash_attention": ("flash_attention", "FlashAttentionConfig"),
-    "scaled_dot_product_attention": ("flash_attention", "FlashAttentionConfig"),
-}
+#: Every op this plugin implements, each in ``ejkernel_triton.ops.<op>``.
+OPS: tuple[str, ...] = ("flash_attention",)
 
 
 def available(backend: str) -> bool | str:
@@ -57,15 +58,11 @@ def ejkernel_api_version() -> int:
 @hookimpl
 def ejkernel_register(registry: Any) -> None:
     registry.add_platform("triton", available=available, distribution="ejkernel-triton")
-    for op, (name, config) in OPS.items():
-        module = f"ejkernel_triton.ops.{name}"
-        registry.register(
+    for op in OPS:
+        registry.register_module(
             op,
+            f"ejkernel_triton.ops.{op}",
             platform="triton",
             backend=("gpu", "cpu"),
             priority=PRIORITY,
-            supports=f"{module}:supports",
-            config=f"{module}:{config}",
-            heuristic=f"{module}:heuristic",
-            config_space=f"{module}:config_space",
-        )(f"{module}:{op}_triton")
+        )

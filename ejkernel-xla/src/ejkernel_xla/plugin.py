@@ -1,7 +1,9 @@
 """Entry point of the XLA plugin: registers every op in pure JAX (imports nothing heavy).
 
-Convention: op ``x`` lives in ``ejkernel_xla.ops.x`` as ``x_xla`` with ``supports``; ops with a
-config also define ``heuristic`` and ``config_space`` there, and the table names the config.
+Op ``x`` lives in ``ejkernel_xla.ops.x``, registered with ``registry.register_module``: core
+finds ``x_xla``, its config class, ``heuristic`` and ``config_space`` there by name on first
+use. No module declines a valid call, so none defines ``supports``. Flash attention's module
+also serves ``scaled_dot_product_attention`` (core's ``served_by``).
 """
 
 from __future__ import annotations
@@ -11,30 +13,29 @@ from typing import Any
 from ejkernel.hookspecs import API_VERSION
 from ejkernel.plugins import hookimpl
 
-#: op -> name of its config class in its module (None: the implementation takes no config).
-OPS: dict[str, str | None] = {
-    "flash_attention": "FlashAttentionConfig",
-    "scaled_dot_product_attention": "FlashAttentionConfig",
-    "ring_attention": "RingAttentionConfig",
-    "native_sparse_attention": "NativeSparseAttentionConfig",
-    "attention": None,
-    "blocksparse_attention": None,
-    "multi_head_latent_attention": "MultiHeadLatentAttentionConfig",
-    "page_attention": "PageAttentionConfig",
-    "ragged_decode_attention": "RaggedDecodeAttentionConfig",
-    "ragged_page_attention": "RaggedPageAttentionConfig",
-    "ragged_page_attention_v3": "RaggedPageAttentionV3Config",
-    "prefill_page_attention": "PrefillPageAttentionConfig",
-    "unified_attention": "UnifiedAttentionConfig",
-    "grouped_matmul": "GroupedMatmulConfig",
-    "mean_pooling": None,
-    "recurrent": "RecurrentConfig",
-    "gla": "GlaConfig",
-    "lightning_attention": "LightningAttentionConfig",
-    "kernel_delta_attention": "KernelDeltaAttentionConfig",
-    "state_space_v1": "StateSpaceV1Config",
-    "state_space_v2": "StateSpaceV2Config",
-}
+#: Every op this plugin implements, each in ``ejkernel_xla.ops.<op>``.
+OPS: tuple[str, ...] = (
+    "flash_attention",
+    "ring_attention",
+    "native_sparse_attention",
+    "attention",
+    "blocksparse_attention",
+    "multi_head_latent_attention",
+    "page_attention",
+    "ragged_decode_attention",
+    "ragged_page_attention",
+    "ragged_page_attention_v3",
+    "prefill_page_attention",
+    "unified_attention",
+    "grouped_matmul",
+    "mean_pooling",
+    "recurrent",
+    "gla",
+    "lightning_attention",
+    "kernel_delta_attention",
+    "state_space_v1",
+    "state_space_v2",
+)
 
 
 @hookimpl
@@ -45,15 +46,5 @@ def ejkernel_api_version() -> int:
 @hookimpl
 def ejkernel_register(registry: Any) -> None:
     registry.add_platform("xla", distribution="ejkernel-xla")
-    for op, config in OPS.items():
-        module = f"ejkernel_xla.ops.{op}"
-        tuning: dict[str, str] = {}
-        if config is not None:
-            tuning = {
-                "config": f"{module}:{config}",
-                "heuristic": f"{module}:heuristic",
-                "config_space": f"{module}:config_space",
-            }
-        registry.register(
-            op, platform="xla", backend="any", priority=0, supports=f"{module}:supports", **tuning
-        )(f"{module}:{op}_xla")
+    for op in OPS:
+        registry.register_module(op, f"ejkernel_xla.ops.{op}", platform="xla", backend="any")

@@ -51,6 +51,10 @@ class OpSpec:
         tolerances: ``{dtype name: (rtol, atol)}`` entries that replace
             :data:`ejkernel.testing.TOLERANCES` for this op (long recurrences accumulate more
             rounding); ``None`` keeps the table.
+        served_by: an op whose implementations also serve this one, on every platform that
+            registers none of its own for it; this op's arguments must be some of that op's
+            (the others run at their defaults). ``scaled_dot_product_attention`` is served by
+            ``flash_attention``.
     """
 
     name: str
@@ -61,6 +65,7 @@ class OpSpec:
     synthetic: Callable[[Mapping[str, Any], int], dict[str, Any]] | None = None
     examples: Callable[[], Any] | str | None = None
     tolerances: Mapping[str, tuple[float, float]] | None = attrs.field(default=None, eq=False)
+    served_by: str | None = None
     _by_name: dict[str, Arg] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:

@@ -1,7 +1,9 @@
 """scaled_dot_product_attention: flash attention's arguments minus dropout and sinks.
 
 Same semantics as :mod:`ejkernel.specs.flash_attention`; implementations may use vendor fused
-kernels (cuDNN) where they exist.
+kernels (cuDNN) where they exist. Served by flash attention (``served_by``): every platform's
+flash-attention implementation runs this op too, with no dropout and no sinks, unless the
+platform registers its own.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ SPEC = OpSpec(
     validate=lambda a: validate_flash_attention(a, op=OP),
     reference=scaled_dot_product_attention_reference,
     examples="ejkernel.testing.cases.scaled_dot_product_attention:examples",
+    served_by="flash_attention",
 )
 
 

@@ -17,7 +17,7 @@ The probabilities are an output, so the whole ``[B, Hq, Sq, Sk]`` matrix is form
   the inputs, ``P`` in float32 and the row logsumexp; the logits are recomputed only for the
   soft cap.
 
-No config (nothing to tune: one fused graph). ``supports()`` declines nothing: every valid call
+No config (nothing to tune: one fused graph). It declines nothing (no ``supports``): every valid call
 runs, on every backend (memory is O(B · Hq · Sq · Sk) by the op's definition).
 """
 
@@ -34,17 +34,11 @@ import numpy as np
 from ejkernel.plugins import defvjp
 from ejkernel.specs.flash_attention import attention_mask_dense, dropout_keep
 
-__all__ = ["attention_xla", "supports"]
+__all__ = ["attention_xla"]
 
 #: Logsumexp of a row with no visible key: ``exp(sink - it)`` is 0, so such rows get no
 #: sink gradient either.
 _EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def attention_xla(

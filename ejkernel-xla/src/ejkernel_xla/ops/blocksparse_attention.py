@@ -38,7 +38,7 @@ traced, the schedule below is built inside the graph.
   zero gradients (its saved logsumexp makes every recomputed probability 0).
 
 Accumulation is float32; matmul inputs keep the input dtype. No config: the block sizes are
-the mask's. ``supports()`` declines nothing: this backend serves every valid call.
+the mask's. It declines nothing (no ``supports``): this backend serves every valid call.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from jax import lax
 
 from ejkernel.plugins import defvjp
 
-__all__ = ["blocksparse_attention_xla", "supports"]
+__all__ = ["blocksparse_attention_xla"]
 
 #: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
 _MASK_VALUE = float(np.finfo(np.float32).min)
@@ -62,12 +62,6 @@ _MASK_VALUE = float(np.finfo(np.float32).min)
 _EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
 #: Lanes per row of the schedule: work ≤ (LANES_PER_ROW / (LANES_PER_ROW - 1)) · live + lanes.
 LANES_PER_ROW = 2
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def blocksparse_attention_xla(

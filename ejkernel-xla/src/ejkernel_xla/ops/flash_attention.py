@@ -29,7 +29,7 @@ through :func:`ejkernel.plugins.defvjp`. The algorithm is FlashAttention-2 (Dao,
   with zero gradients. Blocks that causality or the sliding window hide entirely are skipped
   (``lax.cond`` on block indices only, which stays a branch under ``vmap``).
 
-Accumulation is float32; matmul inputs keep the input dtype. ``supports()`` declines nothing:
+Accumulation is float32; matmul inputs keep the input dtype. It declines nothing (no ``supports``):
 this backend serves every valid call of both ops, on every backend.
 """
 
@@ -54,7 +54,6 @@ __all__ = [
     "flash_attention_xla",
     "heuristic",
     "scaled_dot_product_attention_xla",
-    "supports",
 ]
 
 #: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
@@ -130,12 +129,6 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
         if cfg not in configs:
             configs.append(cfg)
     return configs
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def flash_attention_xla(

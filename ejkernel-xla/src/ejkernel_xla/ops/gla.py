@@ -13,7 +13,7 @@ flop and byte counts against the sequential scan, and the backward from saved ch
 states.
 
 Tunables: ``chunk_size`` (tokens per chunk) and ``sub_chunk_size`` (tokens per sub-chunk of the
-two-level form; its pairwise decays are [c, c, K]). ``supports()`` declines nothing.
+two-level form; its pairwise decays are [c, c, K]). It declines nothing (no ``supports``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from ejkernel.plugins import defvjp
 from ejkernel_xla.ops import recurrent as _engine
 
-__all__ = ["GlaConfig", "config_space", "gla_xla", "heuristic", "supports"]
+__all__ = ["GlaConfig", "config_space", "gla_xla", "heuristic"]
 
 
 @attrs.frozen(kw_only=True)
@@ -53,12 +53,6 @@ def heuristic(inv: Any) -> GlaConfig:
 def config_space(inv: Any) -> list[GlaConfig]:
     """The heuristic's config, then a few (chunk, sub-chunk) pairs, clamped and deduplicated."""
     return [GlaConfig(**attrs.asdict(c)) for c in _engine.config_space(inv)]
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def gla_xla(

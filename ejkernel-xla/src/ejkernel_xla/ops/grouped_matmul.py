@@ -39,7 +39,7 @@ the rule's tile was the best tile for five, 14% off the best for M 512, K = N 10
 unmeasured.
 
 Accumulation is float32; matmul inputs keep the input dtype (``d_out`` is cast to it in the
-backward). ``supports()`` declines nothing: this backend serves every valid call.
+backward). It declines nothing (no ``supports``): this backend serves every valid call.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ __all__ = [
     "config_space",
     "grouped_matmul_xla",
     "heuristic",
-    "supports",
 ]
 
 #: (smallest, largest) tile the heuristic picks per backend, unless M itself is smaller. Below
@@ -104,12 +103,6 @@ def config_space(inv: Any) -> list[GroupedMatmulConfig]:
         if block <= _next_power_of_2(m) and cfg not in configs:
             configs.append(cfg)
     return configs
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def grouped_matmul_xla(

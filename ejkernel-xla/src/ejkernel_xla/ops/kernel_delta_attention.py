@@ -79,7 +79,7 @@ of the whole chunked forward, not a fully hand-derived backward (as flash-linear
 kernels have): it costs one extra forward.
 
 Everything is float32 inside (the triangular inverse needs it); outputs keep the query dtype,
-the final state is float32. Config: ``chunk_size`` (C). ``supports()`` declines nothing: every
+the final state is float32. Config: ``chunk_size`` (C). It declines nothing (no ``supports``): every
 valid call runs here, on every backend.
 """
 
@@ -101,7 +101,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "kernel_delta_attention_xla",
-    "supports",
 ]
 
 #: Default chunk length C per backend: flash-linear-attention's 64 on accelerators; on CPU 32
@@ -145,12 +144,6 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
         if cfg not in configs:
             configs.append(cfg)
     return configs
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def kernel_delta_attention_xla(

@@ -10,7 +10,7 @@ inter split). The slopes arrive built by the core spec when ``(layer_idx, num_la
 gradient like any gate. See the engine module for the ``cu_seqlens`` layout and the backward
 from saved chunk-start states.
 
-Tunable: ``chunk_size``. ``supports()`` declines nothing.
+Tunable: ``chunk_size``. It declines nothing (no ``supports``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "lightning_attention_xla",
-    "supports",
 ]
 
 #: Chunk sizes :func:`config_space` offers (the scalar-gate path has no sub-chunks).
@@ -65,12 +64,6 @@ def config_space(inv: Any) -> list[LightningAttentionConfig]:
         if cfg not in configs:
             configs.append(cfg)
     return configs
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def lightning_attention_xla(

@@ -11,7 +11,7 @@
   empty sequence is 0, never NaN. Backward: token t receives ``d_out[seq(t)] / length`` (a
   gather), zero outside every sequence.
 
-There is nothing to tune (no config). ``supports()`` declines nothing.
+There is nothing to tune (no config). It declines nothing (no ``supports``).
 """
 
 from __future__ import annotations
@@ -23,13 +23,7 @@ import jax.numpy as jnp
 
 from ejkernel.plugins import defvjp
 
-__all__ = ["mean_pooling_xla", "supports"]
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
+__all__ = ["mean_pooling_xla"]
 
 
 def mean_pooling_xla(

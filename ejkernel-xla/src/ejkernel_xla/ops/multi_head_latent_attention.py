@@ -33,7 +33,7 @@ Masking (causal bottom-right aligned, sliding window, key padding) uses a finite
 a row with no visible key returns zeros with zero gradients. Block pairs that causality or the
 window hide entirely are skipped. Accumulation is float32; matmul inputs keep the input dtype.
 
-``supports()`` declines nothing: this backend serves every valid call, on every backend.
+It declines nothing (no ``supports``): this backend serves every valid call, on every backend.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ __all__ = [
     "heuristic",
     "mla_form",
     "multi_head_latent_attention_xla",
-    "supports",
 ]
 
 #: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
@@ -135,12 +134,6 @@ def config_space(inv: Any) -> list[MultiHeadLatentAttentionConfig]:
             if cfg not in configs:
                 configs.append(cfg)
     return configs
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def multi_head_latent_attention_xla(

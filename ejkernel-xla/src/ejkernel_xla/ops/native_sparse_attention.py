@@ -26,7 +26,7 @@ Native Sparse Attention (Yuan et al., DeepSeek, 2025, Sec. 3.3), semantics as in
   blocks outside the window are skipped and memory stays linear.
 
 Cost: O(S·(S/bs + T·bs + W)·D) compute, O(cq·T·bs·D) working memory per chunk, never O(S²).
-``supports()`` declines nothing: every valid call, ``cu_seqlens`` included, is served.
+It declines nothing (no ``supports``): every valid call, ``cu_seqlens`` included, is served.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "native_sparse_attention_xla",
-    "supports",
 ]
 
 #: Logit of a masked entry: finite, so a row with nothing visible never forms ``inf - inf``.
@@ -91,12 +90,6 @@ def config_space(inv: Any) -> list[NativeSparseAttentionConfig]:
         if cfg not in configs:
             configs.append(cfg)
     return configs
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: every valid call is served (``cu_seqlens`` and given indices too)."""
-    del inv
-    return True
 
 
 def native_sparse_attention_xla(

@@ -6,7 +6,7 @@ fetch, so under ``jax.jit`` the work is ``Σ ceil(kv_len / kv_blocksize)`` key b
 window bounds it by the window): it grows with ``sum(kv_lens)``, never with ``num_pages`` or
 the table width. Table slots past a sequence's live pages are never read.
 
-``supports()`` declines nothing: this backend serves every valid call on every backend.
+It declines nothing (no ``supports``): this backend serves every valid call on every backend.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ejkernel_xla.ops.ragged_page_attention import (
     paged_heuristic,
 )
 
-__all__ = ["PageAttentionConfig", "config_space", "heuristic", "page_attention_xla", "supports"]
+__all__ = ["PageAttentionConfig", "config_space", "heuristic", "page_attention_xla"]
 
 
 @attrs.frozen(kw_only=True)
@@ -65,12 +65,6 @@ def config_space(inv: Any) -> list[PageAttentionConfig]:
     return paged_config_space(
         _problem(kw["query"], kw["key_cache"], kw["block_tables"]), PageAttentionConfig
     )
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def page_attention_xla(

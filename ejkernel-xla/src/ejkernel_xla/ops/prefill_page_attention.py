@@ -6,7 +6,7 @@ sequence: the ``C`` queries (positions ``kv_len - C + i``) are cut into work ite
 sliding window), gathered from ``page_indices`` only as far as ``ceil(kv_len / page_size)``.
 Under ``jax.jit`` the work follows ``kv_len``, never ``num_pages`` or ``P``.
 
-``supports()`` declines nothing: this backend serves every valid call on every backend.
+It declines nothing (no ``supports``): this backend serves every valid call on every backend.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "prefill_page_attention_xla",
-    "supports",
 ]
 
 
@@ -70,12 +69,6 @@ def config_space(inv: Any) -> list[PrefillPageAttentionConfig]:
     return paged_config_space(
         _problem(kw["query"], kw["key_cache"], kw["page_indices"]), PrefillPageAttentionConfig
     )
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def prefill_page_attention_xla(

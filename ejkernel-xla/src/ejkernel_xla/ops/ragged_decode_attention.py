@@ -7,7 +7,7 @@ masked), and a row only visits the blocks overlapping ``[start, end)`` (narrowed
 the sliding window). Under ``jax.jit`` the work is ``Σ`` over rows of their valid range, not
 ``B · Sk``.
 
-``supports()`` declines nothing: this backend serves every valid call on every backend.
+It declines nothing (no ``supports``): this backend serves every valid call on every backend.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "ragged_decode_attention_xla",
-    "supports",
 ]
 
 
@@ -72,12 +71,6 @@ def config_space(inv: Any) -> list[RaggedDecodeAttentionConfig]:
     return paged_config_space(
         _problem(kw["query"], kw["key"], kw["value"]), RaggedDecodeAttentionConfig
     )
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def ragged_decode_attention_xla(

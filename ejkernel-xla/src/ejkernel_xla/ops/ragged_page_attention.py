@@ -43,7 +43,7 @@ width); a step's temporaries are bounded by the per-backend step budgets below. 
 grows 10x, linear in ``sum(kv_lens)``. Nothing here is differentiable: the serving ops are
 forward only.
 
-``supports()`` declines nothing: this backend serves every valid call on every backend.
+It declines nothing (no ``supports``): this backend serves every valid call on every backend.
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ __all__ = [
     "paged_sequences",
     "ragged_forward",
     "ragged_page_attention_xla",
-    "supports",
 ]
 
 #: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
@@ -176,7 +175,7 @@ Fetch = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 
 
 # --------------------------------------------------------------------------------------------
-# Heuristic, config space, supports
+# Heuristic, config space
 # --------------------------------------------------------------------------------------------
 
 
@@ -284,12 +283,6 @@ def config_space(inv: Any) -> list[RaggedPageAttentionConfig]:
     return paged_config_space(
         _problem(kw["queries"], kw["key_cache"], kw["block_tables"]), RaggedPageAttentionConfig
     )
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def make_statics(

@@ -8,7 +8,7 @@ donated, XLA aliases the returned caches to the donated buffers and the update h
 place (O(T) writes); the attention then gathers only the live pages, so the whole step never
 touches memory in proportion to ``num_pages``.
 
-``supports()`` declines nothing: this backend serves every valid call on every backend.
+It declines nothing (no ``supports``): this backend serves every valid call on every backend.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "ragged_page_attention_v3_xla",
-    "supports",
 ]
 
 
@@ -75,12 +74,6 @@ def config_space(inv: Any) -> list[RaggedPageAttentionV3Config]:
     return paged_config_space(
         _problem(kw["queries"], kw["key_cache"], kw["block_tables"]), RaggedPageAttentionV3Config
     )
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def ragged_page_attention_v3_xla(

@@ -74,7 +74,7 @@ recurrent across chunks.
   combination are differentiated the same way.
 
 Accumulation is float32 (inputs are cast once); the output keeps the query dtype and the final
-state is float32. ``supports()`` declines nothing: every valid call runs on every backend.
+state is float32. It declines nothing (no ``supports``): every valid call runs on every backend.
 """
 
 from __future__ import annotations
@@ -99,7 +99,6 @@ __all__ = [
     "linear_attention_backward",
     "linear_attention_forward",
     "recurrent_xla",
-    "supports",
 ]
 
 #: Default (chunk, sub-chunk) sizes per backend, for a key gate over K and for a scalar gate.
@@ -149,12 +148,6 @@ def config_space(inv: Any) -> list[RecurrentConfig]:
         if cfg not in configs:
             configs.append(cfg)
     return configs
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def recurrent_xla(

@@ -30,7 +30,7 @@ Context", Sec. 3), each device's work being FlashAttention-2 (Dao, 2023, Alg. 1 
   ring) are summed over the ring (``psum``) when ``shard_map`` tracks replication
   (``check_vma=True``); without that tracking ``shard_map``'s own transpose sums them.
 
-Accumulation is float32; matmul inputs keep the input dtype. ``supports()`` declines nothing:
+Accumulation is float32; matmul inputs keep the input dtype. It declines nothing (no ``supports``):
 every masking argument of flash attention is served on the ring too. A ring call is never
 autotuned (its config space is the heuristic alone): the tuner times candidates on synthetic
 inputs outside the caller's trace, where the ``shard_map`` axis is unbound.
@@ -76,7 +76,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "ring_attention_xla",
-    "supports",
 ]
 
 #: Default ((fwd q, fwd kv), (bwd q, bwd kv)) block sizes inside one device's shard, as flash
@@ -119,12 +118,6 @@ def config_space(inv: Any) -> list[RingAttentionConfig]:
     if inv.kwargs.get("axis_name") is not None:
         return [heuristic(inv)]
     return [_from_flash(cfg) for cfg in flash_config_space(inv)]
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: every valid call is served, on the ring or not."""
-    del inv
-    return True
 
 
 def ring_attention_xla(

@@ -33,7 +33,7 @@ state cotangent to the previous chunk and summing ``dA``; finally ``Δ``'s bias 
 are pulled back once. Memory stays one chunk's states plus the saved per-chunk states.
 
 Everything is float32 inside; outputs keep the dtype of ``x``, the final state is float32.
-Config: ``chunk_size`` (C) and ``intra_chunk``. ``supports()`` declines nothing: every valid call runs here, on
+Config: ``chunk_size`` (C) and ``intra_chunk``. It declines nothing (no ``supports``): every valid call runs here, on
 every backend.
 """
 
@@ -54,7 +54,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "state_space_v1_xla",
-    "supports",
 ]
 
 #: Default chunk length C per backend.
@@ -122,12 +121,6 @@ def config_space(inv: Any) -> list[StateSpaceV1Config]:
         if cfg not in configs:
             configs.append(cfg)
     return configs
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def state_space_v1_xla(

@@ -32,7 +32,7 @@ hand-derived backward: it costs one extra forward.
 
 Everything is float32 inside; outputs keep the dtype of ``x``, the final state is float32.
 Config: ``chunk_size`` (C); the op's ``chunk_size`` argument, when given, wins over it.
-``supports()`` declines nothing: every valid call runs here, on every backend.
+It declines nothing (no ``supports``): every valid call runs here, on every backend.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "state_space_v2_xla",
-    "supports",
 ]
 
 #: Default chunk length C per backend: Mamba-2's 256 on GPUs; 64 measured fastest on CPU
@@ -96,12 +95,6 @@ def config_space(inv: Any) -> list[StateSpaceV2Config]:
         if cfg not in configs:
             configs.append(cfg)
     return configs
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def state_space_v2_xla(

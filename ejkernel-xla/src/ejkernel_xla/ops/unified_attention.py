@@ -6,7 +6,7 @@ non-causal mode (a query then sees its sequence's keys up to ``kv_len``, or up t
 with a sliding window). Under ``jax.jit`` the work follows the visible keys, never
 ``num_pages`` or the table width; table slots past a sequence's live pages are never read.
 
-``supports()`` declines nothing: this backend serves every valid call on every backend.
+It declines nothing (no ``supports``): this backend serves every valid call on every backend.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "UnifiedAttentionConfig",
     "config_space",
     "heuristic",
-    "supports",
     "unified_attention_xla",
 ]
 
@@ -67,12 +66,6 @@ def config_space(inv: Any) -> list[UnifiedAttentionConfig]:
     return paged_config_space(
         _problem(kw["queries"], kw["key_cache"], kw["block_tables"]), UnifiedAttentionConfig
     )
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
 
 
 def unified_attention_xla(

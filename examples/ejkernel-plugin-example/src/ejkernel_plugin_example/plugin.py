@@ -1,8 +1,10 @@
 """Entry point of the example plugin (``ejkernel.plugins: example``).
 
-Core imports this module at discovery, so it imports nothing heavy: implementations, configs
-and probes are ``"module:attr"`` strings, imported on first use. The new op's spec is an
-object (``registry.add_op`` needs it); its module imports only JAX, which core has loaded.
+Core imports this module at discovery, so it imports nothing heavy: each implementation is
+registered by module name with ``registry.register_module``, and core finds its pieces there
+by convention on first use (``<op>_example``, and ``supports`` where the module declines
+some calls). The new op's spec is an object (``registry.add_op`` needs it); its module
+imports only JAX, which core has loaded.
 """
 
 from __future__ import annotations
@@ -33,11 +35,10 @@ def ejkernel_register(registry: Any) -> None:
     registry.add_platform(PLATFORM, distribution="ejkernel-plugin-example")
     registry.add_op(SPEC)
     for op in ("mean_pooling", "example_rms_norm"):
-        module = f"ejkernel_plugin_example.ops.{op}"
-        registry.register(
+        registry.register_module(
             op,
+            f"ejkernel_plugin_example.ops.{op}",
             platform=PLATFORM,
             backend="any",
             priority=PRIORITY,
-            supports=f"{module}:supports",
-        )(f"{module}:{op}_{PLATFORM}")
+        )

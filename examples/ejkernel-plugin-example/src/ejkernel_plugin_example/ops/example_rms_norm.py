@@ -6,7 +6,8 @@ Forward: ``r = rsqrt(mean(x², -1) + eps)``, ``n = x · r``, ``out = n · weight
 ``d_weight = Σ d_out · n`` over every leading axis. Tied with
 :func:`ejkernel.plugins.defvjp`, so the executor wires them into a ``jax.custom_vjp``.
 
-``supports()`` declines nothing.
+It declines nothing, so the module defines no ``supports`` (core reads its absence as "every
+valid call").
 """
 
 from __future__ import annotations
@@ -18,13 +19,7 @@ import jax.numpy as jnp
 
 from ejkernel.plugins import defvjp
 
-__all__ = ["example_rms_norm_example", "supports"]
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: every valid call runs here."""
-    del inv
-    return True
+__all__ = ["example_rms_norm_example"]
 
 
 def example_rms_norm_example(
