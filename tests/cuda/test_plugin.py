@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import ejkernel
-from ejkernel import _executor
+from ejkernel import _selection
 from ejkernel.errors import NoImplementationError
 from ejkernel.plugins import get_registry
 from ejkernel_cuda import _build, _device
@@ -62,7 +62,7 @@ def cudnn_present(monkeypatch: pytest.MonkeyPatch) -> None:
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Selection sees a GPU backend and an available cuda platform; the other GPU plugins
     (triton, pallas) are disabled so the fallback is the XLA plugin."""
-    monkeypatch.setattr(_executor, "current_backend", lambda: "gpu")
+    monkeypatch.setattr(_selection, "current_backend", lambda: "gpu")
     monkeypatch.setattr(_device, "available", lambda backend: True)
     monkeypatch.setenv("EJKERNEL_DISABLE_PLUGINS", "triton,pallas")
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from ejkernel._json import stable_hash
+from ejkernel._memo import Memo
 
 __all__ = [
     "Invocation",
@@ -128,7 +129,8 @@ def fast_signature(values: Mapping[str, Any] | tuple[Any, ...]) -> tuple[Any, ..
     return tuple(out)
 
 
-_key_memo: dict[Any, str] = {}
+#: Cache keys by what they hash (the memo policy: :mod:`ejkernel._memo`).
+_key_memo: Memo[str] = Memo()
 
 
 def _array_sig(x: Any) -> dict[str, Any]:
@@ -232,10 +234,9 @@ class Invocation:
         )
         key = _key_memo.get(memo)
         if key is None:
-            key = stable_hash(self.key_document(platform=platform, version=version))
-            if len(_key_memo) > 4096:
-                _key_memo.clear()
-            _key_memo[memo] = key
+            key = _key_memo.put(
+                memo, stable_hash(self.key_document(platform=platform, version=version))
+            )
         return key
 
 

@@ -2,17 +2,25 @@
 
 Ops of the catalogue are :class:`OpKernel` subclasses whose ``run_<platform>`` methods call
 the registered implementation of that platform; user kernels subclass :class:`Kernel`
-directly. Both run through :class:`ejkernel.ops.Executor`.
+directly. Both run through :class:`ejkernel.ops.Executor`: op kernels through the registry
+(:mod:`ejkernel._executor`), user kernels through :func:`run_kernel` here (the method of the
+backend's preferred platform, its config from the chain, its ``custom_vjp`` when overridden).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+import jax
+
+from ejkernel._autotune import on_device, run_outside_trace, tune_candidates
+from ejkernel._chain import ConfigSelectorChain, Tunable
 from ejkernel._invocation import Invocation, current_backend
+from ejkernel._vjp import build_kernel_function, is_float_array, traced
 from ejkernel.specs import OpSpec
 
-__all__ = ["Cfg", "Kernel", "OpKernel", "Out", "get_device_platform"]
+__all__ = ["Cfg", "Kernel", "OpKernel", "Out", "get_device_platform", "run_kernel"]
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
@@ -124,6 +132,74 @@ def get_device_platform() -> str:
     Falls back to the seeds' per-backend default (``triton`` on gpu, ``pallas`` on tpu,
     ``xla`` on cpu) when no implementation is installed.
     """
-    from ejkernel._executor import preferred_platform
+    from ejkernel._selection import preferred_platform
 
     return preferred_platform("flash_attention") or PREFERRED_PLATFORM.get(current_backend(), "xla")
+
+
+def run_kernel(
+    selector: ConfigSelectorChain,
+    kernel: Kernel[Any, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cfg: Any,
+) -> Any:
+    """Run a user kernel: its preferred platform's method, with the config the chain chooses
+    (``cfg`` overrides), through its ``custom_vjp`` when overridden and differentiated."""
+    platform = kernel.select_platform()
+    method = kernel.method(platform)
+    heuristic = kernel.heuristic_cfg if _overrides(kernel, "heuristic_cfg") else None
+    space = kernel.config_space if _overrides(kernel, "config_space") else None
+    tunable = Tunable(
+        op=kernel.name,
+        platform=platform,
+        version=str(kernel.version),
+        config_type=getattr(kernel, "config_type", None),
+        configless=heuristic is None and space is None,
+        heuristic=heuristic,
+        config_space=space,
+        tune=lambda inv, configs: _tune_kernel(kernel, method, inv, configs),
+    )
+
+    def choose(grad: bool) -> Any:
+        inv = Invocation(
+            kernel=kernel, args=args, kwargs=kwargs, metadata={"grad": grad, "platform": platform}
+        )
+        return selector.choose(tunable, inv, override=cfg).config
+
+    positions = [i for i, a in enumerate(args) if is_float_array(a)]
+    if (
+        not _overrides(kernel, "custom_vjp")
+        or not positions
+        or not traced({str(i): args[i] for i in positions})
+    ):
+        return method(*args, cfg=choose(False), **kwargs)
+    f = build_kernel_function(method, args, kwargs, positions, choose, kernel.custom_vjp)
+    return f(tuple(args[i] for i in positions))
+
+
+def _tune_kernel(
+    kernel: Kernel[Any, Any], method: Any, inv: Invocation, configs: list[Any]
+) -> tuple[Any, dict[str, Any]]:
+    """Time ``configs`` on synthetic inputs shaped like ``inv``'s (forward only)."""
+    from ejkernel.specs._base import default_synthetic
+
+    abstract_kwargs = inv.abstract_kwargs
+    pos = run_outside_trace(
+        lambda: on_device(default_synthetic({str(i): a for i, a in enumerate(inv.abstract_args)}))
+    )
+    args = tuple(pos[str(i)] for i in range(len(inv.args)))
+    kw = run_outside_trace(lambda: on_device(default_synthetic(abstract_kwargs)))
+    arrays = [i for i, a in enumerate(args) if hasattr(a, "shape")]
+
+    def make_runner(cfg: Any) -> Callable[[], Any]:
+        def f(*arrs: Any) -> Any:
+            full = list(args)
+            for i, x in zip(arrays, arrs):
+                full[i] = x
+            return method(*full, cfg=cfg, **kw)
+
+        jitted = jax.jit(f)
+        return lambda: jitted(*(args[i] for i in arrays))
+
+    return tune_candidates(kernel.name, configs, make_runner)

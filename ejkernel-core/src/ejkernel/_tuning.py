@@ -112,15 +112,15 @@ def autotune_platforms(
 ) -> str:
     """Time every runnable platform of an op call (each with its chosen config); remember the
     fastest as this invocation's platform (selection step 3). Returns the platform."""
-    from ejkernel._executor import _runnable
     from ejkernel._invocation import current_backend
+    from ejkernel._selection import runnable
     from ejkernel.plugins import get_registry
 
     ex = executor or default_executor()
     spec = get_registry().spec(op if isinstance(op, str) else op.spec.name)
     arguments = spec.validate(spec.bind(args, kwargs))
     inv = Invocation(kernel=spec.name, kwargs=arguments, metadata={"grad": False})
-    candidates, _ = _runnable(get_registry(), spec, inv, current_backend())
+    candidates, _ = runnable(get_registry(), spec, inv, current_backend())
     arrays = on_device({k: v for k, v in arguments.items() if spec.arg(k).array and v is not None})
     timings: dict[str, float] = {}
     for impl in candidates:

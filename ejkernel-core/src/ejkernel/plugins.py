@@ -113,14 +113,14 @@ def plugin_infos() -> list[PluginInfo]:
 
 
 def reset() -> None:
-    """Forget the registry and plugins; the next use rediscovers (for tests and reloads)."""
-    from ejkernel import _executor
+    """Forget the registry and plugins; the next use rediscovers (for tests and reloads).
 
+    Memoised selections need no forgetting: the new registry's generation keys them anew.
+    """
     with _state.lock:
         _state.registry = None
         _state.pm = None
         _state.infos = {}
-    _executor.forget_dispatch()
 
 
 def register_plugin(module: ModuleType | object, name: str | None = None) -> str:
@@ -252,9 +252,6 @@ def _activate(
         registry._attribute_to("<direct>", "0")
     info = PluginInfo(name=name, module=module_name, distribution=distribution, status="loaded")
     _state.infos[name] = info
-    from ejkernel import _executor
-
-    _executor.forget_dispatch()
     return info
 
 

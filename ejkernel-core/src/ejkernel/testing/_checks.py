@@ -291,22 +291,16 @@ def check_rejects_invalid(
 ) -> None:
     """``invalid`` applied to ``example`` raises ValueError or TypeError naming the op, and no
     implementation of ``platform`` is called."""
-    from ejkernel._executor import forget_dispatch
-
     spec, impls = _target(op, platform)
     args = invalid.change(example.build(spec, "float32", seed))
     calls: list[str] = []
-    forget_dispatch()
-    try:
-        with _spied(impls, calls):
-            try:
-                _run(spec, platform, args)
-            except (ValueError, TypeError) as err:
-                assert op in str(err), f"{op}: the error for {invalid} does not name the op: {err}"
-            else:
-                raise AssertionError(f"{op}[{platform}]: invalid input ({invalid}) was accepted")
-    finally:
-        forget_dispatch()
+    with _spied(impls, calls):
+        try:
+            _run(spec, platform, args)
+        except (ValueError, TypeError) as err:
+            assert op in str(err), f"{op}: the error for {invalid} does not name the op: {err}"
+        else:
+            raise AssertionError(f"{op}[{platform}]: invalid input ({invalid}) was accepted")
     assert not calls, f"{op}[{platform}]: {calls} ran on invalid input ({invalid})"
 
 

@@ -1,0 +1,212 @@
+"""Selection: which implementation runs an invocation, and why the others cannot (DESIGN.md).
+
+For an invocation of op X on the default device's backend B:
+
+1. candidates: the implementations of X for B (or ``any``) whose platform is available here
+   and whose ``supports(inv)`` is True (no ``supports``: every valid call);
+2. a forced platform wins (``platform=``, a config's ``platform`` field, or
+   ``EJKERNEL_PLATFORM``); if it cannot run the call, the error gives its reasons;
+3. else a platform cross-platform autotuning chose for this invocation;
+4. else the highest priority.
+
+No candidate: :class:`~ejkernel.errors.NoImplementationError` listing, per installed
+implementation, why it was rejected, and which distribution to install. Step 1 is memoised by
+:func:`ejkernel._memo.call_key` (the memo policy is in :mod:`ejkernel._memo`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ejkernel import _env
+from ejkernel._chain import ConfigSelectorChain
+from ejkernel._invocation import Invocation, current_backend
+from ejkernel._memo import Memo, call_key
+from ejkernel._registry import KNOWN_DISTRIBUTIONS, Implementation, Registry
+from ejkernel.errors import NoImplementationError
+from ejkernel.plugins import get_registry
+from ejkernel.specs import OpSpec
+
+__all__ = ["Selection", "preferred_platform", "runnable", "select_implementation"]
+
+
+@attrs.frozen(kw_only=True)
+class Selection:
+    """What the executor chose for one call, and why (returned by :func:`ejkernel.explain`).
+
+    Attributes:
+        op: the op name.
+        platform: the selected platform.
+        implementation: ``module:qualname`` of the selected implementation.
+        reason: why this platform (argument, environment, cached choice, priority).
+        config: the config it would run with.
+        source: tier that gave the config: override, overlay, memory, persistent, autotune,
+            heuristic.
+        origin: for memory/persistent hits, how that entry was first made.
+        key: the invocation cache key.
+        rejected: implementation (platform) -> why it cannot run this call.
+    """
+
+    op: str
+    platform: str
+    implementation: str
+    reason: str
+    config: Any
+    source: str
+    origin: str | None
+    key: str
+    rejected: Mapping[str, str]
+
+    def __str__(self) -> str:
+        origin = (
+            f" (first made by {self.origin})" if self.origin and self.origin != self.source else ""
+        )
+        lines = [
+            f"{self.op}: platform {self.platform!r} ({self.reason}) -> {self.implementation}",
+            f"  config {self.config!r}",
+            f"  from {self.source}{origin}; key {self.key[:12]}",
+        ]
+        lines += [f"  rejected {name}: {why}" for name, why in self.rejected.items()]
+        return "\n".join(lines)
+
+
+#: Step 1 per call: (candidates, rejected), keyed by :func:`ejkernel._memo.call_key`.
+_runnable_memo: Memo[tuple[list[Implementation], dict[str, str]]] = Memo()
+
+
+def _label(impl: Implementation, impls: list[Implementation]) -> str:
+    same = [i for i in impls if i.platform == impl.platform]
+    return impl.platform if len(same) == 1 else f"{impl.platform}[{'|'.join(impl.backends)}]"
+
+
+def runnable(
+    registry: Registry, spec: OpSpec, inv: Invocation, backend: str
+) -> tuple[list[Implementation], dict[str, str]]:
+    """Step 1: the implementations that can run ``inv`` on ``backend`` (highest priority
+    first), and for every other one (``platform`` or ``platform[backends]``) the reason."""
+    impls = registry.implementations(spec.name)
+    candidates: list[Implementation] = []
+    rejected: dict[str, str] = {}
+    for impl in impls:
+        label = _label(impl, impls)
+        if not impl.runs_on(backend):
+            rejected[label] = f"serves {'/'.join(impl.backends)}, this device is {backend}"
+            continue
+        available = registry.platform(impl.platform).check(backend)
+        if available is not True:
+            rejected[label] = str(available)
+            continue
+        try:
+            supports = impl.get_supports()
+            ok = True if supports is None else supports(inv)
+        except Exception as err:  # a broken supports() rejects, never breaks the call
+            ok = f"supports() raised {type(err).__name__}: {err}"
+        if ok is not True:
+            rejected[label] = str(ok) if ok else "declined"
+            continue
+        candidates.append(impl)
+    return candidates, rejected
+
+
+def install_hint(spec: OpSpec, registry: Registry, platform: str | None = None) -> str:
+    """Which distribution would bring ``platform`` (or any platform ``spec``'s op lacks)."""
+    if platform is not None:
+        dist = registry.platform(platform).distribution or KNOWN_DISTRIBUTIONS.get(platform)
+        return f"install {dist}" if dist else "install the plugin that provides it"
+    installed = {i.platform for i in registry.implementations(spec.name)}
+    missing = [d for p, d in KNOWN_DISTRIBUTIONS.items() if p not in installed]
+    return (
+        "install one of: " + ", ".join(missing) if missing else "no other distribution provides it"
+    )
+
+
+def select_implementation(
+    spec: OpSpec,
+    inv: Invocation,
+    platform: str | None,
+    reason: str | None,
+    selector: ConfigSelectorChain,
+) -> tuple[Implementation, str, dict[str, str]]:
+    """Pick the implementation for ``inv``; raise NoImplementationError listing every reason.
+
+    Returns:
+        The implementation, why it was chosen, and the rejected ones with their reasons.
+    """
+    registry = get_registry()
+    backend = current_backend()
+    forced, why = platform, reason
+    if forced is None and _env.forced_platform():
+        forced, why = _env.forced_platform(), f"{_env.PLATFORM}={_env.forced_platform()}"
+    key = call_key(spec.name, inv.fast_signature(), backend, registry.generation)
+    memo = _runnable_memo.get(key)
+    if memo is None:
+        memo = _runnable_memo.put(key, runnable(registry, spec, inv, backend))
+    candidates, rejected = memo[0], dict(memo[1])
+    if forced is not None:
+        return (
+            _forced(spec, registry, forced.lower(), why, candidates, rejected),
+            why or "forced",
+            rejected,
+        )
+    if not candidates:
+        listing = (
+            "".join(f"\n  {name}: {r}" for name, r in rejected.items())
+            or "\n  (no implementation installed)"
+        )
+        raise NoImplementationError(
+            f"{spec.name}: no installed implementation can run this call on {backend}:{listing}\n"
+            f"{install_hint(spec, registry)}",
+            op=spec.name,
+            rejected=rejected,
+        )
+    cached = selector.platform_choice(inv)
+    if cached is not None:
+        for impl in candidates:
+            if impl.platform == cached:
+                return impl, "cached platform choice (cross-platform autotune)", rejected
+    best = candidates[0]
+    return best, f"highest priority ({best.priority}) of {len(candidates)} runnable", rejected
+
+
+def _forced(
+    spec: OpSpec,
+    registry: Registry,
+    forced: str,
+    why: str | None,
+    candidates: list[Implementation],
+    rejected: dict[str, str],
+) -> Implementation:
+    """Step 2: the forced platform's candidate, or an error with every reason it cannot run."""
+    for impl in candidates:
+        if impl.platform == forced:
+            return impl
+    known = {i.platform for i in registry.implementations(spec.name)}
+    # every reason of the forced platform, those of implementations for other devices last
+    causes = sorted(
+        (r for name, r in rejected.items() if name.split("[")[0] == forced),
+        key=lambda r: r.startswith("serves "),
+    )
+    cause = "; ".join(causes) or None
+    if cause is None and forced not in known:
+        cause = (
+            f"no {forced!r} implementation of {spec.name} is installed "
+            f"({install_hint(spec, registry, forced)})"
+        )
+    raise NoImplementationError(
+        f"{spec.name}: platform {forced!r} ({why}) cannot run this call: {cause}",
+        op=spec.name,
+        rejected=rejected,
+    )
+
+
+def preferred_platform(op: str) -> str | None:
+    """The highest-priority platform available for ``op`` on this backend (ignoring supports)."""
+    registry = get_registry()
+    backend = current_backend()
+    for impl in registry.implementations(op):
+        if impl.runs_on(backend) and registry.platform(impl.platform).check(backend) is True:
+            return impl.platform
+    return None

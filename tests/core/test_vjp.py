@@ -1,0 +1,61 @@
+"""The custom VJP of the op path: each backward runs with the config its own forward chose."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import pathlib
+
+import jax
+import pytest
+
+from ejkernel._vjp import build_op_function
+from ejkernel.plugins import get_registry, register_plugin
+from ejkernel.specs.flash_attention import flash_attention_reference
+from ejkernel.testing import AttentionShape, assert_close, attention_inputs
+
+SHAPE = AttentionShape(b=1, sq=37, sk=37, hq=4, hkv=2, d=16)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setenv("EJKERNEL_PLUGINS_AUTOLOAD", "0")
+    path = pathlib.Path(__file__).with_name("toy.py")
+    spec = importlib.util.spec_from_file_location("ejkernel_test_toy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    register_plugin(module, name="toy")
+    return module
+
+
+def test_each_backward_gets_the_config_of_its_own_forward_when_traced_twice(toy):
+    registry = get_registry()
+    spec = registry.spec("flash_attention")
+    (impl,) = registry.implementations("flash_attention")
+    q, k, v = attention_inputs(SHAPE)
+    arguments = spec.validate(spec.bind((q, k, v), {"causal": True}))
+    blocks = itertools.count(1)
+    f = build_op_function(spec, impl, arguments, lambda grad: toy.ToyConfig(block=next(blocks)))
+    arrays = {"query": q, "key": k, "value": v}
+    out1, vjp1 = jax.vjp(f, arrays)
+    out2, vjp2 = jax.vjp(f, arrays)
+    toy.CALLS.clear()
+    (grads1,) = vjp1(out1)  # the first forward's backward runs after the second forward
+    (grads2,) = vjp2(out2)
+    assert [("bwd", toy.ToyConfig(block=1)), ("bwd", toy.ToyConfig(block=2))] == toy.CALLS
+    expected = jax.vjp(lambda a: flash_attention_reference(**a, causal=True), arrays)[1](out1)[0]
+    assert_close(grads1, expected)
+    assert set(grads2) == set(arrays)
+
+
+def test_a_forward_under_jit_hands_its_config_to_the_backward(toy):
+    q, k, v = attention_inputs(SHAPE)
+
+    import ejkernel
+
+    grads = jax.jit(jax.grad(lambda q: ejkernel.flash_attention(q, k, v).sum()))(q)
+    expected = jax.grad(lambda q: flash_attention_reference(q, k, v).sum())(q)
+    assert_close(grads, expected)
+    fwd = [c for c in toy.CALLS if c[0] == "fwd"]
+    bwd = [c for c in toy.CALLS if c[0] == "bwd"]
+    assert fwd and bwd and fwd[0][1] == bwd[0][1]
