@@ -19,11 +19,11 @@ What is memoised, keyed by what:
 
 :func:`call_key` holds everything selection reads: the op, the invocation's fast signature
 (shapes, dtypes, shardings, static values), the backend, the registry's generation (bumped by
-every registration, plugin load and reset) and the value of every ``EJKERNEL_*`` variable
-(``EJKERNEL_PLATFORM``, ``EJKERNEL_INTERPRET``, ... which availability probes and forced
-platforms read). So nothing is invalidated by hand: a changed registry or environment makes
-new keys, and the old entries are never hit again. ``supports()`` and availability probes are
-therefore functions of the invocation, the backend and the environment. Every memo is bounded
+every registration, plugin load and reset) and the environment selection depends on
+(:data:`SELECTION_VARIABLES`: a forced platform, and the interpreter mode that availability
+probes read). So nothing is invalidated by hand: a changed registry or environment makes new
+keys, and the old entries are never hit again. ``supports()`` and availability probes are
+therefore functions of the invocation, the backend and those variables. Every memo is bounded
 (:data:`LIMIT` entries) and cleared when full.
 """
 
@@ -36,10 +36,13 @@ from typing import Any, Generic, TypeVar
 
 from ejkernel import _env
 
-__all__ = ["LIMIT", "Memo", "call_key", "environment"]
+__all__ = ["LIMIT", "SELECTION_VARIABLES", "Memo", "call_key", "environment"]
 
 #: The most entries one memo holds before it is cleared.
 LIMIT = 4096
+
+#: The environment variables selection reads (read on every call: keep this short).
+SELECTION_VARIABLES = (_env.PLATFORM, _env.INTERPRET)
 
 V = TypeVar("V")
 
@@ -67,8 +70,9 @@ class Memo(Generic[V]):
 
 
 def environment() -> tuple[str | None, ...]:
-    """The value of every variable of :data:`ejkernel.env.VARIABLES`, in its order."""
-    return tuple(os.environ.get(name) for name in _env.VARIABLES)
+    """The values of :data:`SELECTION_VARIABLES`, in its order."""
+    get = os.environ.get
+    return (get(_env.PLATFORM), get(_env.INTERPRET))
 
 
 def call_key(op: str, fast: Hashable, backend: str, generation: int) -> tuple[Any, ...]:
