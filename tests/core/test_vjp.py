@@ -1,4 +1,5 @@
-"""The custom VJP of the op path: each backward runs with the config its own forward chose."""
+"""Custom VJPs (op implementations and user kernels): each backward runs with the config its
+own forward chose."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import importlib.util
 import itertools
 import pathlib
 
+import attrs
 import jax
 import pytest
 
 from ejkernel._vjp import build_op_function
+from ejkernel.ops import ConfigCache, ConfigSelectorChain, Executor, Kernel
 from ejkernel.plugins import get_registry, register_plugin
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import AttentionShape, assert_close, attention_inputs
@@ -59,3 +62,36 @@ def test_a_forward_under_jit_hands_its_config_to_the_backward(toy):
     fwd = [c for c in toy.CALLS if c[0] == "fwd"]
     bwd = [c for c in toy.CALLS if c[0] == "bwd"]
     assert fwd and bwd and fwd[0][1] == bwd[0][1]
+
+
+class _Scale(Kernel):
+    """``x * cfg.factor``, whose hand-written backward records the config it is handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def run(self, x, *, cfg):
+        return x * cfg.factor
+
+    def heuristic_cfg(self, inv):
+        return _Factor(factor=2.0)
+
+    def custom_vjp(self, primals, cfg, kwargs, cotangents):
+        self.seen.append(cfg)
+        return (cotangents[0] * cfg.factor,)
+
+
+@attrs.frozen
+class _Factor:
+    factor: float
+
+
+def test_a_user_kernels_backward_gets_the_config_its_forward_ran_with():
+    executor = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
+    x = jax.numpy.arange(3.0)
+    kernel = _Scale()
+    grad = jax.grad(lambda x: executor(kernel, x, cfg=_Factor(factor=5.0)).sum())(x)
+    assert grad.tolist() == [5.0, 5.0, 5.0] and kernel.seen == [_Factor(factor=5.0)]
+    grad = jax.grad(lambda x: executor(kernel, x).sum())(x)
+    assert grad.tolist() == [2.0, 2.0, 2.0] and kernel.seen[-1] == _Factor(factor=2.0)
