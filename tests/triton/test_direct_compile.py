@@ -92,7 +92,7 @@ WS_CHILD = """
 import json, os, re, sys, types
 os.environ["EJKERNEL_CACHE_DIR"] = {cache!r}
 compiled = []
-{standin}from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel as fn
+{standin}from ejkernel_triton.kernels.flash_attention_fwd import flash_attention_fwd_ws_kernel as fn
 _kernel_cache.install()
 kw = dict(num_warps=4, num_stages=2, num_ctas=1, compute_capability=90, enable_fp_fusion=True,
           metaparams=dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, CAUSAL=True, SOFT_CAP=False,

@@ -741,7 +741,7 @@ def _common(
 
 def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
     def run(q, k, v, bias, mask, qseg, kseg, aux):
-        from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_kernel
+        from ejkernel_triton.kernels.flash_attention_fwd import flash_attention_fwd_kernel
 
         if st.warp_specialize and _ws_applies(st, q, v, bias, mask, qseg, aux):
             return tuple(_forward_ws(st, q, k, v))
@@ -882,7 +882,7 @@ def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[
     """Output and lse by ``flash_attention_fwd_pingpong_kernel`` where it applies (a GPU, D
     128, a scale > 0: it masks and takes row maxima before scaling), else by
     ``flash_attention_fwd_ws_kernel`` (blocks by :func:`_ws_params`)."""
-    from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel
+    from ejkernel_triton.kernels.flash_attention_fwd import flash_attention_fwd_ws_kernel
 
     (b, sq, hq, d), sk = q.shape, k.shape[1]
     if d == 128 and st.sm_scale > 0 and not _launch.interpreting() and _gluon_available():
@@ -905,7 +905,9 @@ def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[
 def _forward_pingpong(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[Any]:
     """Output and lse by the Gluon kernel ``flash_attention_fwd_pingpong_kernel`` (FA3's
     schedule; the GPU only): one program per 128-row query tile and batch·head."""
-    from ejkernel_triton.kernels.flash_attention_hopper import flash_attention_fwd_pingpong_kernel
+    from ejkernel_triton.kernels.flash_attention_hopper_fwd import (
+        flash_attention_fwd_pingpong_kernel,
+    )
 
     (b, sq, hq, _), sk = q.shape, k.shape[1]
     params = _PINGPONG_FWD
@@ -935,7 +937,7 @@ def _gluon_available() -> bool:
 
 def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
     """dK and dV by ``flash_attention_bwd_dkdv_ws_kernel`` (blocks by :func:`_ws_params`)."""
-    from ejkernel_triton.kernels.flash_attention import flash_attention_bwd_dkdv_ws_kernel
+    from ejkernel_triton.kernels.flash_attention_bwd import flash_attention_bwd_dkdv_ws_kernel
 
     sq, (b, sk, hkv, _) = q.shape[1], k.shape
     params = _ws_params(st.bwd, _WS_DKDV)
@@ -958,8 +960,8 @@ def _bwd_gluon(st: _Statics, q, k, v, do, lse, delta, fuse_dq: bool = True) -> A
     (the loader brings them by TMA); dQ accumulates in float32 across the key blocks' programs
     (TMA reduce-adds) and is scaled and cast here. Without ``fuse_dq`` only dK and dV (dQ is
     ``None``)."""
-    from ejkernel_triton.kernels.flash_attention import EMPTY_LSE
-    from ejkernel_triton.kernels.flash_attention_hopper import flash_attention_bwd_gluon_kernel
+    from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE
+    from ejkernel_triton.kernels.flash_attention_hopper_bwd import flash_attention_bwd_gluon_kernel
 
     sq, (b, sk, hkv, d) = q.shape[1], k.shape
     params = _GLUON_BWD[d]
@@ -992,10 +994,8 @@ def _bwd_gluon(st: _Statics, q, k, v, do, lse, delta, fuse_dq: bool = True) -> A
 
 def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
     """dQ by ``flash_attention_bwd_dq_ws_kernel`` (blocks by :func:`_ws_params`)."""
-    from ejkernel_triton.kernels.flash_attention import (
-        EMPTY_LSE,
-        flash_attention_bwd_dq_ws_kernel,
-    )
+    from ejkernel_triton.kernels.flash_attention_bwd import flash_attention_bwd_dq_ws_kernel
+    from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE
 
     (b, sq, hq, _), sk = q.shape, k.shape[1]
     params = _ws_params(st.dq, _WS_DQ)
@@ -1026,7 +1026,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
     (``rowsum(out ∘ dO)``, ``[B, Hq, Sq]``) comes out for the sinks' gradient."""
 
     def run(q, k, v, bias, mask, qseg, kseg, aux, do, lse, out):
-        from ejkernel_triton.kernels.flash_attention import (
+        from ejkernel_triton.kernels.flash_attention_bwd import (
             flash_attention_bwd_dkdv_kernel,
             flash_attention_bwd_dq_kernel,
         )
