@@ -2,7 +2,7 @@
 :func:`ejkernel_triton._kernel_cache._compile_direct` compiles Gluon kernels and the
 warp-specialized forward for sm_90 (Triton's compiler runs on any machine) and caches the PTX
 like any other kernel. jax-triton is a stand-in here (the real one needs a GPU jaxlib); the GPU
-runs are ``benchmarks/experiments/gluon_fwd_ab.py`` and ``tests/triton/test_flash_attention_gpu.py``.
+runs are ``tests/triton/test_flash_attention.py -m gpu``.
 
 Runs in a child process: Triton's interpreter, used by the other tests of this folder, leaves
 ``triton.language`` patched in its process, and a patched process cannot compile.
