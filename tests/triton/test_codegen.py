@@ -270,3 +270,41 @@ def test_hopper_forward_at_d64_is_no_pingpong(hopper):
     assert [launch.kernel.fn.__name__ for launch in record] == ["flash_attention_fwd_ws_kernel"]
     with pytest.raises(ValueError, match="it takes D 128; got D 64"):
         _run((1, 300, 2, 64), causal=True, cfg=fa.FlashAttentionConfig(fwd_variant="pingpong"))
+
+
+#: What each variant launches: the forward's kernel, then the backward's in order.
+_FWD_KERNEL = {
+    "usual": "flash_attention_fwd_kernel",
+    "warp_specialized": "flash_attention_fwd_ws_kernel",
+    "pingpong": "flash_attention_fwd_pingpong_kernel",
+}
+_BWD_KERNELS = {
+    "usual": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_dkdv_kernel"],
+    "warp_specialized": ["flash_attention_bwd_dkdv_ws_kernel", "flash_attention_bwd_dq_ws_kernel"],
+    "gluon": ["flash_attention_bwd_gluon_kernel"],
+    "gluon_dkdv": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_gluon_kernel"],
+}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_candidate_of_the_hopper_config_space_launches_what_it_names(hopper, d):
+    from ejkernel_triton.ops import flash_attention as fa
+
+    q = jnp.ones((2, 300, 4, d), jnp.bfloat16)
+    kv = jnp.ones((2, 200, 2, d), jnp.bfloat16)
+    space = fa.config_space(
+        types.SimpleNamespace(kwargs={"query": q, "key": kv, "value": kv, "causal": True})
+    )
+    assert len(space) > 5
+    for cfg in space:
+        record = _run((2, 300, 4, d), 200, causal=True, cfg=cfg, backward=True)
+        names = [launch.kernel.fn.__name__ for launch in record]
+        assert names == [_FWD_KERNEL[cfg.fwd_variant], *_BWD_KERNELS[cfg.bwd_variant]], cfg
+        fwd = record[0]
+        if cfg.fwd_variant == "usual":  # the config's blocks, warps and head group
+            assert (fwd.constexprs["BLOCK_M"], fwd.constexprs["BLOCK_N"]) == (
+                min(cfg.fwd_params.q_blocksize, 512),
+                min(cfg.fwd_params.kv_blocksize, 256),
+            )
+            assert fwd.num_warps == cfg.fwd_params.num_warps
+            assert fwd.constexprs["HEAD_GROUP"] == cfg.fwd_head_group

@@ -36,7 +36,7 @@ from ejkernel_triton.kernels.flash_attention_hopper_fwd import (
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """``global[coord:] += src`` (a shared-memory tile) by TMA (``cp.reduce.async.bulk``);
     ``tma.store_wait`` waits for it. Gluon 3.6's ``tma`` module has no reduce; its op builder
-    has (``benchmarks/experiments/tma_reduce_probe.py``)."""
+    has."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(
         ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle

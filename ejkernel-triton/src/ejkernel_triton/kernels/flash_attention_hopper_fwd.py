@@ -22,7 +22,7 @@ softmax together and the tensor cores wait. Gluon (``triton.experimental.gluon``
 Same contract as ``flash_attention_fwd_ws_kernel``: the plain case (no bias, mask, segments,
 window or sinks), bf16/f16, D = Dv a power of two; soft cap; GQA/MQA by head index; causal is
 bottom-right; but a softmax scale > 0 only (it masks and takes row maxima of unscaled scores;
-``_forward_ws`` sends the rest to Triton's); output ``[B, Sq, Hq, D]`` and ``lse``
+the ``pingpong`` variant refuses the rest, which the heuristic sends to Triton's); output ``[B, Sq, Hq, D]`` and ``lse``
 ``[B, Hq, Sq]`` in the log2 domain, with ``EMPTY_LSE`` and zeros for rows that see no key, so
 the warp-specialized backward takes it as is. Rows and blocks are addressed in the 2-D views
 ``[B·S, H·D]``: a key block that runs into the next batch's rows is masked like one past the
