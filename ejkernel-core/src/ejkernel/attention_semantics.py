@@ -243,10 +243,15 @@ class Geometry:
         Decided from block indices only (segments and masks are not consulted), so it stays a
         scalar branch condition under ``vmap``. A Python ``bool`` for Python indices.
         """
-        q_lo = self.q_position(i * bq)
-        q_hi = q_lo + bq - 1
-        k_lo = j * bk
-        k_hi = k_lo + bk - 1
+        return self.span_may_see(i * bq, bq, j * bk, bk)
+
+    def span_may_see(self, q_start: Any, q_len: int, k_start: Any, k_len: int) -> Any:
+        """:meth:`block_may_see` for query indices ``[q_start, q_start + q_len)`` and keys
+        ``[k_start, k_start + k_len)`` that need not be block-aligned (a ring's shard)."""
+        q_lo = self.q_position(q_start)
+        q_hi = q_lo + q_len - 1
+        k_lo = k_start
+        k_hi = k_lo + k_len - 1
         conds: list[Any] = []
         if self.right is not None:
             conds.append(k_lo <= q_hi + self.right)
