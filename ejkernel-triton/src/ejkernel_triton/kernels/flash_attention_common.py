@@ -130,6 +130,16 @@ def _visible(
 ):
     """Add the bias and apply every mask to a tile of log2-domain scores.
 
+    The visibility is :func:`ejkernel.attention_semantics.visible`, restated in Triton: query
+    ``qi`` sits at key position ``q_pos = qi + q_pos_offset`` (``Sk - Sq``, bottom-right); it
+    sees key ``kj`` when the key exists (``kv_valid``: ``kj < seqlen_k``), ``kj <= q_pos``
+    (``CAUSAL``), ``q_pos - window_left <= kj <= q_pos + window_right`` (``WINDOW``), the
+    attention mask is nonzero (``HAS_MASK``) and the segment ids are equal and non-negative
+    (``HAS_SEG``). Hidden scores are replaced by :data:`MASK_VALUE` by a select, never by an
+    addition. ``MASKED`` is false only on blocks every row of which sees every key
+    (``Geometry.block_fully_visible``), where the positional terms are all true.
+    ``tests/triton/test_visibility.py`` evaluates both on grids of positions.
+
     ``qi``/``kj`` are the query and key indices broadcast to the tile: ``rows[:, None]`` and
     ``cols[None, :]`` for a ``[queries, keys]`` tile, or the other way round for the
     transposed tile of the dK/dV kernel. ``bias_ptr``/``mask_ptr`` point at this (batch,
@@ -146,12 +156,12 @@ def _visible(
         s = s + b.to(tl.float32) * LOG2E
     keep = (qi >= 0) & (kj >= 0)  # all true, of the tile's shape
     if MASKED:
-        keep = keep & (kj < seqlen_k)
-        pos = qi + q_pos_offset
+        keep = keep & (kj < seqlen_k)  # kv_valid
+        q_pos = qi + q_pos_offset
         if CAUSAL:
-            keep = keep & (kj <= pos)
+            keep = keep & (kj <= q_pos)
         if WINDOW:
-            keep = keep & (kj >= pos - window_left) & (kj <= pos + window_right)
+            keep = keep & (kj >= q_pos - window_left) & (kj <= q_pos + window_right)
     if HAS_MASK:
         m = tl.load(
             mask_ptr + qi * stride_maskq + kj * stride_maskk,
