@@ -146,9 +146,11 @@ def compare(
 
 @pytest.fixture
 def launched(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the kernels launched, in order (the launches still run)."""
+    """The names of the kernels launched, in order (the launches still run; JAX's caches are
+    cleared first, so that a call traced by an earlier test is traced again)."""
     from ejkernel_triton import _launch
 
+    jax.clear_caches()
     names: list[str] = []
     real = _launch.launch
 

@@ -3,7 +3,8 @@ VJP and the launch wrappers.
 
 The config, the kernel variants, the heuristic and the config space are in
 :mod:`ejkernel_triton.ops.flash_attention_config` (re-exported here, where the plugin registers
-them); the kernels in :mod:`ejkernel_triton.kernels` (``flash_attention_fwd``,
+them); the launches of the specialized (Hopper) variants in
+:mod:`ejkernel_triton.ops.flash_attention_specialized`; the kernels in :mod:`ejkernel_triton.kernels` (``flash_attention_fwd``,
 ``flash_attention_bwd``, and the Gluon ``flash_attention_hopper_fwd``/``_bwd``). The config's
 variants decide what runs, exactly:
 
@@ -40,19 +41,19 @@ from ejkernel._params import FwdParams
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, BROADCAST, OTHER
+from ejkernel_triton.ops import flash_attention_specialized as specialized
 from ejkernel_triton.ops.flash_attention_config import (
     BWD_VARIANTS,
     FWD_VARIANTS,
     Call,
     FlashAttentionConfig,
-    _bwd_smem,
-    _fwd_smem,
+    bwd_smem,
     check,
     clamp,
     config_space,
     fit_stages,
+    fwd_smem,
     heuristic,
-    persistent_programs,
     pow2,
     resolve,
     supports,
@@ -110,7 +111,8 @@ def flash_attention_triton(
         logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
         dropout_prob: must be 0 (:func:`supports` declines dropout).
         dropout_seed: unused.
-        cfg: block sizes, warps and stages; ``None`` takes the heuristic's.
+        cfg: the kernel variants with their block sizes, warps and stages; ``None`` takes the
+            heuristic's. A variant that cannot serve the call raises ``ValueError``.
 
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
@@ -446,13 +448,15 @@ def _common(
 
 
 def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
+    """``run(arrays...) -> (out, lse)`` by the config's forward variant."""
+
     def run(q, k, v, bias, mask, qseg, kseg, aux):
         from ejkernel_triton.kernels.flash_attention_fwd import flash_attention_fwd_kernel
 
         if st.fwd_variant == "pingpong":
-            return tuple(_forward_pingpong(st, q, k, v))
+            return tuple(specialized.forward_pingpong(st, q, k, v))
         if st.fwd_variant == "warp_specialized":
-            return tuple(_forward_ws(st, q, k, v))
+            return tuple(specialized.forward_ws(st, q, k, v))
         b, sq, hq, _ = q.shape
         dv = v.shape[-1]
         scalars, constexprs = _common(st, q, v, bias, mask, qseg)
@@ -496,7 +500,7 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             num_warps=st.fwd.num_warps or 4,
             num_stages=fit_stages(
                 st.fwd.num_stages or 2,
-                lambda n: _fwd_smem(bq, bk, n, pow2(q.shape[-1]), pow2(dv), q.dtype.itemsize),
+                lambda n: fwd_smem(bq, bk, n, pow2(q.shape[-1]), pow2(dv), q.dtype.itemsize),
                 bq * bk,
                 bias,
                 mask,
@@ -508,182 +512,6 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         return out, lse
 
     return _launch.fold_vmap(run, modes)
-
-
-def _ws_launch(
-    st: _Statics,
-    kernel: Any,
-    arrays: tuple[jax.Array, ...],
-    out_shape: list[jax.ShapeDtypeStruct],
-    grid: tuple[int, ...],
-    params: Any,
-    *extra: int,
-    zeroed_outputs: tuple[int, ...] = (),
-    **constexprs: Any,
-) -> list[Any]:
-    """Launch a warp-specialized kernel: its arrays, the scalars all three take (scale, soft
-    cap, B, Sq, Sk, Hq, Hkv), ``extra`` ones, its outputs (those of ``zeroed_outputs`` set to
-    zero first) and the per-program scratch its TMA descriptors live in (dropped from the
-    result)."""
-    from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
-
-    q, k = arrays[0], arrays[1]
-    (b, sq, hq, d), (sk, hkv) = q.shape, k.shape[1:3]
-    *outs, _ = _launch.launch(
-        kernel,
-        *arrays,
-        np.float32(st.sm_scale),
-        np.float32(st.soft_cap or 1.0),
-        b,
-        sq,
-        sk,
-        hq,
-        hkv,
-        *extra,
-        out_shape=[
-            *out_shape,
-            jax.ShapeDtypeStruct((math.prod(grid) * GLOBAL_SCRATCH_BYTES,), jnp.int8),
-        ],
-        grid=grid,
-        num_warps=params.num_warps,
-        num_stages=params.num_stages,
-        zeroed_outputs=zeroed_outputs,
-        HEAD_DIM=d,
-        CAUSAL=st.causal,
-        SOFT_CAP=st.soft_cap is not None,
-        **constexprs,
-    )
-    return outs
-
-
-def _forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[Any]:
-    """Output and lse by ``flash_attention_fwd_ws_kernel``, persistent: one program per SM
-    walks the (query block, batch·head) tiles."""
-    from ejkernel_triton.kernels.flash_attention_fwd import flash_attention_fwd_ws_kernel
-
-    (b, sq, hq, _), sk = q.shape, k.shape[1]
-    params = st.fwd
-    bq, bk = clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk)
-    return _ws_launch(
-        st,
-        flash_attention_fwd_ws_kernel,
-        (q, k, v),
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
-        (min(_cdiv(sq, bq) * b * hq, persistent_programs()),),
-        params,
-        BLOCK_M=bq,
-        BLOCK_N=bk,
-        EVEN_K=sk % bk == 0,
-    )
-
-
-def _forward_pingpong(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[Any]:
-    """Output and lse by the Gluon kernel ``flash_attention_fwd_pingpong_kernel`` (FA3's
-    schedule; the GPU only): one program per 128-row query tile and batch·head."""
-    from ejkernel_triton.kernels.flash_attention_hopper_fwd import (
-        flash_attention_fwd_pingpong_kernel,
-    )
-
-    (b, sq, hq, _), sk = q.shape, k.shape[1]
-    params = st.fwd
-    return _ws_launch(
-        st,
-        flash_attention_fwd_pingpong_kernel,
-        (q, k, v),
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
-        (_cdiv(sq, params.q_blocksize), b * hq),
-        params,
-        BLOCK_N=params.kv_blocksize,
-        STAGES=params.num_stages,
-        EVEN_K=sk % params.kv_blocksize == 0,
-        HEAD_GROUP=st.fwd_head_group if st.causal else 0,
-    )
-
-
-def _dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
-    """dK and dV by ``flash_attention_bwd_dkdv_ws_kernel``."""
-    from ejkernel_triton.kernels.flash_attention_bwd import flash_attention_bwd_dkdv_ws_kernel
-
-    sq, (b, sk, hkv, _) = q.shape[1], k.shape
-    params = st.bwd
-    bq, bk = clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk)
-    return _ws_launch(
-        st,
-        flash_attention_bwd_dkdv_ws_kernel,
-        (q, k, v, do, lse, delta),
-        [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        (_cdiv(sk, bk), b * hkv),
-        params,
-        BLOCK_M=bq,
-        BLOCK_N=bk,
-    )
-
-
-def _bwd_gluon(st: _Statics, q, k, v, do, lse, delta, fuse_dq: bool = True) -> Any:
-    """``(dQ, dK, dV)`` by the Gluon kernel ``flash_attention_bwd_gluon_kernel`` (the GPU only):
-    one program per 128 keys and batch·key head; lse and delta padded to whole query blocks
-    (the loader brings them by TMA); dQ accumulates in float32 across the key blocks' programs
-    (TMA reduce-adds) and is scaled and cast here. Without ``fuse_dq`` only dK and dV (dQ is
-    ``None``)."""
-    from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE
-    from ejkernel_triton.kernels.flash_attention_hopper_bwd import flash_attention_bwd_gluon_kernel
-
-    sq, (b, sk, hkv, _) = q.shape[1], k.shape
-    params = st.bwd
-    bm = params.q_blocksize
-    stats_len = _cdiv(sq, bm) * bm
-    if stats_len != sq:
-        pad = ((0, 0), (0, 0), (0, stats_len - sq))
-        lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
-        delta = jnp.pad(delta, pad)
-    dk, dv, dq = _ws_launch(
-        st,
-        flash_attention_bwd_gluon_kernel,
-        (q, k, v, do, lse, delta),
-        [
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(q.shape if fuse_dq else (1,), jnp.float32),
-        ],
-        (_cdiv(sk, params.kv_blocksize), b * hkv),
-        params,
-        stats_len,
-        zeroed_outputs=(2,) if fuse_dq else (),
-        BLOCK_M=bm,
-        STAGES=params.num_stages,
-        HEAD_GROUP=st.bwd_head_group if st.causal else 0,
-        FUSE_DQ=fuse_dq,
-    )
-    return ((dq * st.sm_scale).astype(q.dtype) if fuse_dq else None), dk, dv
-
-
-def _dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
-    """dQ by ``flash_attention_bwd_dq_ws_kernel``."""
-    from ejkernel_triton.kernels.flash_attention_bwd import flash_attention_bwd_dq_ws_kernel
-    from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE
-
-    (b, sq, hq, _), sk = q.shape, k.shape[1]
-    params = st.dq
-    bq, bk = clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk)
-    blocks = _cdiv(sq, bq)
-    if blocks * bq != sq:  # whole blocks of row statistics
-        pad = ((0, 0), (0, 0), (0, blocks * bq - sq))
-        lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
-        delta = jnp.pad(delta, pad)
-    (dq,) = _ws_launch(
-        st,
-        flash_attention_bwd_dq_ws_kernel,
-        (q, k, v, do, lse, delta),
-        [jax.ShapeDtypeStruct(q.shape, q.dtype)],
-        (blocks, b * hq),
-        params,
-        blocks * bq,
-        BLOCK_M=bq,
-        BLOCK_N=bk,
-        EVEN_K=sk % bk == 0,
-        HEAD_GROUP=st.bwd_head_group if st.causal else 0,
-    )
-    return dq
 
 
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
@@ -700,10 +528,10 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         if st.bwd_variant in ("gluon", "warp_specialized"):  # delta from JAX
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
             if st.bwd_variant == "gluon":
-                dq, dk, dv = _bwd_gluon(st, q, k, v, do, lse, delta)
+                dq, dk, dv = specialized.bwd_gluon(st, q, k, v, do, lse, delta)
             else:
-                dk, dv = _dkdv_ws(st, q, k, v, do, lse, delta)
-                dq = _dq_ws(st, q, k, v, do, lse, delta)
+                dk, dv = specialized.dkdv_ws(st, q, k, v, do, lse, delta)
+                dq = specialized.dq_ws(st, q, k, v, do, lse, delta)
             return dq, dk, dv, jnp.zeros((1,), jnp.float32), delta
         del aux
         b, sq, hq, _ = q.shape
@@ -747,7 +575,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             num_warps=st.dq.num_warps or 4,
             num_stages=fit_stages(
                 st.dq.num_stages or 2,
-                lambda n: _bwd_smem(kb, qb, n, d_pow2, dv_pow2, q.dtype.itemsize),
+                lambda n: bwd_smem(kb, qb, n, d_pow2, dv_pow2, q.dtype.itemsize),
                 qb * kb,
                 bias,
                 mask,
@@ -758,7 +586,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             **constexprs,
         )
         if st.bwd_variant == "gluon_dkdv":  # dQ and delta from the usual kernel above
-            _, dk, dv = _bwd_gluon(st, q, k, v, do, lse, delta, fuse_dq=False)
+            _, dk, dv = specialized.bwd_gluon(st, q, k, v, do, lse, delta, fuse_dq=False)
             return dq, dk, dv, dbias, delta
         bq, bk = clamp(st.bwd.q_blocksize or 32, sq), clamp(st.bwd.kv_blocksize or 128, sk)
         dk, dv = _launch.launch(
@@ -772,7 +600,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             num_warps=st.bwd.num_warps or 4,
             num_stages=fit_stages(
                 st.bwd.num_stages or 2,
-                lambda n: _bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
+                lambda n: bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
                 bq * bk,
                 bias,
                 mask,

@@ -398,7 +398,7 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
             fwd_head_group=usual.fwd_head_group,
         )
         for bq, bk, w, s in _FWD_BLOCKS
-        if _fwd_smem(bq, bk, s, d, dv, size) <= limit
+        if fwd_smem(bq, bk, s, d, dv, size) <= limit
     ]
     for variant in FWD_VARIANTS:
         if variant != base.fwd_variant and not fwd_problem(variant, call):
@@ -430,7 +430,7 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
                 bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s),
             )
             for bq, bk, w, s in _BWD_BLOCKS
-            if _bwd_smem(bq, bk, s, d, dv, size) <= limit
+            if bwd_smem(bq, bk, s, d, dv, size) <= limit
         ]
     if base.bwd_variant in ("usual", "gluon_dkdv"):
         configs += [
@@ -439,7 +439,7 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
                 dq_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s),
             )
             for bq, bk, w, s in _DQ_BLOCKS
-            if _bwd_smem(bk, bq, s, d, dv, size) <= limit
+            if bwd_smem(bk, bq, s, d, dv, size) <= limit
         ]
     return list(dict.fromkeys(configs))
 
@@ -453,11 +453,11 @@ _DQ_BLOCKS = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3))
 # -- sizes and device facts -----------------------------------------------------------------
 
 
-def _fwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
+def fwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
     return (bq * d + stages * bk * (d + dv)) * size
 
 
-def _bwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
+def bwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
     return (bk * (d + dv) + stages * bq * (d + dv)) * size + bq * bk * 4
 
 
