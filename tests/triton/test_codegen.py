@@ -11,7 +11,7 @@ import attrs
 import jax.numpy as jnp
 import pytest
 
-from ejkernel._params import FwdParams
+from ejkernel.ops import FwdParams
 from ejkernel_triton import _codegen
 
 pytest.importorskip("triton")
@@ -86,7 +86,7 @@ def test_strides_not_divisible_by_16_keep_what_they_can():
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 def test_bias_and_mask_tiles_fit_in_shared_memory(bias_dtype):
     # the deepest pipeline of the config space; bias and mask tiles join every stage
-    from ejkernel._params import BwdParams, FwdParams
+    from ejkernel.ops import BwdParams, FwdParams
     from ejkernel_triton.ops.flash_attention import FlashAttentionConfig
 
     cfg = FlashAttentionConfig(
@@ -108,7 +108,7 @@ def test_bias_and_mask_tiles_fit_in_shared_memory(bias_dtype):
 
 
 def test_warp_specialized_kernels_are_a_producer_and_two_consumer_warp_groups(monkeypatch):
-    from ejkernel._params import FwdParams
+    from ejkernel.ops import FwdParams
     from ejkernel_triton.ops import flash_attention as fa
 
     monkeypatch.setenv("EJKERNEL_INTERPRET", "1")  # a CPU: the plain case qualifies only here
@@ -130,7 +130,7 @@ def test_warp_specialized_kernels_are_a_producer_and_two_consumer_warp_groups(mo
 
 
 def test_warp_specialized_forward_runs_its_validated_tiles_on_a_gpu(hopper):
-    from ejkernel._params import FwdParams
+    from ejkernel.ops import FwdParams
     from ejkernel_triton.ops import flash_attention as fa
 
     cfg = fa.FlashAttentionConfig(fwd_variant="warp_specialized")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ejkernel
-from ejkernel._params import BwdParams, FwdParams
+from ejkernel.ops import BwdParams, FwdParams
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal

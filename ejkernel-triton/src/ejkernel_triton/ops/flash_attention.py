@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel._params import FwdParams
+from ejkernel.ops import FwdParams
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, BROADCAST, OTHER

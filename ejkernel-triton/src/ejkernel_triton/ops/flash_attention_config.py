@@ -23,7 +23,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel._params import BwdParams, FwdParams
+from ejkernel.ops import BwdParams, FwdParams
 from ejkernel_triton import _launch, _tuned
 
 __all__ = [
