@@ -80,6 +80,11 @@ def inputs(mode: str, shape: tuple[int, ...], dtype: Any = None) -> tuple[jax.Ar
     return qkv(*shape, dtype=dtype or (jnp.float32 if mode == "interpret" else jnp.bfloat16))
 
 
+def reference_inputs(mode: str, *xs: jax.Array) -> tuple[jax.Array, ...]:
+    """The reference's inputs: as given in the interpreter, float32 on the GPU."""
+    return xs if mode == "interpret" else tuple(x.astype(jnp.float32) for x in xs)
+
+
 def rel(a: Any, b: Any) -> float:
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
@@ -251,7 +256,8 @@ def test_default_config_and_scaled_dot_product_attention(mode: str) -> None:
     q, k, v = inputs(mode, shape_of(mode, (1, 37, 37, 2, 2, 32), (1, 300, 300, 4, 2, 128)))
     compare(mode, q, k, v, cfg=None, grads=False, causal=True)
     out = ejkernel.scaled_dot_product_attention(q, k, v, causal=True, platform="triton")
-    want = flash_attention_reference(q, k, v, causal=True)
+    with jax.default_matmul_precision("highest"):
+        want = flash_attention_reference(*reference_inputs(mode, q, k, v), causal=True)
     if mode == "interpret":
         assert_close(out, want, name="sdpa")
     else:
@@ -267,7 +273,8 @@ def test_jit_and_vmap_compose_with_the_kernels(mode: str) -> None:
         return ejkernel.flash_attention(q, k, v, causal=True, platform="triton", cfg=cfg)
 
     def r(q, k, v):
-        return flash_attention_reference(q, k, v, causal=True)
+        with jax.default_matmul_precision("highest"):
+            return flash_attention_reference(*reference_inputs(mode, q, k, v), causal=True)
 
     def close(a: Any, b: Any, name: str) -> None:
         if tol is None:
