@@ -311,8 +311,6 @@ BWD_KERNELS = {
     "gluon": ["flash_attention_bwd_gluon_kernel"],
     "gluon_dkdv": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_gluon_kernel"],
 }
-#: Variants the interpreter runs (it cannot run Gluon).
-INTERPRETED = {"usual", "warp_specialized"}
 
 
 def variant_config(mode: str, fwd: str, bwd: str, call: dict[str, Any]) -> FlashAttentionConfig:
@@ -357,12 +355,20 @@ VARIANT_SHAPES = {
     "cut-keys": ((2, 40, 37, 2, 2, 64), (2, 1000, 1500, 8, 8, 128), {"softmax_scale": 0.3}),
     "gqa-softcap": ((1, 37, 50, 4, 2, 64), (2, 2500, 3000, 4, 2, 64), {"logits_soft_cap": 3.0}),
 }
-#: Each specialized pair over every shape; the mixed pairs over one.
+#: Each specialized pair over every shape; the mixed pairs over one, on the GPU only (the
+#: interpreter runs the same kernels in the specialized pair and the usual tests), as the Gluon
+#: variants, which the interpreter cannot run (``test_codegen.py`` compiles them on the CPU).
 VARIANT_CASES = [
-    pytest.param(fwd, bwd, *VARIANT_SHAPES[name], id=f"{fwd}-{bwd}-{name}")
+    pytest.param(
+        fwd,
+        bwd,
+        *VARIANT_SHAPES[name],
+        id=f"{fwd}-{bwd}-{name}",
+        marks=[] if (fwd, bwd) == ("warp_specialized", "warp_specialized") else [pytest.mark.gpu],
+    )
     for fwd, bwd, names in [
         ("warp_specialized", "warp_specialized", VARIANT_SHAPES),
-        ("pingpong", "gluon", VARIANT_SHAPES),
+        ("pingpong", "gluon", ["gqa-causal", "mqa-sq<sk-d128-softcap", "cut-keys"]),
         ("usual", "warp_specialized", ["gqa-causal"]),
         ("warp_specialized", "usual", ["gqa-causal"]),
         ("usual", "gluon_dkdv", ["gqa-causal", "sq>sk-empty-rows"]),
@@ -377,10 +383,6 @@ def test_each_variant_runs_as_configured_and_matches_the_reference(
     mode: str, launched: list[str], fwd: str, bwd: str, interpret: tuple, gpu: tuple, kwargs: dict
 ) -> None:
     shape = shape_of(mode, interpret, gpu)
-    if mode == "interpret" and not {fwd, bwd} <= INTERPRETED:
-        pytest.skip("Triton's interpreter does not run Gluon (test_codegen.py compiles it)")
-    if fwd == "pingpong" and shape[5] != 128:
-        pytest.skip("the ping-pong forward takes D 128")
     q, k, v = inputs(mode, shape, jnp.bfloat16)
     cfg = variant_config(mode, fwd, bwd, {"query": q, "key": k, "value": v, **kwargs})
     out = compare(mode, q, k, v, cfg=cfg, **kwargs)

@@ -70,7 +70,8 @@ class FlashAttentionConfig:
         bwd_params: dK/dV kernel (or the Gluon backward): ``kv_blocksize`` keys per program,
             ``q_blocksize`` queries per step, warps, stages.
         dq_params: dQ kernel: ``q_blocksize`` rows per program, ``kv_blocksize`` keys per step;
-            ``None`` takes ``bwd_params`` with the two block sizes swapped. Unused by ``gluon``.
+            ``None`` takes ``bwd_params`` with the two block sizes swapped (the
+            ``warp_specialized`` dQ kernel: its own tiles). Unused by ``gluon``.
         fwd_head_group: under a causal mask the forward (``usual``, ``pingpong``) runs the
             longest query blocks first, this many heads at a time; 0 keeps grid order.
         bwd_head_group: the same for the backward's ``gluon``/``gluon_dkdv`` kernel (first key
@@ -78,10 +79,11 @@ class FlashAttentionConfig:
         scale_in_exponent: the ``usual`` forward folds the softmax scale into the exponent
             where nothing is masked or added and the scale is ≥ 0 (``PLAIN_SCALE``).
 
-    The warp-specialized kernels run on a GPU only in their validated tiles (other block sizes
-    and stage counts compile to wrong results with triton 3.6: :data:`_FIXED`); the
-    interpreter takes their block sizes from the config. ``pingpong`` takes 128-row tiles of
-    two 64-row consumers and the Gluon backward 128 keys per program, both with 4 warps.
+    The warp-specialized kernels and ``pingpong`` run on a GPU only in their validated tiles
+    (other block sizes and stage counts compiled to wrong results with triton 3.6); the
+    interpreter takes the warp-specialized kernels' block sizes from the config. The Gluon
+    backward takes 128 keys per program and 4 warps (its two 64-key consumer warp groups), its
+    query rows per step and ring stages from ``bwd_params``.
     """
 
     fwd_variant: FwdVariant = attrs.field(
