@@ -79,9 +79,10 @@ class FlashAttentionConfig:
         scale_in_exponent: the ``usual`` forward folds the softmax scale into the exponent
             where nothing is masked or added and the scale is ≥ 0 (``PLAIN_SCALE``).
 
-    The warp-specialized kernels and ``pingpong`` run on a GPU only in their validated tiles
-    (other block sizes and stage counts compiled to wrong results with triton 3.6); the
-    interpreter takes the warp-specialized kernels' block sizes from the config. The Gluon
+    The warp-specialized kernels run on a GPU only in their validated tiles (other block sizes
+    and stage counts compiled to wrong results with triton 3.6), ``pingpong`` only in its
+    tested one (128 x 128, 3 stages); the interpreter takes the warp-specialized kernels'
+    block sizes from the config. The Gluon
     backward takes 128 keys per program and 4 warps (its two 64-key consumer warp groups), its
     query rows per step and ring stages from ``bwd_params``.
     """
@@ -200,7 +201,8 @@ def _specialized_problem(call: Call) -> str | None:
 
 #: The tiles each specialized kernel runs in on a GPU: ``(defaults, fields that must equal
 #: them)``. The warp-specialized kernels compiled to wrong results in other block sizes and
-#: stage counts (triton 3.6); the Gluon kernels' tile shapes are their warp groups'.
+#: stage counts (triton 3.6); ``pingpong`` is tested in this tile only; the Gluon backward's
+#: 128 keys and 4 warps are its two consumer warp groups of 64 keys.
 _FIXED: dict[tuple[str, str], tuple[Any, tuple[str, ...]]] = {
     ("fwd", "warp_specialized"): (
         FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
