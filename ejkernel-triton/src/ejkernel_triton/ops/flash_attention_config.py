@@ -283,7 +283,7 @@ def check(cfg: FlashAttentionConfig, call: Call, passes: tuple[str, ...]) -> Non
 
 # -- configs --------------------------------------------------------------------------------
 
-#: Generic defaults, where no table entry matches (and the interpreter's warps and stages).
+#: Generic defaults, where no table entry matches (a missing table included).
 _GENERIC = {
     "fwd": {
         "variant": "usual",
