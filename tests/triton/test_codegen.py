@@ -5,10 +5,13 @@ kernels take them in units of ``ALIGN`` elements to restore it)."""
 
 from __future__ import annotations
 
+import types
+
 import attrs
 import jax.numpy as jnp
 import pytest
 
+from ejkernel.ops import FwdParams
 from ejkernel_triton import _codegen
 
 pytest.importorskip("triton")
@@ -20,6 +23,34 @@ H100_SHARED = 232448
 @pytest.fixture(autouse=True)
 def _triton_cache_in_tmp(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A GPU's choices, recorded on the CPU: an H100 (sm_90) is the default device."""
+    from ejkernel_triton.ops import flash_attention_config as config
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setattr(config, "_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(config, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    return config
+
+
+def _run(shape, kv_len=None, *, causal, cfg=None, backward=False, **kwargs):
+    """The launches of the forward (and the backward) of ones of ``shape`` [B, S, H, D] (keys:
+    ``kv_len`` rows of half the heads), by ``cfg`` or the heuristic's config."""
+    from ejkernel_triton.ops import flash_attention as fa
+
+    b, s, h, d = shape
+    q = jnp.ones(shape, jnp.bfloat16)
+    kv = jnp.ones((b, kv_len or s, max(h // 2, 1), d), jnp.bfloat16)
+    with _codegen.recorded_launches() as record:
+        out, res = fa._flash_attention_fwd(
+            query=q, key=kv, value=kv, causal=causal, cfg=cfg, **kwargs
+        )
+        if backward:
+            fa._flash_attention_bwd(res, out, cfg=cfg, causal=causal, **kwargs)
+    return record
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
@@ -55,7 +86,7 @@ def test_strides_not_divisible_by_16_keep_what_they_can():
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 def test_bias_and_mask_tiles_fit_in_shared_memory(bias_dtype):
     # the deepest pipeline of the config space; bias and mask tiles join every stage
-    from ejkernel._params import BwdParams, FwdParams
+    from ejkernel.ops import BwdParams, FwdParams
     from ejkernel_triton.ops.flash_attention import FlashAttentionConfig
 
     cfg = FlashAttentionConfig(
@@ -77,13 +108,14 @@ def test_bias_and_mask_tiles_fit_in_shared_memory(bias_dtype):
 
 
 def test_warp_specialized_kernels_are_a_producer_and_two_consumer_warp_groups(monkeypatch):
-    from ejkernel._params import FwdParams
+    from ejkernel.ops import FwdParams
     from ejkernel_triton.ops import flash_attention as fa
 
     monkeypatch.setenv("EJKERNEL_INTERPRET", "1")  # a CPU: the plain case qualifies only here
     cfg = fa.FlashAttentionConfig(
+        fwd_variant="warp_specialized",
+        bwd_variant="warp_specialized",
         fwd_params=FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
-        warp_specialize=True,
     )
     fwd, dkdv, dq = _codegen.flash_attention_launches((1, 300, 2, 128), causal=True, cfg=cfg)
     assert fwd.kernel.fn.__name__ == "flash_attention_fwd_ws_kernel"
@@ -95,17 +127,21 @@ def test_warp_specialized_kernels_are_a_producer_and_two_consumer_warp_groups(mo
         assert compiled.ptx.count("setmaxnreg") > 0  # registers moved to the consumers
         assert any(k.startswith("wgmma") for k in _codegen.instruction_mix(compiled.ptx))
         assert compiled.shared <= H100_SHARED
-    # on a GPU the validated config runs, whatever the config's forward blocks and stages say
-    # (at D 64: at D 128 the GPU's forward is the Gluon kernel, tested below)
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
-    other = attrs.evolve(cfg, fwd_params=FwdParams(kv_blocksize=64, num_warps=8, num_stages=3))
-    with _codegen.recorded_launches() as record:
-        q = jnp.ones((1, 300, 2, 64), jnp.bfloat16)
-        monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
-        fa._flash_attention_fwd(query=q, key=q, value=q, causal=True, cfg=other)
-    (launch,) = record
+
+
+def test_warp_specialized_forward_runs_its_validated_tiles_on_a_gpu(hopper):
+    from ejkernel.ops import FwdParams
+    from ejkernel_triton.ops import flash_attention as fa
+
+    cfg = fa.FlashAttentionConfig(fwd_variant="warp_specialized")
+    (launch,) = _run((1, 300, 2, 64), causal=True, cfg=cfg)
+    assert launch.kernel.fn.__name__ == "flash_attention_fwd_ws_kernel"
     assert launch.constexprs["BLOCK_N"] == 128 and (launch.num_warps, launch.num_stages) == (4, 2)
     assert launch.grid == (6,)  # persistent: min(tiles = 3 query blocks x 2 heads, SMs)
+    # other tiles compiled to wrong results (triton 3.6): refused, not replaced
+    other = attrs.evolve(cfg, fwd_params=FwdParams(kv_blocksize=64, num_warps=8, num_stages=3))
+    with pytest.raises(ValueError, match=r"fwd_variant='warp_specialized'.*kv_blocksize=64"):
+        _run((1, 300, 2, 64), causal=True, cfg=other)
 
 
 @pytest.mark.parametrize(
@@ -113,18 +149,8 @@ def test_warp_specialized_kernels_are_a_producer_and_two_consumer_warp_groups(mo
     [(False, None, 256), (True, 30.0, 200)],
     ids=["plain-even-keys", "causal-softcap-cut-keys"],
 )
-def test_hopper_forward_at_d128_is_the_gluon_pingpong_kernel(monkeypatch, causal, soft_cap, sk):
-    from ejkernel_triton.ops import flash_attention as fa
-
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # a GPU's choice, recorded on the CPU
-    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
-    cfg = fa.FlashAttentionConfig(fwd_params=fa._WS_FWD, warp_specialize=True)
-    q = jnp.ones((2, 300, 4, 128), jnp.bfloat16)
-    kv = jnp.ones((2, sk, 2, 128), jnp.bfloat16)
-    with _codegen.recorded_launches() as record:
-        fa._flash_attention_fwd(
-            query=q, key=kv, value=kv, causal=causal, logits_soft_cap=soft_cap, cfg=cfg
-        )
+def test_hopper_forward_at_d128_is_the_gluon_pingpong_kernel(hopper, causal, soft_cap, sk):
+    record = _run((2, 300, 4, 128), sk, causal=causal, logits_soft_cap=soft_cap)  # heuristic
     (launch,) = record
     assert launch.kernel.fn.__name__ == "flash_attention_fwd_pingpong_kernel"
     assert launch.grid == (3, 8)  # 128-row query tiles x batch·heads
@@ -148,43 +174,51 @@ def test_hopper_forward_at_d128_is_the_gluon_pingpong_kernel(monkeypatch, causal
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.1])
-def test_hopper_forward_at_d128_leaves_a_scale_of_zero_or_less_to_triton(monkeypatch, scale):
+def test_hopper_forward_at_d128_leaves_a_scale_of_zero_or_less_to_triton(hopper, scale):
     # the Gluon kernel masks and takes row maxima of unscaled scores
     from ejkernel_triton.ops import flash_attention as fa
 
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # a GPU's choice, recorded on the CPU
-    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
-    cfg = fa.FlashAttentionConfig(fwd_params=fa._WS_FWD, warp_specialize=True)
-    q = jnp.ones((2, 300, 4, 128), jnp.bfloat16)
-    with _codegen.recorded_launches() as record:
-        fa._flash_attention_fwd(query=q, key=q, value=q, causal=True, softmax_scale=scale, cfg=cfg)
+    record = _run((2, 300, 4, 128), causal=True, softmax_scale=scale)  # heuristic
     assert [launch.kernel.fn.__name__ for launch in record] == ["flash_attention_fwd_ws_kernel"]
+    with pytest.raises(ValueError, match="softmax scale > 0"):
+        _run(
+            (2, 300, 4, 128),
+            causal=True,
+            softmax_scale=scale,
+            cfg=fa.FlashAttentionConfig(fwd_variant="pingpong"),
+        )
 
 
 @pytest.mark.parametrize(
-    ("d", "causal", "warp_specialize"),
-    [(128, True, True), (128, False, False), (64, False, False), (64, True, True)],
-    ids=["d128-ws", "d128-usual", "d64-usual", "d64-causal-ws"],
+    ("d", "causal", "variant"),
+    [
+        (128, True, "gluon"),
+        (128, False, "gluon_dkdv"),
+        (64, False, "gluon"),
+        (64, True, "gluon_dkdv"),
+    ],
+    ids=["d128-causal-fused", "d128-dkdv", "d64-fused", "d64-causal-dkdv"],
 )
-def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp_specialize):
+def test_hopper_backward_variants_are_the_gluon_kernel(hopper, d, causal, variant):
     from ejkernel_triton.ops import flash_attention as fa
 
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # a GPU's choice, recorded on the CPU
-    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
     q = jnp.ones((2, 300, 4, d), jnp.bfloat16)
     kv = jnp.ones((2, 200, 2, d), jnp.bfloat16)
-    cfg = attrs.evolve(fa._default_config(q, kv, kv, causal), warp_specialize=warp_specialize)
-    with _codegen.recorded_launches() as record:
-        out, res = fa._flash_attention_fwd(query=q, key=kv, value=kv, causal=causal, cfg=cfg)
-        fa._flash_attention_bwd(res, out, cfg=cfg, causal=causal)
+    call = {"query": q, "key": kv, "value": kv, "causal": causal}
+    cfg = attrs.evolve(fa.heuristic(types.SimpleNamespace(kwargs=call)), bwd_variant=variant)
+    if variant == "gluon_dkdv":
+        cfg = attrs.evolve(
+            cfg, dq_params=FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+        )
+    record = _run((2, 300, 4, d), 200, causal=causal, cfg=cfg, backward=True)
     names = [launch.kernel.fn.__name__ for launch in record]
-    fused = fa._gluon_fuses_dq(d, causal)  # all but D 64 causal
-    if fused:  # one backward kernel whatever warp_specialize says (delta from JAX)
+    fused = variant == "gluon"
+    if fused:  # one backward kernel (delta from JAX)
         assert names[1:] == ["flash_attention_bwd_gluon_kernel"]
     else:  # the usual dQ kernel first, which computes delta; the Gluon kernel's dK/dV
         assert names[1:] == ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_gluon_kernel"]
     bwd = record[-1]
-    block_m = fa._GLUON_BWD[d].q_blocksize
+    block_m = cfg.bwd_params.q_blocksize
     assert bwd.grid == (2, 4)  # 128-key blocks x batch·key heads
     assert bwd.constexprs == {
         "HEAD_DIM": d,
@@ -217,13 +251,60 @@ def test_hopper_backward_is_gluon_in_the_plain_case(monkeypatch, d, causal, warp
     assert compiled.shared <= H100_SHARED
 
 
-def test_hopper_forward_at_d64_stays_the_triton_kernel(monkeypatch):
+@pytest.mark.parametrize(("d", "causal"), [(128, True), (64, False), (64, True)])
+def test_hopper_heuristic_takes_the_tables_variants(hopper, d, causal):
+    record = _run((2, 300, 4, d), causal=causal, backward=True)
+    names = [launch.kernel.fn.__name__ for launch in record]
+    forward = "flash_attention_fwd_pingpong_kernel" if d == 128 else "flash_attention_fwd_kernel"
+    backward = ["flash_attention_bwd_gluon_kernel"]
+    if d == 64 and causal:  # the usual dQ kernel, then the Gluon dK/dV
+        backward = ["flash_attention_bwd_dq_kernel", *backward]
+    assert names == [forward, *backward]
+
+
+def test_hopper_forward_at_d64_is_no_pingpong(hopper):
     from ejkernel_triton.ops import flash_attention as fa
 
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
-    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
-    cfg = fa.FlashAttentionConfig(fwd_params=fa._WS_FWD, warp_specialize=True)
-    q = jnp.ones((1, 300, 2, 64), jnp.bfloat16)
-    with _codegen.recorded_launches() as record:
-        fa._flash_attention_fwd(query=q, key=q, value=q, causal=True, cfg=cfg)
+    cfg = fa.FlashAttentionConfig(fwd_variant="warp_specialized")
+    record = _run((1, 300, 2, 64), causal=True, cfg=cfg)
     assert [launch.kernel.fn.__name__ for launch in record] == ["flash_attention_fwd_ws_kernel"]
+    with pytest.raises(ValueError, match="it takes D 128; got D 64"):
+        _run((1, 300, 2, 64), causal=True, cfg=fa.FlashAttentionConfig(fwd_variant="pingpong"))
+
+
+#: What each variant launches: the forward's kernel, then the backward's in order.
+_FWD_KERNEL = {
+    "usual": "flash_attention_fwd_kernel",
+    "warp_specialized": "flash_attention_fwd_ws_kernel",
+    "pingpong": "flash_attention_fwd_pingpong_kernel",
+}
+_BWD_KERNELS = {
+    "usual": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_dkdv_kernel"],
+    "warp_specialized": ["flash_attention_bwd_dkdv_ws_kernel", "flash_attention_bwd_dq_ws_kernel"],
+    "gluon": ["flash_attention_bwd_gluon_kernel"],
+    "gluon_dkdv": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_gluon_kernel"],
+}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_candidate_of_the_hopper_config_space_launches_what_it_names(hopper, d):
+    from ejkernel_triton.ops import flash_attention as fa
+
+    q = jnp.ones((2, 300, 4, d), jnp.bfloat16)
+    kv = jnp.ones((2, 200, 2, d), jnp.bfloat16)
+    space = fa.config_space(
+        types.SimpleNamespace(kwargs={"query": q, "key": kv, "value": kv, "causal": True})
+    )
+    assert len(space) > 5
+    for cfg in space:
+        record = _run((2, 300, 4, d), 200, causal=True, cfg=cfg, backward=True)
+        names = [launch.kernel.fn.__name__ for launch in record]
+        assert names == [_FWD_KERNEL[cfg.fwd_variant], *_BWD_KERNELS[cfg.bwd_variant]], cfg
+        fwd = record[0]
+        if cfg.fwd_variant == "usual":  # the config's blocks, warps and head group
+            assert (fwd.constexprs["BLOCK_M"], fwd.constexprs["BLOCK_N"]) == (
+                min(cfg.fwd_params.q_blocksize, 512),
+                min(cfg.fwd_params.kv_blocksize, 256),
+            )
+            assert fwd.num_warps == cfg.fwd_params.num_warps
+            assert fwd.constexprs["HEAD_GROUP"] == cfg.fwd_head_group

@@ -2,7 +2,7 @@
 :func:`ejkernel_triton._kernel_cache._compile_direct` compiles Gluon kernels and the
 warp-specialized forward for sm_90 (Triton's compiler runs on any machine) and caches the PTX
 like any other kernel. jax-triton is a stand-in here (the real one needs a GPU jaxlib); the GPU
-runs are ``benchmarks/experiments/gluon_fwd_ab.py`` and ``tests/triton/test_flash_attention_gpu.py``.
+runs are ``tests/triton/test_flash_attention.py -m gpu``.
 
 Runs in a child process: Triton's interpreter, used by the other tests of this folder, leaves
 ``triton.language`` patched in its process, and a patched process cannot compile.
@@ -92,7 +92,7 @@ WS_CHILD = """
 import json, os, re, sys, types
 os.environ["EJKERNEL_CACHE_DIR"] = {cache!r}
 compiled = []
-{standin}from ejkernel_triton.kernels.flash_attention import flash_attention_fwd_ws_kernel as fn
+{standin}from ejkernel_triton.kernels.flash_attention_fwd import flash_attention_fwd_ws_kernel as fn
 _kernel_cache.install()
 kw = dict(num_warps=4, num_stages=2, num_ctas=1, compute_capability=90, enable_fp_fusion=True,
           metaparams=dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, CAUSAL=True, SOFT_CAP=False,

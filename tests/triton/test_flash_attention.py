@@ -1,8 +1,10 @@
-"""The Triton flash attention through Triton's interpreter on the CPU, against the reference.
+"""The Triton flash attention against the reference, one body per test in every mode.
 
-The same kernel source runs on the GPU through jax-triton (``test_flash_attention_gpu.py``).
-Shapes are small (the interpreter runs each program in Python) but odd: sequences 37 and 45,
-Sq != Sk both ways, head dims 80 and 32, Dv != D, GQA and MQA, several blocks per axis.
+``mode`` is ``interpret`` (Triton's interpreter on the CPU, in CI: small, odd shapes, float32
+unless said) or ``gpu`` (compiled by Triton and launched by jax-triton, marked ``gpu``:
+realistic shapes in bfloat16, against the float32 reference at the highest matmul precision).
+Each case names its shape in both modes ``[B, Sq, Sk, Hq, Hkv, D(, Dv)]``. The checks of what
+a GPU would launch, compiled for sm_90 on any machine, are in ``test_codegen.py``.
 """
 
 from __future__ import annotations
@@ -10,31 +12,49 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import ejkernel
-from ejkernel._params import BwdParams, FwdParams
+from ejkernel.ops import BwdParams, FwdParams
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal
 
 pytest.importorskip("triton")
 
-from ejkernel_triton.ops.flash_attention import FlashAttentionConfig
+from ejkernel_triton.ops.flash_attention import (
+    BWD_VARIANTS,
+    FWD_VARIANTS,
+    FlashAttentionConfig,
+)
 
-#: 16-row blocks: several blocks per axis at these lengths, with cut tails.
+#: 16-row blocks: several blocks per axis at the interpreter's lengths, with cut tails.
 SMALL = FlashAttentionConfig(
     fwd_params=FwdParams(q_blocksize=16, kv_blocksize=16, num_warps=4, num_stages=1),
     bwd_params=BwdParams(q_blocksize=16, kv_blocksize=32, num_warps=4, num_stages=1),
 )
 
+MODES = [
+    pytest.param("interpret", id="interpret"),
+    pytest.param("gpu", id="gpu", marks=pytest.mark.gpu),
+]
 
-@pytest.fixture(autouse=True)
-def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "interpret":
+        if jax.default_backend() != "cpu":
+            pytest.skip("the interpreter runs where the default device is a CPU")
+        monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+    return request.param
+
+
+def shape_of(mode: str, interpret: tuple[int, ...], gpu: tuple[int, ...]) -> tuple[int, ...]:
+    return interpret if mode == "interpret" else gpu
 
 
 def qkv(
@@ -55,8 +75,33 @@ def qkv(
     )
 
 
-def compare(q: Any, k: Any, v: Any, cfg: Any = SMALL, grads: bool = True, **kwargs: Any) -> Any:
-    """Output (and gradients of every array input) of the Triton op vs the reference."""
+def inputs(mode: str, shape: tuple[int, ...], dtype: Any = None) -> tuple[jax.Array, ...]:
+    """q, k, v of ``shape``: float32 in the interpreter, bfloat16 on the GPU, unless given."""
+    return qkv(*shape, dtype=dtype or (jnp.float32 if mode == "interpret" else jnp.bfloat16))
+
+
+def reference_inputs(mode: str, *xs: jax.Array) -> tuple[jax.Array, ...]:
+    """The reference's inputs: as given in the interpreter, float32 on the GPU."""
+    return xs if mode == "interpret" else tuple(x.astype(jnp.float32) for x in xs)
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+#: ``compare``'s default config: ``SMALL`` in the interpreter, the heuristic's on the GPU.
+BY_MODE = object()
+
+
+def compare(
+    mode: str, q: Any, k: Any, v: Any, cfg: Any = BY_MODE, grads: bool = True, **kwargs: Any
+) -> Any:
+    """Output (and gradients of every array input) of the Triton op vs the reference: in the
+    interpreter with the per-dtype tolerance on the same inputs; on the GPU jitted, by norm
+    against the float32 reference at the highest precision."""
+    if cfg is BY_MODE:
+        cfg = SMALL if mode == "interpret" else None
     arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.Array)}
     statics = {n: x for n, x in kwargs.items() if n not in arrays}
     diff = {n: x for n, x in arrays.items() if jnp.issubdtype(x.dtype, jnp.floating)}
@@ -70,154 +115,47 @@ def compare(q: Any, k: Any, v: Any, cfg: Any = SMALL, grads: bool = True, **kwar
     def ref(q, k, v, diff):
         return flash_attention_reference(q, k, v, **diff, **rest, **statics)
 
-    out = ours(q, k, v, diff)
-    want = ref(q, k, v, diff)
+    d_out = normal(jax.random.PRNGKey(3), (*q.shape[:-1], v.shape[-1]), q.dtype)
+
+    def run(fn: Any, *args: Any) -> Any:
+        out, vjp = jax.vjp(fn, *args)
+        return out, (vjp(d_out.astype(out.dtype)) if grads else None)
+
+    if mode == "interpret":
+        out, got = run(ours, q, k, v, diff)
+        want, exp = run(ref, q, k, v, diff)
+    else:
+        out, got = jax.jit(lambda *a: run(ours, *a))(q, k, v, diff)
+        up = jax.tree.map(lambda x: x.astype(jnp.float32), (q, k, v, diff))
+        with jax.default_matmul_precision("highest"):
+            want, exp = jax.jit(lambda *a: run(ref, *a))(*up)
     assert out.dtype == q.dtype and out.shape == want.shape
-    assert_close(out, want, name="out")
+    tol = 1e-4 if q.dtype == jnp.float32 else 2e-2
+
+    def close(a: Any, b: Any, name: str) -> None:
+        if mode == "interpret":
+            assert_close(a, b, name=name)
+        else:
+            assert not jnp.isnan(jnp.asarray(a, jnp.float32)).any(), name
+            assert rel(a, b) < tol, (name, rel(a, b))
+
+    close(out, want, "out")
     if grads:
-        d_out = normal(jax.random.PRNGKey(3), out.shape, out.dtype)
-        got = jax.vjp(ours, q, k, v, diff)[1](d_out)
-        exp = jax.vjp(ref, q, k, v, diff)[1](d_out)
-        for name, g, e in zip(("dq", "dk", "dv", "d"), got, exp):
-            for leaf_g, leaf_e in zip(jax.tree.leaves(g), jax.tree.leaves(e)):
-                assert leaf_g.shape == leaf_e.shape and leaf_g.dtype == leaf_e.dtype
-                assert_close(leaf_g, leaf_e, name=name)
+        for name, g, e in zip(("dq", "dk", "dv", "d"), got, exp, strict=True):
+            for leaf_g, leaf_e in zip(jax.tree.leaves(g), jax.tree.leaves(e), strict=True):
+                assert leaf_g.shape == leaf_e.shape
+                assert mode == "gpu" or leaf_g.dtype == leaf_e.dtype
+                close(leaf_g, leaf_e, name)
     return out
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [(2, 37, 37, 4, 4, 80, None), (1, 37, 45, 4, 2, 32, None), (1, 45, 37, 3, 1, 80, 48)],
-    ids=["square-d80", "gqa-sq<sk-d32", "mqa-sq>sk-dv48"],
-)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_output_and_gradients_match_the_reference(shape: tuple, causal: bool) -> None:
-    compare(*qkv(*shape), causal=causal)
-
-
-def test_sliding_window_and_soft_cap() -> None:
-    q, k, v = qkv(1, 37, 45, 4, 2, 32)
-    compare(q, k, v, sliding_window=(9, 4), logits_soft_cap=2.5)
-    compare(q, k, v, sliding_window=(5, 0), causal=True)
-
-
-@pytest.mark.parametrize(("scale", "spread"), [(0.3, 1.0), (-0.2, 30.0)], ids=["pos", "neg"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_softmax_scale_of_either_sign_on_whole_and_cut_blocks(
-    scale: float, spread: float, causal: bool
-) -> None:
-    # 16-key blocks over 45 keys: whole blocks, where a scale >= 0 rides in the exponent, and
-    # a cut one. Negative: logits spread over hundreds, so that a row maximum taken from the
-    # wrong end (the raw scores' maximum) would overflow exp2.
-    q, k, v = qkv(1, 37, 45, 2, 2, 32)
-    compare(q * spread, k, v, causal=causal, softmax_scale=scale)
-
-
-def test_the_scale_rides_in_the_exponent_only_where_nothing_is_masked_or_added() -> None:
-    from ejkernel_triton import _codegen
-
-    def plain_scale(**kwargs: Any) -> bool:
-        (fwd, *_) = _codegen.flash_attention_launches((1, 64, 2, 64), causal=False, **kwargs)
-        return fwd.constexprs["PLAIN_SCALE"]
-
-    assert plain_scale()
-    assert not plain_scale(softmax_scale=-0.5)
-    assert not plain_scale(logits_soft_cap=3.0)
-    assert not plain_scale(bias=jnp.ones((1, 2, 64, 64)))
-    assert not plain_scale(attention_mask=jnp.ones((1, 1, 64, 64), bool))
-    seg = jnp.zeros((1, 64), jnp.int32)
-    assert not plain_scale(q_segment_ids=seg, kv_segment_ids=seg)
-
-
-@pytest.mark.parametrize("bias_shape", [(1, 4, 37, 45), (2, 1, 1, 45), (37, 45)], ids=str)
-def test_bias_and_its_gradient_in_the_bias_shape(bias_shape: tuple[int, ...]) -> None:
-    q, k, v = qkv(2, 37, 45, 4, 2, 32)
-    bias = normal(jax.random.PRNGKey(5), bias_shape)
-    compare(q, k, v, bias=bias, causal=True)
-
-
-def test_attention_mask_and_segment_ids() -> None:
-    q, k, v = qkv(2, 37, 37, 4, 2, 32)
-    mask = jax.random.bernoulli(jax.random.PRNGKey(6), 0.7, (2, 1, 37, 37))
-    seg = np.zeros((2, 37), np.int32)
-    seg[:, 20:] = 1
-    seg[1, 30:] = -1  # padding: rows without keys
-    seg = jnp.asarray(seg)
-    out = compare(q, k, v, attention_mask=mask, q_segment_ids=seg, kv_segment_ids=seg)
-    assert float(jnp.abs(out[1, 30:]).max()) == 0.0
-
-
-@pytest.mark.parametrize("aux_shape", [(4,), (4, 3)], ids=["per-head", "three-per-head"])
-def test_sinks_and_their_gradient(aux_shape: tuple[int, ...]) -> None:
-    q, k, v = qkv(1, 37, 45, 4, 2, 32)
-    compare(q, k, v, softmax_aux=normal(jax.random.PRNGKey(7), aux_shape), causal=True)
-
-
-def test_rows_that_see_no_key_are_zero_with_zero_gradients() -> None:
-    q, k, v = qkv(1, 45, 20, 2, 2, 32)  # causal, Sq > Sk: the first 25 rows see nothing
-    out = compare(q, k, v, causal=True)
-    assert float(jnp.abs(out[:, :25]).max()) == 0.0
-
-
-def test_causal_forward_walks_heads_in_groups_longest_blocks_first() -> None:
-    # 3 x 7 = 21 (batch, head) pairs: a group of 16 and a cut group of 5
-    from ejkernel_triton import _codegen
-    from ejkernel_triton.ops import flash_attention as fa
-
-    q, k, v = qkv(3, 37, 45, 7, 7, 32)
-    compare(q, k, v, causal=True)
-    with _codegen.recorded_launches() as rec:
-        fa._flash_attention_fwd(query=q, key=k, value=v, causal=True, cfg=SMALL)
-    assert rec[0].constexprs["HEAD_GROUP"] == fa._FWD_HEAD_GROUP == 16
-
-
-def test_heuristic_by_head_dim_and_causality(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ejkernel_triton.ops import flash_attention as fa
-
-    monkeypatch.setattr(fa._launch, "interpreting", lambda: False)
-    monkeypatch.setattr(fa, "_compute_capability", lambda: (9, 0))
-
-    def config(d: int, causal: bool, **extra: Any) -> Any:
-        x = jax.ShapeDtypeStruct((8, 2048, 16, d), jnp.bfloat16)
-        kwargs = {"query": x, "key": x, "value": x, "causal": causal, **extra}
-        return fa.heuristic(types.SimpleNamespace(kwargs=kwargs))
-
-    # the D 64 forward: 128 rows with 8 warps where plain and not causal, else 64 with 4
-    assert config(64, False).fwd_params == fa._FWD_D64_PLAIN
-    assert config(64, True).fwd_params == fa._FWD_D128
-    assert config(64, False, logits_soft_cap=5.0).fwd_params == fa._FWD_D128
-    assert config(64, False, softmax_scale=-0.1).fwd_params == fa._FWD_D128
-    seg = jax.ShapeDtypeStruct((8, 2048), jnp.int32)
-    assert config(64, False, q_segment_ids=seg, kv_segment_ids=seg).fwd_params == fa._FWD_D128
-    assert config(32, False).fwd_params == fa._FWD_D128
-    assert config(64, True).bwd_params == fa._BWD_D64_CAUSAL
-    assert config(64, False).bwd_params == fa._BWD_D64
-    assert config(64, True).dq_params == config(64, False).dq_params == fa._DQ_D64
-    assert config(128, True).warp_specialize  # plain D 128: the specialized kernels
-    bias = jax.ShapeDtypeStruct((8, 16, 2048, 2048), jnp.bfloat16)
-    assert config(128, True, bias=bias).bwd_params == fa._BWD_D128_CAUSAL
-    assert config(128, False, bias=bias).bwd_params == fa._BWD_D128
-
-
-def test_bf16_inputs_within_bf16_tolerance() -> None:
-    q, k, v = qkv(1, 37, 45, 4, 2, 80, dtype=jnp.bfloat16)
-    compare(q, k, v, causal=True)
-
-
-#: The warp-specialized forward and dK/dV kernels (Hopper's TMA kernels; the interpreter runs
-#: their math): 16-key blocks in the dK/dV kernel, so its loop crosses query blocks and heads.
-WS = FlashAttentionConfig(
-    fwd_params=FwdParams(q_blocksize=32, kv_blocksize=16, num_warps=4, num_stages=2),
-    bwd_params=SMALL.bwd_params,
-    warp_specialize=True,
-)
-
-
 @pytest.fixture
-def forward_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the kernels launched, in order (the launches still run)."""
+def launched(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernels launched, in order (the launches still run; JAX's caches are
+    cleared first, so that a call traced by an earlier test is traced again)."""
     from ejkernel_triton import _launch
 
+    jax.clear_caches()
     names: list[str] = []
     real = _launch.launch
 
@@ -229,81 +167,474 @@ def forward_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize(
-    ("shape", "kwargs"),
-    [
-        ((2, 37, 37, 4, 2, 64), {"causal": True}),
-        ((1, 50, 70, 2, 1, 128), {"causal": True, "logits_soft_cap": 5.0}),
-        ((1, 45, 20, 2, 2, 64), {"causal": True}),  # Sq > Sk: the first 25 rows see nothing
-        ((2, 40, 37, 2, 2, 64), {"softmax_scale": 0.3}),  # a cut last key block
-        ((1, 37, 50, 4, 2, 64), {"causal": True, "logits_soft_cap": 3.0}),
-    ],
-    ids=["gqa-s37", "mqa-sq<sk-d128-softcap", "sq>sk-empty-rows", "full-cut-keys", "gqa-softcap"],
-)
-def test_warp_specialized_kernels_match_the_reference(
-    forward_kernels: list[str], shape: tuple, kwargs: dict[str, Any]
-) -> None:
-    out = compare(*qkv(*shape, dtype=jnp.bfloat16), cfg=WS, **kwargs)
-    # the output, then the forward of the VJP and the backward's two kernels
-    assert forward_kernels == [
-        "flash_attention_fwd_ws_kernel",
-        "flash_attention_fwd_ws_kernel",
-        "flash_attention_bwd_dkdv_ws_kernel",
-        "flash_attention_bwd_dq_ws_kernel",
-    ]
-    if kwargs.get("causal") and shape[1] > shape[2]:
-        assert float(jnp.abs(out[:, :25].astype(jnp.float32)).max()) == 0.0
+# -- features, in every mode ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("shape", "dtype", "kwargs"),
+    ("interpret", "gpu"),
     [
-        ((1, 37, 37, 2, 2, 80), jnp.bfloat16, {}),  # D not 64 or 128
-        ((1, 37, 37, 2, 2, 64), jnp.float32, {}),
-        ((1, 37, 37, 2, 2, 64), jnp.bfloat16, {"sliding_window": (8, 0)}),
-        ((1, 37, 37, 2, 2, 64), jnp.bfloat16, {"softmax_aux": jnp.ones((2,), jnp.float32)}),
+        ((2, 37, 37, 4, 4, 80), (2, 1024, 1024, 8, 2, 128)),
+        ((1, 37, 45, 4, 2, 32), (2, 1000, 1500, 8, 8, 64)),
+        ((1, 45, 37, 3, 1, 80, 48), (1, 1500, 1000, 8, 1, 80)),
     ],
-    ids=["d80", "f32", "window", "sinks"],
+    ids=["square-d80", "gqa-sq<sk-d32", "mqa-sq>sk-dv48"],
 )
-def test_warp_specialization_falls_back_where_it_does_not_apply(
-    forward_kernels: list[str], shape: tuple, dtype: Any, kwargs: dict[str, Any]
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_output_and_gradients_match_the_reference(
+    mode: str, interpret: tuple, gpu: tuple, causal: bool
 ) -> None:
-    compare(*qkv(*shape, dtype=dtype), cfg=WS, grads=False, causal=True, **kwargs)
-    assert forward_kernels == ["flash_attention_fwd_kernel"]
+    compare(mode, *inputs(mode, shape_of(mode, interpret, gpu)), causal=causal)
 
 
-def test_default_config_and_scaled_dot_product_attention() -> None:
-    q, k, v = qkv(1, 37, 37, 2, 2, 32)
-    compare(q, k, v, cfg=None, grads=False, causal=True)
+def test_sliding_window_and_soft_cap(mode: str) -> None:
+    q, k, v = inputs(mode, shape_of(mode, (1, 37, 45, 4, 2, 32), (2, 777, 900, 4, 2, 96)))
+    compare(mode, q, k, v, sliding_window=(9, 4), logits_soft_cap=2.5)
+    compare(mode, q, k, v, sliding_window=(5, 0), causal=True)
+
+
+@pytest.mark.parametrize(("scale", "spread"), [(0.3, 1.0), (-0.2, 30.0)], ids=["pos", "neg"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softmax_scale_of_either_sign_on_whole_and_cut_blocks(
+    mode: str, scale: float, spread: float, causal: bool
+) -> None:
+    # 16-key blocks over 45 keys: whole blocks, where a scale >= 0 rides in the exponent, and
+    # a cut one. Negative: logits spread over hundreds, so that a row maximum taken from the
+    # wrong end (the raw scores' maximum) would overflow exp2.
+    q, k, v = inputs(mode, shape_of(mode, (1, 37, 45, 2, 2, 32), (1, 300, 300, 4, 2, 128)))
+    compare(mode, q * spread, k, v, causal=causal, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("bias_kind", ["full", "per-batch-row", "2d"])
+def test_bias_and_its_gradient_in_the_bias_shape(mode: str, bias_kind: str) -> None:
+    b, sq, sk, hq, hkv, d = shape_of(mode, (2, 37, 45, 4, 2, 32), (1, 512, 512, 4, 4, 128))
+    q, k, v = inputs(mode, (b, sq, sk, hq, hkv, d))
+    bias_shape = {"full": (1, hq, sq, sk), "per-batch-row": (b, 1, 1, sk), "2d": (sq, sk)}
+    bias = normal(jax.random.PRNGKey(5), bias_shape[bias_kind], q.dtype)
+    compare(mode, q, k, v, bias=bias, causal=True)
+
+
+def test_attention_mask_and_segment_ids(mode: str) -> None:
+    b, s, _, hq, hkv, d = shape_of(mode, (2, 37, 37, 4, 2, 32), (2, 777, 777, 4, 2, 96))
+    q, k, v = inputs(mode, (b, s, s, hq, hkv, d))
+    mask = jax.random.bernoulli(jax.random.PRNGKey(6), 0.7, (b, 1, s, s))
+    seg = np.zeros((b, s), np.int32)
+    seg[:, s // 2 :] = 1
+    seg[1, s - s // 4 :] = -1  # padding: rows without keys
+    seg = jnp.asarray(seg)
+    out = compare(mode, q, k, v, attention_mask=mask, q_segment_ids=seg, kv_segment_ids=seg)
+    assert float(jnp.abs(out[1, s - s // 4 :].astype(jnp.float32)).max()) == 0.0
+
+
+@pytest.mark.parametrize("per_head", [1, 3], ids=["per-head", "three-per-head"])
+def test_sinks_and_their_gradient(mode: str, per_head: int) -> None:
+    q, k, v = inputs(mode, shape_of(mode, (1, 37, 45, 4, 2, 32), (1, 512, 512, 4, 4, 128)))
+    shape = (4,) if per_head == 1 else (4, per_head)
+    compare(mode, q, k, v, softmax_aux=normal(jax.random.PRNGKey(7), shape), causal=True)
+
+
+def test_rows_that_see_no_key_are_zero_with_zero_gradients(mode: str) -> None:
+    # causal, Sq > Sk: the first Sq - Sk rows see nothing
+    b, sq, sk, *rest = shape_of(mode, (1, 45, 20, 2, 2, 32), (1, 1500, 1000, 4, 4, 64))
+    out = compare(mode, *inputs(mode, (b, sq, sk, *rest)), causal=True)
+    assert float(jnp.abs(out[:, : sq - sk].astype(jnp.float32)).max()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_each_dtype(mode: str, dtype: Any) -> None:
+    # float32 takes IEEE dots (DOT_PRECISION), bfloat16 the tensor cores
+    shape = shape_of(mode, (1, 37, 45, 4, 2, 80), (1, 257, 257, 4, 2, 64))
+    compare(mode, *inputs(mode, shape, dtype), causal=True)
+
+
+def test_soft_cap_of_large_logits_stays_finite(mode: str) -> None:
+    # scale·q·kᵀ / cap reaches about ±100: a tanh through exp2(-2x) overflows to inf / inf
+    q, k, v = inputs(mode, shape_of(mode, (1, 37, 45, 2, 1, 32), (1, 777, 777, 4, 1, 128)))
+    compare(mode, q * 60.0, k, v, causal=True, logits_soft_cap=1.0)
+
+
+def test_default_config_and_scaled_dot_product_attention(mode: str) -> None:
+    q, k, v = inputs(mode, shape_of(mode, (1, 37, 37, 2, 2, 32), (1, 300, 300, 4, 2, 128)))
+    compare(mode, q, k, v, cfg=None, grads=False, causal=True)
     out = ejkernel.scaled_dot_product_attention(q, k, v, causal=True, platform="triton")
-    assert_close(out, flash_attention_reference(q, k, v, causal=True), name="sdpa")
+    with jax.default_matmul_precision("highest"):
+        want = flash_attention_reference(*reference_inputs(mode, q, k, v), causal=True)
+    if mode == "interpret":
+        assert_close(out, want, name="sdpa")
+    else:
+        assert rel(out, want) < 2e-2
 
 
-def test_jit_and_vmap_compose_with_the_kernels() -> None:
-    q, k, v = qkv(2, 37, 45, 2, 1, 32)  # vmapped over the batch axis of 2
+def test_jit_and_vmap_compose_with_the_kernels(mode: str) -> None:
+    q, k, v = inputs(mode, shape_of(mode, (2, 37, 45, 2, 1, 32), (3, 256, 256, 4, 2, 64)))
+    cfg = SMALL if mode == "interpret" else None
+    tol = 2e-2 if mode == "gpu" else None
 
     def f(q, k, v):
-        return ejkernel.flash_attention(q, k, v, causal=True, platform="triton", cfg=SMALL)
+        return ejkernel.flash_attention(q, k, v, causal=True, platform="triton", cfg=cfg)
 
     def r(q, k, v):
-        return flash_attention_reference(q, k, v, causal=True)
+        with jax.default_matmul_precision("highest"):
+            return flash_attention_reference(*reference_inputs(mode, q, k, v), causal=True)
 
-    add = lambda x: x[:, None]
+    def close(a: Any, b: Any, name: str) -> None:
+        if tol is None:
+            assert_close(a, b, name=name)
+        else:
+            assert rel(a, b) < tol, (name, rel(a, b))
+
+    add = lambda x: x[:, None]  # vmapped over the batch axis
     got = jax.jit(jax.vmap(f))(add(q), add(k), add(v))
-    assert_close(got, jax.vmap(r)(add(q), add(k), add(v)), name="vmap out")
+    close(got, jax.vmap(r)(add(q), add(k), add(v)), "vmap out")
     # vmap of grad, with k/v shared (unbatched) across the mapped axis
-    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v).astype(jnp.float32)))
     g = jax.vmap(jax.grad(loss(f), argnums=(0, 1, 2)), in_axes=(0, None, None))(
         add(q), k[:1], v[:1]
     )
     e = jax.vmap(jax.grad(loss(r), argnums=(0, 1, 2)), in_axes=(0, None, None))(
         add(q), k[:1], v[:1]
     )
-    for name, a, b in zip(("dq", "dk", "dv"), g, e):
-        assert_close(a, b, name=f"vmap {name}")
+    for name, a, b in zip(("dq", "dk", "dv"), g, e, strict=True):
+        close(a, b, f"vmap {name}")
 
 
-def test_dropout_is_declined_and_served_by_xla() -> None:
+# -- the variants, in every mode ------------------------------------------------------------
+
+#: What each variant launches: the forward's kernel, the backward's kernels in order.
+FWD_KERNEL = {
+    "usual": "flash_attention_fwd_kernel",
+    "warp_specialized": "flash_attention_fwd_ws_kernel",
+    "pingpong": "flash_attention_fwd_pingpong_kernel",
+}
+BWD_KERNELS = {
+    "usual": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_dkdv_kernel"],
+    "warp_specialized": ["flash_attention_bwd_dkdv_ws_kernel", "flash_attention_bwd_dq_ws_kernel"],
+    "gluon": ["flash_attention_bwd_gluon_kernel"],
+    "gluon_dkdv": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_gluon_kernel"],
+}
+
+
+def variant_config(mode: str, fwd: str, bwd: str, call: dict[str, Any]) -> FlashAttentionConfig:
+    """A config forcing ``fwd``/``bwd``: in the interpreter small blocks (the specialized
+    kernels' loops then cross several blocks), on the GPU the heuristic's with the variants'
+    tiles from the config space."""
+    from ejkernel_triton.ops import flash_attention as fa
+
+    if mode == "interpret":
+        small = {"q_blocksize": 32, "kv_blocksize": 16}
+        return attrs.evolve(
+            SMALL,
+            fwd_variant=fwd,
+            bwd_variant=bwd,
+            fwd_params=FwdParams(**small) if fwd != "usual" else SMALL.fwd_params,
+            dq_params=FwdParams(**small) if bwd == "warp_specialized" else None,
+        )
+    space = fa.config_space(types.SimpleNamespace(kwargs=call))
+    pick = {}
+    for cfg in space:
+        pick.setdefault(("fwd", cfg.fwd_variant), cfg)
+        pick.setdefault(("bwd", cfg.bwd_variant), cfg)
+    f, b = pick[("fwd", fwd)], pick[("bwd", bwd)]
+    return attrs.evolve(
+        f,
+        bwd_variant=b.bwd_variant,
+        bwd_params=b.bwd_params,
+        dq_params=b.dq_params,
+        bwd_head_group=b.bwd_head_group,
+    )
+
+
+#: [B, Sq, Sk, Hq, Hkv, D] in the interpreter, on the GPU, and the call's options.
+VARIANT_SHAPES = {
+    "gqa-causal": ((2, 37, 37, 4, 2, 64), (2, 1024, 1024, 8, 2, 128), {"causal": True}),
+    "mqa-sq<sk-d128-softcap": (
+        (1, 50, 70, 2, 1, 128),
+        (1, 777, 777, 4, 1, 128),
+        {"causal": True, "logits_soft_cap": 5.0},
+    ),
+    "sq>sk-empty-rows": ((1, 45, 20, 2, 2, 64), (1, 1500, 1000, 4, 4, 64), {"causal": True}),
+    "cut-keys": ((2, 40, 37, 2, 2, 64), (2, 1000, 1500, 8, 8, 128), {"softmax_scale": 0.3}),
+    "gqa-softcap": ((1, 37, 50, 4, 2, 64), (2, 2500, 3000, 4, 2, 64), {"logits_soft_cap": 3.0}),
+}
+#: Each specialized pair over every shape; the mixed pairs over one, on the GPU only (the
+#: interpreter runs the same kernels in the specialized pair and the usual tests), as the Gluon
+#: variants, which the interpreter cannot run (``test_codegen.py`` compiles them on the CPU).
+VARIANT_CASES = [
+    pytest.param(
+        fwd,
+        bwd,
+        *VARIANT_SHAPES[name],
+        id=f"{fwd}-{bwd}-{name}",
+        marks=[] if (fwd, bwd) == ("warp_specialized", "warp_specialized") else [pytest.mark.gpu],
+    )
+    for fwd, bwd, names in [
+        ("warp_specialized", "warp_specialized", VARIANT_SHAPES),
+        ("pingpong", "gluon", ["gqa-causal", "mqa-sq<sk-d128-softcap", "cut-keys"]),
+        ("usual", "warp_specialized", ["gqa-causal"]),
+        ("warp_specialized", "usual", ["gqa-causal"]),
+        ("usual", "gluon_dkdv", ["gqa-causal", "sq>sk-empty-rows"]),
+        ("pingpong", "usual", ["cut-keys"]),
+    ]
+    for name in names
+]
+
+
+@pytest.mark.parametrize(("fwd", "bwd", "interpret", "gpu", "kwargs"), VARIANT_CASES)
+def test_each_variant_runs_as_configured_and_matches_the_reference(
+    mode: str, launched: list[str], fwd: str, bwd: str, interpret: tuple, gpu: tuple, kwargs: dict
+) -> None:
+    shape = shape_of(mode, interpret, gpu)
+    q, k, v = inputs(mode, shape, jnp.bfloat16)
+    cfg = variant_config(mode, fwd, bwd, {"query": q, "key": k, "value": v, **kwargs})
+    out = compare(mode, q, k, v, cfg=cfg, **kwargs)
+    assert launched == [FWD_KERNEL[fwd], *BWD_KERNELS[bwd]]
+    if kwargs.get("causal") and shape[1] > shape[2]:
+        empty = shape[1] - shape[2]
+        assert float(jnp.abs(out[:, :empty].astype(jnp.float32)).max()) == 0.0
+
+
+@pytest.mark.parametrize("fwd", FWD_VARIANTS)
+@pytest.mark.parametrize("bwd", BWD_VARIANTS)
+def test_a_variant_that_cannot_serve_the_call_is_refused(mode: str, fwd: str, bwd: str) -> None:
+    # a bias: only the usual kernels serve it; nothing is replaced silently
+    q, k, v = inputs(mode, shape_of(mode, (1, 37, 37, 2, 2, 64), (1, 256, 256, 2, 2, 128)))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    bias = normal(jax.random.PRNGKey(5), (1, 2, q.shape[1], k.shape[1]), jnp.bfloat16)
+    cfg = FlashAttentionConfig(fwd_variant=fwd, bwd_variant=bwd)
+    if fwd == bwd == "usual":
+        ejkernel.flash_attention(q, k, v, bias=bias, platform="triton", cfg=cfg)
+        return
+    f = lambda q: ejkernel.flash_attention(q, k, v, bias=bias, platform="triton", cfg=cfg)
+    with pytest.raises(ValueError, match=r"variant cannot serve this call.*no bias"):
+        jax.grad(lambda q: jnp.sum(f(q).astype(jnp.float32)))(q)
+
+
+# -- GPU only ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_s16384_forward_and_backward_fit_in_memory() -> None:
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 16384, 16, 128), jnp.bfloat16)
+
+    def loss(q: Any) -> Any:
+        out = ejkernel.flash_attention(q, q, q, causal=True, platform="triton")
+        return jnp.sum(out.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss))(q)
+    assert g.shape == q.shape and bool(jnp.isfinite(g.astype(jnp.float32)).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("shape", "kwargs"),
+    [
+        ((1, 37, 37, 2, 1, 128), {}),
+        ((3, 700, 700, 4, 2, 128), {"causal": True}),
+        ((1, 4096, 4096, 4, 4, 128), {"causal": True}),
+        ((1, 300, 300, 4, 2, 128), {"causal": True, "softmax_scale": -0.05}),
+        ((2, 300, 200, 4, 2, 128), {"causal": True}),
+    ],
+    ids=[
+        "seq37",
+        "causal-12-heads",  # the forward's head groups of 8: one whole, one of 4
+        "long-causal",  # dQ of a row: the sum of up to 32 programs' TMA reduce-adds
+        "negative-scale",  # the Gluon forward masks unscaled scores: Triton's takes it
+        "sq>sk-empty-rows-gqa",
+    ],
+)
+def test_the_heuristics_hopper_kernels(
+    launched: list[str], shape: tuple[int, ...], kwargs: dict[str, Any]
+) -> None:
+    q, k, v = qkv(*shape, dtype=jnp.bfloat16)
+    compare("gpu", q, k, v, **kwargs)
+    forward = "pingpong" if kwargs.get("softmax_scale", 1.0) > 0 else "warp_specialized"
+    assert launched == [FWD_KERNEL[forward], *BWD_KERNELS["gluon"]]
+
+
+# -- the config and its choice (CPU) ----------------------------------------------------------
+
+
+@pytest.fixture
+def interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+
+
+@pytest.fixture
+def hopper(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The heuristic's view of an H100 (sm_90), on the CPU."""
+    from ejkernel_triton.ops import flash_attention_config as config
+
+    monkeypatch.setattr(config._launch, "interpreting", lambda: False)
+    monkeypatch.setattr(config, "_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(config, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    return config
+
+
+def invocation(d: int = 128, causal: bool = True, dtype: Any = jnp.bfloat16, **extra: Any) -> Any:
+    x = jax.ShapeDtypeStruct((8, 2048, 16, d), dtype)
+    return types.SimpleNamespace(
+        kwargs={"query": x, "key": x, "value": x, "causal": causal, **extra}
+    )
+
+
+def test_the_scale_rides_in_the_exponent_only_where_nothing_is_masked_or_added(
+    interpreting: None,
+) -> None:
+    from ejkernel_triton import _codegen
+
+    def plain_scale(cfg: Any = None, **kwargs: Any) -> bool:
+        (fwd, *_) = _codegen.flash_attention_launches(
+            (1, 64, 2, 64), causal=False, cfg=cfg, **kwargs
+        )
+        return fwd.constexprs["PLAIN_SCALE"]
+
+    assert plain_scale()
+    assert not plain_scale(FlashAttentionConfig(scale_in_exponent=False))
+    assert not plain_scale(softmax_scale=-0.5)
+    assert not plain_scale(logits_soft_cap=3.0)
+    assert not plain_scale(bias=jnp.ones((1, 2, 64, 64)))
+    assert not plain_scale(attention_mask=jnp.ones((1, 1, 64, 64), bool))
+    seg = jnp.zeros((1, 64), jnp.int32)
+    assert not plain_scale(q_segment_ids=seg, kv_segment_ids=seg)
+
+
+def test_causal_forward_walks_heads_in_groups_longest_blocks_first(interpreting: None) -> None:
+    # 3 x 7 = 21 (batch, head) pairs: a group of 16 and a cut group of 5
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import flash_attention as fa
+
+    q, k, v = qkv(3, 37, 45, 7, 7, 32)
+    compare("interpret", q, k, v, causal=True, grads=False)
+    for group in (16, 4):
+        with _codegen.recorded_launches() as rec:
+            cfg = attrs.evolve(SMALL, fwd_head_group=group)
+            fa._flash_attention_fwd(query=q, key=k, value=v, causal=True, cfg=cfg)
+        assert rec[0].constexprs["HEAD_GROUP"] == group
+
+
+def test_heuristic_by_head_dim_and_causality_from_the_table(hopper: Any) -> None:
+    from ejkernel_triton.ops import flash_attention as fa
+
+    def config(d: int, causal: bool, **extra: Any) -> Any:
+        return fa.heuristic(invocation(d, causal, **extra))
+
+    p = lambda q, k, w, s: FwdParams(q_blocksize=q, kv_blocksize=k, num_warps=w, num_stages=s)
+    b = lambda q, k, w, s: BwdParams(q_blocksize=q, kv_blocksize=k, num_warps=w, num_stages=s)
+    # the D 64 forward: 128 rows with 8 warps where unmasked and not causal, else 64 with 4
+    assert config(64, False).fwd_params == p(128, 64, 8, 3)
+    assert config(64, True).fwd_params == p(64, 64, 4, 3)
+    assert config(64, False, logits_soft_cap=5.0).fwd_params == p(64, 64, 4, 3)
+    assert config(64, False, softmax_scale=-0.1).fwd_params == p(64, 64, 4, 3)
+    seg = jax.ShapeDtypeStruct((8, 2048), jnp.int32)
+    assert config(64, False, q_segment_ids=seg, kv_segment_ids=seg).fwd_params == p(64, 64, 4, 3)
+    assert config(32, False).fwd_params == p(64, 64, 4, 3)
+    # on Hopper the plain backward is the Gluon kernel; at D 64 causal its dK/dV only
+    assert (config(64, False).bwd_variant, config(64, True).bwd_variant) == ("gluon", "gluon_dkdv")
+    assert config(64, True).dq_params == p(64, 64, 4, 3)
+    assert config(128, True).fwd_variant == "pingpong"
+    assert config(128, True, softmax_scale=-0.1).fwd_variant == "warp_specialized"
+    bias = jax.ShapeDtypeStruct((8, 16, 2048, 2048), jnp.bfloat16)
+    with_bias = config(128, True, bias=bias)
+    assert (with_bias.fwd_variant, with_bias.bwd_variant) == ("usual", "usual")
+    assert with_bias.bwd_params == b(32, 64, 4, 2)
+    assert config(128, False, bias=bias).bwd_params == b(64, 64, 4, 2)
+    assert config(64, True, dtype=jnp.float32).fwd_params == p(64, 32, 4, 2)
+
+
+def test_config_space_offers_each_variant_that_can_serve_the_call(hopper: Any) -> None:
+    from ejkernel_triton.ops import flash_attention as fa
+
+    inv = invocation(128, True)
+    space = fa.config_space(inv)
+    assert space[0] == fa.heuristic(inv) and len(space) == len(set(space))
+    assert {cfg.fwd_variant for cfg in space} == set(FWD_VARIANTS)
+    assert {cfg.bwd_variant for cfg in space} == set(BWD_VARIANTS)
+    call = fa.Call.of(inv.kwargs)
+    for cfg in space:
+        fa.check(cfg, call, ("fwd", "bwd"))  # every candidate can run
+    # a bias: the usual kernels only, the backward's blocks varied, within shared memory
+    bias = jax.ShapeDtypeStruct((8, 16, 2048, 2048), jnp.bfloat16)
+    space = fa.config_space(invocation(128, True, bias=bias))
+    assert {(c.fwd_variant, c.bwd_variant) for c in space} == {("usual", "usual")}
+    assert len({c.bwd_params for c in space}) > 2 and len({c.fwd_params for c in space}) > 2
+
+
+def test_config_space_in_the_interpreter_is_the_heuristic(interpreting: None) -> None:
+    from ejkernel_triton.ops import flash_attention as fa
+
+    inv = invocation(64, True)
+    assert fa.config_space(inv) == [fa.heuristic(inv)]
+
+
+def test_explain_shows_the_variant_and_the_config_round_trips(interpreting: None) -> None:
+    from ejkernel.ops import from_json, to_json
+
+    q, k, v = qkv(1, 37, 37, 2, 2, 32)
+    record = ejkernel.explain("flash_attention", q, k, v, causal=True, platform="triton")
+    assert record.config.fwd_variant == "usual" and record.config.bwd_variant == "usual"
+    assert "fwd_variant='usual'" in repr(record.config)
+    assert "bwd_variant='usual'" in str(record)
+    cfg = FlashAttentionConfig(fwd_variant="pingpong", bwd_variant="gluon_dkdv", fwd_head_group=8)
+    assert from_json(to_json(cfg), FlashAttentionConfig) == cfg
+    with pytest.raises(ValueError, match="fwd_variant"):
+        FlashAttentionConfig(fwd_variant="fast")
+
+
+def test_a_corrupt_or_missing_table_warns_and_generic_defaults_apply(
+    hopper: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ejkernel.errors import PluginWarning
+    from ejkernel_triton import _tuned
+    from ejkernel_triton.ops import flash_attention as fa
+
+    generic = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
+    monkeypatch.setattr(_tuned, "FOLDER", tmp_path)
+    for content in ("{not json", '{"version": 99, "entries": []}', '{"version": 1}', None):
+        _tuned._table.cache_clear()
+        from ejkernel import errors
+
+        errors._reset_warnings_for_tests()
+        if content is not None:
+            (tmp_path / "flash_attention.json").write_text(content)
+        else:
+            (tmp_path / "flash_attention.json").unlink()
+        with pytest.warns(PluginWarning, match="flash_attention.json"):
+            cfg = fa.heuristic(invocation(64, True))
+        assert cfg.fwd_params == generic and cfg.fwd_variant == "usual"
+    _tuned._table.cache_clear()
+
+
+def test_the_tables_device_entries_come_before_the_default_ones(
+    hopper: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from ejkernel_triton import _tuned
+    from ejkernel_triton.ops import flash_attention as fa
+
+    block = lambda w: {"variant": "usual", "q_blocksize": 64, "kv_blocksize": 64,
+                       "num_warps": w, "num_stages": 2}  # fmt: skip
+    table = {
+        "version": 1,
+        "entries": [
+            {"device": "default", "max_head_dim": 64, "fwd": block(4)},
+            {"device": "A100", "fwd": block(2)},
+            {"device": ["H100", "H200"], "max_head_dim": 64, "fwd": block(8)},
+        ],
+    }
+    (tmp_path / "flash_attention.json").write_text(json.dumps(table))
+    monkeypatch.setattr(_tuned, "FOLDER", tmp_path)
+    _tuned._table.cache_clear()
+    try:
+        assert fa.heuristic(invocation(64, True)).fwd_params.num_warps == 8
+        d128 = fa.heuristic(invocation(128, True))  # no entry: generic defaults
+        assert (d128.fwd_variant, d128.fwd_params.kv_blocksize) == ("usual", 32)
+        monkeypatch.setattr(hopper, "_device_kind", lambda: "NVIDIA H800")
+        assert fa.heuristic(invocation(64, True)).fwd_params.num_warps == 4
+    finally:
+        _tuned._table.cache_clear()
+
+
+def test_dropout_is_declined_and_served_by_xla(interpreting: None) -> None:
     q, k, v = qkv(1, 37, 37, 2, 2, 32)
     record = ejkernel.explain("flash_attention", q, k, v, dropout_prob=0.1)
     assert record.platform != "triton"
@@ -313,61 +644,13 @@ def test_dropout_is_declined_and_served_by_xla() -> None:
 def test_without_the_interpreter_the_cpu_is_refused_with_the_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if jax.default_backend() != "cpu":
+        pytest.skip("a CPU question")
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
     q, k, v = qkv(1, 37, 37, 2, 2, 32)
     record = ejkernel.explain("flash_attention", q, k, v)
     assert record.platform == "xla"
     assert "EJKERNEL_INTERPRET=1" in record.rejected["triton"]
-
-
-def test_config_space_starts_with_the_heuristic_and_fits_shared_memory() -> None:
-    from ejkernel_triton.ops import flash_attention as fa
-
-    shape = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
-    inv = types.SimpleNamespace(kwargs={"query": shape, "key": shape, "value": shape})
-
-    # on a GPU: the heuristic first, every candidate within the shared-memory limit
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fa._launch, "interpreting", lambda: False)
-        mp.setattr(fa, "_shared_memory_limit", lambda: 160 * 1024)
-        space = fa.config_space(inv)
-        assert space[0] == fa.heuristic(inv) and len(space) > 4
-        for cfg in space[1:]:
-            f, b = cfg.fwd_params, cfg.bwd_params
-            assert (
-                fa._fwd_smem(f.q_blocksize, f.kv_blocksize, f.num_stages, 128, 128, 2)
-                <= (160 * 1024)
-                or f == space[0].fwd_params
-            )
-            assert (
-                fa._bwd_smem(b.q_blocksize, b.kv_blocksize, b.num_stages, 128, 128, 2)
-                <= (160 * 1024)
-                or b == space[0].bwd_params
-            )
-    assert fa.config_space(inv) == [fa.heuristic(inv)]  # interpreting: one candidate
-
-
-@pytest.mark.parametrize("gluon", [True, False])
-def test_config_space_on_hopper_varies_the_backward_on_the_usual_kernels(gluon: bool) -> None:
-    # under warp_specialize a GPU runs the validated configs, so a backward variant of the
-    # specialized base would time the same kernels again; with Gluon the plain case's backward
-    # is the one Gluon kernel whatever the config, so nothing of the backward varies
-    from ejkernel_triton.ops import flash_attention as fa
-
-    shape = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
-    inv = types.SimpleNamespace(kwargs={"query": shape, "key": shape, "value": shape})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fa._launch, "interpreting", lambda: False)
-        mp.setattr(fa, "_compute_capability", lambda: (9, 0))
-        mp.setattr(fa, "_gluon_available", lambda: gluon)
-        space = fa.config_space(inv)
-    assert space[0].warp_specialize  # the heuristic: all three kernels specialized
-    specialized = [cfg for cfg in space if cfg.warp_specialize]
-    assert specialized == [space[0]]
-    dkdv = [cfg for cfg in space if cfg.bwd_params != space[0].bwd_params]
-    dq = [cfg for cfg in space if cfg.dq_params]
-    assert bool(dkdv) == bool(dq) != gluon
-    assert all(cfg.fwd_params == fa._FWD_D128 for cfg in dkdv + dq)
 
 
 def test_importing_the_plugin_imports_no_triton_or_jax_triton() -> None:
@@ -380,9 +663,3 @@ def test_importing_the_plugin_imports_no_triton_or_jax_triton() -> None:
         "sorted(m for m in sys.modules if 'triton' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_soft_cap_of_large_logits_stays_finite() -> None:
-    # scale·q·kᵀ / cap reaches about ±100: a tanh through exp2(-2x) overflows to inf / inf
-    q, k, v = qkv(1, 37, 45, 2, 1, 32)
-    compare(q * 60.0, k, v, causal=True, logits_soft_cap=1.0)

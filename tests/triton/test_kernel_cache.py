@@ -218,9 +218,11 @@ def test_source_key_does_not_depend_on_what_the_process_keyed_first():
     code = """
 import sys
 from ejkernel_triton import _kernel_cache
-from ejkernel_triton.kernels import flash_attention as fa, flash_attention_hopper as hopper
+from ejkernel_triton.kernels import flash_attention_bwd as bwd, flash_attention_fwd as fa
+from ejkernel_triton.kernels import flash_attention_hopper_bwd as hbwd
+from ejkernel_triton.kernels import flash_attention_hopper_fwd as hfwd
 if sys.argv[1] == "others-first":
-    for module in (hopper, fa):
+    for module in (hbwd, hfwd, bwd, fa):
         for name in dir(module):
             if name.endswith("_kernel") and name != "flash_attention_fwd_kernel":
                 getattr(module, name).cache_key

@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 _LAZY_MODULES = (
+    "attention_semantics",
     "env",
     "errors",
     "hookspecs",

@@ -22,6 +22,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -190,18 +191,21 @@ def flash_attention_launches(
     cfg: Any = None,
     **kwargs: Any,
 ) -> list[Launch]:
-    """The three launches of a flash-attention forward and backward, in launch order (the usual
-    kernels: forward, dQ, dK/dV; the warp-specialized ones: forward, dK/dV, dQ);
-    ``kwargs`` (``bias``, ``attention_mask``, ...) go to the op."""
+    """The launches of a flash-attention forward and backward, in launch order (the usual
+    kernels: forward, dQ, dK/dV; the warp-specialized ones: forward, dK/dV, dQ; the Gluon
+    backward: one kernel, or the dQ kernel then the Gluon dK/dV), by ``cfg`` or else the
+    heuristic's config; ``kwargs`` (``bias``, ``attention_mask``, ...) go to the op."""
     from ejkernel_triton.ops import flash_attention as fa
 
     q, k, v = (jnp.ones(shape, dtype) for _ in range(3))
-    cfg = cfg or fa._default_config(q, k, v, causal)
+    call = {"query": q, "key": k, "value": v, "causal": causal, **kwargs}
+    cfg = cfg or fa.heuristic(types.SimpleNamespace(kwargs=call))
+    statics = ("softmax_scale", "sliding_window", "logits_soft_cap")
     with recorded_launches() as record:
-        out, res = fa._flash_attention_fwd(
-            query=q, key=k, value=v, causal=causal, cfg=cfg, **kwargs
+        out, res = fa._flash_attention_fwd(**call, cfg=cfg)
+        fa._flash_attention_bwd(
+            res, out, cfg=cfg, causal=causal, **{n: kwargs[n] for n in statics if n in kwargs}
         )
-        fa._flash_attention_bwd(res, out, cfg=cfg, causal=causal)
     return record
 
 

@@ -110,7 +110,23 @@ def _interpreted(kernel: Any) -> Any:
             finally:
                 triton.knobs.runtime.interpret = previous
             _interpreted_modules[module_name] = module
+            _interpret_imported_helpers(module)
     return getattr(module, kernel.fn.__name__)
+
+
+def _interpret_imported_helpers(module: Any) -> None:
+    """Point the ``@triton.jit`` helpers ``module`` imported from other kernel modules of this
+    package (``from ejkernel_triton.kernels.flash_attention_common import _visible``) at their
+    interpreted twins: an interpreted kernel cannot call a compiled helper."""
+    for name, value in list(vars(module).items()):
+        fn = getattr(value, "fn", None)
+        origin = getattr(fn, "__module__", "")
+        if (
+            origin.startswith("ejkernel_triton.")
+            and origin != module.__name__.removeprefix("_ejkernel_interpreted.")
+            and isinstance(getattr(value, "src", None), str)
+        ):
+            setattr(module, name, _interpreted(value))
 
 
 def _interpret_standard_library() -> None:

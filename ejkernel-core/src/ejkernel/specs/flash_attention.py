@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel.attention_semantics import Geometry, dense_visibility
 from ejkernel.specs._base import (
     Arg,
     OpSpec,
@@ -91,23 +92,20 @@ def attention_mask_dense(
     q_segment_ids: jax.Array | None,
     kv_segment_ids: jax.Array | None,
 ) -> jax.Array:
-    """The visibility mask ``[B, Hq, Sq, Sk]`` (True = may attend) of every masking argument."""
-    q_pos = jnp.arange(sq)[:, None] + (sk - sq)
-    k_pos = jnp.arange(sk)[None, :]
-    mask = jnp.ones((sq, sk), bool)
-    if causal:
-        mask &= k_pos <= q_pos
-    if sliding_window is not None:
-        left, right = sliding_window
-        mask &= (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
-    full = jnp.broadcast_to(mask, (batch, num_heads, sq, sk))
-    if attention_mask is not None:
-        full = full & jnp.broadcast_to(attention_mask, full.shape)
-    if q_segment_ids is not None and kv_segment_ids is not None:
-        same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-        same &= q_segment_ids[:, :, None] >= 0
-        full = full & same[:, None]
-    return full
+    """The visibility mask ``[B, Hq, Sq, Sk]`` (True = may attend) of every masking argument.
+
+    A keyword form of :func:`ejkernel.attention_semantics.dense_visibility`.
+    """
+    geometry = Geometry(
+        batch=batch,
+        sq=sq,
+        sk=sk,
+        num_q_heads=num_heads,
+        num_kv_heads=num_heads,
+        causal=causal,
+        window=sliding_window,
+    )
+    return dense_visibility(geometry, attention_mask, q_segment_ids, kv_segment_ids)
 
 
 def flash_attention_reference(

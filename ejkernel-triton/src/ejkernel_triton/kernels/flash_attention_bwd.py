@@ -1,0 +1,794 @@
+"""Triton flash attention backward: :func:`flash_attention_bwd_dq_kernel` (one program per query
+block and query head; it also computes ``delta = rowsum(out ∘ dO)`` and the bias gradient),
+then :func:`flash_attention_bwd_dkdv_kernel` (one program per key block and key head, looping
+over the group's query heads: no K/V repeat, no atomics); for the plain case on Hopper the
+warp-specialized TMA twins :func:`flash_attention_bwd_dkdv_ws_kernel` and
+:func:`flash_attention_bwd_dq_ws_kernel`, which take delta from JAX.
+
+The shared arithmetic is in :mod:`ejkernel_triton.kernels.flash_attention_common`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ejkernel_triton._kernel_cache import compile_directly
+from ejkernel_triton.kernels.flash_attention_common import (
+    EMPTY_LSE,
+    MASK_VALUE,
+    _aligned,
+    _head_rows,
+    _key_ranges,
+    _load_tile,
+    _program_tile,
+    _query_ranges,
+    _row_stats,
+    _scores,
+    _visible,
+    _ws_mask,
+)
+
+# -- backward: dK and dV ---------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    lo,
+    hi,
+    offs_n,
+    offs_d,
+    offs_dv,
+    stride_qs,
+    stride_dos,
+    sm_scale,
+    soft_cap,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    bias_ptr,
+    mask_ptr,
+    qseg_ptr,
+    kseg_ptr,
+    stride_biasq,
+    stride_biask,
+    stride_maskq,
+    stride_maskk,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(
+            q_base + rows[:, None] * stride_qs + offs_d[None, :],
+            rows,
+            seqlen_q,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
+        )
+        do = _load_tile(
+            do_base + rows[:, None] * stride_dos + offs_dv[None, :],
+            rows,
+            seqlen_q,
+            offs_dv,
+            HEAD_DIM_V,
+            BLOCK_DV,
+            MASKED,
+        )
+        if MASKED:
+            lse = tl.load(lse_base + rows, mask=rows < seqlen_q, other=EMPTY_LSE)
+            delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        # transposed scores, [BLOCK_N, BLOCK_M]: p and ds then feed dV and dK as they are,
+        # with no transpose of a register tile (which costs a trip through shared memory)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        s_t, t_t = _scores(qk_t, sm_scale, soft_cap, SOFT_CAP)
+        s_t = _visible(
+            s_t,
+            rows[None, :],
+            offs_n[:, None],
+            q_pos_offset,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            bias_ptr,
+            mask_ptr,
+            qseg_ptr,
+            kseg_ptr,
+            stride_biasq,
+            stride_biask,
+            stride_maskq,
+            stride_maskk,
+            MASKED,
+            CAUSAL,
+            WINDOW,
+            HAS_BIAS,
+            HAS_MASK,
+            HAS_SEG,
+        )
+        p_t = tl.exp2(s_t - lse[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFT_CAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def flash_attention_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KSeg,
+    DO,
+    Lse,
+    Delta,
+    sm_scale,
+    soft_cap,
+    seqlen_q,
+    seqlen_k,
+    num_heads_q,
+    num_heads_k,
+    window_left,
+    window_right,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_biasb,
+    stride_biash,
+    stride_biasq,
+    stride_biask,
+    stride_maskb,
+    stride_maskh,
+    stride_maskq,
+    stride_maskk,
+    DK,
+    DV,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """One program: ``BLOCK_N`` keys of one (batch, key head), over its group's query heads.
+
+    Grid ``(⌈Sk/BN⌉, B·Hkv)``; dK/dV are written in the key dtype, ``[B, Sk, Hkv, D]`` layout.
+    """
+    stride_qb, stride_qs, stride_qh = _aligned(stride_qb, stride_qs, stride_qh, ALIGN)
+    stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
+    stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
+    stride_dob, stride_dos, stride_doh = _aligned(stride_dob, stride_dos, stride_doh, ALIGN)
+    start_n = tl.program_id(0)
+    off_bhk = tl.program_id(1)
+    off_b = off_bhk // num_heads_k
+    off_hk = off_bhk % num_heads_k
+    group = num_heads_q // num_heads_k
+    q_pos_offset = seqlen_k - seqlen_q
+
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_tile(
+        K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+        offs_n,
+        seqlen_k,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    v = _load_tile(
+        V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+        offs_n,
+        seqlen_k,
+        offs_dv,
+        HEAD_DIM_V,
+        BLOCK_DV,
+        True,
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    n_hi = tl.minimum(start_n * BLOCK_N + BLOCK_N, seqlen_k)
+    start, full_start, full_end, end = _query_ranges(
+        start_n * BLOCK_N,
+        n_hi,
+        q_pos_offset,
+        seqlen_q,
+        seqlen_k,
+        window_left,
+        window_right,
+        BLOCK_M,
+        BLOCK_N,
+        CAUSAL,
+        WINDOW,
+    )
+    qseg_ptr = QSeg + off_b * seqlen_q
+    kseg_ptr = KSeg + off_b * seqlen_k
+    for g in range(0, group):
+        off_h = off_hk * group + g
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        lse_base = Lse + (off_b * num_heads_q + off_h) * seqlen_q
+        delta_base = Delta + (off_b * num_heads_q + off_h) * seqlen_q
+        bias_ptr = Bias + off_b * stride_biasb + off_h * stride_biash
+        mask_ptr = Mask + off_b * stride_maskb + off_h * stride_maskh
+        for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
+            if part == 0:
+                lo, hi = start, full_start
+            elif part == 1:
+                lo, hi = full_start, full_end
+            else:
+                lo, hi = full_end, end
+            dk, dv = _bwd_dkdv_inner(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                lse_base,
+                delta_base,
+                lo,
+                hi,
+                offs_n,
+                offs_d,
+                offs_dv,
+                stride_qs,
+                stride_dos,
+                sm_scale,
+                soft_cap,
+                q_pos_offset,
+                seqlen_q,
+                seqlen_k,
+                window_left,
+                window_right,
+                bias_ptr,
+                mask_ptr,
+                qseg_ptr,
+                kseg_ptr,
+                stride_biasq,
+                stride_biask,
+                stride_maskq,
+                stride_maskk,
+                HEAD_DIM,
+                HEAD_DIM_V,
+                BLOCK_D,
+                BLOCK_DV,
+                BLOCK_M,
+                part != 1,
+                CAUSAL,
+                WINDOW,
+                SOFT_CAP,
+                HAS_BIAS,
+                HAS_MASK,
+                HAS_SEG,
+                DOT_PRECISION,
+            )
+
+    dk = dk * sm_scale
+    dk_ptrs = (
+        DK + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    )
+    dv_ptrs = (
+        DV + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :]
+    )
+    tl.store(
+        dk_ptrs,
+        dk.to(DK.dtype.element_ty),
+        mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM),
+    )
+    tl.store(
+        dv_ptrs,
+        dv.to(DV.dtype.element_ty),
+        mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V),
+    )
+
+
+# -- backward: dQ (and the bias gradient) ---------------------------------------------------
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    dbias_ptr,
+    lo,
+    hi,
+    offs_m,
+    offs_d,
+    offs_dv,
+    stride_ks,
+    stride_vs,
+    sm_scale,
+    soft_cap,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    bias_ptr,
+    mask_ptr,
+    qseg_ptr,
+    kseg_ptr,
+    stride_biasq,
+    stride_biask,
+    stride_maskq,
+    stride_maskk,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(
+            k_base + cols[:, None] * stride_ks + offs_d[None, :],
+            cols,
+            seqlen_k,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
+        )
+        v = _load_tile(
+            v_base + cols[:, None] * stride_vs + offs_dv[None, :],
+            cols,
+            seqlen_k,
+            offs_dv,
+            HEAD_DIM_V,
+            BLOCK_DV,
+            MASKED,
+        )
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
+        s = _visible(
+            s,
+            offs_m[:, None],
+            cols[None, :],
+            q_pos_offset,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            bias_ptr,
+            mask_ptr,
+            qseg_ptr,
+            kseg_ptr,
+            stride_biasq,
+            stride_biask,
+            stride_maskq,
+            stride_maskk,
+            MASKED,
+            CAUSAL,
+            WINDOW,
+            HAS_BIAS,
+            HAS_MASK,
+            HAS_SEG,
+        )
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_BIAS:
+            tl.store(
+                dbias_ptr + offs_m[:, None] * seqlen_k + cols[None, :],
+                ds,
+                mask=(offs_m[:, None] < seqlen_q) & (cols[None, :] < seqlen_k),
+            )
+        if SOFT_CAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def flash_attention_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KSeg,
+    DO,
+    Lse,
+    Out,
+    sm_scale,
+    soft_cap,
+    seqlen_q,
+    seqlen_k,
+    num_heads_q,
+    num_heads_k,
+    window_left,
+    window_right,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_biasb,
+    stride_biash,
+    stride_biasq,
+    stride_biask,
+    stride_maskb,
+    stride_maskh,
+    stride_maskq,
+    stride_maskk,
+    DQ,
+    DBias,
+    Delta,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``.
+
+    The program also computes its rows' ``delta = rowsum(Out ∘ dO)`` (``Out``: the forward's
+    output, laid out as ``dO``) and stores it to ``Delta`` (``[B, Hq, Sq]`` float32) for the
+    dK/dV kernel, which runs after it: no separate pass over ``Out`` and ``dO``.
+
+    With a bias, the logit gradient ``dS`` of every visited entry goes to ``DBias``
+    (``[B, Hq, Sq, Sk]`` float32, zeroed before the launch); the wrapper sums it into the bias's
+    broadcast shape.
+    """
+    stride_qb, stride_qs, stride_qh = _aligned(stride_qb, stride_qs, stride_qh, ALIGN)
+    stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
+    stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
+    stride_dob, stride_dos, stride_doh = _aligned(stride_dob, stride_dos, stride_doh, ALIGN)
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // num_heads_q
+    off_h = off_bh % num_heads_q
+    off_hk = off_h // (num_heads_q // num_heads_k)
+    q_pos_offset = seqlen_k - seqlen_q
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(
+        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        offs_m,
+        seqlen_q,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+    )
+    # dO and the forward's output share a layout: one set of offsets
+    row_offs = off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos
+    do = _load_tile(
+        DO + row_offs + offs_dv[None, :], offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True
+    )
+    o = _load_tile(
+        Out + row_offs + offs_dv[None, :], offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True
+    )
+    lse = tl.load(Lse + off_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=EMPTY_LSE)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # 0 past seqlen_q
+    tl.store(Delta + off_bh * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    bias_ptr = Bias + off_b * stride_biasb + off_h * stride_biash
+    mask_ptr = Mask + off_b * stride_maskb + off_h * stride_maskh
+    qseg_ptr = QSeg + off_b * seqlen_q
+    kseg_ptr = KSeg + off_b * seqlen_k
+    dbias_ptr = DBias + off_bh.to(tl.int64) * seqlen_q * seqlen_k
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_hi = tl.minimum(start_m * BLOCK_M + BLOCK_M, seqlen_q)
+    start, full_start, full_end, end = _key_ranges(
+        start_m * BLOCK_M,
+        m_hi,
+        q_pos_offset,
+        seqlen_k,
+        window_left,
+        window_right,
+        BLOCK_N,
+        CAUSAL,
+        WINDOW,
+    )
+    for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
+        if part == 0:
+            lo, hi = start, full_start
+        elif part == 1:
+            lo, hi = full_start, full_end
+        else:
+            lo, hi = full_end, end
+        dq = _bwd_dq_inner(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            dbias_ptr,
+            lo,
+            hi,
+            offs_m,
+            offs_d,
+            offs_dv,
+            stride_ks,
+            stride_vs,
+            sm_scale,
+            soft_cap,
+            q_pos_offset,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            bias_ptr,
+            mask_ptr,
+            qseg_ptr,
+            kseg_ptr,
+            stride_biasq,
+            stride_biask,
+            stride_maskq,
+            stride_maskk,
+            HEAD_DIM,
+            HEAD_DIM_V,
+            BLOCK_D,
+            BLOCK_DV,
+            BLOCK_N,
+            part != 1,
+            CAUSAL,
+            WINDOW,
+            SOFT_CAP,
+            HAS_BIAS,
+            HAS_MASK,
+            HAS_SEG,
+            DOT_PRECISION,
+        )
+
+    dq = dq * sm_scale
+    dq_ptrs = (
+        DQ + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    )
+    tl.store(
+        dq_ptrs,
+        dq.to(DQ.dtype.element_ty),
+        mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
+    )
+
+
+# -- backward dK/dV, warp-specialized (Hopper) -----------------------------------------------
+
+
+@compile_directly
+@triton.jit
+def flash_attention_bwd_dkdv_ws_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    sm_scale,
+    soft_cap,
+    batch,
+    seqlen_q,
+    seqlen_k,
+    num_heads,
+    num_kv_heads,
+    DK,
+    DV,
+    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+):
+    """The dK/dV kernel for the plain case, written for Triton's Hopper warp specialization
+    (as :func:`flash_attention_fwd_ws_kernel`): Q and dO arrive by TMA and the compiler splits
+    the program's ``BLOCK_N`` keys between two consumer warp groups.
+
+    One specialized loop walks (query head of the group, query block) pairs. Query rows past
+    ``seqlen_q`` (read from the next batch, or zeros) get ``lse = EMPTY_LSE`` and so ``p = 0``;
+    key rows past ``seqlen_k`` are computed and not stored.
+    """
+    start_n = tl.program_id(0)
+    off_bhk = tl.program_id(1)
+    off_b = off_bhk // num_kv_heads
+    off_hk = off_bhk % num_kv_heads
+    group = num_heads // num_kv_heads
+    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    k = k_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
+    v = v_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
+    lo = 0
+    if CAUSAL:  # the first query block that sees this program's first key
+        lo = tl.maximum(start_n * BLOCK_N - q_pos_offset, 0) // BLOCK_M * BLOCK_M
+    blocks = tl.cdiv(seqlen_q - lo, BLOCK_M)
+    for it in tl.range(0, group * blocks, warp_specialize=True):
+        off_h = off_hk * group + it // blocks
+        start_m = lo + (it % blocks) * BLOCK_M
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = q_desc.load([off_b * seqlen_q + start_m, off_h * HEAD_DIM])
+        stats = (off_b * num_heads + off_h) * seqlen_q + rows
+        lse = tl.load(Lse + stats, mask=rows < seqlen_q, other=EMPTY_LSE)
+        # transposed scores, [BLOCK_N, BLOCK_M], as in the usual dK/dV kernel
+        s_t, t_t = _scores(tl.dot(k, tl.trans(q)), sm_scale, soft_cap, SOFT_CAP)
+        if CAUSAL:
+            s_t = tl.where(offs_n[:, None] <= rows[None, :] + q_pos_offset, s_t, MASK_VALUE)
+        p_t = tl.exp2(s_t - lse[None, :])
+        do = do_desc.load([off_b * seqlen_q + start_m, off_h * HEAD_DIM])
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        delta = tl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        if SOFT_CAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows_k = (off_b * seqlen_k + offs_n[:, None]) * (num_kv_heads * HEAD_DIM)
+    ptrs = rows_k + off_hk * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)
+    tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < seqlen_k)
+
+
+# -- backward dQ, warp-specialized (Hopper) --------------------------------------------------
+
+
+@compile_directly
+@triton.jit
+def flash_attention_bwd_dq_ws_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    sm_scale,
+    soft_cap,
+    batch,
+    seqlen_q,
+    seqlen_k,
+    num_heads,
+    num_kv_heads,
+    stats_len,
+    DQ,
+    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
+):
+    """The dQ kernel for the plain case, written for Triton's Hopper warp specialization (as
+    :func:`flash_attention_fwd_ws_kernel`, whose loop it follows): K and V arrive by TMA and
+    the compiler splits the program's ``BLOCK_M`` query rows between two consumer warp groups.
+
+    ``Lse``/``Delta`` come as ``[B, H, stats_len]`` (``stats_len`` a multiple of ``BLOCK_M``,
+    so every TMA offset is 16-byte aligned). Query rows past ``seqlen_q`` are computed from
+    the padding (or the next batch's rows) and not stored; key rows past ``seqlen_k`` (the
+    next batch's, or zeros) are masked like the forward's. ``HEAD_GROUP``: the program order
+    of :func:`_program_tile`.
+    """
+    start_m, off_bh = _program_tile(HEAD_GROUP)
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    off_hk = off_h // (num_heads // num_kv_heads)
+    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = q_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
+    do = do_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
+    # the row statistics by TMA too (the pass fails on pointer loads it must split by rows),
+    # from rows of stats_len >= seqlen_q entries, a multiple of BLOCK_M (padded by the caller)
+    stats = off_bh * stats_len + start_m * BLOCK_M
+    lse = _row_stats(Lse, batch * num_heads * stats_len, BLOCK_M).load([stats])
+    delta = _row_stats(Delta, batch * num_heads * stats_len, BLOCK_M).load([stats])
+    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    end = seqlen_k
+    if CAUSAL:
+        end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
+    k_row = off_b * seqlen_k
+    for start_n in tl.range(0, end, BLOCK_N, warp_specialize=True):
+        k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
+        s, t = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
+        s = _ws_mask(s, start_n, offs_m, q_pos_offset, seqlen_k, BLOCK_N, CAUSAL, EVEN_K)
+        p = tl.exp2(s - lse[:, None])
+        v = v_desc.load([k_row + start_n, off_hk * HEAD_DIM])
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        if SOFT_CAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = (off_b * seqlen_q + offs_m[:, None]) * (num_heads * HEAD_DIM) + off_h * HEAD_DIM
+    tl.store(
+        DQ + ptrs + offs_d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=offs_m[:, None] < seqlen_q,
+    )

@@ -1,0 +1,338 @@
+"""Triton flash attention: the pieces every kernel shares (constants, score and mask arithmetic,
+block ranges, program order, TMA descriptors of the warp-specialized kernels).
+
+The algorithm is FlashAttention-2 (Dao, 2023). Layout is OPS.md's: ``q [B, Sq, Hq, D]``,
+``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]``; ``lse``/``delta`` are ``[B, Hq, Sq]`` float32.
+
+- Scores live in the log2 domain: ``s = (softcap(scale · q·kᵀ) + bias) · log2(e)``, so the
+  softmax uses ``exp2``. Masked entries get the finite :data:`MASK_VALUE`; a row whose running
+  maximum is still ``MASK_VALUE`` at the end saw no key, stores zeros and ``lse = EMPTY_LSE``,
+  which makes every recomputed probability of it exactly 0 in the backward.
+- Each program walks its key blocks (forward, dQ) or query blocks (dK/dV) in three ranges:
+  blocks cut by the causal diagonal, the window edges or the sequence end (``MASKED``), the
+  blocks every row sees completely (no positional mask, no bounds checks), and the cut blocks
+  on the other side. Blocks nobody sees are never visited.
+- GQA: the dK/dV program of one key head loops over the query heads of its group, so K/V are
+  never repeated in memory and dK/dV need no atomics.
+- Sinks (``softmax_aux``) join the maximum and the denominator once, after the key loop.
+- Head dims that are not powers of two (80, 96) load ``BLOCK_D = next_pow2(D)`` columns with a
+  mask; powers of two skip the mask.
+
+The kernels are in :mod:`ejkernel_triton.kernels.flash_attention_fwd` and
+:mod:`ejkernel_triton.kernels.flash_attention_bwd`; on Hopper the Gluon kernels of
+:mod:`ejkernel_triton.kernels.flash_attention_hopper_fwd` and
+:mod:`ejkernel_triton.kernels.flash_attention_hopper_bwd` (which the interpreter cannot run).
+All are plain ``@triton.jit`` (or ``@gluon.jit``) functions. The launch wrapper
+(:mod:`ejkernel_triton.ops.flash_attention`) calls them through jax-triton on a GPU, or through
+Triton's interpreter on a CPU (:mod:`ejkernel_triton._launch` re-imports a kernel's module, and
+the modules of the helpers it imports, with the interpreter switched on, so the same source
+runs both ways).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: log2(e): scores are kept in the log2 domain.
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+#: Score of a masked entry (finite: ``MASK_VALUE - MASK_VALUE`` is 0, never NaN).
+MASK_VALUE: tl.constexpr = tl.constexpr(-1.0e30)
+#: Stored log2-sum-exp of a row that saw no key: ``exp2(s - EMPTY_LSE)`` is 0 for any ``s``.
+EMPTY_LSE: tl.constexpr = tl.constexpr(3.0e38)
+
+
+# -- shared pieces --------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 (works in the interpreter and compiles to ex2 on the GPU), of |x| so
+    # that exp2 never overflows (inf / inf for x below about -44)
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _aligned(stride_b, stride_s, stride_h, ALIGN: tl.constexpr):
+    """A tensor's batch, sequence and head strides, passed in units of ``ALIGN`` elements, in
+    elements.
+
+    jax-triton passes integer arguments without divisibility hints (and ``tl.multiple_of`` /
+    ``tl.assume`` on an argument reach no analysis), so strides counted in elements would
+    leave every tile load a 2-byte load with no pipelined copy. Multiplying by the constexpr
+    ``ALIGN`` gives the compiler the divisibility: 16-byte loads, ``cp.async`` stages.
+    """
+    return stride_b * ALIGN, stride_s * ALIGN, stride_h * ALIGN
+
+
+@triton.jit
+def _load_tile(
+    ptrs,
+    rows,
+    n_rows,
+    cols,
+    N_COLS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
+    """Load ``[len(rows), BLOCK_COLS]`` with zeros outside ``rows < n_rows`` / ``cols < N_COLS``."""
+    if CHECK_ROWS:
+        if BLOCK_COLS == N_COLS:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS), other=0.0)
+    else:
+        if BLOCK_COLS == N_COLS:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=cols[None, :] < N_COLS, other=0.0)
+    return x
+
+
+@triton.jit
+def _scores(qk, sm_scale, soft_cap, SOFT_CAP: tl.constexpr):
+    """``(softcap(scale · qk) · log2e, tanh)``; ``tanh`` is what the soft-cap gradient needs."""
+    if SOFT_CAP:
+        t = _tanh(qk * (sm_scale / soft_cap))
+        s = t * (soft_cap * LOG2E)
+    else:
+        t = qk  # unused
+        s = qk * (sm_scale * LOG2E)
+    return s, t
+
+
+@triton.jit
+def _visible(
+    s,
+    qi,
+    kj,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    bias_ptr,
+    mask_ptr,
+    qseg_ptr,
+    kseg_ptr,
+    stride_biasq,
+    stride_biask,
+    stride_maskq,
+    stride_maskk,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+):
+    """Add the bias and apply every mask to a tile of log2-domain scores.
+
+    The visibility is :func:`ejkernel.attention_semantics.visible`, restated in Triton: query
+    ``qi`` sits at key position ``q_pos = qi + q_pos_offset`` (``Sk - Sq``, bottom-right); it
+    sees key ``kj`` when the key exists (``kv_valid``: ``kj < seqlen_k``), ``kj <= q_pos``
+    (``CAUSAL``), ``q_pos - window_left <= kj <= q_pos + window_right`` (``WINDOW``), the
+    attention mask is nonzero (``HAS_MASK``) and the segment ids are equal and non-negative
+    (``HAS_SEG``). Hidden scores are replaced by :data:`MASK_VALUE` by a select, never by an
+    addition. ``MASKED`` is false only on blocks every row of which sees every key
+    (``Geometry.block_fully_visible``), where the positional terms are all true.
+    ``tests/triton/test_visibility.py`` evaluates both on grids of positions.
+
+    ``qi``/``kj`` are the query and key indices broadcast to the tile: ``rows[:, None]`` and
+    ``cols[None, :]`` for a ``[queries, keys]`` tile, or the other way round for the
+    transposed tile of the dK/dV kernel. ``bias_ptr``/``mask_ptr`` point at this (batch,
+    head)'s ``[Sq, Sk]`` plane (strides may be 0 for broadcast dims); ``qseg_ptr``/``kseg_ptr``
+    at this batch's segment ids.
+    """
+    in_bounds = (qi < seqlen_q) & (kj < seqlen_k)
+    if HAS_BIAS:
+        b = tl.load(
+            bias_ptr + qi * stride_biasq + kj * stride_biask,
+            mask=in_bounds,
+            other=0.0,
+        )
+        s = s + b.to(tl.float32) * LOG2E
+    keep = (qi >= 0) & (kj >= 0)  # all true, of the tile's shape
+    if MASKED:
+        keep = keep & (kj < seqlen_k)  # kv_valid
+        q_pos = qi + q_pos_offset
+        if CAUSAL:
+            keep = keep & (kj <= q_pos)
+        if WINDOW:
+            keep = keep & (kj >= q_pos - window_left) & (kj <= q_pos + window_right)
+    if HAS_MASK:
+        m = tl.load(
+            mask_ptr + qi * stride_maskq + kj * stride_maskk,
+            mask=in_bounds,
+            other=0,
+        )
+        keep = keep & (m != 0)
+    if HAS_SEG:
+        qs = tl.load(qseg_ptr + qi, mask=qi < seqlen_q, other=-1)
+        ks = tl.load(kseg_ptr + kj, mask=kj < seqlen_k, other=-2)
+        keep = keep & (qs == ks) & (qs >= 0)
+    if MASKED or HAS_MASK or HAS_SEG:
+        s = tl.where(keep, s, MASK_VALUE)
+    return s
+
+
+@triton.jit
+def _key_ranges(
+    m_lo,
+    m_hi,
+    q_pos_offset,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """Key blocks for query rows ``[m_lo, m_hi)``: ``(start, full_start, full_end, end)``.
+
+    ``[start, end)`` holds every key some row sees; ``[full_start, full_end)`` (multiples of
+    ``BLOCK_N``) the blocks every row sees whole, within bounds.
+    """
+    p_first = m_lo + q_pos_offset
+    p_last = m_hi - 1 + q_pos_offset
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k
+    if CAUSAL:
+        hi = tl.minimum(hi, p_last + 1)
+        full_hi = tl.minimum(full_hi, p_first + 1)
+    if WINDOW:
+        lo = tl.maximum(lo, p_first - window_left)
+        hi = tl.minimum(hi, p_last + window_right + 1)
+        full_lo = tl.maximum(full_lo, p_last - window_left)
+        full_hi = tl.minimum(full_hi, p_first + window_right + 1)
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    start = (lo // BLOCK_N) * BLOCK_N
+    end = tl.maximum(hi, start)
+    full_start = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), end)
+    full_end = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_start), end)
+    return start, full_start, full_end, end
+
+
+@triton.jit
+def _query_ranges(
+    n_lo,
+    n_hi,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """Query blocks for key columns ``[n_lo, n_hi)``, as :func:`_key_ranges` for queries."""
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if CAUSAL:
+        lo = tl.maximum(lo, n_lo - q_pos_offset)
+        full_lo = tl.maximum(full_lo, n_hi - 1 - q_pos_offset)
+    if WINDOW:
+        lo = tl.maximum(lo, n_lo - window_right - q_pos_offset)
+        hi = tl.minimum(hi, n_hi - 1 + window_left - q_pos_offset + 1)
+        full_lo = tl.maximum(full_lo, n_hi - 1 - window_right - q_pos_offset)
+        full_hi = tl.minimum(full_hi, n_lo + window_left - q_pos_offset + 1)
+    if n_lo + BLOCK_N > seqlen_k:  # a key block cut by the sequence end is masked everywhere
+        full_hi = 0
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    start = (lo // BLOCK_M) * BLOCK_M
+    end = tl.maximum(hi, start)
+    full_start = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, start), end)
+    full_end = tl.minimum(tl.maximum((full_hi // BLOCK_M) * BLOCK_M, full_start), end)
+    return start, full_start, full_end, end
+
+
+@triton.jit
+def _program_tile(HEAD_GROUP: tl.constexpr):
+    """``(query block, batch·head)`` of a forward program in a grid ``(blocks, B·H)``.
+
+    ``HEAD_GROUP`` 0: grid order. Otherwise (causal, where programs differ in length) the GPU,
+    which starts programs in order of their linear id, gets the heads in groups of
+    ``HEAD_GROUP`` and, within a group, the longest (last) query blocks of all its heads first:
+    the last programs to start are short, and the programs running at one time read the K/V of
+    a few heads only, which stay in L2. The backward's kernels take the same order (dK/dV
+    reversed: its longest programs are its first key blocks).
+    """
+    if HEAD_GROUP == 0:
+        block = tl.program_id(0)
+        off_bh = tl.program_id(1)
+    else:
+        blocks = tl.num_programs(0)
+        heads = tl.num_programs(1)
+        order = tl.program_id(1) * blocks + tl.program_id(0)
+        group = order // (HEAD_GROUP * blocks)
+        within = order % (HEAD_GROUP * blocks)
+        size = tl.minimum(heads - group * HEAD_GROUP, HEAD_GROUP)
+        block = blocks - 1 - within // size
+        off_bh = group * HEAD_GROUP + within % size
+    return block, off_bh
+
+
+# -- warp-specialized kernels (Hopper) -------------------------------------------------------
+
+
+@triton.jit
+def _head_rows(ptr, rows, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A TMA descriptor of ``[B, S, H, D]`` seen as ``[rows = B·S, H·D]``, ``BLOCK`` rows of one
+    head per load (at column ``head · HEAD_DIM``)."""
+    return tl.make_tensor_descriptor(
+        ptr,
+        shape=[rows, heads * HEAD_DIM],
+        strides=[heads * HEAD_DIM, 1],
+        block_shape=[BLOCK, HEAD_DIM],
+    )
+
+
+@triton.jit
+def _row_stats(ptr, size, BLOCK: tl.constexpr):
+    """A TMA descriptor of a flat float32 ``[B·H·S]`` array, ``BLOCK`` entries per load."""
+    return tl.make_tensor_descriptor(ptr, shape=[size], strides=[1], block_shape=[BLOCK])
+
+
+@triton.jit
+def _ws_mask(
+    s,
+    start_n,
+    offs_m,
+    q_pos_offset,
+    seqlen_k,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Scores of a key block starting at ``start_n`` for rows ``offs_m``, masked where
+    ``CAUSAL`` or a cut last block (``EVEN_K`` false) needs it (for a stored row, a causally
+    visible key is also inside ``seqlen_k``)."""
+    if CAUSAL:
+        cols = start_n + tl.arange(0, BLOCK_N)
+        s = tl.where(cols[None, :] <= offs_m[:, None] + q_pos_offset, s, MASK_VALUE)
+    elif not EVEN_K:
+        cols = start_n + tl.arange(0, BLOCK_N)
+        s = tl.where(cols[None, :] < seqlen_k, s, MASK_VALUE)
+    return s
+
+
+@triton.jit
+def _ws_tile(tile, num_m, heads, num_heads, num_kv_heads, CAUSAL: tl.constexpr):
+    """A persistent program's tile: (query block, batch, query head, key head). Query blocks
+    go in descending order when ``CAUSAL`` (the longest rows first), heads fastest."""
+    start_m = tile // heads
+    if CAUSAL:
+        start_m = num_m - 1 - start_m
+    off_bh = tile % heads
+    off_h = off_bh % num_heads
+    return start_m, off_bh, off_bh // num_heads, off_h, off_h // (num_heads // num_kv_heads)

@@ -1,0 +1,407 @@
+"""Triton flash attention forward: :func:`flash_attention_fwd_kernel` (every feature) and, for
+the plain case on Hopper, :func:`flash_attention_fwd_ws_kernel` (TMA loads, Triton's automatic
+warp specialization, persistent over the (query block, head) tiles).
+
+Output ``[B, Sq, Hq, Dv]`` and the per-row log2-sum-exp ``[B, Hq, Sq]``; the shared arithmetic
+is in :mod:`ejkernel_triton.kernels.flash_attention_common`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ejkernel_triton._kernel_cache import compile_directly
+from ejkernel_triton.kernels.flash_attention_common import (
+    EMPTY_LSE,
+    LOG2E,
+    MASK_VALUE,
+    _aligned,
+    _head_rows,
+    _key_ranges,
+    _load_tile,
+    _program_tile,
+    _scores,
+    _visible,
+    _ws_mask,
+    _ws_tile,
+)
+
+# -- forward --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    lo,
+    hi,
+    offs_m,
+    offs_d,
+    offs_dv,
+    stride_ks,
+    stride_vs,
+    sm_scale,
+    soft_cap,
+    q_pos_offset,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    bias_ptr,
+    mask_ptr,
+    qseg_ptr,
+    kseg_ptr,
+    stride_biasq,
+    stride_biask,
+    stride_maskq,
+    stride_maskk,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SCALE_IN_EXP: tl.constexpr,
+):
+    """The online softmax over key blocks ``[lo, hi)``. With ``SCALE_IN_EXP`` (whole blocks,
+    nothing to add or mask, no soft cap, a scale ≥ 0) the raw scores' row maximum is scaled
+    once per row and the scale rides in the exponent, ``exp2(qk · c − m)``: one FFMA a score
+    where a multiply and a subtraction were, a tenth of the loop's instructions at D 64 (where
+    the softmax's instructions bound it)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(
+            k_base + cols[:, None] * stride_ks + offs_d[None, :],
+            cols,
+            seqlen_k,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            MASKED,
+        )
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SCALE_IN_EXP:  # nothing to mask or add: the scale rides in the exponent's FFMA
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * (sm_scale * LOG2E))
+            p = tl.exp2(qk * (sm_scale * LOG2E) - m_new[:, None])
+        else:
+            s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
+            s = _visible(
+                s,
+                offs_m[:, None],
+                cols[None, :],
+                q_pos_offset,
+                seqlen_q,
+                seqlen_k,
+                window_left,
+                window_right,
+                bias_ptr,
+                mask_ptr,
+                qseg_ptr,
+                kseg_ptr,
+                stride_biasq,
+                stride_biask,
+                stride_maskq,
+                stride_maskk,
+                MASKED,
+                CAUSAL,
+                WINDOW,
+                HAS_BIAS,
+                HAS_MASK,
+                HAS_SEG,
+            )
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_tile(
+            v_base + cols[:, None] * stride_vs + offs_dv[None, :],
+            cols,
+            seqlen_k,
+            offs_dv,
+            HEAD_DIM_V,
+            BLOCK_DV,
+            MASKED,
+        )
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flash_attention_fwd_kernel(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KSeg,
+    Aux,
+    sm_scale,
+    soft_cap,
+    seqlen_q,
+    seqlen_k,
+    num_heads_q,
+    num_heads_k,
+    window_left,
+    window_right,
+    num_aux,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_biasb,
+    stride_biash,
+    stride_biasq,
+    stride_biask,
+    stride_maskb,
+    stride_maskh,
+    stride_maskq,
+    stride_maskk,
+    Out,
+    Lse,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    HAS_AUX: tl.constexpr,
+    BLOCK_AUX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
+    PLAIN_SCALE: tl.constexpr = False,
+):
+    """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``.
+    ``PLAIN_SCALE``: no soft cap, bias, mask or segments and a scale ≥ 0 (see ``_fwd_inner``)."""
+    stride_qb, stride_qs, stride_qh = _aligned(stride_qb, stride_qs, stride_qh, ALIGN)
+    stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
+    stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
+    stride_ob, stride_os, stride_oh = _aligned(stride_ob, stride_os, stride_oh, ALIGN)
+    start_m, off_bh = _program_tile(HEAD_GROUP)
+    off_b = off_bh // num_heads_q
+    off_h = off_bh % num_heads_q
+    off_hk = off_h // (num_heads_q // num_heads_k)
+    q_pos_offset = seqlen_k - seqlen_q
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = (
+        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    )
+    q = _load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    bias_ptr = Bias + off_b * stride_biasb + off_h * stride_biash
+    mask_ptr = Mask + off_b * stride_maskb + off_h * stride_maskh
+    qseg_ptr = QSeg + off_b * seqlen_q
+    kseg_ptr = KSeg + off_b * seqlen_k
+
+    m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    m_hi = tl.minimum(start_m * BLOCK_M + BLOCK_M, seqlen_q)
+    start, full_start, full_end, end = _key_ranges(
+        start_m * BLOCK_M,
+        m_hi,
+        q_pos_offset,
+        seqlen_k,
+        window_left,
+        window_right,
+        BLOCK_N,
+        CAUSAL,
+        WINDOW,
+    )
+    for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
+        if part == 0:
+            lo, hi = start, full_start
+        elif part == 1:
+            lo, hi = full_start, full_end
+        else:
+            lo, hi = full_end, end
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            lo,
+            hi,
+            offs_m,
+            offs_d,
+            offs_dv,
+            stride_ks,
+            stride_vs,
+            sm_scale,
+            soft_cap,
+            q_pos_offset,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            bias_ptr,
+            mask_ptr,
+            qseg_ptr,
+            kseg_ptr,
+            stride_biasq,
+            stride_biask,
+            stride_maskq,
+            stride_maskk,
+            HEAD_DIM,
+            HEAD_DIM_V,
+            BLOCK_D,
+            BLOCK_DV,
+            BLOCK_N,
+            part != 1,
+            CAUSAL,
+            WINDOW,
+            SOFT_CAP,
+            HAS_BIAS,
+            HAS_MASK,
+            HAS_SEG,
+            DOT_PRECISION,
+            PLAIN_SCALE and part == 1,
+        )
+
+    empty = m_i <= MASK_VALUE * 0.5
+    if HAS_AUX:
+        offs_a = tl.arange(0, BLOCK_AUX)
+        aux = tl.load(Aux + off_h * num_aux + offs_a, mask=offs_a < num_aux, other=0.0)
+        aux = tl.where(offs_a < num_aux, aux.to(tl.float32) * LOG2E, MASK_VALUE)
+        m_f = tl.maximum(m_i, tl.max(aux, 0))
+        alpha = tl.exp2(m_i - m_f)
+        l_i = l_i * alpha + tl.sum(tl.exp2(aux[None, :] - m_f[:, None]), 1)
+        acc = acc * alpha[:, None]
+        m_i = m_f
+        empty = empty & (m_i <= MASK_VALUE * 0.5)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    lse = tl.where(empty, EMPTY_LSE, m_i + tl.log2(l_safe))
+
+    o_ptrs = (
+        Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :]
+    )
+    if BLOCK_DV == HEAD_DIM_V:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
+    else:
+        tl.store(
+            o_ptrs,
+            out.to(Out.dtype.element_ty),
+            mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V),
+        )
+    tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+# -- forward, warp-specialized (Hopper) -----------------------------------------------------
+
+
+@compile_directly
+@triton.jit
+def flash_attention_fwd_ws_kernel(
+    Q,
+    K,
+    V,
+    sm_scale,
+    soft_cap,
+    batch,
+    seqlen_q,
+    seqlen_k,
+    num_heads,
+    num_kv_heads,
+    Out,
+    Lse,
+    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The forward for the plain case (no bias, mask, segments, window or sinks; D = Dv, a
+    power of two), written for Triton's Hopper warp specialization. Persistent: the grid's
+    programs (one per SM) walk the (query block, batch·head) tiles, and the tile loop carries
+    ``warp_specialize=True``, so the compiler splits the program into a producer warp group
+    (the TMA loads of Q, K and V) and two consumer warp groups of ``BLOCK_M / 2`` rows each;
+    one tile's epilogue overlaps the next tile's loads.
+
+    The key loop inside masks every block when ``CAUSAL`` or a cut last block (``EVEN_K``
+    false) needs it: the pass rejects a second loop, and a branch in the loop turns the
+    specialization off. Rows and blocks are addressed in 2-D views ``[B·S, H·D]``; a key block
+    that runs into the next batch's rows is masked like one past the end, and query rows past
+    ``seqlen_q`` are never stored.
+    """
+    num_m = tl.cdiv(seqlen_q, BLOCK_M)
+    heads = batch * num_heads
+    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
+    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
+    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
+    offs_d = tl.arange(0, HEAD_DIM)
+    for tile in tl.range(tl.program_id(0), num_m * heads, tl.num_programs(0), warp_specialize=True):
+        start_m, off_bh, off_b, off_h, off_hk = _ws_tile(
+            tile, num_m, heads, num_heads, num_kv_heads, CAUSAL
+        )
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = q_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
+        m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        end = seqlen_k
+        if CAUSAL:
+            end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
+        k_row = off_b * seqlen_k
+        for start_n in tl.range(0, end, BLOCK_N):
+            k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
+            s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
+            s = _ws_mask(s, start_n, offs_m, q_pos_offset, seqlen_k, BLOCK_N, CAUSAL, EVEN_K)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = v_desc.load([k_row + start_n, off_hk * HEAD_DIM])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+
+        empty = m_i <= MASK_VALUE * 0.5
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+        lse = tl.where(empty, EMPTY_LSE, m_i + tl.log2(l_safe))
+        rows = (off_b * seqlen_q + offs_m[:, None]) * (num_heads * HEAD_DIM) + off_h * HEAD_DIM
+        tl.store(
+            Out + rows + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=offs_m[:, None] < seqlen_q,
+        )
+        tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
