@@ -24,7 +24,17 @@ __all__ = [
     "scaled_dot_product_attention",
 ]
 
-_LAZY_MODULES = ("errors", "hookspecs", "kernels", "modules", "ops", "plugins", "specs", "testing")
+_LAZY_MODULES = (
+    "attention_semantics",
+    "errors",
+    "hookspecs",
+    "kernels",
+    "modules",
+    "ops",
+    "plugins",
+    "specs",
+    "testing",
+)
 
 
 def explain(op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -25,6 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel.attention_semantics import (
+    Geometry,
+    dense_visibility,
+    finite_or_zero,
+    hide,
+    soft_cap,
+)
 from ejkernel.specs._base import (
     Arg,
     OpSpec,
@@ -91,23 +98,20 @@ def attention_mask_dense(
     q_segment_ids: jax.Array | None,
     kv_segment_ids: jax.Array | None,
 ) -> jax.Array:
-    """The visibility mask ``[B, Hq, Sq, Sk]`` (True = may attend) of every masking argument."""
-    q_pos = jnp.arange(sq)[:, None] + (sk - sq)
-    k_pos = jnp.arange(sk)[None, :]
-    mask = jnp.ones((sq, sk), bool)
-    if causal:
-        mask &= k_pos <= q_pos
-    if sliding_window is not None:
-        left, right = sliding_window
-        mask &= (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
-    full = jnp.broadcast_to(mask, (batch, num_heads, sq, sk))
-    if attention_mask is not None:
-        full = full & jnp.broadcast_to(attention_mask, full.shape)
-    if q_segment_ids is not None and kv_segment_ids is not None:
-        same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-        same &= q_segment_ids[:, :, None] >= 0
-        full = full & same[:, None]
-    return full
+    """The visibility mask ``[B, Hq, Sq, Sk]`` (True = may attend) of every masking argument.
+
+    A keyword form of :func:`ejkernel.attention_semantics.dense_visibility`.
+    """
+    geometry = Geometry(
+        batch=batch,
+        sq=sq,
+        sk=sk,
+        num_q_heads=num_heads,
+        num_kv_heads=num_heads,
+        causal=causal,
+        window=sliding_window,
+    )
+    return dense_visibility(geometry, attention_mask, q_segment_ids, kv_segment_ids)
 
 
 def flash_attention_reference(
@@ -135,25 +139,24 @@ def flash_attention_reference(
     if isinstance(sliding_window, int):
         sliding_window = (sliding_window, sliding_window)
     group = hq // hkv
+    # Non-finite keys/values read as 0: a hidden one then contributes exactly nothing.
     q = query.astype(jnp.float32)
-    k = jnp.repeat(key.astype(jnp.float32), group, axis=2)
-    v = jnp.repeat(value.astype(jnp.float32), group, axis=2)
+    k = jnp.repeat(finite_or_zero(key.astype(jnp.float32)), group, axis=2)
+    v = jnp.repeat(finite_or_zero(value.astype(jnp.float32)), group, axis=2)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    logits = soft_cap(logits, logits_soft_cap)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    visible = attention_mask_dense(
+    geometry = Geometry(
         batch=b,
-        num_heads=hq,
         sq=sq,
         sk=sk,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
         causal=causal,
-        sliding_window=sliding_window,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
+        window=sliding_window,
     )
+    visible = dense_visibility(geometry, attention_mask, q_segment_ids, kv_segment_ids)
     logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     if softmax_aux is not None:
@@ -167,7 +170,7 @@ def flash_attention_reference(
     if softmax_aux is not None:
         denom = denom + jnp.sum(jnp.exp(aux[None, :, None, :] - row_max), axis=-1, keepdims=True)
     any_visible = jnp.any(visible, axis=-1, keepdims=True)
-    p = jnp.where(any_visible, p / jnp.where(denom == 0, 1.0, denom), 0.0)
+    p = hide(jnp.where(any_visible, p / jnp.where(denom == 0, 1.0, denom), 0.0), visible)
     if dropout_prob > 0.0:
         seed = 0 if dropout_seed is None else dropout_seed
         keep = dropout_keep(

@@ -22,12 +22,16 @@ through :func:`ejkernel.plugins.defvjp`. The algorithm is FlashAttention-2 (Dao,
   and ``dV`` of a key block live in the inner carry; the ``dQ`` contributions are stacked and
   summed over key blocks. The bias gradient is ``dS`` summed into the bias's own broadcast
   shape; the sink gradient is ``-Σ p_aux · D`` over batch and rows.
-- Masking is built per block from global positions (causal bottom-right aligned: query i sits
-  at ``Sk - Sq + i``; sliding window; ``attention_mask`` and ``bias`` broadcast and sliced per
-  block; segment ids equal and non-negative) with a finite mask value, so a row with no
-  visible key never produces NaN: it is detected from its running maximum and returns zeros
-  with zero gradients. Blocks that causality or the sliding window hide entirely are skipped
-  (``lax.cond`` on block indices only, which stays a branch under ``vmap``).
+- Masking is :mod:`ejkernel.attention_semantics` laid out per block from global positions
+  (causal bottom-right aligned: query i sits at ``Sk - Sq + i``; sliding window;
+  ``attention_mask`` and ``bias`` broadcast and sliced per block; segment ids equal and
+  non-negative) with the finite ``MASK_VALUE`` selected in, so a row with no visible key never
+  produces NaN: it is detected from its running maximum and returns zeros with zero
+  gradients. Keys and values are read through ``finite_or_zero``, so a hidden NaN or Inf
+  contributes nothing. Blocks that causality or the sliding window hide entirely are skipped
+  (``Geometry.block_may_see``: a ``lax.cond`` on block indices only, which stays a branch
+  under ``vmap``). The engine's pieces live in :mod:`ejkernel_xla.ops._blockwise`, shared with
+  ring attention, MLA and block-sparse attention.
 
 Accumulation is float32; matmul inputs keep the input dtype. ``supports()`` declines nothing:
 this backend serves every valid call of both ops, on every backend.
@@ -36,18 +40,44 @@ this backend serves every valid call of both ops, on every backend.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
 from ejkernel._params import BwdParams, FwdParams
+from ejkernel.attention_semantics import (
+    EMPTY_ROW_LSE,
+    Geometry,
+    bias_grad,
+    finite_or_zero,
+    sink_grad,
+    soft_cap_grad,
+)
 from ejkernel.plugins import defvjp
 from ejkernel.specs.flash_attention import dropout_keep
+from ejkernel_xla.ops._blockwise import (
+    Blocking,
+    as_4d,
+    backend,
+    block_scores,
+    block_visibility,
+    dot,
+    finish_rows,
+    initial_rows,
+    kv_blocks,
+    map_blocks,
+    online_step,
+    pad_axis,
+    q_blocks,
+    scan,
+    take,
+    unblock_kv,
+    unblock_q,
+    when,
+    when_else,
+)
 
 __all__ = [
     "FlashAttentionConfig",
@@ -57,11 +87,6 @@ __all__ = [
     "scaled_dot_product_attention_xla",
     "supports",
 ]
-
-#: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
-_MASK_VALUE = float(np.finfo(np.float32).min)
-#: Logsumexp saved for a row with no visible key: ``exp(anything - it)`` is 0.
-_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
 
 #: Default ((fwd q, fwd kv), (bwd q, bwd kv)) block sizes per backend, before the tile budget.
 #: On CPU the best blocks are narrow in queries and wide in keys: a [128..256, 1024] float32
@@ -122,7 +147,7 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
     """
     _, _, sq, sk = _problem_size(inv)
     configs = [heuristic(inv)]
-    for pair in _TUNING_BLOCKS[_backend()]:
+    for pair in _TUNING_BLOCKS[backend()]:
         bq, bk = _clamp_blocks(pair, sq, sk)
         cfg = FlashAttentionConfig(
             fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk),
@@ -334,12 +359,6 @@ defvjp(
 # --------------------------------------------------------------------------------------------
 
 
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in _DEFAULT_BLOCKS else "cpu"
-
-
 def _problem_size(inv: Any) -> tuple[int, int, int, int]:
     """``(B, Hq, Sq, Sk)`` of an invocation (shapes only: arrays may be tracers)."""
     b, sq, hq, _ = inv.kwargs["query"].shape
@@ -353,9 +372,9 @@ def _default_blocks(b: int, hq: int, sq: int, sk: int, *, backward: bool) -> tup
     equal size (a multiple of 8) instead of a full block of padding (129 rows: 2 x 72, not
     2 x 128).
     """
-    backend = _backend()
-    bq, bk = _clamp_blocks(_DEFAULT_BLOCKS[backend][1 if backward else 0], sq, sk)
-    while b * hq * bq * bk > _TILE_BUDGET[backend] and max(bq, bk) > _MIN_BLOCK:
+    family = backend()
+    bq, bk = _clamp_blocks(_DEFAULT_BLOCKS[family][1 if backward else 0], sq, sk)
+    while b * hq * bq * bk > _TILE_BUDGET[family] and max(bq, bk) > _MIN_BLOCK:
         if bq >= bk and bq > _MIN_BLOCK:
             bq //= 2
         else:
@@ -432,57 +451,34 @@ def _statics(
 @functools.partial(jax.jit, static_argnames="st")
 def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
     """FlashAttention-2 Alg. 1: ``out [B, Sq, Hq, Dv]`` and logsumexp ``[B, Sq, Hq]``."""
-    q, k, v = a["query"], a["key"], a["value"]
-    geo = _Geometry.of(q, k, v, st)
+    q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
+    geo = Blocking.of(q, k, v, st.block_q, st.block_k)
+    sem = _semantics(geo, st)
     side = _SideInputs.of(a, geo)
-    qb = _q_blocks(q, geo)
-    kb, vb = _kv_blocks(k, geo), _kv_blocks(v, geo)
+    qb = q_blocks(q, geo)
+    kb, vb = kv_blocks(k, geo), kv_blocks(v, geo)
     aux = _sinks(a["softmax_aux"], geo)
 
     def one_q_block(i: Any) -> tuple[jax.Array, jax.Array]:
-        q_i = _take(qb, i)
-        rows = (geo.b, geo.hkv, geo.group, geo.bq)
-        init = (
-            jnp.full(rows, _MASK_VALUE, jnp.float32),
-            jnp.zeros(rows, jnp.float32),
-            jnp.zeros((*rows, geo.dv), jnp.float32),
-        )
+        q_i = take(qb, i)
+        init = initial_rows((geo.b, geo.hkv, geo.group, geo.bq), geo.dv)
 
         def one_kv_block(carry: Any, j: Any) -> tuple[Any, None]:
             def compute(carry: Any) -> Any:
-                m, denom, acc = carry
-                v_j = _take(vb, j)
-                s, _ = _scores(q_i, _take(kb, j), side, geo, st, i, j)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                alpha = jnp.exp(m - m_new)
-                p = jnp.exp(s - m_new[..., None])
-                denom = alpha * denom + jnp.sum(p, axis=-1)
+                s, _ = _scores(q_i, take(kb, j), side, geo, st, i, j)
+                keep = None
                 if st.dropout_prob > 0.0:
-                    p = jnp.where(_keep(a["dropout_seed"], geo, st, i, j), p, 0.0)
-                pv = _dot("bhgqk,bhkd->bhgqd", p.astype(v_j.dtype), v_j)
-                return m_new, denom, alpha[..., None] * acc + pv
+                    keep = _keep(a["dropout_seed"], geo, st, i, j)
+                return online_step(carry, s, take(vb, j), "bhgqk,bhkd->bhgqd", keep)
 
-            return _when(_block_may_see(geo, st, i, j), compute, carry), None
+            return when(_block_may_see(sem, geo, i, j), compute, carry), None
 
-        (m, denom, acc), _ = _scan(one_kv_block, init, geo.nk)
-        seen = m > _MASK_VALUE
-        if aux is not None:
-            # Sinks join the maximum and the denominator only (never the numerator).
-            m_all = jnp.maximum(m, jnp.max(aux, axis=-1))
-            rescale = jnp.exp(m - m_all)
-            denom = denom * rescale + jnp.sum(jnp.exp(aux - m_all[..., None]), axis=-1)
-            acc = acc * rescale[..., None]
-            m = m_all
-        denom = jnp.where(seen, denom, 1.0)
-        inv_denom = jnp.where(seen, 1.0 / denom, 0.0)
-        if st.dropout_prob > 0.0:
-            inv_denom = inv_denom * (1.0 / (1.0 - st.dropout_prob))
-        out_i = (acc * inv_denom[..., None]).astype(q.dtype)
-        lse_i = jnp.where(seen, m + jnp.log(denom), _EMPTY_ROW_LSE)
-        return out_i, lse_i
+        (m, denom, acc), _ = scan(one_kv_block, init, geo.nk)
+        out_i, lse_i = finish_rows(m, denom, acc, sinks=aux, dropout_prob=st.dropout_prob)
+        return out_i.astype(q.dtype), lse_i
 
-    out_b, lse_b = _map(one_q_block, geo.nq)
-    return _unblock_q(out_b, geo), _unblock_q(lse_b[..., None], geo)[..., 0]
+    out_b, lse_b = map_blocks(one_q_block, geo.nq)
+    return unblock_q(out_b, geo), unblock_q(lse_b[..., None], geo)[..., 0]
 
 
 @functools.partial(jax.jit, static_argnames="st")
@@ -491,20 +487,21 @@ def _backward(
 ) -> dict[str, jax.Array | None]:
     """FlashAttention-2 Alg. 2: outer scan over key blocks, inner scan over query blocks."""
     q, k, v = a["query"], a["key"], a["value"]
-    geo = _Geometry.of(q, k, v, st)
+    geo = Blocking.of(q, k, v, st.block_q, st.block_k)
+    sem = _semantics(geo, st)
     side = _SideInputs.of(a, geo)
     d_out = d_out.astype(q.dtype)
     # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row (Sec. 3.1.2).
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    qb, dob = _q_blocks(q, geo), _q_blocks(d_out, geo)
-    lseb = _q_blocks(lse[..., None], geo, fill=_EMPTY_ROW_LSE)[..., 0]
-    deltab = _q_blocks(delta[..., None], geo)[..., 0]
-    kb, vb = _kv_blocks(k, geo), _kv_blocks(v, geo)
+    qb, dob = q_blocks(q, geo), q_blocks(d_out, geo)
+    lseb = q_blocks(lse[..., None], geo, fill=EMPTY_ROW_LSE)[..., 0]
+    deltab = q_blocks(delta[..., None], geo)[..., 0]
+    kb, vb = kv_blocks(finite_or_zero(k), geo), kv_blocks(finite_or_zero(v), geo)
     bias_grad = _BiasGradient.of(a["bias"], geo)
     scale_dropped = 1.0 / (1.0 - st.dropout_prob) if st.dropout_prob > 0.0 else 1.0
 
     def one_kv_block(outer: Any, j: Any) -> tuple[Any, Any]:
-        k_j, v_j = _take(kb, j), _take(vb, j)
+        k_j, v_j = take(kb, j), take(vb, j)
         zeros_kv = (
             jnp.zeros((geo.b, geo.hkv, geo.bk, geo.d), jnp.float32),
             jnp.zeros((geo.b, geo.hkv, geo.bk, geo.dv), jnp.float32),
@@ -516,56 +513,52 @@ def _backward(
 
             def compute(inner: Any) -> Any:
                 dk, dv, db_sum = inner
-                q_i, do_i = _take(qb, i), _take(dob, i)
-                s, tanh = _scores(q_i, k_j, side, geo, st, i, j)
-                p = jnp.exp(s - _take(lseb, i)[..., None])
+                q_i, do_i = take(qb, i), take(dob, i)
+                s, capped = _scores(q_i, k_j, side, geo, st, i, j)
+                p = jnp.exp(s - take(lseb, i)[..., None])
                 if st.dropout_prob > 0.0:
                     keep = _keep(a["dropout_seed"], geo, st, i, j)
                     p_dropped = jnp.where(keep, p * scale_dropped, 0.0)
                 else:
                     p_dropped = p
-                dv = dv + _dot("bhgqk,bhgqd->bhkd", p_dropped.astype(do_i.dtype), do_i)
-                dp = _dot("bhgqd,bhkd->bhgqk", do_i, v_j)
+                dv = dv + dot("bhgqk,bhgqd->bhkd", p_dropped.astype(do_i.dtype), do_i)
+                dp = dot("bhgqd,bhkd->bhgqk", do_i, v_j)
                 if st.dropout_prob > 0.0:
                     dp = jnp.where(keep, dp * scale_dropped, 0.0)
-                ds = p * (dp - _take(deltab, i)[..., None])
+                ds = p * (dp - take(deltab, i)[..., None])
                 db_i = bias_grad.reduce(ds)
-                if tanh is not None:
-                    ds = ds * (1.0 - tanh * tanh)
+                if capped is not None:
+                    ds = ds * soft_cap_grad(capped, st.logits_soft_cap)
                 ds = ds.astype(q_i.dtype)
-                dq_i = _dot("bhgqk,bhkd->bhgqd", ds, k_j)
-                dk = dk + _dot("bhgqk,bhgqd->bhkd", ds, q_i)
+                dq_i = dot("bhgqk,bhkd->bhgqd", ds, k_j)
+                dk = dk + dot("bhgqk,bhgqd->bhkd", ds, q_i)
                 db_sum, db_out = bias_grad.split_over_q(db_sum, db_i)
                 return (dk, dv, db_sum), (dq_i, db_out)
 
             def skip(inner: Any) -> Any:
                 return inner, (dq_zero, bias_grad.zeros_per_q())
 
-            return _when_else(_block_may_see(geo, st, i, j), compute, skip, inner)
+            return when_else(_block_may_see(sem, geo, i, j), compute, skip, inner)
 
-        (dk, dv, db_sum), (dq_parts, db_parts) = _scan(one_q_block, init, geo.nq)
+        (dk, dv, db_sum), (dq_parts, db_parts) = scan(one_q_block, init, geo.nq)
         dq_acc, db_acc = outer
         db_acc, db_out = bias_grad.split_over_k(db_acc, bias_grad.join_q(db_sum, db_parts))
         return (dq_acc + dq_parts, db_acc), (dk, dv, db_out)
 
     dq_init = jnp.zeros((geo.nq, geo.b, geo.hkv, geo.group, geo.bq, geo.d), jnp.float32)
-    (dq, db_acc), (dk, dv, db_parts) = _scan(
+    (dq, db_acc), (dk, dv, db_parts) = scan(
         one_kv_block, (dq_init, bias_grad.zeros_over_k()), geo.nk
     )
     scale = st.softmax_scale
     grads: dict[str, jax.Array | None] = {
-        "query": (_unblock_q(dq, geo) * scale).astype(q.dtype),
-        "key": (_unblock_kv(dk, geo) * scale).astype(k.dtype),
-        "value": _unblock_kv(dv, geo).astype(v.dtype),
+        "query": (unblock_q(dq, geo) * scale).astype(q.dtype),
+        "key": (unblock_kv(dk, geo) * scale).astype(k.dtype),
+        "value": unblock_kv(dv, geo).astype(v.dtype),
         "bias": bias_grad.finish(db_acc, db_parts),
         "softmax_aux": None,
     }
     if a["softmax_aux"] is not None:
-        aux = a["softmax_aux"]
-        sinks = aux.astype(jnp.float32).reshape(geo.hq, -1)
-        p_aux = jnp.exp(sinks[None, None] - lse[..., None])  # [B, Sq, Hq, n]
-        d_aux = -jnp.einsum("bqh,bqhn->hn", delta, p_aux)
-        grads["softmax_aux"] = d_aux.reshape(aux.shape).astype(aux.dtype)
+        grads["softmax_aux"] = sink_grad(a["softmax_aux"], lse, delta)
     return grads
 
 
@@ -574,116 +567,26 @@ def _backward(
 # --------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(kw_only=True)
-class _Geometry:
-    """Sizes of one call and its blocking (all Python ints)."""
-
-    b: int
-    sq: int
-    sk: int
-    hq: int
-    hkv: int
-    d: int
-    dv: int
-    bq: int
-    bk: int
-
-    @classmethod
-    def of(cls, q: jax.Array, k: jax.Array, v: jax.Array, st: _Statics) -> _Geometry:
-        b, sq, hq, d = q.shape
-        _, sk, hkv, _ = k.shape
-        dv = v.shape[3]
-        return cls(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=dv, bq=st.block_q, bk=st.block_k)
-
-    @property
-    def group(self) -> int:
-        return self.hq // self.hkv
-
-    @property
-    def nq(self) -> int:
-        return -(-self.sq // self.bq)
-
-    @property
-    def nk(self) -> int:
-        return -(-self.sk // self.bk)
-
-    @property
-    def sq_pad(self) -> int:
-        return self.nq * self.bq
-
-    @property
-    def sk_pad(self) -> int:
-        return self.nk * self.bk
-
-
-def _pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=fill)
-
-
-def _q_blocks(x: jax.Array, geo: _Geometry, fill: Any = 0) -> jax.Array:
-    """[B, Sq, Hq, F] -> [nq, B, Hkv, G, bq, F]."""
-    x = _pad_axis(x, 1, geo.sq_pad, fill)
-    x = x.reshape(geo.b, geo.nq, geo.bq, geo.hkv, geo.group, x.shape[-1])
-    return x.transpose(1, 0, 3, 4, 2, 5)
-
-
-def _unblock_q(x: jax.Array, geo: _Geometry) -> jax.Array:
-    """[nq, B, Hkv, G, bq, F] -> [B, Sq, Hq, F]."""
-    x = x.transpose(1, 0, 4, 2, 3, 5).reshape(geo.b, geo.sq_pad, geo.hq, x.shape[-1])
-    return x[:, : geo.sq]
-
-
-def _kv_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
-    """[B, Sk, Hkv, F] -> [nk, B, Hkv, bk, F]."""
-    x = _pad_axis(x, 1, geo.sk_pad)
-    x = x.reshape(geo.b, geo.nk, geo.bk, geo.hkv, x.shape[-1])
-    return x.transpose(1, 0, 3, 2, 4)
-
-
-def _unblock_kv(x: jax.Array, geo: _Geometry) -> jax.Array:
-    """[nk, B, Hkv, bk, F] -> [B, Sk, Hkv, F]."""
-    x = x.transpose(1, 0, 3, 2, 4).reshape(geo.b, geo.sk_pad, geo.hkv, x.shape[-1])
-    return x[:, : geo.sk]
-
-
-def _as_4d(x: jax.Array) -> jax.Array:
-    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
-
-
-def _pair_blocks(x: jax.Array, geo: _Geometry, fill: Any) -> jax.Array:
+def _pair_blocks(x: jax.Array, geo: Blocking, fill: Any) -> jax.Array:
     """Broadcastable to [B, Hq, Sq, Sk] -> [nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1].
 
     Axes the array broadcasts over stay of size 1 (a broadcast bias is never materialised).
     """
-    x = _as_4d(x)
+    x = as_4d(x)
     b1, h1, q1, k1 = x.shape
     nq, bq = (geo.nq, geo.bq) if q1 > 1 else (1, 1)
     nk, bk = (geo.nk, geo.bk) if k1 > 1 else (1, 1)
     hkv, group = (geo.hkv, geo.group) if h1 > 1 else (1, 1)
     if q1 > 1:
-        x = _pad_axis(x, 2, geo.sq_pad, fill)
+        x = pad_axis(x, 2, geo.sq_pad, fill)
     if k1 > 1:
-        x = _pad_axis(x, 3, geo.sk_pad, fill)
+        x = pad_axis(x, 3, geo.sk_pad, fill)
     x = x.reshape(b1, hkv, group, nq, bq, nk, bk)
     return x.transpose(3, 5, 0, 1, 2, 4, 6)
 
 
-def _take(x: jax.Array, i: Any) -> jax.Array:
-    """Block ``i`` of a block-stacked array (block 0 of one that has a single block)."""
-    if x.shape[0] == 1:
-        return x[0]
-    if isinstance(i, int):
-        return x[i]
-    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-
-
 def _take_pair(x: jax.Array, i: Any, j: Any) -> jax.Array:
-    return _take(_take(x, i), j)
+    return take(take(x, i), j)
 
 
 @attrs.frozen(kw_only=True)
@@ -696,13 +599,13 @@ class _SideInputs:
     kv_segments: jax.Array | None  # [nk, B, bk]
 
     @classmethod
-    def of(cls, a: dict[str, Any], geo: _Geometry) -> _SideInputs:
+    def of(cls, a: dict[str, Any], geo: Blocking) -> _SideInputs:
         bias, mask = a["bias"], a["attention_mask"]
         q_seg, kv_seg = a["q_segment_ids"], a["kv_segment_ids"]
         if q_seg is not None:
-            q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, geo.sq_pad, -1)
+            q_seg = pad_axis(q_seg.astype(jnp.int32), 1, geo.sq_pad, -1)
             q_seg = q_seg.reshape(geo.b, geo.nq, geo.bq).transpose(1, 0, 2)
-            kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, geo.sk_pad, -1)
+            kv_seg = pad_axis(kv_seg.astype(jnp.int32), 1, geo.sk_pad, -1)
             kv_seg = kv_seg.reshape(geo.b, geo.nk, geo.bk).transpose(1, 0, 2)
         return cls(
             bias=None if bias is None else _pair_blocks(bias, geo, 0),
@@ -716,70 +619,69 @@ def _scores(
     q_i: jax.Array,
     k_j: jax.Array,
     side: _SideInputs,
-    geo: _Geometry,
+    geo: Blocking,
     st: _Statics,
     i: Any,
     j: Any,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Masked logits of block (i, j), [B, Hkv, G, bq, bk] float32, and tanh of the soft cap."""
-    s = _dot("bhgqd,bhkd->bhgqk", q_i, k_j) * st.softmax_scale
-    tanh = None
-    if st.logits_soft_cap is not None:
-        tanh = jnp.tanh(s * (1.0 / st.logits_soft_cap))
-        s = st.logits_soft_cap * tanh
-    if side.bias is not None:
-        s = s + _take_pair(side.bias, i, j).astype(jnp.float32)
-    visible = _visibility(side, geo, st, i, j)
-    if visible is not None:
-        s = jnp.where(visible, s, _MASK_VALUE)
-    return s, tanh
+    """Masked logits of block (i, j), [B, Hkv, G, bq, bk] float32, and the soft-capped ones."""
+    return block_scores(
+        dot("bhgqd,bhkd->bhgqk", q_i, k_j),
+        softmax_scale=st.softmax_scale,
+        logits_soft_cap=st.logits_soft_cap,
+        bias=None if side.bias is None else _take_pair(side.bias, i, j),
+        vis=_visibility(side, geo, st, i, j),
+    )
 
 
-def _visibility(side: _SideInputs, geo: _Geometry, st: _Statics, i: Any, j: Any) -> Any:
+def _visibility(side: _SideInputs, geo: Blocking, st: _Statics, i: Any, j: Any) -> Any:
     """Bool mask of block (i, j) broadcastable to [B, Hkv, G, bq, bk]; ``None`` = all visible."""
     q_pos = (i * geo.bq + jnp.arange(geo.bq))[:, None] + (geo.sk - geo.sq)
     k_pos = (j * geo.bk + jnp.arange(geo.bk))[None, :]
-    terms = []
-    if st.causal:
-        terms.append(k_pos <= q_pos)
-    if st.sliding_window is not None:
-        left, right = st.sliding_window
-        terms.append((k_pos >= q_pos - left) & (k_pos <= q_pos + right))
+    segments: dict[str, Any] = {}
+    kv_valid = None
     if side.q_segments is not None:
-        q_seg, kv_seg = _take(side.q_segments, i), _take(side.kv_segments, j)
-        same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] >= 0)
-        terms.append(same[:, None, None])  # padded keys carry id -1: masked here too
+        # [B, 1, 1, bq, 1] against [B, 1, 1, 1, bk]; padded keys carry id -1: hidden here too.
+        segments = {
+            "q_segment_ids": take(side.q_segments, i)[:, None, None, :, None],
+            "kv_segment_ids": take(side.kv_segments, j)[:, None, None, None, :],
+        }
     elif geo.sk_pad != geo.sk:
-        terms.append(k_pos < geo.sk)
-    if side.mask is not None:
-        terms.append(_take_pair(side.mask, i, j))
-    return functools.reduce(jnp.logical_and, terms) if terms else None
+        kv_valid = k_pos < geo.sk
+    return block_visibility(
+        q_pos,
+        k_pos,
+        causal=st.causal,
+        window=st.sliding_window,
+        kv_valid=kv_valid,
+        attention_mask=None if side.mask is None else _take_pair(side.mask, i, j),
+        **segments,
+    )
 
 
-def _block_may_see(geo: _Geometry, st: _Statics, i: Any, j: Any) -> Any:
+def _semantics(geo: Blocking, st: _Statics) -> Geometry:
+    return Geometry(
+        batch=geo.b,
+        sq=geo.sq,
+        sk=geo.sk,
+        num_q_heads=geo.hq,
+        num_kv_heads=geo.hkv,
+        causal=st.causal,
+        window=st.sliding_window,
+    )
+
+
+def _block_may_see(sem: Geometry, geo: Blocking, i: Any, j: Any) -> Any:
     """Whether causality and the window leave block (i, j) any visible entry (``None``: yes).
 
     Depends on block indices only, so it stays a scalar branch condition under ``vmap``.
     """
-    if not st.causal and st.sliding_window is None:
+    if not sem.restricted:
         return None
-    offset = geo.sk - geo.sq
-    q_lo = i * geo.bq + offset
-    q_hi = q_lo + geo.bq - 1
-    k_lo = j * geo.bk
-    k_hi = k_lo + geo.bk - 1
-    conds = []
-    if st.causal:
-        conds.append(k_lo <= q_hi)
-    if st.sliding_window is not None:
-        left, right = st.sliding_window
-        conds += [k_lo <= q_hi + right, k_hi >= q_lo - left]
-    if all(isinstance(c, (bool, np.bool_)) for c in conds):
-        return bool(all(conds))
-    return functools.reduce(jnp.logical_and, [jnp.asarray(c) for c in conds])
+    return sem.block_may_see(i, j, geo.bq, geo.bk)
 
 
-def _keep(seed: jax.Array, geo: _Geometry, st: _Statics, i: Any, j: Any) -> jax.Array:
+def _keep(seed: jax.Array, geo: Blocking, st: _Statics, i: Any, j: Any) -> jax.Array:
     """Dropout keep-mask of block (i, j), [B, Hkv, G, bq, bk], from global indices."""
     return dropout_keep(
         seed,
@@ -791,41 +693,11 @@ def _keep(seed: jax.Array, geo: _Geometry, st: _Statics, i: Any, j: Any) -> jax.
     )
 
 
-def _sinks(aux: jax.Array | None, geo: _Geometry) -> jax.Array | None:
+def _sinks(aux: jax.Array | None, geo: Blocking) -> jax.Array | None:
     """[Hq] or [Hq, n] -> [1, Hkv, G, 1, n] float32, broadcasting against row statistics."""
     if aux is None:
         return None
     return aux.astype(jnp.float32).reshape(1, geo.hkv, geo.group, 1, -1)
-
-
-def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
-
-
-def _when(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
-    """``fn(carry)`` where ``pred`` holds, else ``carry``; statically resolved when possible."""
-    return _when_else(pred, fn, lambda c: c, carry)
-
-
-def _when_else(pred: Any, fn: Callable[[Any], Any], other: Callable[[Any], Any], x: Any) -> Any:
-    if pred is None or pred is True:
-        return fn(x)
-    if pred is False:
-        return other(x)
-    return lax.cond(pred, fn, other, x)
-
-
-def _scan(body: Callable[[Any, Any], Any], init: Any, n: int) -> tuple[Any, Any]:
-    """``lax.scan`` over ``range(n)``; a single step runs unrolled with a Python index."""
-    if n == 1:
-        carry, ys = body(init, 0)
-        return carry, jax.tree.map(lambda y: y[None], ys)
-    return lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
-
-
-def _map(fn: Callable[[Any], Any], n: int) -> Any:
-    _, ys = _scan(lambda carry, i: (carry, fn(i)), None, n)
-    return ys
 
 
 @attrs.frozen(kw_only=True)
@@ -838,10 +710,10 @@ class _BiasGradient:
 
     shape: tuple[int, ...] | None
     dtype: Any
-    geo: _Geometry
+    geo: Blocking
 
     @classmethod
-    def of(cls, bias: jax.Array | None, geo: _Geometry) -> _BiasGradient:
+    def of(cls, bias: jax.Array | None, geo: Blocking) -> _BiasGradient:
         if bias is None:
             return cls(shape=None, dtype=None, geo=geo)
         return cls(shape=tuple(bias.shape), dtype=bias.dtype, geo=geo)
@@ -870,10 +742,7 @@ class _BiasGradient:
         """Sum ``ds`` [B, Hkv, G, bq, bk] over the axes the bias broadcasts along."""
         if self.shape is None:
             return None
-        b1, h1, _, _ = self._dims4
-        broadcast = (b1 == 1, h1 == 1, h1 == 1, not self._q_full, not self._k_full)
-        axes = tuple(ax for ax, flag in enumerate(broadcast) if flag)
-        return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+        return bias_grad(ds, self._block_shape())
 
     def zeros_over_q(self) -> jax.Array | None:
         """Inner-loop carry: the running sum over query blocks (when not stacked)."""

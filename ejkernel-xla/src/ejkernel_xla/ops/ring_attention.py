@@ -48,27 +48,37 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel._params import BwdParams, FwdParams
+from ejkernel.attention_semantics import (
+    EMPTY_ROW_LSE,
+    Geometry,
+    bias_grad,
+    finite_or_zero,
+    sink_grad,
+    soft_cap_grad,
+)
 from ejkernel.plugins import defvjp
 from ejkernel.specs.flash_attention import dropout_keep
-
-# Blockwise building blocks shared with flash attention (same layout, same masking value).
-from ejkernel_xla.ops.flash_attention import (
-    _EMPTY_ROW_LSE,
-    _MASK_VALUE,
-    FlashAttentionConfig,
-    _as_4d,
-    _backend,
-    _dot,
-    _kv_blocks,
-    _pad_axis,
-    _q_blocks,
-    _scan,
-    _take,
-    _unblock_kv,
-    _unblock_q,
-    flash_attention_xla,
+from ejkernel_xla.ops._blockwise import (
+    Blocking,
+    as_4d,
+    backend,
+    block_scores,
+    block_visibility,
+    dot,
+    finish_rows,
+    initial_rows,
+    kv_blocks,
+    online_step,
+    pad_axis,
+    q_blocks,
+    scan,
+    take,
+    unblock_kv,
+    unblock_q,
+    when,
+    when_else,
 )
-from ejkernel_xla.ops.flash_attention import _Geometry as _FlashGeometry
+from ejkernel_xla.ops.flash_attention import FlashAttentionConfig, flash_attention_xla
 from ejkernel_xla.ops.flash_attention import config_space as flash_config_space
 from ejkernel_xla.ops.flash_attention import heuristic as flash_heuristic
 
@@ -317,7 +327,7 @@ def _statics(
     query, key = arrays["query"], arrays["key"]
     cfg = cfg if cfg is not None else RingAttentionConfig()
     params = cfg.bwd_params if backward else cfg.fwd_params
-    default_q, default_k = _DEFAULT_BLOCKS[_backend()][1 if backward else 0]
+    default_q, default_k = _DEFAULT_BLOCKS[backend()][1 if backward else 0]
     bq = max(1, min(params.q_blocksize or default_q, query.shape[1]))
     bk = max(1, min(params.kv_blocksize or default_k, key.shape[1]))
     return _Statics(
@@ -343,72 +353,46 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
     q = a["query"]
     geo = _Geometry.of(a, st)
     side = _SideInputs.of(a, geo)
-    qb = _q_blocks(q, geo)
+    qb = q_blocks(q, geo)
     rank = lax.axis_index(st.axis_name)
     rows = (geo.nq, geo.b, geo.hkv, geo.group, geo.bq)
-    running = _vary_like(
-        (
-            jnp.full(rows, _MASK_VALUE, jnp.float32),
-            jnp.zeros(rows, jnp.float32),
-            jnp.zeros((*rows, geo.dv), jnp.float32),
-        ),
-        q,
-        st.axis_name,
-    )
+    running = _vary_like(initial_rows(rows, geo.dv), q, st.axis_name)
 
     def visit_shard(running: Any, shard: _Shard, t: Any) -> tuple[Any, _Shard]:
         src = (rank - t) % geo.n
 
         def one_q_block(_: Any, xs: Any) -> tuple[None, Any]:
             i, m, denom, acc = xs
-            q_i = _take(qb, i)
+            q_i = take(qb, i)
             at = _At(rank=rank, src=src, i=i, j=None)
 
             def one_kv_block(carry: Any, j: Any) -> tuple[Any, None]:
                 here = attrs.evolve(at, j=j)
 
                 def update(carry: Any) -> Any:
-                    m, denom, acc = carry
-                    v_j = _take(shard.value, j)
-                    s, _ = _scores(q_i, _take(shard.key, j), shard, side, geo, st, here)
-                    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                    alpha = jnp.exp(m - m_new)
-                    p = jnp.exp(s - m_new[..., None])
-                    denom = alpha * denom + jnp.sum(p, axis=-1)
+                    s, _ = _scores(q_i, take(shard.key, j), shard, side, geo, st, here)
+                    keep = None
                     if st.dropout_prob > 0.0:
-                        p = jnp.where(_keep(a["dropout_seed"], geo, st, here), p, 0.0)
-                    pv = _dot("bhgqk,bhkd->bhgqd", p.astype(v_j.dtype), v_j)
-                    return m_new, denom, alpha[..., None] * acc + pv
+                        keep = _keep(a["dropout_seed"], geo, st, here)
+                    return online_step(carry, s, take(shard.value, j), "bhgqk,bhkd->bhgqd", keep)
 
-                return _when(_block_may_see(geo, st, here), update, carry), None
+                return when(_block_may_see(geo, st, here), update, carry), None
 
-            (m, denom, acc), _ = _scan(one_kv_block, (m, denom, acc), geo.nk)
+            (m, denom, acc), _ = scan(one_kv_block, (m, denom, acc), geo.nk)
             return None, (m, denom, acc)
 
         def visit(running: Any) -> Any:
             _, running = lax.scan(one_q_block, None, (jnp.arange(geo.nq), *running))
             return running
 
-        return _when(_shard_may_see(geo, st, rank, src), visit, running), shard
+        return when(_shard_may_see(geo, st, rank, src), visit, running), shard
 
     running, _ = _ring(visit_shard, running, _Shard.of(a, geo), geo, st)
     m, denom, acc = running
-    seen = m > _MASK_VALUE
     aux = _sinks(a["softmax_aux"], geo)
-    if aux is not None:
-        # Sinks join the maximum and the denominator only (never the numerator).
-        m_all = jnp.maximum(m, jnp.max(aux, axis=-1))
-        rescale = jnp.exp(m - m_all)
-        denom = denom * rescale + jnp.sum(jnp.exp(aux - m_all[..., None]), axis=-1)
-        acc = acc * rescale[..., None]
-        m = m_all
-    denom = jnp.where(seen, denom, 1.0)
-    inv_denom = jnp.where(seen, 1.0 / denom, 0.0)
-    if st.dropout_prob > 0.0:
-        inv_denom = inv_denom * (1.0 / (1.0 - st.dropout_prob))
-    out = (acc * inv_denom[..., None]).astype(q.dtype)
-    lse = jnp.where(seen, m + jnp.log(denom), _EMPTY_ROW_LSE)
-    return _unblock_q(out, geo), _unblock_q(lse[..., None], geo)[..., 0]
+    out, lse = finish_rows(m, denom, acc, sinks=aux, dropout_prob=st.dropout_prob)
+    out = out.astype(q.dtype)
+    return unblock_q(out, geo), unblock_q(lse[..., None], geo)[..., 0]
 
 
 @functools.partial(jax.jit, static_argnames="st")
@@ -423,9 +407,9 @@ def _backward(
     d_out = d_out.astype(q.dtype)
     # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    qb, dob = _q_blocks(q, geo), _q_blocks(d_out, geo)
-    lseb = _q_blocks(lse[..., None], geo, fill=_EMPTY_ROW_LSE)[..., 0]
-    deltab = _q_blocks(delta[..., None], geo)[..., 0]
+    qb, dob = q_blocks(q, geo), q_blocks(d_out, geo)
+    lseb = q_blocks(lse[..., None], geo, fill=EMPTY_ROW_LSE)[..., 0]
+    deltab = q_blocks(delta[..., None], geo)[..., 0]
     bias_grad = _BiasGradient.of(a["bias"], geo)
     scale_dropped = 1.0 / (1.0 - st.dropout_prob) if st.dropout_prob > 0.0 else 1.0
     zero = functools.partial(_zeros_like_query, q=q, axis=st.axis_name)
@@ -434,7 +418,7 @@ def _backward(
         src = (rank - t) % geo.n
 
         def one_kv_block(dq_acc: Any, j: Any) -> tuple[Any, Any]:
-            k_j, v_j = _take(shard.key, j), _take(shard.value, j)
+            k_j, v_j = take(shard.key, j), take(shard.value, j)
             init = (zero((geo.b, geo.hkv, geo.bk, geo.d)), zero((geo.b, geo.hkv, geo.bk, geo.dv)))
 
             def one_q_block(inner: Any, i: Any) -> tuple[Any, Any]:
@@ -442,43 +426,43 @@ def _backward(
 
                 def update(inner: Any) -> Any:
                     dk, dv = inner
-                    q_i, do_i = _take(qb, i), _take(dob, i)
-                    s, tanh = _scores(q_i, k_j, shard, side, geo, st, here)
-                    p = jnp.exp(s - _take(lseb, i)[..., None])
+                    q_i, do_i = take(qb, i), take(dob, i)
+                    s, capped = _scores(q_i, k_j, shard, side, geo, st, here)
+                    p = jnp.exp(s - take(lseb, i)[..., None])
                     if st.dropout_prob > 0.0:
                         keep = _keep(a["dropout_seed"], geo, st, here)
                         p_dropped = jnp.where(keep, p * scale_dropped, 0.0)
                     else:
                         p_dropped = p
-                    dv = dv + _dot("bhgqk,bhgqd->bhkd", p_dropped.astype(do_i.dtype), do_i)
-                    dp = _dot("bhgqd,bhkd->bhgqk", do_i, v_j)
+                    dv = dv + dot("bhgqk,bhgqd->bhkd", p_dropped.astype(do_i.dtype), do_i)
+                    dp = dot("bhgqd,bhkd->bhgqk", do_i, v_j)
                     if st.dropout_prob > 0.0:
                         dp = jnp.where(keep, dp * scale_dropped, 0.0)
-                    ds = p * (dp - _take(deltab, i)[..., None])
+                    ds = p * (dp - take(deltab, i)[..., None])
                     db_i = bias_grad.reduce(ds)
-                    if tanh is not None:
-                        ds = ds * (1.0 - tanh * tanh)
+                    if capped is not None:
+                        ds = ds * soft_cap_grad(capped, st.logits_soft_cap)
                     ds = ds.astype(q_i.dtype)
-                    dq_i = _dot("bhgqk,bhkd->bhgqd", ds, k_j)
-                    dk = dk + _dot("bhgqk,bhgqd->bhkd", ds, q_i)
+                    dq_i = dot("bhgqk,bhkd->bhgqd", ds, k_j)
+                    dk = dk + dot("bhgqk,bhgqd->bhkd", ds, q_i)
                     return (dk, dv), (dq_i, db_i)
 
                 def skip(inner: Any) -> Any:
                     dq_i = zero((geo.b, geo.hkv, geo.group, geo.bq, geo.d))
                     return inner, (dq_i, bias_grad.zero_block(zero))
 
-                return _when_else(_block_may_see(geo, st, here), update, skip, inner)
+                return when_else(_block_may_see(geo, st, here), update, skip, inner)
 
-            (dk_j, dv_j), (dq_parts, db_parts) = _scan(one_q_block, init, geo.nq)
+            (dk_j, dv_j), (dq_parts, db_parts) = scan(one_q_block, init, geo.nq)
             return dq_acc + dq_parts, (dk_j, dv_j, db_parts)
 
         def visit(state: Any) -> Any:
             (dq, db), shard = state
-            dq, (dk_s, dv_s, db_s) = _scan(one_kv_block, dq, geo.nk)
+            dq, (dk_s, dv_s, db_s) = scan(one_kv_block, dq, geo.nk)
             db = bias_grad.add(db, db_s, src)
             return (dq, db), attrs.evolve(shard, dk=shard.dk + dk_s, dv=shard.dv + dv_s)
 
-        return _when(_shard_may_see(geo, st, rank, src), visit, (fixed, shard))
+        return when(_shard_may_see(geo, st, rank, src), visit, (fixed, shard))
 
     shard = _Shard.of(a, geo)
     shard = attrs.evolve(
@@ -492,9 +476,9 @@ def _backward(
     dk, dv = _rotate((shard.dk, shard.dv), geo, st)
     scale = st.softmax_scale
     grads: dict[str, jax.Array | None] = {
-        "query": (_unblock_q(dq, geo) * scale).astype(q.dtype),
-        "key": (_unblock_kv(dk, geo) * scale).astype(k.dtype),
-        "value": _unblock_kv(dv, geo).astype(v.dtype),
+        "query": (unblock_q(dq, geo) * scale).astype(q.dtype),
+        "key": (unblock_kv(dk, geo) * scale).astype(k.dtype),
+        "value": unblock_kv(dv, geo).astype(v.dtype),
         "bias": None,
         "softmax_aux": None,
     }
@@ -503,9 +487,7 @@ def _backward(
         grads["bias"] = _sum_if_replicated(d_bias, a["bias"], q, st.axis_name)
     if a["softmax_aux"] is not None:
         aux = a["softmax_aux"]
-        sinks = aux.astype(jnp.float32).reshape(geo.hq, -1)
-        p_aux = jnp.exp(sinks[None, None] - lse[..., None])  # [B, Sq, Hq, n_sinks]
-        d_aux = -jnp.einsum("bqh,bqhn->hn", delta, p_aux).reshape(aux.shape)
+        d_aux = sink_grad(aux.astype(jnp.float32), lse, delta)
         grads["softmax_aux"] = _sum_if_replicated(d_aux, aux, q, st.axis_name).astype(aux.dtype)
     return grads
 
@@ -591,7 +573,7 @@ def _sum_if_replicated(grad: jax.Array, primal: jax.Array, q: jax.Array, axis: A
 
 
 @attrs.frozen(kw_only=True)
-class _Geometry(_FlashGeometry):
+class _Geometry(Blocking):
     """Flash attention's geometry of one call (local shard lengths) plus the ring size ``n``."""
 
     n: int
@@ -643,9 +625,14 @@ class _Shard:
     def of(cls, a: dict[str, Any], geo: _Geometry) -> _Shard:
         seg = a["kv_segment_ids"]
         if seg is not None:
-            seg = _pad_axis(seg.astype(jnp.int32), 1, geo.sk_pad, -1)
+            seg = pad_axis(seg.astype(jnp.int32), 1, geo.sk_pad, -1)
             seg = seg.reshape(geo.b, geo.nk, geo.bk).transpose(1, 0, 2)
-        return cls(key=_kv_blocks(a["key"], geo), value=_kv_blocks(a["value"], geo), segments=seg)
+        # Non-finite keys/values read as 0, so a hidden one contributes nothing (0 · NaN).
+        return cls(
+            key=kv_blocks(finite_or_zero(a["key"]), geo),
+            value=kv_blocks(finite_or_zero(a["value"]), geo),
+            segments=seg,
+        )
 
 
 jax.tree_util.register_pytree_node(
@@ -667,7 +654,7 @@ class _SideInputs:
     def of(cls, a: dict[str, Any], geo: _Geometry) -> _SideInputs:
         seg = a["q_segment_ids"]
         if seg is not None:
-            seg = _pad_axis(seg.astype(jnp.int32), 1, geo.sq_pad, -1)
+            seg = pad_axis(seg.astype(jnp.int32), 1, geo.sq_pad, -1)
             seg = seg.reshape(geo.b, geo.nq, geo.bq).transpose(1, 0, 2)
         bias, mask = a["bias"], a["attention_mask"]
         return cls(
@@ -683,23 +670,23 @@ def _pair_blocks(x: jax.Array, geo: _Geometry, fill: Any) -> jax.Array:
     The key axis splits into the ring's shards, each padded to whole blocks; axes the array
     broadcasts over stay of size 1 (a broadcast bias is never materialised).
     """
-    x = _as_4d(x)
+    x = as_4d(x)
     b1, h1, q1, k1 = x.shape
     nq, bq = (geo.nq, geo.bq) if q1 > 1 else (1, 1)
     n, nk, bk = (geo.n, geo.nk, geo.bk) if k1 > 1 else (1, 1, 1)
     hkv, group = (geo.hkv, geo.group) if h1 > 1 else (1, 1)
     if q1 > 1:
-        x = _pad_axis(x, 2, geo.sq_pad, fill)
+        x = pad_axis(x, 2, geo.sq_pad, fill)
     x = x.reshape(b1, h1, nq * bq, n, k1 // n)
     if k1 > 1:
-        x = _pad_axis(x, 4, geo.sk_pad, fill)
+        x = pad_axis(x, 4, geo.sk_pad, fill)
     x = x.reshape(b1, hkv, group, nq, bq, n, nk, bk)
     return x.transpose(5, 3, 6, 0, 1, 2, 4, 7)
 
 
 def _take_pair(x: jax.Array, at: _At) -> jax.Array:
     """Block (i, j) of shard ``at.src`` of a :func:`_pair_blocks` array."""
-    return _take(_take(_take(x, at.src), at.i), at.j)
+    return take(take(take(x, at.src), at.i), at.j)
 
 
 def _rows(geo: _Geometry, at: _At) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -718,59 +705,69 @@ def _scores(
     st: _Statics,
     at: _At,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Masked logits of a block, [B, Hkv, G, bq, bk] float32, and tanh of the soft cap."""
-    s = _dot("bhgqd,bhkd->bhgqk", q_i, k_j) * st.softmax_scale
-    tanh = None
-    if st.logits_soft_cap is not None:
-        tanh = jnp.tanh(s * (1.0 / st.logits_soft_cap))
-        s = st.logits_soft_cap * tanh
-    if side.bias is not None:
-        s = s + _take_pair(side.bias, at).astype(jnp.float32)
+    """Masked logits of a block, [B, Hkv, G, bq, bk] float32, and the soft-capped ones."""
     q_rows, k_rows, local_k = _rows(geo, at)
-    q_pos = (q_rows + geo.offset)[:, None]
-    k_pos = k_rows[None, :]
-    terms = []
-    if st.causal:
-        terms.append(k_pos <= q_pos)
-    if st.sliding_window is not None:
-        left, right = st.sliding_window
-        terms.append((k_pos >= q_pos - left) & (k_pos <= q_pos + right))
+    segments: dict[str, Any] = {}
+    kv_valid = None
     if side.q_segments is not None:
-        q_seg, kv_seg = _take(side.q_segments, at.i), _take(shard.segments, at.j)
-        same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] >= 0)
-        terms.append(same[:, None, None])  # padded keys carry id -1: masked here too
+        # [B, 1, 1, bq, 1] against [B, 1, 1, 1, bk]; padded keys carry id -1: hidden here too.
+        segments = {
+            "q_segment_ids": take(side.q_segments, at.i)[:, None, None, :, None],
+            "kv_segment_ids": take(shard.segments, at.j)[:, None, None, None, :],
+        }
     elif geo.sk_pad != geo.sk:
-        terms.append(local_k[None, :] < geo.sk)
-    if side.mask is not None:
-        terms.append(_take_pair(side.mask, at))
-    if terms:
-        s = jnp.where(functools.reduce(jnp.logical_and, terms), s, _MASK_VALUE)
-    return s, tanh
+        kv_valid = local_k[None, :] < geo.sk
+    vis = block_visibility(
+        (q_rows + geo.offset)[:, None],
+        k_rows[None, :],
+        causal=st.causal,
+        window=st.sliding_window,
+        kv_valid=kv_valid,
+        attention_mask=None if side.mask is None else _take_pair(side.mask, at),
+        **segments,
+    )
+    return block_scores(
+        dot("bhgqd,bhkd->bhgqk", q_i, k_j),
+        softmax_scale=st.softmax_scale,
+        logits_soft_cap=st.logits_soft_cap,
+        bias=None if side.bias is None else _take_pair(side.bias, at),
+        vis=vis,
+    )
 
 
-def _may_see(st: _Statics, q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> Any:
-    """Whether causality and the window leave positions [q_lo, q_hi] × [k_lo, k_hi] a pair."""
-    conds = []
-    if st.causal:
-        conds.append(k_lo <= q_hi)
-    if st.sliding_window is not None:
-        left, right = st.sliding_window
-        conds += [k_lo <= q_hi + right, k_hi >= q_lo - left]
-    if not conds:
-        return None
-    return functools.reduce(jnp.logical_and, conds)
+def _global(geo: _Geometry, st: _Statics) -> Geometry:
+    """The unsharded call's geometry: global lengths ``n·Sq`` and ``n·Sk``."""
+    return Geometry(
+        batch=geo.b,
+        sq=geo.n * geo.sq,
+        sk=geo.n * geo.sk,
+        num_q_heads=geo.hq,
+        num_kv_heads=geo.hkv,
+        causal=st.causal,
+        window=st.sliding_window,
+    )
 
 
 def _block_may_see(geo: _Geometry, st: _Statics, at: _At) -> Any:
-    q_lo = at.rank * geo.sq + at.i * geo.bq + geo.offset
-    k_lo = at.src * geo.sk + at.j * geo.bk
-    return _may_see(st, q_lo, q_lo + geo.bq - 1, k_lo, k_lo + geo.bk - 1)
+    """Whether block (i, j) of shard ``at.src`` may hold a visible pair (``None``: yes).
+
+    A query block of device ``rank`` is block ``rank·Sq/bq + i`` of the global rows only
+    when ``bq`` divides ``Sq``, so the test runs on positions: query rows
+    ``[rank·Sq + i·bq, +bq)`` against key rows ``[src·Sk + j·bk, +bk)``.
+    """
+    return _rows_may_see(
+        geo, st, at.rank * geo.sq + at.i * geo.bq, geo.bq, at.src * geo.sk + at.j * geo.bk, geo.bk
+    )
 
 
 def _shard_may_see(geo: _Geometry, st: _Statics, rank: Any, src: Any) -> Any:
-    q_lo = rank * geo.sq + geo.offset
-    k_lo = src * geo.sk
-    return _may_see(st, q_lo, q_lo + geo.sq - 1, k_lo, k_lo + geo.sk - 1)
+    return _rows_may_see(geo, st, rank * geo.sq, geo.sq, src * geo.sk, geo.sk)
+
+
+def _rows_may_see(geo: _Geometry, st: _Statics, q0: Any, nq: int, k0: Any, nk: int) -> Any:
+    """Whether global query rows ``[q0, q0+nq)`` may see keys ``[k0, k0+nk)`` (``None``: yes)."""
+    sem = _global(geo, st)
+    return sem.span_may_see(q0, nq, k0, nk) if sem.restricted else None
 
 
 def _keep(seed: jax.Array, geo: _Geometry, st: _Statics, at: _At) -> jax.Array:
@@ -793,17 +790,6 @@ def _sinks(aux: jax.Array | None, geo: _Geometry) -> jax.Array | None:
     return aux.astype(jnp.float32).reshape(1, 1, geo.hkv, geo.group, 1, -1)
 
 
-def _when(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
-    """``fn(carry)`` where ``pred`` holds, else ``carry``; no branch when ``pred`` is None."""
-    return _when_else(pred, fn, lambda c: c, carry)
-
-
-def _when_else(pred: Any, fn: Callable[[Any], Any], other: Callable[[Any], Any], x: Any) -> Any:
-    if pred is None:
-        return fn(x)
-    return lax.cond(pred, fn, other, x)
-
-
 @attrs.frozen(kw_only=True)
 class _BiasGradient:
     """Accumulates ``dS`` into the bias's broadcast shape, shard by shard of its key axis.
@@ -822,7 +808,7 @@ class _BiasGradient:
     def of(cls, bias: jax.Array | None, geo: _Geometry) -> _BiasGradient:
         if bias is None:
             return cls(dims=None, shape=None, dtype=None, geo=geo)
-        dims = _as_4d(bias).shape
+        dims = as_4d(bias).shape
         return cls(dims=dims, shape=tuple(bias.shape), dtype=bias.dtype, geo=geo)  # type: ignore[arg-type]
 
     def _block_shape(self) -> tuple[int, ...]:
@@ -835,10 +821,7 @@ class _BiasGradient:
         """Sum ``ds`` [B, Hkv, G, bq, bk] over the axes the bias broadcasts along."""
         if self.dims is None:
             return None
-        b1, h1, q1, k1 = self.dims
-        broadcast = (b1 == 1, h1 == 1, h1 == 1, q1 == 1, k1 == 1)
-        axes = tuple(ax for ax, yes in enumerate(broadcast) if yes)
-        return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+        return bias_grad(ds, self._block_shape())
 
     def zero_block(self, zero: Callable[[tuple[int, ...]], jax.Array]) -> jax.Array | None:
         return None if self.dims is None else zero(self._block_shape())

@@ -1,0 +1,313 @@
+"""The blockwise attention engine shared by the XLA attention ops (flash, ring, MLA, ...).
+
+FlashAttention-2 (Dao, 2023) in pure JAX, as pieces an op assembles: the blocked layout
+(queries ``[nq, B, Hkv, G, bq, F]``, keys/values ``[nk, B, Hkv, bk, F]``, a sequence padded
+to whole blocks), loop helpers that resolve statically when they can, the logits of a block
+(soft cap, bias, mask by select), one online-softmax step (Alg. 1, Sec. 3.1.1) and the
+finish of a row (sinks, division, logsumexp). What is visible and what a hidden position
+contributes (nothing, whatever it holds) is :mod:`ejkernel.attention_semantics`; this
+module only lays it out in blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ejkernel.attention_semantics import (
+    EMPTY_ROW_LSE,
+    MASK_VALUE,
+    mask_scores,
+    soft_cap,
+    visible,
+)
+
+__all__ = [
+    "Blocking",
+    "as_4d",
+    "backend",
+    "block_scores",
+    "block_visibility",
+    "dot",
+    "finish_rows",
+    "initial_rows",
+    "kv_blocks",
+    "map_blocks",
+    "online_step",
+    "pad_axis",
+    "q_blocks",
+    "scan",
+    "take",
+    "unblock_kv",
+    "unblock_q",
+    "when",
+    "when_else",
+]
+
+
+def backend() -> str:
+    """``"cpu"``, ``"gpu"`` or ``"tpu"``: the default backend's family (``cpu`` if unknown)."""
+    name = jax.default_backend().lower()
+    name = "gpu" if name in ("cuda", "rocm") else name
+    return name if name in ("cpu", "gpu", "tpu") else "cpu"
+
+
+@attrs.frozen(kw_only=True)
+class Blocking:
+    """Sizes of one call and its blocking (all Python ints)."""
+
+    b: int
+    sq: int
+    sk: int
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+    bq: int
+    bk: int
+
+    @classmethod
+    def of(cls, q: jax.Array, k: jax.Array, v: jax.Array, bq: int, bk: int) -> Blocking:
+        b, sq, hq, d = q.shape
+        _, sk, hkv, _ = k.shape
+        return cls(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=v.shape[3], bq=bq, bk=bk)
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def nq(self) -> int:
+        return -(-self.sq // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.sk // self.bk)
+
+    @property
+    def sq_pad(self) -> int:
+        return self.nq * self.bq
+
+    @property
+    def sk_pad(self) -> int:
+        return self.nk * self.bk
+
+
+# --------------------------------------------------------------------------------------------
+# Layout
+# --------------------------------------------------------------------------------------------
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
+    """``x`` padded with ``fill`` at the end of ``axis`` to length ``size`` (if shorter)."""
+    extra = size - x.shape[axis]
+    if extra <= 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def q_blocks(x: jax.Array, geo: Blocking, fill: Any = 0) -> jax.Array:
+    """[B, Sq, Hq, F] -> [nq, B, Hkv, G, bq, F]."""
+    x = pad_axis(x, 1, geo.sq_pad, fill)
+    x = x.reshape(geo.b, geo.nq, geo.bq, geo.hkv, geo.group, x.shape[-1])
+    return x.transpose(1, 0, 3, 4, 2, 5)
+
+
+def unblock_q(x: jax.Array, geo: Blocking) -> jax.Array:
+    """[nq, B, Hkv, G, bq, F] -> [B, Sq, Hq, F]."""
+    x = x.transpose(1, 0, 4, 2, 3, 5).reshape(geo.b, geo.sq_pad, geo.hq, x.shape[-1])
+    return x[:, : geo.sq]
+
+
+def kv_blocks(x: jax.Array, geo: Blocking) -> jax.Array:
+    """[B, Sk, Hkv, F] -> [nk, B, Hkv, bk, F]."""
+    x = pad_axis(x, 1, geo.sk_pad)
+    x = x.reshape(geo.b, geo.nk, geo.bk, geo.hkv, x.shape[-1])
+    return x.transpose(1, 0, 3, 2, 4)
+
+
+def unblock_kv(x: jax.Array, geo: Blocking) -> jax.Array:
+    """[nk, B, Hkv, bk, F] -> [B, Sk, Hkv, F]."""
+    x = x.transpose(1, 0, 3, 2, 4).reshape(geo.b, geo.sk_pad, geo.hkv, x.shape[-1])
+    return x[:, : geo.sk]
+
+
+def as_4d(x: jax.Array) -> jax.Array:
+    """Leading axes of size 1 up to 4 dimensions (a bias or mask against [B, Hq, Sq, Sk])."""
+    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+
+
+def take(x: jax.Array, i: Any) -> jax.Array:
+    """Block ``i`` of a block-stacked array (block 0 of one that has a single block)."""
+    if x.shape[0] == 1:
+        return x[0]
+    if isinstance(i, int):
+        return x[i]
+    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """``einsum`` accumulating in float32 (matmul inputs keep their dtype)."""
+    return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Loops
+# --------------------------------------------------------------------------------------------
+
+
+def when(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
+    """``fn(carry)`` where ``pred`` holds, else ``carry``; statically resolved when possible."""
+    return when_else(pred, fn, lambda c: c, carry)
+
+
+def when_else(pred: Any, fn: Callable[[Any], Any], other: Callable[[Any], Any], x: Any) -> Any:
+    """``fn(x)`` or ``other(x)``; ``pred`` ``None``/``True``/``False`` decides statically."""
+    if pred is None or pred is True:
+        return fn(x)
+    if pred is False:
+        return other(x)
+    return lax.cond(pred, fn, other, x)
+
+
+def scan(body: Callable[[Any, Any], Any], init: Any, n: int) -> tuple[Any, Any]:
+    """``lax.scan`` over ``range(n)``; a single step runs unrolled with a Python index."""
+    if n == 1:
+        carry, ys = body(init, 0)
+        return carry, jax.tree.map(lambda y: y[None], ys)
+    return lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+
+
+def map_blocks(fn: Callable[[Any], Any], n: int) -> Any:
+    """``fn(i)`` for ``i`` in ``range(n)``, stacked (a sequential map: one block live)."""
+    _, ys = scan(lambda carry, i: (carry, fn(i)), None, n)
+    return ys
+
+
+# --------------------------------------------------------------------------------------------
+# Masking and the online softmax
+# --------------------------------------------------------------------------------------------
+
+
+def block_visibility(
+    q_pos: Any,
+    k_pos: Any,
+    *,
+    causal: bool,
+    window: tuple[int, int] | None,
+    q_segment_ids: Any = None,
+    kv_segment_ids: Any = None,
+    kv_valid: Any = None,
+    attention_mask: Any = None,
+) -> Any:
+    """:func:`ejkernel.attention_semantics.visible` of a tile, ``None`` when nothing hides."""
+    if (
+        not causal
+        and window is None
+        and all(t is None for t in (q_segment_ids, kv_valid, attention_mask))
+    ):
+        return None
+    return visible(
+        q_pos,
+        k_pos,
+        causal=causal,
+        window=window,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        kv_valid=kv_valid,
+        attention_mask=attention_mask,
+    )
+
+
+def block_scores(
+    s: jax.Array,
+    *,
+    softmax_scale: float,
+    logits_soft_cap: float | None,
+    bias: jax.Array | None,
+    vis: Any,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Masked float32 logits of a tile from ``s = q·kᵀ``, and the soft-capped logits.
+
+    The second result (``None`` without a soft cap) is what
+    :func:`ejkernel.attention_semantics.soft_cap_grad` takes in the backward.
+    """
+    s = s * softmax_scale
+    capped = None
+    if logits_soft_cap is not None:
+        s = capped = soft_cap(s, logits_soft_cap)
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    if vis is not None:
+        s = mask_scores(s, vis)
+    return s, capped
+
+
+def online_step(
+    carry: tuple[jax.Array, jax.Array, jax.Array],
+    s: jax.Array,
+    v_j: jax.Array,
+    pv_spec: str,
+    keep: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One key block of the online softmax (FlashAttention-2 Alg. 1, Sec. 3.1.1).
+
+    ``carry = (m, denom, acc)``: running row maximum, denominator and accumulator (float32);
+    ``s`` the block's masked logits; ``keep`` the dropout keep-mask (applied to the numerator
+    only). A row that has seen nothing yet has ``m = MASK_VALUE``; its junk terms are scaled
+    by ``exp(MASK_VALUE - m_new) = 0`` once it sees a key, or dropped by :func:`finish_rows`.
+    """
+    m, denom, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    denom = alpha * denom + jnp.sum(p, axis=-1)
+    if keep is not None:
+        p = jnp.where(keep, p, 0.0)
+    pv = dot(pv_spec, p.astype(v_j.dtype), v_j)
+    return m_new, denom, alpha[..., None] * acc + pv
+
+
+def initial_rows(rows: tuple[int, ...], dv: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(m, denom, acc)`` before any key block: ``MASK_VALUE``, 0, 0."""
+    return (
+        jnp.full(rows, MASK_VALUE, jnp.float32),
+        jnp.zeros(rows, jnp.float32),
+        jnp.zeros((*rows, dv), jnp.float32),
+    )
+
+
+def finish_rows(
+    m: jax.Array,
+    denom: jax.Array,
+    acc: jax.Array,
+    *,
+    sinks: jax.Array | None = None,
+    dropout_prob: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, logsumexp)`` of rows after the last key block, both float32.
+
+    Sinks (``[..., n]`` broadcasting against the row statistics) join the maximum and the
+    denominator only. A row that saw no key returns zeros and :data:`EMPTY_ROW_LSE`.
+    """
+    seen = m > MASK_VALUE
+    if sinks is not None:
+        m_all = jnp.maximum(m, jnp.max(sinks, axis=-1))
+        rescale = jnp.exp(m - m_all)
+        denom = denom * rescale + jnp.sum(jnp.exp(sinks - m_all[..., None]), axis=-1)
+        acc = acc * rescale[..., None]
+        m = m_all
+    denom = jnp.where(seen, denom, 1.0)
+    inv_denom = jnp.where(seen, 1.0 / denom, 0.0)
+    if dropout_prob > 0.0:
+        inv_denom = inv_denom * (1.0 / (1.0 - dropout_prob))
+    out = jnp.where(seen[..., None], acc * inv_denom[..., None], 0.0)
+    lse = jnp.where(seen, m + jnp.log(denom), EMPTY_ROW_LSE)
+    return out, lse
