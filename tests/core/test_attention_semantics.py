@@ -358,6 +358,15 @@ def test_block_helpers_agree_with_the_predicate(case: Case) -> None:
                     assert first <= j < last, (i, j, first, last)
                 if geo.block_fully_visible(i, j, bq, bk):
                     assert tile.all(), ("block_fully_visible but a pair is hidden", i, j)
+        for j in range(nk):
+            cols = vis[:, j * bk : (j + 1) * bk]
+            lo, hi = geo.q_range(j, bk)
+            seen = np.flatnonzero(cols.any(axis=1))
+            assert seen.size == 0 or (lo <= seen.min() and seen.max() < hi), (j, lo, hi)
+            first, last = geo.q_blocks(j, bq, bk)
+            for i in range(nq):
+                if vis[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any():
+                    assert first <= i < last, (i, j, first, last)
 
 
 # -- ops with their own arguments --------------------------------------------------------------
@@ -464,3 +473,23 @@ def test_nsa_hidden_nan_stays_in_the_rows_that_see_it(platform: str | None) -> N
     out, dq = out_and_dq(poisoned)
     np.testing.assert_allclose(out[0, :29], out_w[0, :29], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(dq[0, :29], dq_w[0, :29], rtol=1e-5, atol=1e-6)
+
+
+#: Kernel platforms run through their interpreters on the CPU, on the flash-attention cases whose
+#: features they implement (Pallas declines masks and sinks; the XLA plugin serves those).
+INTERPRETED = ["pallas"]
+KERNEL_CASES = [
+    pytest.param(platform, case, id=f"{platform}-{case}")
+    for platform in INTERPRETED
+    for case, op in zip(CASES, FLASH_OPS * 3)
+    if op == "flash_attention" and not case.mask and not case.sinks
+]
+
+
+@pytest.mark.parametrize(("platform", "case"), KERNEL_CASES)
+def test_interpreted_kernels_keep_hidden_nan_out(
+    platform: str, case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip(f"ejkernel_{platform}")
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+    test_hidden_nan_and_inf_never_reach_a_row("flash_attention", case, platform)

@@ -26,6 +26,11 @@ logsumexp saved in base 2 for the backward.
   block). GQA: a query head reads kv head ``h // G``; ``dK``/``dV`` are computed per query head
   and summed over the group in float32.
 
+Masking is :func:`ejkernel.attention_semantics.visible` (the causal term; the kernels take no
+other). Hidden scores are selected out; a non-finite value at a key hidden from some rows of a
+diagonal block still reaches those rows through ``P·V`` (the value tile streams from shared
+memory into ``wgmma`` unsanitised), unlike the XLA and Pallas TPU paths.
+
 Declined in ``supports()`` (the XLA plugin serves them): everything but bf16/f16 inputs; head
 dims other than 64/128 or ``Dv != D``; sequence lengths that are not multiples of 128;
 sliding window, soft cap, segment ids, bias, masks, sinks, dropout; GPUs older than Hopper.

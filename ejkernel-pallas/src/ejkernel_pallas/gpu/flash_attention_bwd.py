@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel.attention_semantics import visible
 from ejkernel_pallas import _compat
 from ejkernel_pallas.gpu import _mosaic as mg
 from ejkernel_pallas.gpu._problem import Problem
@@ -107,7 +108,7 @@ def _bwd_dq_kernel(
             if masked:
                 q_pos = mg.iota(pr, (bq, bk), 0) + (q0 + pr.offset)
                 k_pos = mg.iota(pr, (bq, bk), 1) + j * bk
-                s = jnp.where(k_pos <= q_pos, s, -jnp.inf)
+                s = jnp.where(visible(q_pos, k_pos, causal=True), s, -jnp.inf)
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
             plgpu.barrier_wait(v_landed.at[slot])
             dp = mg.mma(pr, do_smem, v_smem.at[slot], (bq, bk), transpose_b=True)
@@ -230,7 +231,7 @@ def _bwd_dkv_kernel(
             if masked:
                 k_pos = mg.iota(pr, (bk, bq), 0) + k0
                 q_pos = mg.iota(pr, (bk, bq), 1) + (i * bq + pr.offset)
-                s_t = jnp.where(k_pos <= q_pos, s_t, -jnp.inf)
+                s_t = jnp.where(visible(q_pos, k_pos, causal=True), s_t, -jnp.inf)
             plgpu.barrier_wait(lse_landed.at[slot])
             lse = mg.load_row_vector(pr, lse_smem.at[slot], 0)
             p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel.attention_semantics import visible
 from ejkernel_pallas import _compat
 from ejkernel_pallas.gpu import _mosaic as mg
 from ejkernel_pallas.gpu import _problem as pb
@@ -198,7 +199,7 @@ def _flash_attention_fwd_kernel(
         def causal_mask(j: Any, s: Any) -> Any:
             rows = mg.iota(pr, (bq, bk), 0) + (q0 + pr.offset)
             cols = mg.iota(pr, (bq, bk), 1) + j * bk
-            return jnp.where(cols <= rows, s, -jnp.inf)
+            return jnp.where(visible(rows, cols, causal=True), s, -jnp.inf)
 
         def step(j, carry, masked: bool, rows: int | None = None):
             mask = functools.partial(causal_mask, j) if masked else None

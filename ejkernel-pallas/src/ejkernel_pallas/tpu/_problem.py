@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel import _env
+from ejkernel.attention_semantics import Geometry
 from ejkernel_pallas import _compat
-from ejkernel_pallas._attention import FlashAttentionConfig, Visibility
+from ejkernel_pallas._attention import FlashAttentionConfig
 
 LANES = 128
 SUBLANES = 8
@@ -91,7 +92,7 @@ class Problem:
     bk: int
     scale: float
     cap: float | None
-    vis: Visibility
+    geo: Geometry
     segments: bool
     dtype: Any
 
@@ -160,7 +161,15 @@ class Problem:
             bk=bk,
             scale=float(softmax_scale),
             cap=None if logits_soft_cap is None else float(logits_soft_cap),
-            vis=Visibility(sq=s.sq, sk=s.sk, causal=bool(causal), window=sliding_window),
+            geo=Geometry(
+                batch=s.b,
+                sq=s.sq,
+                sk=s.sk,
+                num_q_heads=s.hq,
+                num_kv_heads=s.hkv,
+                causal=bool(causal),
+                window=sliding_window,
+            ),
             segments=segments,
             dtype=jnp.dtype(dtype),
         )

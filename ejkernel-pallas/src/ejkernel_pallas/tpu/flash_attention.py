@@ -14,14 +14,17 @@ and segment ids of queries over 128 lanes and of keys over 8 sublanes, so they l
 tiles. Every kernel runs on a grid whose last axis (or last two) is a reduction ("arbitrary"),
 accumulating in VMEM scratch in float32; matmul inputs keep the input dtype.
 
-Masking (core spec semantics): bottom-right aligned causal, sliding window ``(left, right)``,
-segment ids (equal and non-negative), padded keys; a masked logit is a finite minimum, and a
-row with no visible key returns zeros with zero gradients. Causal and window masks skip whole
-blocks twice over: compute is predicated off (``pl.when`` on block indices) and the index maps
-clamp the block fetched to the visible range, so a skipped step re-uses the block already in
-VMEM instead of issuing a DMA. GQA: a query head reads kv head ``h // G``; ``dK``/``dV`` of a
-kv head accumulate over its ``G`` query heads inside the kernel (grid axes ``(G, nq)``).
-Soft cap: ``cap · tanh(s / cap)`` in the forward, and the chain rule ``(1 - tanh²)`` backward.
+Masking is :mod:`ejkernel.attention_semantics` (bottom-right aligned causal, sliding window
+``(left, right)``, segment ids, padded keys): hidden scores are selected to its ``MASK_VALUE``
+and hidden probabilities and score gradients to exact zeros; on every masked block the keys and
+values enter the products through ``finite_or_zero``, so a NaN or Inf the mask hides from a row
+never reaches it. A row with no visible key returns zeros with zero gradients. Causal and
+window masks skip whole blocks twice over: compute is predicated off (``pl.when`` on
+:meth:`~ejkernel.attention_semantics.Geometry.block_may_see`) and the index maps clamp the block
+fetched to the visible range, so a skipped step re-uses the block already in VMEM instead of
+issuing a DMA. GQA: a query head reads kv head ``h // G``; ``dK``/``dV`` of a kv head accumulate
+over its ``G`` query heads inside the kernel (grid axes ``(G, nq)``). Soft cap: ``cap · tanh(s /
+cap)`` in the forward, and the chain rule ``(1 - tanh²)`` backward.
 
 Declined in ``supports()`` (the XLA plugin serves them): bias, dense attention_mask, sinks
 (softmax_aux), dropout; dtypes other than float32/bfloat16/float16; head dims over 512.
@@ -46,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel._params import BwdParams, FwdParams
+from ejkernel.attention_semantics import EMPTY_ROW_LSE
 from ejkernel.plugins import defvjp
 from ejkernel_pallas._attention import FlashAttentionConfig, declined_features
 from ejkernel_pallas.tpu._problem import (
@@ -60,7 +64,7 @@ from ejkernel_pallas.tpu._problem import (
     shape_of,
     to_kernel_layout,
 )
-from ejkernel_pallas.tpu.flash_attention_kernels import EMPTY_ROW_LSE, dkv_call, dq_call, fwd_call
+from ejkernel_pallas.tpu.flash_attention_kernels import dkv_call, dq_call, fwd_call
 
 __all__ = [
     "FlashAttentionConfig",

@@ -9,18 +9,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from ejkernel.attention_semantics import (
+    EMPTY_ROW_LSE,
+    MASK_VALUE,
+    finite_or_zero,
+    hide,
+    mask_scores,
+    visible,
+)
 from ejkernel_pallas import _compat
+from ejkernel_pallas._attention import kv_block_span, q_block_span
 from ejkernel_pallas.tpu._problem import LANES, SUBLANES, Problem
 
 __all__ = ["dkv_call", "dq_call", "fwd_call"]
-
-#: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
-MASK_VALUE = float(np.finfo(np.float32).min)
-#: Logsumexp of a row with no visible key: ``exp(s - it)`` is 0 for every ``s``.
-EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
 
 
 def _spec(block: tuple[Any, ...], index_map: Callable[..., Any]) -> Any:
@@ -38,7 +41,7 @@ def fwd_call(
     bq, bk, group = pr.bq, pr.bk, pr.group
 
     def kv_block(i: Any, j: Any) -> Any:
-        first, last = pr.vis.kv_blocks(i, bq, bk, pr.nk)
+        first, last = kv_block_span(pr.geo, i, bq, bk, pr.nk)
         return jnp.clip(j, first, last)
 
     q_map = lambda b, h, i, j: (b, h, i, 0)
@@ -99,7 +102,7 @@ def dq_call(
     bq, bk, group = pr.bq, pr.bk, pr.group
 
     def kv_block(i: Any, j: Any) -> Any:
-        first, last = pr.vis.kv_blocks(i, bq, bk, pr.nk)
+        first, last = kv_block_span(pr.geo, i, bq, bk, pr.nk)
         return jnp.clip(j, first, last)
 
     q_map = lambda b, h, i, j: (b, h, i, 0)
@@ -149,7 +152,7 @@ def dkv_call(
     bq, bk, group = pr.bq, pr.bk, pr.group
 
     def q_block(j: Any, i: Any) -> Any:
-        first, last = pr.vis.q_blocks(j, bq, bk, pr.nq)
+        first, last = q_block_span(pr.geo, j, bq, bk, pr.nq)
         return jnp.clip(i, first, last)
 
     q_map = lambda b, h, j, g, i: (b, h * group + g, q_block(j, i), 0)
@@ -229,22 +232,20 @@ def _dot(a: Any, b: Any, contract: tuple[int, int]) -> Any:
 
 
 def _visible(i: Any, j: Any, qs_ref: Any, ks_ref: Any, pr: Problem) -> Any:
-    """Bool [bq, bk] of block (i, j), or ``None`` when every entry is visible."""
+    """Bool [bq, bk] of block (i, j) (:func:`ejkernel.attention_semantics.visible`), or ``None``
+    when every entry is visible."""
     shape = (pr.bq, pr.bk)
     k_pos = j * pr.bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-    terms = []
-    if pr.vis.restricted:
-        q_idx = i * pr.bq + lax.broadcasted_iota(jnp.int32, shape, 0)
-        terms.append(pr.vis.mask(q_idx, k_pos))
+    q_pos = pr.geo.q_position(i * pr.bq + lax.broadcasted_iota(jnp.int32, shape, 0))
+    terms: dict[str, Any] = {}
     if qs_ref is not None:
-        q_ids = qs_ref[...][:, :1]  # lanes replicate one id per row
-        k_ids = ks_ref[...][:1, :]  # sublanes replicate one id per column
-        terms.append(jnp.logical_and(q_ids == k_ids, q_ids >= 0))  # padding: id -1
-    elif pr.sk_pad != pr.sk:
-        terms.append(k_pos < pr.sk)
-    if not terms:
+        terms["q_segment_ids"] = qs_ref[...][:, :1]  # lanes replicate one id per row
+        terms["kv_segment_ids"] = ks_ref[...][:1, :]  # sublanes replicate one id per column
+    elif pr.sk_pad != pr.sk:  # padded segment ids (-1) hide the padded keys otherwise
+        terms["kv_valid"] = k_pos < pr.sk
+    if not pr.geo.restricted and not terms:
         return None
-    return functools.reduce(jnp.logical_and, terms)
+    return visible(q_pos, k_pos, causal=pr.geo.causal, window=pr.geo.window, **terms)
 
 
 def _logits(q: Any, k: Any, pr: Problem) -> tuple[Any, Any]:
@@ -270,19 +271,20 @@ def _flash_attention_fwd_kernel(*refs: Any, pr: Problem) -> None:
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @_when(pr.vis.block_may_see(i, j, pr.bq, pr.bk))
+    @_when(pr.geo.block_may_see(i, j, pr.bq, pr.bk))
     def _step() -> None:
         v = v_ref[...]
         s, _ = _logits(q_ref[...], k_ref[...], pr)
-        visible = _visible(i, j, qs_ref, ks_ref, pr)
-        if visible is not None:
-            s = jnp.where(visible, s, MASK_VALUE)
+        vis = _visible(i, j, qs_ref, ks_ref, pr)
+        if vis is not None:  # a hidden key or value holding NaN/Inf must not reach a row
+            s = mask_scores(s, vis)
+            v = finite_or_zero(v)
         m_prev = m_sc[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, LANES]
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next[:, :1])
-        if visible is not None:
-            p = jnp.where(visible, p, 0.0)
+        if vis is not None:
+            p = hide(p, vis)
         l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
         m_sc[...] = m_next
         acc_sc[...] = acc_sc[...] * alpha[:, :1] + _dot(p.astype(v.dtype), v, (1, 0))
@@ -297,17 +299,17 @@ def _flash_attention_fwd_kernel(*refs: Any, pr: Problem) -> None:
 
 
 def _probabilities_and_ds(
-    q: Any, k: Any, v: Any, do: Any, lse: Any, delta: Any, visible: Any, pr: Problem
+    q: Any, k: Any, v: Any, do: Any, lse: Any, delta: Any, vis: Any, pr: Problem
 ) -> tuple[Any, Any]:
     """Recomputed P [bq, bk] and dS = P ∘ (dP - Δ) (through the soft cap), both f32."""
     s, tanh = _logits(q, k, pr)
     p = jnp.exp(s - lse[:, :1])
-    if visible is not None:
-        p = jnp.where(visible, p, 0.0)
     dp = _dot(do, v, (1, 1))
     ds = p * (dp - delta[:, :1])
     if tanh is not None:
         ds = ds * (1.0 - tanh * tanh)
+    if vis is not None:  # selects: dP of a hidden non-finite value is NaN, and 0 · NaN too
+        p, ds = hide(p, vis), hide(ds, vis)
     return p, ds
 
 
@@ -323,13 +325,15 @@ def _bwd_dq_kernel(*refs: Any, pr: Problem) -> None:
     def _init() -> None:
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    @_when(pr.vis.block_may_see(i, j, pr.bq, pr.bk))
+    @_when(pr.geo.block_may_see(i, j, pr.bq, pr.bk))
     def _step() -> None:
         k = k_ref[...]
-        visible = _visible(i, j, qs_ref, ks_ref, pr)
+        vis = _visible(i, j, qs_ref, ks_ref, pr)
         _, ds = _probabilities_and_ds(
-            q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], visible, pr
+            q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], vis, pr
         )
+        if vis is not None:
+            k = finite_or_zero(k)
         dq_sc[...] += _dot(ds.astype(k.dtype), k, (1, 0))
 
     @_when(j == pr.nk - 1)
@@ -353,13 +357,15 @@ def _bwd_dkv_kernel(*refs: Any, pr: Problem) -> None:
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    @_when(pr.vis.block_may_see(i, j, pr.bq, pr.bk))
+    @_when(pr.geo.block_may_see(i, j, pr.bq, pr.bk))
     def _step() -> None:
         q, do = q_ref[...], do_ref[...]
-        visible = _visible(i, j, qs_ref, ks_ref, pr)
+        vis = _visible(i, j, qs_ref, ks_ref, pr)
         p, ds = _probabilities_and_ds(
-            q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], visible, pr
+            q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], vis, pr
         )
+        if vis is not None:
+            q = finite_or_zero(q)
         dv_sc[...] += _dot(p.astype(do.dtype), do, (0, 0))
         dk_sc[...] += _dot(ds.astype(q.dtype), q, (0, 0))
 
