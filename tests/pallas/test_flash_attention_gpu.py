@@ -128,12 +128,12 @@ def test_overlapped_forward_over_many_kv_tiles(mode: str) -> None:
 def test_wide_kv_forward_with_narrower_tail_steps(mode: str, sk: int) -> None:
     # the default non-causal D 128 forward takes 192-row kv tiles; where 192 does not divide
     # Sk, the last steps fill only the first 128 rows of their ring slots
-    from ejkernel_pallas.gpu import flash_attention as fa
+    from ejkernel_pallas.gpu import _problem as pb
 
     q = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, sk, 1, 128), jnp.bfloat16)
-    pr = fa._Problem.of(q, k, None, backward=False, softmax_scale=None, causal=False)
-    assert pr.bk == 192 and pr.wide_steps * 192 + pr.tail * fa.TAIL_ROWS == sk
+    pr = pb.Problem.of(q, k, None, backward=False, softmax_scale=None, causal=False)
+    assert pr.bk == 192 and pr.wide_steps * 192 + pr.tail * pb.TAIL_ROWS == sk
     sq = 1024 if mode == "gpu" else 128
     _check(
         mode, AttentionShape(b=2 if mode == "gpu" else 1, sq=sq, sk=sk, hq=4, hkv=2, d=128), False
@@ -141,19 +141,19 @@ def test_wide_kv_forward_with_narrower_tail_steps(mode: str, sk: int) -> None:
 
 
 def test_kv_tiles_that_cannot_cover_the_keys_are_refused() -> None:
-    from ejkernel_pallas.gpu import flash_attention as fa
+    from ejkernel_pallas.gpu import _problem as pb
 
     q = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 640, 1, 128), jnp.bfloat16)
     wide = FlashAttentionConfig(fwd_params=FwdParams(kv_blocksize=192))
-    assert fa._Problem.of(q, k, wide, backward=False, softmax_scale=None, causal=False).tail == 2
+    assert pb.Problem.of(q, k, wide, backward=False, softmax_scale=None, causal=False).tail == 2
     with pytest.raises(ValueError, match="kv_blocksize=192"):  # tail steps: non-causal only
-        fa._Problem.of(q, k, wide, backward=False, softmax_scale=None, causal=True)
+        pb.Problem.of(q, k, wide, backward=False, softmax_scale=None, causal=True)
     with pytest.raises(ValueError, match="kv_blocksize=192 x 2"):
         wide_bwd = FlashAttentionConfig(bwd_params=BwdParams(kv_blocksize=192))
-        fa._Problem.of(q, k, wide_bwd, backward=True, softmax_scale=None, causal=False)
-    assert fa._tail_steps(4096, 192) == 2 and fa._tail_steps(384, 192) == 0
-    assert fa._tail_steps(640, 256) == 1 and fa._tail_steps(64, 192) is None
+        pb.Problem.of(q, k, wide_bwd, backward=True, softmax_scale=None, causal=False)
+    assert pb.tail_steps(4096, 192) == 2 and pb.tail_steps(384, 192) == 0
+    assert pb.tail_steps(640, 256) == 1 and pb.tail_steps(64, 192) is None
 
 
 @pytest.mark.parametrize(
@@ -165,9 +165,9 @@ def test_persistent_forward_runs_several_tiles_per_cta(
 ) -> None:
     # non-causal with more (head, query tile, batch) tiles than CTAs: one ring across tiles
     # (3 CTAs in interpret mode, one per SM on the GPU)
-    from ejkernel_pallas.gpu import flash_attention as fa
+    from ejkernel_pallas.gpu import flash_attention_fwd as fwd
 
-    monkeypatch.setattr(fa, "PERSISTENT_FORWARD_HEAD_DIMS", (d,))
+    monkeypatch.setattr(fwd, "PERSISTENT_FORWARD_HEAD_DIMS", (d,))
     if mode == "gpu":
         shape = AttentionShape(b=2, sq=1024, sk=1024, hq=16, hkv=4, d=d)  # 256 tiles
     else:
@@ -184,31 +184,35 @@ def test_kernels_lower_to_mosaic_gpu_on_any_machine(
     # what interpret mode never builds (the wgmma accumulators, the named-barrier PTX).
     import attrs
 
-    from ejkernel_pallas.gpu import flash_attention as fa
+    from ejkernel_pallas.gpu import _problem as pb
+    from ejkernel_pallas.gpu import flash_attention_bwd as bwd
+    from ejkernel_pallas.gpu import flash_attention_fwd as fwd_module
 
     x = jax.ShapeDtypeStruct((1, 256, 2, d), jnp.bfloat16)
     row = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)  # logsumexp, delta
 
     def problem(q: Any, k: Any, backward: bool) -> Any:
-        pr = fa._Problem.of(q, k, None, backward=backward, softmax_scale=None, causal=causal)
+        pr = pb.Problem.of(q, k, None, backward=backward, softmax_scale=None, causal=causal)
         return attrs.evolve(pr, interpret=False)
 
     def lowered(fn: Any, *args: Any) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    fwd = lambda q, k, v: fa._fwd_call(q, k, v, problem(q, k, False))
-    dq = lambda q, k, v, do, lse, dl: fa._bwd_dq_call(q, k, v, do, lse, dl, problem(q, k, True))
-    dkv = lambda q, k, v, do, lse, dl: fa._bwd_dkv_call(q, k, v, do, lse, dl, problem(q, k, True))
+    fwd = lambda q, k, v: fwd_module.fwd_call(q, k, v, problem(q, k, False))
+    dq = lambda q, k, v, do, lse, dl: bwd.dq_call(q, k, v, do, lse, dl, problem(q, k, True))
+    dkv = lambda q, k, v, do, lse, dl: bwd.dkv_call(q, k, v, do, lse, dl, problem(q, k, True))
     assert "ejkernel_flash_attention_fwd" in lowered(fwd, x, x, x)
     assert "mosaic_gpu" in lowered(dq, x, x, x, x, row, row)
     assert "mosaic_gpu" in lowered(dkv, x, x, x, x, row, row)
-    if d in fa.FWD_WIDE_KV and not causal:  # 192-row kv steps, then 128-row ones
+    if d in pb.FWD_WIDE_KV and not causal:  # 192-row kv steps, then 128-row ones
         long = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
         assert problem(x, long, False).tail == 1
         assert "ejkernel_flash_attention_fwd" in lowered(fwd, x, long, long)
-    monkeypatch.setattr(fa, "FWD_WIDE_KV", {})  # the persistent forward takes no tail steps
-    monkeypatch.setattr(fa, "_sm_count", lambda pr: 1)  # 2 tiles > 1 CTA: persistent if not causal
-    monkeypatch.setattr(fa, "PERSISTENT_FORWARD_HEAD_DIMS", (d,))
+    monkeypatch.setattr(pb, "FWD_WIDE_KV", {})  # the persistent forward takes no tail steps
+    monkeypatch.setattr(
+        fwd_module, "_sm_count", lambda pr: 1
+    )  # 2 tiles > 1 CTA: persistent if not causal
+    monkeypatch.setattr(fwd_module, "PERSISTENT_FORWARD_HEAD_DIMS", (d,))
     persistent = lowered(lambda *a: fwd(*a), x, x, x)  # a new function: not jit's cached trace
     assert ("ejkernel_flash_attention_fwd_persistent" in persistent) != causal
 

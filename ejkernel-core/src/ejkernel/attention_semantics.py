@@ -289,6 +289,27 @@ class Geometry:
         lo, hi = self.kv_range(i, bq)
         return lo // bk, -(-hi // bk)
 
+    def q_range(self, j: Any, bk: int) -> tuple[Any, Any]:
+        """Query indices ``[lo, hi)`` that may see some key of key block ``j``, within
+        ``[0, Sq]`` (the reverse of :meth:`kv_range`, for loops over key blocks).
+
+        ``lo >= hi`` means no query sees the block. Python ints for a Python ``j``.
+        """
+        k_lo = j * bk
+        k_hi = k_lo + bk - 1
+        lo = 0 if self.right is None else _min(_max(k_lo - self.right - self.offset, 0), self.sq)
+        hi = (
+            self.sq
+            if self.left is None
+            else _max(_min(k_hi + self.left - self.offset + 1, self.sq), 0)
+        )
+        return lo, hi
+
+    def q_blocks(self, j: Any, bq: int, bk: int) -> tuple[Any, Any]:
+        """Query blocks ``[first, last)`` of size ``bq`` that may see key block ``j``."""
+        lo, hi = self.q_range(j, bk)
+        return lo // bq, -(-hi // bq)
+
 
 def dense_visibility(
     geometry: Geometry,

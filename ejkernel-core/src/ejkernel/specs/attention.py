@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ejkernel.attention_semantics import finite_or_zero
 from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs.flash_attention import (
     _args,
@@ -77,7 +78,7 @@ def attention_reference(
         dropout_seed=dropout_seed,
     )
     weights = rows.transpose(0, 2, 1, 3)  # [B, Sq, Hq, Sk] -> [B, Hq, Sq, Sk]
-    v = jnp.repeat(value.astype(jnp.float32), hq // hkv, axis=2)
+    v = jnp.repeat(finite_or_zero(value.astype(jnp.float32)), hq // hkv, axis=2)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
     return out.astype(query.dtype), weights.astype(query.dtype)
 

@@ -25,7 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.attention_semantics import Geometry, dense_visibility
+from ejkernel.attention_semantics import (
+    Geometry,
+    dense_visibility,
+    finite_or_zero,
+    hide,
+    soft_cap,
+)
 from ejkernel.specs._base import (
     Arg,
     OpSpec,
@@ -133,25 +139,24 @@ def flash_attention_reference(
     if isinstance(sliding_window, int):
         sliding_window = (sliding_window, sliding_window)
     group = hq // hkv
+    # Non-finite keys/values read as 0: a hidden one then contributes exactly nothing.
     q = query.astype(jnp.float32)
-    k = jnp.repeat(key.astype(jnp.float32), group, axis=2)
-    v = jnp.repeat(value.astype(jnp.float32), group, axis=2)
+    k = jnp.repeat(finite_or_zero(key.astype(jnp.float32)), group, axis=2)
+    v = jnp.repeat(finite_or_zero(value.astype(jnp.float32)), group, axis=2)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    logits = soft_cap(logits, logits_soft_cap)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    visible = attention_mask_dense(
+    geometry = Geometry(
         batch=b,
-        num_heads=hq,
         sq=sq,
         sk=sk,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
         causal=causal,
-        sliding_window=sliding_window,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
+        window=sliding_window,
     )
+    visible = dense_visibility(geometry, attention_mask, q_segment_ids, kv_segment_ids)
     logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     if softmax_aux is not None:
@@ -165,7 +170,7 @@ def flash_attention_reference(
     if softmax_aux is not None:
         denom = denom + jnp.sum(jnp.exp(aux[None, :, None, :] - row_max), axis=-1, keepdims=True)
     any_visible = jnp.any(visible, axis=-1, keepdims=True)
-    p = jnp.where(any_visible, p / jnp.where(denom == 0, 1.0, denom), 0.0)
+    p = hide(jnp.where(any_visible, p / jnp.where(denom == 0, 1.0, denom), 0.0), visible)
     if dropout_prob > 0.0:
         seed = 0 if dropout_seed is None else dropout_seed
         keep = dropout_keep(

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel.attention_semantics import finite_or_zero
 from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
 from ejkernel.specs.flash_attention import _number, flash_attention_reference, normalize_window
 
@@ -54,6 +55,8 @@ def multi_head_latent_attention_reference(
 ) -> jax.Array:
     """Per-head keys and values materialised in float32, then flash attention's oracle."""
     f32 = lambda x: x.astype(jnp.float32)
+    # Non-finite latents read as 0 before the projections mix them (see attention_semantics).
+    key_value, k_rope = finite_or_zero(key_value), finite_or_zero(k_rope)
     b, sk, _ = key_value.shape
     hq, dr = w_kc.shape[1], k_rope.shape[-1]
     k_nope = jnp.einsum("bsr,rhn->bshn", f32(key_value), f32(w_kc))

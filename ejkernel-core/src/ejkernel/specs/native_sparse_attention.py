@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel.attention_semantics import finite_or_zero, hide, mask_scores
 from ejkernel.specs._base import (
     Arg,
     OpSpec,
@@ -62,9 +63,6 @@ __all__ = [
 ]
 
 OP = "native_sparse_attention"
-
-#: Logit of a masked entry (finite: a row with nothing visible never forms ``inf - inf``).
-_MASK_VALUE = float(np.finfo(np.float32).min)
 
 
 def sequence_layout(
@@ -121,9 +119,9 @@ def nsa_select_blocks(
 
 def _softmax_rows(logits: jax.Array, visible: jax.Array) -> jax.Array:
     """Softmax along the last axis over the visible entries; all-masked rows give zeros."""
-    logits = jnp.where(visible, logits, _MASK_VALUE)
+    logits = mask_scores(logits, visible)
     p = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
-    p = jnp.where(visible, p, 0.0)
+    p = hide(p, visible)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     return p / jnp.where(denom == 0.0, 1.0, denom)
 
@@ -153,7 +151,8 @@ def native_sparse_attention_reference(
     num_blocks = -(-s // bs)
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     q = query.astype(jnp.float32).reshape(b, s, hkv, group, d)
-    k, v = key.astype(jnp.float32), value.astype(jnp.float32)
+    # Non-finite keys/values read as 0: a hidden one contributes nothing (attention_semantics).
+    k, v = finite_or_zero(key.astype(jnp.float32)), finite_or_zero(value.astype(jnp.float32))
     seq, start, pos = sequence_layout(b, s, cu_seqlens)  # [1, S] each
 
     # Compressed tokens as seen from query t: block c of t's sequence, tokens start_t + c·bs + u.

@@ -104,9 +104,9 @@ class Blocking:
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
-    """``x`` padded with ``fill`` at the end of ``axis`` to length ``size``."""
+    """``x`` padded with ``fill`` at the end of ``axis`` to length ``size`` (if shorter)."""
     extra = size - x.shape[axis]
-    if extra == 0:
+    if extra <= 0:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)

@@ -3,8 +3,9 @@
 The probabilities are an output, so the whole ``[B, Hq, Sq, Sk]`` matrix is formed in float32:
 
 - Forward. Logits ``softmax_scale · q kᵀ`` (GQA heads laid out as ``[B, Hkv, G, ...]`` so a
-  key/value head is never repeated), soft cap, bias, then the visibility mask of
-  :func:`ejkernel.specs.flash_attention.attention_mask_dense`. A numerically stable softmax
+  key/value head is never repeated), soft cap, bias, then the visibility of
+  :func:`ejkernel.attention_semantics.dense_visibility`; non-finite keys and values read as
+  0 (:func:`~ejkernel.attention_semantics.finite_or_zero`), so a hidden one contributes nothing. A numerically stable softmax
   whose maximum and denominator include the sinks (``softmax_aux``); rows with no visible key
   are zeros. Dropout uses flash attention's hash (:func:`~ejkernel.specs.flash_attention.dropout_keep`),
   so ``weights`` drops the entries flash attention drops. ``out = weights · V`` in float32.
@@ -29,16 +30,21 @@ from typing import Any
 import attrs
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ejkernel.attention_semantics import (
+    EMPTY_ROW_LSE,
+    Geometry,
+    bias_grad,
+    dense_visibility,
+    finite_or_zero,
+    sink_grad,
+    soft_cap,
+    soft_cap_grad,
+)
 from ejkernel.plugins import defvjp
-from ejkernel.specs.flash_attention import attention_mask_dense, dropout_keep
+from ejkernel.specs.flash_attention import dropout_keep
 
 __all__ = ["attention_xla"]
-
-#: Logsumexp of a row with no visible key: ``exp(sink - it)`` is 0, so such rows get no
-#: sink gradient either.
-_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
 
 
 def attention_xla(
@@ -232,18 +238,8 @@ def _raw_logits(q: jax.Array, k: jax.Array, st: _Statics) -> jax.Array:
 
 
 def _visible(a: dict[str, Any], st: _Statics) -> jax.Array:
-    q, k = a["query"], a["key"]
-    return attention_mask_dense(
-        batch=q.shape[0],
-        num_heads=q.shape[2],
-        sq=q.shape[1],
-        sk=k.shape[1],
-        causal=st.causal,
-        sliding_window=st.sliding_window,
-        attention_mask=a["attention_mask"],
-        q_segment_ids=a["q_segment_ids"],
-        kv_segment_ids=a["kv_segment_ids"],
-    )
+    geometry = Geometry.of(a["query"], a["key"], causal=st.causal, window=st.sliding_window)
+    return dense_visibility(geometry, a["attention_mask"], a["q_segment_ids"], a["kv_segment_ids"])
 
 
 def _keep(a: dict[str, Any], st: _Statics) -> jax.Array:
@@ -276,13 +272,6 @@ def _apply_v(w: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(b, sq, hq, v.shape[3])
 
 
-def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Sum a [B, Hq, Sq, Sk] array over the axes a ``shape`` operand broadcasts along."""
-    dims = (1,) * (4 - len(shape)) + tuple(shape)
-    axes = tuple(ax for ax, n in enumerate(dims) if n == 1 and x.shape[ax] != 1)
-    return jnp.sum(x, axis=axes, keepdims=True).reshape(shape)
-
-
 # --------------------------------------------------------------------------------------------
 # Forward and backward passes
 # --------------------------------------------------------------------------------------------
@@ -291,11 +280,9 @@ def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 @functools.partial(jax.jit, static_argnames="st")
 def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``out``, ``weights`` (query dtype), undropped ``probs`` and ``lse`` (float32)."""
-    q, k, v = a["query"], a["key"], a["value"]
+    q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
     hq = q.shape[2]
-    s = _raw_logits(q, k, st)
-    if st.logits_soft_cap is not None:
-        s = st.logits_soft_cap * jnp.tanh(s / st.logits_soft_cap)
+    s = soft_cap(_raw_logits(q, k, st), st.logits_soft_cap)
     if a["bias"] is not None:
         s = s + a["bias"].astype(jnp.float32)
     visible = _visible(a, st)
@@ -314,7 +301,7 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax
     seen = jnp.any(visible, axis=-1, keepdims=True) & (denom > 0.0)
     denom = jnp.where(seen, denom, 1.0)
     probs = jnp.where(seen, p / denom, 0.0)
-    lse = jnp.where(seen, row_max + jnp.log(denom), _EMPTY_ROW_LSE)[..., 0]
+    lse = jnp.where(seen, row_max + jnp.log(denom), EMPTY_ROW_LSE)[..., 0]
     weights = probs
     if st.dropout_prob > 0.0:
         weights = jnp.where(_keep(a, st), probs * (1.0 / (1.0 - st.dropout_prob)), 0.0)
@@ -326,7 +313,7 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax
 def _backward(
     a: dict[str, Any], d_out: jax.Array, d_weights: jax.Array, st: _Statics
 ) -> dict[str, jax.Array | None]:
-    q, k, v = a["query"], a["key"], a["value"]
+    q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -347,17 +334,17 @@ def _backward(
     ds = probs * (dp - delta)
     grads: dict[str, jax.Array | None] = {"bias": None, "softmax_aux": None}
     if a["bias"] is not None:
-        grads["bias"] = _sum_to_shape(ds, tuple(a["bias"].shape)).astype(a["bias"].dtype)
+        grads["bias"] = bias_grad(ds, tuple(a["bias"].shape), a["bias"].dtype)
     if st.logits_soft_cap is not None:
-        tanh = jnp.tanh(_raw_logits(q, k, st) / st.logits_soft_cap)
-        ds = ds * (1.0 - tanh * tanh)
+        capped = soft_cap(_raw_logits(q, k, st), st.logits_soft_cap)
+        ds = ds * soft_cap_grad(capped, st.logits_soft_cap)
     dsg = ds.reshape(b, hkv, group, sq, sk) * st.softmax_scale
     dq = jnp.einsum("bhgqk,bkhd->bqhgd", dsg, k.astype(jnp.float32)).reshape(b, sq, hq, d)
     dk = jnp.einsum("bhgqk,bqhgd->bkhd", dsg, q.astype(jnp.float32).reshape(b, sq, hkv, group, d))
     grads.update(query=dq.astype(q.dtype), key=dk.astype(k.dtype), value=dv.astype(v.dtype))
     aux = a["softmax_aux"]
     if aux is not None:
-        p_aux = jnp.exp(_sinks(aux, hq) - lse[..., None])  # [B, Hq, Sq, n]
-        d_aux = -jnp.sum(p_aux * delta, axis=(0, 2))  # [Hq, n]
-        grads["softmax_aux"] = d_aux.reshape(aux.shape).astype(aux.dtype)
+        # Row statistics as [B, Sq, Hq]: delta is Σ_k P dP, the D of the sink gradient.
+        rows = lambda x: x.transpose(0, 2, 1)
+        grads["softmax_aux"] = sink_grad(aux, rows(lse), rows(delta[..., 0]))
     return grads

@@ -49,17 +49,26 @@ from typing import Any
 import attrs
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from ejkernel.attention_semantics import (
+    MASK_VALUE,
+    bias_grad,
+    finite_or_zero,
+    soft_cap_grad,
+)
 from ejkernel.plugins import defvjp
+from ejkernel_xla.ops._blockwise import (
+    block_scores,
+    block_visibility,
+    finish_rows,
+    initial_rows,
+    online_step,
+    pad_axis,
+)
 
 __all__ = ["blocksparse_attention_xla"]
 
-#: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
-_MASK_VALUE = float(np.finfo(np.float32).min)
-#: Logsumexp saved for a row with no visible key: ``exp(anything - it)`` is 0.
-_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
 #: Lanes per row of the schedule: work ≤ (LANES_PER_ROW / (LANES_PER_ROW - 1)) · live + lanes.
 LANES_PER_ROW = 2
 
@@ -275,18 +284,9 @@ class _Geometry:
         return LANES_PER_ROW * self.rows
 
 
-def _pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=fill)
-
-
 def _q_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
     """[B, Sq, Hq, ...] -> [B, nq, bq, Hq, ...] (a reshape: lanes gather from it directly)."""
-    x = _pad_axis(x, 1, geo.nq * geo.bq)
+    x = pad_axis(x, 1, geo.nq * geo.bq)
     return x.reshape(geo.b, geo.nq, geo.bq, *x.shape[2:])
 
 
@@ -298,7 +298,7 @@ def _unrow_q(x: jax.Array, geo: _Geometry) -> jax.Array:
 
 def _kv_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
     """[B, Sk, Hkv, F] -> [B, nk, bk, Hkv, F] (a reshape: lanes gather from it directly)."""
-    x = _pad_axis(x, 1, geo.nk * geo.bk)
+    x = pad_axis(x, 1, geo.nk * geo.bk)
     return x.reshape(geo.b, geo.nk, geo.bk, geo.hkv, x.shape[-1])
 
 
@@ -415,7 +415,7 @@ def _merge_rows(
     seg = functools.partial(
         jax.ops.segment_max, segment_ids=lanes.row, num_segments=geo.rows, indices_are_sorted=True
     )
-    m_row = jnp.maximum(seg(m), _MASK_VALUE)  # a row without lanes: the mask value
+    m_row = jnp.maximum(seg(m), MASK_VALUE)  # a row without lanes: the mask value
     alpha = jnp.exp(m - m_row[lanes.row])
     total = functools.partial(
         jax.ops.segment_sum, segment_ids=lanes.row, num_segments=geo.rows, indices_are_sorted=True
@@ -442,9 +442,9 @@ class _PairInput:
         nq, bq = (geo.nq, geo.bq) if q1 > 1 else (1, 1)
         nk, bk = (geo.nk, geo.bk) if k1 > 1 else (1, 1)
         if q1 > 1:
-            x = _pad_axis(x, 2, geo.nq * geo.bq, fill)
+            x = pad_axis(x, 2, geo.nq * geo.bq, fill)
         if k1 > 1:
-            x = _pad_axis(x, 3, geo.nk * geo.bk, fill)
+            x = pad_axis(x, 3, geo.nk * geo.bk, fill)
         return cls(blocks=x.reshape(b1, h1, nq, bq, nk, bk), shape=shape)
 
     def _index(self, lanes: _Lanes, j: jax.Array) -> tuple[jax.Array, ...]:
@@ -468,8 +468,7 @@ class _PairInput:
     def scatter_add(self, acc: jax.Array, ds: jax.Array, lanes: _Lanes, j: jax.Array) -> jax.Array:
         """Add ``ds [L, bq, bk]``, summed over the axes the input broadcasts along, into ``acc``."""
         _, _, _, bq1, _, bk1 = self.blocks.shape
-        axes = tuple(ax for ax, keep in ((1, bq1 > 1), (2, bk1 > 1)) if not keep)
-        ds = jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+        ds = bias_grad(ds, (ds.shape[0], bq1, bk1))
         b_ix, h_ix, i_ix, j_ix = self._index(lanes, j)
         return acc.at[b_ix, h_ix, i_ix, :, j_ix, :].add(ds)
 
@@ -496,9 +495,9 @@ class _SideInputs:
         bias, mask = a["bias"], a["attention_mask"]
         q_seg, kv_seg = a["q_segment_ids"], a["kv_segment_ids"]
         if q_seg is not None:
-            q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, geo.nq * geo.bq, -1)
+            q_seg = pad_axis(q_seg.astype(jnp.int32), 1, geo.nq * geo.bq, -1)
             q_seg = q_seg.reshape(geo.b, geo.nq, geo.bq)
-            kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, geo.nk * geo.bk, -1)
+            kv_seg = pad_axis(kv_seg.astype(jnp.int32), 1, geo.nk * geo.bk, -1)
             kv_seg = kv_seg.reshape(geo.b, geo.nk, geo.bk)
         return cls(
             bias=None if bias is None else _PairInput.of(bias, geo, 0),
@@ -518,34 +517,36 @@ def _scores(
     geo: _Geometry,
     st: _Statics,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Masked logits of each lane's block ``j``, [L, bq, bk] float32, and the cap's tanh.
+    """Masked logits of each lane's block ``j``, [L, bq, bk] float32, and the capped ones.
 
     ``valid [L]`` is False for lanes past the end of their piece: their whole block is masked.
     """
     k_j = lanes.gather_kv(kb, j, valid)
     s = jnp.einsum("lqd,lkd->lqk", q_lanes, k_j, preferred_element_type=jnp.float32)
-    s = s * st.softmax_scale
-    tanh = None
-    if st.logits_soft_cap is not None:
-        tanh = jnp.tanh(s * (1.0 / st.logits_soft_cap))
-        s = st.logits_soft_cap * tanh
-    if side.bias is not None:
-        s = s + side.bias.gather(lanes, j).astype(jnp.float32)
     q_pos = (lanes.i[:, None] * geo.bq + jnp.arange(geo.bq))[:, :, None] + (geo.sk - geo.sq)
     k_pos = (j[:, None] * geo.bk + jnp.arange(geo.bk))[:, None, :]  # [L, 1, bk]
-    visible = valid[:, None, None] & (k_pos < geo.sk)
-    if st.causal:
-        visible = visible & (k_pos <= q_pos)
-    if st.sliding_window is not None:
-        left, right = st.sliding_window
-        visible = visible & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+    segments: dict[str, Any] = {}
     if side.q_segments is not None:
-        q_seg = side.q_segments[lanes.b, lanes.i][:, :, None]  # [L, bq, 1]
-        kv_seg = side.kv_segments[lanes.b, j][:, None, :]  # [L, 1, bk]
-        visible = visible & (q_seg == kv_seg) & (q_seg >= 0)
-    if side.mask is not None:
-        visible = visible & side.mask.gather(lanes, j)
-    return jnp.where(visible, s, _MASK_VALUE), tanh
+        segments = {
+            "q_segment_ids": side.q_segments[lanes.b, lanes.i][:, :, None],  # [L, bq, 1]
+            "kv_segment_ids": side.kv_segments[lanes.b, j][:, None, :],  # [L, 1, bk]
+        }
+    vis = block_visibility(
+        q_pos,
+        k_pos,
+        causal=st.causal,
+        window=st.sliding_window,
+        kv_valid=valid[:, None, None] & (k_pos < geo.sk),
+        attention_mask=None if side.mask is None else side.mask.gather(lanes, j),
+        **segments,
+    )
+    return block_scores(
+        s,
+        softmax_scale=st.softmax_scale,
+        logits_soft_cap=st.logits_soft_cap,
+        bias=None if side.bias is None else side.bias.gather(lanes, j),
+        vis=vis,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -556,43 +557,30 @@ def _scores(
 @functools.partial(jax.jit, static_argnames="st")
 def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """``out [B, Sq, Hq, Dv]``, logsumexp ``[R, bq]`` and the schedule."""
-    q, k, v = a["query"], a["key"], a["value"]
+    # Non-finite keys/values read as 0, so a hidden one contributes nothing (0 · NaN).
+    q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
     geo = _Geometry.of(a, st)
     side = _SideInputs.of(a, geo)
     schedule = _schedule(_live_blocks(a["block_mask"], geo, st), geo)
     lanes = _Lanes.of(schedule, geo)
     q_lanes = lanes.gather_q(_q_blocks(q, geo))  # [L, bq, D]
     kb, vb = _kv_blocks(k, geo), _kv_blocks(v, geo)
-    init = (
-        jnp.full((geo.lanes, geo.bq), _MASK_VALUE, jnp.float32),
-        jnp.zeros((geo.lanes, geo.bq), jnp.float32),
-        jnp.zeros((geo.lanes, geo.bq, geo.dv), jnp.float32),
-    )
+    init = initial_rows((geo.lanes, geo.bq), geo.dv)
 
     def step(t: jax.Array, carry: Any) -> Any:
-        m, denom, acc = carry
         j, valid = lanes.block(schedule["order"], t)
         s, _ = _scores(q_lanes, kb, j, valid, lanes, side, geo, st)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        denom = alpha * denom + jnp.sum(p, axis=-1)
-        v_j = lanes.gather_kv(vb, j, valid)
-        pv = jnp.einsum("lqk,lkd->lqd", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
-        return m_new, denom, alpha[..., None] * acc + pv
+        return online_step(carry, s, lanes.gather_kv(vb, j, valid), "lqk,lkd->lqd")
 
     m, denom, acc = _merge_rows(*lax.fori_loop(0, schedule["steps"], step, init), lanes, geo)
-    seen = m > _MASK_VALUE
-    denom = jnp.where(seen, denom, 1.0)
-    out = jnp.where(seen[..., None], acc / denom[..., None], 0.0).astype(q.dtype)
-    lse = jnp.where(seen, m + jnp.log(denom), _EMPTY_ROW_LSE)
-    return _unrow_q(out, geo), lse, schedule
+    out, lse = finish_rows(m, denom, acc)
+    return _unrow_q(out.astype(q.dtype), geo), lse, schedule
 
 
 @functools.partial(jax.jit, static_argnames="st")
 def _backward(a: dict[str, Any], d_out: jax.Array, st: _Statics) -> dict[str, jax.Array | None]:
     """FlashAttention-2 Alg. 2 on the forward's schedule; dK/dV/dBias by scatter-add."""
-    q, k, v = a["query"], a["key"], a["value"]
+    q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
     geo = _Geometry.of(a, st)
     side = _SideInputs.of(a, geo)
     schedule = a["schedule"]
@@ -615,7 +603,7 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: _Statics) -> dict[str, ja
     def step(t: jax.Array, carry: Any) -> Any:
         dq, dk, dv, db = carry
         j, valid = lanes.block(schedule["order"], t)
-        s, tanh = _scores(q_lanes, kb, j, valid, lanes, side, geo, st)
+        s, capped = _scores(q_lanes, kb, j, valid, lanes, side, geo, st)
         p = jnp.exp(s - lse_lanes[..., None])  # masked entries and empty rows: exactly 0
         v_j = lanes.gather_kv(vb, j, valid)
         dv_j = jnp.einsum(
@@ -625,8 +613,8 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: _Statics) -> dict[str, ja
         ds = p * (dp - delta_lanes[..., None])
         if db is not None:
             db = side.bias.scatter_add(db, ds, lanes, j)  # type: ignore[union-attr]
-        if tanh is not None:
-            ds = ds * (1.0 - tanh * tanh)
+        if capped is not None:
+            ds = ds * soft_cap_grad(capped, st.logits_soft_cap)
         ds = ds.astype(q.dtype)
         k_j = lanes.gather_kv(kb, j, valid)
         dq = dq + jnp.einsum("lqk,lkd->lqd", ds, k_j, preferred_element_type=jnp.float32)

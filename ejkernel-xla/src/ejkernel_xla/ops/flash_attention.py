@@ -22,12 +22,16 @@ through :func:`ejkernel.plugins.defvjp`. The algorithm is FlashAttention-2 (Dao,
   and ``dV`` of a key block live in the inner carry; the ``dQ`` contributions are stacked and
   summed over key blocks. The bias gradient is ``dS`` summed into the bias's own broadcast
   shape; the sink gradient is ``-Σ p_aux · D`` over batch and rows.
-- Masking is built per block from global positions (causal bottom-right aligned: query i sits
-  at ``Sk - Sq + i``; sliding window; ``attention_mask`` and ``bias`` broadcast and sliced per
-  block; segment ids equal and non-negative) with a finite mask value, so a row with no
-  visible key never produces NaN: it is detected from its running maximum and returns zeros
-  with zero gradients. Blocks that causality or the sliding window hide entirely are skipped
-  (``lax.cond`` on block indices only, which stays a branch under ``vmap``).
+- Masking is :mod:`ejkernel.attention_semantics` laid out per block from global positions
+  (causal bottom-right aligned: query i sits at ``Sk - Sq + i``; sliding window;
+  ``attention_mask`` and ``bias`` broadcast and sliced per block; segment ids equal and
+  non-negative) with the finite ``MASK_VALUE`` selected in, so a row with no visible key never
+  produces NaN: it is detected from its running maximum and returns zeros with zero
+  gradients. Keys and values are read through ``finite_or_zero``, so a hidden NaN or Inf
+  contributes nothing. Blocks that causality or the sliding window hide entirely are skipped
+  (``Geometry.block_may_see``: a ``lax.cond`` on block indices only, which stays a branch
+  under ``vmap``). The engine's pieces live in :mod:`ejkernel_xla.ops._blockwise`, shared with
+  ring attention, MLA and block-sparse attention.
 
 Accumulation is float32; matmul inputs keep the input dtype. It declines nothing (no ``supports``):
 this backend serves every valid call of both ops, on every backend.

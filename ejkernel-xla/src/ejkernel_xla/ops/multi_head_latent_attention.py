@@ -39,16 +39,34 @@ It declines nothing (no ``supports``): this backend serves every valid call, on 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from ejkernel.attention_semantics import (
+    EMPTY_ROW_LSE,
+    Geometry,
+    finite_or_zero,
+    soft_cap_grad,
+)
 from ejkernel.plugins import BwdParams, FwdParams, defvjp
+from ejkernel_xla.ops._blockwise import (
+    backend,
+    block_scores,
+    block_visibility,
+    dot,
+    finish_rows,
+    initial_rows,
+    online_step,
+    pad_axis,
+    scan,
+    take,
+    when,
+    when_else,
+)
 
 __all__ = [
     "MultiHeadLatentAttentionConfig",
@@ -57,11 +75,6 @@ __all__ = [
     "mla_form",
     "multi_head_latent_attention_xla",
 ]
-
-#: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
-_MASK_VALUE = float(np.finfo(np.float32).min)
-#: Logsumexp saved for a row with no visible key: ``exp(anything - it)`` is 0.
-_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
 
 FORMS = ("absorbed", "expanded")
 
@@ -111,7 +124,7 @@ def heuristic(inv: Any) -> MultiHeadLatentAttentionConfig:
     """The cheaper form by :func:`mla_form`, with the backend's default (clamped) blocks."""
     form = mla_form(*_sizes(inv))
     sq, sk = _sizes(inv)[:2]
-    fwd, bwd = (_clamp_blocks(b, sq, sk) for b in _DEFAULT_BLOCKS[_backend()])
+    fwd, bwd = (_clamp_blocks(b, sq, sk) for b in _DEFAULT_BLOCKS[backend()])
     return MultiHeadLatentAttentionConfig(
         form=form,
         fwd_params=FwdParams(q_blocksize=fwd[0], kv_blocksize=fwd[1]),
@@ -124,7 +137,7 @@ def config_space(inv: Any) -> list[MultiHeadLatentAttentionConfig]:
     sq, sk = _sizes(inv)[:2]
     configs = [heuristic(inv)]
     for form in FORMS:
-        for pair in _TUNING_BLOCKS[_backend()]:
+        for pair in _TUNING_BLOCKS[backend()]:
             bq, bk = _clamp_blocks(pair, sq, sk)
             cfg = MultiHeadLatentAttentionConfig(
                 form=form,
@@ -255,12 +268,6 @@ defvjp(
 # --------------------------------------------------------------------------------------------
 
 
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in _DEFAULT_BLOCKS else "cpu"
-
-
 def _sizes(inv: Any) -> tuple[int, int, int, int, int, int, int]:
     """``(Sq, Sk, Hq, R, Dn, Dr, Dv)`` of an invocation."""
     kw = inv.kwargs
@@ -305,7 +312,7 @@ def _statics(
     cfg = cfg if cfg is not None else MultiHeadLatentAttentionConfig()
     form = cfg.form or mla_form(sq, sk, hq, r, dn, d - dn, dv)
     params = cfg.bwd_params if backward else cfg.fwd_params
-    default_q, default_k = _DEFAULT_BLOCKS[_backend()][1 if backward else 0]
+    default_q, default_k = _DEFAULT_BLOCKS[backend()][1 if backward else 0]
     bq, bk = _clamp_blocks(
         (params.q_blocksize or default_q, params.kv_blocksize or default_k), sq, sk
     )
@@ -328,48 +335,38 @@ def _statics(
 @functools.partial(jax.jit, static_argnames="st")
 def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``out [B, Sq, Hq, Dv]``, the attention output in value space and logsumexp [B, Sq, Hq]."""
+    a = _finite_latents(a)
     q, w_vc = a["query"], a["w_vc"]
     geo = _Geometry.of(a, st)
+    sem = _semantics(geo, st)
     q_att, q_rope = _query_parts(a, st)
     qab, qrb = _q_blocks(q_att, geo), _q_blocks(q_rope, geo)
     cb, rb = _k_blocks(a["key_value"], geo), _k_blocks(a["k_rope"], geo)
     f = geo.r if st.absorbed else geo.dv
-    rows = (geo.nq, geo.b, geo.hq, geo.bq)
-    init = (
-        jnp.full(rows, _MASK_VALUE, jnp.float32),
-        jnp.zeros(rows, jnp.float32),
-        jnp.zeros((*rows, f), jnp.float32),
-    )
+    init = initial_rows((geo.nq, geo.b, geo.hq, geo.bq), f)
 
     def one_kv_block(carry: Any, j: Any) -> tuple[Any, None]:
-        c_j, r_j = _take(cb, j), _take(rb, j)
+        c_j, r_j = take(cb, j), take(rb, j)
         k_j, v_j = _project(c_j, a, st)
 
         def one_q_block(_: None, xs: Any) -> tuple[None, Any]:
             i, qa_i, qr_i, *stats = xs
 
             def compute(stats: Any) -> Any:
-                m, denom, acc = stats
                 s, _ = _scores(qa_i, qr_i, k_j, r_j, geo, st, i, j)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                alpha = jnp.exp(m - m_new)
-                p = jnp.exp(s - m_new[..., None])
-                denom = alpha * denom + jnp.sum(p, axis=-1)
-                pv = _dot(_pv_spec(st), p.astype(v_j.dtype), v_j)
-                return m_new, denom, alpha[..., None] * acc + pv
+                return online_step(stats, s, v_j, _pv_spec(st))
 
-            return None, _when(_block_may_see(geo, st, i, j), compute, tuple(stats))
+            return None, when(_block_may_see(sem, geo, i, j), compute, tuple(stats))
 
         _, stats = lax.scan(one_q_block, None, (jnp.arange(geo.nq), qab, qrb, *carry))
         return stats, None
 
-    (m, denom, acc), _ = _scan(one_kv_block, init, geo.nk)
-    seen = m > _MASK_VALUE
-    denom = jnp.where(seen, denom, 1.0)
-    out_attn = _unblock_q(jnp.where(seen[..., None], acc / denom[..., None], 0.0), geo)
-    lse = _unblock_q(jnp.where(seen, m + jnp.log(denom), _EMPTY_ROW_LSE)[..., None], geo)[..., 0]
+    (m, denom, acc), _ = scan(one_kv_block, init, geo.nk)
+    out_attn, lse = finish_rows(m, denom, acc)
+    out_attn = _unblock_q(out_attn, geo)
+    lse = _unblock_q(lse[..., None], geo)[..., 0]
     if st.absorbed:
-        out = _dot("bqhr,rhv->bqhv", out_attn.astype(w_vc.dtype), w_vc).astype(q.dtype)
+        out = dot("bqhr,rhv->bqhv", out_attn.astype(w_vc.dtype), w_vc).astype(q.dtype)
         return out, out_attn, lse
     out = out_attn.astype(q.dtype)
     return out, out, lse
@@ -380,18 +377,20 @@ def _backward(
     a: dict[str, Any], out_attn: jax.Array, lse: jax.Array, d_out: jax.Array, st: _Statics
 ) -> dict[str, jax.Array]:
     """FlashAttention-2 Alg. 2 (keys outer, queries inner), then the projections' chain rule."""
+    a = _finite_latents(a)
     q, c, w_kc, w_vc, rope = (a[n] for n in ("query", "key_value", "w_kc", "w_vc", "k_rope"))
     geo = _Geometry.of(a, st)
+    sem = _semantics(geo, st)
     dtype = q.dtype
     d_out = d_out.astype(dtype)
     q_att, q_rope = _query_parts(a, st)
     # In the absorbed form the attention's values are latents: dO_lat = dO W_vcᵀ.
-    do_att = _dot("bqhv,rhv->bqhr", d_out, w_vc).astype(dtype) if st.absorbed else d_out
+    do_att = dot("bqhv,rhv->bqhr", d_out, w_vc).astype(dtype) if st.absorbed else d_out
     # D = rowsum(dO ∘ O) in the attention's value space (Sec. 3.1.2).
     delta = jnp.sum(do_att.astype(jnp.float32) * out_attn.astype(jnp.float32), axis=-1)
     qab, qrb, dob = _q_blocks(q_att, geo), _q_blocks(q_rope, geo), _q_blocks(do_att, geo)
     deltab = _q_blocks(delta[..., None], geo)[..., 0]
-    lseb = _q_blocks(lse[..., None], geo, fill=_EMPTY_ROW_LSE)[..., 0]
+    lseb = _q_blocks(lse[..., None], geo, fill=EMPTY_ROW_LSE)[..., 0]
     cb, rb = _k_blocks(c, geo), _k_blocks(rope, geo)
     fa = geo.r if st.absorbed else geo.dn
     f = geo.r if st.absorbed else geo.dv
@@ -400,7 +399,7 @@ def _backward(
 
     def one_kv_block(outer: Any, j: Any) -> tuple[Any, Any]:
         dqa, dqr, dw_kc, dw_vc = outer
-        c_j, r_j = _take(cb, j), _take(rb, j)
+        c_j, r_j = take(cb, j), take(rb, j)
         k_j, v_j = _project(c_j, a, st)
         inner_init = (
             jnp.zeros((*k_side, fa), jnp.float32),
@@ -413,18 +412,18 @@ def _backward(
 
             def compute(inner: Any) -> Any:
                 dk_j, dkr_j, dv_j = inner
-                s, tanh = _scores(qa_i, qr_i, k_j, r_j, geo, st, i, j)
+                s, capped = _scores(qa_i, qr_i, k_j, r_j, geo, st, i, j)
                 p = jnp.exp(s - lse_i[..., None])
-                dv_j = dv_j + _dot(_dv_spec(st), p.astype(dtype), do_i)
-                dp = _dot(_dp_spec(st), do_i, v_j)
+                dv_j = dv_j + dot(_dv_spec(st), p.astype(dtype), do_i)
+                dp = dot(_dp_spec(st), do_i, v_j)
                 ds = p * (dp - delta_i[..., None])
-                if tanh is not None:
-                    ds = ds * (1.0 - tanh * tanh)
+                if capped is not None:
+                    ds = ds * soft_cap_grad(capped, st.logits_soft_cap)
                 ds = ds.astype(dtype)
-                dqa_i = _dot(_dq_spec(st), ds, k_j)
-                dqr_i = _dot("bhqk,bke->bhqe", ds, r_j)
-                dk_j = dk_j + _dot(_dk_spec(st), ds, qa_i)
-                dkr_j = dkr_j + _dot("bhqk,bhqe->bke", ds, qr_i)
+                dqa_i = dot(_dq_spec(st), ds, k_j)
+                dqr_i = dot("bhqk,bke->bhqe", ds, r_j)
+                dk_j = dk_j + dot(_dk_spec(st), ds, qa_i)
+                dkr_j = dkr_j + dot("bhqk,bhqe->bke", ds, qr_i)
                 return (dk_j, dkr_j, dv_j), (dqa_i, dqr_i)
 
             def skip(inner: Any) -> Any:
@@ -434,7 +433,7 @@ def _backward(
                 )
                 return inner, zeros
 
-            return _when_else(_block_may_see(geo, st, i, j), compute, skip, inner)
+            return when_else(_block_may_see(sem, geo, i, j), compute, skip, inner)
 
         xs = (jnp.arange(geo.nq), qab, qrb, dob, deltab, lseb)
         (dk_j, dkr_j, dv_j), (dqa_parts, dqr_parts) = lax.scan(one_q_block, inner_init, xs)
@@ -442,9 +441,9 @@ def _backward(
         if st.absorbed:  # keys and values are the latent itself
             dc_j = dk_j + dv_j
         else:  # back through K_j = c_j W_kc and V_j = c_j W_vc
-            dc_j = _dot("bhkn,rhn->bkr", dk_j, w_kc) + _dot("bhkv,rhv->bkr", dv_j, w_vc)
-            dw_kc = dw_kc + _dot("bkr,bhkn->rhn", c_j, dk_j)
-            dw_vc = dw_vc + _dot("bkr,bhkv->rhv", c_j, dv_j)
+            dc_j = dot("bhkn,rhn->bkr", dk_j, w_kc) + dot("bhkv,rhv->bkr", dv_j, w_vc)
+            dw_kc = dw_kc + dot("bkr,bhkn->rhn", c_j, dk_j)
+            dw_vc = dw_vc + dot("bkr,bhkv->rhv", c_j, dv_j)
         outer = (dqa + dqa_parts, dqr + dqr_parts, dw_kc, dw_vc)
         return outer, (dc_j, dkr_j * st.softmax_scale)
 
@@ -454,14 +453,14 @@ def _backward(
         jnp.zeros((geo.r, geo.hq, geo.dn), jnp.float32),
         jnp.zeros((geo.r, geo.hq, geo.dv), jnp.float32),
     )
-    (dqa, dqr, dw_kc, dw_vc), (dc, dkr) = _scan(one_kv_block, outer_init, geo.nk)
+    (dqa, dqr, dw_kc, dw_vc), (dc, dkr) = scan(one_kv_block, outer_init, geo.nk)
     dqa = _unblock_q(dqa, geo) * st.softmax_scale
     dqr = _unblock_q(dqr, geo) * st.softmax_scale
     if st.absorbed:  # back through q_lat = q_nope W_kcᵀ and O = O_lat W_vc
         q_nope = q[..., : geo.dn]
-        dq_nope = _dot("bqhr,rhn->bqhn", dqa, w_kc)
-        dw_kc = _dot("bqhr,bqhn->rhn", dqa, q_nope)
-        dw_vc = _dot("bqhr,bqhv->rhv", out_attn, d_out)
+        dq_nope = dot("bqhr,rhn->bqhn", dqa, w_kc)
+        dw_kc = dot("bqhr,bqhn->rhn", dqa, q_nope)
+        dw_vc = dot("bqhr,bqhv->rhv", out_attn, d_out)
     else:
         dq_nope = dqa
     return {
@@ -526,7 +525,7 @@ def _query_parts(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]
     dn = w_kc.shape[2]
     q_nope, q_rope = q[..., :dn], q[..., dn:]
     if st.absorbed:  # q_lat = q_nope W_kcᵀ: [B, Sq, Hq, R]
-        return _dot("bqhn,rhn->bqhr", q_nope, w_kc).astype(q.dtype), q_rope
+        return dot("bqhn,rhn->bqhr", q_nope, w_kc).astype(q.dtype), q_rope
     return q_nope, q_rope
 
 
@@ -534,8 +533,8 @@ def _project(c_j: jax.Array, a: dict[str, Any], st: _Statics) -> tuple[jax.Array
     """Key-side and value blocks: the latent itself, or this block's per-head K/V."""
     if st.absorbed:
         return c_j, c_j  # [B, bk, R], shared by every head
-    k_j = _dot("bkr,rhn->bhkn", c_j, a["w_kc"]).astype(c_j.dtype)
-    v_j = _dot("bkr,rhv->bhkv", c_j, a["w_vc"]).astype(c_j.dtype)
+    k_j = dot("bkr,rhn->bhkn", c_j, a["w_kc"]).astype(c_j.dtype)
+    v_j = dot("bkr,rhv->bhkv", c_j, a["w_vc"]).astype(c_j.dtype)
     return k_j, v_j
 
 
@@ -564,18 +563,9 @@ def _dk_spec(st: _Statics) -> str:
     return "bhqk,bhqr->bkr" if st.absorbed else "bhqk,bhqn->bhkn"
 
 
-def _pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=fill)
-
-
 def _q_blocks(x: jax.Array, geo: _Geometry, fill: Any = 0) -> jax.Array:
     """[B, Sq, Hq, F] -> [nq, B, Hq, bq, F]."""
-    x = _pad_axis(x, 1, geo.nq * geo.bq, fill)
+    x = pad_axis(x, 1, geo.nq * geo.bq, fill)
     x = x.reshape(geo.b, geo.nq, geo.bq, geo.hq, x.shape[-1])
     return x.transpose(1, 0, 3, 2, 4)
 
@@ -588,7 +578,7 @@ def _unblock_q(x: jax.Array, geo: _Geometry) -> jax.Array:
 
 def _k_blocks(x: jax.Array, geo: _Geometry) -> jax.Array:
     """[B, Sk, F] -> [nk, B, bk, F]."""
-    x = _pad_axis(x, 1, geo.nk * geo.bk)
+    x = pad_axis(x, 1, geo.nk * geo.bk)
     return x.reshape(geo.b, geo.nk, geo.bk, x.shape[-1]).transpose(1, 0, 2, 3)
 
 
@@ -596,12 +586,6 @@ def _unblock_k(x: jax.Array, geo: _Geometry) -> jax.Array:
     """[nk, B, bk, F] -> [B, Sk, F]."""
     x = x.transpose(1, 0, 2, 3).reshape(geo.b, geo.nk * geo.bk, x.shape[-1])
     return x[:, : geo.sk]
-
-
-def _take(x: jax.Array, i: Any) -> jax.Array:
-    if isinstance(i, int):
-        return x[i]
-    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
 
 def _scores(
@@ -614,64 +598,38 @@ def _scores(
     i: Any,
     j: Any,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Masked logits of block (i, j), [B, Hq, bq, bk] float32, and tanh of the soft cap."""
-    s = _dot(_qk_spec(st), qa_i, k_j)
+    """Masked logits of block (i, j), [B, Hq, bq, bk] float32, and the soft-capped ones."""
+    s = dot(_qk_spec(st), qa_i, k_j)
     if geo.dr:
-        s = s + _dot("bhqe,bke->bhqk", qr_i, r_j)
-    s = s * st.softmax_scale
-    tanh = None
-    if st.logits_soft_cap is not None:
-        tanh = jnp.tanh(s * (1.0 / st.logits_soft_cap))
-        s = st.logits_soft_cap * tanh
+        s = s + dot("bhqe,bke->bhqk", qr_i, r_j)
     q_pos = (i * geo.bq + jnp.arange(geo.bq))[:, None] + (geo.sk - geo.sq)
     k_pos = (j * geo.bk + jnp.arange(geo.bk))[None, :]
-    visible = k_pos < geo.sk
-    if st.causal:
-        visible = visible & (k_pos <= q_pos)
-    if st.sliding_window is not None:
-        left, right = st.sliding_window
-        visible = visible & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
-    return jnp.where(visible, s, _MASK_VALUE), tanh
+    vis = block_visibility(
+        q_pos, k_pos, causal=st.causal, window=st.sliding_window, kv_valid=k_pos < geo.sk
+    )
+    return block_scores(
+        s, softmax_scale=st.softmax_scale, logits_soft_cap=st.logits_soft_cap, bias=None, vis=vis
+    )
 
 
-def _block_may_see(geo: _Geometry, st: _Statics, i: Any, j: Any) -> Any:
-    """Whether causality and the window leave block (i, j) any visible entry (``None``: yes).
-
-    Depends on block indices only, so it stays a scalar branch condition under ``vmap``.
-    """
-    if not st.causal and st.sliding_window is None:
-        return None
-    q_lo = i * geo.bq + (geo.sk - geo.sq)
-    q_hi = q_lo + geo.bq - 1
-    k_lo = j * geo.bk
-    k_hi = k_lo + geo.bk - 1
-    conds = []
-    if st.causal:
-        conds.append(k_lo <= q_hi)
-    if st.sliding_window is not None:
-        left, right = st.sliding_window
-        conds += [k_lo <= q_hi + right, k_hi >= q_lo - left]
-    return functools.reduce(jnp.logical_and, [jnp.asarray(c) for c in conds])
+def _finite_latents(a: dict[str, Any]) -> dict[str, Any]:
+    """Non-finite latents read as 0 before any projection mixes them, so a hidden one
+    contributes nothing (:mod:`ejkernel.attention_semantics`)."""
+    return {**a, "key_value": finite_or_zero(a["key_value"]), "k_rope": finite_or_zero(a["k_rope"])}
 
 
-def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
+def _semantics(geo: _Geometry, st: _Statics) -> Geometry:
+    return Geometry(
+        batch=geo.b,
+        sq=geo.sq,
+        sk=geo.sk,
+        num_q_heads=geo.hq,
+        num_kv_heads=geo.hq,
+        causal=st.causal,
+        window=st.sliding_window,
+    )
 
 
-def _when(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
-    """``fn(carry)`` where ``pred`` holds, else ``carry``."""
-    return _when_else(pred, fn, lambda c: c, carry)
-
-
-def _when_else(pred: Any, fn: Callable[[Any], Any], other: Callable[[Any], Any], x: Any) -> Any:
-    if pred is None:
-        return fn(x)
-    return lax.cond(pred, fn, other, x)
-
-
-def _scan(body: Callable[[Any, Any], Any], init: Any, n: int) -> tuple[Any, Any]:
-    """``lax.scan`` over ``range(n)``; a single step runs unrolled with a Python index."""
-    if n == 1:
-        carry, ys = body(init, 0)
-        return carry, jax.tree.map(lambda y: y[None], ys)
-    return lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+def _block_may_see(sem: Geometry, geo: _Geometry, i: Any, j: Any) -> Any:
+    """Whether causality and the window leave block (i, j) any visible entry (``None``: yes)."""
+    return sem.block_may_see(i, j, geo.bq, geo.bk) if sem.restricted else None

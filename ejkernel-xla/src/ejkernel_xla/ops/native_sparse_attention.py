@@ -40,8 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ejkernel.attention_semantics import EMPTY_ROW_LSE, finite_or_zero, hide, mask_scores
 from ejkernel.plugins import FwdParams, defvjp
 from ejkernel.specs.native_sparse_attention import nsa_select_blocks, sequence_layout
+from ejkernel_xla.ops._blockwise import backend, pad_axis
 from ejkernel_xla.ops.flash_attention import flash_attention_xla
 
 __all__ = [
@@ -51,10 +53,6 @@ __all__ = [
     "native_sparse_attention_xla",
 ]
 
-#: Logit of a masked entry: finite, so a row with nothing visible never forms ``inf - inf``.
-_MASK_VALUE = float(np.finfo(np.float32).min)
-#: Logsumexp saved for a row with nothing visible: ``exp(anything - it)`` is 0.
-_EMPTY_ROW_LSE = float(np.finfo(np.float32).max)
 #: Bytes of gathered keys/values one query chunk may hold, per backend (sizes the default
 #: chunk): on CPU a chunk's blocks should stay in cache; on accelerators chunks are larger so
 #: the loops have few steps.
@@ -244,14 +242,9 @@ def _default_chunk(kw: Any) -> int:
     per_query = (
         b * k.shape[2] * count * kw.get("block_size", 64) * (k.shape[3] + v.shape[3]) * itemsize
     )
-    budget = _CHUNK_BYTES.get(_backend(), _CHUNK_BYTES["cpu"])
+    budget = _CHUNK_BYTES.get(backend(), _CHUNK_BYTES["cpu"])
     chunk = 1 << max(0, int(np.log2(max(1, budget // max(1, per_query)))))
     return max(1, min(chunk, 256, s))
-
-
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    return "gpu" if name in ("cuda", "rocm") else name
 
 
 @attrs.frozen(kw_only=True)
@@ -344,7 +337,7 @@ class _Layout:
 
     def chunked(self, x: jax.Array, fill: Any = 0) -> jax.Array:
         """[B|1, S, ...] -> [n_chunks, B|1, cq, ...] (padded queries are dropped later)."""
-        x = _pad_axis(x, 1, self.n_chunks * self.cq, fill)
+        x = pad_axis(x, 1, self.n_chunks * self.cq, fill)
         x = x.reshape(x.shape[0], self.n_chunks, self.cq, *x.shape[2:])
         return jnp.moveaxis(x, 1, 0)
 
@@ -381,7 +374,7 @@ def _compress(x: jax.Array, bs: int, pool: jax.Array | None) -> jax.Array:
     tc = max(1, s // bs)
     x = x.astype(jnp.float32)
     if pool is None:
-        return _pad_axis(x, 1, tc * bs)[:, : tc * bs].reshape(b, tc, bs, h, f).mean(axis=2)
+        return pad_axis(x, 1, tc * bs)[:, : tc * bs].reshape(b, tc, bs, h, f).mean(axis=2)
     rows = jnp.clip(pool[:, None] + jnp.arange(bs), 0, s - 1).reshape(-1)
     return jnp.take(x, rows, axis=1).reshape(b, tc, bs, h, f).mean(axis=2)
 
@@ -422,6 +415,9 @@ def _sparse_forward(
     st: _Statics,
 ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
     """``g_cmp ⊙ o_cmp + g_slc ⊙ o_slc`` float32 [B, S, Hq, Dv], and the chunked residuals."""
+    # Non-finite keys/values read as 0, so a hidden one reaches no row, block choice or
+    # compressed token that cannot see it (attention_semantics).
+    key, value = finite_or_zero(key), finite_or_zero(value)
     geo = _Layout.of(query, value, st, cu_seqlens is not None)
     seqs = _sequences(geo, cu_seqlens)
     k_cmp = _compress(key, geo.bs, seqs["pool"]).transpose(0, 2, 1, 3)  # [B, Hkv, TC, D]
@@ -466,6 +462,7 @@ def _sparse_backward(
     st: _Statics,
 ) -> dict[str, Any]:
     """Gradients of the compressed and selected branches (q, k, v float32; gates cast)."""
+    key, value = finite_or_zero(key), finite_or_zero(value)
     geo = _Layout.of(query, value, st, cu_seqlens is not None)
     seqs = _sequences(geo, cu_seqlens)
     k_cmp, pool_k = jax.vjp(lambda k: _compress(k, geo.bs, seqs["pool"]), key)
@@ -567,7 +564,7 @@ def _select(p_cmp: jax.Array, c: dict[str, Any], geo: _Layout, st: _Statics) -> 
 
 def _rows(x: jax.Array, geo: _Layout) -> jax.Array:
     """[B, S, H, F] -> [B, H, S + bs, F]: a window of bs rows starting in [0, S] fits."""
-    return _pad_axis(x.transpose(0, 2, 1, 3), 2, geo.s + geo.bs)
+    return pad_axis(x.transpose(0, 2, 1, 3), 2, geo.s + geo.bs)
 
 
 def _windows(rows: jax.Array, starts: jax.Array, size: int) -> jax.Array:
@@ -600,13 +597,13 @@ def _softmax_rows(logits: jax.Array, visible: jax.Array) -> tuple[jax.Array, jax
 
     Rows with nothing visible give zeros and a logsumexp that zeroes any recomputed entry.
     """
-    logits = jnp.where(visible, logits, _MASK_VALUE)
+    logits = mask_scores(logits, visible)
     m = jnp.max(logits, axis=-1, keepdims=True)
-    p = jnp.where(visible, jnp.exp(logits - m), 0.0)
+    p = hide(jnp.exp(logits - m), visible)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     seen = denom > 0.0
     p = p / jnp.where(seen, denom, 1.0)
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), _EMPTY_ROW_LSE)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_ROW_LSE)
     return p, lse[..., 0]
 
 
@@ -616,15 +613,6 @@ def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
     On CPU half-precision operands are widened first: XLA:CPU cannot run some batched
     bf16 × bf16 → f32 dots (``Unsupported element type for DotThunk``).
     """
-    if _backend() == "cpu":
+    if backend() == "cpu":
         x, y = (z.astype(jnp.float32) if z.dtype.itemsize < 4 else z for z in (x, y))
     return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
-
-
-def _pad_axis(x: jax.Array, axis: int, size: int, fill: Any = 0) -> jax.Array:
-    extra = size - x.shape[axis]
-    if extra <= 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=fill)

@@ -1,0 +1,281 @@
+"""The Mosaic GPU flash-attention backward: ``dQ`` (consumers own query rows and stream K/V)
+and ``dK``/``dV`` (consumers own key rows and stream Q, dO, logsumexp and Δ; causal starts each
+consumer at its first visible query block), with the forward's producer/consumer structure.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ejkernel.attention_semantics import visible
+from ejkernel_pallas import _compat
+from ejkernel_pallas.gpu import _mosaic as mg
+from ejkernel_pallas.gpu._problem import Problem
+
+__all__ = ["dkv_call", "dq_call"]
+
+
+def dq_call(q, k, v, do, lse, delta, pr: Problem) -> jax.Array:
+    """dQ [B, Sq, Hq, D]: consumers own query rows and stream K/V."""
+    plgpu = _compat.plgpu()
+    scratch = [
+        (
+            mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q, then dQ out
+            mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # dO
+            mg.smem(pr, (2, pr.bq), jnp.float32, tiled=False),  # lse
+            mg.smem(pr, (2, pr.bq), jnp.float32, tiled=False),  # delta
+            mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
+            mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
+        ),
+        plgpu.Barrier(num_barriers=2),  # Q, dO, lse, delta landed (one barrier each)
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=pr.stages),  # K landed
+        plgpu.Barrier(num_barriers=pr.stages),  # V landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # K/V slot free
+    ]
+    return mg.launch(
+        pr,
+        functools.partial(_bwd_dq_kernel, pr=pr),
+        out=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch=scratch,
+        grid=(pr.hq, pr.sq // (2 * pr.bq), pr.b),
+        grid_names=("heads", "q_tiles", "batch"),
+        name="ejkernel_flash_attention_bwd_dq",
+    )(q, k, v, do, lse, delta)
+
+
+def _bwd_dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    smem,
+    q_landed,
+    do_landed,
+    lse_landed,
+    delta_landed,
+    k_landed,
+    v_landed,
+    kv_free,
+    *,
+    pr: Problem,
+):
+    pl, plgpu = _compat.pl, _compat.plgpu()
+    q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
+    b, h = lax.axis_index("batch"), lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile_q0 = lax.axis_index("q_tiles") * (2 * pr.bq)
+    cta_steps = pr.kv_steps(tile_q0 + pr.bq)
+    bq, bk, d = pr.bq, pr.bk, pr.d
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(mg.CONSUMER_REGISTERS, action="increase")
+        q0 = tile_q0 + wg * bq
+        steps = pr.kv_steps(q0)
+        full = pr.kv_full_steps(q0, steps)
+        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        rows = (b, pl.ds(q0, bq), h)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_landed.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_landed.at[wg])
+        plgpu.copy_gmem_to_smem(
+            lse_ref.at[b, h, pl.ds(q0, bq)], lse_smem2.at[wg], lse_landed.at[wg]
+        )
+        plgpu.copy_gmem_to_smem(
+            delta_ref.at[b, h, pl.ds(q0, bq)], delta_smem2.at[wg], delta_landed.at[wg]
+        )
+        for barrier in (q_landed, do_landed, lse_landed, delta_landed):
+            plgpu.barrier_wait(barrier.at[wg])
+        lse = mg.load_row_vector(pr, lse_smem2.at[wg], 1)
+        delta = mg.load_row_vector(pr, delta_smem2.at[wg], 1)
+        dq = mg.layout(pr, jnp.full((bq, d), 0.0, jnp.float32), "WGMMA")
+
+        def step(j, dq, masked: bool):
+            slot = lax.rem(j, jnp.int32(pr.stages))
+            plgpu.barrier_wait(k_landed.at[slot])
+            s = mg.mma(pr, q_smem, k_smem.at[slot], (bq, bk), transpose_b=True)
+            s = s * (pr.scale * mg.LOG2E)
+            if masked:
+                q_pos = mg.iota(pr, (bq, bk), 0) + (q0 + pr.offset)
+                k_pos = mg.iota(pr, (bq, bk), 1) + j * bk
+                s = jnp.where(visible(q_pos, k_pos, causal=True), s, -jnp.inf)
+            p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+            plgpu.barrier_wait(v_landed.at[slot])
+            dp = mg.mma(pr, do_smem, v_smem.at[slot], (bq, bk), transpose_b=True)
+            ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+            dq = mg.mma_acc(pr, dq, ds.astype(pr.dtype), k_smem.at[slot])
+            plgpu.barrier_arrive(kv_free.at[slot])
+            return dq
+
+        dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
+        if pr.causal:
+            dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+            mg.release_slots(pr, steps, cta_steps, (k_landed, v_landed), kv_free)
+        q_smem[...] = (dq * pr.scale).astype(pr.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(mg.PRODUCER_REGISTERS, action="decrease")
+        kv_h = lax.div(h, jnp.int32(pr.group))
+
+        def load(j, slot):
+            rows = (b, pl.ds(j * bk, bk), kv_h)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_landed.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_landed.at[slot])
+
+        mg.produce(pr, cta_steps, load, (kv_free,), start=jnp.int32(0))
+
+
+def dkv_call(q, k, v, do, lse, delta, pr: Problem) -> tuple[jax.Array, jax.Array]:
+    """dK, dV per query head [B, Sk, Hq, D] (float32 when summed over a GQA group after)."""
+    plgpu = _compat.plgpu()
+    out_dtype = pr.dtype if pr.group == 1 else jnp.float32
+    scratch = [
+        (
+            mg.smem(pr, (2, pr.bk, pr.d), pr.dtype),  # K, then dK out
+            mg.smem(pr, (2, pr.bk, pr.d), pr.dtype),  # V, then dV out
+            mg.smem(pr, (pr.stages, pr.bq, pr.d), pr.dtype),  # Q ring
+            mg.smem(pr, (pr.stages, pr.bq, pr.d), pr.dtype),  # dO ring
+            mg.smem(pr, (pr.stages, pr.bq), jnp.float32, tiled=False),  # lse ring
+            mg.smem(pr, (pr.stages, pr.bq), jnp.float32, tiled=False),  # delta ring
+        ),
+        plgpu.Barrier(num_barriers=2),  # K landed
+        plgpu.Barrier(num_barriers=2),  # V landed
+        plgpu.Barrier(num_barriers=pr.stages),  # Q landed
+        plgpu.Barrier(num_barriers=pr.stages),  # dO landed
+        plgpu.Barrier(num_barriers=pr.stages),  # lse landed
+        plgpu.Barrier(num_barriers=pr.stages),  # delta landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # ring slot free
+    ]
+    if out_dtype != pr.dtype:
+        scratch[0] = (*scratch[0], mg.smem(pr, (2, pr.bk, pr.d), jnp.float32, tiled=False))
+    shape = (pr.b, pr.sk, pr.hq, pr.d)
+    return mg.launch(
+        pr,
+        functools.partial(_bwd_dkv_kernel, pr=pr, out_dtype=out_dtype),
+        out=[jax.ShapeDtypeStruct(shape, out_dtype)] * 2,
+        scratch=scratch,
+        grid=(pr.hq, pr.sk // (2 * pr.bk), pr.b),
+        grid_names=("heads", "kv_tiles", "batch"),
+        name="ejkernel_flash_attention_bwd_dkv",
+    )(q, k, v, do, lse, delta)
+
+
+def _bwd_dkv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    smem,
+    k_landed,
+    v_landed,
+    q_landed,
+    do_landed,
+    lse_landed,
+    delta_landed,
+    free,
+    *,
+    pr: Problem,
+    out_dtype: Any,
+):
+    pl, plgpu = _compat.pl, _compat.plgpu()
+    k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *f32_out = smem
+    b, h = lax.axis_index("batch"), lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile_k0 = lax.axis_index("kv_tiles") * (2 * pr.bk)
+    cta_start = pr.q_start(tile_k0)  # the first consumer's keys are seen earliest
+    bq, bk, d = pr.bq, pr.bk, pr.d
+    kv_h = lax.div(h, jnp.int32(pr.group))
+    ring = (q_landed, do_landed, lse_landed, delta_landed)
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(mg.CONSUMER_REGISTERS, action="increase")
+        k0 = tile_k0 + wg * bk
+        start = pr.q_start(k0)
+        full_from = pr.q_full_start(k0, start)
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        rows = (b, pl.ds(k0, bk), kv_h)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_landed.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, v_landed.at[wg])
+        plgpu.barrier_wait(k_landed.at[wg])
+        plgpu.barrier_wait(v_landed.at[wg])
+        zeros = jnp.full((bk, d), 0.0, jnp.float32)
+        carry = (mg.layout(pr, zeros, "WGMMA"), mg.layout(pr, zeros, "WGMMA"))
+        if pr.causal:
+            mg.release_slots(pr, cta_start, start, ring, free)
+
+        def step(i, carry, masked: bool):
+            dk, dv = carry
+            slot = lax.rem(i - cta_start, jnp.int32(pr.stages))
+            plgpu.barrier_wait(q_landed.at[slot])
+            s_t = mg.mma(pr, k_smem, q_smem.at[slot], (bk, bq), transpose_b=True)
+            s_t = s_t * (pr.scale * mg.LOG2E)
+            if masked:
+                k_pos = mg.iota(pr, (bk, bq), 0) + k0
+                q_pos = mg.iota(pr, (bk, bq), 1) + (i * bq + pr.offset)
+                s_t = jnp.where(visible(q_pos, k_pos, causal=True), s_t, -jnp.inf)
+            plgpu.barrier_wait(lse_landed.at[slot])
+            lse = mg.load_row_vector(pr, lse_smem.at[slot], 0)
+            p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+            plgpu.barrier_wait(do_landed.at[slot])
+            dv = mg.mma_acc(pr, dv, p_t.astype(pr.dtype), do_smem.at[slot])
+            dp_t = mg.mma(pr, v_smem, do_smem.at[slot], (bk, bq), transpose_b=True)
+            plgpu.barrier_wait(delta_landed.at[slot])
+            delta = mg.load_row_vector(pr, delta_smem.at[slot], 0)
+            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+            dk = mg.mma_acc(pr, dk, ds_t.astype(pr.dtype), q_smem.at[slot])
+            plgpu.barrier_arrive(free.at[slot])
+            return dk, dv
+
+        carry = lax.fori_loop(start, full_from, functools.partial(step, masked=True), carry)
+        dk, dv = lax.fori_loop(full_from, pr.nq, functools.partial(step, masked=False), carry)
+        out_rows = (b, pl.ds(k0, bk), h)
+        if f32_out:
+            tmp = f32_out[0].at[wg]
+            tmp[...] = dk * pr.scale
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tmp, dk_ref.at[out_rows])
+            plgpu.wait_smem_to_gmem(0)
+            tmp[...] = dv
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tmp, dv_ref.at[out_rows])
+            plgpu.wait_smem_to_gmem(0)
+        else:
+            k_smem[...] = (dk * pr.scale).astype(out_dtype)
+            v_smem[...] = dv.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_rows])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_rows])
+            plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(mg.PRODUCER_REGISTERS, action="decrease")
+
+        def load(i, slot):
+            rows = (b, pl.ds(i * bq, bq), h)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_landed.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_landed.at[slot])
+            vec = (b, h, pl.ds(i * bq, bq))
+            plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], lse_landed.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], delta_landed.at[slot])
+
+        mg.produce(pr, jnp.int32(pr.nq), load, (free,), start=cta_start)
