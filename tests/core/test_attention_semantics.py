@@ -101,6 +101,7 @@ def draw_cases(n: int, seed: int) -> list[Case]:
             window = (int(rng.integers(0, 9)), int(rng.integers(0, 9)))
         segments = bool(rng.random() < 0.4)
         causal = causal or (window is None and not segments)  # something is always hidden
+        segments = segments or (sq == 1 and window is None)  # a decode row sees every key
         cases.append(
             Case(
                 b=int(rng.choice([1, 2])),
