@@ -16,8 +16,8 @@ import pytest
 
 import ejkernel
 from ejkernel._params import FwdParams
+from ejkernel.specs._paged import paged_block_tables
 from ejkernel.specs.prefill_page_attention import SPEC, prefill_page_attention_reference
-from ejkernel.specs.ragged_page_attention import paged_block_tables
 from ejkernel.testing import assert_close
 from ejkernel_xla.ops.prefill_page_attention import (
     PrefillPageAttentionConfig,

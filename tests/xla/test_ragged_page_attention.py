@@ -17,11 +17,8 @@ import pytest
 
 import ejkernel
 from ejkernel._params import FwdParams
-from ejkernel.specs.ragged_page_attention import (
-    SPEC,
-    paged_block_tables,
-    ragged_page_attention_reference,
-)
+from ejkernel.specs._paged import paged_block_tables
+from ejkernel.specs.ragged_page_attention import SPEC, ragged_page_attention_reference
 from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal
 from ejkernel_xla.ops.ragged_page_attention import (

@@ -18,7 +18,7 @@ import pytest
 
 import ejkernel
 from ejkernel._params import FwdParams
-from ejkernel.specs.ragged_page_attention import paged_block_tables
+from ejkernel.specs._paged import paged_block_tables
 from ejkernel.specs.ragged_page_attention_v3 import SPEC, ragged_page_attention_v3_reference
 from ejkernel.testing import assert_close
 from ejkernel_xla.ops.ragged_page_attention_v3 import (

@@ -16,7 +16,7 @@ import pytest
 
 import ejkernel
 from ejkernel._params import FwdParams
-from ejkernel.specs.ragged_page_attention import paged_block_tables
+from ejkernel.specs._paged import paged_block_tables
 from ejkernel.specs.unified_attention import SPEC, unified_attention_reference
 from ejkernel.testing import assert_close
 from ejkernel_xla.ops.unified_attention import (

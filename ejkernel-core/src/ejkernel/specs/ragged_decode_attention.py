@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, default_synthetic, is_floating
-from ejkernel.specs.ragged_page_attention import (
+from ejkernel.specs._paged import (
     attend_rows,
     check_index_vector,
     check_sinks,

@@ -24,12 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
-from ejkernel.specs.ragged_page_attention import (
-    packed_paged_reference,
-    ragged_tokens,
-    synthetic_packed_inputs,
-    validate_ragged_page_attention,
-)
+from ejkernel.specs._paged import packed_paged_reference, ragged_tokens, synthetic_paged_inputs
+from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
 
 __all__ = [
     "SPEC",
@@ -139,7 +135,7 @@ SPEC = OpSpec(
     validate=validate_ragged_page_attention_v3,
     reference=ragged_page_attention_v3_reference,
     differentiable=False,
-    synthetic=synthetic_packed_inputs,
+    synthetic=synthetic_paged_inputs,
     examples="ejkernel.testing.cases.ragged_page_attention_v3:examples",
 )
 

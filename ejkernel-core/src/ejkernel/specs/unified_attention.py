@@ -21,11 +21,8 @@ import jax
 import numpy as np
 
 from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
-from ejkernel.specs.ragged_page_attention import (
-    packed_paged_reference,
-    synthetic_packed_inputs,
-    validate_ragged_page_attention,
-)
+from ejkernel.specs._paged import packed_paged_reference, synthetic_paged_inputs
+from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
 
 __all__ = ["SPEC", "unified_attention", "unified_attention_reference", "validate_unified_attention"]
 
@@ -102,7 +99,7 @@ SPEC = OpSpec(
     validate=validate_unified_attention,
     reference=unified_attention_reference,
     differentiable=False,
-    synthetic=synthetic_packed_inputs,
+    synthetic=synthetic_paged_inputs,
     examples="ejkernel.testing.cases.unified_attention:examples",
 )
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ejkernel.specs.ragged_page_attention import paged_block_tables
+from ejkernel.specs._paged import paged_block_tables
 
 __all__ = ["GARBAGE", "paged_fill"]
 
