@@ -1,6 +1,6 @@
 """prefill_page_attention on XLA: causal chunked prefill of one sequence (forward only).
 
-Runs the work-list core of :mod:`ejkernel_xla.ops.ragged_page_attention` on a batch of one
+Runs the work-list engine of :mod:`ejkernel_xla.ops._paged` on a batch of one
 sequence: the ``C`` queries (positions ``kv_len - C + i``) are cut into work items of
 ``q_blocksize`` tokens, each paired with the key blocks it can see (causally, and within the
 sliding window), gathered from ``page_indices`` only as far as ``ceil(kv_len / page_size)``.
@@ -12,22 +12,24 @@ Under ``jax.jit`` the work follows ``kv_len``, never ``num_pages`` or ``P``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_xla.ops.ragged_page_attention import (
+from ejkernel_xla.ops._paged import (
+    PagedConfig,
     Problem,
-    RaggedPageAttentionConfig,
     Statics,
     attend,
     make_statics,
-    paged_config_space,
     paged_fetch,
-    paged_heuristic,
+    paged_problem,
     paged_sequences,
+    supports,
+    tuning,
 )
 
 __all__ = [
@@ -40,42 +42,15 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class PrefillPageAttentionConfig(RaggedPageAttentionConfig):
-    """Tunables of the XLA chunked prefill: those of the ragged op."""
+class PrefillPageAttentionConfig(PagedConfig):
+    """Tunables of the XLA chunked prefill (see :class:`~ejkernel_xla.ops._paged.PagedConfig`)."""
 
 
-def _problem(query: Any, key_cache: Any, page_indices: Any) -> Problem:
-    page_size = int(key_cache.shape[1])
-    return Problem(
-        tokens=int(query.shape[0]),
-        seqs=1,
-        hq=int(query.shape[1]),
-        kv_width=2 * int(key_cache.shape[2] * key_cache.shape[3]),
-        page_size=page_size,
-        capacity=int(page_indices.shape[0]) * page_size,
-        decode=False,
-    )
+def _problem(kw: Mapping[str, Any]) -> Problem:
+    return paged_problem(kw["query"], kw["key_cache"], kw["page_indices"])
 
 
-def heuristic(inv: Any) -> PrefillPageAttentionConfig:
-    """Query blocks of up to 32 (CPU) / 64 (GPU) tokens, ~256-key blocks of whole pages."""
-    kw = inv.kwargs
-    return paged_heuristic(
-        _problem(kw["query"], kw["key_cache"], kw["page_indices"]), PrefillPageAttentionConfig
-    )
-
-
-def config_space(inv: Any) -> list[PrefillPageAttentionConfig]:
-    kw = inv.kwargs
-    return paged_config_space(
-        _problem(kw["query"], kw["key_cache"], kw["page_indices"]), PrefillPageAttentionConfig
-    )
-
-
-def supports(inv: Any) -> bool:
-    """Always ``True``: the XLA backend serves every valid call."""
-    del inv
-    return True
+heuristic, config_space = tuning(PrefillPageAttentionConfig, _problem)
 
 
 def prefill_page_attention_xla(
@@ -94,27 +69,15 @@ def prefill_page_attention_xla(
 
     Args:
         query: [C, Hq, D].
-        key_cache: [num_pages, page_size, Hkv, D].
-        value_cache: [num_pages, page_size, Hkv, D].
-        kv_len: int32 scalar.
-        page_indices: [P] int.
-        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
-        logits_soft_cap: ``cap * tanh(logits / cap)`` before masking, or ``None``.
-        sliding_window: ``(left, right)`` or ``None``.
+        key_cache, value_cache: [num_pages, page_size, Hkv, D].
+        kv_len: int32 scalar; page_indices: [P] int.
+        softmax_scale, logits_soft_cap, sliding_window: as the spec normalises them.
         cfg: blocks; ``None`` takes the heuristic's.
 
     Returns:
         [C, Hq, D] in the query dtype.
     """
-    st = make_statics(
-        _problem(query, key_cache, page_indices),
-        cfg,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
-        causal=True,
-        d=int(query.shape[-1]),
-    )
+    st = make_statics(_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window)
     return _forward(query, key_cache, value_cache, kv_len, page_indices, st)
 
 
