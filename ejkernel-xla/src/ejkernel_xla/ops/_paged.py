@@ -42,9 +42,7 @@ sliding window bounds it by the window), plus O(items) once for the work list. I
 depend on ``num_pages`` (the cache is only gathered from) nor on ``max_pages`` (the table
 width); a step's temporaries are bounded by the per-backend step budgets below. Measured
 (``benchmarks/bench_serving.py``, CPU): decode time flat when ``num_pages`` or ``max_pages``
-grows 10x, linear in ``sum(kv_lens)``.
-
-``supports()`` declines nothing: this backend serves every valid call on every backend.
+grows 10x, linear in ``sum(kv_lens)``. :func:`supports` (every op's) declines nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +69,7 @@ __all__ = [
     "dense_fetch",
     "make_statics",
     "packed_forward",
+    "packed_problem",
     "paged_config_space",
     "paged_fetch",
     "paged_heuristic",
@@ -274,6 +273,11 @@ def paged_problem(queries: Any, key_cache: Any, tables: Any, *, decode: bool = F
         decode=decode,
         head_dim=int(queries.shape[-1]),
     )
+
+
+def packed_problem(kw: Mapping[str, Any]) -> Problem:
+    """The problem of a packed op (``queries``, ``key_cache``, ``block_tables`` by name)."""
+    return paged_problem(kw["queries"], kw["key_cache"], kw["block_tables"])
 
 
 def tuning(

@@ -9,7 +9,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["backend", "check_chunk_size", "delta", "fit_chunk", "skip_and_gate"]
+__all__ = [
+    "backend",
+    "check_chunk_size",
+    "delta",
+    "fit_chunk",
+    "pull_skip_and_gate",
+    "skip_and_gate",
+]
 
 
 def backend(table: Mapping[str, Any]) -> str:
@@ -51,3 +58,13 @@ def skip_and_gate(y: jax.Array, x: jax.Array, skip: jax.Array, gate: jax.Array |
     if gate is not None:
         out = out * jax.nn.silu(gate.astype(jnp.float32))
     return out
+
+
+def pull_skip_and_gate(
+    a: dict[str, Any], y: jax.Array, d_out: jax.Array
+) -> tuple[dict[str, jax.Array], jax.Array]:
+    """The cotangents of :func:`skip_and_gate` from ``d_out``: ``({x, D, gate}, d_y)`` (float32;
+    ``gate`` only when given)."""
+    outer = {n: a[n] for n in ("x", "D", "gate") if a[n] is not None}
+    _, pull = jax.vjp(lambda o, y: skip_and_gate(y, o["x"], o["D"], o.get("gate")), outer, y)
+    return pull(d_out.astype(jnp.float32))

@@ -19,33 +19,23 @@ import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_xla.ops._paged import (
-    PagedConfig,
-    Problem,
-    Statics,
-    attend,
-    decode_sequences,
-    make_statics,
-    paged_fetch,
-    paged_problem,
-    supports,
-    tuning,
-)
+from ejkernel_xla.ops import _paged as engine
 
 __all__ = ["PageAttentionConfig", "config_space", "heuristic", "page_attention_xla", "supports"]
 
 
 @attrs.frozen(kw_only=True)
-class PageAttentionConfig(PagedConfig):
+class PageAttentionConfig(engine.PagedConfig):
     """Tunables of the XLA page attention (see :class:`~ejkernel_xla.ops._paged.PagedConfig`;
     ``q_blocksize`` is moot: one query per sequence)."""
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
-    return paged_problem(kw["query"], kw["key_cache"], kw["block_tables"], decode=True)
+def _problem(kw: Mapping[str, Any]) -> engine.Problem:
+    return engine.paged_problem(kw["query"], kw["key_cache"], kw["block_tables"], decode=True)
 
 
-heuristic, config_space = tuning(PageAttentionConfig, _problem)
+supports = engine.supports
+heuristic, config_space = engine.tuning(PageAttentionConfig, _problem)
 
 
 def page_attention_xla(
@@ -72,7 +62,9 @@ def page_attention_xla(
     Returns:
         [S, Hq, D] in the query dtype.
     """
-    st = make_statics(_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window)
+    st = engine.make_statics(
+        _problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
+    )
     return _forward(query, key_cache, value_cache, kv_lens, block_tables, st)
 
 
@@ -83,12 +75,15 @@ def _forward(
     value_cache: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
-    st: Statics,
+    st: engine.Statics,
 ) -> jax.Array:
     kv_len = kv_lens.astype(jnp.int32)
     kv_hi = jnp.clip(kv_len, 0, block_tables.shape[1] * key_cache.shape[1])
     # The decode token is the newest one.
-    seqs = decode_sequences(kv_len - 1, jnp.zeros_like(kv_len), kv_hi)
-    return attend(
-        query, seqs, paged_fetch(key_cache, value_cache, block_tables, kv_hi, st.kv_block), st
+    seqs = engine.decode_sequences(kv_len - 1, jnp.zeros_like(kv_len), kv_hi)
+    return engine.attend(
+        query,
+        seqs,
+        engine.paged_fetch(key_cache, value_cache, block_tables, kv_hi, st.kv_block),
+        st,
     )

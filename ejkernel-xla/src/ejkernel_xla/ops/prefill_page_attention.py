@@ -19,18 +19,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_xla.ops._paged import (
-    PagedConfig,
-    Problem,
-    Statics,
-    attend,
-    make_statics,
-    paged_fetch,
-    paged_problem,
-    paged_sequences,
-    supports,
-    tuning,
-)
+from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
     "PrefillPageAttentionConfig",
@@ -42,15 +31,16 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class PrefillPageAttentionConfig(PagedConfig):
+class PrefillPageAttentionConfig(engine.PagedConfig):
     """Tunables of the XLA chunked prefill (see :class:`~ejkernel_xla.ops._paged.PagedConfig`)."""
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
-    return paged_problem(kw["query"], kw["key_cache"], kw["page_indices"])
+def _problem(kw: Mapping[str, Any]) -> engine.Problem:
+    return engine.paged_problem(kw["query"], kw["key_cache"], kw["page_indices"])
 
 
-heuristic, config_space = tuning(PrefillPageAttentionConfig, _problem)
+supports = engine.supports
+heuristic, config_space = engine.tuning(PrefillPageAttentionConfig, _problem)
 
 
 def prefill_page_attention_xla(
@@ -77,7 +67,9 @@ def prefill_page_attention_xla(
     Returns:
         [C, Hq, D] in the query dtype.
     """
-    st = make_statics(_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window)
+    st = engine.make_statics(
+        _problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
+    )
     return _forward(query, key_cache, value_cache, kv_len, page_indices, st)
 
 
@@ -88,13 +80,15 @@ def _forward(
     value_cache: jax.Array,
     kv_len: jax.Array,
     page_indices: jax.Array,
-    st: Statics,
+    st: engine.Statics,
 ) -> jax.Array:
     c = query.shape[0]
     tables = page_indices[None]
     kv_lens = jnp.asarray(kv_len, jnp.int32).reshape(1)
     starts = jnp.array([0, c], jnp.int32)
-    seqs = paged_sequences(kv_lens, starts, jnp.int32(1), c, tables.shape[1] * key_cache.shape[1])
-    return attend(
-        query, seqs, paged_fetch(key_cache, value_cache, tables, seqs.kv_hi, st.kv_block), st
+    seqs = engine.paged_sequences(
+        kv_lens, starts, jnp.int32(1), c, tables.shape[1] * key_cache.shape[1]
+    )
+    return engine.attend(
+        query, seqs, engine.paged_fetch(key_cache, value_cache, tables, seqs.kv_hi, st.kv_block), st
     )

@@ -20,17 +20,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_xla.ops._paged import (
-    PagedConfig,
-    Problem,
-    Statics,
-    attend,
-    decode_sequences,
-    dense_fetch,
-    make_statics,
-    supports,
-    tuning,
-)
+from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
     "RaggedDecodeAttentionConfig",
@@ -42,16 +32,16 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class RaggedDecodeAttentionConfig(PagedConfig):
+class RaggedDecodeAttentionConfig(engine.PagedConfig):
     """Tunables of the XLA ragged decode: ``kv_blocksize`` keys per block (clamped to Sk) and
     ``blocks_per_step``; ``q_blocksize`` is moot (one query per row)."""
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
+def _problem(kw: Mapping[str, Any]) -> engine.Problem:
     """A dense cache: pages of one key, a capacity of Sk."""
     query, key, value = kw["query"], kw["key"], kw["value"]
     b = int(query.shape[0])
-    return Problem(
+    return engine.Problem(
         tokens=b,
         seqs=b,
         hq=int(query.shape[1]),
@@ -63,7 +53,8 @@ def _problem(kw: Mapping[str, Any]) -> Problem:
     )
 
 
-heuristic, config_space = tuning(RaggedDecodeAttentionConfig, _problem)
+supports = engine.supports
+heuristic, config_space = engine.tuning(RaggedDecodeAttentionConfig, _problem)
 
 
 def ragged_decode_attention_xla(
@@ -92,7 +83,9 @@ def ragged_decode_attention_xla(
     Returns:
         [B, Hq, Dv] in the query dtype.
     """
-    st = make_statics(_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window)
+    st = engine.make_statics(
+        _problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
+    )
     return _forward(query, key, value, sequence_start, sequence_end, softmax_aux, st)
 
 
@@ -104,10 +97,12 @@ def _forward(
     sequence_start: jax.Array,
     sequence_end: jax.Array,
     softmax_aux: jax.Array | None,
-    st: Statics,
+    st: engine.Statics,
 ) -> jax.Array:
     sk = key.shape[1]
     start = jnp.clip(sequence_start.astype(jnp.int32), 0, sk)
     end = jnp.clip(sequence_end.astype(jnp.int32), 0, sk)
-    seqs = decode_sequences(end - 1, start, end)  # the decode token is the newest one
-    return attend(query, seqs, dense_fetch(key, value, st.kv_block), st, softmax_aux=softmax_aux)
+    seqs = engine.decode_sequences(end - 1, start, end)  # the decode token is the newest one
+    return engine.attend(
+        query, seqs, engine.dense_fetch(key, value, st.kv_block), st, softmax_aux=softmax_aux
+    )

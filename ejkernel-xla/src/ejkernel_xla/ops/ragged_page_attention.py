@@ -12,21 +12,10 @@ never read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import attrs
 import jax
 
-from ejkernel_xla.ops._paged import (
-    PagedConfig,
-    Problem,
-    make_statics,
-    packed_forward,
-    paged_problem,
-    supports,
-    tuning,
-)
+from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
     "RaggedPageAttentionConfig",
@@ -38,16 +27,13 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class RaggedPageAttentionConfig(PagedConfig):
+class RaggedPageAttentionConfig(engine.PagedConfig):
     """Tunables of the XLA ragged paged attention (see
     :class:`~ejkernel_xla.ops._paged.PagedConfig`)."""
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
-    return paged_problem(kw["queries"], kw["key_cache"], kw["block_tables"])
-
-
-heuristic, config_space = tuning(RaggedPageAttentionConfig, _problem)
+supports = engine.supports
+heuristic, config_space = engine.tuning(RaggedPageAttentionConfig, engine.packed_problem)
 
 
 def ragged_page_attention_xla(
@@ -79,8 +65,10 @@ def ragged_page_attention_xla(
     Returns:
         [T, Hq, D] in the query dtype.
     """
-    st = make_statics(_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window)
-    return packed_forward(
+    st = engine.make_statics(
+        engine.packed_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
+    )
+    return engine.packed_forward(
         queries,
         key_cache,
         value_cache,

@@ -1,4 +1,4 @@
-"""ragged_page_attention_v3 on XLA: write the new keys/values into their pages, then attend.
+"""ragged_page_attention_v3 on XLA: write the new keys/values into their pages, then engine.attend.
 
 The update is two scatters, ``cache.at[page, slot].set(new, mode="drop")``, of the ``T`` new
 rows only (tokens that must not be written aim at page ``num_pages``, out of range, and are
@@ -14,26 +14,12 @@ touches memory in proportion to ``num_pages``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_xla.ops._paged import (
-    PagedConfig,
-    Problem,
-    Sequences,
-    Statics,
-    attend,
-    make_statics,
-    paged_fetch,
-    paged_problem,
-    paged_sequences,
-    supports,
-    tuning,
-)
+from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
     "RaggedPageAttentionV3Config",
@@ -45,16 +31,13 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class RaggedPageAttentionV3Config(PagedConfig):
+class RaggedPageAttentionV3Config(engine.PagedConfig):
     """Tunables of the XLA fused update and attention (see
     :class:`~ejkernel_xla.ops._paged.PagedConfig`)."""
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
-    return paged_problem(kw["queries"], kw["key_cache"], kw["block_tables"])
-
-
-heuristic, config_space = tuning(RaggedPageAttentionV3Config, _problem)
+supports = engine.supports
+heuristic, config_space = engine.tuning(RaggedPageAttentionV3Config, engine.packed_problem)
 
 
 def ragged_page_attention_v3_xla(
@@ -91,7 +74,9 @@ def ragged_page_attention_v3_xla(
     Returns:
         ``(out [T, Hq, D], key_cache, value_cache)``.
     """
-    st = make_statics(_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window)
+    st = engine.make_statics(
+        engine.packed_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
+    )
     return _forward(
         queries,
         keys,
@@ -119,21 +104,21 @@ def _forward(
     query_start_loc: jax.Array,
     num_seqs: jax.Array,
     softmax_aux: jax.Array | None,
-    st: Statics,
+    st: engine.Statics,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     t = queries.shape[0]
     capacity = block_tables.shape[1] * key_cache.shape[1]
-    seqs = paged_sequences(kv_lens, query_start_loc, num_seqs, t, capacity)
+    seqs = engine.paged_sequences(kv_lens, query_start_loc, num_seqs, t, capacity)
     page, slot = _destinations(seqs, block_tables, key_cache.shape[0], key_cache.shape[1], t)
     key_cache = key_cache.at[page, slot].set(keys.astype(key_cache.dtype), mode="drop")
     value_cache = value_cache.at[page, slot].set(values.astype(value_cache.dtype), mode="drop")
-    fetch = paged_fetch(key_cache, value_cache, block_tables, seqs.kv_hi, st.kv_block)
-    out = attend(queries, seqs, fetch, st, softmax_aux=softmax_aux)
+    fetch = engine.paged_fetch(key_cache, value_cache, block_tables, seqs.kv_hi, st.kv_block)
+    out = engine.attend(queries, seqs, fetch, st, softmax_aux=softmax_aux)
     return out, key_cache, value_cache
 
 
 def _destinations(
-    seqs: Sequences, block_tables: jax.Array, num_pages: int, page_size: int, tokens: int
+    seqs: engine.Sequences, block_tables: jax.Array, num_pages: int, page_size: int, tokens: int
 ) -> tuple[jax.Array, jax.Array]:
     """Page and slot of each new token; ``num_pages`` (dropped) for tokens not to be written."""
     t = jnp.arange(tokens, dtype=jnp.int32)

@@ -48,13 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.plugins import defvjp
-from ejkernel_xla.ops._state_space import (
-    backend,
-    check_chunk_size,
-    delta,
-    fit_chunk,
-    skip_and_gate,
-)
+from ejkernel_xla.ops import _state_space as ssm
 
 __all__ = [
     "StateSpaceV1Config",
@@ -93,7 +87,7 @@ class StateSpaceV1Config:
             tokens) or ``"sequential"`` (a token loop).
     """
 
-    chunk_size: int = attrs.field(default=64, validator=check_chunk_size)
+    chunk_size: int = attrs.field(default=64, validator=ssm.check_chunk_size)
     intra_chunk: str = attrs.field(default="associative")
 
     @intra_chunk.validator
@@ -107,9 +101,9 @@ class StateSpaceV1Config:
 def heuristic(inv: Any) -> StateSpaceV1Config:
     """The backend's default chunk and intra-chunk solver; the chunk shrunk to a power of two
     for shorter sequences."""
-    name = backend(_DEFAULT_CHUNK)
+    name = ssm.backend(_DEFAULT_CHUNK)
     return StateSpaceV1Config(
-        chunk_size=fit_chunk(_DEFAULT_CHUNK[name], int(inv.kwargs["x"].shape[1])),
+        chunk_size=ssm.fit_chunk(_DEFAULT_CHUNK[name], int(inv.kwargs["x"].shape[1])),
         intra_chunk=_DEFAULT_INTRA[name],
     )
 
@@ -119,7 +113,7 @@ def config_space(inv: Any) -> list[StateSpaceV1Config]:
     configs = [heuristic(inv)]
     for chunk, intra in _TUNING:
         cfg = StateSpaceV1Config(
-            chunk_size=fit_chunk(chunk, int(inv.kwargs["x"].shape[1])), intra_chunk=intra
+            chunk_size=ssm.fit_chunk(chunk, int(inv.kwargs["x"].shape[1])), intra_chunk=intra
         )
         if cfg not in configs:
             configs.append(cfg)
@@ -260,7 +254,7 @@ class _Chunks(NamedTuple):
 
 def _prepare(a: dict[str, Any], st: _Statics) -> _Chunks:
     """Δ from dt (bias, softplus), float32, laid out in chunks ``[M, B, C, ...]``."""
-    d = delta(a["dt"], a["dt_bias"], st.dt_softplus)
+    d = ssm.delta(a["dt"], a["dt_bias"], st.dt_softplus)
     chunks = lambda v: _to_chunks(v, st.chunk)
     return _Chunks(x=chunks(a["x"]), delta=chunks(d), b=chunks(a["B"]), c=chunks(a["C"]))
 
@@ -294,7 +288,7 @@ def _forward(a: dict[str, Any], st: _Statics, save: bool) -> tuple[jax.Array, ja
 
     final, (y, states) = lax.scan(body, _initial_state(a), chunks)
     y = _unchunk(y, s)
-    out = skip_and_gate(y, a["x"], a["D"], a["gate"]).astype(a["x"].dtype)
+    out = ssm.skip_and_gate(y, a["x"], a["D"], a["gate"]).astype(a["x"].dtype)
     return out, final, ((y, states) if save else None)
 
 
@@ -308,9 +302,7 @@ def _backward(
     st: _Statics,
 ) -> dict[str, jax.Array | None]:
     """Pull back the gate, then a reverse scan over chunks, then Δ's bias and softplus."""
-    outer = {n: a[n] for n in ("x", "D", "gate") if a[n] is not None}
-    _, pull_gate = jax.vjp(lambda o, y: skip_and_gate(y, o["x"], o["D"], o.get("gate")), outer, y)
-    d_outer, d_y = pull_gate(d_o.astype(jnp.float32))
+    d_outer, d_y = ssm.pull_skip_and_gate(a, y, d_o)
 
     inner = {n: a[n] for n in ("x", "dt", "dt_bias", "B", "C") if a[n] is not None}
     chunks, pull_prepare = jax.vjp(lambda i: _prepare({**a, **i}, st), inner)

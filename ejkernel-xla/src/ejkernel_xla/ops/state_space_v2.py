@@ -51,13 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.plugins import defvjp
-from ejkernel_xla.ops._state_space import (
-    backend,
-    check_chunk_size,
-    delta,
-    fit_chunk,
-    skip_and_gate,
-)
+from ejkernel_xla.ops import _state_space as ssm
 from ejkernel_xla.ops.recurrent import (
     LinearStatics,
     linear_attention_backward,
@@ -88,13 +82,13 @@ class StateSpaceV2Config:
         chunk_size: tokens per chunk C (the op's ``chunk_size`` argument wins over it).
     """
 
-    chunk_size: int = attrs.field(default=64, validator=check_chunk_size)
+    chunk_size: int = attrs.field(default=64, validator=ssm.check_chunk_size)
 
 
 def heuristic(inv: Any) -> StateSpaceV2Config:
     """The backend's default chunk (or the call's ``chunk_size``), no longer than needed."""
-    chunk = inv.kwargs.get("chunk_size") or _DEFAULT_CHUNK[backend(_DEFAULT_CHUNK)]
-    return StateSpaceV2Config(chunk_size=fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
+    chunk = inv.kwargs.get("chunk_size") or _DEFAULT_CHUNK[ssm.backend(_DEFAULT_CHUNK)]
+    return StateSpaceV2Config(chunk_size=ssm.fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
 
 
 def config_space(inv: Any) -> list[StateSpaceV2Config]:
@@ -103,7 +97,7 @@ def config_space(inv: Any) -> list[StateSpaceV2Config]:
     if inv.kwargs.get("chunk_size") is not None:
         return configs
     for chunk in _TUNING_CHUNKS:
-        cfg = StateSpaceV2Config(chunk_size=fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
+        cfg = StateSpaceV2Config(chunk_size=ssm.fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
         if cfg not in configs:
             configs.append(cfg)
     return configs
@@ -242,7 +236,7 @@ def _as_linear(a: dict[str, Any], st: _Statics) -> dict[str, Any]:
     x = a["x"].astype(jnp.float32)
     heads = x.shape[2] // a["B"].shape[2]
     per_head = lambda v: jnp.repeat(v.astype(jnp.float32), heads, axis=2)
-    d = delta(a["dt"], a["dt_bias"], st.dt_softplus)
+    d = ssm.delta(a["dt"], a["dt_bias"], st.dt_softplus)
     init = a["initial_state"]
     return {
         "query": per_head(a["C"]),
@@ -257,7 +251,7 @@ def _as_linear(a: dict[str, Any], st: _Statics) -> dict[str, Any]:
 def _forward(a: dict[str, Any], st: _Statics, save: bool) -> tuple[Any, Any]:
     """``(out or (out, final_state), (y, chunk-start states [M, B, H, N, P]) or None)``."""
     y, final, states = _ssd(a, st)
-    out = skip_and_gate(y, a["x"], a["D"], a["gate"]).astype(a["x"].dtype)
+    out = ssm.skip_and_gate(y, a["x"], a["D"], a["gate"]).astype(a["x"].dtype)
     if st.linear.return_state:
         out = (out, final)
     if not save:
@@ -277,9 +271,7 @@ def _backward(
     st: _Statics,
 ) -> dict[str, jax.Array | None]:
     """Pull back the gate and skip, then the engine's backward, then the mapping onto it."""
-    outer = {n: a[n] for n in ("x", "D", "gate") if a[n] is not None}
-    _, pull_outer = jax.vjp(lambda o, y: skip_and_gate(y, o["x"], o["D"], o.get("gate")), outer, y)
-    d_outer, d_lin_y = pull_outer(d_y.astype(jnp.float32))
+    d_outer, d_lin_y = ssm.pull_skip_and_gate(a, y, d_y)
 
     diff = {n: a[n] for n in _ARRAYS if a[n] is not None}
     linear, pull_linear = jax.vjp(lambda d: _as_linear({**a, **d}, st), diff)
@@ -308,7 +300,7 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
     r = h // g  # heads per group
     c = st.linear.chunk
     m = -(-s // c)
-    d = delta(a["dt"], a["dt_bias"], st.dt_softplus)
+    d = ssm.delta(a["dt"], a["dt_bias"], st.dt_softplus)
 
     def chunks(v: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, M, C, ...], zero padded
         v = jnp.pad(f32(v), [(0, 0), (0, m * c - s)] + [(0, 0)] * (v.ndim - 2))

@@ -11,22 +11,11 @@ with a sliding window). Under ``jax.jit`` the work follows the visible keys, nev
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_xla.ops._paged import (
-    PagedConfig,
-    Problem,
-    make_statics,
-    packed_forward,
-    paged_problem,
-    supports,
-    tuning,
-)
+from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
     "UnifiedAttentionConfig",
@@ -38,15 +27,12 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class UnifiedAttentionConfig(PagedConfig):
+class UnifiedAttentionConfig(engine.PagedConfig):
     """Tunables of the XLA unified attention (see :class:`~ejkernel_xla.ops._paged.PagedConfig`)."""
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
-    return paged_problem(kw["queries"], kw["key_cache"], kw["block_tables"])
-
-
-heuristic, config_space = tuning(UnifiedAttentionConfig, _problem)
+supports = engine.supports
+heuristic, config_space = engine.tuning(UnifiedAttentionConfig, engine.packed_problem)
 
 
 def unified_attention_xla(
@@ -79,9 +65,11 @@ def unified_attention_xla(
     Returns:
         [T, Hq, D] in the query dtype.
     """
-    problem = _problem(locals())
-    st = make_statics(problem, cfg, softmax_scale, logits_soft_cap, sliding_window, causal=causal)
-    return packed_forward(
+    problem = engine.packed_problem(locals())
+    st = engine.make_statics(
+        problem, cfg, softmax_scale, logits_soft_cap, sliding_window, causal=causal
+    )
+    return engine.packed_forward(
         queries,
         key_cache,
         value_cache,
