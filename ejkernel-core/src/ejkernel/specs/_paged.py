@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import check_array, default_synthetic, is_floating, is_integer
+from ejkernel.specs._base import Arg, check_array, default_synthetic, is_floating, is_integer
 from ejkernel.specs.flash_attention import _number, normalize_window
 
 __all__ = [
+    "SINKS",
+    "STATICS",
     "PagedCache",
     "attend_rows",
     "check_block_tables",
@@ -38,6 +40,7 @@ __all__ = [
     "paged_block_tables",
     "paged_reference",
     "paged_statics",
+    "required_arrays",
     "ragged_tokens",
     "synthetic_paged_batch",
     "synthetic_paged_inputs",
@@ -45,6 +48,20 @@ __all__ = [
 ]
 
 _CACHE_LETTERS = "[num_pages, page_size, Hkv, D]"
+
+#: The statics the serving ops take after their arrays, in signature order.
+STATICS = (
+    Arg(name="softmax_scale", array=False),
+    Arg(name="logits_soft_cap", array=False),
+    Arg(name="sliding_window", array=False),
+)
+#: Attention-sink logits, ``[Hq]`` or ``[Hq, n]``.
+SINKS = Arg(name="softmax_aux", array=True)
+
+
+def required_arrays(*names: str) -> tuple[Arg, ...]:
+    """Required array arguments, in signature order."""
+    return tuple(Arg(name=n, array=True, required=True) for n in names)
 
 
 @attrs.frozen(kw_only=True)
@@ -338,37 +355,25 @@ def paged_reference(
     )
 
 
-def packed_paged_reference(
-    queries: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: Any,
-    *,
-    causal: bool,
-    softmax_scale: float | None,
-    logits_soft_cap: float | None,
-    sliding_window: Any,
-    softmax_aux: jax.Array | None,
-    alibi_slopes: jax.Array | None = None,
-) -> jax.Array:
-    """The reference of the packed paged ops (ragged, v3, unified): each token's sequence and
-    position from ``query_start_loc`` (:func:`ragged_tokens`), then :func:`paged_reference`."""
+def packed_paged_reference(args: Mapping[str, Any], *, causal: bool = True) -> jax.Array:
+    """The reference of the packed paged ops (ragged, v3, unified), from their arguments by
+    name: each token's sequence and position from ``query_start_loc`` (:func:`ragged_tokens`;
+    every sequence live without ``num_seqs``), then :func:`paged_reference`."""
+    queries, kv_lens = args["queries"], args["kv_lens"]
+    num_seqs = args.get("num_seqs", kv_lens.shape[0])
     return paged_reference(
         queries,
-        key_cache,
-        value_cache,
-        block_tables,
+        args["key_cache"],
+        args["value_cache"],
+        args["block_tables"],
         kv_lens,
-        ragged_tokens(query_start_loc, kv_lens, num_seqs, queries.shape[0]),
+        ragged_tokens(args["query_start_loc"], kv_lens, num_seqs, queries.shape[0]),
         causal=causal,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
-        softmax_aux=softmax_aux,
-        alibi_slopes=alibi_slopes,
+        softmax_scale=args.get("softmax_scale"),
+        logits_soft_cap=args.get("logits_soft_cap"),
+        sliding_window=args.get("sliding_window"),
+        softmax_aux=args.get("softmax_aux"),
+        alibi_slopes=args.get("alibi_slopes"),
     )
 
 

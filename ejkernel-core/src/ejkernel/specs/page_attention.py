@@ -16,14 +16,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ejkernel.specs._base import Arg, OpSpec, call_op
+from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
+    STATICS,
     check_block_tables,
     check_index_vector,
     check_paged_cache,
     check_queries,
     paged_reference,
     paged_statics,
+    required_arrays,
     synthetic_paged_inputs,
 )
 
@@ -75,14 +77,8 @@ def validate_page_attention(a: dict[str, Any]) -> dict[str, Any]:
 SPEC = OpSpec(
     name=OP,
     args=(
-        Arg(name="query", array=True, required=True),
-        Arg(name="key_cache", array=True, required=True),
-        Arg(name="value_cache", array=True, required=True),
-        Arg(name="kv_lens", array=True, required=True),
-        Arg(name="block_tables", array=True, required=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="logits_soft_cap", array=False),
-        Arg(name="sliding_window", array=False),
+        *required_arrays("query", "key_cache", "value_cache", "kv_lens", "block_tables"),
+        *STATICS,
     ),
     validate=validate_page_attention,
     reference=page_attention_reference,

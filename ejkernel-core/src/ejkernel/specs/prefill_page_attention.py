@@ -18,14 +18,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array
+from ejkernel.specs._base import OpSpec, call_op, check_array
 from ejkernel.specs._paged import (
+    STATICS,
     check_index_vector,
     check_paged_cache,
     check_queries,
     check_scalar_index,
     paged_reference,
     paged_statics,
+    required_arrays,
     synthetic_paged_inputs,
 )
 
@@ -90,14 +92,8 @@ def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
 SPEC = OpSpec(
     name=OP,
     args=(
-        Arg(name="query", array=True, required=True),
-        Arg(name="key_cache", array=True, required=True),
-        Arg(name="value_cache", array=True, required=True),
-        Arg(name="kv_len", array=True, required=True),
-        Arg(name="page_indices", array=True, required=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="logits_soft_cap", array=False),
-        Arg(name="sliding_window", array=False),
+        *required_arrays("query", "key_cache", "value_cache", "kv_len", "page_indices"),
+        *STATICS,
     ),
     validate=validate_prefill_page_attention,
     reference=prefill_page_attention_reference,

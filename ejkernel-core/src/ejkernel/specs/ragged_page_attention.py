@@ -32,8 +32,10 @@ from typing import Any
 
 import jax
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array
+from ejkernel.specs._base import OpSpec, call_op, check_array
 from ejkernel.specs._paged import (
+    SINKS,
+    STATICS,
     check_block_tables,
     check_index_vector,
     check_paged_cache,
@@ -42,6 +44,7 @@ from ejkernel.specs._paged import (
     check_sinks,
     packed_paged_reference,
     paged_statics,
+    required_arrays,
     synthetic_paged_inputs,
 )
 
@@ -93,36 +96,23 @@ def ragged_page_attention_reference(
     softmax_aux: jax.Array | None = None,
 ) -> jax.Array:
     """Plain-JAX oracle: gather each sequence's pages, then one masked softmax per token."""
-    return packed_paged_reference(
-        queries,
-        key_cache,
-        value_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        causal=True,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
-        softmax_aux=softmax_aux,
-    )
+    return packed_paged_reference(locals())
 
 
 SPEC = OpSpec(
     name=OP,
     args=(
-        Arg(name="queries", array=True, required=True),
-        Arg(name="key_cache", array=True, required=True),
-        Arg(name="value_cache", array=True, required=True),
-        Arg(name="kv_lens", array=True, required=True),
-        Arg(name="block_tables", array=True, required=True),
-        Arg(name="query_start_loc", array=True, required=True),
-        Arg(name="num_seqs", array=True, required=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="logits_soft_cap", array=False),
-        Arg(name="sliding_window", array=False),
-        Arg(name="softmax_aux", array=True),
+        *required_arrays(
+            "queries",
+            "key_cache",
+            "value_cache",
+            "kv_lens",
+            "block_tables",
+            "query_start_loc",
+            "num_seqs",
+        ),
+        *STATICS,
+        SINKS,
     ),
     validate=validate_ragged_page_attention,
     reference=ragged_page_attention_reference,

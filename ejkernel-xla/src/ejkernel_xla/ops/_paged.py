@@ -331,29 +331,36 @@ def make_statics(
     )
 
 
+#: The arguments of :func:`packed_forward`, by name.
+_PACKED = (
+    "queries",
+    "key_cache",
+    "value_cache",
+    "kv_lens",
+    "block_tables",
+    "query_start_loc",
+    "num_seqs",
+    "softmax_aux",
+    "alibi_slopes",
+)
+
+
+def packed_forward(args: Mapping[str, Any], st: Statics) -> jax.Array:
+    """Packed queries over a paged cache, the forward of the ragged and unified ops, from
+    their arguments by name (``num_seqs``, ``softmax_aux``, ``alibi_slopes`` may be absent)."""
+    return _packed_forward({n: args.get(n) for n in _PACKED}, st)
+
+
 @functools.partial(jax.jit, static_argnames="st")
-def packed_forward(
-    queries: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: jax.Array,
-    softmax_aux: jax.Array | None,
-    alibi_slopes: jax.Array | None,
-    st: Statics,
-) -> jax.Array:
-    """Packed queries over a paged cache: the forward of the ragged and unified ops."""
-    seqs = paged_sequences(
-        kv_lens,
-        query_start_loc,
-        num_seqs,
-        queries.shape[0],
-        block_tables.shape[1] * key_cache.shape[1],
+def _packed_forward(a: dict[str, Any], st: Statics) -> jax.Array:
+    queries, key_cache, block_tables = a["queries"], a["key_cache"], a["block_tables"]
+    num_seqs = a["num_seqs"] if a["num_seqs"] is not None else block_tables.shape[0]
+    capacity = block_tables.shape[1] * key_cache.shape[1]
+    seqs = paged_sequences(a["kv_lens"], a["query_start_loc"], num_seqs, queries.shape[0], capacity)
+    fetch = paged_fetch(key_cache, a["value_cache"], block_tables, seqs.kv_hi, st.kv_block)
+    return attend(
+        queries, seqs, fetch, st, softmax_aux=a["softmax_aux"], alibi_slopes=a["alibi_slopes"]
     )
-    fetch = paged_fetch(key_cache, value_cache, block_tables, seqs.kv_hi, st.kv_block)
-    return attend(queries, seqs, fetch, st, softmax_aux=softmax_aux, alibi_slopes=alibi_slopes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,15 +68,4 @@ def ragged_page_attention_xla(
     st = engine.make_statics(
         engine.packed_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
     )
-    return engine.packed_forward(
-        queries,
-        key_cache,
-        value_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        softmax_aux,
-        None,
-        st,
-    )
+    return engine.packed_forward(locals(), st)

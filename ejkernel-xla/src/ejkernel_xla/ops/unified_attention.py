@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import attrs
 import jax
-import jax.numpy as jnp
 
 from ejkernel_xla.ops import _paged as engine
 
@@ -69,15 +68,4 @@ def unified_attention_xla(
     st = engine.make_statics(
         problem, cfg, softmax_scale, logits_soft_cap, sliding_window, causal=causal
     )
-    return engine.packed_forward(
-        queries,
-        key_cache,
-        value_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        jnp.int32(kv_lens.shape[0]),
-        softmax_aux,
-        alibi_slopes,
-        st,
-    )
+    return engine.packed_forward(locals(), st)
