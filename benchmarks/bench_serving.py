@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ejkernel
-from ejkernel.specs.ragged_page_attention import paged_block_tables
+from ejkernel.specs._paged import paged_block_tables
 
 PAGE_SIZE, HQ, HKV, D = 16, 8, 2, 64
 

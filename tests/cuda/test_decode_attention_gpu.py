@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import ejkernel
+from ejkernel.specs._paged import paged_block_tables
 from ejkernel.specs.page_attention import SPEC as PAGE_SPEC
 from ejkernel.specs.page_attention import page_attention_reference
 from ejkernel.specs.ragged_decode_attention import SPEC as RAGGED_SPEC
 from ejkernel.specs.ragged_decode_attention import ragged_decode_attention_reference
-from ejkernel.specs.ragged_page_attention import paged_block_tables
 from ejkernel.testing import assert_close
 from ejkernel_cuda.ops.page_attention import PageAttentionConfig, page_attention_cuda
 from ejkernel_cuda.ops.ragged_decode_attention import (

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import ejkernel
+from ejkernel._invocation import Invocation
 from ejkernel._params import FwdParams
 from ejkernel.specs.page_attention import SPEC, page_attention_reference
-from ejkernel.specs.ragged_page_attention import paged_block_tables
 from ejkernel.testing import assert_close
+from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
 from ejkernel_xla.ops.page_attention import (
     PageAttentionConfig,
     config_space,
@@ -26,30 +26,13 @@ from ejkernel_xla.ops.page_attention import (
     page_attention_xla,
 )
 
-GARBAGE = (10**6, -1)
 STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
 #: The oracle, jitted (eager, its many small ops would each compile on first use).
 reference = jax.jit(page_attention_reference, static_argnames=STATICS)
 
-
-@attrs.frozen(kw_only=True)
-class Batch:
-    kv_lens: tuple[int, ...]
-    hq: int
-    hkv: int
-    d: int
-    page_size: int
-    max_pages: int
-    num_pages: int
-    shared_pages: int = 0
-
-    def __str__(self) -> str:
-        return f"S{len(self.kv_lens)}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}-page{self.page_size}x{self.max_pages}"
-
-
 #: Lengths 0 and 1, a whole page (5), whole capacity (45), odd lengths; sequences 0 and 4
 #: share their first 3 pages.
-GQA = Batch(
+GQA = PagedBatch(
     kv_lens=(37, 0, 1, 5, 45, 23),
     hq=6,
     hkv=2,
@@ -60,57 +43,35 @@ GQA = Batch(
     shared_pages=3,
 )
 #: MQA, 16-token pages.
-MQA = Batch(kv_lens=(129, 16, 2, 64), hq=4, hkv=1, d=32, page_size=16, max_pages=10, num_pages=33)
+MQA = PagedBatch(
+    kv_lens=(129, 16, 2, 64), hq=4, hkv=1, d=32, page_size=16, max_pages=10, num_pages=33
+)
 
 
-def make_inputs(
-    batch: Batch, dtype: Any = jnp.float32, seed: int = 0, unused: Any = GARBAGE
-) -> dict[str, Any]:
-    """Queries and caches (NaN wherever no sequence holds a token) from a fixed seed, and the
-    index arrays."""
-    rng = np.random.default_rng(seed)
-    tables = paged_block_tables(
-        rng,
-        batch.kv_lens,
-        num_pages=batch.num_pages,
-        page_size=batch.page_size,
-        max_pages=batch.max_pages,
-        unused=unused,
-        shared_pages=batch.shared_pages,
-    )
-    shape = (batch.num_pages, batch.page_size, batch.hkv, batch.d)
-    owned = np.zeros(shape[:2], bool)
-    for s, n in enumerate(batch.kv_lens):
-        for pos in range(n):
-            owned[tables[s, pos // batch.page_size], pos % batch.page_size] = True
-    caches = rng.standard_normal((2, *shape), np.float32)
-    caches[:, ~owned] = np.nan
-    return {
-        "query": jnp.asarray(
-            rng.standard_normal((len(batch.kv_lens), batch.hq, batch.d), np.float32), dtype
-        ),
-        "key_cache": jnp.asarray(caches[0], dtype),
-        "value_cache": jnp.asarray(caches[1], dtype),
-        "kv_lens": jnp.asarray(batch.kv_lens, jnp.int32),
-        "block_tables": jnp.asarray(tables),
-    }
+def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE) -> dict[str, Any]:
+    """The batch's arguments from the shared cases (hostile tables, NaN in unowned slots)."""
+    return batch.example("decode", unused=unused).build(SPEC, dtype)
 
 
 def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
     return SPEC.validate(SPEC.bind((), {**arrays, **options}))
 
 
-def check(batch: Batch, cfg: Any = None, dtype: Any = jnp.float32, **options: Any) -> jax.Array:
+def abstract(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
+
+
+def check(batch: PagedBatch, cfg: Any = None, dtype: str = "float32", **options: Any) -> jax.Array:
     args = validated(make_inputs(batch, dtype), **options)
     out = page_attention_xla(**args, cfg=cfg)
-    assert out.shape == args["query"].shape and out.dtype == dtype
+    assert out.shape == args["query"].shape and out.dtype == jnp.dtype(dtype)
     assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
     assert_close(out, reference(**args), name=str(batch))
     return out
 
 
 @pytest.mark.parametrize("batch", [GQA, MQA], ids=str)
-def test_output_matches_the_reference_for_every_batch(batch: Batch) -> None:
+def test_output_matches_the_reference_for_every_batch(batch: PagedBatch) -> None:
     out = check(batch)
     empty = np.asarray(batch.kv_lens) == 0
     assert np.all(np.asarray(out)[empty] == 0.0)
@@ -119,11 +80,10 @@ def test_output_matches_the_reference_for_every_batch(batch: Batch) -> None:
 @pytest.mark.parametrize(
     "options",
     [
-        {"sliding_window": (7, 0)},
         {"sliding_window": 0},
-        {"logits_soft_cap": 2.0, "softmax_scale": 0.5},
+        {"sliding_window": (7, 0), "logits_soft_cap": 2.0, "softmax_scale": 0.5},
     ],
-    ids=["window-7-0", "window-0", "softcap-scale"],
+    ids=["window-0", "window-7-0-softcap-scale"],
 )
 def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
     check(GQA, **options)
@@ -135,7 +95,7 @@ def test_small_blocks_match_the_reference() -> None:
 
 
 def test_bfloat16_matches_the_float32_reference() -> None:
-    check(MQA, dtype=jnp.bfloat16)
+    check(MQA, dtype="bfloat16")
 
 
 def test_garbage_in_unused_table_slots_changes_nothing() -> None:
@@ -197,19 +157,10 @@ def test_memory_does_not_grow_with_num_pages() -> None:
     assert small == large and small < 1024 * 16 * 2 * 64 * 4
 
 
-class _Invocation:
-    def __init__(self, batch: Batch) -> None:
-        args = validated(make_inputs(batch))
-        self.kwargs = {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-            for k, v in args.items()
-        }
-        self.metadata = {"grad": False}
-
-
 @pytest.mark.parametrize("batch", [GQA, MQA], ids=str)
-def test_configs_use_one_token_items_and_whole_pages(batch: Batch) -> None:
-    inv = _Invocation(batch)
+def test_configs_use_one_token_items_and_whole_pages(batch: PagedBatch) -> None:
+    args = validated(make_inputs(batch))
+    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
     space = config_space(inv)
     assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
     for cfg in space:
@@ -219,11 +170,8 @@ def test_configs_use_one_token_items_and_whole_pages(batch: Batch) -> None:
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    abstract = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-        for k, v in validated(make_inputs(MQA)).items()
-    }
-    inputs = SPEC.make_synthetic(abstract, seed=1)
+    shapes = {k: abstract(v) for k, v in validated(make_inputs(MQA)).items()}
+    inputs = SPEC.make_synthetic(shapes, seed=1)
     kv_lens = np.asarray(inputs["kv_lens"])
     assert np.all((kv_lens >= 1) & (kv_lens <= MQA.max_pages * MQA.page_size))
     assert_close(page_attention_xla(**inputs), reference(**inputs))

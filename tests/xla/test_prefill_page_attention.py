@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import ejkernel
+from ejkernel._invocation import Invocation
 from ejkernel._params import FwdParams
 from ejkernel.specs.prefill_page_attention import SPEC, prefill_page_attention_reference
-from ejkernel.specs.ragged_page_attention import paged_block_tables
 from ejkernel.testing import assert_close
+from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
 from ejkernel_xla.ops.prefill_page_attention import (
     PrefillPageAttentionConfig,
     config_space,
@@ -26,87 +26,57 @@ from ejkernel_xla.ops.prefill_page_attention import (
     prefill_page_attention_xla,
 )
 
-GARBAGE = (10**6, -1)
 STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
 #: The oracle, jitted (eager, its many small ops would each compile on first use).
 reference = jax.jit(prefill_page_attention_reference, static_argnames=STATICS)
 
 
-@attrs.frozen(kw_only=True)
-class Chunk:
-    """The last ``c`` of ``kv_len`` tokens of one sequence of ``pages`` pages."""
-
-    c: int
-    kv_len: int
-    hq: int
-    hkv: int
-    d: int
-    page_size: int
-    pages: int
-    num_pages: int
-
-    def __str__(self) -> str:
-        return f"C{self.c}-kv{self.kv_len}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}-page{self.page_size}x{self.pages}"
+def chunk(c: int, kv_len: int, **sizes: int) -> PagedBatch:
+    """The last ``c`` of ``kv_len`` tokens of one sequence (GQA, 4-token pages by default)."""
+    paging = {"hq": 6, "hkv": 2, "d": 40, "page_size": 4, "max_pages": 12, "num_pages": 30}
+    return PagedBatch(kv_lens=(kv_len,), q_lens=(c,), **{**paging, **sizes})
 
 
-CHUNKED = Chunk(c=13, kv_len=40, hq=6, hkv=2, d=40, page_size=4, pages=12, num_pages=30)
-FULL = Chunk(c=29, kv_len=29, hq=4, hkv=1, d=32, page_size=8, pages=5, num_pages=9)
-ONE = Chunk(c=1, kv_len=48, hq=6, hkv=2, d=40, page_size=4, pages=12, num_pages=30)
+CHUNKED = chunk(13, 40)
+FULL = chunk(29, 29, hq=4, hkv=1, d=32, page_size=8, max_pages=5, num_pages=9)
+ONE = chunk(1, 48)
 #: More queries than keys: the first 4 queries sit at negative positions and see nothing.
-BLIND = Chunk(c=10, kv_len=6, hq=6, hkv=2, d=40, page_size=4, pages=12, num_pages=30)
-EMPTY = Chunk(c=3, kv_len=0, hq=6, hkv=2, d=40, page_size=4, pages=12, num_pages=30)
+BLIND = chunk(10, 6)
+EMPTY = chunk(3, 0)
 
 
-def make_inputs(
-    chunk: Chunk, dtype: Any = jnp.float32, seed: int = 0, unused: Any = GARBAGE
-) -> dict[str, Any]:
-    """Query and caches (NaN in every slot the sequence does not hold) from a fixed seed."""
-    rng = np.random.default_rng(seed)
-    pages = paged_block_tables(
-        rng,
-        [chunk.kv_len],
-        num_pages=chunk.num_pages,
-        page_size=chunk.page_size,
-        max_pages=chunk.pages,
-        unused=unused,
-    )[0]
-    shape = (chunk.num_pages, chunk.page_size, chunk.hkv, chunk.d)
-    owned = np.zeros(shape[:2], bool)
-    for pos in range(chunk.kv_len):
-        owned[pages[pos // chunk.page_size], pos % chunk.page_size] = True
-    caches = rng.standard_normal((2, *shape), np.float32)
-    caches[:, ~owned] = np.nan
-    return {
-        "query": jnp.asarray(rng.standard_normal((chunk.c, chunk.hq, chunk.d), np.float32), dtype),
-        "key_cache": jnp.asarray(caches[0], dtype),
-        "value_cache": jnp.asarray(caches[1], dtype),
-        "kv_len": chunk.kv_len,
-        "page_indices": jnp.asarray(pages),
-    }
+def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE) -> dict[str, Any]:
+    """Query and caches from the shared cases: NaN in every slot the sequence does not hold,
+    garbage ids past its live pages."""
+    return batch.example("prefill", unused=unused).build(SPEC, dtype)
+
+
+def abstract(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
 
 
 def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
     return SPEC.validate(SPEC.bind((), {**arrays, **options}))
 
 
-def check(chunk: Chunk, cfg: Any = None, dtype: Any = jnp.float32, **options: Any) -> jax.Array:
-    args = validated(make_inputs(chunk, dtype), **options)
+def check(batch: PagedBatch, cfg: Any = None, dtype: str = "float32", **options: Any) -> jax.Array:
+    args = validated(make_inputs(batch, dtype), **options)
     out = prefill_page_attention_xla(**args, cfg=cfg)
-    assert out.shape == args["query"].shape and out.dtype == dtype
+    assert out.shape == args["query"].shape and out.dtype == jnp.dtype(dtype)
     assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
-    assert_close(out, reference(**args), name=str(chunk))
+    assert_close(out, reference(**args), name=str(batch))
     return out
 
 
-@pytest.mark.parametrize("chunk", [CHUNKED, FULL, ONE], ids=str)
-def test_output_matches_the_reference_for_every_chunk(chunk: Chunk) -> None:
-    check(chunk)
+@pytest.mark.parametrize("batch", [CHUNKED, FULL, ONE], ids=str)
+def test_output_matches_the_reference_for_every_chunk(batch: PagedBatch) -> None:
+    check(batch)
 
 
-@pytest.mark.parametrize("chunk", [BLIND, EMPTY], ids=str)
-def test_queries_before_every_key_are_zeros(chunk: Chunk) -> None:
-    out = np.asarray(check(chunk))
-    blind = chunk.c - chunk.kv_len
+@pytest.mark.parametrize("batch", [BLIND, EMPTY], ids=str)
+def test_queries_before_every_key_are_zeros(batch: PagedBatch) -> None:
+    out = np.asarray(check(batch))
+    blind = batch.tokens - batch.kv_lens[0]
     assert np.all(out[:blind] == 0.0) and np.all(np.any(out[blind:] != 0.0, axis=-1))
 
 
@@ -121,13 +91,8 @@ def test_kv_len_may_be_an_int_or_a_scalar_array(kv_len: Any) -> None:
     assert_close(out, reference(**validated(make_inputs(CHUNKED))))
 
 
-@pytest.mark.parametrize(
-    "options",
-    [{"sliding_window": (5, 0)}, {"logits_soft_cap": 2.0, "softmax_scale": 0.2}],
-    ids=["window-5-0", "softcap-scale"],
-)
-def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
-    check(CHUNKED, **options)
+def test_every_option_matches_the_reference() -> None:
+    check(CHUNKED, sliding_window=(5, 0), logits_soft_cap=2.0, softmax_scale=0.2)
 
 
 def test_small_blocks_match_the_reference() -> None:
@@ -138,7 +103,7 @@ def test_small_blocks_match_the_reference() -> None:
 
 
 def test_bfloat16_matches_the_float32_reference() -> None:
-    check(FULL, dtype=jnp.bfloat16)
+    check(FULL, dtype="bfloat16")
 
 
 def test_garbage_page_ids_change_nothing() -> None:
@@ -177,36 +142,24 @@ def test_public_function_and_explain() -> None:
     assert_close(ejkernel.prefill_page_attention(*args), reference(*args))
 
 
-class _Invocation:
-    def __init__(self, chunk: Chunk) -> None:
-        args = validated(make_inputs(chunk))
-        self.kwargs = {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-            for k, v in args.items()
-        }
-        self.metadata = {"grad": False}
-
-
-@pytest.mark.parametrize("chunk", [CHUNKED, ONE], ids=str)
-def test_configs_use_whole_pages_and_the_heuristic_comes_first(chunk: Chunk) -> None:
-    inv = _Invocation(chunk)
+@pytest.mark.parametrize("batch", [CHUNKED, ONE], ids=str)
+def test_configs_use_whole_pages_and_the_heuristic_comes_first(batch: PagedBatch) -> None:
+    args = validated(make_inputs(batch))
+    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
     space = config_space(inv)
     assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
     for cfg in space:
         assert (
-            cfg.fwd_params.kv_blocksize % chunk.page_size == 0
-            and 1 <= cfg.fwd_params.q_blocksize <= chunk.c
+            cfg.fwd_params.kv_blocksize % batch.page_size == 0
+            and 1 <= cfg.fwd_params.q_blocksize <= batch.tokens
         )
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    abstract = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-        for k, v in validated(make_inputs(CHUNKED)).items()
-    }
-    inputs = SPEC.make_synthetic(abstract, seed=2)
+    shapes = {k: abstract(v) for k, v in validated(make_inputs(CHUNKED)).items()}
+    inputs = SPEC.make_synthetic(shapes, seed=2)
     kv_len = int(inputs["kv_len"])
-    assert CHUNKED.c <= kv_len <= CHUNKED.pages * CHUNKED.page_size
+    assert CHUNKED.tokens <= kv_len <= CHUNKED.max_pages * CHUNKED.page_size
     live = np.asarray(inputs["page_indices"])[: -(-kv_len // CHUNKED.page_size)]
     assert np.all((live >= 0) & (live < CHUNKED.num_pages))
     assert_close(prefill_page_attention_xla(**inputs), reference(**inputs))

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import ejkernel
-from ejkernel._params import FwdParams
+from ejkernel._invocation import Invocation
+from ejkernel.plugins import FwdParams
 from ejkernel.specs.ragged_decode_attention import SPEC, ragged_decode_attention_reference
-from ejkernel.testing import assert_close
+from ejkernel.testing import Example, assert_close
+from ejkernel.testing.cases.ragged_decode_attention import rows_example
 from ejkernel_xla.ops.ragged_decode_attention import (
     RaggedDecodeAttentionConfig,
     config_space,
@@ -26,88 +27,58 @@ STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
 #: The oracle, jitted (eager, its many small ops would each compile on first use).
 reference = jax.jit(ragged_decode_attention_reference, static_argnames=STATICS)
 
-
-@attrs.frozen(kw_only=True)
-class Rows:
-    """Per row, the valid range ``[start, end)`` of a dense ``[B, Sk, Hkv, ·]`` cache."""
-
-    starts: tuple[int, ...]
-    ends: tuple[int, ...]
-    sk: int
-    hq: int
-    hkv: int
-    d: int
-    dv: int
-
-    def __str__(self) -> str:
-        dv = "" if self.dv == self.d else f"-Dv{self.dv}"
-        return f"B{len(self.starts)}-Sk{self.sk}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}{dv}"
-
-
 #: The whole cache, a middle range, an empty range, one token at either end, a range ending
 #: one short of the cache; D ≠ Dv.
-GQA = Rows(
-    starts=(0, 5, 10, 36, 0, 3), ends=(37, 20, 10, 37, 1, 36), sk=37, hq=6, hkv=2, d=40, dv=24
-)
+GQA = rows_example((0, 5, 10, 36, 0, 3), (37, 20, 10, 37, 1, 36), sk=37, hq=6, hkv=2, d=40, dv=24)
 #: MQA; ranges past the cache on either side are clamped to [0, Sk].
-MQA = Rows(starts=(0, 64, -5), ends=(129, 100, 300), sk=129, hq=4, hkv=1, d=32, dv=32)
+MQA = rows_example((0, 64, -5), (129, 100, 300), sk=129, hq=4, hkv=1, d=32)
 
 
-def make_inputs(rows: Rows, dtype: Any = jnp.float32, seed: int = 0) -> dict[str, Any]:
-    """Query and cache (NaN outside every row's valid range) from a fixed seed."""
-    rng = np.random.default_rng(seed)
-    b = len(rows.starts)
-    key = rng.standard_normal((b, rows.sk, rows.hkv, rows.d), np.float32)
-    value = rng.standard_normal((b, rows.sk, rows.hkv, rows.dv), np.float32)
-    pos = np.arange(rows.sk)
-    outside = (pos[None] < np.asarray(rows.starts)[:, None]) | (
-        pos[None] >= np.asarray(rows.ends)[:, None]
-    )
-    key[outside], value[outside] = np.nan, np.nan
-    return {
-        "query": jnp.asarray(rng.standard_normal((b, rows.hq, rows.d), np.float32), dtype),
-        "key": jnp.asarray(key, dtype),
-        "value": jnp.asarray(value, dtype),
-        "sequence_start": jnp.asarray(rows.starts, jnp.int32),
-        "sequence_end": jnp.asarray(rows.ends, jnp.int32),
-    }
+def make_inputs(rows: Example, dtype: str = "float32") -> dict[str, Any]:
+    """Query and cache from the shared cases (NaN outside every row's valid range)."""
+    return rows.build(SPEC, dtype)
+
+
+def abstract(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
 
 
 def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
     return SPEC.validate(SPEC.bind((), {**arrays, **options}))
 
 
-def check(rows: Rows, cfg: Any = None, dtype: Any = jnp.float32, **options: Any) -> jax.Array:
+def check(rows: Example, cfg: Any = None, dtype: str = "float32", **options: Any) -> jax.Array:
     args = validated(make_inputs(rows, dtype), **options)
     out = ragged_decode_attention_xla(**args, cfg=cfg)
-    assert out.shape == (len(rows.starts), rows.hq, rows.dv) and out.dtype == dtype
+    b, hq = args["query"].shape[:2]
+    assert out.shape == (b, hq, args["value"].shape[-1]) and out.dtype == jnp.dtype(dtype)
     assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
     assert_close(out, reference(**args), name=str(rows))
     return out
 
 
 @pytest.mark.parametrize("rows", [GQA, MQA], ids=str)
-def test_output_matches_the_reference_for_every_batch(rows: Rows) -> None:
+def test_output_matches_the_reference_for_every_batch(rows: Example) -> None:
     out = np.asarray(check(rows))
-    empty = np.asarray(rows.ends) <= np.asarray(rows.starts)
+    args = make_inputs(rows)
+    empty = np.asarray(args["sequence_end"]) <= np.asarray(args["sequence_start"])
     assert np.all(out[empty] == 0.0) and np.all(np.any(out[~empty] != 0.0, axis=(1, 2)))
 
 
 @pytest.mark.parametrize(
     "options",
     [
-        {"sliding_window": (7, 0)},
-        {"sliding_window": 3},
-        {"logits_soft_cap": 2.0, "softmax_scale": 0.4},
+        {"sliding_window": 3, "logits_soft_cap": 2.0, "softmax_scale": 0.4},
         {"softmax_aux": "Hq"},
         {"softmax_aux": "Hq-2", "sliding_window": (10, 10)},
     ],
-    ids=["window-7-0", "window-3", "softcap-scale", "sinks-Hq", "sinks-Hq-2-window"],
+    ids=["window-3-softcap-scale", "sinks-Hq", "sinks-Hq-2-window"],
 )
 def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
     options = dict(options)
     if "softmax_aux" in options:
-        shape = (GQA.hq,) if options["softmax_aux"] == "Hq" else (GQA.hq, 2)
+        hq = GQA.arrays["query"][0][1]
+        shape = (hq,) if options["softmax_aux"] == "Hq" else (hq, 2)
         options["softmax_aux"] = jnp.asarray(
             np.random.default_rng(3).standard_normal(shape) + 1.0, jnp.float32
         )
@@ -121,7 +92,7 @@ def test_small_blocks_with_a_shifted_last_block_match_the_reference() -> None:
 
 
 def test_bfloat16_matches_the_float32_reference() -> None:
-    check(MQA, dtype=jnp.bfloat16)
+    check(MQA, dtype="bfloat16")
 
 
 def test_jit_and_vmap_match_the_reference() -> None:
@@ -175,33 +146,22 @@ def test_memory_does_not_grow_with_the_cache_length() -> None:
     assert small == large and small < 8 * 4096 * 2 * 64 * 4
 
 
-class _Invocation:
-    def __init__(self, rows: Rows) -> None:
-        args = validated(make_inputs(rows))
-        self.kwargs = {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-            for k, v in args.items()
-        }
-        self.metadata = {"grad": False}
-
-
 @pytest.mark.parametrize("rows", [GQA, MQA], ids=str)
-def test_configs_never_use_blocks_longer_than_the_cache(rows: Rows) -> None:
-    inv = _Invocation(rows)
+def test_configs_never_use_blocks_longer_than_the_cache(rows: Example) -> None:
+    args = validated(make_inputs(rows))
+    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
+    sk = args["key"].shape[1]
     space = config_space(inv)
     assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
     for cfg in space:
-        assert cfg.fwd_params.q_blocksize == 1 and 1 <= cfg.fwd_params.kv_blocksize <= rows.sk
+        assert cfg.fwd_params.q_blocksize == 1 and 1 <= cfg.fwd_params.kv_blocksize <= sk
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    abstract = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-        for k, v in validated(make_inputs(MQA)).items()
-    }
-    inputs = SPEC.make_synthetic(abstract, seed=1)
+    shapes = {k: abstract(v) for k, v in validated(make_inputs(MQA)).items()}
+    inputs = SPEC.make_synthetic(shapes, seed=1)
     start, end = np.asarray(inputs["sequence_start"]), np.asarray(inputs["sequence_end"])
-    assert np.all((start >= 0) & (start < end) & (end <= MQA.sk))
+    assert np.all((start >= 0) & (start < end) & (end <= shapes["key"].shape[1]))
     assert_close(ragged_decode_attention_xla(**inputs), reference(**inputs))
 
 

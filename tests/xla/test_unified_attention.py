@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import ejkernel
+from ejkernel._invocation import Invocation
 from ejkernel._params import FwdParams
-from ejkernel.specs.ragged_page_attention import paged_block_tables
 from ejkernel.specs.unified_attention import SPEC, unified_attention_reference
 from ejkernel.testing import assert_close
+from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
 from ejkernel_xla.ops.unified_attention import (
     UnifiedAttentionConfig,
     config_space,
@@ -26,34 +26,13 @@ from ejkernel_xla.ops.unified_attention import (
     unified_attention_xla,
 )
 
-GARBAGE = (10**6, -1)
 STATICS = ("softmax_scale", "causal", "logits_soft_cap", "sliding_window")
 #: The oracle, jitted (eager, its many small ops would each compile on first use).
 reference = jax.jit(unified_attention_reference, static_argnames=STATICS)
 
-
-@attrs.frozen(kw_only=True)
-class Batch:
-    kv_lens: tuple[int, ...]
-    q_lens: tuple[int, ...]
-    hq: int
-    hkv: int
-    d: int
-    page_size: int
-    max_pages: int
-    num_pages: int
-    shared_pages: int = 0
-
-    def __str__(self) -> str:
-        return (
-            f"S{len(self.kv_lens)}-T{sum(self.q_lens)}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}"
-            f"-page{self.page_size}x{self.max_pages}"
-        )
-
-
 #: Lengths 0 and 1, whole pages, chunked and full prefills, decode, more queries than keys,
 #: and a 2-page prefix shared by sequences 0 and 3.
-MIXED = Batch(
+MIXED = PagedBatch(
     kv_lens=(37, 0, 1, 8, 19, 5, 2),
     q_lens=(5, 0, 1, 8, 19, 1, 4),
     hq=6,
@@ -64,7 +43,7 @@ MIXED = Batch(
     num_pages=64,
     shared_pages=2,
 )
-MQA = Batch(
+MQA = PagedBatch(
     kv_lens=(129, 1, 16),
     q_lens=(3, 1, 16),
     hq=4,
@@ -76,48 +55,23 @@ MQA = Batch(
 )
 
 
-def make_inputs(
-    batch: Batch, dtype: Any = jnp.float32, seed: int = 0, unused: Any = GARBAGE
-) -> dict[str, Any]:
-    """Queries and caches (NaN wherever no sequence holds a token) from a fixed seed, and the
-    index arrays."""
-    rng = np.random.default_rng(seed)
-    tables = paged_block_tables(
-        rng,
-        batch.kv_lens,
-        num_pages=batch.num_pages,
-        page_size=batch.page_size,
-        max_pages=batch.max_pages,
-        unused=unused,
-        shared_pages=batch.shared_pages,
-    )
-    shape = (batch.num_pages, batch.page_size, batch.hkv, batch.d)
-    owned = np.zeros(shape[:2], bool)
-    for s, n in enumerate(batch.kv_lens):
-        for pos in range(n):
-            owned[tables[s, pos // batch.page_size], pos % batch.page_size] = True
-    caches = rng.standard_normal((2, *shape), np.float32)
-    caches[:, ~owned] = np.nan
-    return {
-        "queries": jnp.asarray(
-            rng.standard_normal((sum(batch.q_lens), batch.hq, batch.d), np.float32), dtype
-        ),
-        "key_cache": jnp.asarray(caches[0], dtype),
-        "value_cache": jnp.asarray(caches[1], dtype),
-        "kv_lens": jnp.asarray(batch.kv_lens, jnp.int32),
-        "block_tables": jnp.asarray(tables),
-        "query_start_loc": jnp.asarray(np.concatenate([[0], np.cumsum(batch.q_lens)]), jnp.int32),
-    }
+def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE) -> dict[str, Any]:
+    """The batch's arguments from the shared cases (hostile tables, NaN in unowned slots)."""
+    return batch.example(unused=unused).build(SPEC, dtype)
 
 
 def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
     return SPEC.validate(SPEC.bind((), {**arrays, **options}))
 
 
-def check(batch: Batch, cfg: Any = None, dtype: Any = jnp.float32, **options: Any) -> jax.Array:
+def abstract(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
+
+
+def check(batch: PagedBatch, cfg: Any = None, dtype: str = "float32", **options: Any) -> jax.Array:
     args = validated(make_inputs(batch, dtype), **options)
     out = unified_attention_xla(**args, cfg=cfg)
-    assert out.shape == args["queries"].shape and out.dtype == dtype
+    assert out.shape == args["queries"].shape and out.dtype == jnp.dtype(dtype)
     assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
     assert_close(out, reference(**args), name=str(batch))
     return out
@@ -129,7 +83,7 @@ def slopes(hq: int) -> jax.Array:
 
 
 @pytest.mark.parametrize("batch", [MIXED, MQA], ids=str)
-def test_output_matches_the_reference_for_every_batch(batch: Batch) -> None:
+def test_output_matches_the_reference_for_every_batch(batch: PagedBatch) -> None:
     out = np.asarray(check(batch))
     blind = sum(MIXED.q_lens[:6]) + np.arange(2)  # sequence 6: 4 queries, 2 keys
     if batch is MIXED:
@@ -139,21 +93,16 @@ def test_output_matches_the_reference_for_every_batch(batch: Batch) -> None:
 @pytest.mark.parametrize(
     "options",
     [
-        {"alibi_slopes": "alibi"},
-        {"causal": False},
         {"causal": False, "sliding_window": (3, 2), "alibi_slopes": "alibi"},
-        {"sliding_window": (6, 0), "logits_soft_cap": 2.5, "softmax_scale": 0.3},
         {"softmax_aux": "Hq", "alibi_slopes": "alibi"},
-        {"softmax_aux": "Hq-2"},
+        {
+            "sliding_window": (6, 0),
+            "logits_soft_cap": 2.5,
+            "softmax_scale": 0.3,
+            "softmax_aux": "Hq-2",
+        },
     ],
-    ids=[
-        "alibi",
-        "non-causal",
-        "non-causal-window-3-2-alibi",
-        "window-softcap-scale",
-        "sinks-Hq-alibi",
-        "sinks-Hq-2",
-    ],
+    ids=["non-causal-window-3-2-alibi", "sinks-Hq-alibi", "window-softcap-scale-sinks-Hq-2"],
 )
 def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
     options = dict(options)
@@ -181,7 +130,7 @@ def test_small_blocks_match_the_reference() -> None:
 
 
 def test_bfloat16_matches_the_float32_reference() -> None:
-    check(MQA, dtype=jnp.bfloat16, alibi_slopes=slopes(MQA.hq))
+    check(MQA, dtype="bfloat16", alibi_slopes=slopes(MQA.hq))
 
 
 def test_garbage_in_unused_table_slots_changes_nothing() -> None:
@@ -217,29 +166,17 @@ def test_public_function_and_explain() -> None:
     assert_close(ejkernel.unified_attention(*args, causal=False), reference(*args, causal=False))
 
 
-class _Invocation:
-    def __init__(self, batch: Batch) -> None:
-        args = validated(make_inputs(batch))
-        self.kwargs = {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-            for k, v in args.items()
-        }
-        self.metadata = {"grad": False}
-
-
 def test_configs_use_whole_pages_and_the_heuristic_comes_first() -> None:
-    inv = _Invocation(MIXED)
+    args = validated(make_inputs(MIXED))
+    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
     space = config_space(inv)
     assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
     assert all(cfg.fwd_params.kv_blocksize % MIXED.page_size == 0 for cfg in space)
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    abstract = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-        for k, v in validated(make_inputs(MQA)).items()
-    }
-    inputs = SPEC.make_synthetic(abstract, seed=4)
+    shapes = {k: abstract(v) for k, v in validated(make_inputs(MQA)).items()}
+    inputs = SPEC.make_synthetic(shapes, seed=4)
     qsl, kv_lens = np.asarray(inputs["query_start_loc"]), np.asarray(inputs["kv_lens"])
     assert qsl[0] == 0 and np.all(np.diff(qsl) >= 0) and np.all(np.diff(qsl) <= kv_lens)
     assert_close(unified_attention_xla(**inputs), reference(**inputs))

@@ -11,24 +11,22 @@ KV head ``h // (Hq // Hkv)``. Accumulation is float32; the output keeps the quer
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, default_synthetic
-from ejkernel.specs.ragged_page_attention import (
-    attend_rows,
+from ejkernel.specs._base import OpSpec, call_op
+from ejkernel.specs._paged import (
+    STATICS,
     check_block_tables,
     check_index_vector,
     check_paged_cache,
     check_queries,
-    gather_sequence_pages,
+    paged_reference,
     paged_statics,
-    synthetic_paged_batch,
-    window_mask,
+    required_arrays,
+    synthetic_paged_inputs,
 )
 
 __all__ = ["SPEC", "page_attention", "page_attention_reference", "validate_page_attention"]
@@ -48,73 +46,44 @@ def page_attention_reference(
     sliding_window: int | tuple[int, int] | None = None,
 ) -> jax.Array:
     """Plain-JAX oracle: gather each sequence's pages, one masked softmax per sequence."""
-    if softmax_scale is None:
-        softmax_scale = query.shape[-1] ** -0.5
-    keys = gather_sequence_pages(key_cache, block_tables)  # [S, capacity, Hkv, D]
-    values = gather_sequence_pages(value_cache, block_tables)
-    k_pos = jnp.arange(keys.shape[1])[None, :]
-    kv_len = kv_lens.astype(jnp.int32)[:, None]
-    q_pos = kv_len - 1  # the decode token is the newest one
-    visible = (k_pos < kv_len) & window_mask(
-        k_pos, q_pos, causal=True, sliding_window=sliding_window
-    )
-    return attend_rows(
+    s = query.shape[0]
+    # One query per sequence, the newest token, at position kv_len - 1.
+    tokens = (jnp.arange(s), kv_lens.astype(jnp.int32) - 1, jnp.ones((s,), bool))
+    return paged_reference(
         query,
-        keys,
-        values,
-        visible,
+        key_cache,
+        value_cache,
+        block_tables,
+        kv_lens,
+        tokens,
+        causal=True,
         softmax_scale=softmax_scale,
         logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window,
     )
 
 
 def validate_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults. Raises ValueError/TypeError."""
-    _, _, hkv, d = check_paged_cache(OP, a["key_cache"], a["value_cache"])
-    check_queries(
-        OP, "query", a["query"], letters="[S, Hq, D]", hkv=hkv, d=d, dtype=a["key_cache"].dtype
-    )
+    cache = check_paged_cache(OP, a["key_cache"], a["value_cache"])
+    check_queries(OP, "query", a["query"], letters="[S, Hq, D]", cache=cache)
     s = int(a["query"].shape[0])
     check_index_vector(OP, "kv_lens", a["kv_lens"], letters="[S]", length=s)
     check_block_tables(OP, "block_tables", a["block_tables"], num_seqs=s)
-    paged_statics(OP, a, d=d)
+    paged_statics(OP, a, d=cache.d)
     return a
-
-
-def _synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
-    out = default_synthetic(abstract, seed)
-    num_pages, page_size = abstract["key_cache"].shape[:2]
-    s, max_pages = abstract["block_tables"].shape
-    batch = synthetic_paged_batch(
-        np.random.default_rng(seed),
-        num_seqs=s,
-        num_tokens=s,
-        num_pages=num_pages,
-        page_size=page_size,
-        max_pages=max_pages,
-    )
-    # NumPy, not jnp: tuning starts while a trace is active, where jnp operations are staged.
-    out["kv_lens"] = batch["kv_lens"].astype(abstract["kv_lens"].dtype)
-    out["block_tables"] = batch["block_tables"].astype(abstract["block_tables"].dtype)
-    return out
 
 
 SPEC = OpSpec(
     name=OP,
     args=(
-        Arg(name="query", array=True, required=True),
-        Arg(name="key_cache", array=True, required=True),
-        Arg(name="value_cache", array=True, required=True),
-        Arg(name="kv_lens", array=True, required=True),
-        Arg(name="block_tables", array=True, required=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="logits_soft_cap", array=False),
-        Arg(name="sliding_window", array=False),
+        *required_arrays("query", "key_cache", "value_cache", "kv_lens", "block_tables"),
+        *STATICS,
     ),
     validate=validate_page_attention,
     reference=page_attention_reference,
     differentiable=False,
-    synthetic=_synthetic,
+    synthetic=synthetic_paged_inputs,
     examples="ejkernel.testing.cases.page_attention:examples",
 )
 

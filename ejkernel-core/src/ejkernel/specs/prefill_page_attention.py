@@ -13,24 +13,22 @@ shape ``()`` or ``(1,)`` (it may be traced). GQA: query head ``h`` reads KV head
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, default_synthetic
-from ejkernel.specs.ragged_page_attention import (
-    attend_rows,
+from ejkernel.specs._base import OpSpec, call_op, check_array
+from ejkernel.specs._paged import (
+    STATICS,
     check_index_vector,
     check_paged_cache,
     check_queries,
     check_scalar_index,
-    gather_sequence_pages,
-    paged_block_tables,
+    paged_reference,
     paged_statics,
-    window_mask,
+    required_arrays,
+    synthetic_paged_inputs,
 )
 
 __all__ = [
@@ -56,32 +54,27 @@ def prefill_page_attention_reference(
 ) -> jax.Array:
     """Plain-JAX oracle: gather the sequence's pages, one causal masked softmax per query."""
     c = query.shape[0]
-    if softmax_scale is None:
-        softmax_scale = query.shape[-1] ** -0.5
-    kv_len = jnp.asarray(kv_len, jnp.int32).reshape(())
-    keys = gather_sequence_pages(key_cache, page_indices[None])[0]  # [capacity, Hkv, D]
-    values = gather_sequence_pages(value_cache, page_indices[None])[0]
-    k_pos = jnp.arange(keys.shape[0])[None, :]
-    q_pos = (kv_len - c + jnp.arange(c))[:, None]  # the queries are the last C tokens
-    visible = (k_pos < kv_len) & window_mask(
-        k_pos, q_pos, causal=True, sliding_window=sliding_window
-    )
-    return attend_rows(
+    kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
+    # One sequence; the queries are its last C tokens.
+    tokens = (jnp.zeros((c,), jnp.int32), kv_len[0] - c + jnp.arange(c), jnp.ones((c,), bool))
+    return paged_reference(
         query,
-        jnp.broadcast_to(keys, (c, *keys.shape)),
-        jnp.broadcast_to(values, (c, *values.shape)),
-        visible,
+        key_cache,
+        value_cache,
+        page_indices[None],
+        kv_len,
+        tokens,
+        causal=True,
         softmax_scale=softmax_scale,
         logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window,
     )
 
 
 def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults; ``kv_len`` becomes an int32 scalar array."""
-    _, page_size, hkv, d = check_paged_cache(OP, a["key_cache"], a["value_cache"])
-    check_queries(
-        OP, "query", a["query"], letters="[C, Hq, D]", hkv=hkv, d=d, dtype=a["key_cache"].dtype
-    )
+    cache = check_paged_cache(OP, a["key_cache"], a["value_cache"])
+    check_queries(OP, "query", a["query"], letters="[C, Hq, D]", cache=cache)
     pages = a["page_indices"]
     check_array(OP, "page_indices", pages, ndim=1, letters="[P]")
     if int(pages.shape[0]) == 0:
@@ -90,45 +83,22 @@ def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
         )
     check_index_vector(OP, "page_indices", pages, letters="[P]", length=int(pages.shape[0]))
     a["kv_len"] = check_scalar_index(
-        OP, "kv_len", a["kv_len"], upper=int(pages.shape[0]) * page_size
+        OP, "kv_len", a["kv_len"], upper=int(pages.shape[0]) * cache.page_size
     )
-    paged_statics(OP, a, d=d)
+    paged_statics(OP, a, d=cache.d)
     return a
-
-
-def _synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
-    out = default_synthetic(abstract, seed)
-    rng = np.random.default_rng(seed)
-    num_pages, page_size = abstract["key_cache"].shape[:2]
-    (p,) = abstract["page_indices"].shape
-    c = abstract["query"].shape[0]
-    capacity = p * page_size
-    kv_len = int(rng.integers(min(c, capacity), capacity + 1))
-    pages = paged_block_tables(
-        rng, [kv_len], num_pages=num_pages, page_size=page_size, max_pages=p
-    )[0]
-    # NumPy, not jnp: tuning starts while a trace is active, where jnp operations are staged.
-    out["page_indices"] = pages.astype(abstract["page_indices"].dtype)
-    out["kv_len"] = np.full(abstract["kv_len"].shape, kv_len, abstract["kv_len"].dtype)
-    return out
 
 
 SPEC = OpSpec(
     name=OP,
     args=(
-        Arg(name="query", array=True, required=True),
-        Arg(name="key_cache", array=True, required=True),
-        Arg(name="value_cache", array=True, required=True),
-        Arg(name="kv_len", array=True, required=True),
-        Arg(name="page_indices", array=True, required=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="logits_soft_cap", array=False),
-        Arg(name="sliding_window", array=False),
+        *required_arrays("query", "key_cache", "value_cache", "kv_len", "page_indices"),
+        *STATICS,
     ),
     validate=validate_prefill_page_attention,
     reference=prefill_page_attention_reference,
     differentiable=False,
-    synthetic=_synthetic,
+    synthetic=synthetic_paged_inputs,
     examples="ejkernel.testing.cases.prefill_page_attention:examples",
 )
 

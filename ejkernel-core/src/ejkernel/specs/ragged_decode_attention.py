@@ -19,12 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, default_synthetic, is_floating
-from ejkernel.specs.ragged_page_attention import (
+from ejkernel.specs._base import OpSpec, call_op, check_array, default_synthetic, is_floating
+from ejkernel.specs._paged import (
+    SINKS,
+    STATICS,
     attend_rows,
     check_index_vector,
     check_sinks,
     paged_statics,
+    required_arrays,
     window_mask,
 )
 
@@ -124,15 +127,9 @@ def _synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
 SPEC = OpSpec(
     name=OP,
     args=(
-        Arg(name="query", array=True, required=True),
-        Arg(name="key", array=True, required=True),
-        Arg(name="value", array=True, required=True),
-        Arg(name="sequence_start", array=True, required=True),
-        Arg(name="sequence_end", array=True, required=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="logits_soft_cap", array=False),
-        Arg(name="sliding_window", array=False),
-        Arg(name="softmax_aux", array=True),
+        *required_arrays("query", "key", "value", "sequence_start", "sequence_end"),
+        *STATICS,
+        SINKS,
     ),
     validate=validate_ragged_decode_attention,
     reference=ragged_decode_attention_reference,

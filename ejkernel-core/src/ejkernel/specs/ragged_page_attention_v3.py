@@ -23,13 +23,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
-from ejkernel.specs.ragged_page_attention import (
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
+from ejkernel.specs._paged import (
+    SINKS,
+    STATICS,
     packed_paged_reference,
     ragged_tokens,
-    synthetic_packed_inputs,
-    validate_ragged_page_attention,
+    required_arrays,
+    synthetic_paged_inputs,
 )
+from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
 
 __all__ = [
     "SPEC",
@@ -83,20 +86,7 @@ def ragged_page_attention_v3_reference(
     tables = (kv_lens, block_tables, query_start_loc, num_seqs)
     key_cache = write_new_tokens(key_cache, keys, *tables)
     value_cache = write_new_tokens(value_cache, values, *tables)
-    out = packed_paged_reference(
-        queries,
-        key_cache,
-        value_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        causal=True,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
-        softmax_aux=softmax_aux,
-    )
+    out = packed_paged_reference(locals())  # over the updated caches
     return out, key_cache, value_cache
 
 
@@ -122,24 +112,24 @@ def validate_ragged_page_attention_v3(a: dict[str, Any]) -> dict[str, Any]:
 SPEC = OpSpec(
     name=OP,
     args=(
-        Arg(name="queries", array=True, required=True),
-        Arg(name="keys", array=True, required=True),
-        Arg(name="values", array=True, required=True),
-        Arg(name="key_cache", array=True, required=True),
-        Arg(name="value_cache", array=True, required=True),
-        Arg(name="kv_lens", array=True, required=True),
-        Arg(name="block_tables", array=True, required=True),
-        Arg(name="query_start_loc", array=True, required=True),
-        Arg(name="num_seqs", array=True, required=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="logits_soft_cap", array=False),
-        Arg(name="sliding_window", array=False),
-        Arg(name="softmax_aux", array=True),
+        *required_arrays(
+            "queries",
+            "keys",
+            "values",
+            "key_cache",
+            "value_cache",
+            "kv_lens",
+            "block_tables",
+            "query_start_loc",
+            "num_seqs",
+        ),
+        *STATICS,
+        SINKS,
     ),
     validate=validate_ragged_page_attention_v3,
     reference=ragged_page_attention_v3_reference,
     differentiable=False,
-    synthetic=synthetic_packed_inputs,
+    synthetic=synthetic_paged_inputs,
     examples="ejkernel.testing.cases.ragged_page_attention_v3:examples",
 )
 

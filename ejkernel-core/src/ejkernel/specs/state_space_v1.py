@@ -29,6 +29,7 @@ from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
 
 __all__ = [
     "SPEC",
+    "check_state_space_arrays",
     "state_space_v1",
     "state_space_v1_reference",
     "validate_state_space_v1",
@@ -98,7 +99,16 @@ def validate_state_space_v1(a: dict[str, Any]) -> dict[str, Any]:
         "dt_bias": ("[I]", (i,)),
         "initial_state": ("[B, I, N]", (b, i, n)),
     }
-    for name in ("x", "A", *shapes):
+    return check_state_space_arrays(op, a, ("x", "A"), shapes)
+
+
+def check_state_space_arrays(
+    op: str, a: dict[str, Any], checked: tuple[str, ...], shapes: dict[str, Any]
+) -> dict[str, Any]:
+    """The checks every state-space op shares: each array of ``shapes`` (name -> (letters,
+    shape)) given has that shape, every array is floating (``checked`` ones already have
+    their shapes checked), and ``dt_softplus``/``return_state`` are bools."""
+    for name in (*checked, *shapes):
         v = a.get(name)
         if v is None:
             continue

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
-from ejkernel.specs.state_space_v1 import synthetic_state_space
+from ejkernel.specs._base import Arg, OpSpec, call_op, check_array
+from ejkernel.specs.state_space_v1 import check_state_space_arrays, synthetic_state_space
 
 __all__ = [
     "SPEC",
@@ -107,28 +107,12 @@ def validate_state_space_v2(a: dict[str, Any]) -> dict[str, Any]:
         "dt_bias": ("[H]", (h,)),
         "initial_state": ("[B, H, P, N]", (b, h, p, n)),
     }
-    for name in ("x", "B", *shapes):
-        v = a.get(name)
-        if v is None:
-            continue
-        if name in shapes:
-            letters, want = shapes[name]
-            check_array(op, name, v, ndim=len(want), letters=letters)
-            if tuple(v.shape) != want:
-                raise ValueError(
-                    f"{op}: `{name}` must be {letters}={want}; got {name}.shape={tuple(v.shape)}"
-                )
-        if not is_floating(v):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {v.dtype}")
+    check_state_space_arrays(op, a, ("x", "B"), shapes)
     chunk = a.get("chunk_size")
     if chunk is not None:
         if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
             raise ValueError(f"{op}: `chunk_size` must be a positive int or None; got {chunk!r}")
         a["chunk_size"] = int(chunk)
-    for flag in ("dt_softplus", "return_state"):
-        if not isinstance(a.get(flag), (bool, np.bool_)):
-            raise TypeError(f"{op}: `{flag}` must be a bool; got {a.get(flag)!r}")
-        a[flag] = bool(a[flag])
     return a
 
 

@@ -21,11 +21,13 @@ import jax
 import numpy as np
 
 from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
-from ejkernel.specs.ragged_page_attention import (
+from ejkernel.specs._paged import (
+    SINKS,
     packed_paged_reference,
-    synthetic_packed_inputs,
-    validate_ragged_page_attention,
+    required_arrays,
+    synthetic_paged_inputs,
 )
+from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
 
 __all__ = ["SPEC", "unified_attention", "unified_attention_reference", "validate_unified_attention"]
 
@@ -48,21 +50,7 @@ def unified_attention_reference(
     logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Plain-JAX oracle: gather each sequence's pages, then one masked softmax per token."""
-    return packed_paged_reference(
-        queries,
-        key_cache,
-        value_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        kv_lens.shape[0],
-        causal=causal,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
-        softmax_aux=softmax_aux,
-        alibi_slopes=alibi_slopes,
-    )
+    return packed_paged_reference(locals(), causal=causal)
 
 
 def validate_unified_attention(a: dict[str, Any]) -> dict[str, Any]:
@@ -86,14 +74,11 @@ def validate_unified_attention(a: dict[str, Any]) -> dict[str, Any]:
 SPEC = OpSpec(
     name=OP,
     args=(
-        Arg(name="queries", array=True, required=True),
-        Arg(name="key_cache", array=True, required=True),
-        Arg(name="value_cache", array=True, required=True),
-        Arg(name="kv_lens", array=True, required=True),
-        Arg(name="block_tables", array=True, required=True),
-        Arg(name="query_start_loc", array=True, required=True),
+        *required_arrays(
+            "queries", "key_cache", "value_cache", "kv_lens", "block_tables", "query_start_loc"
+        ),
         Arg(name="alibi_slopes", array=True),
-        Arg(name="softmax_aux", array=True),
+        SINKS,
         Arg(name="softmax_scale", array=False),
         Arg(name="causal", array=False, default=True),
         Arg(name="sliding_window", array=False),
@@ -102,7 +87,7 @@ SPEC = OpSpec(
     validate=validate_unified_attention,
     reference=unified_attention_reference,
     differentiable=False,
-    synthetic=synthetic_packed_inputs,
+    synthetic=synthetic_paged_inputs,
     examples="ejkernel.testing.cases.unified_attention:examples",
 )
 

@@ -1,6 +1,6 @@
 """prefill_page_attention on XLA: causal chunked prefill of one sequence (forward only).
 
-Runs the work-list core of :mod:`ejkernel_xla.ops.ragged_page_attention` on a batch of one
+Runs the work-list engine of :mod:`ejkernel_xla.ops._paged` on a batch of one
 sequence: the ``C`` queries (positions ``kv_len - C + i``) are cut into work items of
 ``q_blocksize`` tokens, each paired with the key blocks it can see (causally, and within the
 sliding window), gathered from ``page_indices`` only as far as ``ceil(kv_len / page_size)``.
@@ -12,23 +12,14 @@ It declines nothing (no ``supports``): this backend serves every valid call on e
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_xla.ops.ragged_page_attention import (
-    Problem,
-    RaggedPageAttentionConfig,
-    Statics,
-    attend,
-    make_statics,
-    paged_config_space,
-    paged_fetch,
-    paged_heuristic,
-    paged_sequences,
-)
+from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
     "PrefillPageAttentionConfig",
@@ -39,36 +30,15 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class PrefillPageAttentionConfig(RaggedPageAttentionConfig):
-    """Tunables of the XLA chunked prefill: those of the ragged op."""
+class PrefillPageAttentionConfig(engine.PagedConfig):
+    """Tunables of the XLA chunked prefill (see :class:`~ejkernel_xla.ops._paged.PagedConfig`)."""
 
 
-def _problem(query: Any, key_cache: Any, page_indices: Any) -> Problem:
-    page_size = int(key_cache.shape[1])
-    return Problem(
-        tokens=int(query.shape[0]),
-        seqs=1,
-        hq=int(query.shape[1]),
-        kv_width=2 * int(key_cache.shape[2] * key_cache.shape[3]),
-        page_size=page_size,
-        capacity=int(page_indices.shape[0]) * page_size,
-        decode=False,
-    )
+def _problem(kw: Mapping[str, Any]) -> engine.Problem:
+    return engine.paged_problem(kw["query"], kw["key_cache"], kw["page_indices"])
 
 
-def heuristic(inv: Any) -> PrefillPageAttentionConfig:
-    """Query blocks of up to 32 (CPU) / 64 (GPU) tokens, ~256-key blocks of whole pages."""
-    kw = inv.kwargs
-    return paged_heuristic(
-        _problem(kw["query"], kw["key_cache"], kw["page_indices"]), PrefillPageAttentionConfig
-    )
-
-
-def config_space(inv: Any) -> list[PrefillPageAttentionConfig]:
-    kw = inv.kwargs
-    return paged_config_space(
-        _problem(kw["query"], kw["key_cache"], kw["page_indices"]), PrefillPageAttentionConfig
-    )
+heuristic, config_space = engine.tuning(PrefillPageAttentionConfig, _problem)
 
 
 def prefill_page_attention_xla(
@@ -87,26 +57,16 @@ def prefill_page_attention_xla(
 
     Args:
         query: [C, Hq, D].
-        key_cache: [num_pages, page_size, Hkv, D].
-        value_cache: [num_pages, page_size, Hkv, D].
-        kv_len: int32 scalar.
-        page_indices: [P] int.
-        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
-        logits_soft_cap: ``cap * tanh(logits / cap)`` before masking, or ``None``.
-        sliding_window: ``(left, right)`` or ``None``.
+        key_cache, value_cache: [num_pages, page_size, Hkv, D].
+        kv_len: int32 scalar; page_indices: [P] int.
+        softmax_scale, logits_soft_cap, sliding_window: as the spec normalises them.
         cfg: blocks; ``None`` takes the heuristic's.
 
     Returns:
         [C, Hq, D] in the query dtype.
     """
-    st = make_statics(
-        _problem(query, key_cache, page_indices),
-        cfg,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
-        causal=True,
-        d=int(query.shape[-1]),
+    st = engine.make_statics(
+        _problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
     )
     return _forward(query, key_cache, value_cache, kv_len, page_indices, st)
 
@@ -118,13 +78,15 @@ def _forward(
     value_cache: jax.Array,
     kv_len: jax.Array,
     page_indices: jax.Array,
-    st: Statics,
+    st: engine.Statics,
 ) -> jax.Array:
     c = query.shape[0]
     tables = page_indices[None]
     kv_lens = jnp.asarray(kv_len, jnp.int32).reshape(1)
     starts = jnp.array([0, c], jnp.int32)
-    seqs = paged_sequences(kv_lens, starts, jnp.int32(1), c, tables.shape[1] * key_cache.shape[1])
-    return attend(
-        query, seqs, paged_fetch(key_cache, value_cache, tables, seqs.kv_hi, st.kv_block), st
+    seqs = engine.paged_sequences(
+        kv_lens, starts, jnp.int32(1), c, tables.shape[1] * key_cache.shape[1]
+    )
+    return engine.attend(
+        query, seqs, engine.paged_fetch(key_cache, value_cache, tables, seqs.kv_hi, st.kv_block), st
     )

@@ -1,7 +1,7 @@
 """ragged_decode_attention on XLA: decode over the valid range of a dense cache (forward only).
 
-Runs the work-list core of :mod:`ejkernel_xla.ops.ragged_page_attention` with one work item per
-batch row (its query at position ``end - 1``) and a dense key fetch: block ``j`` of row ``b``
+Runs the work-list engine of :mod:`ejkernel_xla.ops._paged` with one work item per batch
+row (its query at position ``end - 1``) and a dense key fetch: block ``j`` of row ``b``
 is ``key[b, j·bk : (j+1)·bk]`` (the last block shifted left to end at ``Sk``, its re-read keys
 masked), and a row only visits the blocks overlapping ``[start, end)`` (narrowed further by
 the sliding window). Under ``jax.jit`` the work is ``Σ`` over rows of their valid range, not
@@ -13,23 +13,14 @@ It declines nothing (no ``supports``): this backend serves every valid call on e
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_xla.ops.ragged_page_attention import (
-    Problem,
-    RaggedPageAttentionConfig,
-    Sequences,
-    Statics,
-    attend,
-    dense_fetch,
-    make_statics,
-    paged_config_space,
-    paged_heuristic,
-)
+from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
     "RaggedDecodeAttentionConfig",
@@ -40,14 +31,16 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class RaggedDecodeAttentionConfig(RaggedPageAttentionConfig):
+class RaggedDecodeAttentionConfig(engine.PagedConfig):
     """Tunables of the XLA ragged decode: ``kv_blocksize`` keys per block (clamped to Sk) and
     ``blocks_per_step``; ``q_blocksize`` is moot (one query per row)."""
 
 
-def _problem(query: Any, key: Any, value: Any) -> Problem:
+def _problem(kw: Mapping[str, Any]) -> engine.Problem:
+    """A dense cache: pages of one key, a capacity of Sk."""
+    query, key, value = kw["query"], kw["key"], kw["value"]
     b = int(query.shape[0])
-    return Problem(
+    return engine.Problem(
         tokens=b,
         seqs=b,
         hq=int(query.shape[1]),
@@ -55,22 +48,11 @@ def _problem(query: Any, key: Any, value: Any) -> Problem:
         page_size=1,
         capacity=int(key.shape[1]),
         decode=True,
+        head_dim=int(query.shape[-1]),
     )
 
 
-def heuristic(inv: Any) -> RaggedDecodeAttentionConfig:
-    """~256-key blocks (at most Sk), a step budget per backend."""
-    kw = inv.kwargs
-    return paged_heuristic(
-        _problem(kw["query"], kw["key"], kw["value"]), RaggedDecodeAttentionConfig
-    )
-
-
-def config_space(inv: Any) -> list[RaggedDecodeAttentionConfig]:
-    kw = inv.kwargs
-    return paged_config_space(
-        _problem(kw["query"], kw["key"], kw["value"]), RaggedDecodeAttentionConfig
-    )
+heuristic, config_space = engine.tuning(RaggedDecodeAttentionConfig, _problem)
 
 
 def ragged_decode_attention_xla(
@@ -90,27 +72,17 @@ def ragged_decode_attention_xla(
 
     Args:
         query: [B, Hq, D].
-        key: [B, Sk, Hkv, D].
-        value: [B, Sk, Hkv, Dv].
-        sequence_start: [B] int.
-        sequence_end: [B] int.
-        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
-        logits_soft_cap: ``cap * tanh(logits / cap)`` before masking, or ``None``.
-        sliding_window: ``(left, right)`` or ``None``.
+        key: [B, Sk, Hkv, D]; value: [B, Sk, Hkv, Dv].
+        sequence_start, sequence_end: [B] int.
+        softmax_scale, logits_soft_cap, sliding_window: as the spec normalises them.
         softmax_aux: [Hq] or [Hq, n] sink logits, or ``None``.
         cfg: blocks; ``None`` takes the heuristic's.
 
     Returns:
         [B, Hq, Dv] in the query dtype.
     """
-    st = make_statics(
-        _problem(query, key, value),
-        cfg,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
-        causal=True,
-        d=int(query.shape[-1]),
+    st = engine.make_statics(
+        _problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
     )
     return _forward(query, key, value, sequence_start, sequence_end, softmax_aux, st)
 
@@ -123,16 +95,12 @@ def _forward(
     sequence_start: jax.Array,
     sequence_end: jax.Array,
     softmax_aux: jax.Array | None,
-    st: Statics,
+    st: engine.Statics,
 ) -> jax.Array:
-    b, sk = key.shape[:2]
+    sk = key.shape[1]
     start = jnp.clip(sequence_start.astype(jnp.int32), 0, sk)
     end = jnp.clip(sequence_end.astype(jnp.int32), 0, sk)
-    seqs = Sequences(
-        q_begin=jnp.arange(b, dtype=jnp.int32),
-        q_len=jnp.ones((b,), jnp.int32),
-        q_pos0=end - 1,  # the decode token is the newest one
-        kv_lo=start,
-        kv_hi=end,
+    seqs = engine.decode_sequences(end - 1, start, end)  # the decode token is the newest one
+    return engine.attend(
+        query, seqs, engine.dense_fetch(key, value, st.kv_block), st, softmax_aux=softmax_aux
     )
-    return attend(query, seqs, dense_fetch(key, value, st.kv_block), st, softmax_aux=softmax_aux)

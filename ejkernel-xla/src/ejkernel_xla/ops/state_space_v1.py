@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.plugins import defvjp
+from ejkernel_xla.ops import _state_space as ssm
 
 __all__ = [
     "StateSpaceV1Config",
@@ -85,13 +86,8 @@ class StateSpaceV1Config:
             tokens) or ``"sequential"`` (a token loop).
     """
 
-    chunk_size: int = attrs.field(default=64)
+    chunk_size: int = attrs.field(default=64, validator=ssm.check_chunk_size)
     intra_chunk: str = attrs.field(default="associative")
-
-    @chunk_size.validator
-    def _check_chunk(self, attribute: Any, value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"StateSpaceV1Config: `chunk_size` must be an int >= 1; got {value!r}")
 
     @intra_chunk.validator
     def _check_intra(self, attribute: Any, value: Any) -> None:
@@ -104,10 +100,10 @@ class StateSpaceV1Config:
 def heuristic(inv: Any) -> StateSpaceV1Config:
     """The backend's default chunk and intra-chunk solver; the chunk shrunk to a power of two
     for shorter sequences."""
-    backend = _backend()
+    name = ssm.backend(_DEFAULT_CHUNK)
     return StateSpaceV1Config(
-        chunk_size=_fit_chunk(_DEFAULT_CHUNK[backend], int(inv.kwargs["x"].shape[1])),
-        intra_chunk=_DEFAULT_INTRA[backend],
+        chunk_size=ssm.fit_chunk(_DEFAULT_CHUNK[name], int(inv.kwargs["x"].shape[1])),
+        intra_chunk=_DEFAULT_INTRA[name],
     )
 
 
@@ -116,7 +112,7 @@ def config_space(inv: Any) -> list[StateSpaceV1Config]:
     configs = [heuristic(inv)]
     for chunk, intra in _TUNING:
         cfg = StateSpaceV1Config(
-            chunk_size=_fit_chunk(chunk, int(inv.kwargs["x"].shape[1])), intra_chunk=intra
+            chunk_size=ssm.fit_chunk(chunk, int(inv.kwargs["x"].shape[1])), intra_chunk=intra
         )
         if cfg not in configs:
             configs.append(cfg)
@@ -219,19 +215,6 @@ defvjp(state_space_v1_xla, _state_space_v1_fwd, _state_space_v1_bwd)
 # --------------------------------------------------------------------------------------------
 
 
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in _DEFAULT_CHUNK else "cpu"
-
-
-def _fit_chunk(chunk: int, length: int) -> int:
-    """``chunk``, or the smallest power of two covering a shorter sequence."""
-    if length >= chunk:
-        return chunk
-    return 1 << max(0, (length - 1).bit_length())
-
-
 @attrs.frozen(kw_only=True)
 class _Statics:
     """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
@@ -264,12 +247,9 @@ class _Chunks(NamedTuple):
 
 def _prepare(a: dict[str, Any], st: _Statics) -> _Chunks:
     """Δ from dt (bias, softplus), float32, laid out in chunks ``[M, B, C, ...]``."""
-    f32 = lambda v: v.astype(jnp.float32)
-    delta = f32(a["dt"]) if a["dt_bias"] is None else f32(a["dt"]) + f32(a["dt_bias"])
-    if st.dt_softplus:
-        delta = jax.nn.softplus(delta)
+    d = ssm.delta(a["dt"], a["dt_bias"], st.dt_softplus)
     chunks = lambda v: _to_chunks(v, st.chunk)
-    return _Chunks(x=chunks(a["x"]), delta=chunks(delta), b=chunks(a["B"]), c=chunks(a["C"]))
+    return _Chunks(x=chunks(a["x"]), delta=chunks(d), b=chunks(a["B"]), c=chunks(a["C"]))
 
 
 def _to_chunks(v: jax.Array, c: int) -> jax.Array:
@@ -287,14 +267,6 @@ def _initial_state(a: dict[str, Any]) -> jax.Array:
     return jnp.zeros((a["x"].shape[0], *a["A"].shape), jnp.float32)
 
 
-def _gated(a: dict[str, Any], y: jax.Array) -> jax.Array:
-    """``(y + D x) ⊙ silu(gate)`` in float32."""
-    out = y + a["D"].astype(jnp.float32) * a["x"].astype(jnp.float32)
-    if a["gate"] is not None:
-        out = out * jax.nn.silu(a["gate"].astype(jnp.float32))
-    return out
-
-
 @functools.partial(jax.jit, static_argnames=("st", "save"))
 def _forward(a: dict[str, Any], st: _Statics, save: bool) -> tuple[jax.Array, jax.Array, Any]:
     """``(out, final_state, (y, incoming states) or None)``."""
@@ -309,7 +281,7 @@ def _forward(a: dict[str, Any], st: _Statics, save: bool) -> tuple[jax.Array, ja
 
     final, (y, states) = lax.scan(body, _initial_state(a), chunks)
     y = _unchunk(y, s)
-    out = _gated(a, y).astype(a["x"].dtype)
+    out = ssm.skip_and_gate(y, a["x"], a["D"], a["gate"]).astype(a["x"].dtype)
     return out, final, ((y, states) if save else None)
 
 
@@ -323,9 +295,7 @@ def _backward(
     st: _Statics,
 ) -> dict[str, jax.Array | None]:
     """Pull back the gate, then a reverse scan over chunks, then Δ's bias and softplus."""
-    outer = {n: a[n] for n in ("x", "D", "gate") if a[n] is not None}
-    _, pull_gate = jax.vjp(lambda o, y: _gated({**a, **o}, y), outer, y)
-    d_outer, d_y = pull_gate(d_o.astype(jnp.float32))
+    d_outer, d_y = ssm.pull_skip_and_gate(a, y, d_o)
 
     inner = {n: a[n] for n in ("x", "dt", "dt_bias", "B", "C") if a[n] is not None}
     chunks, pull_prepare = jax.vjp(lambda i: _prepare({**a, **i}, st), inner)

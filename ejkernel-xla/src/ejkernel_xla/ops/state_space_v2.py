@@ -4,10 +4,12 @@ Pure JAX with a backward attached through :func:`ejkernel.plugins.defvjp`.
 
 The recurrence (per head; the state is ``[P, N]``, one scalar decay per head and token):
 ``h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t ⊗ B_t``, ``y_t = h_t C_t + D x_t``, gated by
-``silu(gate)``. The chunked algorithm is the state-space-duality form of Dao and Gu
-("Transformers are SSMs", ICML 2024, Sec. 6, the SSD algorithm): the sequence is cut into
-chunks of C tokens and, with ``a_t = Δ_t A`` and ``L_t = Σ_{s ≤ t} a_s`` the cumulative log
-decay inside a chunk,
+``silu(gate)``. Transposed, ``hᵀ [N, P]`` is the state of ``recurrent`` with query ``C_t``,
+key ``B_t``, value ``Δ_t x_t``, the per-head scalar log gate ``Δ_t A`` and scale 1.
+
+Forward: the state-space-duality form of Dao and Gu ("Transformers are SSMs", ICML 2024,
+Sec. 6, the SSD algorithm). The sequence is cut into chunks of C tokens and, with
+``a_t = Δ_t A`` and ``L_t = Σ_{s ≤ t} a_s`` the cumulative log decay inside a chunk,
 
 1. intra-chunk (quadratic, all chunks at once): ``Y_diag = (C Bᵀ ⊙ Λ) (Δ ⊙ X)`` with the
    segment-sum decay ``Λ_ts = exp(L_t - L_s)`` for ``s ≤ t`` (the exponent is masked before
@@ -22,13 +24,16 @@ decay inside a chunk,
 ``y = Y_diag + Y_off + D x``, then the gate. Groups: head h reads ``B``/``C`` group
 ``h // (H / G)``; the products are taken per group and broadcast over its heads, never
 materialising per-head copies of ``B`` or ``C``. A sequence that is not a chunk multiple is
-padded with ``Δ = 0`` tokens (decay 1, no input: the state passes through).
+padded with ``Δ = 0`` tokens (decay 1, no input: the state passes through). On CPU this
+all-chunks-at-once forward is faster than the linear-attention engine's streamed forward.
 
-Backward (custom VJP). The forward keeps only its inputs; the backward recomputes the chunked
-forward and pulls the cotangents back through it with ``jax.vjp``. Every residual of that
-autodiff is per chunk (``[S, H, C]`` decays and products, ``[S / C, H, P, N]`` states), so
-memory stays linear in S. This is checkpointing of the whole chunked forward, not a
-hand-derived backward: it costs one extra forward.
+Backward (custom VJP), on the chunked engine of :mod:`ejkernel_xla.ops.recurrent` (its
+scalar-gate path). The forward saves its inputs, ``y = C h`` and every chunk's incoming state
+``h_c`` (step 3), which are the engine's chunk-start states; the backward pulls the cotangent
+back through the gate and skip, through the engine's backward (a reverse scan over chunks,
+then every chunk recomputed from its saved start state), then through the mapping onto the
+engine (``Δ``'s bias and softplus, ``Δ x``, ``Δ A``, the group broadcast). Memory stays
+linear in S.
 
 Everything is float32 inside; outputs keep the dtype of ``x``, the final state is float32.
 Config: ``chunk_size`` (C); the op's ``chunk_size`` argument, when given, wins over it.
@@ -46,6 +51,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.plugins import defvjp
+from ejkernel_xla.ops import _state_space as ssm
+from ejkernel_xla.ops.recurrent import (
+    LinearStatics,
+    linear_attention_backward,
+)
 
 __all__ = [
     "StateSpaceV2Config",
@@ -71,18 +81,13 @@ class StateSpaceV2Config:
         chunk_size: tokens per chunk C (the op's ``chunk_size`` argument wins over it).
     """
 
-    chunk_size: int = attrs.field(default=64)
-
-    @chunk_size.validator
-    def _check(self, attribute: Any, value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"StateSpaceV2Config: `chunk_size` must be an int >= 1; got {value!r}")
+    chunk_size: int = attrs.field(default=64, validator=ssm.check_chunk_size)
 
 
 def heuristic(inv: Any) -> StateSpaceV2Config:
     """The backend's default chunk (or the call's ``chunk_size``), no longer than needed."""
-    chunk = inv.kwargs.get("chunk_size") or _DEFAULT_CHUNK[_backend()]
-    return StateSpaceV2Config(chunk_size=_fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
+    chunk = inv.kwargs.get("chunk_size") or _DEFAULT_CHUNK[ssm.backend(_DEFAULT_CHUNK)]
+    return StateSpaceV2Config(chunk_size=ssm.fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
 
 
 def config_space(inv: Any) -> list[StateSpaceV2Config]:
@@ -91,7 +96,7 @@ def config_space(inv: Any) -> list[StateSpaceV2Config]:
     if inv.kwargs.get("chunk_size") is not None:
         return configs
     for chunk in _TUNING_CHUNKS:
-        cfg = StateSpaceV2Config(chunk_size=_fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
+        cfg = StateSpaceV2Config(chunk_size=ssm.fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
         if cfg not in configs:
             configs.append(cfg)
     return configs
@@ -136,8 +141,8 @@ def state_space_v2_xla(
     arrays = dict(
         x=x, A=A, B=B, C=C, D=D, dt=dt, gate=gate, dt_bias=dt_bias, initial_state=initial_state
     )
-    out, final = _forward(arrays, _statics(cfg, chunk_size, dt_softplus))
-    return (out, final) if return_state else out
+    out, _ = _forward(arrays, _statics(cfg, chunk_size, dt_softplus, return_state), False)
+    return out
 
 
 def _state_space_v2_fwd(
@@ -157,12 +162,13 @@ def _state_space_v2_fwd(
     cfg: StateSpaceV2Config | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Forward of :func:`state_space_v2_xla`: ``(out, residuals)``; the residuals are the
-    array inputs only (the backward recomputes the chunked forward)."""
+    array inputs, ``y = C h`` and the engine's chunk-start states."""
     arrays = dict(
         x=x, A=A, B=B, C=C, D=D, dt=dt, gate=gate, dt_bias=dt_bias, initial_state=initial_state
     )
-    out, final = _forward(arrays, _statics(cfg, chunk_size, dt_softplus))
-    return ((out, final) if return_state else out), arrays
+    st = _statics(cfg, chunk_size, dt_softplus, return_state)
+    out, (y, h_start) = _forward(arrays, st, True)
+    return out, {"arrays": arrays, "y": y, "h_start": h_start}
 
 
 def _state_space_v2_bwd(
@@ -180,86 +186,121 @@ def _state_space_v2_bwd(
         The gradient of every given array, in its dtype (``None`` for absent ones).
     """
     d_y, d_final = d_out if return_state else (d_out, None)
-    return _backward(residuals, d_y, d_final, _statics(cfg, chunk_size, dt_softplus))
+    arrays = residuals["arrays"]
+    st = _statics(cfg, chunk_size, dt_softplus, return_state)
+    return _backward(arrays, residuals["y"], residuals["h_start"], d_y, d_final, st)
 
 
 defvjp(state_space_v2_xla, _state_space_v2_fwd, _state_space_v2_bwd)
 
 
 # --------------------------------------------------------------------------------------------
-# Configuration helpers
+# Forward (SSD) and backward (the linear-attention engine)
 # --------------------------------------------------------------------------------------------
-
-
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in _DEFAULT_CHUNK else "cpu"
-
-
-def _fit_chunk(chunk: int, length: int) -> int:
-    """``chunk``, or the smallest power of two covering a shorter sequence."""
-    if length >= chunk:
-        return chunk
-    return 1 << max(0, (length - 1).bit_length())
 
 
 @attrs.frozen(kw_only=True)
 class _Statics:
     """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
 
-    chunk: int
+    linear: LinearStatics
     dt_softplus: bool
 
 
-def _statics(cfg: StateSpaceV2Config | None, chunk_size: int | None, dt_softplus: bool) -> _Statics:
-    chunk = chunk_size if chunk_size is not None else (cfg or StateSpaceV2Config()).chunk_size
-    return _Statics(chunk=int(chunk), dt_softplus=bool(dt_softplus))
+def _statics(
+    cfg: StateSpaceV2Config | None, chunk_size: int | None, dt_softplus: bool, return_state: bool
+) -> _Statics:
+    chunk = int(chunk_size if chunk_size is not None else (cfg or StateSpaceV2Config()).chunk_size)
+    # The engine's scalar-gate path has no sub-chunks: one sub-chunk per chunk keeps any C valid.
+    linear = LinearStatics(
+        scale=1.0, reverse=False, return_state=bool(return_state), chunk=chunk, sub_chunk=chunk
+    )
+    return _Statics(linear=linear, dt_softplus=bool(dt_softplus))
 
 
-# --------------------------------------------------------------------------------------------
-# Forward and backward passes
-# --------------------------------------------------------------------------------------------
+def _ssd_gates(a: dict[str, Any]) -> tuple[jax.Array, None]:
+    """The per-head scalar log gate ``Δ A`` [B, S, H, 1]; no value gate."""
+    return a["g"][..., None], None
 
 
-@functools.partial(jax.jit, static_argnames="st")
-def _forward(arrays: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
-    """``(out [B, S, H, P], final_state [B, H, P, N])``."""
-    return _chunked(arrays, st)
+def _as_linear(a: dict[str, Any], st: _Statics) -> dict[str, Any]:
+    """The engine's arrays (float32): query ``C`` and key ``B`` per head [B, S, H, N], value
+    ``Δ x`` [B, S, H, P], log gate ``Δ A`` [B, S, H], initial state ``h₀ᵀ`` [B, H, N, P]."""
+    x = a["x"].astype(jnp.float32)
+    heads = x.shape[2] // a["B"].shape[2]
+    per_head = lambda v: jnp.repeat(v.astype(jnp.float32), heads, axis=2)
+    d = ssm.delta(a["dt"], a["dt_bias"], st.dt_softplus)
+    init = a["initial_state"]
+    return {
+        "query": per_head(a["C"]),
+        "key": per_head(a["B"]),
+        "value": d[..., None] * x,
+        "g": d * a["A"].astype(jnp.float32),
+        "initial_state": None if init is None else jnp.swapaxes(init.astype(jnp.float32), -1, -2),
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("st", "save"))
+def _forward(a: dict[str, Any], st: _Statics, save: bool) -> tuple[Any, Any]:
+    """``(out or (out, final_state), (y, chunk-start states [M, B, H, N, P]) or None)``."""
+    y, final, states = _ssd(a, st)
+    out = ssm.skip_and_gate(y, a["x"], a["D"], a["gate"]).astype(a["x"].dtype)
+    if st.linear.return_state:
+        out = (out, final)
+    if not save:
+        return out, None
+    b, m, g, r, p, n = states.shape
+    h_start = states.reshape(b, m, g * r, p, n).transpose(1, 0, 2, 4, 3)  # the engine's layout
+    return out, (y, h_start)
 
 
 @functools.partial(jax.jit, static_argnames="st")
 def _backward(
-    arrays: dict[str, Any], d_y: jax.Array, d_final: jax.Array | None, st: _Statics
+    a: dict[str, Any],
+    y: jax.Array,
+    h_start: jax.Array,
+    d_y: jax.Array,
+    d_final: jax.Array | None,
+    st: _Statics,
 ) -> dict[str, jax.Array | None]:
-    """Recompute the chunked forward and pull the cotangents back through it."""
-    diff = {n: v for n, v in arrays.items() if v is not None}
-    (_, final), pull_back = jax.vjp(lambda a: _chunked({**arrays, **a}, st), diff)
-    d_final = jnp.zeros_like(final) if d_final is None else d_final.astype(final.dtype)
-    (grads,) = pull_back((d_y.astype(arrays["x"].dtype), d_final))
-    return {n: grads.get(n) for n in _ARRAYS}
+    """Pull back the gate and skip, then the engine's backward, then the mapping onto it."""
+    d_outer, d_lin_y = ssm.pull_skip_and_gate(a, y, d_y)
+
+    diff = {n: a[n] for n in _ARRAYS if a[n] is not None}
+    linear, pull_linear = jax.vjp(lambda d: _as_linear({**a, **d}, st), diff)
+    d_out: Any = d_lin_y
+    if st.linear.return_state:
+        final = None if d_final is None else jnp.swapaxes(d_final.astype(jnp.float32), -1, -2)
+        d_out = (d_lin_y, final)
+    d_linear = linear_attention_backward(
+        {"arrays": linear, "h_start": h_start}, d_out, st.linear, _ssd_gates
+    )
+    (grads,) = pull_linear({n: d_linear.get(n) for n in linear})
+    grads = {n: g + d_outer[n] if n in d_outer else g for n, g in grads.items()}
+    return {n: None if a[n] is None else grads[n].astype(a[n].dtype) for n in _ARRAYS}
 
 
-def _chunked(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
-    """The SSD algorithm: intra-chunk products, chunk states, state passing, outputs."""
+def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The SSD algorithm: intra-chunk products, chunk states, state passing, outputs.
+
+    Returns ``y = C h`` [B, S, H, P] (before the skip and gate), the final state
+    [B, H, P, N] and every chunk's incoming state [B, M, G, R, P, N], all float32.
+    """
     f32 = lambda v: v.astype(jnp.float32)
     x = a["x"]
     b, s, h, p = x.shape
     g, n = a["B"].shape[2], a["B"].shape[3]
     r = h // g  # heads per group
-    c = st.chunk
+    c = st.linear.chunk
     m = -(-s // c)
-
-    delta = f32(a["dt"]) if a["dt_bias"] is None else f32(a["dt"]) + f32(a["dt_bias"])
-    if st.dt_softplus:
-        delta = jax.nn.softplus(delta)
+    d = ssm.delta(a["dt"], a["dt_bias"], st.dt_softplus)
 
     def chunks(v: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, M, C, ...], zero padded
         v = jnp.pad(f32(v), [(0, 0), (0, m * c - s)] + [(0, 0)] * (v.ndim - 2))
         return v.reshape(b, m, c, *v.shape[2:])
 
     xc = chunks(x).reshape(b, m, c, g, r, p)
-    dc = chunks(delta).reshape(b, m, c, g, r)  # padded steps: Δ = 0
+    dc = chunks(d).reshape(b, m, c, g, r)  # padded steps: Δ = 0
     bc, cc = chunks(a["B"]), chunks(a["C"])  # [B, M, C, G, N]
 
     t = jnp.arange(c)
@@ -299,10 +340,7 @@ def _chunked(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
     # 4. Y_off[t] = exp(L_t) h_c C_t
     y = y + jnp.exp(cum)[..., None] * _dot("bmtgn,bmgrpn->bmtgrp", cc, states)
 
-    y = y.reshape(b, m * c, h, p)[:, :s] + f32(a["D"])[:, None] * f32(x)
-    if a["gate"] is not None:
-        y = y * jax.nn.silu(f32(a["gate"]))
-    return y.astype(x.dtype), final.reshape(b, h, p, n)
+    return y.reshape(b, m * c, h, p)[:, :s], final.reshape(b, h, p, n), states
 
 
 def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:

@@ -1,54 +1,85 @@
 """Conformance examples of ``ragged_decode_attention``: empty and one-token ranges, ranges
-that do not start at 0, GQA/MQA, sinks, soft cap and sliding window."""
+that do not start at 0 or run past the cache, GQA/MQA, D ≠ Dv, sinks, soft cap and sliding
+window. Every cache entry outside a row's valid range is NaN, so reading it fails loudly."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ejkernel.testing._examples import FLOAT, Example, Invalid
 
-__all__ = ["examples"]
+__all__ = ["examples", "rows_example"]
 
 
-def _ranges(start: tuple[int, ...], end: tuple[int, ...]) -> Any:
+def rows_example(
+    starts: tuple[int, ...],
+    ends: tuple[int, ...],
+    *,
+    sk: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int | None = None,
+    tags: str = "",
+    extra: dict[str, tuple[tuple[int, ...], str]] | None = None,
+    **options: Any,
+) -> Example:
+    """One decode query per row over ``[start, end)`` of a dense ``[B, Sk, Hkv, ·]`` cache."""
+    b, dv = len(starts), d if dv is None else dv
+    name = f"B{b}-Sk{sk}-Hq{hq}-Hkv{hkv}-D{d}" + (f"-Dv{dv}" if dv != d else "")
+    return Example(
+        name=name + (f"-{tags}" if tags else ""),
+        arrays={
+            "query": ((b, hq, d), FLOAT),
+            "key": ((b, sk, hkv, d), FLOAT),
+            "value": ((b, sk, hkv, dv), FLOAT),
+            "sequence_start": ((b,), "int32"),
+            "sequence_end": ((b,), "int32"),
+            **(extra or {}),
+        },
+        options=options,
+        fill=_ranges(starts, ends),
+    )
+
+
+def _ranges(
+    starts: tuple[int, ...], ends: tuple[int, ...]
+) -> Callable[[dict[str, Any], np.random.Generator], dict[str, Any]]:
     def fill(values: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-        del values, rng
-        return {
-            "sequence_start": np.asarray(start, np.int32),
-            "sequence_end": np.asarray(end, np.int32),
+        del rng
+        pos = np.arange(values["key"].shape[1])
+        outside = (pos < np.asarray(starts)[:, None]) | (pos >= np.asarray(ends)[:, None])
+        out: dict[str, Any] = {
+            "sequence_start": np.asarray(starts, np.int32),
+            "sequence_end": np.asarray(ends, np.int32),
         }
+        for name in ("key", "value"):
+            cache = np.asarray(values[name], np.float32).copy()
+            cache[outside] = np.nan
+            out[name] = cache
+        return out
 
     return fill
 
 
 def examples() -> list[Example | Invalid]:
-    b, sk = 4, 129
     return [
-        Example(
-            name=f"B{b}-Sk{sk}-Hq8-Hkv2-D80-ranges",
-            arrays={
-                "query": ((b, 8, 80), FLOAT),
-                "key": ((b, sk, 2, 80), FLOAT),
-                "value": ((b, sk, 2, 80), FLOAT),
-                "sequence_start": ((b,), "int32"),
-                "sequence_end": ((b,), "int32"),
-            },
-            fill=_ranges((0, 5, 20, 128), (37, 5, 129, 129)),
-        ),
-        Example(
-            name="B3-Sk37-Hq4-Hkv1-D64-Dv48-sinks-softcap-window",
-            arrays={
-                "query": ((3, 4, 64), FLOAT),
-                "key": ((3, 37, 1, 64), FLOAT),
-                "value": ((3, 37, 1, 48), FLOAT),
-                "sequence_start": ((3,), "int32"),
-                "sequence_end": ((3,), "int32"),
-                "softmax_aux": ((4,), FLOAT),
-            },
-            options={"logits_soft_cap": 10.0, "sliding_window": (11, 0)},
-            fill=_ranges((0, 3, 30), (37, 30, 31)),
+        rows_example((0, 5, 20, 128), (37, 5, 129, 129), sk=129, hq=8, hkv=2, d=80, tags="ranges"),
+        rows_example(
+            (0, 3, 30),
+            (37, 30, 31),
+            sk=37,
+            hq=4,
+            hkv=1,
+            d=64,
+            dv=48,
+            tags="sinks-softcap-window",
+            extra={"softmax_aux": ((4,), FLOAT)},
+            logits_soft_cap=10.0,
+            sliding_window=(11, 0),
         ),
         Invalid.extra_axis("query"),
         Invalid.replace("sequence_end-wrong-length", sequence_end=lambda a: a["sequence_end"][1:]),
