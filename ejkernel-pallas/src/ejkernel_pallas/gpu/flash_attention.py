@@ -80,10 +80,9 @@ DTYPES = ("bfloat16", "float16")
 FWD_DEFAULT = {64: (64, 128, 2), 128: (64, 128, 2)}
 BWD_DEFAULT = {64: (64, 64, 2), 128: (64, 64, 2)}
 #: Non-causal forwards at these head dims take kv tiles of 192 rows (FA3's choice of wide kv
-#: tiles for D 128): fewer steps, so less per-step softmax and barrier overhead. H100, same
-#: run, forward TFLOP/s bk 128 → 192: (4, 3072, 16, 128) 614 → 636, (2, 4608, 16, 128)
-#: 640 → 658 (tokamax mosaic 621, 636). When 192 does not divide Sk, the last one or two
-#: steps take :data:`TAIL_ROWS` rows (4096 = 20 · 192 + 2 · 128).
+#: tiles for D 128): fewer steps, so less per-step softmax and barrier overhead (on an H100
+#: the D 128 forward runs about 3 % faster than with 128 rows). When 192 does not divide Sk,
+#: the last one or two steps take :data:`TAIL_ROWS` rows (4096 = 20 · 192 + 2 · 128).
 FWD_WIDE_KV = {128: 192}
 #: Rows of the narrower kv steps that end a forward whose kv tile does not divide Sk.
 TAIL_ROWS = 128
@@ -546,10 +545,8 @@ def _smem(pr: _Problem, shape: tuple[int, ...], dtype: Any, tiled: bool = True) 
 
 #: The causal forward launches its query tiles longest first: the grid runs heads fastest, so
 #: each wave holds tiles of one length, and in query order the last wave holds the longest ones
-#: (a long tail on few SMs). H100, same run, forward TFLOP/s query order → longest first:
-#: (4, 4096, 16, 128) 536 → 564 (tokamax mosaic 532), (8, 2048, 16, 64) 291 → 310 (284). The
-#: dQ kernel, tried the same way, gave fwd+bwd at D 128 no clear gain (451 → 432 median of
-#: three, rounds −5 % to +4 %), so it keeps query order.
+#: (a long tail on few SMs); on an H100 longest first is 5-7 % faster at D 64 and D 128. The
+#: dQ kernel keeps query order: reversed, it is no faster.
 LONGEST_FIRST = True
 
 
@@ -649,8 +646,8 @@ def _fwd_step(
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     denom = denom * alpha + p.sum(axis=1)
     p16 = p.astype(pr.dtype)
-    # Pin the order: the softmax finishes before the barriers below (with the scale fold
-    # above, forward 594 -> 612 TFLOP/s at D 128; not timed apart).
+    # Pin the order: the softmax finishes before the barriers below (together with the scale
+    # fold above, about 3 % on the D 128 forward).
     acc, p16 = lax.optimization_barrier((acc, p16))
     denom, m_new = lax.optimization_barrier((denom, m_new))
     plgpu.barrier_wait(v_landed.at[slot])
@@ -830,8 +827,8 @@ def _flash_attention_fwd_kernel(
 
 
 #: Non-causal forwards at D 64 with more tiles than SMs run persistent (_fwd_persistent_call):
-#: H100, same run, TFLOP/s grid → persistent: D 64 (8, 2048, 16) 406 → 418; at D 128 it lost,
-#: (4, 4096, 16) 564 → 567 and (2, 8192, 16) 598 → 570, so D 128 keeps the grid.
+#: on an H100 about 3 % faster than the grid launch at D 64, slower at D 128 (which keeps the
+#: grid).
 PERSISTENT_FORWARD_HEAD_DIMS = (64,)
 
 
