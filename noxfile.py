@@ -1,4 +1,9 @@
-"""Task runner: `nox -s tests` is what CI runs; `nox -s demo` is the quick start."""
+"""Task runner: `nox -s ci` is what CI runs (`.ci/run`); `nox -s demo` is the quick start.
+
+`ci` installs once and runs in that one environment what the sessions `lint`, `tests`,
+`conformance`, `docs` and `example-plugin` run each in their own; the commands are shared
+(`_lint`, `_tests`, ...), so the two ways run the same checks.
+"""
 
 from __future__ import annotations
 
@@ -17,13 +22,68 @@ DISTRIBUTIONS = [
 PACKAGES = [arg for dist in DISTRIBUTIONS for arg in ("-e", dist)]
 #: triton pinned to the GPU machine's version: the interpreter path is tested against it.
 TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "triton==3.6.0"]
+DOCS_DEPS = ["-r", "docs/requirements.txt"]
+RUFF = "ruff==0.17.6"  # pinned: new releases add rules
+EXAMPLE_PLUGIN = "./examples/ejkernel-plugin-example"
+
+
+def _lint(session: nox.Session) -> None:
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+def _tests(session: nox.Session, *args: str) -> None:
+    """Every CPU test but the conformance kit's, which :func:`_conformance` runs with the
+    interpreters on (a superset: without them the Triton and Pallas cases only skip)."""
+    session.run("pytest", "-m", "not gpu", "-n", "2", "--ignore=tests/conformance", *args)
+
+
+def _conformance(session: nox.Session, *args: str) -> None:
+    session.run(
+        "pytest",
+        "tests/conformance",
+        "-m",
+        "not gpu",
+        "-n",
+        "2",
+        *args,
+        env={"EJKERNEL_INTERPRET": "1"},
+    )
+
+
+def _docs(session: nox.Session) -> None:
+    session.run("mkdocs", "build", "--strict")
+
+
+def _example_plugin(session: nox.Session, *args: str) -> None:
+    session.run("pytest", "examples/ejkernel-plugin-example/tests", *args)
+
+
+@nox.session
+def ci(session: nox.Session) -> None:
+    """What CI runs, in one install: lint, the tests, the conformance kit over every in-tree
+    plugin, the docs build, then the example plugin (installed last: the docs' support matrix
+    and the tests see the in-tree plugins only)."""
+    session.install(*PACKAGES, *TEST_DEPS, *DOCS_DEPS, RUFF)
+    _lint(session)
+    _tests(session)
+    _conformance(session)
+    _docs(session)
+    session.install("--no-deps", EXAMPLE_PLUGIN)
+    _example_plugin(session)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Install core + xla and run every CPU test (GPU tests are deselected)."""
+    """Install every distribution and run every CPU test (GPU tests are deselected), the
+    conformance kit with the Triton and Pallas interpreters on. Arguments go to pytest in
+    place of that selection: `nox -s tests -- tests/xla -x`."""
     session.install(*PACKAGES, *TEST_DEPS)
-    session.run("pytest", "-m", "not gpu", "-n", "2", *session.posargs)
+    if session.posargs:
+        session.run("pytest", "-m", "not gpu", *session.posargs)
+        return
+    _tests(session)
+    _conformance(session)
 
 
 @nox.session(name="tests-core")
@@ -65,30 +125,21 @@ def tests_cuda(session: nox.Session) -> None:
 def conformance(session: nox.Session) -> None:
     """The conformance kit over every in-tree plugin (Triton and Pallas through interpreters)."""
     session.install(*PACKAGES, *TEST_DEPS)
-    session.run(
-        "pytest",
-        "tests/conformance",
-        "-m",
-        "not gpu",
-        "-n",
-        "2",
-        *session.posargs,
-        env={"EJKERNEL_INTERPRET": "1"},
-    )
+    _conformance(session, *session.posargs)
 
 
 @nox.session(name="example-plugin")
 def example_plugin(session: nox.Session) -> None:
     """Install the example third-party plugin and run its tests (the conformance kit on it)."""
-    session.install(*PACKAGES, "./examples/ejkernel-plugin-example", "pytest>=8")
-    session.run("pytest", "examples/ejkernel-plugin-example/tests", *session.posargs)
+    session.install(*PACKAGES, EXAMPLE_PLUGIN, "pytest>=8")
+    _example_plugin(session, *session.posargs)
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the documentation site with MkDocs, warnings as errors (into build/site)."""
-    session.install(*PACKAGES, "-r", "docs/requirements.txt")
-    session.run("mkdocs", "build", "--strict")
+    session.install(*PACKAGES, *DOCS_DEPS)
+    _docs(session)
 
 
 @nox.session
@@ -109,9 +160,8 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and format check."""
-    session.install("ruff==0.17.6")  # pinned: new releases add rules
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
+    session.install(RUFF)
+    _lint(session)
 
 
 @nox.session

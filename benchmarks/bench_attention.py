@@ -13,8 +13,18 @@ cache or autotune), printed after the table.
 Writes ``<out>.json`` and ``<out>.png`` (TFLOP/s against sequence length per implementation) and
 prints a table.
 
-Run (GPU): ``python benchmarks/bench_attention.py [--quick] [--out benchmarks/results/attention]``
-(``nox -s bench-gpu`` does the same).
+Other modes (``--mode``), each printing its table:
+
+- ``rounds``: the forward of one ejkernel platform against a reference (cuDNN) at one shape,
+  causal and not, in rotating rounds (which function runs first changes every round): the
+  spread of one harness row's ratio.
+- ``configs``: the forward with every config of a platform's config space (its heuristic
+  first), against the reference, in rotating rounds: does another config beat the heuristic?
+- ``startup``: the cold and warm start of a new shape, ``--repeat`` times, fresh caches each.
+
+Run (GPU): ``python benchmarks/bench_attention.py [--quick] [--out benchmarks/results/attention]``,
+``python benchmarks/bench_attention.py --mode rounds --rounds 6 --shape 8,2048,16,64``
+(``benchmarks/gpu_attention.sh`` installs ours and the anchors and passes its arguments on).
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ SWEEP = [(8, 2048), (4, 4096), (2, 8192), (1, 16384)]  # (B, S) at H 16, D 128
 #: 700 W limit with its clock lowered; a function timed right after an idle moment or a lighter
 #: function runs up to 8 % faster for a few tens of milliseconds, which favours whoever is
 #: timed first. After this warm-up each is timed at the steady clock of its own load, as in a
-#: training loop (fifteenth session, RESULTS.md). ``BENCH_WARM_S=0``: no warm-up.
+#: training loop. ``BENCH_WARM_S=0``: no warm-up.
 WARM_S = float(os.environ.get("BENCH_WARM_S", "0.3"))
 
 
@@ -73,7 +83,7 @@ def rotating_rounds(
     fns: dict[str, Callable[..., Any]], args: tuple[Any, ...], rounds: int, gflop: float
 ) -> dict[str, list[float]]:
     """TFLOP/s of each function per round, timed by :func:`timed` in an order that rotates
-    by one each round (for experiments: which function follows which changes the clock)."""
+    by one each round (which function follows which changes the clock)."""
     names = list(fns)
     res: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
@@ -83,33 +93,15 @@ def rotating_rounds(
 
 
 def print_rounds(title: str, res: dict[str, list[float]], ref: str = "cuDNN") -> None:
-    """Each function's median TFLOP/s and its ratio to ``ref`` round by round."""
+    """Each function's median TFLOP/s, its median ratio to ``ref`` and that ratio by round."""
     print(f"== {title} (TFLOP/s, {ref} median {statistics.median(res[ref]):.0f})")
     for n, xs in res.items():
         ratios = [x / c for x, c in zip(xs, res[ref], strict=True)]
         print(
-            f"  {n:22s} {statistics.median(xs):6.1f}  ÷ {ref} by round: "
-            + " ".join(f"{x:.2f}" for x in ratios),
+            f"  {n:22s} {statistics.median(xs):6.1f}  ÷ {ref} median "
+            f"{statistics.median(ratios):.3f}, by round: " + " ".join(f"{x:.2f}" for x in ratios),
             flush=True,
         )
-
-
-def normal_inputs(shape: tuple[int, ...], seed: int, n: int = 4) -> list[Any]:
-    """``n`` bf16 arrays of ``shape`` from a standard normal (for experiments)."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), n)
-    return [jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in keys]
-
-
-def ours_vjp(causal: bool, platform: str = "triton") -> Callable[..., Any]:
-    """``(q, k, v, do) -> (dq, dk, dv)`` through ejkernel's flash attention (for experiments:
-    trace it in a new function for each variant, as jit keeps traces by function)."""
-
-    attn = ours(platform)
-
-    def run(q: Any, k: Any, v: Any, do: Any) -> Any:
-        return jax.vjp(lambda *a: attn(*a, causal), q, k, v)[1](do)
-
-    return run
 
 
 def flops(b: int, s: int, h: int, d: int, causal: bool) -> float:
@@ -267,7 +259,7 @@ def chosen(platform: str, shape: tuple[int, ...], causal: bool) -> dict[str, Any
     for name, grad in (("fwd", False), ("fwd_bwd", True)):
         try:
             import ejkernel
-            from ejkernel._json import stable_json
+            from ejkernel.ops import stable_json
 
             # An array, not a ShapeDtypeStruct: the cache key signs arrays by shape and dtype
             # but a ShapeDtypeStruct by its repr, another key than the measured call's.
@@ -370,7 +362,7 @@ print("UPSTREAM" + json.dumps(out))
 STARTUP_PHASES = ("imported", "backend", "input", "traced", "compiled", "result")
 
 
-def startup(shape: tuple[int, ...]) -> dict[str, float]:
+def startup(shape: tuple[int, ...], platform: str = "triton") -> dict[str, float]:
     """Seconds to the first fwd+bwd result of a new shape: cold (empty config cache, autotune,
     empty Triton cache) and warm (both caches filled), each in a fresh process.
 
@@ -387,7 +379,7 @@ q = jax.block_until_ready(
     jax.random.normal(jax.random.PRNGKey(0), {tuple(shape)!r}, jnp.bfloat16))
 mark("input")
 f = jax.jit(jax.grad(lambda q: ejkernel.flash_attention(q, q, q, causal=True,
-    platform="triton").astype(jnp.float32).sum()))
+    platform={platform!r}).astype(jnp.float32).sum()))
 lowered = f.lower(q); mark("traced")
 compiled = lowered.compile(); mark("compiled")
 jax.block_until_ready(compiled(q)); mark("result")
@@ -430,6 +422,81 @@ def startup_line(shape: tuple[int, ...], start: dict[str, float]) -> str:
             f"({steps})"
         )
     return "\n  ".join(parts)
+
+
+# -- the other modes ----------------------------------------------------------------------------
+
+#: The shape of ``--mode rounds`` and ``--mode configs`` unless ``--shape`` says otherwise: the
+#: main shape where the forward's ratio to cuDNN moves most between runs.
+ROUNDS_SHAPE = (8, 2048, 16, 64)
+STARTUP_SHAPE = (2, 3072, 16, 128)
+
+
+def forward_rounds(
+    attns: dict[str, Callable[..., Any]], shape: tuple[int, ...], causal: bool, rounds: int
+) -> dict[str, list[float]]:
+    """Forward TFLOP/s of each ``attn(q, k, v, causal)`` per round (:func:`rotating_rounds`),
+    on one set of bf16 inputs."""
+    keys = jax.random.split(jax.random.PRNGKey(sum(shape)), 3)
+    q, k, v = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in keys)
+    fns = {n: jax.jit(lambda q, k, v, f=f: f(q, k, v, causal)) for n, f in attns.items()}
+    return rotating_rounds(fns, (q, k, v), rounds, flops(*shape, causal) / 1e9)
+
+
+def config_space(platform: str, shape: tuple[int, ...], causal: bool) -> dict[str, Any]:
+    """Label -> config: the heuristic of ``platform``'s flash attention, then every config of its
+    config space, for a bf16 forward at ``shape`` (through the registry, as the autotuner asks)."""
+    from ejkernel.ops import Invocation, stable_json
+    from ejkernel.plugins import get_registry
+
+    registry = get_registry()
+    spec = registry.spec("flash_attention")
+    impls = [i for i in registry.implementations("flash_attention") if i.platform == platform]
+    if not impls:
+        raise SystemExit(f"no {platform!r} implementation of flash_attention is installed")
+    x = jnp.zeros(shape, jnp.bfloat16)
+    args = spec.validate(spec.bind((), {"query": x, "key": x, "value": x, "causal": causal}))
+    inv = Invocation(kernel=spec.name, kwargs=args, metadata={"grad": False})
+    heuristic, space = impls[0].get_heuristic(), impls[0].get_config_space()
+    configs = ([heuristic(inv)] if heuristic else []) + (list(space(inv)) if space else [])
+    configs = list(dict.fromkeys(configs))  # the space usually starts with the heuristic
+    labels = [_short(json.loads(stable_json(c))) for c in configs]
+    if labels:
+        labels[0] = f"heuristic {labels[0]}"
+    return dict(zip(labels, configs, strict=True))
+
+
+def rounds_mode(platform: str, ref: str, shape: tuple[int, ...], rounds: int) -> None:
+    """``--mode rounds``: ejkernel's forward on ``platform`` against ``ref``, causal and not."""
+    anchor = implementations()[ref]
+    for causal in (False, True):
+        res = forward_rounds(
+            {f"ejkernel {platform}": ours(platform), ref: anchor}, shape, causal, rounds
+        )
+        print_rounds(f"{shape} causal={causal} forward, {rounds} rounds", res, ref)
+
+
+def configs_mode(platform: str, ref: str, shape: tuple[int, ...], rounds: int) -> None:
+    """``--mode configs``: the forward with each config of the config space against ``ref``."""
+    import ejkernel
+
+    anchor = implementations()[ref]
+    for causal in (False, True):
+        attns: dict[str, Callable[..., Any]] = {
+            label: lambda q, k, v, causal, c=cfg: ejkernel.flash_attention(
+                q, k, v, causal=causal, platform=platform, cfg=c
+            )
+            for label, cfg in config_space(platform, shape, causal).items()
+        }
+        attns[ref] = anchor
+        res = forward_rounds(attns, shape, causal, rounds)
+        print_rounds(f"{shape} causal={causal} forward, {rounds} rounds", res, ref)
+
+
+def startup_mode(shape: tuple[int, ...], repeat: int, platform: str) -> None:
+    """``--mode startup``: :func:`startup` ``repeat`` times (fresh caches each): its spread."""
+    for i in range(repeat):
+        print(f"repeat {i}: " + startup_line(shape, startup(shape, platform)), flush=True)
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -511,6 +578,13 @@ def plot(sweep: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+MODES = ("harness", "rounds", "configs", "startup")
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="main shapes only, no sweep")
@@ -520,8 +594,21 @@ def main() -> None:
     parser.add_argument("--no-startup", action="store_true")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="first N main shapes")
     parser.add_argument("--sweep-impls", nargs="*", default=None, help="subset for the sweep")
+    parser.add_argument("--mode", choices=MODES, default="harness", help="what to measure")
+    parser.add_argument("--platform", default="triton", help="ejkernel platform (other modes)")
+    parser.add_argument("--ref", default="cuDNN", help="reference implementation (rounds, configs)")
+    parser.add_argument("--shape", type=_shape, default=None, help="B,S,H,D (other modes)")
+    parser.add_argument("--rounds", type=int, default=6, help="rotating rounds (rounds, configs)")
+    parser.add_argument("--repeat", type=int, default=1, help="starts of each kind (startup)")
     args = parser.parse_args()
     os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
+    print(json.dumps(versions()), flush=True)
+    if args.mode == "rounds":
+        return rounds_mode(args.platform, args.ref, args.shape or ROUNDS_SHAPE, args.rounds)
+    if args.mode == "configs":
+        return configs_mode(args.platform, args.ref, args.shape or ROUNDS_SHAPE, args.rounds)
+    if args.mode == "startup":
+        return startup_mode(args.shape or STARTUP_SHAPE, args.repeat, args.platform)
 
     impls = implementations()
     if args.impls:
@@ -556,8 +643,8 @@ def main() -> None:
                 ]
                 for name in [n for n in names if n in impls]:
                     sweep.append(bench_row(name, impls[name], (b, s, 16, 128), causal))
-    startup_shape = (2, 3072, 16, 128)
-    start = {} if args.no_startup else startup(startup_shape)
+    startup_shape = STARTUP_SHAPE
+    start = {} if args.no_startup else startup(startup_shape, args.platform)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# The issue-5 GPU session in one call: install ours (.whl) and the anchors (.whl-anchors:
+# Flash attention on the lent GPU in one call: install ours (.whl) and the anchors (.whl-anchors:
 # tokamax and its pure-Python dependencies, upstream ejkernel 0.0.80.3 into its own folder),
-# run the Triton GPU tests, then the attention harness. Arguments go to the harness.
+# run the GPU tests (TESTS, default tests/triton; SKIP_TESTS=1 skips them), then the attention
+# harness. Arguments go to the harness, e.g.
+#   bash benchmarks/gpu_attention.sh --quick --shapes 2 --impls "ejkernel triton" cuDNN \
+#       "tokamax triton" "tokamax mosaic"                     (the table RESULTS.md quotes)
+#   SKIP_TESTS=1 bash benchmarks/gpu_attention.sh --mode rounds --rounds 6
+#   SKIP_TESTS=1 bash benchmarks/gpu_attention.sh --mode configs --rounds 3
+#   SKIP_TESTS=1 bash benchmarks/gpu_attention.sh --mode startup --repeat 3
 # Here, before the call:
 #   pip wheel --no-deps ./ejkernel-core ./ejkernel-xla ./ejkernel-triton -w .whl
 #   pip download --no-deps -d .whl jax-triton==0.3.1 cattrs   (the image lacks both)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from bench_attention import timed
 
 import ejkernel
-from ejkernel._params import BwdParams, FwdParams
+from ejkernel.ops import BwdParams, FwdParams
 from ejkernel_triton.ops.flash_attention import FlashAttentionConfig
 
 

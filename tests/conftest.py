@@ -27,6 +27,16 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
     errors._reset_warnings_for_tests()
 
 
+def pytest_configure(config):
+    """On a CPU, compile without XLA's and LLVM's expensive optimisations
+    (``jax_disable_most_optimizations``): these tests spend most of their time compiling small
+    programs, which then run on inputs of a few kilobytes. GPU runs keep the usual compiler."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        jax.config.update("jax_disable_most_optimizations", True)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where JAX's default backend is a GPU."""
     import jax

@@ -75,3 +75,27 @@ def test_choice_that_cannot_be_explained_is_recorded_as_its_error(harness: Modul
     assert "fwd fails: " in harness.chosen_line(
         {"impl": "x", "shape": SHAPE, "causal": False, "chosen": chosen}
     )
+
+
+def test_config_space_lists_the_heuristic_first_then_the_other_candidates(
+    harness: ModuleType,
+) -> None:
+    space = harness.config_space("xla", (1, 256, 1, 16), False)
+
+    labels = list(space)
+    assert labels[0].startswith("heuristic {") and len(labels) > 1
+    assert len(set(space.values())) == len(space)
+
+
+def test_forward_rounds_time_every_function_in_every_round(
+    harness: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(harness, "WARM_S", 0.0)
+
+    def xla(q: Any, k: Any, v: Any, causal: bool) -> Any:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+    res = harness.forward_rounds({"ours": harness.ours("xla"), "XLA": xla}, SHAPE, True, 2)
+
+    assert set(res) == {"ours", "XLA"}
+    assert all(len(xs) == 2 and min(xs) > 0 for xs in res.values())

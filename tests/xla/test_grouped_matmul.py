@@ -70,6 +70,31 @@ def inputs(
     )
 
 
+def _fwd_bwd(
+    fn: Any, r: Routing, dtype: Any, transpose: bool, preferred: Any
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Output and gradients (lhs, rhs) of ``fn`` on the routing's inputs, forward and backward
+    in one ``jax.jit`` (one compile); the cotangent is a fixed random normal."""
+    lhs, rhs, sizes = inputs(r, dtype, transpose=transpose)
+    statics = {"preferred_element_type": preferred, "transpose_rhs": transpose}
+    d_out = normal(jax.random.PRNGKey(42), (r.m, r.n), jnp.dtype(preferred or dtype))
+
+    @jax.jit
+    def run(lhs: Any, rhs: Any, sizes: Any) -> Any:
+        out, vjp = jax.vjp(lambda x, w: fn(x, w, sizes, **statics), lhs, rhs)
+        return out, vjp(d_out)
+
+    return run(lhs, rhs, sizes)
+
+
+@functools.cache
+def _reference(
+    r: Routing, dtype: Any, transpose: bool, preferred: Any
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The reference's output and gradients, computed once per problem (tiles vary, it not)."""
+    return _fwd_bwd(grouped_matmul_reference, r, dtype, transpose, preferred)
+
+
 def check(
     r: Routing,
     cfg: GroupedMatmulConfig | None = None,
@@ -78,26 +103,12 @@ def check(
     transpose: bool = False,
     preferred: Any = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Compare output and gradients (lhs, rhs) with the reference; return ours.
-
-    Both sides run forward and backward in one ``jax.jit`` (one compile each); the cotangent is
-    a fixed random normal.
-    """
-    lhs, rhs, sizes = inputs(r, dtype, transpose=transpose)
-    statics = {"preferred_element_type": preferred, "transpose_rhs": transpose}
+    """Compare output and gradients (lhs, rhs) with the reference; return ours."""
+    lhs, rhs, _ = inputs(r, dtype, transpose=transpose)
     out_dtype = jnp.dtype(preferred or dtype)
-    d_out = normal(jax.random.PRNGKey(42), (r.m, r.n), out_dtype)
-
-    def fwd_bwd(fn: Any) -> Any:
-        @jax.jit
-        def run(lhs: Any, rhs: Any, sizes: Any) -> Any:
-            out, vjp = jax.vjp(lambda x, w: fn(x, w, sizes, **statics), lhs, rhs)
-            return out, vjp(d_out)
-
-        return run(lhs, rhs, sizes)
-
-    out, grads = fwd_bwd(functools.partial(ejkernel.grouped_matmul, cfg=cfg))
-    ref_out, ref_grads = fwd_bwd(grouped_matmul_reference)
+    ours = functools.partial(ejkernel.grouped_matmul, cfg=cfg)
+    out, grads = _fwd_bwd(ours, r, dtype, transpose, preferred)
+    ref_out, ref_grads = _reference(r, dtype, transpose, preferred)
     assert out.dtype == ref_out.dtype == out_dtype
     assert_close(out, ref_out, name="out")
     for name, grad, ref, x in zip(("lhs", "rhs"), grads, ref_grads, (lhs, rhs)):

@@ -27,8 +27,8 @@ OPS: dict[str, tuple[str, ...]] = {
 }
 #: family -> (backends it is registered for, priority). On a TPU the
 #: Mosaic kernels beat the XLA fallback (0). On a GPU the Mosaic GPU kernels rank above the
-#: Triton plugin (20): on the H100 they ran 0.87-1.00x cuDNN forward against Triton's 0.4x
-#: (benchmarks/RESULTS.md); cuDNN through the cuda plugin (200) still comes first where it
+#: Triton plugin (20): on the H100 they are level with it or ahead at the shapes of
+#: benchmarks/RESULTS.md; cuDNN through the cuda plugin (200) still comes first where it
 #: accepts the call. On a CPU (interpret mode) they rank below Triton's interpreter path.
 FAMILIES: dict[str, tuple[tuple[str, ...], int]] = {
     "tpu": (("tpu", "cpu"), 10),

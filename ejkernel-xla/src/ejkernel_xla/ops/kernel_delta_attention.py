@@ -622,8 +622,8 @@ def _channel_products(
 
     # The factored products are computed outside the conditional, which only passes them on
     # or builds the hierarchical ones instead (their factors overflow there and are dropped):
-    # computed inside the branch they did not overlap the rest of the step on XLA:CPU, and
-    # the forward at B 8, H 16, K = V = 128 took ≈ 16% longer (benchmarks/RESULTS.md, issue 4).
+    # inside the branch they would not overlap the rest of the step on XLA:CPU, about 16 %
+    # slower at B 8, H 16, K = V = 128.
     fast = factored()
     return lax.cond(spread <= _FACTORED_RANGE, lambda: fast, lambda: _decayed_products(q, k, g))
 

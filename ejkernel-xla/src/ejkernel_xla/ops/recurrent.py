@@ -525,10 +525,10 @@ def _stream_forward(
     intra-chunk matmuls and the next state (three batched matmuls over H and the [C, C]
     scores; see :func:`_stream_chunk`). The carry is the [H, K, V] state of that row only, reset
     at the row's first chunk. Nothing of size [N, ...] is built unless ``save_states`` (the
-    custom-VJP forward), which also emits every chunk's start state [B, N, H, K, V]. A step
-    written as independent lanes (head or batch-row groups, for XLA:CPU to run on different
-    cores) measured slower on 2 cores: XLA already runs the step's elementwise work on both and
-    its batched matmuls stayed on one (benchmarks/RESULTS.md, issue 4).
+    custom-VJP forward), which also emits every chunk's start state [B, N, H, K, V]. The step
+    is one chain, not independent lanes (head or batch-row groups): XLA:CPU already runs its
+    elementwise work on both cores, keeps its batched matmuls on one whatever the grouping, and
+    more, smaller ops make the step slower.
 
     Returns ``(out [B, S, H, V], final states [B, H, K, V] or None, start states or None)``.
     """
@@ -591,10 +591,9 @@ def _stream_chunk(
     the factored form when this chunk's cumulative gates stay within
     ±:data:`_FACTORED_RANGE` (decided per chunk with a ``lax.cond`` on chunk-sized operands),
     else the exact two-level form. The factored form is computed outside the conditional,
-    which only passes its result on or runs the exact form instead: computed inside the
-    branch, its work did not overlap the rest of the step on XLA:CPU (whose elementwise
-    fusions otherwise run on both cores), and the forward at B 8, H 16, K = V = 128 took ≈ 8%
-    longer (benchmarks/RESULTS.md, issue 4).
+    which only passes its result on or runs the exact form instead: inside the branch its
+    work would not overlap the rest of the step on XLA:CPU (whose elementwise fusions
+    otherwise run on both cores), about 8 % slower at B 8, H 16, K = V = 128.
     """
     heads = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
     q, k, v, g = heads(q), heads(k), heads(v), heads(g)
