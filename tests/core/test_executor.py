@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -13,27 +11,10 @@ import pytest
 import ejkernel
 from ejkernel.errors import ConfigError, NoImplementationError
 from ejkernel.ops import ConfigCache, overlay_cache, policy_override
-from ejkernel.plugins import register_plugin
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import AttentionShape, assert_close, attention_inputs
 
 SHAPE = AttentionShape(b=2, sq=37, sk=37, hq=4, hkv=2, d=16)
-
-
-def _load_toy():
-    path = pathlib.Path(__file__).with_name("toy.py")
-    spec = importlib.util.spec_from_file_location("ejkernel_test_toy", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def toy(monkeypatch):
-    monkeypatch.setenv("EJKERNEL_PLUGINS_AUTOLOAD", "0")
-    module = _load_toy()
-    register_plugin(module, name="toy")
-    return module
 
 
 def test_call_runs_the_highest_priority_implementation_with_its_heuristic(toy):

@@ -3,8 +3,6 @@ implementations (``served_by``: flash attention serves scaled_dot_product_attent
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import sys
 import textwrap
 
@@ -13,7 +11,7 @@ import pytest
 
 import ejkernel
 from ejkernel.errors import ConfigError
-from ejkernel.plugins import get_registry, register_plugin
+from ejkernel.plugins import get_registry
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import AttentionShape, assert_close, attention_inputs
 
@@ -123,23 +121,6 @@ def test_a_heuristic_without_a_config_class_is_an_error(conv):
     (impl,) = get_registry().implementations("flash_attention")
     with pytest.raises(ConfigError, match="defines heuristic but no config class"):
         impl.config_type  # noqa: B018
-
-
-def _load_toy():
-    path = pathlib.Path(__file__).with_name("toy.py")
-    spec = importlib.util.spec_from_file_location("ejkernel_test_toy", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def toy(monkeypatch):
-    """The toy plugin: flash attention only, on platform "toy"."""
-    monkeypatch.setenv("EJKERNEL_PLUGINS_AUTOLOAD", "0")
-    module = _load_toy()
-    register_plugin(module, name="toy")
-    return module
 
 
 def test_a_flash_attention_implementation_serves_scaled_dot_product_attention(toy):

@@ -3,32 +3,18 @@ own forward chose."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import pathlib
 
 import attrs
 import jax
-import pytest
 
 from ejkernel._vjp import build_op_function
 from ejkernel.ops import ConfigCache, ConfigSelectorChain, Executor, Kernel
-from ejkernel.plugins import get_registry, register_plugin
+from ejkernel.plugins import get_registry
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import AttentionShape, assert_close, attention_inputs
 
 SHAPE = AttentionShape(b=1, sq=37, sk=37, hq=4, hkv=2, d=16)
-
-
-@pytest.fixture
-def toy(monkeypatch):
-    monkeypatch.setenv("EJKERNEL_PLUGINS_AUTOLOAD", "0")
-    path = pathlib.Path(__file__).with_name("toy.py")
-    spec = importlib.util.spec_from_file_location("ejkernel_test_toy", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    register_plugin(module, name="toy")
-    return module
 
 
 def test_each_backward_gets_the_config_of_its_own_forward_when_traced_twice(toy):
