@@ -18,25 +18,16 @@ pairs that exist (a traced trip count, so missing pairs cost nothing):
 Work is ``2·(M + (G - 1)·block_m)·K·N`` flops at most, against the ``2·G·M·K·N`` of
 ``lax.ragged_dot``, which jax 0.10 expands on CPU into one dense dot over a G-fold masked copy
 of ``lhs`` (on the H100, jax 0.11, its speed of about the dense rate over G says the same); it
-also has no ``vmap`` rule. Measured
-(``benchmarks/bench_grouped_matmul.py``, skewed routing, one empty expert):
-
-- CPU (2 shared cores), f32, M 1024, K = N = 512: forward in 1-4× the time of one dense
-  [M, K] × [K, N] matmul; ``ragged_dot`` is 5× slower than this loop with 8 groups and over
-  10× with 32, forward and forward+backward.
-- H100, bf16, forward | forward+backward TFLOP/s, ``ragged_dot`` → this loop at the default
-  tile: (M 16384, K 4096, N 4096, 8 groups) 97 | 90 → 235 | 197; (8192, 4096, 14336, 8)
-  98 | 91 → 196 | 139; (8192, 4096, 1536, 128) 6 | 5 → 15 | 11. A dense matmul of the same
-  size runs at 660-735: the loop's per-step launches dominate when groups are small, which is
-  what a Triton/Pallas grouped matmul is for.
+also has no ``vmap`` rule. This loop is several times faster than ``ragged_dot`` on the CPU
+and on an H100, and within a small factor of one dense matmul of the same size; on a GPU its
+per-step launches dominate when groups are small, which is what a Triton/Pallas grouped matmul
+is for (figures: ``benchmarks/RESULTS.md``, "Other XLA ops").
 
 Smaller tiles waste less on tiles that straddle groups; larger ones run fewer, faster steps.
 :func:`heuristic` picks the largest power of two in the backend's range whose worst-case
-waste ``(G - 1)·block_m`` stays under M / 2. The ranges were measured: CPU 32-128 (CPU time of
-the forward plus the transposed product over six shapes, M 512-4096, G 8-64, K = N 256-1024:
-the rule's tile was the best tile for five, 14% off the best for M 512, K = N 1024, G 8), H100
-256-1024 (per-step overhead dominates, so the floor is high). TPU takes the GPU range,
-unmeasured.
+waste ``(G - 1)·block_m`` stays under M / 2. The ranges: CPU 32-128 (there the rule's tile
+was the best or near it on the shapes timed), GPU 256-1024 (per-step overhead dominates, so
+the floor is high); a TPU takes the GPU range.
 
 Accumulation is float32; matmul inputs keep the input dtype (``d_out`` is cast to it in the
 backward). It declines nothing (no ``supports``): this backend serves every valid call.
