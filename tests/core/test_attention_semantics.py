@@ -25,7 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ejkernel
-from ejkernel.attention_semantics import Geometry, dense_visibility, visible
+from ejkernel.attention_semantics import Geometry, Tiling, dense_visibility, visible
 from ejkernel.specs.attention import attention_reference
 from ejkernel.specs.blocksparse_attention import (
     blocksparse_attention_reference,
@@ -368,6 +368,27 @@ def test_block_helpers_agree_with_the_predicate(case: Case) -> None:
             for i in range(nq):
                 if vis[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any():
                     assert first <= i < last, (i, j, first, last)
+
+
+@pytest.mark.parametrize(
+    ("sq", "sk", "bq", "bk"),
+    [
+        pytest.param(37, 129, 16, 64, id="Sq37-Sk129-bq16-bk64"),
+        pytest.param(1, 37, 8, 128, id="Sq1-Sk37-bq8-bk128"),
+        pytest.param(64, 64, 64, 32, id="Sq64-Sk64-bq64-bk32"),
+    ],
+)
+def test_block_tiling_covers_each_sequence_with_whole_blocks(
+    sq: int, sk: int, bq: int, bk: int
+) -> None:
+    tiles = Geometry(batch=2, sq=sq, sk=sk, num_q_heads=8, num_kv_heads=2).tiling(bq, bk)
+    assert tiles == Tiling(sq=sq, sk=sk, bq=bq, bk=bk)
+    for n, b, blocks, padded in (
+        (sq, bq, tiles.nq, tiles.sq_pad),
+        (sk, bk, tiles.nk, tiles.sk_pad),
+    ):
+        assert padded == blocks * b
+        assert (blocks - 1) * b < n <= padded, "every row in a block, no block empty"
 
 
 # -- ops with their own arguments --------------------------------------------------------------

@@ -51,6 +51,10 @@ questions a blockwise kernel asks: may query block ``i`` see any key of key bloc
 (:meth:`Geometry.block_fully_visible`), which keys can a query block see
 (:meth:`Geometry.kv_range`). Arguments may be Python ints (answers are Python values) or
 traced scalars (answers are JAX scalars), so one record serves XLA loops and Pallas grids.
+:meth:`Geometry.tiling` cuts the sequences into ``bq``-row query and ``bk``-row key blocks: a
+:class:`Tiling` says how many (``nq = ceil(Sq / bq)``, ``nk = ceil(Sk / bk)``) and the lengths
+padded to whole blocks (``sq_pad = nq · bq``, ``sk_pad = nk · bk``); a padded key is one that
+does not exist (``kv_valid``).
 
 Dropout is defined beside this, in :func:`ejkernel.specs.flash_attention.dropout_keep`.
 """
@@ -69,6 +73,7 @@ __all__ = [
     "EMPTY_ROW_LSE",
     "MASK_VALUE",
     "Geometry",
+    "Tiling",
     "bias_grad",
     "dense_visibility",
     "finite_or_zero",
@@ -152,6 +157,43 @@ def visible(
 
 
 @attrs.frozen(kw_only=True)
+class Tiling:
+    """Query and key sequences cut into blocks, the last of each padded to a whole block.
+
+    Attributes:
+        sq: query length Sq.
+        sk: key length Sk.
+        bq: rows of a query block.
+        bk: rows of a key block.
+    """
+
+    sq: int
+    sk: int
+    bq: int
+    bk: int
+
+    @property
+    def nq(self) -> int:
+        """Query blocks, ``ceil(Sq / bq)``."""
+        return -(-self.sq // self.bq)
+
+    @property
+    def nk(self) -> int:
+        """Key blocks, ``ceil(Sk / bk)``."""
+        return -(-self.sk // self.bk)
+
+    @property
+    def sq_pad(self) -> int:
+        """Query length padded to whole blocks, ``nq · bq``."""
+        return self.nq * self.bq
+
+    @property
+    def sk_pad(self) -> int:
+        """Key length padded to whole blocks, ``nk · bk``."""
+        return self.nk * self.bk
+
+
+@attrs.frozen(kw_only=True)
 class Geometry:
     """The masking geometry of one attention call (Python ints, hashable: a static arg).
 
@@ -225,6 +267,10 @@ class Geometry:
     def left(self) -> int | None:
         """Largest ``p - k`` a query may see (``None``: unbounded)."""
         return self.window[0] if self.window is not None else None
+
+    def tiling(self, bq: int, bk: int) -> Tiling:
+        """This call's sequences cut into ``bq``-row query and ``bk``-row key blocks."""
+        return Tiling(sq=self.sq, sk=self.sk, bq=bq, bk=bk)
 
     def q_position(self, i: Any) -> Any:
         """Key position of query index ``i``."""

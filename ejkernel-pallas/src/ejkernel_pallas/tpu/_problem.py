@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel import env
-from ejkernel.attention_semantics import Geometry
+from ejkernel.attention_semantics import Geometry, Tiling
 from ejkernel_pallas import _compat
 from ejkernel_pallas._attention import FlashAttentionConfig
 
@@ -76,20 +76,16 @@ def fit_blocks(pair: tuple[int, int], s: Shapes, *, backward: bool) -> tuple[int
 
 
 @attrs.frozen(kw_only=True)
-class Problem:
+class Problem(Tiling):
     """Everything static about one launch (hashable: it parametrises the kernels)."""
 
     b: int
-    sq: int
-    sk: int
     hq: int
     hkv: int
     d: int
     dv: int
     d_pad: int
     dv_pad: int
-    bq: int
-    bk: int
     scale: float
     cap: float | None
     geo: Geometry
@@ -177,22 +173,6 @@ class Problem:
     @property
     def group(self) -> int:
         return self.hq // self.hkv
-
-    @property
-    def nq(self) -> int:
-        return -(-self.sq // self.bq)
-
-    @property
-    def nk(self) -> int:
-        return -(-self.sk // self.bk)
-
-    @property
-    def sq_pad(self) -> int:
-        return self.nq * self.bq
-
-    @property
-    def sk_pad(self) -> int:
-        return self.nk * self.bk
 
     @property
     def interpret(self) -> Any:

@@ -22,6 +22,7 @@ from jax import lax
 from ejkernel.attention_semantics import (
     EMPTY_ROW_LSE,
     MASK_VALUE,
+    Tiling,
     mask_scores,
     soft_cap,
     visible,
@@ -58,18 +59,14 @@ def backend() -> str:
 
 
 @attrs.frozen(kw_only=True)
-class Blocking:
-    """Sizes of one call and its blocking (all Python ints)."""
+class Blocking(Tiling):
+    """Sizes of one call and its blocking (all Python ints): the tiling, batch, heads, head dims."""
 
     b: int
-    sq: int
-    sk: int
     hq: int
     hkv: int
     d: int
     dv: int
-    bq: int
-    bk: int
 
     @classmethod
     def of(cls, q: jax.Array, k: jax.Array, v: jax.Array, bq: int, bk: int) -> Blocking:
@@ -80,22 +77,6 @@ class Blocking:
     @property
     def group(self) -> int:
         return self.hq // self.hkv
-
-    @property
-    def nq(self) -> int:
-        return -(-self.sq // self.bq)
-
-    @property
-    def nk(self) -> int:
-        return -(-self.sk // self.bk)
-
-    @property
-    def sq_pad(self) -> int:
-        return self.nq * self.bq
-
-    @property
-    def sk_pad(self) -> int:
-        return self.nk * self.bk
 
 
 # --------------------------------------------------------------------------------------------

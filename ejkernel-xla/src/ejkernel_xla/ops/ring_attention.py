@@ -34,12 +34,14 @@ Accumulation is float32; matmul inputs keep the input dtype. It declines nothing
 every masking argument of flash attention is served on the ring too. A ring call is never
 autotuned (its config space is the heuristic alone): the tuner times candidates on synthetic
 inputs outside the caller's trace, where the ``shard_map`` axis is unbound.
+
+The ring's machinery (shard geometry, rotation, replication typing, the blocks of one step) is
+:mod:`ejkernel_xla.ops._ring`; this module holds the config and the two passes.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -47,28 +49,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel.attention_semantics import (
-    EMPTY_ROW_LSE,
-    Geometry,
-    bias_grad,
-    finite_or_zero,
-    sink_grad,
-    soft_cap_grad,
-)
+from ejkernel.attention_semantics import EMPTY_ROW_LSE, sink_grad, soft_cap_grad
 from ejkernel.plugins import BwdParams, FwdParams, defvjp
-from ejkernel.specs.flash_attention import dropout_keep
 from ejkernel_xla.ops._blockwise import (
-    Blocking,
-    as_4d,
     backend,
-    block_scores,
-    block_visibility,
     dot,
     finish_rows,
     initial_rows,
-    kv_blocks,
     online_step,
-    pad_axis,
     q_blocks,
     scan,
     take,
@@ -76,6 +64,24 @@ from ejkernel_xla.ops._blockwise import (
     unblock_q,
     when,
     when_else,
+)
+from ejkernel_xla.ops._ring import (
+    At,
+    BiasGradient,
+    RingGeometry,
+    Shard,
+    SideInputs,
+    Statics,
+    block_keep,
+    block_may_see,
+    ring,
+    rotate,
+    scores,
+    shard_may_see,
+    sinks,
+    sum_if_replicated,
+    vary_like,
+    zeros_like_query,
 )
 from ejkernel_xla.ops.flash_attention import FlashAttentionConfig, flash_attention_xla
 from ejkernel_xla.ops.flash_attention import config_space as flash_config_space
@@ -290,20 +296,6 @@ def _to_flash(cfg: RingAttentionConfig | None) -> FlashAttentionConfig | None:
     return FlashAttentionConfig(fwd_params=cfg.fwd_params, bwd_params=cfg.bwd_params)
 
 
-@attrs.frozen(kw_only=True)
-class _Statics:
-    """Everything static about one ring call (hashable: the ``jax.jit`` static argument)."""
-
-    axis_name: Any
-    softmax_scale: float
-    causal: bool
-    sliding_window: tuple[int, int] | None
-    logits_soft_cap: float | None
-    dropout_prob: float
-    block_q: int
-    block_k: int
-
-
 def _statics(
     arrays: dict[str, Any],
     cfg: RingAttentionConfig | None,
@@ -315,14 +307,14 @@ def _statics(
     sliding_window: tuple[int, int] | None,
     logits_soft_cap: float | None,
     dropout_prob: float,
-) -> _Statics:
+) -> Statics:
     query, key = arrays["query"], arrays["key"]
     cfg = cfg if cfg is not None else RingAttentionConfig()
     params = cfg.bwd_params if backward else cfg.fwd_params
     default_q, default_k = _DEFAULT_BLOCKS[backend()][1 if backward else 0]
     bq = max(1, min(params.q_blocksize or default_q, query.shape[1]))
     bk = max(1, min(params.kv_blocksize or default_k, key.shape[1]))
-    return _Statics(
+    return Statics(
         axis_name=axis_name,
         softmax_scale=float(query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale),
         causal=bool(causal),
@@ -340,35 +332,35 @@ def _statics(
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
+def _forward(a: dict[str, Any], st: Statics) -> tuple[jax.Array, jax.Array]:
     """Ring Attention forward: ``out [B, Sq, Hq, Dv]`` and logsumexp ``[B, Sq, Hq]``."""
     q = a["query"]
-    geo = _Geometry.of(a, st)
-    side = _SideInputs.of(a, geo)
+    geo = RingGeometry.of(a, st)
+    side = SideInputs.of(a, geo)
     qb = q_blocks(q, geo)
     rank = lax.axis_index(st.axis_name)
     rows = (geo.nq, geo.b, geo.hkv, geo.group, geo.bq)
-    running = _vary_like(initial_rows(rows, geo.dv), q, st.axis_name)
+    running = vary_like(initial_rows(rows, geo.dv), q, st.axis_name)
 
-    def visit_shard(running: Any, shard: _Shard, t: Any) -> tuple[Any, _Shard]:
+    def visit_shard(running: Any, shard: Shard, t: Any) -> tuple[Any, Shard]:
         src = (rank - t) % geo.n
 
         def one_q_block(_: Any, xs: Any) -> tuple[None, Any]:
             i, m, denom, acc = xs
             q_i = take(qb, i)
-            at = _At(rank=rank, src=src, i=i, j=None)
+            at = At(rank=rank, src=src, i=i, j=None)
 
             def one_kv_block(carry: Any, j: Any) -> tuple[Any, None]:
                 here = attrs.evolve(at, j=j)
 
                 def update(carry: Any) -> Any:
-                    s, _ = _scores(q_i, take(shard.key, j), shard, side, geo, st, here)
+                    s, _ = scores(q_i, take(shard.key, j), shard, side, geo, st, here)
                     keep = None
                     if st.dropout_prob > 0.0:
-                        keep = _keep(a["dropout_seed"], geo, st, here)
+                        keep = block_keep(a["dropout_seed"], geo, st, here)
                     return online_step(carry, s, take(shard.value, j), "bhgqk,bhkd->bhgqd", keep)
 
-                return when(_block_may_see(geo, st, here), update, carry), None
+                return when(block_may_see(geo, st, here), update, carry), None
 
             (m, denom, acc), _ = scan(one_kv_block, (m, denom, acc), geo.nk)
             return None, (m, denom, acc)
@@ -377,11 +369,11 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
             _, running = lax.scan(one_q_block, None, (jnp.arange(geo.nq), *running))
             return running
 
-        return when(_shard_may_see(geo, st, rank, src), visit, running), shard
+        return when(shard_may_see(geo, st, rank, src), visit, running), shard
 
-    running, _ = _ring(visit_shard, running, _Shard.of(a, geo), geo, st)
+    running, _ = ring(visit_shard, running, Shard.of(a, geo), geo, st)
     m, denom, acc = running
-    aux = _sinks(a["softmax_aux"], geo)
+    aux = sinks(a["softmax_aux"], geo)
     out, lse = finish_rows(m, denom, acc, sinks=aux, dropout_prob=st.dropout_prob)
     out = out.astype(q.dtype)
     return unblock_q(out, geo), unblock_q(lse[..., None], geo)[..., 0]
@@ -389,12 +381,12 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
 
 @functools.partial(jax.jit, static_argnames="st")
 def _backward(
-    a: dict[str, Any], out: jax.Array, lse: jax.Array, d_out: jax.Array, st: _Statics
+    a: dict[str, Any], out: jax.Array, lse: jax.Array, d_out: jax.Array, st: Statics
 ) -> dict[str, jax.Array | None]:
     """Ring Attention backward: dQ stays, dK/dV travel with their shard and come home."""
     q, k, v = a["query"], a["key"], a["value"]
-    geo = _Geometry.of(a, st)
-    side = _SideInputs.of(a, geo)
+    geo = RingGeometry.of(a, st)
+    side = SideInputs.of(a, geo)
     rank = lax.axis_index(st.axis_name)
     d_out = d_out.astype(q.dtype)
     # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row.
@@ -402,11 +394,11 @@ def _backward(
     qb, dob = q_blocks(q, geo), q_blocks(d_out, geo)
     lseb = q_blocks(lse[..., None], geo, fill=EMPTY_ROW_LSE)[..., 0]
     deltab = q_blocks(delta[..., None], geo)[..., 0]
-    bias_grad = _BiasGradient.of(a["bias"], geo)
+    bias_grad = BiasGradient.of(a["bias"], geo)
     scale_dropped = 1.0 / (1.0 - st.dropout_prob) if st.dropout_prob > 0.0 else 1.0
-    zero = functools.partial(_zeros_like_query, q=q, axis=st.axis_name)
+    zero = functools.partial(zeros_like_query, q=q, axis=st.axis_name)
 
-    def visit_shard(fixed: Any, shard: _Shard, t: Any) -> tuple[Any, _Shard]:
+    def visit_shard(fixed: Any, shard: Shard, t: Any) -> tuple[Any, Shard]:
         src = (rank - t) % geo.n
 
         def one_kv_block(dq_acc: Any, j: Any) -> tuple[Any, Any]:
@@ -414,15 +406,15 @@ def _backward(
             init = (zero((geo.b, geo.hkv, geo.bk, geo.d)), zero((geo.b, geo.hkv, geo.bk, geo.dv)))
 
             def one_q_block(inner: Any, i: Any) -> tuple[Any, Any]:
-                here = _At(rank=rank, src=src, i=i, j=j)
+                here = At(rank=rank, src=src, i=i, j=j)
 
                 def update(inner: Any) -> Any:
                     dk, dv = inner
                     q_i, do_i = take(qb, i), take(dob, i)
-                    s, capped = _scores(q_i, k_j, shard, side, geo, st, here)
+                    s, capped = scores(q_i, k_j, shard, side, geo, st, here)
                     p = jnp.exp(s - take(lseb, i)[..., None])
                     if st.dropout_prob > 0.0:
-                        keep = _keep(a["dropout_seed"], geo, st, here)
+                        keep = block_keep(a["dropout_seed"], geo, st, here)
                         p_dropped = jnp.where(keep, p * scale_dropped, 0.0)
                     else:
                         p_dropped = p
@@ -443,7 +435,7 @@ def _backward(
                     dq_i = zero((geo.b, geo.hkv, geo.group, geo.bq, geo.d))
                     return inner, (dq_i, bias_grad.zero_block(zero))
 
-                return when_else(_block_may_see(geo, st, here), update, skip, inner)
+                return when_else(block_may_see(geo, st, here), update, skip, inner)
 
             (dk_j, dv_j), (dq_parts, db_parts) = scan(one_q_block, init, geo.nq)
             return dq_acc + dq_parts, (dk_j, dv_j, db_parts)
@@ -454,18 +446,18 @@ def _backward(
             db = bias_grad.add(db, db_s, src)
             return (dq, db), attrs.evolve(shard, dk=shard.dk + dk_s, dv=shard.dv + dv_s)
 
-        return when(_shard_may_see(geo, st, rank, src), visit, (fixed, shard))
+        return when(shard_may_see(geo, st, rank, src), visit, (fixed, shard))
 
-    shard = _Shard.of(a, geo)
+    shard = Shard.of(a, geo)
     shard = attrs.evolve(
         shard,
         dk=zero((geo.nk, geo.b, geo.hkv, geo.bk, geo.d)),
         dv=zero((geo.nk, geo.b, geo.hkv, geo.bk, geo.dv)),
     )
     fixed = (zero((geo.nq, geo.b, geo.hkv, geo.group, geo.bq, geo.d)), bias_grad.zeros(zero))
-    (dq, db), shard = _ring(visit_shard, fixed, shard, geo, st)
+    (dq, db), shard = ring(visit_shard, fixed, shard, geo, st)
     # After n steps device r holds the accumulators of shard r + 1: one more hop brings each home.
-    dk, dv = _rotate((shard.dk, shard.dv), geo, st)
+    dk, dv = rotate((shard.dk, shard.dv), geo, st)
     scale = st.softmax_scale
     grads: dict[str, jax.Array | None] = {
         "query": (unblock_q(dq, geo) * scale).astype(q.dtype),
@@ -476,374 +468,9 @@ def _backward(
     }
     if a["bias"] is not None:
         d_bias = bias_grad.finish(db)
-        grads["bias"] = _sum_if_replicated(d_bias, a["bias"], q, st.axis_name)
+        grads["bias"] = sum_if_replicated(d_bias, a["bias"], q, st.axis_name)
     if a["softmax_aux"] is not None:
         aux = a["softmax_aux"]
         d_aux = sink_grad(aux.astype(jnp.float32), lse, delta)
-        grads["softmax_aux"] = _sum_if_replicated(d_aux, aux, q, st.axis_name).astype(aux.dtype)
+        grads["softmax_aux"] = sum_if_replicated(d_aux, aux, q, st.axis_name).astype(aux.dtype)
     return grads
-
-
-def _ring(
-    visit: Callable[[Any, Any, Any], tuple[Any, Any]],
-    fixed: Any,
-    shard: Any,
-    geo: _Geometry,
-    st: _Statics,
-) -> tuple[Any, Any]:
-    """Run ``visit(fixed, shard, t)`` for t = 0 … n-1, rotating ``shard`` between steps.
-
-    The rotation of step t reads only the shard visit t also reads, so XLA may overlap the
-    transfer with the compute; the last step rotates nothing (n - 1 hops in all).
-    """
-
-    def step(carry: Any, t: Any) -> tuple[Any, None]:
-        fixed, shard = visit(*carry, t)
-        return (fixed, _rotate(shard, geo, st)), None
-
-    if geo.n > 1:
-        (fixed, shard), _ = lax.scan(step, (fixed, shard), jnp.arange(geo.n - 1))
-    return visit(fixed, shard, geo.n - 1)
-
-
-def _rotate(tree: Any, geo: _Geometry, st: _Statics) -> Any:
-    """Send every array of ``tree`` from device r to device r + 1 of the ring."""
-    if geo.n == 1:
-        return tree
-    perm = [(r, (r + 1) % geo.n) for r in range(geo.n)]
-    return jax.tree.map(lambda x: lax.ppermute(x, st.axis_name, perm), tree)
-
-
-# --------------------------------------------------------------------------------------------
-# Replication (shard_map's check_vma typing)
-# --------------------------------------------------------------------------------------------
-
-
-def _varying(x: Any) -> frozenset[Any]:
-    """Mesh axes along which ``x`` differs between devices (empty when untracked)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()))
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _vary_like(tree: Any, ref: jax.Array, axis: Any) -> Any:
-    """Type loop state as varying along ``axis`` when ``ref`` is (scan carries must match)."""
-    if axis not in _varying(ref):
-        return tree
-    cast = getattr(lax, "pcast", None)
-
-    def vary(x: jax.Array) -> jax.Array:
-        if axis in _varying(x):
-            return x
-        if cast is not None:
-            return cast(x, axis, to="varying")
-        return lax.pvary(x, axis)  # type: ignore[attr-defined]
-
-    return jax.tree.map(vary, tree)
-
-
-def _zeros_like_query(shape: tuple[int, ...], *, q: jax.Array, axis: Any) -> jax.Array:
-    return _vary_like(jnp.zeros(shape, jnp.float32), q, axis)
-
-
-def _sum_if_replicated(grad: jax.Array, primal: jax.Array, q: jax.Array, axis: Any) -> jax.Array:
-    """Sum a per-device partial gradient over the ring when its input is replicated on it.
-
-    Only when replication is tracked (the query varies along the axis): otherwise
-    ``shard_map``'s transpose sums the cotangents of unsplit inputs itself.
-    """
-    if axis in _varying(q) and axis not in _varying(primal):
-        return lax.psum(grad, axis)
-    return grad
-
-
-# --------------------------------------------------------------------------------------------
-# Block helpers
-# --------------------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class _Geometry(Blocking):
-    """Flash attention's geometry of one call (local shard lengths) plus the ring size ``n``."""
-
-    n: int
-
-    @classmethod
-    def of(cls, a: dict[str, Any], st: _Statics) -> _Geometry:
-        q, k, v = a["query"], a["key"], a["value"]
-        b, sq, hq, d = q.shape
-        return cls(
-            n=int(lax.axis_size(st.axis_name)),
-            b=b,
-            sq=sq,
-            sk=k.shape[1],
-            hq=hq,
-            hkv=k.shape[2],
-            d=d,
-            dv=v.shape[3],
-            bq=st.block_q,
-            bk=st.block_k,
-        )
-
-    @property
-    def offset(self) -> int:
-        """Position of global query row 0: bottom-right alignment of the global lengths."""
-        return self.n * (self.sk - self.sq)
-
-
-@attrs.frozen(kw_only=True)
-class _At:
-    """Where a block sits: my rank, the source device of the shard held, block indices."""
-
-    rank: Any
-    src: Any
-    i: Any
-    j: Any
-
-
-@attrs.frozen(kw_only=True)
-class _Shard:
-    """What travels around the ring: a key/value shard, its segment ids, its dK/dV."""
-
-    key: jax.Array  # [nk, B, Hkv, bk, D]
-    value: jax.Array  # [nk, B, Hkv, bk, Dv]
-    segments: jax.Array | None  # [nk, B, bk]
-    dk: jax.Array | None = None
-    dv: jax.Array | None = None
-
-    @classmethod
-    def of(cls, a: dict[str, Any], geo: _Geometry) -> _Shard:
-        seg = a["kv_segment_ids"]
-        if seg is not None:
-            seg = pad_axis(seg.astype(jnp.int32), 1, geo.sk_pad, -1)
-            seg = seg.reshape(geo.b, geo.nk, geo.bk).transpose(1, 0, 2)
-        # Non-finite keys/values read as 0, so a hidden one contributes nothing (0 · NaN).
-        return cls(
-            key=kv_blocks(finite_or_zero(a["key"]), geo),
-            value=kv_blocks(finite_or_zero(a["value"]), geo),
-            segments=seg,
-        )
-
-
-jax.tree_util.register_pytree_node(
-    _Shard,
-    lambda s: ((s.key, s.value, s.segments, s.dk, s.dv), None),
-    lambda _, xs: _Shard(key=xs[0], value=xs[1], segments=xs[2], dk=xs[3], dv=xs[4]),
-)
-
-
-@attrs.frozen(kw_only=True)
-class _SideInputs:
-    """What stays on the device: blocked bias and attention mask, query segment ids."""
-
-    bias: jax.Array | None  # [n|1, nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1]
-    mask: jax.Array | None
-    q_segments: jax.Array | None  # [nq, B, bq]
-
-    @classmethod
-    def of(cls, a: dict[str, Any], geo: _Geometry) -> _SideInputs:
-        seg = a["q_segment_ids"]
-        if seg is not None:
-            seg = pad_axis(seg.astype(jnp.int32), 1, geo.sq_pad, -1)
-            seg = seg.reshape(geo.b, geo.nq, geo.bq).transpose(1, 0, 2)
-        bias, mask = a["bias"], a["attention_mask"]
-        return cls(
-            bias=None if bias is None else _pair_blocks(bias, geo, 0),
-            mask=None if mask is None else _pair_blocks(mask, geo, False),
-            q_segments=seg,
-        )
-
-
-def _pair_blocks(x: jax.Array, geo: _Geometry, fill: Any) -> jax.Array:
-    """Broadcastable to [B, Hq, Sq, n·Sk] -> [n|1, nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1].
-
-    The key axis splits into the ring's shards, each padded to whole blocks; axes the array
-    broadcasts over stay of size 1 (a broadcast bias is never materialised).
-    """
-    x = as_4d(x)
-    b1, h1, q1, k1 = x.shape
-    nq, bq = (geo.nq, geo.bq) if q1 > 1 else (1, 1)
-    n, nk, bk = (geo.n, geo.nk, geo.bk) if k1 > 1 else (1, 1, 1)
-    hkv, group = (geo.hkv, geo.group) if h1 > 1 else (1, 1)
-    if q1 > 1:
-        x = pad_axis(x, 2, geo.sq_pad, fill)
-    x = x.reshape(b1, h1, nq * bq, n, k1 // n)
-    if k1 > 1:
-        x = pad_axis(x, 4, geo.sk_pad, fill)
-    x = x.reshape(b1, hkv, group, nq, bq, n, nk, bk)
-    return x.transpose(5, 3, 6, 0, 1, 2, 4, 7)
-
-
-def _take_pair(x: jax.Array, at: _At) -> jax.Array:
-    """Block (i, j) of shard ``at.src`` of a :func:`_pair_blocks` array."""
-    return take(take(take(x, at.src), at.i), at.j)
-
-
-def _rows(geo: _Geometry, at: _At) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Global query rows [bq], global key rows [bk] and in-shard key rows [bk] of a block."""
-    q_rows = at.rank * geo.sq + at.i * geo.bq + jnp.arange(geo.bq)
-    local_k = at.j * geo.bk + jnp.arange(geo.bk)
-    return q_rows, at.src * geo.sk + local_k, local_k
-
-
-def _scores(
-    q_i: jax.Array,
-    k_j: jax.Array,
-    shard: _Shard,
-    side: _SideInputs,
-    geo: _Geometry,
-    st: _Statics,
-    at: _At,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Masked logits of a block, [B, Hkv, G, bq, bk] float32, and the soft-capped ones."""
-    q_rows, k_rows, local_k = _rows(geo, at)
-    segments: dict[str, Any] = {}
-    kv_valid = None
-    if side.q_segments is not None:
-        # [B, 1, 1, bq, 1] against [B, 1, 1, 1, bk]; padded keys carry id -1: hidden here too.
-        segments = {
-            "q_segment_ids": take(side.q_segments, at.i)[:, None, None, :, None],
-            "kv_segment_ids": take(shard.segments, at.j)[:, None, None, None, :],
-        }
-    elif geo.sk_pad != geo.sk:
-        kv_valid = local_k[None, :] < geo.sk
-    vis = block_visibility(
-        (q_rows + geo.offset)[:, None],
-        k_rows[None, :],
-        causal=st.causal,
-        window=st.sliding_window,
-        kv_valid=kv_valid,
-        attention_mask=None if side.mask is None else _take_pair(side.mask, at),
-        **segments,
-    )
-    return block_scores(
-        dot("bhgqd,bhkd->bhgqk", q_i, k_j),
-        softmax_scale=st.softmax_scale,
-        logits_soft_cap=st.logits_soft_cap,
-        bias=None if side.bias is None else _take_pair(side.bias, at),
-        vis=vis,
-    )
-
-
-def _global(geo: _Geometry, st: _Statics) -> Geometry:
-    """The unsharded call's geometry: global lengths ``n·Sq`` and ``n·Sk``."""
-    return Geometry(
-        batch=geo.b,
-        sq=geo.n * geo.sq,
-        sk=geo.n * geo.sk,
-        num_q_heads=geo.hq,
-        num_kv_heads=geo.hkv,
-        causal=st.causal,
-        window=st.sliding_window,
-    )
-
-
-def _block_may_see(geo: _Geometry, st: _Statics, at: _At) -> Any:
-    """Whether block (i, j) of shard ``at.src`` may hold a visible pair (``None``: yes).
-
-    A query block of device ``rank`` is block ``rank·Sq/bq + i`` of the global rows only
-    when ``bq`` divides ``Sq``, so the test runs on positions: query rows
-    ``[rank·Sq + i·bq, +bq)`` against key rows ``[src·Sk + j·bk, +bk)``.
-    """
-    return _rows_may_see(
-        geo, st, at.rank * geo.sq + at.i * geo.bq, geo.bq, at.src * geo.sk + at.j * geo.bk, geo.bk
-    )
-
-
-def _shard_may_see(geo: _Geometry, st: _Statics, rank: Any, src: Any) -> Any:
-    return _rows_may_see(geo, st, rank * geo.sq, geo.sq, src * geo.sk, geo.sk)
-
-
-def _rows_may_see(geo: _Geometry, st: _Statics, q0: Any, nq: int, k0: Any, nk: int) -> Any:
-    """Whether global query rows ``[q0, q0+nq)`` may see keys ``[k0, k0+nk)`` (``None``: yes)."""
-    sem = _global(geo, st)
-    return sem.span_may_see(q0, nq, k0, nk) if sem.restricted else None
-
-
-def _keep(seed: jax.Array, geo: _Geometry, st: _Statics, at: _At) -> jax.Array:
-    """Dropout keep-mask of a block, [B, Hkv, G, bq, bk], from global rows."""
-    q_rows, k_rows, _ = _rows(geo, at)
-    return dropout_keep(
-        seed,
-        jnp.arange(geo.b).reshape(geo.b, 1, 1, 1, 1),
-        jnp.arange(geo.hq).reshape(1, geo.hkv, geo.group, 1, 1),
-        q_rows[:, None],
-        k_rows[None, :],
-        st.dropout_prob,
-    )
-
-
-def _sinks(aux: jax.Array | None, geo: _Geometry) -> jax.Array | None:
-    """[Hq] or [Hq, n_sinks] -> [1, 1, Hkv, G, 1, n_sinks] against stacked row statistics."""
-    if aux is None:
-        return None
-    return aux.astype(jnp.float32).reshape(1, 1, geo.hkv, geo.group, 1, -1)
-
-
-@attrs.frozen(kw_only=True)
-class _BiasGradient:
-    """Accumulates ``dS`` into the bias's broadcast shape, shard by shard of its key axis.
-
-    The accumulator has the blocked layout of :func:`_pair_blocks`
-    ``[n|1, nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1]`` in float32; the bias lives on the
-    device, so it never travels.
-    """
-
-    dims: tuple[int, int, int, int] | None
-    shape: tuple[int, ...] | None
-    dtype: Any
-    geo: _Geometry
-
-    @classmethod
-    def of(cls, bias: jax.Array | None, geo: _Geometry) -> _BiasGradient:
-        if bias is None:
-            return cls(dims=None, shape=None, dtype=None, geo=geo)
-        dims = as_4d(bias).shape
-        return cls(dims=dims, shape=tuple(bias.shape), dtype=bias.dtype, geo=geo)  # type: ignore[arg-type]
-
-    def _block_shape(self) -> tuple[int, ...]:
-        assert self.dims is not None
-        b1, h1, q1, k1 = self.dims
-        hkv, group = (self.geo.hkv, self.geo.group) if h1 > 1 else (1, 1)
-        return (b1, hkv, group, self.geo.bq if q1 > 1 else 1, self.geo.bk if k1 > 1 else 1)
-
-    def reduce(self, ds: jax.Array) -> jax.Array | None:
-        """Sum ``ds`` [B, Hkv, G, bq, bk] over the axes the bias broadcasts along."""
-        if self.dims is None:
-            return None
-        return bias_grad(ds, self._block_shape())
-
-    def zero_block(self, zero: Callable[[tuple[int, ...]], jax.Array]) -> jax.Array | None:
-        return None if self.dims is None else zero(self._block_shape())
-
-    def zeros(self, zero: Callable[[tuple[int, ...]], jax.Array]) -> jax.Array | None:
-        if self.dims is None:
-            return None
-        _, _, q1, k1 = self.dims
-        n, nk = (self.geo.n, self.geo.nk) if k1 > 1 else (1, 1)
-        nq = self.geo.nq if q1 > 1 else 1
-        return zero((n, nq, nk, *self._block_shape()))
-
-    def add(self, acc: Any, parts: Any, src: Any) -> Any:
-        """Add one shard's block gradients ``[nk, nq, ...]`` to the columns of shard ``src``."""
-        if self.dims is None:
-            return None
-        _, _, q1, k1 = self.dims
-        if q1 == 1:
-            parts = jnp.sum(parts, axis=1, keepdims=True)
-        if k1 == 1:
-            return acc + jnp.sum(parts, axis=0, keepdims=True).transpose(1, 0, 2, 3, 4, 5, 6)[None]
-        parts = parts.transpose(1, 0, 2, 3, 4, 5, 6)  # [nq|1, nk, ...]
-        return acc.at[src].add(parts)
-
-    def finish(self, acc: jax.Array) -> jax.Array:
-        """The accumulator in the bias's own shape and dtype."""
-        assert self.dims is not None and self.shape is not None
-        b1, h1, q1, k1 = self.dims
-        n, nq, nk = acc.shape[:3]
-        bq, bk = acc.shape[-2:]
-        grad = acc.transpose(3, 4, 5, 1, 6, 0, 2, 7).reshape(b1, h1, nq * bq, n, nk * bk)
-        grad = grad[:, :, :q1, :, : (self.geo.sk if k1 > 1 else 1)]
-        return grad.reshape(self.shape).astype(self.dtype)
