@@ -21,7 +21,8 @@ import ejkernel
 from ejkernel.specs.recurrent import recurrent_reference
 from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal
-from ejkernel_xla.ops import recurrent as engine
+from ejkernel_xla.ops import _chunked as engine
+from ejkernel_xla.ops import recurrent
 from ejkernel_xla.ops.recurrent import RecurrentConfig, config_space, heuristic
 
 #: Chunks of 16 tokens in sub-chunks of 4: a 37-token sequence is 3 chunks, the last padded.
@@ -129,10 +130,10 @@ def test_strong_gates_take_the_exact_form_and_mild_ones_the_factored_form() -> N
     for strength, factored in ((0.25, True), (12.0, False)):
         arrays = make_inputs(2, 37, 3, 16, 24, gates=GATES, strength=strength)
         arrays.update(cu_seqlens=None, initial_state=None)
-        assert bool(engine._factorable_call(arrays, st, engine._recurrent_gates)) is factored
+        assert bool(engine.factorable_call(arrays, st, recurrent._recurrent_gates)) is factored
     only_g = make_inputs(2, 37, 3, 16, 24, gates=("g",), strength=12.0)
     only_g.update(gk=None, gv=None, cu_seqlens=None)
-    assert engine._factorable_call(only_g, st, engine._recurrent_gates) is None  # scalar: exact
+    assert engine.factorable_call(only_g, st, recurrent._recurrent_gates) is None  # scalar: exact
 
 
 def test_three_hundred_steps_stay_within_1e_4_in_float32() -> None:

@@ -1,7 +1,7 @@
 """gla on XLA: chunked gated linear attention with a custom VJP.
 
 ``gla`` is ``recurrent`` with the key gate ``gk = g`` [B, S, H, K] and no other gate, so it runs
-the chunked engine of :mod:`ejkernel_xla.ops.recurrent` (GLA, Yang et al., 2024, Sec. 4):
+the chunked engine of :mod:`ejkernel_xla.ops._chunked` (GLA, Yang et al., 2024, Sec. 4):
 parallel inside chunks, a scan over chunk states across them. Inside a chunk the decays are
 differences of cumulative log gates from the chunk start; when every chunk's gates stay within
 ±80 of its start (GLA's ``log_sigmoid(x) / 16`` gates always do) the intra-chunk part is two
@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.plugins import defvjp
-from ejkernel_xla.ops import recurrent as _engine
+from ejkernel_xla.ops import _chunked as _engine
+from ejkernel_xla.ops import recurrent
 
 __all__ = ["GlaConfig", "config_space", "gla_xla", "heuristic"]
 
@@ -52,7 +53,7 @@ def heuristic(inv: Any) -> GlaConfig:
 
 def config_space(inv: Any) -> list[GlaConfig]:
     """The heuristic's config, then a few (chunk, sub-chunk) pairs, clamped and deduplicated."""
-    return [GlaConfig(**attrs.asdict(c)) for c in _engine.config_space(inv)]
+    return [GlaConfig(**attrs.asdict(c)) for c in recurrent.config_space(inv)]
 
 
 def gla_xla(

@@ -2,7 +2,7 @@
 
 Lightning attention (MiniMax-01, arXiv:2501.08313; Qin et al., 2024, "Lightning Attention-2")
 is ``recurrent`` with the per-head scalar log gate ``g = -slopes[h]`` at every token, so it runs
-the chunked engine of :mod:`ejkernel_xla.ops.recurrent` on its scalar-gate path: inside a chunk
+the chunked engine of :mod:`ejkernel_xla.ops._chunked` on its scalar-gate path: inside a chunk
 ``((q kᵀ) ⊙ exp(-slope · (t - s)) ⊙ [s ≤ t]) v``, across chunks the carried state decayed by
 ``exp(-slope · (t + 1))``, both with non-positive exponents only (Lightning Attention-2's intra /
 inter split). The slopes arrive built by the core spec when ``(layer_idx, num_layers)`` is given
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.plugins import defvjp
-from ejkernel_xla.ops import recurrent as _engine
+from ejkernel_xla.ops import _chunked as _engine
 
 __all__ = [
     "LightningAttentionConfig",

@@ -27,7 +27,7 @@ materialising per-head copies of ``B`` or ``C``. A sequence that is not a chunk 
 padded with ``Δ = 0`` tokens (decay 1, no input: the state passes through). On CPU this
 all-chunks-at-once forward is faster than the linear-attention engine's streamed forward.
 
-Backward (custom VJP), on the chunked engine of :mod:`ejkernel_xla.ops.recurrent` (its
+Backward (custom VJP), on the chunked engine of :mod:`ejkernel_xla.ops._chunked` (its
 scalar-gate path). The forward saves its inputs, ``y = C h`` and every chunk's incoming state
 ``h_c`` (step 3), which are the engine's chunk-start states; the backward pulls the cotangent
 back through the gate and skip, through the engine's backward (a reverse scan over chunks,
@@ -52,7 +52,7 @@ from jax import lax
 
 from ejkernel.plugins import defvjp
 from ejkernel_xla.ops import _state_space as ssm
-from ejkernel_xla.ops.recurrent import (
+from ejkernel_xla.ops._chunked import (
     LinearStatics,
     linear_attention_backward,
 )
