@@ -158,22 +158,6 @@ def _intra_scalar(q: jax.Array, k: jax.Array, v: jax.Array, bk: jax.Array | None
     return dot("mcs,msv->mcv", scores, v)
 
 
-def _intra_factored(
-    q: jax.Array, k: jax.Array, v: jax.Array, bk: jax.Array | None, bv: jax.Array | None
-) -> jax.Array:
-    """Gates over K and/or V when the chunk's gate spread is small: ``exp(b_t - b_s)`` split
-    at the midpoint ``r`` of the chunk's range as ``exp(b_t - r) · exp(r - b_s)``, so the
-    whole chunk is two matmuls."""
-    if bk is not None:
-        r = 0.5 * (jnp.max(bk, axis=1, keepdims=True) + jnp.min(bk, axis=1, keepdims=True))
-        q, k = q * jnp.exp(bk - r), k * jnp.exp(r - bk)
-    scores = jnp.where(causal(q.shape[1]), dot("mck,msk->mcs", q, k), 0.0)
-    if bv is None:
-        return dot("mcs,msv->mcv", scores, v)
-    r = 0.5 * (jnp.max(bv, axis=1, keepdims=True) + jnp.min(bv, axis=1, keepdims=True))
-    return dot("mcs,msv->mcv", scores, v * jnp.exp(r - bv)) * jnp.exp(bv - r)
-
-
 def _intra_exact(
     q: jax.Array,
     k: jax.Array,
