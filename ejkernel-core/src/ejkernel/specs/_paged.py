@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel.attention_semantics import soft_cap, visible
 from ejkernel.specs._base import Arg, check_array, default_synthetic, is_floating, is_integer
 from ejkernel.specs.flash_attention import _number, normalize_window
 
@@ -236,16 +237,10 @@ def ragged_tokens(
 def window_mask(
     key_pos: jax.Array, query_pos: jax.Array, *, causal: bool, sliding_window: Any
 ) -> jax.Array:
-    """Causal and sliding-window visibility of keys at ``key_pos`` from queries at ``query_pos``."""
-    visible = jnp.ones(jnp.broadcast_shapes(key_pos.shape, query_pos.shape), bool)
-    if causal:
-        visible &= key_pos <= query_pos
-    if sliding_window is not None:
-        left, right = (
-            (sliding_window, sliding_window) if isinstance(sliding_window, int) else sliding_window
-        )
-        visible &= (key_pos >= query_pos - left) & (key_pos <= query_pos + right)
-    return visible
+    """Causal and sliding-window visibility of keys at ``key_pos`` from queries at ``query_pos``
+    (:func:`ejkernel.attention_semantics.visible`; an int window is ``(w, w)``)."""
+    window = (sliding_window, sliding_window) if isinstance(sliding_window, int) else sliding_window
+    return visible(query_pos, key_pos, causal=causal, window=window)
 
 
 def attend_rows(
@@ -279,8 +274,7 @@ def attend_rows(
     v = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
     v = jnp.repeat(v, hq // hkv, axis=2)
     logits = jnp.einsum("rhd,rkhd->rhk", q.astype(jnp.float32), k) * softmax_scale
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    logits = soft_cap(logits, logits_soft_cap)
     if bias is not None:
         logits = logits + bias
     logits = jnp.where(visible[:, None, :], logits, -jnp.inf)

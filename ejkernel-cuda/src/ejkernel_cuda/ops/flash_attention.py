@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ejkernel.attention_semantics import visible
+
 __all__ = ["cudnn_attention", "cudnn_supports", "flash_attention_cuda", "supports"]
 
 DTYPES = ("bfloat16", "float16")
@@ -184,11 +186,7 @@ def _any_visible(
     """[B, Sq, Hq, 1]: whether each query row keeps at least one key."""
     q_pos = jnp.arange(sq)[:, None] + (sk - sq)
     k_pos = jnp.arange(sk)[None, :]
-    band = jnp.ones((sq, sk), bool)
-    if causal:
-        band &= k_pos <= q_pos
-    if window is not None:
-        band &= k_pos >= q_pos - window[0]
+    band = visible(q_pos, k_pos, causal=causal, window=window)
     seen = jnp.any(mask4 & band, axis=-1)  # [b', h', Sq]
     seen = jnp.broadcast_to(seen, (b, hq, sq))
     return jnp.transpose(seen, (0, 2, 1))[..., None]

@@ -54,9 +54,10 @@ from typing import Any, NamedTuple
 import attrs
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from ejkernel import attention_semantics as semantics
+from ejkernel.attention_semantics import MASK_VALUE
 from ejkernel.plugins import FwdParams
 
 __all__ = [
@@ -79,7 +80,6 @@ __all__ = [
 ]
 
 #: Logit of a masked entry: finite, so ``masked - row_max`` never forms ``inf - inf``.
-_MASK_VALUE = float(np.finfo(np.float32).min)
 
 #: Largest query tokens per work item, per backend.
 _Q_BLOCK_MAX = {"cpu": 32, "gpu": 64, "tpu": 128}
@@ -569,11 +569,7 @@ def attend(
         q_pos = pos0[:, None] + rows  # [W, bq]
         visible = (rows < count[:, None])[:, :, None] & key_ok[:, None, :]
         kp, qp = k_pos[:, None, :], q_pos[:, :, None]
-        if st.causal:
-            visible &= kp <= qp
-        if st.sliding_window is not None:
-            left, right = st.sliding_window
-            visible &= (kp >= qp - left) & (kp <= qp + right)
+        visible &= semantics.visible(qp, kp, causal=st.causal, window=st.sliding_window)
         tok = jnp.clip(tok0[:, None] + rows, 0, t - 1)
         q = queries[tok].reshape(w, bq, hkv, group, d).transpose(0, 2, 1, 3, 4)
         k = keys.transpose(0, 2, 1, 3).reshape(w * hkv, bk, d)
@@ -581,12 +577,11 @@ def attend(
             q.reshape(w * hkv, bq * group, d), k, contract_d, preferred_element_type=jnp.float32
         )
         s = s.reshape(w, hkv, bq, group, bk) * st.softmax_scale
-        if st.logits_soft_cap is not None:
-            s = st.logits_soft_cap * jnp.tanh(s * (1.0 / st.logits_soft_cap))
+        s = semantics.soft_cap(s, st.logits_soft_cap)
         if slopes is not None:
             s = s + slopes * (kp - qp).astype(jnp.float32)[:, None, :, None, :]
         vis = visible[:, None, :, None, :]  # [W, 1, bq, 1, bk]
-        s = jnp.where(vis, s, _MASK_VALUE)
+        s = jnp.where(vis, s, MASK_VALUE)
         dest = jnp.where(ok, item, n)  # pairs past the end scatter nowhere
         m_old = m[item]
         m = m.at[dest].max(jnp.max(s, axis=-1), mode="drop")
@@ -609,7 +604,7 @@ def attend(
 
     stats = (n, hkv, bq, group)
     init = (
-        jnp.full(stats, _MASK_VALUE, jnp.float32),
+        jnp.full(stats, MASK_VALUE, jnp.float32),
         jnp.zeros(stats, jnp.float32),
         jnp.zeros((*stats, dv), jnp.float32),
     )
