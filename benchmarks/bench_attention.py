@@ -40,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +47,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).parent))  # also when loaded from its file (its tests)
+import _common
 
 SHAPES = [(4, 4096, 16, 128), (8, 2048, 16, 64), (1, 16384, 16, 128)]
 SWEEP = [(8, 2048), (4, 4096), (2, 8192), (1, 16384)]  # (B, S) at H 16, D 128
@@ -63,20 +65,7 @@ WARM_S = float(os.environ.get("BENCH_WARM_S", "0.3"))
 
 def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5) -> float:
     """Median milliseconds per call (compiled first, then run for ``WARM_S`` seconds)."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    while True:
-        jax.block_until_ready([fn(*args) for _ in range(3)])
-        if time.perf_counter() - start >= WARM_S:
-            break
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(runs)
+    return _common.timed(fn, *args, iters=iters, repeats=repeats, warm_s=WARM_S)
 
 
 def rotating_rounds(

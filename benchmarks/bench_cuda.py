@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,17 +37,9 @@ ROWS: list[dict[str, Any]] = []
 FAILURES: list[str] = []
 
 
-def timed(fn: Callable[..., Any], *args: Any, iters: int = 20, repeats: int = 5) -> float:
-    """Median seconds per call over ``repeats`` batches of ``iters`` (after a warm-up call)."""
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - t0) / iters)
-    return statistics.median(runs)
+def timed(fn: Callable[..., Any], *args: Any, iters: int = 20) -> float:
+    """Median seconds per call (BENCHMARKS.md's method: compiled first, then timed batches)."""
+    return _common.timed(fn, *args, iters=iters) / 1e3
 
 
 def record(group: str, name: str, seconds: float, nbytes: int, note: str = "") -> None:
@@ -77,6 +69,28 @@ def check(name: str, actual: Any, expected: Any, tol: float) -> str:
     if not ok:
         FAILURES.append(f"{name}: relative error {err:.3g} > {tol}")
     return f"rel err {err:.1e}{'' if ok else ' WRONG'}"
+
+
+def measure(
+    group: str,
+    name: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    nbytes: int,
+    expected: Any,
+    tol: float,
+    *,
+    iters: int = 20,
+    pick: Callable[[Any], Any] = lambda out: out,
+) -> None:
+    """One row: ``pick(fn(*args))`` checked against ``expected``, then ``fn`` timed; a failure
+    is recorded as the row."""
+
+    def run() -> None:
+        note = check(f"{group} {name}", pick(fn(*args)), expected, tol)
+        record(group, name, timed(fn, *args, iters=iters), nbytes, note)
+
+    attempt(group, name, run)
 
 
 def normal(key: int, shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> jax.Array:
@@ -118,74 +132,42 @@ def bench_decode(quick: bool) -> None:
             q[:rows], k[:rows], v[:rows], start[:rows], end[:rows]
         )
 
-    def ours(cfg: Any = None) -> Callable[[], None]:
-        def run() -> None:
-            fn = jax.jit(
-                lambda q, k, v, s, e: ejkernel.ragged_decode_attention(
-                    q, k, v, s, e, platform="cuda", cfg=cfg
-                )
-            )
-            out = fn(q, k, v, start, end)
-            note = check(f"decode cuda {cfg}", out[:rows], expected, 2e-2)
-            label = "heuristic" if cfg is None else f"num_splits={cfg.num_splits}"
-            record(
-                "decode",
-                f"cuda ragged_decode ({label})",
-                timed(fn, q, k, v, start, end),
-                kv_bytes,
-                note,
-            )
+    first_rows = lambda out: out[:rows]
 
-        return run
+    def decode(name: str, platform: str, cfg: Any = None, iters: int = 20) -> None:
+        fn = jax.jit(
+            lambda q, k, v, s, e: ejkernel.ragged_decode_attention(
+                q, k, v, s, e, platform=platform, cfg=cfg
+            )
+        )
+        args = (q, k, v, start, end)
+        measure("decode", name, fn, args, kv_bytes, expected, 2e-2, iters=iters, pick=first_rows)
 
     selection = ejkernel.explain("ragged_decode_attention", q, k, v, start, end, platform="cuda")
     print(f"  decode heuristic config: {selection.config}", flush=True)
-    attempt("decode", "cuda ragged_decode (heuristic)", ours())
+    decode("cuda ragged_decode (heuristic)", "cuda")
     if not quick:
         for splits in (1, 2, 3, 4, 5, 6, 8, 16):
-            attempt(
-                "decode",
-                f"cuda num_splits={splits}",
-                ours(RaggedDecodeAttentionConfig(num_splits=splits)),
-            )
+            cfg = RaggedDecodeAttentionConfig(num_splits=splits)
+            decode(f"cuda ragged_decode (num_splits={splits})", "cuda", cfg)
 
     q4 = q[:, None]  # [B, 1, Hq, D]
-
-    def anchor(impl: str) -> Callable[[], None]:
-        def run() -> None:
-            fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl))
-            out = fn(q4, k, v)
-            note = check(f"decode {impl}", out[:rows, 0], expected, 2e-2)
-            record(
-                "decode",
-                f"jax.nn.dot_product_attention[{impl}]",
-                timed(fn, q4, k, v),
-                kv_bytes,
-                note,
-            )
-
-        return run
-
-    attempt("decode", "jax.nn.dot_product_attention[cudnn]", anchor("cudnn"))
-    attempt("decode", "jax.nn.dot_product_attention[xla]", anchor("xla"))
+    for impl in ("cudnn", "xla"):
+        fn = jax.jit(
+            lambda q, k, v, impl=impl: jax.nn.dot_product_attention(q, k, v, implementation=impl)
+        )
+        measure(
+            "decode",
+            f"jax.nn.dot_product_attention[{impl}]",
+            fn,
+            (q4, k, v),
+            kv_bytes,
+            expected,
+            2e-2,
+            pick=lambda out: out[:rows, 0],
+        )
     if not quick:
-
-        def xla_plugin() -> None:
-            fn = jax.jit(
-                lambda q, k, v, s, e: ejkernel.ragged_decode_attention(
-                    q, k, v, s, e, platform="xla"
-                )
-            )
-            note = check("decode xla plugin", fn(q, k, v, start, end)[:rows], expected, 2e-2)
-            record(
-                "decode",
-                "ejkernel xla ragged_decode",
-                timed(fn, q, k, v, start, end, iters=5),
-                kv_bytes,
-                note,
-            )
-
-        attempt("decode", "ejkernel xla ragged_decode", xla_plugin)
+        decode("ejkernel xla ragged_decode", "xla", iters=5)
 
     # Paged: the same tokens in 16-token pages with shuffled ids.
     pages_per_seq = sk // page
@@ -207,34 +189,25 @@ def bench_decode(quick: bool) -> None:
             q[:rows], k_cache, v_cache, kv_lens[:rows], tables[:rows]
         )
 
-    def paged(cfg: Any = None) -> Callable[[], None]:
-        def run() -> None:
-            fn = jax.jit(
-                lambda q, kc, vc, n, t: ejkernel.page_attention(
-                    q, kc, vc, n, t, platform="cuda", cfg=cfg
-                )
-            )
-            out = fn(q, k_cache, v_cache, kv_lens, tables)
-            note = check(f"paged cuda {cfg}", out[:rows], expected_paged, 2e-2)
-            label = "heuristic" if cfg is None else f"num_splits={cfg.num_splits}"
-            record(
-                "paged",
-                f"cuda page_attention page {page} ({label})",
-                timed(fn, q, k_cache, v_cache, kv_lens, tables),
-                kv_bytes,
-                note,
-            )
-
-        return run
-
-    attempt("paged", "cuda page_attention (heuristic)", paged())
+    configs = [("heuristic", None)]
     if not quick:
-        for splits in (1, 2, 4, 8):
-            attempt(
-                "paged",
-                f"cuda page_attention num_splits={splits}",
-                paged(PageAttentionConfig(num_splits=splits)),
+        configs += [(f"num_splits={n}", PageAttentionConfig(num_splits=n)) for n in (1, 2, 4, 8)]
+    for label, cfg in configs:
+        fn = jax.jit(
+            lambda q, kc, vc, n, t, cfg=cfg: ejkernel.page_attention(
+                q, kc, vc, n, t, platform="cuda", cfg=cfg
             )
+        )
+        measure(
+            "paged",
+            f"cuda page_attention page {page} ({label})",
+            fn,
+            (q, k_cache, v_cache, kv_lens, tables),
+            kv_bytes,
+            expected_paged,
+            2e-2,
+            pick=first_rows,
+        )
 
 
 # -- 4. mean pooling ----------------------------------------------------------------------------
@@ -247,44 +220,30 @@ def bench_mean_pooling() -> None:
     nbytes = x.size * 2
     expected = jnp.mean(x.astype(jnp.float32), axis=1)
 
-    def ours() -> None:
-        fn = jax.jit(lambda x: ejkernel.mean_pooling(x, platform="cuda"))
-        note = check("mean_pooling cuda", fn(x), expected, 1e-2)
-        record("mean_pool", "cuda mean_pooling [64,4096,4096]", timed(fn, x), nbytes, note)
+    ours = jax.jit(lambda x: ejkernel.mean_pooling(x, platform="cuda"))
+    measure("mean_pool", "cuda mean_pooling [64,4096,4096]", ours, (x,), nbytes, expected, 1e-2)
+    xla = jax.jit(lambda x: jnp.mean(x, axis=1, dtype=jnp.float32).astype(x.dtype))
+    measure("mean_pool", "jnp.mean (XLA)", xla, (x,), nbytes, expected, 1e-2)
 
-    def xla() -> None:
-        fn = jax.jit(lambda x: jnp.mean(x, axis=1, dtype=jnp.float32).astype(x.dtype))
-        note = check("mean_pooling jnp", fn(x), expected, 1e-2)
-        record("mean_pool", "jnp.mean (XLA)", timed(fn, x), nbytes, note)
-
-    attempt("mean_pool", "cuda mean_pooling [64,4096,4096]", ours)
-    attempt("mean_pool", "jnp.mean (XLA)", xla)
-
-    def backward() -> None:
-        g = normal(5, (64, 4096))
-        fn = jax.jit(
-            jax.grad(
-                lambda x: jnp.sum(ejkernel.mean_pooling(x, platform="cuda").astype(jnp.float32) * g)
-            )
+    g = normal(5, (64, 4096))
+    backward = jax.jit(
+        jax.grad(
+            lambda x: jnp.sum(ejkernel.mean_pooling(x, platform="cuda").astype(jnp.float32) * g)
         )
-        dx = fn(x)
-        note = check(
-            "mean_pooling bwd",
-            dx[:, :3],
-            jnp.broadcast_to((g / 4096)[:, None], (64, 3, 4096)),
-            1e-2,
-        )
-        # The gradient of a mean does not depend on x, so XLA drops the forward call as dead
-        # code: what runs is the backward kernel alone, writing dx (2 GiB) from g (0.5 MiB).
-        record(
-            "mean_pool",
-            "cuda mean_pooling grad (bwd only: write 2 GiB)",
-            timed(fn, x, iters=10),
-            nbytes,
-            note,
-        )
-
-    attempt("mean_pool", "cuda mean_pooling backward", backward)
+    )
+    # The gradient of a mean does not depend on x, so XLA drops the forward call as dead
+    # code: what runs is the backward kernel alone, writing dx (2 GiB) from g (0.5 MiB).
+    measure(
+        "mean_pool",
+        "cuda mean_pooling grad (bwd only: write 2 GiB)",
+        backward,
+        (x,),
+        nbytes,
+        jnp.broadcast_to((g / 4096)[:, None], (64, 3, 4096)),
+        1e-2,
+        iters=10,
+        pick=lambda dx: dx[:, :3],
+    )
 
 
 # -- report ---------------------------------------------------------------------------------------

@@ -239,40 +239,33 @@ def main() -> None:
     seqs = [int(s) for s in args.memory_seqs.split(",")]
     print("| op | " + " | ".join(f"T={s}" for s in seqs) + " |")
     print("|---|" + "---|" * len(seqs))
-    rows = [
+    ops = [
         (
-            "kernel_delta_attention (KDA) chunked",
+            "kernel_delta_attention (KDA)",
             ejkernel.kernel_delta_attention,
-            lambda s: kda_inputs(b, s, h, dk, dv, True),
-        ),
-        (
-            "kernel_delta_attention reference scan",
             kernel_delta_attention_reference,
             lambda s: kda_inputs(b, s, h, dk, dv, True),
         ),
         (
-            "state_space_v1 chunked",
+            "state_space_v1",
             softplus(ejkernel.state_space_v1),
-            lambda s: ssm_inputs(1, v1[0], s, *v1[1:]),
-        ),
-        (
-            "state_space_v1 reference scan",
             softplus(state_space_v1_reference),
             lambda s: ssm_inputs(1, v1[0], s, *v1[1:]),
         ),
         (
-            "state_space_v2 chunked",
+            "state_space_v2",
             softplus(ejkernel.state_space_v2),
-            lambda s: ssm_inputs(2, v2[0], s, *v2[1:]),
-        ),
-        (
-            "state_space_v2 reference scan",
             softplus(state_space_v2_reference),
             lambda s: ssm_inputs(2, v2[0], s, *v2[1:]),
         ),
     ]
     if args.kda_only:
-        rows = rows[:2]
+        ops = ops[:1]
+    rows = [
+        (f"{op} {kind}", fn, make)
+        for op, chunked, scan, make in ops
+        for kind, fn in (("chunked", chunked), ("reference scan", scan))
+    ]
     for name, fn, make in rows:
         sizes = [temp_bytes(fn, make(s)) for s in seqs]
         cells = ["n/a" if v is None else f"{v / 2**20:9.1f}" for v in sizes]

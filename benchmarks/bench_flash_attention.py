@@ -16,50 +16,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from _common import fwd_bwd, mib, temp_bytes, timed
 
 import ejkernel
 from ejkernel.specs.flash_attention import flash_attention_reference
 
 
-def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5) -> float:
-    """Median ms per call over ``repeats`` batches of ``iters`` (after a compile call)."""
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(runs)
-
-
 def inputs(b: int, s: int, h: int, d: int, dtype: Any) -> tuple[jax.Array, ...]:
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     return tuple(jax.random.normal(k, (b, s, h, d), jnp.float32).astype(dtype) for k in ks)
-
-
-def fwd_bwd(attn: Callable[..., jax.Array]) -> Callable[..., Any]:
-    def f(q, k, v, do):
-        out, vjp = jax.vjp(attn, q, k, v)
-        return out, vjp(do)
-
-    return jax.jit(f)
-
-
-def temp_bytes(fn: Callable[..., Any], *args: Any) -> int | None:
-    try:
-        stats = jax.jit(fn).lower(*args).compile().memory_analysis()
-        return int(stats.temp_size_in_bytes)
-    except Exception:  # some backends do not report
-        return None
 
 
 def cpu(seqs: list[int]) -> None:
@@ -73,11 +43,10 @@ def cpu(seqs: list[int]) -> None:
         anchor = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")
         t_ours = timed(fwd_bwd(ours), q, k, v, do, iters=3, repeats=3)
         t_anchor = timed(fwd_bwd(anchor), q, k, v, do, iters=3, repeats=3)
-        m_ours = temp_bytes(fwd_bwd(ours), q, k, v, do)
-        m_anchor = temp_bytes(fwd_bwd(anchor), q, k, v, do)
-        mib = lambda m: "?" if m is None else f"{m / 2**20:.1f}"
+        m_ours = mib(temp_bytes(fwd_bwd(ours), q, k, v, do), 1)
+        m_anchor = mib(temp_bytes(fwd_bwd(anchor), q, k, v, do), 1)
         print(
-            f"| {s} | {t_ours:.1f} | {t_anchor:.1f} | {t_ours / t_anchor:.2f} | {mib(m_ours)} | {mib(m_anchor)} |"
+            f"| {s} | {t_ours:.1f} | {t_anchor:.1f} | {t_ours / t_anchor:.2f} | {m_ours} | {m_anchor} |"
         )
 
 

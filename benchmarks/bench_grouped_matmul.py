@@ -16,30 +16,16 @@ Run: ``python benchmarks/bench_grouped_matmul.py [--gpu] [--shapes M,K,N,G ...] 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import timed
 
 import ejkernel
 from ejkernel.specs.grouped_matmul import grouped_matmul_reference
-
-
-def timed(fn: Callable[..., Any], *args: Any, iters: int = 5, repeats: int = 5) -> float:
-    """Median ms per call over ``repeats`` batches of ``iters`` (after a compile call)."""
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(runs)
 
 
 def skewed_sizes(m: int, g: int, seed: int = 0) -> np.ndarray:
@@ -49,6 +35,15 @@ def skewed_sizes(m: int, g: int, seed: int = 0) -> np.ndarray:
     if g > 1:
         sizes[1] = 0
     return sizes
+
+
+def problem(m: int, k: int, n: int, g: int, dtype: Any) -> tuple[jax.Array, ...]:
+    """Random ``lhs [M, K]``, ``rhs [G, K, N]``, ``d_out [M, N]`` and skewed group sizes."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    lhs = jax.random.normal(keys[0], (m, k), dtype)
+    rhs = jax.random.normal(keys[1], (g, k, n), dtype)
+    d_out = jax.random.normal(keys[2], (m, n), dtype)
+    return lhs, rhs, d_out, jnp.asarray(skewed_sizes(m, g))
 
 
 def fwd_bwd(gmm: Callable[..., jax.Array]) -> Callable[..., Any]:
@@ -76,16 +71,12 @@ def run(shapes: list[tuple[int, int, int, int]], dtype: Any) -> None:
     print("| M, K, N, G | impl | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s | rel err |")
     print("|---|---|---|---|---|---|---|")
     for m, k, n, g in shapes:
-        keys = jax.random.split(jax.random.PRNGKey(0), 3)
-        lhs = jax.random.normal(keys[0], (m, k), jnp.float32)
-        rhs = jax.random.normal(keys[1], (g, k, n), jnp.float32)
-        d_out = jax.random.normal(keys[2], (m, n), jnp.float32)
-        sizes = jnp.asarray(skewed_sizes(m, g))
+        lhs, rhs, d_out, sizes = problem(m, k, n, g, jnp.float32)
         expected = fwd_bwd(grouped_matmul_reference)(lhs, rhs, sizes, d_out)
         lhs, rhs, d_out = (x.astype(dtype) for x in (lhs, rhs, d_out))
         flop = 2 * m * k * n
         dense = jax.jit(lambda x, w: x @ w[0])
-        t_dense = timed(dense, lhs, rhs)
+        t_dense = timed(dense, lhs, rhs, iters=5)
         print(
             f"| {m}, {k}, {n}, {g} | dense [M,K]x[K,N] (ceiling) | {t_dense:.2f} | {flop / t_dense / 1e6:.1f} | | | |"
         )
@@ -94,7 +85,7 @@ def run(shapes: list[tuple[int, int, int, int]], dtype: Any) -> None:
                 fwd = jax.jit(gmm)
                 both = fwd_bwd(gmm)
                 err = rel_err(both(lhs, rhs, sizes, d_out), expected)
-                t_f = timed(fwd, lhs, rhs, sizes)
+                t_f = timed(fwd, lhs, rhs, sizes, iters=5)
                 t_fb = timed(both, lhs, rhs, sizes, d_out, iters=3)
                 row = f"{t_f:.2f} | {flop / t_f / 1e6:.1f} | {t_fb:.2f} | {3 * flop / t_fb / 1e6:.1f} | {err:.1e}"
             except Exception as e:  # unsupported, out of memory: reported, never fatal
@@ -130,11 +121,7 @@ def gpu(shapes: list[tuple[int, int, int, int]], blocks: list[int]) -> None:
     print("| M, K, N, G | impl | fwd TFLOP/s | fwd+bwd TFLOP/s | rel err vs ragged_dot |")
     print("|---|---|---|---|---|")
     for m, k, n, g in shapes:
-        keys = jax.random.split(jax.random.PRNGKey(0), 3)
-        lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-        rhs = jax.random.normal(keys[1], (g, k, n), jnp.bfloat16)
-        d_out = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
-        sizes = jnp.asarray(skewed_sizes(m, g))
+        lhs, rhs, d_out, sizes = problem(m, k, n, g, jnp.bfloat16)
         flop = 2 * m * k * n
         t_dense = timed(jax.jit(lambda x, w: x @ w[0]), lhs, rhs, iters=10)
         print(f"| {m}, {k}, {n}, {g} | dense [M,K]x[K,N] | {flop / t_dense / 1e9:.0f} | | |")

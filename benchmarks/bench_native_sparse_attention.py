@@ -17,47 +17,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from _common import fwd_bwd, mib, temp_bytes, timed
 
 import ejkernel
-
-
-def timed(fn: Callable[..., Any], *args: Any, iters: int = 5, repeats: int = 3) -> float:
-    """Median ms per call over ``repeats`` batches of ``iters`` (after a compile call)."""
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(runs)
-
-
-def fwd_bwd(attn: Callable[..., Any]) -> Any:
-    """``(q, k, v, dO) -> (out, (dq, dk, dv))``, jitted."""
-    import jax
-
-    def f(q: Any, k: Any, v: Any, do: Any) -> Any:
-        out, vjp = jax.vjp(attn, q, k, v)
-        return out, vjp(do)
-
-    return jax.jit(f)
-
-
-def temp_mib(fn: Callable[..., Any], *args: Any) -> str:
-    try:
-        stats = fn.lower(*args).compile().memory_analysis()  # type: ignore[attr-defined]
-        return f"{stats.temp_size_in_bytes / 2**20:.0f}"
-    except Exception:  # some backends do not report
-        return "?"
 
 
 def _nsa(q: Any, k: Any, v: Any, *, gates: list[Any], nsa: dict[str, int]) -> Any:
@@ -84,10 +50,10 @@ def run(seqs: list[int], *, hq: int, hkv: int, d: int, nsa: dict[str, int], dtyp
 
         cells = []
         for attn in (sparse, dense):
-            cells.append(f"{timed(jax.jit(attn), q, k, v):.1f}")
+            cells.append(f"{timed(jax.jit(attn), q, k, v, iters=5, repeats=3):.1f}")
         for attn in (sparse, dense):
-            cells.append(f"{timed(fwd_bwd(attn), q, k, v, do):.1f}")
-        cells += [temp_mib(fwd_bwd(attn), q, k, v, do) for attn in (sparse, dense)]
+            cells.append(f"{timed(fwd_bwd(attn), q, k, v, do, iters=5, repeats=3):.1f}")
+        cells += [mib(temp_bytes(fwd_bwd(attn), q, k, v, do)) for attn in (sparse, dense)]
         print(f"| {s} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +26,7 @@ os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
 
 import jax
 import jax.numpy as jnp
+from _common import fwd_bwd, timed
 
 CASES = [  # (B, S, H, D, causal)
     (4, 4096, 16, 128, False),
@@ -37,41 +36,19 @@ CASES = [  # (B, S, H, D, causal)
 ]
 
 
-def _time(fn: Callable[..., Any], *args: Any, iters: int, reps: int) -> float:
-    """Median seconds per call."""
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples)
-
-
 def _time_both(
     name: str, attn: Callable[..., Any], qkvdo: tuple[Any, ...], flops: float, iters: int, reps: int
 ) -> tuple[float, float]:
     """Seconds per forward and per forward+backward call, printed as TFLOP/s."""
     q, k, v, do = qkvdo
-    fwd_t = _time(jax.jit(attn), q, k, v, iters=iters, reps=reps)
-    both_t = _time(_fwd_bwd(attn), q, k, v, do, iters=iters, reps=reps)
+    fwd_t = timed(jax.jit(attn), q, k, v, iters=iters, repeats=reps, warm_calls=3) / 1e3
+    both_t = timed(fwd_bwd(attn), q, k, v, do, iters=iters, repeats=reps, warm_calls=3) / 1e3
     print(
         f"  {name:15s} fwd {flops / fwd_t / 1e12:6.1f} TFLOP/s   "
         f"fwd+bwd {3.5 * flops / both_t / 1e12:6.1f} TFLOP/s",
         flush=True,
     )
     return fwd_t, both_t
-
-
-def _fwd_bwd(attn: Callable[..., Any]) -> Callable[..., Any]:
-    def f(q: Any, k: Any, v: Any, do: Any) -> Any:
-        out, vjp = jax.vjp(attn, q, k, v)
-        return out, vjp(do)
-
-    return jax.jit(f)
 
 
 def _rel(a: Any, b: Any) -> float:
@@ -107,7 +84,7 @@ def _check(
     """Max relative error (out, dq, dk, dv) of head 0 vs the float32 reference."""
     from ejkernel.specs.flash_attention import flash_attention_reference
 
-    out, grads = _fwd_bwd(attn)(q, k, v, do)
+    out, grads = fwd_bwd(attn)(q, k, v, do)
     h0 = lambda x: x[:, :, :1].astype(jnp.float32)
     ref = lambda q, k, v: flash_attention_reference(q, k, v, causal=causal)
     ref_out, vjp = jax.vjp(ref, h0(q), h0(k), h0(v))

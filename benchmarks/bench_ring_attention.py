@@ -17,44 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-from collections.abc import Callable
-from typing import Any
 
-
-def timed(fn: Callable[..., Any], *args: Any, iters: int = 5, repeats: int = 3) -> float:
-    """Median ms per call over ``repeats`` batches of ``iters`` (after a compile call)."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(runs)
-
-
-def fwd_bwd(attn: Callable[..., Any]) -> Any:
-    """``(q, k, v, dO) -> (out, (dq, dk, dv))``, jitted."""
-    import jax
-
-    def f(q: Any, k: Any, v: Any, do: Any) -> Any:
-        out, vjp = jax.vjp(attn, q, k, v)
-        return out, vjp(do)
-
-    return jax.jit(f)
-
-
-def temp_mib(fn: Any, *args: Any) -> str:
-    try:
-        stats = fn.lower(*args).compile().memory_analysis()
-        return f"{stats.temp_size_in_bytes / 2**20:.0f}"
-    except Exception:  # some backends do not report
-        return "?"
+from _common import fwd_bwd, mib, temp_bytes, timed
 
 
 def run(shapes: list[tuple[int, int, int, int]], dtype_name: str) -> None:
@@ -89,12 +53,12 @@ def run(shapes: list[tuple[int, int, int, int]], dtype_name: str) -> None:
         split = [jax.device_put(x, rows) for x in (q, k, v, do)]
         one = [jax.device_put(x, jax.devices()[0]) for x in (q, k, v, do)]
         cells = [
-            f"{timed(jax.jit(ring), *split[:3]):.2f}",
-            f"{timed(jax.jit(flash), *one[:3]):.2f}",
-            f"{timed(fwd_bwd(ring), *split):.2f}",
-            f"{timed(fwd_bwd(flash), *one):.2f}",
-            temp_mib(fwd_bwd(ring), *split),
-            temp_mib(fwd_bwd(flash), *one),
+            f"{timed(jax.jit(ring), *split[:3], iters=5, repeats=3):.2f}",
+            f"{timed(jax.jit(flash), *one[:3], iters=5, repeats=3):.2f}",
+            f"{timed(fwd_bwd(ring), *split, iters=5, repeats=3):.2f}",
+            f"{timed(fwd_bwd(flash), *one, iters=5, repeats=3):.2f}",
+            mib(temp_bytes(fwd_bwd(ring), *split)),
+            mib(temp_bytes(fwd_bwd(flash), *one)),
         ]
         print(f"| {b}, {s}, {h}, {d} | " + " | ".join(cells) + " |", flush=True)
 

@@ -17,32 +17,18 @@ Prints markdown tables (median ms of jitted calls after a compile call).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import timed
 
 import ejkernel
 from ejkernel.specs._paged import paged_block_tables
 
 PAGE_SIZE, HQ, HKV, D = 16, 8, 2, 64
-
-
-def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5) -> float:
-    """Median ms per call over ``repeats`` batches of ``iters`` (after a compile call)."""
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(runs)
 
 
 def batch(
