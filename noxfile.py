@@ -86,39 +86,33 @@ def tests(session: nox.Session) -> None:
     _conformance(session)
 
 
-@nox.session(name="tests-core")
-def tests_core(session: nox.Session) -> None:
-    """Core tests only."""
-    session.install(*PACKAGES, *TEST_DEPS)
-    session.run("pytest", "tests/core", "tests/integration", "-m", "not gpu", *session.posargs)
+#: Session ``tests-<name>``: the CPU tests of some folders, with what they cover.
+TEST_AREAS = {
+    "core": (["tests/core", "tests/integration"], "Core tests only."),
+    "xla": (["tests/xla"], "XLA backend tests only."),
+    "triton": (["tests/triton"], "Triton kernels through Triton's interpreter on the CPU."),
+    "pallas": (
+        ["tests/pallas"],
+        "Pallas kernels in interpret mode (TPU kernels; Mosaic GPU ones with absl-py).",
+    ),
+    "cuda": (
+        ["tests/cuda"],
+        "CUDA plugin on the CPU: nvcc compile check, build cache, cuDNN/native supports().",
+    ),
+}
 
 
-@nox.session(name="tests-xla")
-def tests_xla(session: nox.Session) -> None:
-    """XLA backend tests only."""
-    session.install(*PACKAGES, *TEST_DEPS)
-    session.run("pytest", "tests/xla", "-m", "not gpu", *session.posargs)
+def _area_session(name: str, folders: list[str], doc: str) -> None:
+    def area(session: nox.Session) -> None:
+        session.install(*PACKAGES, *TEST_DEPS)
+        session.run("pytest", *folders, "-m", "not gpu", *session.posargs)
+
+    area.__doc__ = doc
+    nox.session(name=f"tests-{name}")(area)
 
 
-@nox.session(name="tests-triton")
-def tests_triton(session: nox.Session) -> None:
-    """Triton kernels through Triton's interpreter on the CPU."""
-    session.install(*PACKAGES, *TEST_DEPS)
-    session.run("pytest", "tests/triton", "-m", "not gpu", *session.posargs)
-
-
-@nox.session(name="tests-pallas")
-def tests_pallas(session: nox.Session) -> None:
-    """Pallas kernels in interpret mode (TPU kernels; Mosaic GPU ones with absl-py)."""
-    session.install(*PACKAGES, *TEST_DEPS)
-    session.run("pytest", "tests/pallas", "-m", "not gpu", *session.posargs)
-
-
-@nox.session(name="tests-cuda")
-def tests_cuda(session: nox.Session) -> None:
-    """CUDA plugin on the CPU: nvcc compile check, build cache, cuDNN/native supports()."""
-    session.install(*PACKAGES, *TEST_DEPS)
-    session.run("pytest", "tests/cuda", "-m", "not gpu", *session.posargs)
+for _name, (_folders, _doc) in TEST_AREAS.items():
+    _area_session(_name, _folders, _doc)
 
 
 @nox.session
