@@ -95,25 +95,20 @@ def test_broken_plugin_warns_and_others_still_load(site):
     )
 
 
-def test_plugin_for_another_api_version_is_refused(site):
-    site(
-        "future",
-        "future_plugin",
-        GOOD.format(name="future", priority=3).replace("return 1", "return 2"),
-    )
-    with pytest.warns(PluginWarning, match="built for core plugin API 2"):
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("return 1", "return 2"), "built for core plugin API 2"),
+        (("def ejkernel_api_version", "def _nothing"), "no `ejkernel_api_version` hook"),
+    ],
+    ids=["another-api-version", "no-api-version"],
+)
+def test_plugin_for_another_or_no_api_version_is_refused(site, edit, message):
+    site("off", "off_plugin", GOOD.format(name="off", priority=3).replace(*edit))
+    with pytest.warns(PluginWarning, match=message):
         registry = get_registry()
-    assert "future" not in {i.platform for i in registry.implementations("flash_attention")}
-
-
-def test_plugin_without_api_version_is_refused(site):
-    site(
-        "old",
-        "old_plugin",
-        GOOD.format(name="old", priority=3).replace("def ejkernel_api_version", "def _nothing"),
-    )
-    with pytest.warns(PluginWarning, match="no `ejkernel_api_version` hook"):
-        get_registry()
+    assert "off" not in {i.platform for i in registry.implementations("flash_attention")}
+    assert {i.name: i.status for i in plugin_infos()}["off"] == "refused"
 
 
 def test_disable_plugins_skips_named_entry_points(site, monkeypatch):

@@ -152,25 +152,13 @@ def _load_entry_points(registry: Registry) -> None:
         seen.add(ep.name)
         dist = _distribution_label(ep)
         if ep.name in disabled:
-            _state.infos[ep.name] = PluginInfo(
-                name=ep.name,
-                module=ep.value,
-                distribution=dist,
-                status="disabled",
-                error=f"disabled by {_env.DISABLE_PLUGINS}",
-            )
+            _skipped(ep, dist, "disabled", f"disabled by {_env.DISABLE_PLUGINS}")
             continue
         try:
             module = ep.load()
         except Exception as err:
             cause = f"{type(err).__name__}: {err}"
-            _state.infos[ep.name] = PluginInfo(
-                name=ep.name,
-                module=ep.value,
-                distribution=dist,
-                status="failed",
-                error=f"import failed: {cause}",
-            )
+            _skipped(ep, dist, "failed", f"import failed: {cause}")
             warn_once(
                 PluginWarning,
                 ep.name,
@@ -178,6 +166,15 @@ def _load_entry_points(registry: Registry) -> None:
             )
             continue
         _activate(registry, ep.name, module, distribution=dist, raise_errors=False)
+
+
+def _skipped(
+    ep: importlib.metadata.EntryPoint, distribution: str | None, status: str, error: str
+) -> None:
+    """Records an entry point that is not activated (disabled, or its import failed)."""
+    _state.infos[ep.name] = PluginInfo(
+        name=ep.name, module=ep.value, distribution=distribution, status=status, error=error
+    )
 
 
 def _distribution_label(ep: importlib.metadata.EntryPoint) -> str | None:

@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 __all__ = ["Backend", "KernelRegistry", "Platform", "kernel_registry"]
 
 
-class Platform(str):
+class _Name(str):
+    """A lower-cased name string with the enum-style ``value``."""
+
+    def __new__(cls, value: str) -> Self:
+        return super().__new__(cls, str(value).lower())
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+
+class Platform(_Name):
     """A platform name: the seeds' members are predefined; any plugin's string is valid too."""
 
     TRITON: ClassVar[Platform]
@@ -22,28 +33,14 @@ class Platform(str):
     XLA: ClassVar[Platform]
     AUTO: ClassVar[Platform]
 
-    def __new__(cls, value: str) -> Platform:
-        return super().__new__(cls, str(value).lower())
 
-    @property
-    def value(self) -> str:
-        return str(self)
-
-
-class Backend(str):
+class Backend(_Name):
     """A backend name (``gpu``, ``tpu``, ``cpu``, ``any``); other strings are accepted as given."""
 
     GPU: ClassVar[Backend]
     TPU: ClassVar[Backend]
     CPU: ClassVar[Backend]
     ANY: ClassVar[Backend]
-
-    def __new__(cls, value: str) -> Backend:
-        return super().__new__(cls, str(value).lower())
-
-    @property
-    def value(self) -> str:
-        return str(self)
 
 
 Platform.TRITON, Platform.PALLAS, Platform.CUDA = (
