@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import inspect
+import typing
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import attrs
@@ -31,9 +33,18 @@ class Arg:
     differentiable: bool = False
 
 
+#: Parameters of a public op function that steer the call (platform choice, a config) rather
+#: than being arguments of the op.
+CALL_PARAMETERS = ("platform", "cfg")
+
+
 @attrs.frozen(kw_only=True)
 class OpSpec:
     """The contract of one op, shared by every implementation.
+
+    In-tree ops build theirs with :meth:`OpSpec.from_function`, which reads the arguments from
+    the public function's signature; ``args=`` spells them out (a spec added with
+    ``registry.add_op`` may do either).
 
     Attributes:
         name: the registry key, the `ejkernel.<op>` function name.
@@ -71,6 +82,54 @@ class OpSpec:
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {a.name: a for a in self.args})
 
+    @classmethod
+    def from_function(
+        cls,
+        fn: Callable[..., Any],
+        *,
+        differentiable: Collection[str] = (),
+        arrays: Collection[str] | None = None,
+        **fields: Any,
+    ) -> OpSpec:
+        """The spec of the op whose public function is ``fn``, its arguments read from ``fn``.
+
+        Every parameter of ``fn`` but ``platform`` and ``cfg`` is an argument, in signature
+        order: required when it has no default, else with that default.
+
+        Args:
+            fn: the public function, ``def x(positional..., *, keyword..., platform=None,
+                cfg=None)``; its name is the op's unless ``fields`` give ``name``.
+            differentiable: the arguments that get gradients (arrays). The op has a backward
+                pass when any argument is differentiable.
+            arrays: the array arguments; ``None`` reads them from the annotations (a parameter
+                whose annotation names ``jax.Array`` is an array, any other a static).
+            **fields: the other :class:`OpSpec` fields (``validate``, ``reference``, ...).
+        """
+        params = [
+            p for p in inspect.signature(fn).parameters.values() if p.name not in CALL_PARAMETERS
+        ]
+        names = [p.name for p in params]
+        array_names = set(_annotated_arrays(fn, names) if arrays is None else arrays)
+        grads = set(differentiable)
+        unknown = sorted((array_names | grads) - set(names))
+        if unknown:
+            raise ValueError(f"{fn.__name__}: no parameter named {unknown}")
+        if grads - array_names:
+            raise ValueError(f"{fn.__name__}: differentiable statics {sorted(grads - array_names)}")
+        args = tuple(
+            Arg(
+                name=p.name,
+                array=p.name in array_names,
+                required=p.default is inspect.Parameter.empty,
+                default=None if p.default is inspect.Parameter.empty else p.default,
+                differentiable=p.name in grads,
+            )
+            for p in params
+        )
+        fields.setdefault("name", fn.__name__)
+        fields.setdefault("differentiable", bool(grads))
+        return cls(args=args, **fields)
+
     def arg(self, name: str) -> Arg:
         return self._by_name[name]
 
@@ -104,6 +163,15 @@ class OpSpec:
     def make_synthetic(self, abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
         fn = self.synthetic or default_synthetic
         return fn(abstract, seed)
+
+
+def _annotated_arrays(fn: Callable[..., Any], names: list[str]) -> list[str]:
+    """The parameters of ``fn`` annotated as ``jax.Array`` (alone or in a union)."""
+    hints = typing.get_type_hints(fn)
+    missing = [n for n in names if n not in hints]
+    if missing:
+        raise TypeError(f"{fn.__name__}: annotate {missing} or pass `arrays=`")
+    return [n for n in names if hints[n] is jax.Array or jax.Array in typing.get_args(hints[n])]
 
 
 def call_op(spec: OpSpec, arguments: dict[str, Any]) -> Any:

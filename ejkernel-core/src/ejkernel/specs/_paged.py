@@ -22,12 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.attention_semantics import soft_cap, visible
-from ejkernel.specs._base import Arg, check_array, default_synthetic, is_floating, is_integer
+from ejkernel.specs._base import check_array, default_synthetic, is_floating, is_integer
 from ejkernel.specs.flash_attention import _number, normalize_window
 
 __all__ = [
-    "SINKS",
-    "STATICS",
     "PagedCache",
     "attend_rows",
     "check_block_tables",
@@ -41,7 +39,6 @@ __all__ = [
     "paged_block_tables",
     "paged_reference",
     "paged_statics",
-    "required_arrays",
     "ragged_tokens",
     "synthetic_paged_batch",
     "synthetic_paged_inputs",
@@ -49,20 +46,6 @@ __all__ = [
 ]
 
 _CACHE_LETTERS = "[num_pages, page_size, Hkv, D]"
-
-#: The statics the serving ops take after their arrays, in signature order.
-STATICS = (
-    Arg(name="softmax_scale", array=False),
-    Arg(name="logits_soft_cap", array=False),
-    Arg(name="sliding_window", array=False),
-)
-#: Attention-sink logits, ``[Hq]`` or ``[Hq, n]``.
-SINKS = Arg(name="softmax_aux", array=True)
-
-
-def required_arrays(*names: str) -> tuple[Arg, ...]:
-    """Required array arguments, in signature order."""
-    return tuple(Arg(name=n, array=True, required=True) for n in names)
 
 
 @attrs.frozen(kw_only=True)

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from ejkernel.attention_semantics import finite_or_zero
 from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs.flash_attention import (
-    _args,
     flash_attention_reference,
     validate_flash_attention,
 )
@@ -83,15 +82,6 @@ def attention_reference(
     return out.astype(query.dtype), weights.astype(query.dtype)
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=_args(dropout=True, sinks=True),
-    validate=lambda a: validate_flash_attention(a, op=OP),
-    reference=attention_reference,
-    examples="ejkernel.testing.cases.attention:examples",
-)
-
-
 def attention(
     query: jax.Array,
     key: jax.Array,
@@ -141,3 +131,12 @@ def attention(
         query dtype, with ``out = weights @ value``; rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    attention,
+    differentiable=("query", "key", "value", "bias", "softmax_aux"),
+    validate=lambda a: validate_flash_attention(a, op=OP),
+    reference=attention_reference,
+    examples="ejkernel.testing.cases.attention:examples",
+)

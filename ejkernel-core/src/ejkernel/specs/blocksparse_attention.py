@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array
+from ejkernel.specs._base import OpSpec, call_op, check_array
 from ejkernel.specs.flash_attention import (
-    _args,
     flash_attention_reference,
     validate_flash_attention,
 )
@@ -131,25 +130,6 @@ def validate_blocksparse_attention(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-def _blocksparse_args() -> tuple[Arg, ...]:
-    dense = _args(dropout=False, sinks=False)
-    return (
-        *dense[:3],
-        Arg(name="block_mask", array=True, required=True),
-        Arg(name="block_size", array=False, default=DEFAULT_BLOCK_SIZE),
-        *dense[3:],
-    )
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=_blocksparse_args(),
-    validate=validate_blocksparse_attention,
-    reference=blocksparse_attention_reference,
-    examples="ejkernel.testing.cases.blocksparse_attention:examples",
-)
-
-
 def blocksparse_attention(
     query: jax.Array,
     key: jax.Array,
@@ -193,3 +173,12 @@ def blocksparse_attention(
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    blocksparse_attention,
+    differentiable=("query", "key", "value", "bias"),
+    validate=validate_blocksparse_attention,
+    reference=blocksparse_attention_reference,
+    examples="ejkernel.testing.cases.blocksparse_attention:examples",
+)

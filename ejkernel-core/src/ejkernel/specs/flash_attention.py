@@ -33,7 +33,6 @@ from ejkernel.attention_semantics import (
     soft_cap,
 )
 from ejkernel.specs._base import (
-    Arg,
     OpSpec,
     broadcastable,
     call_op,
@@ -334,41 +333,6 @@ def _number(op: str, name: str, x: Any) -> float:
     return float(x)
 
 
-def _args(dropout: bool, sinks: bool) -> tuple[Arg, ...]:
-    args = [
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="bias", array=True, differentiable=True),
-        Arg(name="attention_mask", array=True),
-        Arg(name="q_segment_ids", array=True),
-        Arg(name="kv_segment_ids", array=True),
-    ]
-    if sinks:
-        args.append(Arg(name="softmax_aux", array=True, differentiable=True))
-    args += [
-        Arg(name="softmax_scale", array=False),
-        Arg(name="causal", array=False, default=False),
-        Arg(name="sliding_window", array=False),
-        Arg(name="logits_soft_cap", array=False),
-    ]
-    if dropout:
-        args += [
-            Arg(name="dropout_prob", array=False, default=0.0),
-            Arg(name="dropout_seed", array=True),
-        ]
-    return tuple(args)
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=_args(dropout=True, sinks=True),
-    validate=validate_flash_attention,
-    reference=flash_attention_reference,
-    examples="ejkernel.testing.cases.flash_attention:examples",
-)
-
-
 def flash_attention(
     query: jax.Array,
     key: jax.Array,
@@ -413,3 +377,12 @@ def flash_attention(
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    flash_attention,
+    differentiable=("query", "key", "value", "bias", "softmax_aux"),
+    validate=validate_flash_attention,
+    reference=flash_attention_reference,
+    examples="ejkernel.testing.cases.flash_attention:examples",
+)

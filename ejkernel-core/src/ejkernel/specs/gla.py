@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from ejkernel.specs._base import Arg, OpSpec, call_op
+from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs.recurrent import (
     check_gate,
     linear_recurrence_reference,
@@ -62,27 +62,6 @@ def validate_gla(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="g", array=True, required=True, differentiable=True),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="cu_seqlens", array=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_gla,
-    reference=gla_reference,
-    synthetic=linear_synthetic,
-    examples="ejkernel.testing.cases.gla:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
-
-
 def gla(
     query: jax.Array,
     key: jax.Array,
@@ -117,3 +96,15 @@ def gla(
         when ``return_state``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    gla,
+    differentiable=("query", "key", "value", "g", "initial_state"),
+    validate=validate_gla,
+    reference=gla_reference,
+    synthetic=linear_synthetic,
+    examples="ejkernel.testing.cases.gla:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, is_integer
 
 __all__ = [
     "SPEC",
@@ -151,22 +151,6 @@ def grouped_matmul_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict
     return out
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="lhs", array=True, required=True, differentiable=True),
-        Arg(name="rhs", array=True, required=True, differentiable=True),
-        Arg(name="group_sizes", array=True, required=True),
-        Arg(name="preferred_element_type", array=False),
-        Arg(name="transpose_rhs", array=False, default=False),
-    ),
-    validate=validate_grouped_matmul,
-    reference=grouped_matmul_reference,
-    synthetic=grouped_matmul_synthetic,
-    examples="ejkernel.testing.cases.grouped_matmul:examples",
-)
-
-
 def grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -194,3 +178,13 @@ def grouped_matmul(
         [M, N] in ``preferred_element_type``. Differentiable in ``lhs`` and ``rhs``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    grouped_matmul,
+    differentiable=("lhs", "rhs"),
+    validate=validate_grouped_matmul,
+    reference=grouped_matmul_reference,
+    synthetic=grouped_matmul_synthetic,
+    examples="ejkernel.testing.cases.grouped_matmul:examples",
+)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, is_integer
 
 __all__ = [
     "SPEC",
@@ -251,29 +251,6 @@ def synthetic_kernel_delta_attention(abstract: Any, seed: int = 0) -> dict[str, 
     return out
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="beta", array=True, required=True, differentiable=True),
-        Arg(name="g", array=True, required=True, differentiable=True),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="use_qk_l2norm", array=False, default=True),
-        Arg(name="cu_seqlens", array=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_kernel_delta_attention,
-    reference=kernel_delta_attention_reference,
-    synthetic=synthetic_kernel_delta_attention,
-    examples="ejkernel.testing.cases.kernel_delta_attention:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
-
-
 def kernel_delta_attention(
     query: jax.Array,
     key: jax.Array,
@@ -314,3 +291,15 @@ def kernel_delta_attention(
         final_state [B, H, K, V] (or [N, H, K, V]) float32.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    kernel_delta_attention,
+    differentiable=("query", "key", "value", "beta", "g", "initial_state"),
+    validate=validate_kernel_delta_attention,
+    reference=kernel_delta_attention_reference,
+    synthetic=synthetic_kernel_delta_attention,
+    examples="ejkernel.testing.cases.kernel_delta_attention:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

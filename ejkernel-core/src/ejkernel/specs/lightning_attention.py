@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
 from ejkernel.specs.recurrent import (
     linear_recurrence_reference,
     linear_synthetic,
@@ -129,29 +129,6 @@ def validate_lightning_attention(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="slopes", array=True, differentiable=True),
-        Arg(name="layer_idx", array=False),
-        Arg(name="num_layers", array=False),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="cu_seqlens", array=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_lightning_attention,
-    reference=lightning_attention_reference,
-    synthetic=linear_synthetic,
-    examples="ejkernel.testing.cases.lightning_attention:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
-
-
 def lightning_attention(
     query: jax.Array,
     key: jax.Array,
@@ -190,3 +167,15 @@ def lightning_attention(
         when ``return_state``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    lightning_attention,
+    differentiable=("query", "key", "value", "slopes", "initial_state"),
+    validate=validate_lightning_attention,
+    reference=lightning_attention_reference,
+    synthetic=linear_synthetic,
+    examples="ejkernel.testing.cases.lightning_attention:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, is_integer
 
 __all__ = [
     "SPEC",
@@ -98,19 +98,6 @@ def mean_pooling_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[s
     return out
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="x", array=True, required=True, differentiable=True),
-        Arg(name="cu_seqlens", array=True),
-    ),
-    validate=validate_mean_pooling,
-    reference=mean_pooling_reference,
-    synthetic=mean_pooling_synthetic,
-    examples="ejkernel.testing.cases.mean_pooling:examples",
-)
-
-
 def mean_pooling(
     x: jax.Array,
     *,
@@ -133,3 +120,13 @@ def mean_pooling(
         ``x``; an empty sequence gives a zero row. Differentiable in ``x``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    mean_pooling,
+    differentiable=("x",),
+    validate=validate_mean_pooling,
+    reference=mean_pooling_reference,
+    synthetic=mean_pooling_synthetic,
+    examples="ejkernel.testing.cases.mean_pooling:examples",
+)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.attention_semantics import finite_or_zero
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
 from ejkernel.specs.flash_attention import _number, flash_attention_reference, normalize_window
 
 __all__ = [
@@ -133,25 +133,6 @@ def validate_multi_head_latent_attention(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key_value", array=True, required=True, differentiable=True),
-        Arg(name="w_kc", array=True, required=True, differentiable=True),
-        Arg(name="w_vc", array=True, required=True, differentiable=True),
-        Arg(name="k_rope", array=True, required=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="causal", array=False, default=False),
-        Arg(name="sliding_window", array=False),
-        Arg(name="logits_soft_cap", array=False),
-    ),
-    validate=validate_multi_head_latent_attention,
-    reference=multi_head_latent_attention_reference,
-    examples="ejkernel.testing.cases.multi_head_latent_attention:examples",
-)
-
-
 def multi_head_latent_attention(
     query: jax.Array,
     key_value: jax.Array,
@@ -187,3 +168,12 @@ def multi_head_latent_attention(
         rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    multi_head_latent_attention,
+    differentiable=("query", "key_value", "w_kc", "w_vc", "k_rope"),
+    validate=validate_multi_head_latent_attention,
+    reference=multi_head_latent_attention_reference,
+    examples="ejkernel.testing.cases.multi_head_latent_attention:examples",
+)

@@ -43,7 +43,6 @@ import numpy as np
 
 from ejkernel.attention_semantics import finite_or_zero, hide, mask_scores
 from ejkernel.specs._base import (
-    Arg,
     OpSpec,
     call_op,
     check_array,
@@ -284,29 +283,6 @@ def _synthetic(abstract: Any, seed: int = 0) -> dict[str, Any]:
     return out
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="g_cmp", array=True, required=True, differentiable=True),
-        Arg(name="g_slc", array=True, required=True, differentiable=True),
-        Arg(name="g_swa", array=True, differentiable=True),
-        Arg(name="block_size", array=False, default=64),
-        Arg(name="block_counts", array=False, default=16),
-        Arg(name="window_size", array=False, default=0),
-        Arg(name="block_indices", array=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="cu_seqlens", array=True),
-    ),
-    validate=validate_native_sparse_attention,
-    reference=native_sparse_attention_reference,
-    synthetic=_synthetic,
-    examples="ejkernel.testing.cases.native_sparse_attention:examples",
-)
-
-
 def native_sparse_attention(
     query: jax.Array,
     key: jax.Array,
@@ -347,3 +323,13 @@ def native_sparse_attention(
         [B, S, Hq, Dv] in the query dtype.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    native_sparse_attention,
+    differentiable=("query", "key", "value", "g_cmp", "g_slc", "g_swa"),
+    validate=validate_native_sparse_attention,
+    reference=native_sparse_attention_reference,
+    synthetic=_synthetic,
+    examples="ejkernel.testing.cases.native_sparse_attention:examples",
+)

@@ -18,14 +18,12 @@ import jax.numpy as jnp
 
 from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
-    STATICS,
     check_block_tables,
     check_index_vector,
     check_paged_cache,
     check_queries,
     paged_reference,
     paged_statics,
-    required_arrays,
     synthetic_paged_inputs,
 )
 
@@ -74,20 +72,6 @@ def validate_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays("query", "key_cache", "value_cache", "kv_lens", "block_tables"),
-        *STATICS,
-    ),
-    validate=validate_page_attention,
-    reference=page_attention_reference,
-    differentiable=False,
-    synthetic=synthetic_paged_inputs,
-    examples="ejkernel.testing.cases.page_attention:examples",
-)
-
-
 def page_attention(
     query: jax.Array,
     key_cache: jax.Array,
@@ -121,3 +105,12 @@ def page_attention(
         [S, Hq, D] in the query dtype; sequences with ``kv_len == 0`` give zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    page_attention,
+    validate=validate_page_attention,
+    reference=page_attention_reference,
+    synthetic=synthetic_paged_inputs,
+    examples="ejkernel.testing.cases.page_attention:examples",
+)

@@ -20,14 +20,12 @@ import jax.numpy as jnp
 
 from ejkernel.specs._base import OpSpec, call_op, check_array
 from ejkernel.specs._paged import (
-    STATICS,
     check_index_vector,
     check_paged_cache,
     check_queries,
     check_scalar_index,
     paged_reference,
     paged_statics,
-    required_arrays,
     synthetic_paged_inputs,
 )
 
@@ -89,20 +87,6 @@ def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays("query", "key_cache", "value_cache", "kv_len", "page_indices"),
-        *STATICS,
-    ),
-    validate=validate_prefill_page_attention,
-    reference=prefill_page_attention_reference,
-    differentiable=False,
-    synthetic=synthetic_paged_inputs,
-    examples="ejkernel.testing.cases.prefill_page_attention:examples",
-)
-
-
 def prefill_page_attention(
     query: jax.Array,
     key_cache: jax.Array,
@@ -137,3 +121,12 @@ def prefill_page_attention(
         [C, Hq, D] in the query dtype; queries at negative positions give zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    prefill_page_attention,
+    validate=validate_prefill_page_attention,
+    reference=prefill_page_attention_reference,
+    synthetic=synthetic_paged_inputs,
+    examples="ejkernel.testing.cases.prefill_page_attention:examples",
+)

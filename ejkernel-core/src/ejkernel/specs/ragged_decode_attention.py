@@ -21,13 +21,10 @@ import numpy as np
 
 from ejkernel.specs._base import OpSpec, call_op, check_array, default_synthetic, is_floating
 from ejkernel.specs._paged import (
-    SINKS,
-    STATICS,
     attend_rows,
     check_index_vector,
     check_sinks,
     paged_statics,
-    required_arrays,
     window_mask,
 )
 
@@ -124,21 +121,6 @@ def _synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     return out
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays("query", "key", "value", "sequence_start", "sequence_end"),
-        *STATICS,
-        SINKS,
-    ),
-    validate=validate_ragged_decode_attention,
-    reference=ragged_decode_attention_reference,
-    differentiable=False,
-    synthetic=_synthetic,
-    examples="ejkernel.testing.cases.ragged_decode_attention:examples",
-)
-
-
 def ragged_decode_attention(
     query: jax.Array,
     key: jax.Array,
@@ -173,3 +155,12 @@ def ragged_decode_attention(
         [B, Hq, Dv] in the query dtype (Dv = D in the usual case); empty ranges give zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    ragged_decode_attention,
+    validate=validate_ragged_decode_attention,
+    reference=ragged_decode_attention_reference,
+    synthetic=_synthetic,
+    examples="ejkernel.testing.cases.ragged_decode_attention:examples",
+)

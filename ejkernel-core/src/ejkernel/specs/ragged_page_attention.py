@@ -34,8 +34,6 @@ import jax
 
 from ejkernel.specs._base import OpSpec, call_op, check_array
 from ejkernel.specs._paged import (
-    SINKS,
-    STATICS,
     check_block_tables,
     check_index_vector,
     check_paged_cache,
@@ -44,7 +42,6 @@ from ejkernel.specs._paged import (
     check_sinks,
     packed_paged_reference,
     paged_statics,
-    required_arrays,
     synthetic_paged_inputs,
 )
 
@@ -99,29 +96,6 @@ def ragged_page_attention_reference(
     return packed_paged_reference(locals())
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays(
-            "queries",
-            "key_cache",
-            "value_cache",
-            "kv_lens",
-            "block_tables",
-            "query_start_loc",
-            "num_seqs",
-        ),
-        *STATICS,
-        SINKS,
-    ),
-    validate=validate_ragged_page_attention,
-    reference=ragged_page_attention_reference,
-    differentiable=False,
-    synthetic=synthetic_paged_inputs,
-    examples="ejkernel.testing.cases.ragged_page_attention:examples",
-)
-
-
 def ragged_page_attention(
     queries: jax.Array,
     key_cache: jax.Array,
@@ -165,3 +139,12 @@ def ragged_page_attention(
         are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    ragged_page_attention,
+    validate=validate_ragged_page_attention,
+    reference=ragged_page_attention_reference,
+    synthetic=synthetic_paged_inputs,
+    examples="ejkernel.testing.cases.ragged_page_attention:examples",
+)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, is_integer
 
 __all__ = [
     "SPEC",
@@ -330,30 +330,6 @@ def linear_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, An
     return out
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="g", array=True, differentiable=True),
-        Arg(name="gk", array=True, differentiable=True),
-        Arg(name="gv", array=True, differentiable=True),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="reverse", array=False, default=False),
-        Arg(name="cu_seqlens", array=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_recurrent,
-    reference=recurrent_reference,
-    synthetic=linear_synthetic,
-    examples="ejkernel.testing.cases.recurrent:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
-
-
 def recurrent(
     query: jax.Array,
     key: jax.Array,
@@ -395,3 +371,15 @@ def recurrent(
         when ``return_state``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    recurrent,
+    differentiable=("query", "key", "value", "g", "gk", "gv", "initial_state"),
+    validate=validate_recurrent,
+    reference=recurrent_reference,
+    synthetic=linear_synthetic,
+    examples="ejkernel.testing.cases.recurrent:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

@@ -30,7 +30,6 @@ import jax
 from jax import lax
 
 from ejkernel.specs._base import (
-    Arg,
     OpSpec,
     broadcastable,
     call_op,
@@ -38,7 +37,6 @@ from ejkernel.specs._base import (
     is_floating,
 )
 from ejkernel.specs.flash_attention import (
-    _args,
     flash_attention_reference,
     validate_flash_attention,
 )
@@ -165,20 +163,6 @@ def validate_ring_attention(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-def _ring_args() -> tuple[Arg, ...]:
-    args = _args(dropout=True, sinks=True)
-    return (*args[:3], Arg(name="axis_name", array=False), *args[3:])
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=_ring_args(),
-    validate=validate_ring_attention,
-    reference=ring_attention_reference,
-    examples="ejkernel.testing.cases.ring_attention:examples",
-)
-
-
 def ring_attention(
     query: jax.Array,
     key: jax.Array,
@@ -231,3 +215,12 @@ def ring_attention(
         [B, Sq, Hq, Dv] in the query dtype (my rows); rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    ring_attention,
+    differentiable=("query", "key", "value", "bias", "softmax_aux"),
+    validate=validate_ring_attention,
+    reference=ring_attention_reference,
+    examples="ejkernel.testing.cases.ring_attention:examples",
+)

@@ -14,7 +14,6 @@ import jax
 
 from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs.flash_attention import (
-    _args,
     flash_attention_reference,
     validate_flash_attention,
 )
@@ -54,16 +53,6 @@ def scaled_dot_product_attention_reference(
     )
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=_args(dropout=False, sinks=False),
-    validate=lambda a: validate_flash_attention(a, op=OP),
-    reference=scaled_dot_product_attention_reference,
-    examples="ejkernel.testing.cases.scaled_dot_product_attention:examples",
-    served_by="flash_attention",
-)
-
-
 def scaled_dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -88,3 +77,13 @@ def scaled_dot_product_attention(
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    scaled_dot_product_attention,
+    differentiable=("query", "key", "value", "bias"),
+    validate=lambda a: validate_flash_attention(a, op=OP),
+    reference=scaled_dot_product_attention_reference,
+    examples="ejkernel.testing.cases.scaled_dot_product_attention:examples",
+    served_by="flash_attention",
+)

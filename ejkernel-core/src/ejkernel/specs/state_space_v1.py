@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
 
 __all__ = [
     "SPEC",
@@ -145,30 +145,6 @@ def synthetic_state_space(abstract: Any, seed: int = 0) -> dict[str, Any]:
     return out
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="x", array=True, required=True, differentiable=True),
-        Arg(name="A", array=True, required=True, differentiable=True),
-        Arg(name="B", array=True, required=True, differentiable=True),
-        Arg(name="C", array=True, required=True, differentiable=True),
-        Arg(name="D", array=True, required=True, differentiable=True),
-        Arg(name="dt", array=True, required=True, differentiable=True),
-        Arg(name="gate", array=True, differentiable=True),
-        Arg(name="dt_bias", array=True, differentiable=True),
-        Arg(name="dt_softplus", array=False, default=False),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_state_space_v1,
-    reference=state_space_v1_reference,
-    synthetic=synthetic_state_space,
-    examples="ejkernel.testing.cases.state_space_v1:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
-
-
 def state_space_v1(
     x: jax.Array,
     A: jax.Array,
@@ -207,3 +183,15 @@ def state_space_v1(
         final_state [B, I, N] float32.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    state_space_v1,
+    differentiable=("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state"),
+    validate=validate_state_space_v1,
+    reference=state_space_v1_reference,
+    synthetic=synthetic_state_space,
+    examples="ejkernel.testing.cases.state_space_v1:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)
