@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -212,6 +212,57 @@ def check_array(op: str, name: str, x: Any, *, ndim: int | tuple[int, ...], lett
     dims = (ndim,) if isinstance(ndim, int) else ndim
     if x.ndim not in dims:
         raise ValueError(f"{op}: `{name}` must be {letters}; got {name}.shape={tuple(x.shape)}")
+
+
+def check_floating(op: str, named: Iterable[tuple[str, Any]]) -> None:
+    """Raise TypeError unless every ``(name, array)`` has a floating dtype."""
+    for name, x in named:
+        if not is_floating(x):
+            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+
+
+def check_qkv(
+    op: str, q: Any, k: Any, v: Any, *, letters: tuple[str, str, str], query_ndim: int = 4
+) -> None:
+    """``query``, ``key`` and ``value``: floating arrays of one dtype, shaped as ``letters``
+    (OPS.md letters; ``key`` and ``value`` 4-d, ``query`` ``query_ndim``-d).
+
+    Only ranks are checked here; how the sizes relate is the op's to say."""
+    named = (("query", q), ("key", k), ("value", v))
+    for (name, x), spelled, ndim in zip(named, letters, (query_ndim, 4, 4)):
+        check_array(op, name, x, ndim=ndim, letters=spelled)
+    check_floating(op, named)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"{op}: `query`, `key` and `value` must share one dtype; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+
+
+def check_flag(op: str, name: str, value: Any) -> bool:
+    """A static bool (NumPy's included), as a Python bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: `{name}` must be a bool; got {value!r}")
+    return bool(value)
+
+
+def static_number(op: str, name: str, x: Any) -> float:
+    """A static Python number (a concrete 0-d array is accepted; a tracer is not)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                f"{op}: `{name}` must be a Python number (it is static, part of the compiled "
+                f"kernel); got a traced value"
+            )
+        if hasattr(x, "shape") and np.shape(x) == ():
+            return float(x)
+        raise TypeError(f"{op}: `{name}` must be a number; got {x!r}")
+    return float(x)
+
+
+def check_softmax_scale(op: str, scale: Any, dim: int) -> float:
+    """The ``softmax_scale`` argument as a float; ``dim ** -0.5`` when it is None."""
+    return float(dim**-0.5 if scale is None else static_number(op, "softmax_scale", scale))
 
 
 @functools.cache

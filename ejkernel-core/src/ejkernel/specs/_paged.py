@@ -23,7 +23,6 @@ import numpy as np
 
 from ejkernel.attention_semantics import soft_cap, visible
 from ejkernel.specs._base import check_array, default_synthetic, is_floating, is_integer
-from ejkernel.specs.flash_attention import _number, normalize_window
 
 __all__ = [
     "PagedCache",
@@ -38,7 +37,6 @@ __all__ = [
     "packed_paged_reference",
     "paged_block_tables",
     "paged_reference",
-    "paged_statics",
     "ragged_tokens",
     "synthetic_paged_batch",
     "synthetic_paged_inputs",
@@ -166,19 +164,6 @@ def check_sinks(op: str, aux: Any, hq: int) -> None:
             f"{op}: `softmax_aux` must be floating [Hq] or [Hq, n] with Hq={hq}; got "
             f"softmax_aux.shape={tuple(aux.shape)}, dtype {aux.dtype}"
         )
-
-
-def paged_statics(op: str, a: dict[str, Any], *, d: int) -> None:
-    """Normalise ``softmax_scale``, ``logits_soft_cap`` and ``sliding_window`` in place."""
-    scale = a.get("softmax_scale")
-    a["softmax_scale"] = float(d**-0.5 if scale is None else _number(op, "softmax_scale", scale))
-    cap = a.get("logits_soft_cap")
-    if cap is not None:
-        cap = _number(op, "logits_soft_cap", cap)
-        if not cap > 0:
-            raise ValueError(f"{op}: `logits_soft_cap` must be > 0; got {cap}")
-        a["logits_soft_cap"] = cap
-    a["sliding_window"] = normalize_window(op, a.get("sliding_window"))
 
 
 # --------------------------------------------------------------------------------------------

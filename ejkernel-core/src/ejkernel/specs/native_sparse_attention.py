@@ -46,11 +46,12 @@ from ejkernel.specs._base import (
     OpSpec,
     call_op,
     check_array,
+    check_qkv,
+    check_softmax_scale,
     is_floating,
     is_integer,
     shape_of,
 )
-from ejkernel.specs.flash_attention import _number
 
 __all__ = [
     "SPEC",
@@ -201,16 +202,7 @@ def _int_static(name: str, x: Any, minimum: int) -> int:
 def validate_native_sparse_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument of native sparse attention; fill defaults."""
     q, k, v = a["query"], a["key"], a["value"]
-    check_array(OP, "query", q, ndim=4, letters="[B, S, Hq, D]")
-    check_array(OP, "key", k, ndim=4, letters="[B, S, Hkv, D]")
-    check_array(OP, "value", v, ndim=4, letters="[B, S, Hkv, Dv]")
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if not is_floating(x):
-            raise TypeError(f"{OP}: `{name}` must be a floating array; got dtype {x.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"{OP}: `query`, `key` and `value` must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+    check_qkv(OP, q, k, v, letters=("[B, S, Hq, D]", "[B, S, Hkv, D]", "[B, S, Hkv, Dv]"))
     b, s, hq, d = q.shape
     if k.shape[:2] != (b, s) or k.shape[3] != d or k.shape[2] == 0 or hq % k.shape[2] != 0:
         raise ValueError(
@@ -266,8 +258,7 @@ def validate_native_sparse_attention(a: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 f"{OP}: `cu_seqlens` packs sequences along S, so B must be 1; got query.shape={tuple(q.shape)}"
             )
-    scale = a.get("softmax_scale")
-    a["softmax_scale"] = float(d**-0.5 if scale is None else _number(OP, "softmax_scale", scale))
+    a["softmax_scale"] = check_softmax_scale(OP, a.get("softmax_scale"), d)
     return a
 
 

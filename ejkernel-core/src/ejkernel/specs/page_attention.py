@@ -23,9 +23,9 @@ from ejkernel.specs._paged import (
     check_paged_cache,
     check_queries,
     paged_reference,
-    paged_statics,
     synthetic_paged_inputs,
 )
+from ejkernel.specs.flash_attention import attention_statics
 
 __all__ = ["SPEC", "page_attention", "page_attention_reference", "validate_page_attention"]
 
@@ -68,7 +68,7 @@ def validate_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     s = int(a["query"].shape[0])
     check_index_vector(OP, "kv_lens", a["kv_lens"], letters="[S]", length=s)
     check_block_tables(OP, "block_tables", a["block_tables"], num_seqs=s)
-    paged_statics(OP, a, d=cache.d)
+    attention_statics(OP, a, d=cache.d)
     return a
 
 

@@ -25,9 +25,9 @@ from ejkernel.specs._paged import (
     check_queries,
     check_scalar_index,
     paged_reference,
-    paged_statics,
     synthetic_paged_inputs,
 )
+from ejkernel.specs.flash_attention import attention_statics
 
 __all__ = [
     "SPEC",
@@ -83,7 +83,7 @@ def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     a["kv_len"] = check_scalar_index(
         OP, "kv_len", a["kv_len"], upper=int(pages.shape[0]) * cache.page_size
     )
-    paged_statics(OP, a, d=cache.d)
+    attention_statics(OP, a, d=cache.d)
     return a
 
 

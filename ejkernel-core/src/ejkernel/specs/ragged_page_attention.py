@@ -41,9 +41,9 @@ from ejkernel.specs._paged import (
     check_scalar_index,
     check_sinks,
     packed_paged_reference,
-    paged_statics,
     synthetic_paged_inputs,
 )
+from ejkernel.specs.flash_attention import attention_statics
 
 __all__ = [
     "SPEC",
@@ -74,7 +74,7 @@ def validate_ragged_page_attention(a: dict[str, Any], *, op: str = OP) -> dict[s
     if "num_seqs" in a:
         a["num_seqs"] = check_scalar_index(op, "num_seqs", a["num_seqs"], upper=num_seqs)
     check_sinks(op, a.get("softmax_aux"), hq)
-    paged_statics(op, a, d=cache.d)
+    attention_statics(op, a, d=cache.d)
     return a
 
 
