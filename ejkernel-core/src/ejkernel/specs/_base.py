@@ -239,6 +239,19 @@ def check_qkv(
         )
 
 
+def check_cu_seqlens(op: str, cu: Any) -> int:
+    """``cu_seqlens``: integer offsets ``[N + 1]`` of N >= 1 packed sequences; returns N."""
+    check_array(op, "cu_seqlens", cu, ndim=1, letters="[N + 1]")
+    if not is_integer(cu):
+        raise TypeError(f"{op}: `cu_seqlens` must be an integer array; got dtype {cu.dtype}")
+    if cu.shape[0] < 2:
+        raise ValueError(
+            f"{op}: `cu_seqlens` must be [N + 1] with N >= 1 sequences; got "
+            f"cu_seqlens.shape={tuple(cu.shape)}"
+        )
+    return int(cu.shape[0]) - 1
+
+
 def check_flag(op: str, name: str, value: Any) -> bool:
     """A static bool (NumPy's included), as a Python bool."""
     if not isinstance(value, (bool, np.bool_)):

@@ -34,7 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import OpSpec, call_op, check_array, check_flag, check_floating
+from ejkernel.specs.recurrent import (
+    check_initial_state,
+    check_linear_qkv,
+    check_packed_sequences,
+)
 
 __all__ = [
     "SPEC",
@@ -145,34 +150,11 @@ def validate_kernel_delta_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument of the gated delta rule; fill defaults. Raises ValueError/TypeError."""
     op = OP
     q, k, v, beta, g = a["query"], a["key"], a["value"], a["beta"], a["g"]
-    check_array(op, "query", q, ndim=4, letters="[B, S, H, K]")
-    check_array(op, "key", k, ndim=4, letters="[B, S, H, K]")
-    check_array(op, "value", v, ndim=4, letters="[B, S, H, V]")
+    check_linear_qkv(op, q, k, v)
     check_array(op, "beta", beta, ndim=3, letters="[B, S, H]")
     check_array(op, "g", g, ndim=(3, 4), letters="[B, S, H, K] or [B, S, H]")
-    for name, x in (("query", q), ("key", k), ("value", v), ("beta", beta), ("g", g)):
-        if not is_floating(x):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"{op}: `query`, `key` and `value` must share one dtype; got "
-            f"{q.dtype}, {k.dtype}, {v.dtype}"
-        )
+    check_floating(op, (("beta", beta), ("g", g)))
     b, s, h, dk = q.shape
-    if tuple(k.shape) != (b, s, h, dk):
-        raise ValueError(
-            f"{op}: `key` must be [B, S, H, K] like query; got key.shape={tuple(k.shape)}, "
-            f"query.shape={tuple(q.shape)}"
-        )
-    if tuple(v.shape[:3]) != (b, s, h):
-        raise ValueError(
-            f"{op}: `value` must be [B, S, H, V]; got value.shape={tuple(v.shape)}, "
-            f"query.shape={tuple(q.shape)}"
-        )
-    if min(s, h, dk, v.shape[3]) == 0:
-        raise ValueError(
-            f"{op}: `query`/`value` must have non-empty S, H, K, V; got {q.shape}, {v.shape}"
-        )
     if tuple(beta.shape) != (b, s, h):
         raise ValueError(
             f"{op}: `beta` must be [B, S, H]={(b, s, h)}; got beta.shape={tuple(beta.shape)}"
@@ -183,44 +165,20 @@ def validate_kernel_delta_attention(a: dict[str, Any]) -> dict[str, Any]:
             f"got g.shape={tuple(g.shape)}"
         )
     cu = a.get("cu_seqlens")
-    num_states = b
-    if cu is not None:
-        check_array(op, "cu_seqlens", cu, ndim=1, letters="[N + 1]")
-        if not is_integer(cu):
-            raise TypeError(f"{op}: `cu_seqlens` must be an integer array; got dtype {cu.dtype}")
-        if cu.shape[0] < 2:
-            raise ValueError(
-                f"{op}: `cu_seqlens` must be [N + 1] with N >= 1; got cu_seqlens.shape={tuple(cu.shape)}"
-            )
-        if b != 1:
-            raise ValueError(
-                f"{op}: with `cu_seqlens` the sequences are packed along S of a batch of one "
-                f"(B == 1); got query.shape={tuple(q.shape)}"
-            )
-        values = _concrete(cu)
-        if values is not None and (
-            values[0] < 0 or values[-1] > s or np.any(np.diff(values.astype(np.int64)) < 0)
-        ):
-            raise ValueError(
-                f"{op}: `cu_seqlens` must lie in [0, S={s}] and never decrease; got {values.tolist()}"
-            )
-        num_states = cu.shape[0] - 1
-    state = a.get("initial_state")
-    if state is not None:
-        letters = "[N, H, K, V]" if cu is not None else "[B, H, K, V]"
-        check_array(op, "initial_state", state, ndim=4, letters=letters)
-        want = (num_states, h, dk, v.shape[3])
-        if tuple(state.shape) != want or not is_floating(state):
-            raise ValueError(
-                f"{op}: `initial_state` must be floating {letters}={want}; got "
-                f"initial_state.shape={tuple(state.shape)}, dtype {state.dtype}"
-            )
+    num_states = check_packed_sequences(op, cu, q)
+    values = None if cu is None else _concrete(cu)
+    if values is not None and (
+        values[0] < 0 or values[-1] > s or np.any(np.diff(values.astype(np.int64)) < 0)
+    ):
+        raise ValueError(
+            f"{op}: `cu_seqlens` must lie in [0, S={s}] and never decrease; got {values.tolist()}"
+        )
+    want = (num_states, h, dk, v.shape[3])
+    check_initial_state(op, a.get("initial_state"), want, packed=cu is not None)
     scale = a.get("softmax_scale")
     a["softmax_scale"] = float(dk**-0.5 if scale is None else _number(op, "softmax_scale", scale))
     for flag in ("use_qk_l2norm", "return_state"):
-        if not isinstance(a.get(flag), (bool, np.bool_)):
-            raise TypeError(f"{op}: `{flag}` must be a bool; got {a.get(flag)!r}")
-        a[flag] = bool(a[flag])
+        a[flag] = check_flag(op, flag, a.get(flag))
     return a
 
 

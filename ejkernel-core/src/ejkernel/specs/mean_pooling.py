@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import OpSpec, call_op, check_array, check_cu_seqlens, is_floating
 
 __all__ = [
     "SPEC",
@@ -68,14 +68,7 @@ def validate_mean_pooling(a: dict[str, Any], *, op: str = OP) -> dict[str, Any]:
         raise TypeError(f"{op}: `x` must be a floating array; got dtype {x.dtype}")
     if cu is None:
         return a
-    check_array(op, "cu_seqlens", cu, ndim=1, letters="[N + 1]")
-    if not is_integer(cu):
-        raise TypeError(f"{op}: `cu_seqlens` must be an integer array; got dtype {cu.dtype}")
-    if cu.shape[0] < 2:
-        raise ValueError(
-            f"{op}: `cu_seqlens` must be [N + 1] with N >= 1 sequences; got "
-            f"cu_seqlens.shape={tuple(cu.shape)}"
-        )
+    check_cu_seqlens(op, cu)
     if x.ndim == 3 and x.shape[0] != 1:
         raise ValueError(
             f"{op}: with `cu_seqlens`, `x` must be packed [T, D] or [1, T, D]; got "
