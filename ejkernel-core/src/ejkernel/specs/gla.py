@@ -31,27 +31,13 @@ OP = "gla"
 
 
 def gla_reference(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    g: jax.Array,
-    *,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
+    query: jax.Array, key: jax.Array, value: jax.Array, g: jax.Array, **options: Any
 ) -> Any:
-    """``lax.scan`` over time in float32: the oracle every implementation is tested against."""
-    return linear_recurrence_reference(
-        query,
-        key,
-        value,
-        key_gate=g,
-        initial_state=initial_state,
-        softmax_scale=softmax_scale,
-        cu_seqlens=cu_seqlens,
-        return_state=return_state,
-    )
+    """``lax.scan`` over time in float32: the oracle every implementation is tested against.
+
+    The linear recurrence with ``g`` as the key gate; ``options`` are the other keyword
+    arguments of :func:`gla`."""
+    return linear_recurrence_reference(query, key, value, key_gate=g, **options)
 
 
 def validate_gla(a: dict[str, Any]) -> dict[str, Any]:

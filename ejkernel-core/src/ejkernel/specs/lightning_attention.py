@@ -68,26 +68,17 @@ def lightning_attention_reference(
     slopes: jax.Array | None = None,
     layer_idx: int | None = None,
     num_layers: int | None = None,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
+    **options: Any,
 ) -> Any:
-    """``lax.scan`` over time in float32: the oracle every implementation is tested against."""
+    """``lax.scan`` over time in float32: the oracle every implementation is tested against.
+
+    The linear recurrence with the key gate ``-slopes`` per head; ``options`` are the other
+    keyword arguments of :func:`lightning_attention`."""
     if slopes is None:
         assert layer_idx is not None and num_layers is not None
         slopes = jnp.asarray(lightning_slopes(query.shape[2], layer_idx, num_layers))
     key_gate = -slopes.astype(jnp.float32)[None, None, :, None]
-    return linear_recurrence_reference(
-        query,
-        key,
-        value,
-        key_gate=key_gate,
-        initial_state=initial_state,
-        softmax_scale=softmax_scale,
-        cu_seqlens=cu_seqlens,
-        return_state=return_state,
-    )
+    return linear_recurrence_reference(query, key, value, key_gate=key_gate, **options)
 
 
 def validate_lightning_attention(a: dict[str, Any]) -> dict[str, Any]:

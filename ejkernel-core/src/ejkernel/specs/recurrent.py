@@ -167,29 +167,19 @@ def recurrent_reference(
     g: jax.Array | None = None,
     gk: jax.Array | None = None,
     gv: jax.Array | None = None,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    reverse: bool = False,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
+    **options: Any,
 ) -> Any:
-    """``lax.scan`` over time in float32: the oracle every implementation is tested against."""
+    """``lax.scan`` over time in float32: the oracle every implementation is tested against.
+
+    :func:`linear_recurrence_reference` with ``g`` (per head) and ``gk`` summed into the key
+    gate; ``options`` are the other keyword arguments of :func:`recurrent`."""
     key_gate = None
     if g is not None:
         key_gate = g[..., None]
     if gk is not None:
         key_gate = gk if key_gate is None else key_gate + gk
     return linear_recurrence_reference(
-        query,
-        key,
-        value,
-        key_gate=key_gate,
-        value_gate=gv,
-        initial_state=initial_state,
-        softmax_scale=softmax_scale,
-        reverse=reverse,
-        cu_seqlens=cu_seqlens,
-        return_state=return_state,
+        query, key, value, key_gate=key_gate, value_gate=gv, **options
     )
 
 

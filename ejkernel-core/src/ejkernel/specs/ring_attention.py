@@ -64,24 +64,12 @@ def ring_attention_reference(
     attention_mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: int | tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: Any = None,
+    **options: Any,
 ) -> jax.Array:
-    """The oracle: gather the global arrays, run the flash attention reference, keep my rows."""
-    masking = {
-        "softmax_aux": softmax_aux,
-        "softmax_scale": softmax_scale,
-        "causal": causal,
-        "sliding_window": sliding_window,
-        "logits_soft_cap": logits_soft_cap,
-        "dropout_prob": dropout_prob,
-        "dropout_seed": dropout_seed,
-    }
+    """The oracle: gather the global arrays, run the flash attention reference, keep my rows.
+
+    ``options`` are the other keyword arguments of :func:`ring_attention` (sinks, scale,
+    causal, window, soft cap, dropout): they need no gathering."""
     if axis_name is None:
         return flash_attention_reference(
             query,
@@ -91,7 +79,7 @@ def ring_attention_reference(
             attention_mask=attention_mask,
             q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids,
-            **masking,
+            **options,
         )
 
     def gather(x: jax.Array, axis: int) -> jax.Array:
@@ -115,7 +103,7 @@ def ring_attention_reference(
         attention_mask=gather_rows(attention_mask),
         q_segment_ids=gather_ids(q_segment_ids),
         kv_segment_ids=gather_ids(kv_segment_ids),
-        **masking,
+        **options,
     )
     sq = query.shape[1]
     return lax.dynamic_slice_in_dim(out, lax.axis_index(axis_name) * sq, sq, axis=1)

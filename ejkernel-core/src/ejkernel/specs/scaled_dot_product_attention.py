@@ -24,33 +24,12 @@ OP = "scaled_dot_product_attention"
 
 
 def scaled_dot_product_attention_reference(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    *,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: int | tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
+    query: jax.Array, key: jax.Array, value: jax.Array, **options: Any
 ) -> jax.Array:
-    """Materialised float32 attention (flash attention's reference without dropout or sinks)."""
-    return flash_attention_reference(
-        query,
-        key,
-        value,
-        bias=bias,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
+    """Materialised float32 attention: flash attention's reference without dropout or sinks.
+
+    ``options`` are the keyword arguments of :func:`scaled_dot_product_attention`."""
+    return flash_attention_reference(query, key, value, **options)
 
 
 def scaled_dot_product_attention(
