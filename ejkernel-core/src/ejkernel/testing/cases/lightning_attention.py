@@ -3,14 +3,13 @@ slopes from the layer index, packed sequences."""
 
 from __future__ import annotations
 
-from ejkernel.testing._examples import FLOAT, Example, Invalid
-from ejkernel.testing.cases._linear import PACKED, invalid_linear, linear_example, packed
+from ejkernel.testing._examples import Example, Invalid
+from ejkernel.testing.cases._linear import invalid_linear, linear_example
 
 __all__ = ["examples"]
 
 
 def examples() -> list[Example | Invalid]:
-    n = len(PACKED) - 1
     return [
         linear_example(
             2,
@@ -19,7 +18,7 @@ def examples() -> list[Example | Invalid]:
             16,
             24,
             tags="slopes-state",
-            extra={"slopes": ((4,), FLOAT), "initial_state": ((2, 4, 16, 24), FLOAT)},
+            extra={"slopes": "[H]", "initial_state": "[N, H, K, V]"},
             options={"return_state": True},
         ),
         linear_example(
@@ -29,9 +28,9 @@ def examples() -> list[Example | Invalid]:
             32,
             16,
             tags="layer-slopes-packed",
-            extra={"cu_seqlens": ((n + 1,), "int32")},
+            extra={},
             options={"layer_idx": 2, "num_layers": 8},
-            fill=packed,
+            packed_sequences=True,
         ),
         *invalid_linear(),
     ]
