@@ -201,6 +201,28 @@ def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, A
     return out
 
 
+def synthetic_normals(
+    abstract: Mapping[str, Any], seed: int, adjust: Callable[[str, np.ndarray], np.ndarray]
+) -> dict[str, Any]:
+    """Concrete inputs from standard normal float32 draws, one per array in order;
+    ``adjust(name, normal)`` turns an array's draw into a valid value of that argument (a
+    decay, offsets) or returns it. Statics pass unchanged."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for name, value in abstract.items():
+        if isinstance(value, jax.ShapeDtypeStruct):
+            normal = rng.standard_normal(value.shape, dtype=np.float32)
+            out[name] = jax.numpy.asarray(adjust(name, normal), value.dtype)
+        else:
+            out[name] = value
+    return out
+
+
+def even_offsets(total: int, n: int) -> np.ndarray:
+    """``[n + 1]`` offsets cutting ``total`` tokens into n nearly equal packed sequences."""
+    return np.linspace(0, total, n + 1).round()
+
+
 def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
 

@@ -29,7 +29,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    even_offsets,
+    is_floating,
+    is_integer,
+    synthetic_normals,
+)
 
 __all__ = [
     "SPEC",
@@ -136,19 +144,13 @@ def _output_dtype(op: str, preferred: Any, default: Any) -> str:
 
 def grouped_matmul_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     """Valid autotuning inputs: normal ``lhs``/``rhs`` and M spread evenly over the G groups."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {}
-    for name, value in abstract.items():
-        if not isinstance(value, jax.ShapeDtypeStruct):
-            out[name] = value
-        elif name == "group_sizes":
-            m, num_groups = abstract["lhs"].shape[0], value.shape[0]
-            bounds = np.linspace(0, m, num_groups + 1).round().astype(np.int64)
-            out[name] = jnp.asarray(np.diff(bounds), value.dtype)
-        else:
-            x = rng.standard_normal(value.shape).astype(np.float32)
-            out[name] = jnp.asarray(x, value.dtype)
-    return out
+
+    def adjust(name: str, x: np.ndarray) -> np.ndarray:
+        if name == "group_sizes":
+            return np.diff(even_offsets(abstract["lhs"].shape[0], x.shape[0]))
+        return x
+
+    return synthetic_normals(abstract, seed, adjust)
 
 
 def grouped_matmul(

@@ -34,7 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array, check_flag, check_floating
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    check_flag,
+    check_floating,
+    even_offsets,
+    synthetic_normals,
+)
 from ejkernel.specs.recurrent import (
     check_initial_state,
     check_linear_qkv,
@@ -190,23 +198,17 @@ def _number(op: str, name: str, x: Any) -> float:
 
 def synthetic_kernel_delta_attention(abstract: Any, seed: int = 0) -> dict[str, Any]:
     """Valid inputs for autotuning: decays ``g ≤ 0``, ``beta`` in (0, 1), evenly cut sequences."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {}
-    for name, x in abstract.items():
-        if not isinstance(x, jax.ShapeDtypeStruct):
-            out[name] = x
-            continue
-        normal = rng.standard_normal(x.shape, dtype=np.float32)
+
+    def adjust(name: str, x: np.ndarray) -> np.ndarray:
         if name == "cu_seqlens":
-            tokens = abstract["query"].shape[1]
-            n = x.shape[0] - 1
-            normal = np.linspace(0, tokens, n + 1).round()
-        elif name == "g":
-            normal = -np.logaddexp(0.0, normal)  # -softplus: a decay in log space
-        elif name == "beta":
-            normal = 1.0 / (1.0 + np.exp(-normal))
-        out[name] = jnp.asarray(normal, x.dtype)
-    return out
+            return even_offsets(abstract["query"].shape[1], x.shape[0] - 1)
+        if name == "g":
+            return -np.logaddexp(0.0, x)  # -softplus: a decay in log space
+        if name == "beta":
+            return 1.0 / (1.0 + np.exp(-x))
+        return x
+
+    return synthetic_normals(abstract, seed, adjust)
 
 
 def kernel_delta_attention(

@@ -26,7 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array, check_cu_seqlens, is_floating
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    check_cu_seqlens,
+    even_offsets,
+    is_floating,
+)
 
 __all__ = [
     "SPEC",
@@ -86,7 +93,7 @@ def mean_pooling_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[s
     cu = abstract.get("cu_seqlens")
     if isinstance(cu, jax.ShapeDtypeStruct):
         num_tokens = x.shape[-2]
-        offsets = np.linspace(0, num_tokens, cu.shape[0]).round()
+        offsets = even_offsets(num_tokens, cu.shape[0] - 1)
         out["cu_seqlens"] = jnp.asarray(offsets, cu.dtype)
     return out
 

@@ -264,13 +264,13 @@ def validate_native_sparse_attention(a: dict[str, Any]) -> dict[str, Any]:
 
 def _synthetic(abstract: Any, seed: int = 0) -> dict[str, Any]:
     """Random tensors, block 0 as the given selection, and equal packed sequences."""
-    from ejkernel.specs._base import default_synthetic
+    from ejkernel.specs._base import default_synthetic, even_offsets
 
     out = default_synthetic(abstract, seed)
     cu = abstract.get("cu_seqlens")
     if isinstance(cu, jax.ShapeDtypeStruct):
         n, s = cu.shape[0] - 1, abstract["query"].shape[1]
-        out["cu_seqlens"] = jnp.asarray(np.linspace(0, s, n + 1).astype(np.int64), cu.dtype)
+        out["cu_seqlens"] = jnp.asarray(even_offsets(s, n), cu.dtype)
     return out
 
 

@@ -45,7 +45,9 @@ from ejkernel.specs._base import (
     check_flag,
     check_qkv,
     check_softmax_scale,
+    even_offsets,
     is_floating,
+    synthetic_normals,
 )
 
 __all__ = [
@@ -291,23 +293,17 @@ GATE_NAMES = ("g", "gk", "gv")
 def linear_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     """Valid concrete inputs: normal q/k/v, decaying gates, evenly spread ``cu_seqlens``,
     positive ``slopes``."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {}
-    for name, value in abstract.items():
-        if not isinstance(value, jax.ShapeDtypeStruct):
-            out[name] = value
-            continue
-        x = rng.standard_normal(value.shape).astype(np.float32)
+
+    def adjust(name: str, x: np.ndarray) -> np.ndarray:
         if name == "cu_seqlens":
-            total = abstract["query"].shape[1]
-            n = value.shape[0] - 1
-            x = np.linspace(0, total, n + 1).round()
-        elif name in GATE_NAMES:
-            x = -np.logaddexp(0.0, -x)  # log-sigmoid
-        elif name == "slopes":
-            x = np.abs(x) + 0.01
-        out[name] = jnp.asarray(x, value.dtype)
-    return out
+            return even_offsets(abstract["query"].shape[1], x.shape[0] - 1)
+        if name in GATE_NAMES:
+            return -np.logaddexp(0.0, -x)  # log-sigmoid
+        if name == "slopes":
+            return np.abs(x) + 0.01
+        return x
+
+    return synthetic_normals(abstract, seed, adjust)
 
 
 def recurrent(

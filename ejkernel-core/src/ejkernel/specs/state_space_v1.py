@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, synthetic_normals
 
 __all__ = [
     "SPEC",
@@ -130,19 +130,15 @@ def check_state_space_arrays(
 
 def synthetic_state_space(abstract: Any, seed: int = 0) -> dict[str, Any]:
     """Valid inputs for autotuning a state-space op: ``A < 0``, positive steps ``dt``."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {}
-    for name, v in abstract.items():
-        if not isinstance(v, jax.ShapeDtypeStruct):
-            out[name] = v
-            continue
-        normal = rng.standard_normal(v.shape, dtype=np.float32)
+
+    def adjust(name: str, x: np.ndarray) -> np.ndarray:
         if name == "A":
-            normal = -np.exp(0.5 * normal)
-        elif name in ("dt", "dt_bias"):
-            normal = 0.1 * np.logaddexp(0.0, normal)  # small positive steps
-        out[name] = jnp.asarray(normal, v.dtype)
-    return out
+            return -np.exp(0.5 * x)
+        if name in ("dt", "dt_bias"):
+            return 0.1 * np.logaddexp(0.0, x)  # small positive steps
+        return x
+
+    return synthetic_normals(abstract, seed, adjust)
 
 
 def state_space_v1(
