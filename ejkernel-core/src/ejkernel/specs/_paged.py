@@ -269,9 +269,9 @@ def paged_reference(
     tokens: tuple[jax.Array, jax.Array, jax.Array],
     *,
     causal: bool,
-    softmax_scale: float | None,
-    logits_soft_cap: float | None,
-    sliding_window: Any,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: Any = None,
     softmax_aux: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:

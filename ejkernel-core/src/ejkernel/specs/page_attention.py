@@ -38,12 +38,11 @@ def page_attention_reference(
     value_cache: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
-    *,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: int | tuple[int, int] | None = None,
+    **statics: Any,
 ) -> jax.Array:
-    """Plain-JAX oracle: gather each sequence's pages, one masked softmax per sequence."""
+    """Plain-JAX oracle: gather each sequence's pages, one masked softmax per sequence.
+
+    ``statics`` are the keyword arguments of :func:`page_attention`."""
     s = query.shape[0]
     # One query per sequence, the newest token, at position kv_len - 1.
     tokens = (jnp.arange(s), kv_lens.astype(jnp.int32) - 1, jnp.ones((s,), bool))
@@ -55,9 +54,7 @@ def page_attention_reference(
         kv_lens,
         tokens,
         causal=True,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
+        **statics,
     )
 
 

@@ -45,12 +45,11 @@ def prefill_page_attention_reference(
     value_cache: jax.Array,
     kv_len: Any,
     page_indices: jax.Array,
-    *,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: int | tuple[int, int] | None = None,
+    **statics: Any,
 ) -> jax.Array:
-    """Plain-JAX oracle: gather the sequence's pages, one causal masked softmax per query."""
+    """Plain-JAX oracle: gather the sequence's pages, one causal masked softmax per query.
+
+    ``statics`` are the keyword arguments of :func:`prefill_page_attention`."""
     c = query.shape[0]
     kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
     # One sequence; the queries are its last C tokens.
@@ -63,9 +62,7 @@ def prefill_page_attention_reference(
         kv_len,
         tokens,
         causal=True,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
+        **statics,
     )
 
 

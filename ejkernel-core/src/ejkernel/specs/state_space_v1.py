@@ -30,6 +30,7 @@ from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, synt
 __all__ = [
     "SPEC",
     "check_state_space_arrays",
+    "gated_output",
     "state_space_v1",
     "state_space_v1_reference",
     "validate_state_space_v1",
@@ -70,10 +71,16 @@ def state_space_v1_reference(
     time_major = lambda v: jnp.moveaxis(f32(v), 1, 0)
     final, y = jax.lax.scan(step, h0, tuple(map(time_major, (x, delta, B, C))))
     y = jnp.moveaxis(y, 0, 1) + f32(D) * f32(x)
+    return gated_output(y, gate, x.dtype, final if return_state else None)
+
+
+def gated_output(y: jax.Array, gate: Any, dtype: Any, final: Any) -> Any:
+    """A state-space op's output from its float32 ``y``: ``y ⊙ silu(gate)`` (when gated) in
+    ``dtype``, paired with the final state when one is given."""
     if gate is not None:
-        y = y * jax.nn.silu(f32(gate))
-    out = y.astype(x.dtype)
-    return (out, final) if return_state else out
+        y = y * jax.nn.silu(gate.astype(jnp.float32))
+    out = y.astype(dtype)
+    return out if final is None else (out, final)
 
 
 def validate_state_space_v1(a: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.specs._base import OpSpec, call_op, check_array
-from ejkernel.specs.state_space_v1 import check_state_space_arrays, synthetic_state_space
+from ejkernel.specs.state_space_v1 import (
+    check_state_space_arrays,
+    gated_output,
+    synthetic_state_space,
+)
 
 __all__ = [
     "SPEC",
@@ -77,10 +81,7 @@ def state_space_v2_reference(
     xs = (time_major(f32(x)), time_major(delta), time_major(per_head(B)), time_major(per_head(C)))
     final, y = jax.lax.scan(step, h0, xs)
     y = jnp.moveaxis(y, 0, 1) + f32(D)[:, None] * f32(x)
-    if gate is not None:
-        y = y * jax.nn.silu(f32(gate))
-    out = y.astype(x.dtype)
-    return (out, final) if return_state else out
+    return gated_output(y, gate, x.dtype, final if return_state else None)
 
 
 def validate_state_space_v2(a: dict[str, Any]) -> dict[str, Any]:
