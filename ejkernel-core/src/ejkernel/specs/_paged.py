@@ -28,6 +28,7 @@ __all__ = [
     "PagedCache",
     "attend_rows",
     "check_block_tables",
+    "check_counted_vector",
     "check_index_vector",
     "check_paged_cache",
     "check_queries",
@@ -115,6 +116,19 @@ def check_index_vector(op: str, name: str, x: Any, *, letters: str, length: int)
         raise ValueError(
             f"{op}: `{name}` must be {letters}={(length,)}; got {name}.shape={tuple(x.shape)}"
         )
+
+
+def check_counted_vector(op: str, name: str, x: Any, *, count: str) -> int:
+    """A non-empty integer array ``[count]`` whose length defines ``count``; returns it."""
+    letters = f"[{count}]"
+    check_array(op, name, x, ndim=1, letters=letters)
+    length = int(x.shape[0])
+    if length == 0:
+        raise ValueError(
+            f"{op}: `{name}` must be {letters} with {count} >= 1; got {name}.shape=(0,)"
+        )
+    check_index_vector(op, name, x, letters=letters, length=length)
+    return length
 
 
 def check_block_tables(op: str, name: str, x: Any, *, num_seqs: int) -> int:

@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ejkernel.specs._base import OpSpec, call_op, check_array
+from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
-    check_index_vector,
+    check_counted_vector,
     check_paged_cache,
     check_queries,
     check_scalar_index,
@@ -70,16 +70,8 @@ def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults; ``kv_len`` becomes an int32 scalar array."""
     cache = check_paged_cache(OP, a["key_cache"], a["value_cache"])
     check_queries(OP, "query", a["query"], letters="[C, Hq, D]", cache=cache)
-    pages = a["page_indices"]
-    check_array(OP, "page_indices", pages, ndim=1, letters="[P]")
-    if int(pages.shape[0]) == 0:
-        raise ValueError(
-            f"{OP}: `page_indices` must be [P] with P >= 1; got page_indices.shape=(0,)"
-        )
-    check_index_vector(OP, "page_indices", pages, letters="[P]", length=int(pages.shape[0]))
-    a["kv_len"] = check_scalar_index(
-        OP, "kv_len", a["kv_len"], upper=int(pages.shape[0]) * cache.page_size
-    )
+    num_pages = check_counted_vector(OP, "page_indices", a["page_indices"], count="P")
+    a["kv_len"] = check_scalar_index(OP, "kv_len", a["kv_len"], upper=num_pages * cache.page_size)
     attention_statics(OP, a, d=cache.d)
     return a
 

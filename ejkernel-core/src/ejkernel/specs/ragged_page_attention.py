@@ -32,9 +32,10 @@ from typing import Any
 
 import jax
 
-from ejkernel.specs._base import OpSpec, call_op, check_array
+from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
     check_block_tables,
+    check_counted_vector,
     check_index_vector,
     check_paged_cache,
     check_queries,
@@ -59,14 +60,7 @@ def validate_ragged_page_attention(a: dict[str, Any], *, op: str = OP) -> dict[s
     """Check every argument; fill defaults; ``num_seqs`` becomes an int32 scalar array."""
     cache = check_paged_cache(op, a["key_cache"], a["value_cache"])
     hq = check_queries(op, "queries", a["queries"], letters="[T, Hq, D]", cache=cache)
-    kv_lens = a["kv_lens"]
-    check_array(op, "kv_lens", kv_lens, ndim=1, letters="[num_seqs]")
-    num_seqs = int(kv_lens.shape[0])
-    if num_seqs == 0:
-        raise ValueError(
-            f"{op}: `kv_lens` must be [num_seqs] with num_seqs >= 1; got kv_lens.shape=(0,)"
-        )
-    check_index_vector(op, "kv_lens", kv_lens, letters="[num_seqs]", length=num_seqs)
+    num_seqs = check_counted_vector(op, "kv_lens", a["kv_lens"], count="num_seqs")
     check_block_tables(op, "block_tables", a["block_tables"], num_seqs=num_seqs)
     check_index_vector(
         op, "query_start_loc", a["query_start_loc"], letters="[num_seqs + 1]", length=num_seqs + 1
