@@ -22,7 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.attention_semantics import soft_cap, visible
-from ejkernel.specs._base import check_array, default_synthetic, is_floating, is_integer
+from ejkernel.specs._base import (
+    check_array,
+    check_floating,
+    default_synthetic,
+    is_floating,
+    is_integer,
+)
 
 __all__ = [
     "PagedCache",
@@ -67,8 +73,7 @@ def check_paged_cache(op: str, key_cache: Any, value_cache: Any) -> PagedCache:
     """Check the paged layout: two equal floating ``[num_pages, page_size, Hkv, D]`` arrays."""
     for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_array(op, name, x, ndim=4, letters=_CACHE_LETTERS)
-        if not is_floating(x):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+        check_floating(op, ((name, x),))
     if tuple(value_cache.shape) != tuple(key_cache.shape) or value_cache.dtype != key_cache.dtype:
         raise ValueError(
             f"{op}: `value_cache` must match `key_cache` {_CACHE_LETTERS}; got value_cache "
@@ -87,8 +92,7 @@ def check_paged_cache(op: str, key_cache: Any, value_cache: Any) -> PagedCache:
 def check_queries(op: str, name: str, x: Any, *, letters: str, cache: PagedCache) -> int:
     """Check a query array whose last two axes are ``[Hq, D]`` against the cache; return Hq."""
     check_array(op, name, x, ndim=len(letters.split(",")), letters=letters)
-    if not is_floating(x):
-        raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+    check_floating(op, ((name, x),))
     if x.dtype != cache.dtype:
         raise TypeError(
             f"{op}: `{name}` and the key/value cache must share one dtype; got {x.dtype} and "

@@ -33,8 +33,9 @@ from ejkernel.specs._base import (
     OpSpec,
     call_op,
     check_array,
+    check_flag,
+    check_floating,
     even_offsets,
-    is_floating,
     is_integer,
     synthetic_normals,
 )
@@ -85,17 +86,12 @@ def validate_grouped_matmul(a: dict[str, Any], *, op: str = OP) -> dict[str, Any
     given, so a call that names the default shares the cache key of one that does not.
     """
     lhs, rhs, sizes = a["lhs"], a["rhs"], a["group_sizes"]
-    transpose = a.get("transpose_rhs", False)
-    if not isinstance(transpose, (bool, np.bool_)):
-        raise TypeError(f"{op}: `transpose_rhs` must be a bool; got {transpose!r}")
-    a["transpose_rhs"] = transpose = bool(transpose)
+    a["transpose_rhs"] = transpose = check_flag(op, "transpose_rhs", a.get("transpose_rhs", False))
     rhs_letters = "[G, N, K]" if transpose else "[G, K, N]"
     check_array(op, "lhs", lhs, ndim=2, letters="[M, K]")
     check_array(op, "rhs", rhs, ndim=3, letters=rhs_letters)
     check_array(op, "group_sizes", sizes, ndim=1, letters="[G]")
-    for name, x in (("lhs", lhs), ("rhs", rhs)):
-        if not is_floating(x):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+    check_floating(op, (("lhs", lhs), ("rhs", rhs)))
     if rhs.dtype != lhs.dtype:
         raise TypeError(
             f"{op}: `lhs` and `rhs` must share one dtype; got {lhs.dtype} and {rhs.dtype}"

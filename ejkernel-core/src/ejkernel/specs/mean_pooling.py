@@ -31,8 +31,8 @@ from ejkernel.specs._base import (
     call_op,
     check_array,
     check_cu_seqlens,
+    check_floating,
     even_offsets,
-    is_floating,
 )
 
 __all__ = [
@@ -71,8 +71,7 @@ def validate_mean_pooling(a: dict[str, Any], *, op: str = OP) -> dict[str, Any]:
     """Check ``x`` and ``cu_seqlens``. Raises ValueError/TypeError."""
     x, cu = a["x"], a.get("cu_seqlens")
     check_array(op, "x", x, ndim=(2, 3), letters="[B, S, D] or [T, D]")
-    if not is_floating(x):
-        raise TypeError(f"{op}: `x` must be a floating array; got dtype {x.dtype}")
+    check_floating(op, (("x", x),))
     if cu is None:
         return a
     check_cu_seqlens(op, cu)

@@ -25,7 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating, synthetic_normals
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    check_flag,
+    check_floating,
+    synthetic_normals,
+)
 
 __all__ = [
     "SPEC",
@@ -126,12 +133,9 @@ def check_state_space_arrays(
                 raise ValueError(
                     f"{op}: `{name}` must be {letters}={want}; got {name}.shape={tuple(v.shape)}"
                 )
-        if not is_floating(v):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {v.dtype}")
+        check_floating(op, ((name, v),))
     for flag in ("dt_softplus", "return_state"):
-        if not isinstance(a.get(flag), (bool, np.bool_)):
-            raise TypeError(f"{op}: `{flag}` must be a bool; got {a.get(flag)!r}")
-        a[flag] = bool(a[flag])
+        a[flag] = check_flag(op, flag, a.get(flag))
     return a
 
 
