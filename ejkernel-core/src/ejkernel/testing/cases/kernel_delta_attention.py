@@ -4,7 +4,7 @@ and without the L2 norm, states, packed sequences."""
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._linear import ODD, invalid_linear, linear_example
+from ejkernel.testing.cases._linear import invalid_linear, linear_example
 
 __all__ = ["examples"]
 
@@ -14,21 +14,19 @@ HEAD_DECAY = {"beta": "[B, S, H]", "g": "[B, S, H]"}
 def examples() -> list[Example | Invalid]:
     return [
         linear_example(
-            1, 70, 2, 32, 16, tags="head-decay-packed", extra=HEAD_DECAY, packed_sequences=True
+            h=2, k=32, v=16, tags="head-decay-packed", extra=HEAD_DECAY, packed_sequences=True
         ),
         linear_example(
-            *ODD,
             tags="channel-decay-state",
             extra={"beta": "[B, S, H]", "g": "[B, S, H, K]", "initial_state": "[N, H, K, V]"},
             options={"return_state": True},
             grad="thorough",  # the XLA backward of per-channel decays compiles for ~20 s
         ),
         linear_example(
-            1,
-            37,
-            2,
-            8,
-            8,
+            b=1,
+            h=2,
+            k=8,
+            v=8,
             tags="no-l2norm",
             extra=HEAD_DECAY,
             options={"use_qk_l2norm": False, "softmax_scale": 0.1},

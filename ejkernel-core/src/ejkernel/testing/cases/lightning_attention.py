@@ -12,21 +12,15 @@ __all__ = ["examples"]
 def examples() -> list[Example | Invalid]:
     return [
         linear_example(
-            2,
-            37,
-            4,
-            16,
-            24,
+            h=4,
             tags="slopes-state",
             extra={"slopes": "[H]", "initial_state": "[N, H, K, V]"},
             options={"return_state": True},
         ),
         linear_example(
-            1,
-            70,
-            3,
-            32,
-            16,
+            h=3,
+            k=32,
+            v=16,
             tags="layer-slopes-packed",
             extra={},
             options={"layer_idx": 2, "num_layers": 8},

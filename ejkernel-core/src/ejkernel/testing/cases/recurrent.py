@@ -4,7 +4,7 @@ packed sequences."""
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._linear import ODD, invalid_linear, linear_example
+from ejkernel.testing.cases._linear import invalid_linear, linear_example
 
 __all__ = ["examples"]
 
@@ -12,17 +12,14 @@ __all__ = ["examples"]
 def examples() -> list[Example | Invalid]:
     return [
         linear_example(
-            *ODD,
             tags="g-gk-state",
             extra={"g": "[B, S, H]", "gk": "[B, S, H, K]", "initial_state": "[N, H, K, V]"},
             options={"return_state": True},
         ),
         linear_example(
-            1,
-            70,
-            2,
-            32,
-            16,
+            h=2,
+            k=32,
+            v=16,
             tags="gv-reverse-packed-state",
             extra={"gv": "[B, S, H, V]", "initial_state": "[N, H, K, V]"},
             options={"reverse": True, "return_state": True, "softmax_scale": 0.3},
