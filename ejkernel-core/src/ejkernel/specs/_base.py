@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import inspect
+import typing
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -31,9 +33,18 @@ class Arg:
     differentiable: bool = False
 
 
+#: Parameters of a public op function that steer the call (platform choice, a config) rather
+#: than being arguments of the op.
+CALL_PARAMETERS = ("platform", "cfg")
+
+
 @attrs.frozen(kw_only=True)
 class OpSpec:
     """The contract of one op, shared by every implementation.
+
+    In-tree ops build theirs with :meth:`OpSpec.from_function`, which reads the arguments from
+    the public function's signature; ``args=`` spells them out (a spec added with
+    ``registry.add_op`` may do either).
 
     Attributes:
         name: the registry key, the `ejkernel.<op>` function name.
@@ -71,6 +82,54 @@ class OpSpec:
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {a.name: a for a in self.args})
 
+    @classmethod
+    def from_function(
+        cls,
+        fn: Callable[..., Any],
+        *,
+        differentiable: Collection[str] = (),
+        arrays: Collection[str] | None = None,
+        **fields: Any,
+    ) -> OpSpec:
+        """The spec of the op whose public function is ``fn``, its arguments read from ``fn``.
+
+        Every parameter of ``fn`` but ``platform`` and ``cfg`` is an argument, in signature
+        order: required when it has no default, else with that default.
+
+        Args:
+            fn: the public function, ``def x(positional..., *, keyword..., platform=None,
+                cfg=None)``; its name is the op's unless ``fields`` give ``name``.
+            differentiable: the arguments that get gradients (arrays). The op has a backward
+                pass when any argument is differentiable.
+            arrays: the array arguments; ``None`` reads them from the annotations (a parameter
+                whose annotation names ``jax.Array`` is an array, any other a static).
+            **fields: the other :class:`OpSpec` fields (``validate``, ``reference``, ...).
+        """
+        params = [
+            p for p in inspect.signature(fn).parameters.values() if p.name not in CALL_PARAMETERS
+        ]
+        names = [p.name for p in params]
+        array_names = set(_annotated_arrays(fn, names) if arrays is None else arrays)
+        grads = set(differentiable)
+        unknown = sorted((array_names | grads) - set(names))
+        if unknown:
+            raise ValueError(f"{fn.__name__}: no parameter named {unknown}")
+        if grads - array_names:
+            raise ValueError(f"{fn.__name__}: differentiable statics {sorted(grads - array_names)}")
+        args = tuple(
+            Arg(
+                name=p.name,
+                array=p.name in array_names,
+                required=p.default is inspect.Parameter.empty,
+                default=None if p.default is inspect.Parameter.empty else p.default,
+                differentiable=p.name in grads,
+            )
+            for p in params
+        )
+        fields.setdefault("name", fn.__name__)
+        fields.setdefault("differentiable", bool(grads))
+        return cls(args=args, **fields)
+
     def arg(self, name: str) -> Arg:
         return self._by_name[name]
 
@@ -106,6 +165,15 @@ class OpSpec:
         return fn(abstract, seed)
 
 
+def _annotated_arrays(fn: Callable[..., Any], names: list[str]) -> list[str]:
+    """The parameters of ``fn`` annotated as ``jax.Array`` (alone or in a union)."""
+    hints = typing.get_type_hints(fn)
+    missing = [n for n in names if n not in hints]
+    if missing:
+        raise TypeError(f"{fn.__name__}: annotate {missing} or pass `arrays=`")
+    return [n for n in names if hints[n] is jax.Array or jax.Array in typing.get_args(hints[n])]
+
+
 def call_op(spec: OpSpec, arguments: dict[str, Any]) -> Any:
     """Run an op through the default executor (imported lazily: ``import ejkernel`` stays light)."""
     from ejkernel._executor import call_op as run
@@ -133,6 +201,28 @@ def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, A
     return out
 
 
+def synthetic_normals(
+    abstract: Mapping[str, Any], seed: int, adjust: Callable[[str, np.ndarray], np.ndarray]
+) -> dict[str, Any]:
+    """Concrete inputs from standard normal float32 draws, one per array in order;
+    ``adjust(name, normal)`` turns an array's draw into a valid value of that argument (a
+    decay, offsets) or returns it. Statics pass unchanged."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for name, value in abstract.items():
+        if isinstance(value, jax.ShapeDtypeStruct):
+            normal = rng.standard_normal(value.shape, dtype=np.float32)
+            out[name] = jax.numpy.asarray(adjust(name, normal), value.dtype)
+        else:
+            out[name] = value
+    return out
+
+
+def even_offsets(total: int, n: int) -> np.ndarray:
+    """``[n + 1]`` offsets cutting ``total`` tokens into n nearly equal packed sequences."""
+    return np.linspace(0, total, n + 1).round()
+
+
 def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
 
@@ -144,6 +234,70 @@ def check_array(op: str, name: str, x: Any, *, ndim: int | tuple[int, ...], lett
     dims = (ndim,) if isinstance(ndim, int) else ndim
     if x.ndim not in dims:
         raise ValueError(f"{op}: `{name}` must be {letters}; got {name}.shape={tuple(x.shape)}")
+
+
+def check_floating(op: str, named: Iterable[tuple[str, Any]]) -> None:
+    """Raise TypeError unless every ``(name, array)`` has a floating dtype."""
+    for name, x in named:
+        if not is_floating(x):
+            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+
+
+def check_qkv(
+    op: str, q: Any, k: Any, v: Any, *, letters: tuple[str, str, str], query_ndim: int = 4
+) -> None:
+    """``query``, ``key`` and ``value``: floating arrays of one dtype, shaped as ``letters``
+    (OPS.md letters; ``key`` and ``value`` 4-d, ``query`` ``query_ndim``-d).
+
+    Only ranks are checked here; how the sizes relate is the op's to say."""
+    named = (("query", q), ("key", k), ("value", v))
+    for (name, x), spelled, ndim in zip(named, letters, (query_ndim, 4, 4)):
+        check_array(op, name, x, ndim=ndim, letters=spelled)
+    check_floating(op, named)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"{op}: `query`, `key` and `value` must share one dtype; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+
+
+def check_cu_seqlens(op: str, cu: Any) -> int:
+    """``cu_seqlens``: integer offsets ``[N + 1]`` of N >= 1 packed sequences; returns N."""
+    check_array(op, "cu_seqlens", cu, ndim=1, letters="[N + 1]")
+    if not is_integer(cu):
+        raise TypeError(f"{op}: `cu_seqlens` must be an integer array; got dtype {cu.dtype}")
+    if cu.shape[0] < 2:
+        raise ValueError(
+            f"{op}: `cu_seqlens` must be [N + 1] with N >= 1 sequences; got "
+            f"cu_seqlens.shape={tuple(cu.shape)}"
+        )
+    return int(cu.shape[0]) - 1
+
+
+def check_flag(op: str, name: str, value: Any) -> bool:
+    """A static bool (NumPy's included), as a Python bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: `{name}` must be a bool; got {value!r}")
+    return bool(value)
+
+
+def static_number(op: str, name: str, x: Any) -> float:
+    """A static Python number (a concrete 0-d array is accepted; a tracer is not)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                f"{op}: `{name}` must be a Python number (it is static, part of the compiled "
+                f"kernel); got a traced value"
+            )
+        if hasattr(x, "shape") and np.shape(x) == ():
+            return float(x)
+        raise TypeError(f"{op}: `{name}` must be a number; got {x!r}")
+    return float(x)
+
+
+def check_softmax_scale(op: str, scale: Any, dim: int) -> float:
+    """The ``softmax_scale`` argument as a float; ``dim ** -0.5`` when it is None."""
+    return float(dim**-0.5 if scale is None else static_number(op, "softmax_scale", scale))
 
 
 @functools.cache

@@ -22,15 +22,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.attention_semantics import soft_cap, visible
-from ejkernel.specs._base import Arg, check_array, default_synthetic, is_floating, is_integer
-from ejkernel.specs.flash_attention import _number, normalize_window
+from ejkernel.specs._base import (
+    check_array,
+    check_floating,
+    default_synthetic,
+    is_floating,
+    is_integer,
+)
 
 __all__ = [
-    "SINKS",
-    "STATICS",
     "PagedCache",
     "attend_rows",
     "check_block_tables",
+    "check_counted_vector",
     "check_index_vector",
     "check_paged_cache",
     "check_queries",
@@ -40,8 +44,6 @@ __all__ = [
     "packed_paged_reference",
     "paged_block_tables",
     "paged_reference",
-    "paged_statics",
-    "required_arrays",
     "ragged_tokens",
     "synthetic_paged_batch",
     "synthetic_paged_inputs",
@@ -49,20 +51,6 @@ __all__ = [
 ]
 
 _CACHE_LETTERS = "[num_pages, page_size, Hkv, D]"
-
-#: The statics the serving ops take after their arrays, in signature order.
-STATICS = (
-    Arg(name="softmax_scale", array=False),
-    Arg(name="logits_soft_cap", array=False),
-    Arg(name="sliding_window", array=False),
-)
-#: Attention-sink logits, ``[Hq]`` or ``[Hq, n]``.
-SINKS = Arg(name="softmax_aux", array=True)
-
-
-def required_arrays(*names: str) -> tuple[Arg, ...]:
-    """Required array arguments, in signature order."""
-    return tuple(Arg(name=n, array=True, required=True) for n in names)
 
 
 @attrs.frozen(kw_only=True)
@@ -85,8 +73,7 @@ def check_paged_cache(op: str, key_cache: Any, value_cache: Any) -> PagedCache:
     """Check the paged layout: two equal floating ``[num_pages, page_size, Hkv, D]`` arrays."""
     for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_array(op, name, x, ndim=4, letters=_CACHE_LETTERS)
-        if not is_floating(x):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+        check_floating(op, ((name, x),))
     if tuple(value_cache.shape) != tuple(key_cache.shape) or value_cache.dtype != key_cache.dtype:
         raise ValueError(
             f"{op}: `value_cache` must match `key_cache` {_CACHE_LETTERS}; got value_cache "
@@ -105,8 +92,7 @@ def check_paged_cache(op: str, key_cache: Any, value_cache: Any) -> PagedCache:
 def check_queries(op: str, name: str, x: Any, *, letters: str, cache: PagedCache) -> int:
     """Check a query array whose last two axes are ``[Hq, D]`` against the cache; return Hq."""
     check_array(op, name, x, ndim=len(letters.split(",")), letters=letters)
-    if not is_floating(x):
-        raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+    check_floating(op, ((name, x),))
     if x.dtype != cache.dtype:
         raise TypeError(
             f"{op}: `{name}` and the key/value cache must share one dtype; got {x.dtype} and "
@@ -134,6 +120,19 @@ def check_index_vector(op: str, name: str, x: Any, *, letters: str, length: int)
         raise ValueError(
             f"{op}: `{name}` must be {letters}={(length,)}; got {name}.shape={tuple(x.shape)}"
         )
+
+
+def check_counted_vector(op: str, name: str, x: Any, *, count: str) -> int:
+    """A non-empty integer array ``[count]`` whose length defines ``count``; returns it."""
+    letters = f"[{count}]"
+    check_array(op, name, x, ndim=1, letters=letters)
+    length = int(x.shape[0])
+    if length == 0:
+        raise ValueError(
+            f"{op}: `{name}` must be {letters} with {count} >= 1; got {name}.shape=(0,)"
+        )
+    check_index_vector(op, name, x, letters=letters, length=length)
+    return length
 
 
 def check_block_tables(op: str, name: str, x: Any, *, num_seqs: int) -> int:
@@ -183,19 +182,6 @@ def check_sinks(op: str, aux: Any, hq: int) -> None:
             f"{op}: `softmax_aux` must be floating [Hq] or [Hq, n] with Hq={hq}; got "
             f"softmax_aux.shape={tuple(aux.shape)}, dtype {aux.dtype}"
         )
-
-
-def paged_statics(op: str, a: dict[str, Any], *, d: int) -> None:
-    """Normalise ``softmax_scale``, ``logits_soft_cap`` and ``sliding_window`` in place."""
-    scale = a.get("softmax_scale")
-    a["softmax_scale"] = float(d**-0.5 if scale is None else _number(op, "softmax_scale", scale))
-    cap = a.get("logits_soft_cap")
-    if cap is not None:
-        cap = _number(op, "logits_soft_cap", cap)
-        if not cap > 0:
-            raise ValueError(f"{op}: `logits_soft_cap` must be > 0; got {cap}")
-        a["logits_soft_cap"] = cap
-    a["sliding_window"] = normalize_window(op, a.get("sliding_window"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,9 +287,9 @@ def paged_reference(
     tokens: tuple[jax.Array, jax.Array, jax.Array],
     *,
     causal: bool,
-    softmax_scale: float | None,
-    logits_soft_cap: float | None,
-    sliding_window: Any,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sliding_window: Any = None,
     softmax_aux: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:

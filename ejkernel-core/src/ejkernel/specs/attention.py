@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from ejkernel.attention_semantics import finite_or_zero
 from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs.flash_attention import (
-    _args,
     flash_attention_reference,
     validate_flash_attention,
 )
@@ -36,60 +35,28 @@ OP = "attention"
 
 
 def attention_reference(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    *,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: int | tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: Any = None,
+    query: jax.Array, key: jax.Array, value: jax.Array, **options: Any
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [B, Sq, Hq, Dv], weights [B, Hq, Sq, Sk])`` in float32, cast to the query dtype.
 
-    The probabilities are flash attention's oracle applied to an identity value: with
-    ``value[b, k, h, :] = e_k`` its output row is the probability row itself, so both ops share
-    one definition of masking, sinks and dropout.
+    ``options`` are the keyword arguments of :func:`attention`. The probabilities are flash
+    attention's oracle applied to an identity value: with ``value[b, k, h, :] = e_k`` its output
+    row is the probability row itself, so both ops share one definition of masking, sinks and
+    dropout (and the default ``softmax_scale``, the query's ``D ** -0.5``).
     """
-    b, _, hq, d = query.shape
+    b, _, hq, _ = query.shape
     sk, hkv = key.shape[1], key.shape[2]
     identity = jnp.broadcast_to(jnp.eye(sk, dtype=jnp.float32)[None, :, None, :], (b, sk, hkv, sk))
     rows = flash_attention_reference(
         query.astype(jnp.float32),  # float32 in, so the probabilities come back unrounded
         key.astype(jnp.float32),
         identity,
-        bias=bias,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        softmax_aux=softmax_aux,
-        softmax_scale=d**-0.5 if softmax_scale is None else softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        dropout_prob=dropout_prob,
-        dropout_seed=dropout_seed,
+        **options,
     )
     weights = rows.transpose(0, 2, 1, 3)  # [B, Sq, Hq, Sk] -> [B, Hq, Sq, Sk]
     v = jnp.repeat(finite_or_zero(value.astype(jnp.float32)), hq // hkv, axis=2)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
     return out.astype(query.dtype), weights.astype(query.dtype)
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=_args(dropout=True, sinks=True),
-    validate=lambda a: validate_flash_attention(a, op=OP),
-    reference=attention_reference,
-    examples="ejkernel.testing.cases.attention:examples",
-)
 
 
 def attention(
@@ -141,3 +108,12 @@ def attention(
         query dtype, with ``out = weights @ value``; rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    attention,
+    differentiable=("query", "key", "value", "bias", "softmax_aux"),
+    validate=lambda a: validate_flash_attention(a, op=OP),
+    reference=attention_reference,
+    examples="ejkernel.testing.cases.attention:examples",
+)

@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array
+from ejkernel.specs._base import OpSpec, call_op, check_array
 from ejkernel.specs.flash_attention import (
-    _args,
     flash_attention_reference,
     validate_flash_attention,
 )
@@ -68,32 +67,16 @@ def blocksparse_attention_reference(
     *,
     block_mask: jax.Array,
     block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
-    bias: jax.Array | None = None,
     attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: int | tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
+    **options: Any,
 ) -> jax.Array:
-    """Flash attention's float32 oracle with the block mask expanded into ``attention_mask``."""
+    """Flash attention's float32 oracle with the block mask expanded into ``attention_mask``.
+
+    ``options`` are the other keyword arguments of :func:`blocksparse_attention`."""
     mask = dense_block_mask(block_mask, block_size, query.shape[1], key.shape[1])
     if attention_mask is not None:
         mask = mask & attention_mask
-    return flash_attention_reference(
-        query,
-        key,
-        value,
-        bias=bias,
-        attention_mask=mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
+    return flash_attention_reference(query, key, value, attention_mask=mask, **options)
 
 
 def validate_blocksparse_attention(a: dict[str, Any]) -> dict[str, Any]:
@@ -129,25 +112,6 @@ def validate_blocksparse_attention(a: dict[str, Any]) -> dict[str, Any]:
             f"Sk={sk}; got block_mask.shape={tuple(mask.shape)}"
         )
     return a
-
-
-def _blocksparse_args() -> tuple[Arg, ...]:
-    dense = _args(dropout=False, sinks=False)
-    return (
-        *dense[:3],
-        Arg(name="block_mask", array=True, required=True),
-        Arg(name="block_size", array=False, default=DEFAULT_BLOCK_SIZE),
-        *dense[3:],
-    )
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=_blocksparse_args(),
-    validate=validate_blocksparse_attention,
-    reference=blocksparse_attention_reference,
-    examples="ejkernel.testing.cases.blocksparse_attention:examples",
-)
 
 
 def blocksparse_attention(
@@ -193,3 +157,12 @@ def blocksparse_attention(
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    blocksparse_attention,
+    differentiable=("query", "key", "value", "bias"),
+    validate=validate_blocksparse_attention,
+    reference=blocksparse_attention_reference,
+    examples="ejkernel.testing.cases.blocksparse_attention:examples",
+)

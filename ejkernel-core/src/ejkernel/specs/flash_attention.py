@@ -33,18 +33,22 @@ from ejkernel.attention_semantics import (
     soft_cap,
 )
 from ejkernel.specs._base import (
-    Arg,
     OpSpec,
     broadcastable,
     call_op,
     check_array,
+    check_flag,
+    check_qkv,
+    check_softmax_scale,
     is_floating,
     is_integer,
+    static_number,
 )
 
 __all__ = [
     "SPEC",
     "attention_mask_dense",
+    "attention_statics",
     "dropout_keep",
     "flash_attention",
     "flash_attention_reference",
@@ -189,17 +193,7 @@ def flash_attention_reference(
 def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, Any]:
     """Check every argument of flash attention; fill defaults. Raises ValueError/TypeError."""
     q, k, v = a["query"], a["key"], a["value"]
-    check_array(op, "query", q, ndim=4, letters="[B, Sq, Hq, D]")
-    check_array(op, "key", k, ndim=4, letters="[B, Sk, Hkv, D]")
-    check_array(op, "value", v, ndim=4, letters="[B, Sk, Hkv, Dv]")
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if not is_floating(x):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"{op}: `query`, `key` and `value` must share one dtype; got "
-            f"{q.dtype}, {k.dtype}, {v.dtype}"
-        )
+    check_qkv(op, q, k, v, letters=("[B, Sq, Hq, D]", "[B, Sk, Hkv, D]", "[B, Sk, Hkv, Dv]"))
     b, sq, hq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or k.shape[2] == 0 or hq % k.shape[2] != 0:
         raise ValueError(
@@ -266,20 +260,10 @@ def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, An
                 f"{op}: `softmax_aux` must be floating [Hq] or [Hq, n] with Hq={hq}; got "
                 f"softmax_aux.shape={tuple(aux.shape)}, dtype {aux.dtype}"
             )
-    scale = a.get("softmax_scale")
-    a["softmax_scale"] = float(d**-0.5 if scale is None else _number(op, "softmax_scale", scale))
-    if not isinstance(a.get("causal", False), (bool, np.bool_)):
-        raise TypeError(f"{op}: `causal` must be a bool; got {a['causal']!r}")
-    a["causal"] = bool(a.get("causal", False))
-    a["sliding_window"] = normalize_window(op, a.get("sliding_window"))
-    cap = a.get("logits_soft_cap")
-    if cap is not None:
-        cap = _number(op, "logits_soft_cap", cap)
-        if not cap > 0:
-            raise ValueError(f"{op}: `logits_soft_cap` must be > 0; got {cap}")
-        a["logits_soft_cap"] = cap
+    a.setdefault("causal", False)
+    attention_statics(op, a, d=d)
     if "dropout_prob" in a:
-        prob = _number(op, "dropout_prob", a.get("dropout_prob") or 0.0)
+        prob = static_number(op, "dropout_prob", a.get("dropout_prob") or 0.0)
         if not 0.0 <= prob < 1.0:
             raise ValueError(f"{op}: `dropout_prob` must be in [0, 1); got {prob}")
         a["dropout_prob"] = prob
@@ -320,53 +304,19 @@ def normalize_window(op: str, window: Any) -> tuple[int, int] | None:
     return (left, right)
 
 
-def _number(op: str, name: str, x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        if isinstance(x, jax.core.Tracer) or (hasattr(x, "shape") and np.shape(x) == ()):
-            try:
-                return float(x)
-            except Exception as err:  # a tracer: statics must be Python numbers
-                raise TypeError(
-                    f"{op}: `{name}` must be a Python number (it is static, part of the "
-                    f"compiled kernel); got a traced value"
-                ) from err
-        raise TypeError(f"{op}: `{name}` must be a number; got {x!r}")
-    return float(x)
-
-
-def _args(dropout: bool, sinks: bool) -> tuple[Arg, ...]:
-    args = [
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="bias", array=True, differentiable=True),
-        Arg(name="attention_mask", array=True),
-        Arg(name="q_segment_ids", array=True),
-        Arg(name="kv_segment_ids", array=True),
-    ]
-    if sinks:
-        args.append(Arg(name="softmax_aux", array=True, differentiable=True))
-    args += [
-        Arg(name="softmax_scale", array=False),
-        Arg(name="causal", array=False, default=False),
-        Arg(name="sliding_window", array=False),
-        Arg(name="logits_soft_cap", array=False),
-    ]
-    if dropout:
-        args += [
-            Arg(name="dropout_prob", array=False, default=0.0),
-            Arg(name="dropout_seed", array=True),
-        ]
-    return tuple(args)
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=_args(dropout=True, sinks=True),
-    validate=validate_flash_attention,
-    reference=flash_attention_reference,
-    examples="ejkernel.testing.cases.flash_attention:examples",
-)
+def attention_statics(op: str, a: dict[str, Any], *, d: int) -> None:
+    """Normalise the attention statics in place: ``softmax_scale`` (default ``D ** -0.5``),
+    ``causal`` (when the op takes it), ``sliding_window`` and ``logits_soft_cap``."""
+    a["softmax_scale"] = check_softmax_scale(op, a.get("softmax_scale"), d)
+    if "causal" in a:
+        a["causal"] = check_flag(op, "causal", a["causal"])
+    a["sliding_window"] = normalize_window(op, a.get("sliding_window"))
+    cap = a.get("logits_soft_cap")
+    if cap is not None:
+        cap = static_number(op, "logits_soft_cap", cap)
+        if not cap > 0:
+            raise ValueError(f"{op}: `logits_soft_cap` must be > 0; got {cap}")
+        a["logits_soft_cap"] = cap
 
 
 def flash_attention(
@@ -413,3 +363,12 @@ def flash_attention(
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    flash_attention,
+    differentiable=("query", "key", "value", "bias", "softmax_aux"),
+    validate=validate_flash_attention,
+    reference=flash_attention_reference,
+    examples="ejkernel.testing.cases.flash_attention:examples",
+)

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from ejkernel.specs._base import Arg, OpSpec, call_op
+from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs.recurrent import (
     check_gate,
     linear_recurrence_reference,
@@ -31,27 +31,13 @@ OP = "gla"
 
 
 def gla_reference(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    g: jax.Array,
-    *,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
+    query: jax.Array, key: jax.Array, value: jax.Array, g: jax.Array, **options: Any
 ) -> Any:
-    """``lax.scan`` over time in float32: the oracle every implementation is tested against."""
-    return linear_recurrence_reference(
-        query,
-        key,
-        value,
-        key_gate=g,
-        initial_state=initial_state,
-        softmax_scale=softmax_scale,
-        cu_seqlens=cu_seqlens,
-        return_state=return_state,
-    )
+    """``lax.scan`` over time in float32: the oracle every implementation is tested against.
+
+    The linear recurrence with ``g`` as the key gate; ``options`` are the other keyword
+    arguments of :func:`gla`."""
+    return linear_recurrence_reference(query, key, value, key_gate=g, **options)
 
 
 def validate_gla(a: dict[str, Any]) -> dict[str, Any]:
@@ -60,27 +46,6 @@ def validate_gla(a: dict[str, Any]) -> dict[str, Any]:
     b, s, h, dk = a["query"].shape
     check_gate(OP, "g", a["g"], (b, s, h, dk), "[B, S, H, K]")
     return a
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="g", array=True, required=True, differentiable=True),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="cu_seqlens", array=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_gla,
-    reference=gla_reference,
-    synthetic=linear_synthetic,
-    examples="ejkernel.testing.cases.gla:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
 
 
 def gla(
@@ -117,3 +82,15 @@ def gla(
         when ``return_state``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    gla,
+    differentiable=("query", "key", "value", "g", "initial_state"),
+    validate=validate_gla,
+    reference=gla_reference,
+    synthetic=linear_synthetic,
+    examples="ejkernel.testing.cases.gla:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

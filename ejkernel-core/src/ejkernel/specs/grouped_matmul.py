@@ -29,7 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    check_flag,
+    check_floating,
+    even_offsets,
+    is_integer,
+    synthetic_normals,
+)
 
 __all__ = [
     "SPEC",
@@ -77,17 +86,12 @@ def validate_grouped_matmul(a: dict[str, Any], *, op: str = OP) -> dict[str, Any
     given, so a call that names the default shares the cache key of one that does not.
     """
     lhs, rhs, sizes = a["lhs"], a["rhs"], a["group_sizes"]
-    transpose = a.get("transpose_rhs", False)
-    if not isinstance(transpose, (bool, np.bool_)):
-        raise TypeError(f"{op}: `transpose_rhs` must be a bool; got {transpose!r}")
-    a["transpose_rhs"] = transpose = bool(transpose)
+    a["transpose_rhs"] = transpose = check_flag(op, "transpose_rhs", a.get("transpose_rhs", False))
     rhs_letters = "[G, N, K]" if transpose else "[G, K, N]"
     check_array(op, "lhs", lhs, ndim=2, letters="[M, K]")
     check_array(op, "rhs", rhs, ndim=3, letters=rhs_letters)
     check_array(op, "group_sizes", sizes, ndim=1, letters="[G]")
-    for name, x in (("lhs", lhs), ("rhs", rhs)):
-        if not is_floating(x):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
+    check_floating(op, (("lhs", lhs), ("rhs", rhs)))
     if rhs.dtype != lhs.dtype:
         raise TypeError(
             f"{op}: `lhs` and `rhs` must share one dtype; got {lhs.dtype} and {rhs.dtype}"
@@ -136,35 +140,13 @@ def _output_dtype(op: str, preferred: Any, default: Any) -> str:
 
 def grouped_matmul_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     """Valid autotuning inputs: normal ``lhs``/``rhs`` and M spread evenly over the G groups."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {}
-    for name, value in abstract.items():
-        if not isinstance(value, jax.ShapeDtypeStruct):
-            out[name] = value
-        elif name == "group_sizes":
-            m, num_groups = abstract["lhs"].shape[0], value.shape[0]
-            bounds = np.linspace(0, m, num_groups + 1).round().astype(np.int64)
-            out[name] = jnp.asarray(np.diff(bounds), value.dtype)
-        else:
-            x = rng.standard_normal(value.shape).astype(np.float32)
-            out[name] = jnp.asarray(x, value.dtype)
-    return out
 
+    def adjust(name: str, x: np.ndarray) -> np.ndarray:
+        if name == "group_sizes":
+            return np.diff(even_offsets(abstract["lhs"].shape[0], x.shape[0]))
+        return x
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="lhs", array=True, required=True, differentiable=True),
-        Arg(name="rhs", array=True, required=True, differentiable=True),
-        Arg(name="group_sizes", array=True, required=True),
-        Arg(name="preferred_element_type", array=False),
-        Arg(name="transpose_rhs", array=False, default=False),
-    ),
-    validate=validate_grouped_matmul,
-    reference=grouped_matmul_reference,
-    synthetic=grouped_matmul_synthetic,
-    examples="ejkernel.testing.cases.grouped_matmul:examples",
-)
+    return synthetic_normals(abstract, seed, adjust)
 
 
 def grouped_matmul(
@@ -194,3 +176,13 @@ def grouped_matmul(
         [M, N] in ``preferred_element_type``. Differentiable in ``lhs`` and ``rhs``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    grouped_matmul,
+    differentiable=("lhs", "rhs"),
+    validate=validate_grouped_matmul,
+    reference=grouped_matmul_reference,
+    synthetic=grouped_matmul_synthetic,
+    examples="ejkernel.testing.cases.grouped_matmul:examples",
+)

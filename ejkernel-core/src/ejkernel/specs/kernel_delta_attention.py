@@ -34,7 +34,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    check_flag,
+    check_floating,
+    even_offsets,
+    synthetic_normals,
+)
+from ejkernel.specs.recurrent import (
+    check_initial_state,
+    check_linear_qkv,
+    check_packed_sequences,
+)
 
 __all__ = [
     "SPEC",
@@ -145,34 +158,11 @@ def validate_kernel_delta_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument of the gated delta rule; fill defaults. Raises ValueError/TypeError."""
     op = OP
     q, k, v, beta, g = a["query"], a["key"], a["value"], a["beta"], a["g"]
-    check_array(op, "query", q, ndim=4, letters="[B, S, H, K]")
-    check_array(op, "key", k, ndim=4, letters="[B, S, H, K]")
-    check_array(op, "value", v, ndim=4, letters="[B, S, H, V]")
+    check_linear_qkv(op, q, k, v)
     check_array(op, "beta", beta, ndim=3, letters="[B, S, H]")
     check_array(op, "g", g, ndim=(3, 4), letters="[B, S, H, K] or [B, S, H]")
-    for name, x in (("query", q), ("key", k), ("value", v), ("beta", beta), ("g", g)):
-        if not is_floating(x):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"{op}: `query`, `key` and `value` must share one dtype; got "
-            f"{q.dtype}, {k.dtype}, {v.dtype}"
-        )
+    check_floating(op, (("beta", beta), ("g", g)))
     b, s, h, dk = q.shape
-    if tuple(k.shape) != (b, s, h, dk):
-        raise ValueError(
-            f"{op}: `key` must be [B, S, H, K] like query; got key.shape={tuple(k.shape)}, "
-            f"query.shape={tuple(q.shape)}"
-        )
-    if tuple(v.shape[:3]) != (b, s, h):
-        raise ValueError(
-            f"{op}: `value` must be [B, S, H, V]; got value.shape={tuple(v.shape)}, "
-            f"query.shape={tuple(q.shape)}"
-        )
-    if min(s, h, dk, v.shape[3]) == 0:
-        raise ValueError(
-            f"{op}: `query`/`value` must have non-empty S, H, K, V; got {q.shape}, {v.shape}"
-        )
     if tuple(beta.shape) != (b, s, h):
         raise ValueError(
             f"{op}: `beta` must be [B, S, H]={(b, s, h)}; got beta.shape={tuple(beta.shape)}"
@@ -183,44 +173,20 @@ def validate_kernel_delta_attention(a: dict[str, Any]) -> dict[str, Any]:
             f"got g.shape={tuple(g.shape)}"
         )
     cu = a.get("cu_seqlens")
-    num_states = b
-    if cu is not None:
-        check_array(op, "cu_seqlens", cu, ndim=1, letters="[N + 1]")
-        if not is_integer(cu):
-            raise TypeError(f"{op}: `cu_seqlens` must be an integer array; got dtype {cu.dtype}")
-        if cu.shape[0] < 2:
-            raise ValueError(
-                f"{op}: `cu_seqlens` must be [N + 1] with N >= 1; got cu_seqlens.shape={tuple(cu.shape)}"
-            )
-        if b != 1:
-            raise ValueError(
-                f"{op}: with `cu_seqlens` the sequences are packed along S of a batch of one "
-                f"(B == 1); got query.shape={tuple(q.shape)}"
-            )
-        values = _concrete(cu)
-        if values is not None and (
-            values[0] < 0 or values[-1] > s or np.any(np.diff(values.astype(np.int64)) < 0)
-        ):
-            raise ValueError(
-                f"{op}: `cu_seqlens` must lie in [0, S={s}] and never decrease; got {values.tolist()}"
-            )
-        num_states = cu.shape[0] - 1
-    state = a.get("initial_state")
-    if state is not None:
-        letters = "[N, H, K, V]" if cu is not None else "[B, H, K, V]"
-        check_array(op, "initial_state", state, ndim=4, letters=letters)
-        want = (num_states, h, dk, v.shape[3])
-        if tuple(state.shape) != want or not is_floating(state):
-            raise ValueError(
-                f"{op}: `initial_state` must be floating {letters}={want}; got "
-                f"initial_state.shape={tuple(state.shape)}, dtype {state.dtype}"
-            )
+    num_states = check_packed_sequences(op, cu, q)
+    values = None if cu is None else _concrete(cu)
+    if values is not None and (
+        values[0] < 0 or values[-1] > s or np.any(np.diff(values.astype(np.int64)) < 0)
+    ):
+        raise ValueError(
+            f"{op}: `cu_seqlens` must lie in [0, S={s}] and never decrease; got {values.tolist()}"
+        )
+    want = (num_states, h, dk, v.shape[3])
+    check_initial_state(op, a.get("initial_state"), want, packed=cu is not None)
     scale = a.get("softmax_scale")
     a["softmax_scale"] = float(dk**-0.5 if scale is None else _number(op, "softmax_scale", scale))
     for flag in ("use_qk_l2norm", "return_state"):
-        if not isinstance(a.get(flag), (bool, np.bool_)):
-            raise TypeError(f"{op}: `{flag}` must be a bool; got {a.get(flag)!r}")
-        a[flag] = bool(a[flag])
+        a[flag] = check_flag(op, flag, a.get(flag))
     return a
 
 
@@ -232,46 +198,17 @@ def _number(op: str, name: str, x: Any) -> float:
 
 def synthetic_kernel_delta_attention(abstract: Any, seed: int = 0) -> dict[str, Any]:
     """Valid inputs for autotuning: decays ``g ≤ 0``, ``beta`` in (0, 1), evenly cut sequences."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {}
-    for name, x in abstract.items():
-        if not isinstance(x, jax.ShapeDtypeStruct):
-            out[name] = x
-            continue
-        normal = rng.standard_normal(x.shape, dtype=np.float32)
+
+    def adjust(name: str, x: np.ndarray) -> np.ndarray:
         if name == "cu_seqlens":
-            tokens = abstract["query"].shape[1]
-            n = x.shape[0] - 1
-            normal = np.linspace(0, tokens, n + 1).round()
-        elif name == "g":
-            normal = -np.logaddexp(0.0, normal)  # -softplus: a decay in log space
-        elif name == "beta":
-            normal = 1.0 / (1.0 + np.exp(-normal))
-        out[name] = jnp.asarray(normal, x.dtype)
-    return out
+            return even_offsets(abstract["query"].shape[1], x.shape[0] - 1)
+        if name == "g":
+            return -np.logaddexp(0.0, x)  # -softplus: a decay in log space
+        if name == "beta":
+            return 1.0 / (1.0 + np.exp(-x))
+        return x
 
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="beta", array=True, required=True, differentiable=True),
-        Arg(name="g", array=True, required=True, differentiable=True),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="use_qk_l2norm", array=False, default=True),
-        Arg(name="cu_seqlens", array=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_kernel_delta_attention,
-    reference=kernel_delta_attention_reference,
-    synthetic=synthetic_kernel_delta_attention,
-    examples="ejkernel.testing.cases.kernel_delta_attention:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
+    return synthetic_normals(abstract, seed, adjust)
 
 
 def kernel_delta_attention(
@@ -314,3 +251,15 @@ def kernel_delta_attention(
         final_state [B, H, K, V] (or [N, H, K, V]) float32.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    kernel_delta_attention,
+    differentiable=("query", "key", "value", "beta", "g", "initial_state"),
+    validate=validate_kernel_delta_attention,
+    reference=kernel_delta_attention_reference,
+    synthetic=synthetic_kernel_delta_attention,
+    examples="ejkernel.testing.cases.kernel_delta_attention:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

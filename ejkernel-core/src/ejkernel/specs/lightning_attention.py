@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
 from ejkernel.specs.recurrent import (
     linear_recurrence_reference,
     linear_synthetic,
@@ -68,26 +68,17 @@ def lightning_attention_reference(
     slopes: jax.Array | None = None,
     layer_idx: int | None = None,
     num_layers: int | None = None,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
+    **options: Any,
 ) -> Any:
-    """``lax.scan`` over time in float32: the oracle every implementation is tested against."""
+    """``lax.scan`` over time in float32: the oracle every implementation is tested against.
+
+    The linear recurrence with the key gate ``-slopes`` per head; ``options`` are the other
+    keyword arguments of :func:`lightning_attention`."""
     if slopes is None:
         assert layer_idx is not None and num_layers is not None
         slopes = jnp.asarray(lightning_slopes(query.shape[2], layer_idx, num_layers))
     key_gate = -slopes.astype(jnp.float32)[None, None, :, None]
-    return linear_recurrence_reference(
-        query,
-        key,
-        value,
-        key_gate=key_gate,
-        initial_state=initial_state,
-        softmax_scale=softmax_scale,
-        cu_seqlens=cu_seqlens,
-        return_state=return_state,
-    )
+    return linear_recurrence_reference(query, key, value, key_gate=key_gate, **options)
 
 
 def validate_lightning_attention(a: dict[str, Any]) -> dict[str, Any]:
@@ -129,29 +120,6 @@ def validate_lightning_attention(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="slopes", array=True, differentiable=True),
-        Arg(name="layer_idx", array=False),
-        Arg(name="num_layers", array=False),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="cu_seqlens", array=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_lightning_attention,
-    reference=lightning_attention_reference,
-    synthetic=linear_synthetic,
-    examples="ejkernel.testing.cases.lightning_attention:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
-
-
 def lightning_attention(
     query: jax.Array,
     key: jax.Array,
@@ -190,3 +158,15 @@ def lightning_attention(
         when ``return_state``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    lightning_attention,
+    differentiable=("query", "key", "value", "slopes", "initial_state"),
+    validate=validate_lightning_attention,
+    reference=lightning_attention_reference,
+    synthetic=linear_synthetic,
+    examples="ejkernel.testing.cases.lightning_attention:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

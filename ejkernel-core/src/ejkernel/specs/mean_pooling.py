@@ -26,7 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    check_cu_seqlens,
+    check_floating,
+    even_offsets,
+)
 
 __all__ = [
     "SPEC",
@@ -64,18 +71,10 @@ def validate_mean_pooling(a: dict[str, Any], *, op: str = OP) -> dict[str, Any]:
     """Check ``x`` and ``cu_seqlens``. Raises ValueError/TypeError."""
     x, cu = a["x"], a.get("cu_seqlens")
     check_array(op, "x", x, ndim=(2, 3), letters="[B, S, D] or [T, D]")
-    if not is_floating(x):
-        raise TypeError(f"{op}: `x` must be a floating array; got dtype {x.dtype}")
+    check_floating(op, (("x", x),))
     if cu is None:
         return a
-    check_array(op, "cu_seqlens", cu, ndim=1, letters="[N + 1]")
-    if not is_integer(cu):
-        raise TypeError(f"{op}: `cu_seqlens` must be an integer array; got dtype {cu.dtype}")
-    if cu.shape[0] < 2:
-        raise ValueError(
-            f"{op}: `cu_seqlens` must be [N + 1] with N >= 1 sequences; got "
-            f"cu_seqlens.shape={tuple(cu.shape)}"
-        )
+    check_cu_seqlens(op, cu)
     if x.ndim == 3 and x.shape[0] != 1:
         raise ValueError(
             f"{op}: with `cu_seqlens`, `x` must be packed [T, D] or [1, T, D]; got "
@@ -93,22 +92,9 @@ def mean_pooling_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[s
     cu = abstract.get("cu_seqlens")
     if isinstance(cu, jax.ShapeDtypeStruct):
         num_tokens = x.shape[-2]
-        offsets = np.linspace(0, num_tokens, cu.shape[0]).round()
+        offsets = even_offsets(num_tokens, cu.shape[0] - 1)
         out["cu_seqlens"] = jnp.asarray(offsets, cu.dtype)
     return out
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="x", array=True, required=True, differentiable=True),
-        Arg(name="cu_seqlens", array=True),
-    ),
-    validate=validate_mean_pooling,
-    reference=mean_pooling_reference,
-    synthetic=mean_pooling_synthetic,
-    examples="ejkernel.testing.cases.mean_pooling:examples",
-)
 
 
 def mean_pooling(
@@ -133,3 +119,13 @@ def mean_pooling(
         ``x``; an empty sequence gives a zero row. Differentiable in ``x``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    mean_pooling,
+    differentiable=("x",),
+    validate=validate_mean_pooling,
+    reference=mean_pooling_reference,
+    synthetic=mean_pooling_synthetic,
+    examples="ejkernel.testing.cases.mean_pooling:examples",
+)

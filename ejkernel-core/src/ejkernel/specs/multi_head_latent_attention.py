@@ -25,11 +25,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ejkernel.attention_semantics import finite_or_zero
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
-from ejkernel.specs.flash_attention import _number, flash_attention_reference, normalize_window
+from ejkernel.specs._base import OpSpec, call_op, check_array, check_floating
+from ejkernel.specs.flash_attention import attention_statics, flash_attention_reference
 
 __all__ = [
     "SPEC",
@@ -84,9 +83,7 @@ def validate_multi_head_latent_attention(a: dict[str, Any]) -> dict[str, Any]:
     check_array(OP, "w_vc", w_vc, ndim=3, letters="[R, Hq, Dv]")
     check_array(OP, "k_rope", rope, ndim=3, letters="[B, Sk, Dr]")
     named = (("query", q), ("key_value", c), ("w_kc", w_kc), ("w_vc", w_vc), ("k_rope", rope))
-    for name, x in named:
-        if not is_floating(x):
-            raise TypeError(f"{OP}: `{name}` must be a floating array; got dtype {x.dtype}")
+    check_floating(OP, named)
     if len({x.dtype for _, x in named}) != 1:
         dtypes = ", ".join(f"{name}={x.dtype}" for name, x in named)
         raise TypeError(f"{OP}: every array must share one dtype; got {dtypes}")
@@ -118,38 +115,9 @@ def validate_multi_head_latent_attention(a: dict[str, Any]) -> dict[str, Any]:
             f"key_value.shape={tuple(c.shape)}, w_kc.shape={tuple(w_kc.shape)}, "
             f"w_vc.shape={tuple(w_vc.shape)}"
         )
-    scale = a.get("softmax_scale")
-    a["softmax_scale"] = float(d**-0.5 if scale is None else _number(OP, "softmax_scale", scale))
-    if not isinstance(a.get("causal", False), (bool, np.bool_)):
-        raise TypeError(f"{OP}: `causal` must be a bool; got {a['causal']!r}")
-    a["causal"] = bool(a.get("causal", False))
-    a["sliding_window"] = normalize_window(OP, a.get("sliding_window"))
-    cap = a.get("logits_soft_cap")
-    if cap is not None:
-        cap = _number(OP, "logits_soft_cap", cap)
-        if not cap > 0:
-            raise ValueError(f"{OP}: `logits_soft_cap` must be > 0; got {cap}")
-        a["logits_soft_cap"] = cap
+    a.setdefault("causal", False)
+    attention_statics(OP, a, d=d)
     return a
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key_value", array=True, required=True, differentiable=True),
-        Arg(name="w_kc", array=True, required=True, differentiable=True),
-        Arg(name="w_vc", array=True, required=True, differentiable=True),
-        Arg(name="k_rope", array=True, required=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="causal", array=False, default=False),
-        Arg(name="sliding_window", array=False),
-        Arg(name="logits_soft_cap", array=False),
-    ),
-    validate=validate_multi_head_latent_attention,
-    reference=multi_head_latent_attention_reference,
-    examples="ejkernel.testing.cases.multi_head_latent_attention:examples",
-)
 
 
 def multi_head_latent_attention(
@@ -187,3 +155,12 @@ def multi_head_latent_attention(
         rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    multi_head_latent_attention,
+    differentiable=("query", "key_value", "w_kc", "w_vc", "k_rope"),
+    validate=validate_multi_head_latent_attention,
+    reference=multi_head_latent_attention_reference,
+    examples="ejkernel.testing.cases.multi_head_latent_attention:examples",
+)

@@ -43,15 +43,15 @@ import numpy as np
 
 from ejkernel.attention_semantics import finite_or_zero, hide, mask_scores
 from ejkernel.specs._base import (
-    Arg,
     OpSpec,
     call_op,
     check_array,
+    check_qkv,
+    check_softmax_scale,
     is_floating,
     is_integer,
     shape_of,
 )
-from ejkernel.specs.flash_attention import _number
 
 __all__ = [
     "SPEC",
@@ -202,16 +202,7 @@ def _int_static(name: str, x: Any, minimum: int) -> int:
 def validate_native_sparse_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument of native sparse attention; fill defaults."""
     q, k, v = a["query"], a["key"], a["value"]
-    check_array(OP, "query", q, ndim=4, letters="[B, S, Hq, D]")
-    check_array(OP, "key", k, ndim=4, letters="[B, S, Hkv, D]")
-    check_array(OP, "value", v, ndim=4, letters="[B, S, Hkv, Dv]")
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if not is_floating(x):
-            raise TypeError(f"{OP}: `{name}` must be a floating array; got dtype {x.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"{OP}: `query`, `key` and `value` must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+    check_qkv(OP, q, k, v, letters=("[B, S, Hq, D]", "[B, S, Hkv, D]", "[B, S, Hkv, Dv]"))
     b, s, hq, d = q.shape
     if k.shape[:2] != (b, s) or k.shape[3] != d or k.shape[2] == 0 or hq % k.shape[2] != 0:
         raise ValueError(
@@ -267,44 +258,20 @@ def validate_native_sparse_attention(a: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 f"{OP}: `cu_seqlens` packs sequences along S, so B must be 1; got query.shape={tuple(q.shape)}"
             )
-    scale = a.get("softmax_scale")
-    a["softmax_scale"] = float(d**-0.5 if scale is None else _number(OP, "softmax_scale", scale))
+    a["softmax_scale"] = check_softmax_scale(OP, a.get("softmax_scale"), d)
     return a
 
 
 def _synthetic(abstract: Any, seed: int = 0) -> dict[str, Any]:
     """Random tensors, block 0 as the given selection, and equal packed sequences."""
-    from ejkernel.specs._base import default_synthetic
+    from ejkernel.specs._base import default_synthetic, even_offsets
 
     out = default_synthetic(abstract, seed)
     cu = abstract.get("cu_seqlens")
     if isinstance(cu, jax.ShapeDtypeStruct):
         n, s = cu.shape[0] - 1, abstract["query"].shape[1]
-        out["cu_seqlens"] = jnp.asarray(np.linspace(0, s, n + 1).astype(np.int64), cu.dtype)
+        out["cu_seqlens"] = jnp.asarray(even_offsets(s, n), cu.dtype)
     return out
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="g_cmp", array=True, required=True, differentiable=True),
-        Arg(name="g_slc", array=True, required=True, differentiable=True),
-        Arg(name="g_swa", array=True, differentiable=True),
-        Arg(name="block_size", array=False, default=64),
-        Arg(name="block_counts", array=False, default=16),
-        Arg(name="window_size", array=False, default=0),
-        Arg(name="block_indices", array=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="cu_seqlens", array=True),
-    ),
-    validate=validate_native_sparse_attention,
-    reference=native_sparse_attention_reference,
-    synthetic=_synthetic,
-    examples="ejkernel.testing.cases.native_sparse_attention:examples",
-)
 
 
 def native_sparse_attention(
@@ -347,3 +314,13 @@ def native_sparse_attention(
         [B, S, Hq, Dv] in the query dtype.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    native_sparse_attention,
+    differentiable=("query", "key", "value", "g_cmp", "g_slc", "g_swa"),
+    validate=validate_native_sparse_attention,
+    reference=native_sparse_attention_reference,
+    synthetic=_synthetic,
+    examples="ejkernel.testing.cases.native_sparse_attention:examples",
+)

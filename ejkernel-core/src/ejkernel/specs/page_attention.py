@@ -18,16 +18,14 @@ import jax.numpy as jnp
 
 from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
-    STATICS,
     check_block_tables,
     check_index_vector,
     check_paged_cache,
     check_queries,
     paged_reference,
-    paged_statics,
-    required_arrays,
     synthetic_paged_inputs,
 )
+from ejkernel.specs.flash_attention import attention_statics
 
 __all__ = ["SPEC", "page_attention", "page_attention_reference", "validate_page_attention"]
 
@@ -40,12 +38,11 @@ def page_attention_reference(
     value_cache: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
-    *,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: int | tuple[int, int] | None = None,
+    **statics: Any,
 ) -> jax.Array:
-    """Plain-JAX oracle: gather each sequence's pages, one masked softmax per sequence."""
+    """Plain-JAX oracle: gather each sequence's pages, one masked softmax per sequence.
+
+    ``statics`` are the keyword arguments of :func:`page_attention`."""
     s = query.shape[0]
     # One query per sequence, the newest token, at position kv_len - 1.
     tokens = (jnp.arange(s), kv_lens.astype(jnp.int32) - 1, jnp.ones((s,), bool))
@@ -57,9 +54,7 @@ def page_attention_reference(
         kv_lens,
         tokens,
         causal=True,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
+        **statics,
     )
 
 
@@ -70,22 +65,8 @@ def validate_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     s = int(a["query"].shape[0])
     check_index_vector(OP, "kv_lens", a["kv_lens"], letters="[S]", length=s)
     check_block_tables(OP, "block_tables", a["block_tables"], num_seqs=s)
-    paged_statics(OP, a, d=cache.d)
+    attention_statics(OP, a, d=cache.d)
     return a
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays("query", "key_cache", "value_cache", "kv_lens", "block_tables"),
-        *STATICS,
-    ),
-    validate=validate_page_attention,
-    reference=page_attention_reference,
-    differentiable=False,
-    synthetic=synthetic_paged_inputs,
-    examples="ejkernel.testing.cases.page_attention:examples",
-)
 
 
 def page_attention(
@@ -121,3 +102,12 @@ def page_attention(
         [S, Hq, D] in the query dtype; sequences with ``kv_len == 0`` give zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    page_attention,
+    validate=validate_page_attention,
+    reference=page_attention_reference,
+    synthetic=synthetic_paged_inputs,
+    examples="ejkernel.testing.cases.page_attention:examples",
+)

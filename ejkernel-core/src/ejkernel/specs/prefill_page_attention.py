@@ -18,18 +18,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ejkernel.specs._base import OpSpec, call_op, check_array
+from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
-    STATICS,
-    check_index_vector,
+    check_counted_vector,
     check_paged_cache,
     check_queries,
     check_scalar_index,
     paged_reference,
-    paged_statics,
-    required_arrays,
     synthetic_paged_inputs,
 )
+from ejkernel.specs.flash_attention import attention_statics
 
 __all__ = [
     "SPEC",
@@ -47,12 +45,11 @@ def prefill_page_attention_reference(
     value_cache: jax.Array,
     kv_len: Any,
     page_indices: jax.Array,
-    *,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: int | tuple[int, int] | None = None,
+    **statics: Any,
 ) -> jax.Array:
-    """Plain-JAX oracle: gather the sequence's pages, one causal masked softmax per query."""
+    """Plain-JAX oracle: gather the sequence's pages, one causal masked softmax per query.
+
+    ``statics`` are the keyword arguments of :func:`prefill_page_attention`."""
     c = query.shape[0]
     kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
     # One sequence; the queries are its last C tokens.
@@ -65,9 +62,7 @@ def prefill_page_attention_reference(
         kv_len,
         tokens,
         causal=True,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
+        **statics,
     )
 
 
@@ -75,32 +70,10 @@ def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults; ``kv_len`` becomes an int32 scalar array."""
     cache = check_paged_cache(OP, a["key_cache"], a["value_cache"])
     check_queries(OP, "query", a["query"], letters="[C, Hq, D]", cache=cache)
-    pages = a["page_indices"]
-    check_array(OP, "page_indices", pages, ndim=1, letters="[P]")
-    if int(pages.shape[0]) == 0:
-        raise ValueError(
-            f"{OP}: `page_indices` must be [P] with P >= 1; got page_indices.shape=(0,)"
-        )
-    check_index_vector(OP, "page_indices", pages, letters="[P]", length=int(pages.shape[0]))
-    a["kv_len"] = check_scalar_index(
-        OP, "kv_len", a["kv_len"], upper=int(pages.shape[0]) * cache.page_size
-    )
-    paged_statics(OP, a, d=cache.d)
+    num_pages = check_counted_vector(OP, "page_indices", a["page_indices"], count="P")
+    a["kv_len"] = check_scalar_index(OP, "kv_len", a["kv_len"], upper=num_pages * cache.page_size)
+    attention_statics(OP, a, d=cache.d)
     return a
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays("query", "key_cache", "value_cache", "kv_len", "page_indices"),
-        *STATICS,
-    ),
-    validate=validate_prefill_page_attention,
-    reference=prefill_page_attention_reference,
-    differentiable=False,
-    synthetic=synthetic_paged_inputs,
-    examples="ejkernel.testing.cases.prefill_page_attention:examples",
-)
 
 
 def prefill_page_attention(
@@ -137,3 +110,12 @@ def prefill_page_attention(
         [C, Hq, D] in the query dtype; queries at negative positions give zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    prefill_page_attention,
+    validate=validate_prefill_page_attention,
+    reference=prefill_page_attention_reference,
+    synthetic=synthetic_paged_inputs,
+    examples="ejkernel.testing.cases.prefill_page_attention:examples",
+)

@@ -19,17 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array, default_synthetic, is_floating
+from ejkernel.specs._base import OpSpec, call_op, check_qkv, default_synthetic
 from ejkernel.specs._paged import (
-    SINKS,
-    STATICS,
     attend_rows,
     check_index_vector,
     check_sinks,
-    paged_statics,
-    required_arrays,
     window_mask,
 )
+from ejkernel.specs.flash_attention import attention_statics
 
 __all__ = [
     "SPEC",
@@ -76,16 +73,8 @@ def ragged_decode_attention_reference(
 def validate_ragged_decode_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults. Raises ValueError/TypeError."""
     q, k, v = a["query"], a["key"], a["value"]
-    check_array(OP, "query", q, ndim=3, letters="[B, Hq, D]")
-    check_array(OP, "key", k, ndim=4, letters="[B, Sk, Hkv, D]")
-    check_array(OP, "value", v, ndim=4, letters="[B, Sk, Hkv, Dv]")
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if not is_floating(x):
-            raise TypeError(f"{OP}: `{name}` must be a floating array; got dtype {x.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"{OP}: `query`, `key` and `value` must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+    letters = ("[B, Hq, D]", "[B, Sk, Hkv, D]", "[B, Sk, Hkv, Dv]")
+    check_qkv(OP, q, k, v, letters=letters, query_ndim=3)
     b, hq, d = (int(n) for n in q.shape)
     if (
         int(k.shape[0]) != b
@@ -108,7 +97,7 @@ def validate_ragged_decode_attention(a: dict[str, Any]) -> dict[str, Any]:
     for name in ("sequence_start", "sequence_end"):
         check_index_vector(OP, name, a[name], letters="[B]", length=b)
     check_sinks(OP, a.get("softmax_aux"), hq)
-    paged_statics(OP, a, d=d)
+    attention_statics(OP, a, d=d)
     return a
 
 
@@ -122,21 +111,6 @@ def _synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     out["sequence_start"] = start.astype(abstract["sequence_start"].dtype)
     out["sequence_end"] = end.astype(abstract["sequence_end"].dtype)
     return out
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays("query", "key", "value", "sequence_start", "sequence_end"),
-        *STATICS,
-        SINKS,
-    ),
-    validate=validate_ragged_decode_attention,
-    reference=ragged_decode_attention_reference,
-    differentiable=False,
-    synthetic=_synthetic,
-    examples="ejkernel.testing.cases.ragged_decode_attention:examples",
-)
 
 
 def ragged_decode_attention(
@@ -173,3 +147,12 @@ def ragged_decode_attention(
         [B, Hq, Dv] in the query dtype (Dv = D in the usual case); empty ranges give zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    ragged_decode_attention,
+    validate=validate_ragged_decode_attention,
+    reference=ragged_decode_attention_reference,
+    synthetic=_synthetic,
+    examples="ejkernel.testing.cases.ragged_decode_attention:examples",
+)

@@ -32,21 +32,19 @@ from typing import Any
 
 import jax
 
-from ejkernel.specs._base import OpSpec, call_op, check_array
+from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
-    SINKS,
-    STATICS,
     check_block_tables,
+    check_counted_vector,
     check_index_vector,
     check_paged_cache,
     check_queries,
     check_scalar_index,
     check_sinks,
     packed_paged_reference,
-    paged_statics,
-    required_arrays,
     synthetic_paged_inputs,
 )
+from ejkernel.specs.flash_attention import attention_statics
 
 __all__ = [
     "SPEC",
@@ -62,14 +60,7 @@ def validate_ragged_page_attention(a: dict[str, Any], *, op: str = OP) -> dict[s
     """Check every argument; fill defaults; ``num_seqs`` becomes an int32 scalar array."""
     cache = check_paged_cache(op, a["key_cache"], a["value_cache"])
     hq = check_queries(op, "queries", a["queries"], letters="[T, Hq, D]", cache=cache)
-    kv_lens = a["kv_lens"]
-    check_array(op, "kv_lens", kv_lens, ndim=1, letters="[num_seqs]")
-    num_seqs = int(kv_lens.shape[0])
-    if num_seqs == 0:
-        raise ValueError(
-            f"{op}: `kv_lens` must be [num_seqs] with num_seqs >= 1; got kv_lens.shape=(0,)"
-        )
-    check_index_vector(op, "kv_lens", kv_lens, letters="[num_seqs]", length=num_seqs)
+    num_seqs = check_counted_vector(op, "kv_lens", a["kv_lens"], count="num_seqs")
     check_block_tables(op, "block_tables", a["block_tables"], num_seqs=num_seqs)
     check_index_vector(
         op, "query_start_loc", a["query_start_loc"], letters="[num_seqs + 1]", length=num_seqs + 1
@@ -77,7 +68,7 @@ def validate_ragged_page_attention(a: dict[str, Any], *, op: str = OP) -> dict[s
     if "num_seqs" in a:
         a["num_seqs"] = check_scalar_index(op, "num_seqs", a["num_seqs"], upper=num_seqs)
     check_sinks(op, a.get("softmax_aux"), hq)
-    paged_statics(op, a, d=cache.d)
+    attention_statics(op, a, d=cache.d)
     return a
 
 
@@ -97,29 +88,6 @@ def ragged_page_attention_reference(
 ) -> jax.Array:
     """Plain-JAX oracle: gather each sequence's pages, then one masked softmax per token."""
     return packed_paged_reference(locals())
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays(
-            "queries",
-            "key_cache",
-            "value_cache",
-            "kv_lens",
-            "block_tables",
-            "query_start_loc",
-            "num_seqs",
-        ),
-        *STATICS,
-        SINKS,
-    ),
-    validate=validate_ragged_page_attention,
-    reference=ragged_page_attention_reference,
-    differentiable=False,
-    synthetic=synthetic_paged_inputs,
-    examples="ejkernel.testing.cases.ragged_page_attention:examples",
-)
 
 
 def ragged_page_attention(
@@ -165,3 +133,12 @@ def ragged_page_attention(
         are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    ragged_page_attention,
+    validate=validate_ragged_page_attention,
+    reference=ragged_page_attention_reference,
+    synthetic=synthetic_paged_inputs,
+    examples="ejkernel.testing.cases.ragged_page_attention:examples",
+)

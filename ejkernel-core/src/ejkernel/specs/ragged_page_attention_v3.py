@@ -25,11 +25,8 @@ import jax.numpy as jnp
 
 from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
 from ejkernel.specs._paged import (
-    SINKS,
-    STATICS,
     packed_paged_reference,
     ragged_tokens,
-    required_arrays,
     synthetic_paged_inputs,
 )
 from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
@@ -109,31 +106,6 @@ def validate_ragged_page_attention_v3(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays(
-            "queries",
-            "keys",
-            "values",
-            "key_cache",
-            "value_cache",
-            "kv_lens",
-            "block_tables",
-            "query_start_loc",
-            "num_seqs",
-        ),
-        *STATICS,
-        SINKS,
-    ),
-    validate=validate_ragged_page_attention_v3,
-    reference=ragged_page_attention_v3_reference,
-    differentiable=False,
-    synthetic=synthetic_paged_inputs,
-    examples="ejkernel.testing.cases.ragged_page_attention_v3:examples",
-)
-
-
 def ragged_page_attention_v3(
     queries: jax.Array,
     keys: jax.Array,
@@ -189,3 +161,12 @@ def ragged_page_attention_v3(
         (zeros for tokens of no live sequence and rows that see no key) and the updated caches.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    ragged_page_attention_v3,
+    validate=validate_ragged_page_attention_v3,
+    reference=ragged_page_attention_v3_reference,
+    synthetic=synthetic_paged_inputs,
+    examples="ejkernel.testing.cases.ragged_page_attention_v3:examples",
+)

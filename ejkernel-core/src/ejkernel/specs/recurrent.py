@@ -37,10 +37,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating, is_integer
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    check_cu_seqlens,
+    check_flag,
+    check_qkv,
+    check_softmax_scale,
+    even_offsets,
+    is_floating,
+    synthetic_normals,
+)
 
 __all__ = [
     "SPEC",
+    "check_gate",
+    "check_initial_state",
+    "check_linear_qkv",
+    "check_packed_sequences",
     "linear_recurrence_reference",
     "linear_synthetic",
     "recurrent",
@@ -154,29 +169,19 @@ def recurrent_reference(
     g: jax.Array | None = None,
     gk: jax.Array | None = None,
     gv: jax.Array | None = None,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    reverse: bool = False,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
+    **options: Any,
 ) -> Any:
-    """``lax.scan`` over time in float32: the oracle every implementation is tested against."""
+    """``lax.scan`` over time in float32: the oracle every implementation is tested against.
+
+    :func:`linear_recurrence_reference` with ``g`` (per head) and ``gk`` summed into the key
+    gate; ``options`` are the other keyword arguments of :func:`recurrent`."""
     key_gate = None
     if g is not None:
         key_gate = g[..., None]
     if gk is not None:
         key_gate = gk if key_gate is None else key_gate + gk
     return linear_recurrence_reference(
-        query,
-        key,
-        value,
-        key_gate=key_gate,
-        value_gate=gv,
-        initial_state=initial_state,
-        softmax_scale=softmax_scale,
-        reverse=reverse,
-        cu_seqlens=cu_seqlens,
-        return_state=return_state,
+        query, key, value, key_gate=key_gate, value_gate=gv, **options
     )
 
 
@@ -185,21 +190,9 @@ def recurrent_reference(
 # --------------------------------------------------------------------------------------------
 
 
-def validate_linear_common(op: str, a: dict[str, Any]) -> dict[str, Any]:
-    """Check query, key, value, initial_state, cu_seqlens and the statics shared by the
-    linear-attention ops; fill ``softmax_scale``. Raises ValueError/TypeError."""
-    q, k, v = a["query"], a["key"], a["value"]
-    check_array(op, "query", q, ndim=4, letters="[B, S, H, K]")
-    check_array(op, "key", k, ndim=4, letters="[B, S, H, K]")
-    check_array(op, "value", v, ndim=4, letters="[B, S, H, V]")
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if not is_floating(x):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {x.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"{op}: `query`, `key` and `value` must share one dtype; got "
-            f"{q.dtype}, {k.dtype}, {v.dtype}"
-        )
+def check_linear_qkv(op: str, q: Any, k: Any, v: Any) -> None:
+    """``query``/``key`` [B, S, H, K] and ``value`` [B, S, H, V]: floating, one dtype, non-empty."""
+    check_qkv(op, q, k, v, letters=("[B, S, H, K]", "[B, S, H, K]", "[B, S, H, V]"))
     b, s, h, dk = q.shape
     if tuple(k.shape) != (b, s, h, dk):
         raise ValueError(
@@ -216,45 +209,48 @@ def validate_linear_common(op: str, a: dict[str, Any]) -> dict[str, Any]:
             f"{op}: `query`/`value` must have non-empty B, S, H, K, V; got query.shape="
             f"{tuple(q.shape)}, value.shape={tuple(v.shape)}"
         )
-    num_seqs = b
-    cu = a.get("cu_seqlens")
-    if cu is not None:
-        check_array(op, "cu_seqlens", cu, ndim=1, letters="[N + 1]")
-        if not is_integer(cu):
-            raise TypeError(f"{op}: `cu_seqlens` must be an integer array; got dtype {cu.dtype}")
-        if cu.shape[0] < 2:
-            raise ValueError(
-                f"{op}: `cu_seqlens` must be [N + 1] with N >= 1 sequences; got "
-                f"cu_seqlens.shape={tuple(cu.shape)}"
-            )
-        if b != 1:
-            raise ValueError(
-                f"{op}: `cu_seqlens` packs sequences along S and needs B == 1; got "
-                f"query.shape={tuple(q.shape)}"
-            )
-        num_seqs = cu.shape[0] - 1
-    init = a.get("initial_state")
-    if init is not None:
-        letters = (
-            "[N, H, K, V] (N = number of cu_seqlens sequences)"
-            if cu is not None
-            else "[B, H, K, V]"
+
+
+def check_packed_sequences(op: str, cu: Any, query: Any) -> int:
+    """``cu_seqlens`` (or None) against the query [B, S, H, K]: the number of sequences N (B
+    when not packed)."""
+    if cu is None:
+        return int(query.shape[0])
+    num_seqs = check_cu_seqlens(op, cu)
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"{op}: `cu_seqlens` packs sequences along S and needs B == 1; got "
+            f"query.shape={tuple(query.shape)}"
         )
-        check_array(op, "initial_state", init, ndim=4, letters=letters)
-        want = (num_seqs, h, dk, v.shape[3])
-        if tuple(init.shape) != want or not is_floating(init):
-            raise ValueError(
-                f"{op}: `initial_state` must be floating {letters}={want}; got "
-                f"initial_state.shape={tuple(init.shape)}, dtype {init.dtype}"
-            )
-    scale = a.get("softmax_scale")
-    a["softmax_scale"] = float(dk**-0.5 if scale is None else number(op, "softmax_scale", scale))
+    return num_seqs
+
+
+def check_initial_state(op: str, init: Any, want: tuple[int, ...], *, packed: bool) -> None:
+    """``initial_state`` (or None): floating [N, H, K, V] equal to ``want``."""
+    if init is None:
+        return
+    letters = "[N, H, K, V] (N = number of cu_seqlens sequences)" if packed else "[B, H, K, V]"
+    check_array(op, "initial_state", init, ndim=4, letters=letters)
+    if tuple(init.shape) != want or not is_floating(init):
+        raise ValueError(
+            f"{op}: `initial_state` must be floating {letters}={want}; got "
+            f"initial_state.shape={tuple(init.shape)}, dtype {init.dtype}"
+        )
+
+
+def validate_linear_common(op: str, a: dict[str, Any]) -> dict[str, Any]:
+    """Check query, key, value, initial_state, cu_seqlens and the statics shared by the
+    linear-attention ops; fill ``softmax_scale``. Raises ValueError/TypeError."""
+    q, v, cu = a["query"], a["value"], a.get("cu_seqlens")
+    check_linear_qkv(op, q, a["key"], v)
+    num_seqs = check_packed_sequences(op, cu, q)
+    _, _, h, dk = q.shape
+    want = (num_seqs, h, dk, v.shape[3])
+    check_initial_state(op, a.get("initial_state"), want, packed=cu is not None)
+    a["softmax_scale"] = check_softmax_scale(op, a.get("softmax_scale"), dk)
     for flag in ("reverse", "return_state"):
         if flag in a:
-            value = a.get(flag) if a.get(flag) is not None else False
-            if not isinstance(value, (bool, np.bool_)):
-                raise TypeError(f"{op}: `{flag}` must be a bool; got {value!r}")
-            a[flag] = bool(value)
+            a[flag] = check_flag(op, flag, False if a[flag] is None else a[flag])
     return a
 
 
@@ -286,20 +282,6 @@ def validate_recurrent(a: dict[str, Any]) -> dict[str, Any]:
     return a
 
 
-def number(op: str, name: str, x: Any) -> float:
-    """A static Python number (a concrete 0-d array is accepted; a tracer is not)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        if isinstance(x, jax.core.Tracer):
-            raise TypeError(
-                f"{op}: `{name}` must be a Python number (it is static, part of the compiled "
-                f"kernel); got a traced value"
-            )
-        if hasattr(x, "shape") and np.shape(x) == ():
-            return float(x)
-        raise TypeError(f"{op}: `{name}` must be a number; got {x!r}")
-    return float(x)
-
-
 # --------------------------------------------------------------------------------------------
 # Autotuning inputs
 # --------------------------------------------------------------------------------------------
@@ -311,47 +293,17 @@ GATE_NAMES = ("g", "gk", "gv")
 def linear_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     """Valid concrete inputs: normal q/k/v, decaying gates, evenly spread ``cu_seqlens``,
     positive ``slopes``."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {}
-    for name, value in abstract.items():
-        if not isinstance(value, jax.ShapeDtypeStruct):
-            out[name] = value
-            continue
-        x = rng.standard_normal(value.shape).astype(np.float32)
+
+    def adjust(name: str, x: np.ndarray) -> np.ndarray:
         if name == "cu_seqlens":
-            total = abstract["query"].shape[1]
-            n = value.shape[0] - 1
-            x = np.linspace(0, total, n + 1).round()
-        elif name in GATE_NAMES:
-            x = -np.logaddexp(0.0, -x)  # log-sigmoid
-        elif name == "slopes":
-            x = np.abs(x) + 0.01
-        out[name] = jnp.asarray(x, value.dtype)
-    return out
+            return even_offsets(abstract["query"].shape[1], x.shape[0] - 1)
+        if name in GATE_NAMES:
+            return -np.logaddexp(0.0, -x)  # log-sigmoid
+        if name == "slopes":
+            return np.abs(x) + 0.01
+        return x
 
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="query", array=True, required=True, differentiable=True),
-        Arg(name="key", array=True, required=True, differentiable=True),
-        Arg(name="value", array=True, required=True, differentiable=True),
-        Arg(name="g", array=True, differentiable=True),
-        Arg(name="gk", array=True, differentiable=True),
-        Arg(name="gv", array=True, differentiable=True),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="softmax_scale", array=False),
-        Arg(name="reverse", array=False, default=False),
-        Arg(name="cu_seqlens", array=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_recurrent,
-    reference=recurrent_reference,
-    synthetic=linear_synthetic,
-    examples="ejkernel.testing.cases.recurrent:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
+    return synthetic_normals(abstract, seed, adjust)
 
 
 def recurrent(
@@ -395,3 +347,15 @@ def recurrent(
         when ``return_state``.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    recurrent,
+    differentiable=("query", "key", "value", "g", "gk", "gv", "initial_state"),
+    validate=validate_recurrent,
+    reference=recurrent_reference,
+    synthetic=linear_synthetic,
+    examples="ejkernel.testing.cases.recurrent:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

@@ -30,7 +30,6 @@ import jax
 from jax import lax
 
 from ejkernel.specs._base import (
-    Arg,
     OpSpec,
     broadcastable,
     call_op,
@@ -38,7 +37,6 @@ from ejkernel.specs._base import (
     is_floating,
 )
 from ejkernel.specs.flash_attention import (
-    _args,
     flash_attention_reference,
     validate_flash_attention,
 )
@@ -66,24 +64,12 @@ def ring_attention_reference(
     attention_mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: int | tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: Any = None,
+    **options: Any,
 ) -> jax.Array:
-    """The oracle: gather the global arrays, run the flash attention reference, keep my rows."""
-    masking = {
-        "softmax_aux": softmax_aux,
-        "softmax_scale": softmax_scale,
-        "causal": causal,
-        "sliding_window": sliding_window,
-        "logits_soft_cap": logits_soft_cap,
-        "dropout_prob": dropout_prob,
-        "dropout_seed": dropout_seed,
-    }
+    """The oracle: gather the global arrays, run the flash attention reference, keep my rows.
+
+    ``options`` are the other keyword arguments of :func:`ring_attention` (sinks, scale,
+    causal, window, soft cap, dropout): they need no gathering."""
     if axis_name is None:
         return flash_attention_reference(
             query,
@@ -93,7 +79,7 @@ def ring_attention_reference(
             attention_mask=attention_mask,
             q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids,
-            **masking,
+            **options,
         )
 
     def gather(x: jax.Array, axis: int) -> jax.Array:
@@ -117,7 +103,7 @@ def ring_attention_reference(
         attention_mask=gather_rows(attention_mask),
         q_segment_ids=gather_ids(q_segment_ids),
         kv_segment_ids=gather_ids(kv_segment_ids),
-        **masking,
+        **options,
     )
     sq = query.shape[1]
     return lax.dynamic_slice_in_dim(out, lax.axis_index(axis_name) * sq, sq, axis=1)
@@ -163,20 +149,6 @@ def validate_ring_attention(a: dict[str, Any]) -> dict[str, Any]:
             )
     a.update(dense)
     return a
-
-
-def _ring_args() -> tuple[Arg, ...]:
-    args = _args(dropout=True, sinks=True)
-    return (*args[:3], Arg(name="axis_name", array=False), *args[3:])
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=_ring_args(),
-    validate=validate_ring_attention,
-    reference=ring_attention_reference,
-    examples="ejkernel.testing.cases.ring_attention:examples",
-)
 
 
 def ring_attention(
@@ -231,3 +203,12 @@ def ring_attention(
         [B, Sq, Hq, Dv] in the query dtype (my rows); rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    ring_attention,
+    differentiable=("query", "key", "value", "bias", "softmax_aux"),
+    validate=validate_ring_attention,
+    reference=ring_attention_reference,
+    examples="ejkernel.testing.cases.ring_attention:examples",
+)

@@ -14,7 +14,6 @@ import jax
 
 from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs.flash_attention import (
-    _args,
     flash_attention_reference,
     validate_flash_attention,
 )
@@ -25,43 +24,12 @@ OP = "scaled_dot_product_attention"
 
 
 def scaled_dot_product_attention_reference(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    *,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: int | tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
+    query: jax.Array, key: jax.Array, value: jax.Array, **options: Any
 ) -> jax.Array:
-    """Materialised float32 attention (flash attention's reference without dropout or sinks)."""
-    return flash_attention_reference(
-        query,
-        key,
-        value,
-        bias=bias,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
+    """Materialised float32 attention: flash attention's reference without dropout or sinks.
 
-
-SPEC = OpSpec(
-    name=OP,
-    args=_args(dropout=False, sinks=False),
-    validate=lambda a: validate_flash_attention(a, op=OP),
-    reference=scaled_dot_product_attention_reference,
-    examples="ejkernel.testing.cases.scaled_dot_product_attention:examples",
-    served_by="flash_attention",
-)
+    ``options`` are the keyword arguments of :func:`scaled_dot_product_attention`."""
+    return flash_attention_reference(query, key, value, **options)
 
 
 def scaled_dot_product_attention(
@@ -88,3 +56,13 @@ def scaled_dot_product_attention(
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    scaled_dot_product_attention,
+    differentiable=("query", "key", "value", "bias"),
+    validate=lambda a: validate_flash_attention(a, op=OP),
+    reference=scaled_dot_product_attention_reference,
+    examples="ejkernel.testing.cases.scaled_dot_product_attention:examples",
+    served_by="flash_attention",
+)

@@ -25,11 +25,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    check_flag,
+    check_floating,
+    synthetic_normals,
+)
 
 __all__ = [
     "SPEC",
     "check_state_space_arrays",
+    "gated_output",
     "state_space_v1",
     "state_space_v1_reference",
     "validate_state_space_v1",
@@ -70,10 +78,16 @@ def state_space_v1_reference(
     time_major = lambda v: jnp.moveaxis(f32(v), 1, 0)
     final, y = jax.lax.scan(step, h0, tuple(map(time_major, (x, delta, B, C))))
     y = jnp.moveaxis(y, 0, 1) + f32(D) * f32(x)
+    return gated_output(y, gate, x.dtype, final if return_state else None)
+
+
+def gated_output(y: jax.Array, gate: Any, dtype: Any, final: Any) -> Any:
+    """A state-space op's output from its float32 ``y``: ``y ⊙ silu(gate)`` (when gated) in
+    ``dtype``, paired with the final state when one is given."""
     if gate is not None:
-        y = y * jax.nn.silu(f32(gate))
-    out = y.astype(x.dtype)
-    return (out, final) if return_state else out
+        y = y * jax.nn.silu(gate.astype(jnp.float32))
+    out = y.astype(dtype)
+    return out if final is None else (out, final)
 
 
 def validate_state_space_v1(a: dict[str, Any]) -> dict[str, Any]:
@@ -119,54 +133,23 @@ def check_state_space_arrays(
                 raise ValueError(
                     f"{op}: `{name}` must be {letters}={want}; got {name}.shape={tuple(v.shape)}"
                 )
-        if not is_floating(v):
-            raise TypeError(f"{op}: `{name}` must be a floating array; got dtype {v.dtype}")
+        check_floating(op, ((name, v),))
     for flag in ("dt_softplus", "return_state"):
-        if not isinstance(a.get(flag), (bool, np.bool_)):
-            raise TypeError(f"{op}: `{flag}` must be a bool; got {a.get(flag)!r}")
-        a[flag] = bool(a[flag])
+        a[flag] = check_flag(op, flag, a.get(flag))
     return a
 
 
 def synthetic_state_space(abstract: Any, seed: int = 0) -> dict[str, Any]:
     """Valid inputs for autotuning a state-space op: ``A < 0``, positive steps ``dt``."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {}
-    for name, v in abstract.items():
-        if not isinstance(v, jax.ShapeDtypeStruct):
-            out[name] = v
-            continue
-        normal = rng.standard_normal(v.shape, dtype=np.float32)
+
+    def adjust(name: str, x: np.ndarray) -> np.ndarray:
         if name == "A":
-            normal = -np.exp(0.5 * normal)
-        elif name in ("dt", "dt_bias"):
-            normal = 0.1 * np.logaddexp(0.0, normal)  # small positive steps
-        out[name] = jnp.asarray(normal, v.dtype)
-    return out
+            return -np.exp(0.5 * x)
+        if name in ("dt", "dt_bias"):
+            return 0.1 * np.logaddexp(0.0, x)  # small positive steps
+        return x
 
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="x", array=True, required=True, differentiable=True),
-        Arg(name="A", array=True, required=True, differentiable=True),
-        Arg(name="B", array=True, required=True, differentiable=True),
-        Arg(name="C", array=True, required=True, differentiable=True),
-        Arg(name="D", array=True, required=True, differentiable=True),
-        Arg(name="dt", array=True, required=True, differentiable=True),
-        Arg(name="gate", array=True, differentiable=True),
-        Arg(name="dt_bias", array=True, differentiable=True),
-        Arg(name="dt_softplus", array=False, default=False),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_state_space_v1,
-    reference=state_space_v1_reference,
-    synthetic=synthetic_state_space,
-    examples="ejkernel.testing.cases.state_space_v1:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
+    return synthetic_normals(abstract, seed, adjust)
 
 
 def state_space_v1(
@@ -207,3 +190,15 @@ def state_space_v1(
         final_state [B, I, N] float32.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    state_space_v1,
+    differentiable=("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state"),
+    validate=validate_state_space_v1,
+    reference=state_space_v1_reference,
+    synthetic=synthetic_state_space,
+    examples="ejkernel.testing.cases.state_space_v1:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

@@ -27,8 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array
-from ejkernel.specs.state_space_v1 import check_state_space_arrays, synthetic_state_space
+from ejkernel.specs._base import OpSpec, call_op, check_array
+from ejkernel.specs.state_space_v1 import (
+    check_state_space_arrays,
+    gated_output,
+    synthetic_state_space,
+)
 
 __all__ = [
     "SPEC",
@@ -77,10 +81,7 @@ def state_space_v2_reference(
     xs = (time_major(f32(x)), time_major(delta), time_major(per_head(B)), time_major(per_head(C)))
     final, y = jax.lax.scan(step, h0, xs)
     y = jnp.moveaxis(y, 0, 1) + f32(D)[:, None] * f32(x)
-    if gate is not None:
-        y = y * jax.nn.silu(f32(gate))
-    out = y.astype(x.dtype)
-    return (out, final) if return_state else out
+    return gated_output(y, gate, x.dtype, final if return_state else None)
 
 
 def validate_state_space_v2(a: dict[str, Any]) -> dict[str, Any]:
@@ -114,31 +115,6 @@ def validate_state_space_v2(a: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{op}: `chunk_size` must be a positive int or None; got {chunk!r}")
         a["chunk_size"] = int(chunk)
     return a
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        Arg(name="x", array=True, required=True, differentiable=True),
-        Arg(name="A", array=True, required=True, differentiable=True),
-        Arg(name="B", array=True, required=True, differentiable=True),
-        Arg(name="C", array=True, required=True, differentiable=True),
-        Arg(name="D", array=True, required=True, differentiable=True),
-        Arg(name="dt", array=True, required=True, differentiable=True),
-        Arg(name="gate", array=True, differentiable=True),
-        Arg(name="dt_bias", array=True, differentiable=True),
-        Arg(name="dt_softplus", array=False, default=False),
-        Arg(name="initial_state", array=True, differentiable=True),
-        Arg(name="chunk_size", array=False),
-        Arg(name="return_state", array=False, default=False),
-    ),
-    validate=validate_state_space_v2,
-    reference=state_space_v2_reference,
-    synthetic=synthetic_state_space,
-    examples="ejkernel.testing.cases.state_space_v2:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
-)
 
 
 def state_space_v2(
@@ -181,3 +157,15 @@ def state_space_v2(
         final_state [B, H, P, N] float32.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    state_space_v2,
+    differentiable=("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state"),
+    validate=validate_state_space_v2,
+    reference=state_space_v2_reference,
+    synthetic=synthetic_state_space,
+    examples="ejkernel.testing.cases.state_space_v2:examples",
+    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
+    tolerances={"float32": (1e-4, 1e-4)},
+)

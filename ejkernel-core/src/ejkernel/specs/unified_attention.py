@@ -18,13 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
-from ejkernel.specs._base import Arg, OpSpec, call_op, check_array, is_floating
+from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
 from ejkernel.specs._paged import (
-    SINKS,
     packed_paged_reference,
-    required_arrays,
     synthetic_paged_inputs,
 )
 from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
@@ -55,6 +52,7 @@ def unified_attention_reference(
 
 def validate_unified_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults. Raises ValueError/TypeError."""
+    a.setdefault("causal", True)
     validate_ragged_page_attention(a, op=OP)
     hq = int(a["queries"].shape[1])
     slopes = a.get("alibi_slopes")
@@ -65,31 +63,7 @@ def validate_unified_attention(a: dict[str, Any]) -> dict[str, Any]:
                 f"{OP}: `alibi_slopes` must be floating [Hq] with Hq={hq}; got "
                 f"alibi_slopes.shape={tuple(slopes.shape)}, dtype {slopes.dtype}"
             )
-    if not isinstance(a.get("causal", True), (bool, np.bool_)):
-        raise TypeError(f"{OP}: `causal` must be a bool; got {a['causal']!r}")
-    a["causal"] = bool(a.get("causal", True))
     return a
-
-
-SPEC = OpSpec(
-    name=OP,
-    args=(
-        *required_arrays(
-            "queries", "key_cache", "value_cache", "kv_lens", "block_tables", "query_start_loc"
-        ),
-        Arg(name="alibi_slopes", array=True),
-        SINKS,
-        Arg(name="softmax_scale", array=False),
-        Arg(name="causal", array=False, default=True),
-        Arg(name="sliding_window", array=False),
-        Arg(name="logits_soft_cap", array=False),
-    ),
-    validate=validate_unified_attention,
-    reference=unified_attention_reference,
-    differentiable=False,
-    synthetic=synthetic_paged_inputs,
-    examples="ejkernel.testing.cases.unified_attention:examples",
-)
 
 
 def unified_attention(
@@ -134,3 +108,12 @@ def unified_attention(
         zeros.
     """
     return call_op(SPEC, locals())
+
+
+SPEC = OpSpec.from_function(
+    unified_attention,
+    validate=validate_unified_attention,
+    reference=unified_attention_reference,
+    synthetic=synthetic_paged_inputs,
+    examples="ejkernel.testing.cases.unified_attention:examples",
+)

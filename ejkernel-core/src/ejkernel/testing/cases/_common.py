@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ejkernel.testing._examples import FLOAT, Example
 
-__all__ = ["attention_example", "segment_ids"]
+__all__ = ["arrays_of", "attention_example", "segment_ids", "sizes_id"]
+
+
+def arrays_of(
+    sizes: Mapping[str, int], dtype: str = FLOAT, **shapes: str
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """:attr:`Example.arrays` entries from shapes in OPS.md letters: ``x="[B, S, I]"`` is
+    ``(sizes["B"], sizes["S"], sizes["I"])`` of ``dtype``."""
+    return {
+        name: (tuple(sizes[letter] for letter in re.findall(r"\w+", letters)), dtype)
+        for name, letters in shapes.items()
+    }
+
+
+def sizes_id(sizes: Mapping[str, int]) -> str:
+    """A readable example name of ``sizes``: ``B2-S37-I24``."""
+    return "-".join(f"{letter}{size}" for letter, size in sizes.items())
 
 
 def segment_ids(rng: np.random.Generator, b: int, s: int, *, pad: int = 0) -> np.ndarray:

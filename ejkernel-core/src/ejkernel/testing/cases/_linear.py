@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ejkernel.testing._examples import FLOAT, Example, Invalid
+from ejkernel.testing._examples import Example, Invalid
+from ejkernel.testing.cases._common import arrays_of
 
 __all__ = ["PACKED", "invalid_linear", "linear_example", "packed"]
 
@@ -22,23 +23,31 @@ def packed(values: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
 
 
 def linear_example(
-    b: int,
-    s: int,
-    h: int,
-    k: int,
-    v: int,
     *,
     tags: str,
-    extra: dict[str, tuple[tuple[int, ...], str]],
+    extra: dict[str, str],
+    b: int = 2,
+    s: int = 37,
+    h: int = 3,
+    k: int = 16,
+    v: int = 24,
+    packed_sequences: bool = False,
     **kwargs: Any,
 ) -> Example:
-    """An example with query/key [B, S, H, K], value [B, S, H, V] and ``extra`` arrays."""
-    arrays = {
-        "query": ((b, s, h, k), FLOAT),
-        "key": ((b, s, h, k), FLOAT),
-        "value": ((b, s, h, v), FLOAT),
-        **extra,
-    }
+    """An example with query/key [B, S, H, K], value [B, S, H, V] and ``extra`` floating
+    arrays, each given by its shape in OPS.md letters (``"[B, S, H, K]"``; ``N`` is the number
+    of sequences). The sizes default to an odd length; ``packed_sequences``: B = 1 and the
+    tokens cut as :data:`PACKED` (``cu_seqlens`` is added)."""
+    if packed_sequences:
+        b, s = 1, PACKED[-1]
+    n = len(PACKED) - 1 if packed_sequences else b
+    sizes = {"B": b, "S": s, "H": h, "K": k, "V": v, "N": n}
+    arrays = arrays_of(
+        sizes, query="[B, S, H, K]", key="[B, S, H, K]", value="[B, S, H, V]", **extra
+    )
+    if packed_sequences:
+        arrays["cu_seqlens"] = ((n + 1,), "int32")
+        kwargs["fill"] = packed
     return Example(name=f"B{b}-S{s}-H{h}-K{k}-V{v}-{tags}", arrays=arrays, **kwargs)
 
 

@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-from ejkernel.testing._examples import FLOAT, Example, Invalid
-from ejkernel.testing.cases._linear import PACKED, invalid_linear, linear_example, packed
+from ejkernel.testing._examples import Example, Invalid
+from ejkernel.testing.cases._linear import invalid_linear, linear_example
 
 __all__ = ["examples"]
 
 
 def examples() -> list[Example | Invalid]:
-    n = len(PACKED) - 1
     return [
         linear_example(
-            2,
-            37,
-            3,
-            16,
-            24,
             tags="state",
-            extra={"g": ((2, 37, 3, 16), FLOAT), "initial_state": ((2, 3, 16, 24), FLOAT)},
+            extra={"g": "[B, S, H, K]", "initial_state": "[N, H, K, V]"},
             options={"return_state": True},
         ),
         linear_example(
-            1,
-            70,
-            2,
-            32,
-            16,
-            tags="packed",
-            extra={"g": ((1, 70, 2, 32), FLOAT), "cu_seqlens": ((n + 1,), "int32")},
-            fill=packed,
+            h=2, k=32, v=16, tags="packed", extra={"g": "[B, S, H, K]"}, packed_sequences=True
         ),
         *invalid_linear(),
     ]

@@ -3,43 +3,27 @@ packed sequences."""
 
 from __future__ import annotations
 
-from ejkernel.testing._examples import FLOAT, Example, Invalid
-from ejkernel.testing.cases._linear import PACKED, invalid_linear, linear_example, packed
+from ejkernel.testing._examples import Example, Invalid
+from ejkernel.testing.cases._linear import invalid_linear, linear_example
 
 __all__ = ["examples"]
 
 
 def examples() -> list[Example | Invalid]:
-    n = len(PACKED) - 1
     return [
         linear_example(
-            2,
-            37,
-            3,
-            16,
-            24,
             tags="g-gk-state",
-            extra={
-                "g": ((2, 37, 3), FLOAT),
-                "gk": ((2, 37, 3, 16), FLOAT),
-                "initial_state": ((2, 3, 16, 24), FLOAT),
-            },
+            extra={"g": "[B, S, H]", "gk": "[B, S, H, K]", "initial_state": "[N, H, K, V]"},
             options={"return_state": True},
         ),
         linear_example(
-            1,
-            70,
-            2,
-            32,
-            16,
+            h=2,
+            k=32,
+            v=16,
             tags="gv-reverse-packed-state",
-            extra={
-                "gv": ((1, 70, 2, 16), FLOAT),
-                "initial_state": ((n, 2, 32, 16), FLOAT),
-                "cu_seqlens": ((n + 1,), "int32"),
-            },
+            extra={"gv": "[B, S, H, V]", "initial_state": "[N, H, K, V]"},
             options={"reverse": True, "return_state": True, "softmax_scale": 0.3},
-            fill=packed,
+            packed_sequences=True,
         ),
         *invalid_linear(),
     ]

@@ -3,31 +3,23 @@ initial and final states."""
 
 from __future__ import annotations
 
-from ejkernel.testing._examples import FLOAT, Example, Invalid
+from ejkernel.testing._examples import Example, Invalid
+from ejkernel.testing.cases._common import arrays_of, sizes_id
 
 __all__ = ["examples"]
 
 
 def examples() -> list[Example | Invalid]:
-    b, s, i, n = 2, 37, 24, 12
-    core = {
-        "x": ((b, s, i), FLOAT),
-        "A": ((i, n), FLOAT),
-        "B": ((b, s, n), FLOAT),
-        "C": ((b, s, n), FLOAT),
-        "D": ((i,), FLOAT),
-        "dt": ((b, s, i), FLOAT),
-    }
+    sizes = {"B": 2, "S": 37, "I": 24, "N": 12}
+    core = arrays_of(
+        sizes, x="[B, S, I]", A="[I, N]", B="[B, S, N]", C="[B, S, N]", D="[I]", dt="[B, S, I]"
+    )
+    extra = arrays_of(sizes, gate="[B, S, I]", dt_bias="[I]", initial_state="[B, I, N]")
     return [
-        Example(name=f"B{b}-S{s}-I{i}-N{n}-plain", arrays=core),
+        Example(name=f"{sizes_id(sizes)}-plain", arrays=core),
         Example(
-            name=f"B{b}-S{s}-I{i}-N{n}-gate-dtbias-softplus-state",
-            arrays={
-                **core,
-                "gate": ((b, s, i), FLOAT),
-                "dt_bias": ((i,), FLOAT),
-                "initial_state": ((b, i, n), FLOAT),
-            },
+            name=f"{sizes_id(sizes)}-gate-dtbias-softplus-state",
+            arrays={**core, **extra},
             options={"dt_softplus": True, "return_state": True},
         ),
         Invalid.extra_axis("x"),

@@ -3,31 +3,29 @@ softplus, states, a chunk size that does not divide the length."""
 
 from __future__ import annotations
 
-from ejkernel.testing._examples import FLOAT, Example, Invalid
+from ejkernel.testing._examples import Example, Invalid
+from ejkernel.testing.cases._common import arrays_of, sizes_id
 
 __all__ = ["examples"]
 
 
 def examples() -> list[Example | Invalid]:
-    b, s, h, p, g, n = 2, 37, 4, 8, 2, 6
-    core = {
-        "x": ((b, s, h, p), FLOAT),
-        "A": ((h,), FLOAT),
-        "B": ((b, s, g, n), FLOAT),
-        "C": ((b, s, g, n), FLOAT),
-        "D": ((h,), FLOAT),
-        "dt": ((b, s, h), FLOAT),
-    }
+    sizes = {"B": 2, "S": 37, "H": 4, "P": 8, "G": 2, "N": 6}
+    core = arrays_of(
+        sizes,
+        x="[B, S, H, P]",
+        A="[H]",
+        B="[B, S, G, N]",
+        C="[B, S, G, N]",
+        D="[H]",
+        dt="[B, S, H]",
+    )
+    extra = arrays_of(sizes, gate="[B, S, H, P]", dt_bias="[H]", initial_state="[B, H, P, N]")
     return [
-        Example(name=f"B{b}-S{s}-H{h}-P{p}-G{g}-N{n}-plain", arrays=core),
+        Example(name=f"{sizes_id(sizes)}-plain", arrays=core),
         Example(
-            name=f"B{b}-S{s}-H{h}-P{p}-G{g}-N{n}-gate-dtbias-softplus-state-chunk16",
-            arrays={
-                **core,
-                "gate": ((b, s, h, p), FLOAT),
-                "dt_bias": ((h,), FLOAT),
-                "initial_state": ((b, h, p, n), FLOAT),
-            },
+            name=f"{sizes_id(sizes)}-gate-dtbias-softplus-state-chunk16",
+            arrays={**core, **extra},
             options={"dt_softplus": True, "return_state": True, "chunk_size": 16},
         ),
         Invalid.extra_axis("x"),
