@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _linear_cases as lc
 
 import ejkernel
 from ejkernel.specs.gla import gla_reference
@@ -25,8 +26,6 @@ from ejkernel_xla.ops.gla import GlaConfig, config_space, heuristic
 
 #: Chunks of 16 tokens in sub-chunks of 4: a 37-token sequence is 3 chunks, the last padded.
 SMALL = GlaConfig(chunk_size=16, sub_chunk_size=4)
-#: Float32 tolerance multiplier: 1e-5 · 10 = 1e-4 relative to the largest reference value.
-F32 = 10.0
 DIFFERENTIABLE = ("query", "key", "value", "g", "initial_state")
 
 
@@ -56,32 +55,9 @@ def make_inputs(
     return arrays
 
 
-@functools.partial(jax.jit, static_argnames=("statics",))
-def reference_vjp(
-    arrays: dict[str, Any], cotangent: Any, statics: tuple[tuple[str, Any], ...]
-) -> Any:
-    """The reference's output and its gradients for ``cotangent`` (jitted: compiled once)."""
-    wrt = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
-    rest = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
-    out, vjp = jax.vjp(lambda wrt: gla_reference(**wrt, **rest, **dict(statics)), wrt)
-    return out, vjp(cotangent)[0]
-
-
-def check(arrays: dict[str, Any], *, cfg: Any = SMALL, scale: float = F32, **statics: Any) -> Any:
-    """Output and gradients of ``ejkernel.gla`` against the reference; returns ours."""
-    wrt = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
-    rest = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
-    out, vjp = jax.vjp(lambda wrt: ejkernel.gla(**wrt, **rest, cfg=cfg, **statics), wrt)
-    cotangent = jax.tree.map(lambda o: normal(jax.random.PRNGKey(42), o.shape, o.dtype), out)
-    (grads,) = vjp(cotangent)
-    ref_out, ref_grads = reference_vjp(arrays, cotangent, tuple(sorted(statics.items())))
-    dtype = arrays["query"].dtype
-    assert_close(out, ref_out, dtype=dtype, scale=scale, name="out")
-    assert set(grads) == set(wrt)
-    for name, grad in grads.items():
-        assert grad.shape == arrays[name].shape and grad.dtype == arrays[name].dtype, name
-        assert_close(grad, ref_grads[name], dtype=dtype, scale=scale, name=f"d{name}")
-    return out, grads
+#: ``check(arrays, **statics)``: output and gradients of ``ejkernel.gla`` against the reference
+#: (in ``SMALL`` chunks unless ``cfg`` is given); returns ours.
+check = functools.partial(lc.check_vjp, ejkernel.gla, gla_reference, DIFFERENTIABLE, cfg=SMALL)
 
 
 @pytest.mark.parametrize(
@@ -110,8 +86,8 @@ def test_packed_sequences_with_empty_and_single_token_sequences_reset_states() -
         for n in ("query", "key", "value", "g", "initial_state")
     )
     state = h0 * jnp.exp(g)[:, :, None] + k[:, :, None] * v[:, None, :]
-    assert_close(out[0, 0], 16**-0.5 * jnp.einsum("hk,hkv->hv", q, state), scale=F32)
-    assert_close(final[0], state, scale=F32)
+    assert_close(out[0, 0], 16**-0.5 * jnp.einsum("hk,hkv->hv", q, state), scale=lc.F32)
+    assert_close(final[0], state, scale=lc.F32)
 
 
 def test_three_hundred_and_thirty_three_steps_stay_within_1e_4_in_float32() -> None:
@@ -128,28 +104,12 @@ def test_bfloat16_matches_the_float32_reference() -> None:
 
 def test_two_halves_with_the_carried_state_equal_one_run() -> None:
     arrays = make_inputs(2, 40, 3, 16, 24, num_states=2)
-    full, full_state = ejkernel.gla(**arrays, return_state=True, cfg=SMALL)
-    half = lambda x, part: x[:, :20] if part == 0 else x[:, 20:]
-    tokens = ("query", "key", "value", "g")
-    first = {n: half(x, 0) if n in tokens else x for n, x in arrays.items()}
-    out1, state = ejkernel.gla(**first, return_state=True, cfg=SMALL)
-    second = {n: half(arrays[n], 1) for n in tokens}
-    out2, state2 = ejkernel.gla(**second, initial_state=state, return_state=True, cfg=SMALL)
-    assert_close(jnp.concatenate([out1, out2], axis=1), full, scale=F32)
-    assert_close(state2, full_state, scale=F32)
+    lc.check_two_halves(ejkernel.gla, arrays, ("query", "key", "value", "g"), 20, cfg=SMALL)
 
 
 def test_jit_and_vmap_of_gradients_match_the_reference() -> None:
     arrays = make_inputs(2, 37, 3, 16, 24)
-    stacked = {n: jnp.stack([x, 0.5 * x]) for n, x in arrays.items()}
-
-    def loss(fn: Any, a: dict[str, Any]) -> Any:
-        return jnp.sum(jnp.sin(fn(**a)))
-
-    ours = functools.partial(ejkernel.gla, cfg=SMALL)
-    got = jax.jit(jax.vmap(jax.value_and_grad(functools.partial(loss, ours))))(stacked)
-    want = jax.vmap(jax.value_and_grad(functools.partial(loss, gla_reference)))(stacked)
-    assert_close(got, want, scale=F32)
+    lc.check_jit_vmap_grad(functools.partial(ejkernel.gla, cfg=SMALL), gla_reference, arrays)
 
 
 def test_forward_and_backward_memory_grows_linearly_in_the_sequence() -> None:
@@ -180,8 +140,8 @@ def test_forward_alone_mixes_both_intra_forms_per_chunk_and_matches_the_referenc
     arrays = {**arrays, "g": g}
     out, final = jax.jit(lambda a: ejkernel.gla(**a, return_state=True, cfg=SMALL))(arrays)
     ref_out, ref_final = gla_reference(**arrays, return_state=True)
-    assert_close(out, ref_out, scale=F32, name="out")
-    assert_close(final, ref_final, scale=F32, name="final")
+    assert_close(out, ref_out, scale=lc.F32, name="out")
+    assert_close(final, ref_final, scale=lc.F32, name="final")
     # The same through ``recurrent`` run backwards (the streamed form flips the tokens).
     rec = {n: arrays[n] for n in ("query", "key", "value", "initial_state")}
     rec["gk"] = arrays["g"]
@@ -189,8 +149,8 @@ def test_forward_alone_mixes_both_intra_forms_per_chunk_and_matches_the_referenc
         lambda a: ejkernel.recurrent(**a, reverse=True, return_state=True, cfg=SMALL)
     )(rec)
     ref_out, ref_final = recurrent_reference(**rec, reverse=True, return_state=True)
-    assert_close(out, ref_out, scale=F32, name="reverse out")
-    assert_close(final, ref_final, scale=F32, name="reverse final")
+    assert_close(out, ref_out, scale=lc.F32, name="reverse out")
+    assert_close(final, ref_final, scale=lc.F32, name="reverse final")
 
 
 def test_forward_alone_builds_no_per_chunk_states() -> None:
@@ -214,20 +174,11 @@ def test_explain_reports_the_xla_heuristic_config() -> None:
     assert ejkernel.explain(ejkernel.gla, **arrays, cfg=SMALL).source == "override"
 
 
-class _Invocation:
-    def __init__(self, s: int, cu: int | None = None) -> None:
-        self.kwargs = {
-            "query": jax.ShapeDtypeStruct((1, s, 2, 16), jnp.float32),
-            "cu_seqlens": None if cu is None else jax.ShapeDtypeStruct((cu + 1,), jnp.int32),
-        }
-        self.metadata = {"grad": True}
-
-
 @pytest.mark.parametrize(
     ("s", "cu"), [(4096, None), (37, None), (4096, 256)], ids=["S4096", "S37", "S4096-packed-256"]
 )
 def test_configs_never_use_chunks_longer_than_needed(s: int, cu: int | None) -> None:
-    inv = _Invocation(s, cu)
+    inv = lc.linear_invocation(s, cu)
     space = config_space(inv)
     assert space[0] == heuristic(inv) and len(space) == len(set(space)) <= 8
     for cfg in space:
@@ -236,55 +187,26 @@ def test_configs_never_use_chunks_longer_than_needed(s: int, cu: int | None) -> 
         assert cfg.chunk_size % cfg.sub_chunk_size == 0
 
 
-def _bad(**changes: Any) -> dict[str, Any]:
-    arrays = make_inputs(2, 37, 3, 16, 24)
-    arrays.update(changes)
-    return arrays
+#: A valid call; the bad-input cases change some of its arguments.
+VALID = make_inputs(2, 37, 3, 16, 24)
 
 
 @pytest.mark.parametrize(
-    ("arrays", "error", "match"),
+    ("changes", "error", "match"),
     [
-        (_bad(g=jnp.zeros((2, 37, 3))), ValueError, r"^gla: `g` must be \[B, S, H, K\]"),
-        (
-            _bad(g=jnp.zeros((2, 37, 3, 16), jnp.int32)),
+        *lc.common_bad_inputs(VALID),
+        pytest.param(
+            {"g": jnp.zeros((2, 37, 3))}, ValueError, r"`g` must be \[B, S, H, K\]", id="g-shape"
+        ),
+        pytest.param(
+            {"g": jnp.zeros((2, 37, 3, 16), jnp.int32)},
             TypeError,
-            r"^gla: `g` must be a floating array",
+            "`g` must be a floating",
+            id="g-int",
         ),
-        (
-            _bad(value=jnp.zeros((2, 37, 4, 24))),
-            ValueError,
-            r"^gla: `value` must be \[B, S, H, V\]",
-        ),
-        (
-            _bad(query=jnp.zeros((2, 37, 3, 16), jnp.int32)),
-            TypeError,
-            r"^gla: `query` must be a floating array",
-        ),
-        (
-            _bad(initial_state=jnp.zeros((2, 3, 24, 16))),
-            ValueError,
-            r"^gla: `initial_state` must be floating \[B, H, K, V\]",
-        ),
-        (
-            _bad(cu_seqlens=jnp.asarray([[0, 37]])),
-            ValueError,
-            r"^gla: `cu_seqlens` must be \[N \+ 1\]",
-        ),
-        (_bad(return_state="yes"), TypeError, r"^gla: `return_state` must be a bool"),
-    ],
-    ids=[
-        "g-shape",
-        "g-int",
-        "value-H",
-        "query-int",
-        "initial-state-KV",
-        "cu-seqlens-2d",
-        "return-state-str",
     ],
 )
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    arrays: dict[str, Any], error: type, match: str
+    changes: dict[str, Any], error: type, match: str
 ) -> None:
-    with pytest.raises(error, match=match):
-        ejkernel.gla(**arrays)
+    lc.check_rejects(ejkernel.gla, VALID, changes, error, match)

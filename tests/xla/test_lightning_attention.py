@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _linear_cases as lc
 
 import ejkernel
 from ejkernel.specs.lightning_attention import lightning_attention_reference, lightning_slopes
@@ -29,8 +30,6 @@ from ejkernel_xla.ops.lightning_attention import (
 
 #: 16-token chunks: a 37-token sequence is 3 chunks, the last padded.
 SMALL = LightningAttentionConfig(chunk_size=16)
-#: Float32 tolerance multiplier: 1e-5 · 10 = 1e-4 relative to the largest reference value.
-F32 = 10.0
 DIFFERENTIABLE = ("query", "key", "value", "slopes", "initial_state")
 
 
@@ -57,35 +56,15 @@ def make_inputs(
     return arrays
 
 
-@functools.partial(jax.jit, static_argnames=("statics",))
-def reference_vjp(
-    arrays: dict[str, Any], cotangent: Any, statics: tuple[tuple[str, Any], ...]
-) -> Any:
-    """The reference's output and its gradients for ``cotangent`` (jitted: compiled once)."""
-    wrt = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
-    rest = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
-    out, vjp = jax.vjp(
-        lambda wrt: lightning_attention_reference(**wrt, **rest, **dict(statics)), wrt
-    )
-    return out, vjp(cotangent)[0]
-
-
-def check(arrays: dict[str, Any], *, cfg: Any = SMALL, scale: float = F32, **statics: Any) -> Any:
-    """Output and gradients of ``ejkernel.lightning_attention`` against the reference."""
-    wrt = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
-    rest = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
-    out, vjp = jax.vjp(
-        lambda wrt: ejkernel.lightning_attention(**wrt, **rest, cfg=cfg, **statics), wrt
-    )
-    cotangent = jax.tree.map(lambda o: normal(jax.random.PRNGKey(42), o.shape, o.dtype), out)
-    (grads,) = vjp(cotangent)
-    ref_out, ref_grads = reference_vjp(arrays, cotangent, tuple(sorted(statics.items())))
-    dtype = arrays["query"].dtype
-    assert_close(out, ref_out, dtype=dtype, scale=scale, name="out")
-    for name, grad in grads.items():
-        assert grad.shape == arrays[name].shape and grad.dtype == arrays[name].dtype, name
-        assert_close(grad, ref_grads[name], dtype=dtype, scale=scale, name=f"d{name}")
-    return out, grads
+#: ``check(arrays, **statics)``: output and gradients of ``ejkernel.lightning_attention`` against the reference
+#: (in ``SMALL`` chunks unless ``cfg`` is given); returns ours.
+check = functools.partial(
+    lc.check_vjp,
+    ejkernel.lightning_attention,
+    lightning_attention_reference,
+    DIFFERENTIABLE,
+    cfg=SMALL,
+)
 
 
 def test_slopes_follow_minimax_01() -> None:
@@ -108,7 +87,7 @@ def test_layer_index_builds_the_same_slopes_as_given_ones() -> None:
     given = ejkernel.lightning_attention(**arrays, slopes=slopes, cfg=SMALL)
     np.testing.assert_array_equal(by_layer, given)
     assert_close(
-        by_layer, lightning_attention_reference(**arrays, layer_idx=3, num_layers=8), scale=F32
+        by_layer, lightning_attention_reference(**arrays, layer_idx=3, num_layers=8), scale=lc.F32
     )
 
 
@@ -139,31 +118,15 @@ def test_bfloat16_matches_the_float32_reference() -> None:
 
 def test_two_halves_with_the_carried_state_equal_one_run() -> None:
     arrays = make_inputs(2, 40, 4, 16, 24, num_states=2)
-    full, full_state = ejkernel.lightning_attention(**arrays, return_state=True, cfg=SMALL)
-    tokens = ("query", "key", "value")
-    first = {n: x[:, :20] if n in tokens else x for n, x in arrays.items()}
-    out1, state = ejkernel.lightning_attention(**first, return_state=True, cfg=SMALL)
-    second = {n: arrays[n][:, 20:] for n in tokens}
-    out2, state2 = ejkernel.lightning_attention(
-        **second, slopes=arrays["slopes"], initial_state=state, return_state=True, cfg=SMALL
+    lc.check_two_halves(
+        ejkernel.lightning_attention, arrays, ("query", "key", "value"), 20, cfg=SMALL
     )
-    assert_close(jnp.concatenate([out1, out2], axis=1), full, scale=F32)
-    assert_close(state2, full_state, scale=F32)
 
 
 def test_jit_and_vmap_of_gradients_match_the_reference() -> None:
     arrays = make_inputs(2, 37, 4, 16, 24)
-    stacked = {n: jnp.stack([x, 0.5 * x]) for n, x in arrays.items()}
-
-    def loss(fn: Any, a: dict[str, Any]) -> Any:
-        return jnp.sum(jnp.sin(fn(**a)))
-
     ours = functools.partial(ejkernel.lightning_attention, cfg=SMALL)
-    got = jax.jit(jax.vmap(jax.value_and_grad(functools.partial(loss, ours))))(stacked)
-    want = jax.vmap(jax.value_and_grad(functools.partial(loss, lightning_attention_reference)))(
-        stacked
-    )
-    assert_close(got, want, scale=F32)
+    lc.check_jit_vmap_grad(ours, lightning_attention_reference, arrays)
 
 
 def test_explain_reports_the_xla_heuristic_config() -> None:
@@ -181,65 +144,59 @@ def test_explain_reports_the_xla_heuristic_config() -> None:
 
 
 def test_configs_offer_chunks_no_longer_than_the_sequence() -> None:
-    inv = _Invocation(100)
+    inv = lc.linear_invocation(100)
     space = config_space(inv)
     assert space[0] == heuristic(inv) and len(space) == len(set(space))
     assert [c.chunk_size for c in space] == [64, 32, 128]
 
 
-class _Invocation:
-    def __init__(self, s: int) -> None:
-        self.kwargs = {
-            "query": jax.ShapeDtypeStruct((1, s, 2, 16), jnp.float32),
-            "cu_seqlens": None,
-        }
-        self.metadata = {"grad": False}
-
-
-def _bad(**changes: Any) -> dict[str, Any]:
-    arrays = make_inputs(2, 37, 4, 16, 24)
-    arrays.update(changes)
-    return arrays
+#: A valid call; the bad-input cases change some of its arguments.
+VALID = make_inputs(2, 37, 4, 16, 24)
 
 
 @pytest.mark.parametrize(
-    ("arrays", "error", "match"),
+    ("changes", "error", "match"),
     [
-        (
-            _bad(slopes=None),
+        *lc.common_bad_inputs(VALID),
+        pytest.param(
+            {"slopes": None},
             ValueError,
-            r"^lightning_attention: give `slopes` \[H\] or both `layer_idx` and `num_layers`",
+            r"give `slopes` \[H\] or both `layer_idx` and `num_layers`",
+            id="no-slopes",
         ),
-        (
-            _bad(layer_idx=1, num_layers=4),
+        pytest.param(
+            {"layer_idx": 1, "num_layers": 4},
             ValueError,
-            r"^lightning_attention: give `slopes` or \(`layer_idx`, `num_layers`\), not both",
+            r"give `slopes` or \(`layer_idx`, `num_layers`\), not both",
+            id="both",
         ),
-        (
-            _bad(slopes=jnp.ones((3,))),
+        pytest.param(
+            {"slopes": jnp.ones((3,))},
             ValueError,
-            r"^lightning_attention: `slopes` must be floating \[H\]",
+            r"`slopes` must be floating \[H\]",
+            id="slopes-H",
         ),
-        (
-            _bad(slopes=None, layer_idx=4, num_layers=4),
+        pytest.param(
+            {"slopes": None, "layer_idx": 4, "num_layers": 4},
             ValueError,
-            r"^lightning_attention: `layer_idx` must satisfy 0 <= layer_idx < num_layers",
+            "`layer_idx` must satisfy 0 <= layer_idx < num_layers",
+            id="layer-out-of-range",
         ),
-        (
-            _bad(slopes=None, layer_idx=1.0, num_layers=4),
+        pytest.param(
+            {"slopes": None, "layer_idx": 1.0, "num_layers": 4},
             TypeError,
-            r"^lightning_attention: `layer_idx` must be an int",
+            "`layer_idx` must be an int",
+            id="layer-float",
         ),
-        (
-            _bad(key=jnp.zeros((2, 36, 4, 16))),
+        pytest.param(
+            {"key": jnp.zeros((2, 36, 4, 16))},
             ValueError,
-            r"^lightning_attention: `key` must be \[B, S, H, K\]",
+            r"`key` must be \[B, S, H, K\]",
+            id="key-S",
         ),
     ],
-    ids=["no-slopes", "both", "slopes-H", "layer-out-of-range", "layer-float", "key-S"],
 )
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    arrays: dict[str, Any], error: type, match: str
+    changes: dict[str, Any], error: type, match: str
 ) -> None:
-    with pytest.raises(error, match=match):
-        ejkernel.lightning_attention(**arrays)
+    lc.check_rejects(ejkernel.lightning_attention, VALID, changes, error, match)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _linear_cases as lc
 
 import ejkernel
 from ejkernel.specs.recurrent import recurrent_reference
@@ -27,8 +28,6 @@ from ejkernel_xla.ops.recurrent import RecurrentConfig, config_space, heuristic
 
 #: Chunks of 16 tokens in sub-chunks of 4: a 37-token sequence is 3 chunks, the last padded.
 SMALL = RecurrentConfig(chunk_size=16, sub_chunk_size=4)
-#: Float32 tolerance multiplier: 1e-5 · 10 = 1e-4 relative to the largest reference value.
-F32 = 10.0
 GATES = ("g", "gk", "gv")
 DIFFERENTIABLE = ("query", "key", "value", "g", "gk", "gv", "initial_state")
 
@@ -62,46 +61,11 @@ def make_inputs(
     return arrays
 
 
-@functools.partial(jax.jit, static_argnames=("statics",))
-def reference_vjp(
-    arrays: dict[str, Any], cotangent: Any, statics: tuple[tuple[str, Any], ...]
-) -> Any:
-    """The reference's output and its gradients for ``cotangent`` (jitted: compiled once)."""
-    wrt = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
-    rest = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
-
-    def f(wrt: dict[str, Any]) -> Any:
-        a = {**wrt, **rest}
-        return recurrent_reference(
-            a.pop("query"), a.pop("key"), a.pop("value"), **a, **dict(statics)
-        )
-
-    out, vjp = jax.vjp(f, wrt)
-    return out, vjp(cotangent)[0]
-
-
-def check(arrays: dict[str, Any], *, cfg: Any = SMALL, scale: float = F32, **statics: Any) -> Any:
-    """Output and gradients of ``ejkernel.recurrent`` against the reference; returns ours."""
-    wrt = {n: x for n, x in arrays.items() if n in DIFFERENTIABLE}
-    rest = {n: x for n, x in arrays.items() if n not in DIFFERENTIABLE}
-
-    def f(wrt: dict[str, Any]) -> Any:
-        a = {**wrt, **rest}
-        return ejkernel.recurrent(
-            a.pop("query"), a.pop("key"), a.pop("value"), **a, cfg=cfg, **statics
-        )
-
-    out, vjp = jax.vjp(f, wrt)
-    cotangent = jax.tree.map(lambda o: normal(jax.random.PRNGKey(42), o.shape, o.dtype), out)
-    (grads,) = vjp(cotangent)
-    ref_out, ref_grads = reference_vjp(arrays, cotangent, tuple(sorted(statics.items())))
-    dtype = arrays["query"].dtype
-    assert jax.tree.map(lambda x: x.dtype, out) == jax.tree.map(lambda x: x.dtype, ref_out)
-    assert_close(out, ref_out, dtype=dtype, scale=scale, name="out")
-    for name, grad in grads.items():
-        assert grad.shape == arrays[name].shape and grad.dtype == arrays[name].dtype, name
-        assert_close(grad, ref_grads[name], dtype=dtype, scale=scale, name=f"d{name}")
-    return out, grads
+#: ``check(arrays, **statics)``: output and gradients of ``ejkernel.recurrent`` against the reference
+#: (in ``SMALL`` chunks unless ``cfg`` is given); returns ours.
+check = functools.partial(
+    lc.check_vjp, ejkernel.recurrent, recurrent_reference, DIFFERENTIABLE, cfg=SMALL
+)
 
 
 CASES = [
@@ -141,8 +105,8 @@ def test_three_hundred_steps_stay_within_1e_4_in_float32() -> None:
     arrays = make_inputs(1, 333, 2, 32, 32, gates=("g", "gk"), num_states=1)
     out, final = ejkernel.recurrent(**arrays, return_state=True)
     ref_out, ref_final = recurrent_reference(**arrays, return_state=True)
-    assert_close(out, ref_out, scale=F32, name="out")
-    assert_close(final, ref_final, scale=F32, name="final_state")
+    assert_close(out, ref_out, scale=lc.F32, name="out")
+    assert_close(final, ref_final, scale=lc.F32, name="final_state")
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
@@ -156,7 +120,7 @@ def test_packed_sequences_reset_states_with_empty_and_single_token_sequences(rev
     if reverse:  # the layout's flips are differentiated by JAX; the forward pins them down
         out, final = ejkernel.recurrent(**arrays, return_state=True, reverse=True, cfg=SMALL)
         ref_out, ref_final = recurrent_reference(**arrays, return_state=True, reverse=True)
-        assert_close((out, final), (ref_out, ref_final), scale=F32)
+        assert_close((out, final), (ref_out, ref_final), scale=lc.F32)
     else:
         (out, final), _ = check(arrays, return_state=True)
     assert np.all(np.asarray(out)[0, :2] == 0.0) and np.all(np.asarray(out)[0, 35:] == 0.0)
@@ -170,27 +134,13 @@ def test_bfloat16_matches_the_float32_reference() -> None:
 
 def test_two_halves_with_the_carried_state_equal_one_run() -> None:
     arrays = make_inputs(2, 40, 3, 16, 24, gates=("g",), num_states=2)
-    full, full_state = ejkernel.recurrent(**arrays, return_state=True, cfg=SMALL)
-    tokens = ("query", "key", "value", "g")
-    first = {n: x[:, :20] if n in tokens else x for n, x in arrays.items()}
-    second = {n: x[:, 20:] for n, x in arrays.items() if n in tokens}
-    out1, state = ejkernel.recurrent(**first, return_state=True, cfg=SMALL)
-    out2, state2 = ejkernel.recurrent(**second, initial_state=state, return_state=True, cfg=SMALL)
-    assert_close(jnp.concatenate([out1, out2], axis=1), full, scale=F32)
-    assert_close(state2, full_state, scale=F32)
+    lc.check_two_halves(ejkernel.recurrent, arrays, ("query", "key", "value", "g"), 20, cfg=SMALL)
 
 
 def test_jit_and_vmap_match_the_reference() -> None:
     arrays = make_inputs(2, 37, 3, 16, 24, gates=("g", "gv"))
-    stacked = {n: jnp.stack([x, 0.5 * x]) for n, x in arrays.items()}
-
-    def loss(fn: Any, a: dict[str, Any]) -> Any:
-        return jnp.sum(jnp.sin(fn(**a)))
-
     ours = functools.partial(ejkernel.recurrent, cfg=SMALL)
-    got = jax.jit(jax.vmap(jax.value_and_grad(functools.partial(loss, ours))))(stacked)
-    want = jax.vmap(jax.value_and_grad(functools.partial(loss, recurrent_reference)))(stacked)
-    assert_close(got, want, scale=F32)
+    lc.check_jit_vmap_grad(ours, recurrent_reference, arrays)
 
 
 def test_explain_reports_the_xla_heuristic_config() -> None:
@@ -201,15 +151,6 @@ def test_explain_reports_the_xla_heuristic_config() -> None:
     assert record.config == RecurrentConfig(chunk_size=64, sub_chunk_size=16)
 
 
-class _Invocation:
-    def __init__(self, s: int, cu: int | None = None) -> None:
-        self.kwargs = {
-            "query": jax.ShapeDtypeStruct((1, s, 2, 16), jnp.float32),
-            "cu_seqlens": None if cu is None else jax.ShapeDtypeStruct((cu + 1,), jnp.int32),
-        }
-        self.metadata = {"grad": True}
-
-
 @pytest.mark.parametrize(
     ("s", "cu", "chunk"),
     [(4096, None, 64), (37, None, 64), (5, None, 8), (4096, 256, 16), (4096, 16, 64)],
@@ -218,7 +159,7 @@ class _Invocation:
 def test_heuristic_chunks_shrink_for_short_and_short_packed_sequences(
     s: int, cu: int | None, chunk: int
 ) -> None:
-    inv = _Invocation(s, cu)
+    inv = lc.linear_invocation(s, cu)
     cfg = heuristic(inv)
     assert cfg.chunk_size == chunk and cfg.chunk_size % cfg.sub_chunk_size == 0
     space = config_space(inv)
@@ -232,84 +173,36 @@ def test_a_config_whose_sub_chunk_does_not_divide_the_chunk_is_refused() -> None
         ejkernel.recurrent(**arrays, cfg=RecurrentConfig(chunk_size=32, sub_chunk_size=12))
 
 
-def _bad(**changes: Any) -> dict[str, Any]:
-    arrays = make_inputs(2, 37, 3, 16, 24, gates=("g",))
-    arrays.update(changes)
-    return arrays
+#: A valid call; the bad-input cases change some of its arguments.
+VALID = make_inputs(2, 37, 3, 16, 24, gates=("g",))
 
 
 @pytest.mark.parametrize(
-    ("arrays", "error", "match"),
+    ("changes", "error", "match"),
     [
-        (
-            _bad(key=jnp.zeros((2, 37, 3, 8))),
-            ValueError,
-            r"^recurrent: `key` must be \[B, S, H, K\]",
+        *lc.common_bad_inputs(VALID),
+        pytest.param(
+            {"g": jnp.zeros((2, 37, 3, 1))}, ValueError, r"`g` must be \[B, S, H\]", id="g-shape"
         ),
-        (
-            _bad(value=jnp.zeros((2, 36, 3, 24))),
+        pytest.param(
+            {"gk": jnp.zeros((2, 37, 3, 24))},
             ValueError,
-            r"^recurrent: `value` must be \[B, S, H, V\]",
+            r"`gk` must be \[B, S, H, K\]",
+            id="gk-shape",
         ),
-        (
-            _bad(query=jnp.zeros((2, 37, 3))),
-            ValueError,
-            r"^recurrent: `query` must be \[B, S, H, K\]",
-        ),
-        (
-            _bad(key=jnp.zeros((2, 37, 3, 16), jnp.bfloat16)),
+        pytest.param(
+            {"gv": jnp.zeros((2, 37, 3, 24), jnp.int32)},
             TypeError,
-            r"^recurrent: `query`, `key` and `value` must share one dtype",
+            "`gv` must be a floating",
+            id="gv-int",
         ),
-        (_bad(g=jnp.zeros((2, 37, 3, 1))), ValueError, r"^recurrent: `g` must be \[B, S, H\]"),
-        (
-            _bad(gk=jnp.zeros((2, 37, 3, 24))),
-            ValueError,
-            r"^recurrent: `gk` must be \[B, S, H, K\]",
-        ),
-        (
-            _bad(gv=jnp.zeros((2, 37, 3, 24), jnp.int32)),
-            TypeError,
-            r"^recurrent: `gv` must be a floating array",
-        ),
-        (
-            _bad(initial_state=jnp.zeros((3, 3, 16, 24))),
-            ValueError,
-            r"^recurrent: `initial_state` must be floating \[B, H, K, V\]",
-        ),
-        (
-            _bad(cu_seqlens=jnp.asarray([0, 37])),
-            ValueError,
-            r"^recurrent: `cu_seqlens` packs sequences along S and needs B == 1",
-        ),
-        (
-            _bad(cu_seqlens=jnp.asarray([0.0, 37.0])),
-            TypeError,
-            r"^recurrent: `cu_seqlens` must be an integer array",
-        ),
-        (_bad(reverse=1), TypeError, r"^recurrent: `reverse` must be a bool"),
-        (_bad(softmax_scale="x"), TypeError, r"^recurrent: `softmax_scale` must be a number"),
-    ],
-    ids=[
-        "key-K",
-        "value-S",
-        "query-ndim",
-        "dtype-mix",
-        "g-shape",
-        "gk-shape",
-        "gv-int",
-        "initial-state-N",
-        "cu-seqlens-B",
-        "cu-seqlens-float",
-        "reverse-int",
-        "scale-str",
+        pytest.param({"reverse": 1}, TypeError, "`reverse` must be a bool", id="reverse-int"),
     ],
 )
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    arrays: dict[str, Any], error: type, match: str
+    changes: dict[str, Any], error: type, match: str
 ) -> None:
-    with pytest.raises(error, match=match):
-        ejkernel.recurrent(**arrays)
+    lc.check_rejects(ejkernel.recurrent, VALID, changes, error, match)
 
 
 def test_packed_initial_state_needs_one_row_per_sequence() -> None:

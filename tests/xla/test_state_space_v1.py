@@ -8,21 +8,23 @@ to a relative error of 1e-4 over 300+ steps.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _linear_cases as lc
 
 import ejkernel
 from ejkernel.specs.state_space_v1 import state_space_v1_reference
-from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal
 from ejkernel_xla.ops.state_space_v1 import StateSpaceV1Config, config_space, heuristic
 
-#: f32 tolerance of this op: 1e-4 relative (the float32 table's 1e-5, times 10).
-F32 = 10.0
+#: The arrays with a token axis.
+PER_TOKEN = ("x", "B", "C", "dt", "gate")
+ARRAYS = ("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state")
 PARALLEL = StateSpaceV1Config(chunk_size=16, intra_chunk="associative")
 LOOP = StateSpaceV1Config(chunk_size=16, intra_chunk="sequential")
 
@@ -49,105 +51,68 @@ def inputs(
     return arrays
 
 
-def check(
-    arrays: dict[str, Any], cfg: Any = None, scale: float = F32, **statics: Any
-) -> tuple[Any, Any]:
-    """Compare output and gradients with the reference (eager ``jax.vjp`` of both)."""
-
-    def fwd_bwd(fn: Any) -> Any:
-        out, vjp = jax.vjp(lambda d: fn(**d, **statics), arrays)
-        cot = jax.tree.map(lambda o: normal(jax.random.PRNGKey(42), o.shape, o.dtype), out)
-        return out, vjp(cot)[0]
-
-    out, grads = fwd_bwd(lambda **kw: ejkernel.state_space_v1(**kw, cfg=cfg))
-    ref_out, ref_grads = fwd_bwd(state_space_v1_reference)
-    dtype = arrays["x"].dtype
-    assert (out[0] if isinstance(out, tuple) else out).dtype == dtype
-    assert_close(out, ref_out, scale=scale, dtype=dtype, name="out")
-    for name, grad in grads.items():
-        assert grad.shape == arrays[name].shape and grad.dtype == arrays[name].dtype, name
-        assert_close(grad, ref_grads[name], scale=scale, dtype=dtype, name=f"d{name}")
-    return out, grads
+#: ``check(arrays, cfg=..., **statics)``: output and gradients of ``ejkernel.state_space_v1``
+#: against the reference; returns ours.
+check = functools.partial(lc.check_vjp, ejkernel.state_space_v1, state_space_v1_reference, ARRAYS)
 
 
 @pytest.mark.parametrize("cfg", [PARALLEL, LOOP], ids=["associative-C16", "sequential-C16"])
 def test_outputs_states_and_gradients_match_the_reference_over_301_steps(cfg: Any) -> None:
     arrays = inputs(2, 301, 12, 5)
-    (out, state), _ = check(arrays, cfg, dt_softplus=True, return_state=True)
+    (out, state), _ = check(arrays, cfg=cfg, dt_softplus=True, return_state=True)
     assert out.shape == (2, 301, 12) and state.shape == (2, 12, 5)
     assert state.dtype == jnp.float32
 
 
 def test_without_gate_bias_softplus_or_state_matches_the_reference() -> None:
     arrays = inputs(1, 97, 8, 4, seed=1, options=False)
-    out, _ = check(arrays, StateSpaceV1Config(chunk_size=32, intra_chunk="associative"))
+    out, _ = check(arrays, cfg=StateSpaceV1Config(chunk_size=32, intra_chunk="associative"))
     assert out.shape == (1, 97, 8)
 
 
 def test_two_halves_with_the_carried_state_equal_one_run() -> None:
     arrays = inputs(1, 194, 8, 4, seed=2)
-    whole, state = ejkernel.state_space_v1(
-        **arrays, dt_softplus=True, return_state=True, cfg=PARALLEL
+    lc.check_two_halves(
+        ejkernel.state_space_v1, arrays, PER_TOKEN, 97, dt_softplus=True, cfg=PARALLEL
     )
-    per_token = ("x", "B", "C", "dt", "gate")
-    first = {k: v[:, :97] if k in per_token else v for k, v in arrays.items()}
-    second = {
-        k: v[:, 97:] if k in per_token else v for k, v in arrays.items() if k != "initial_state"
-    }
-    out1, mid = ejkernel.state_space_v1(**first, dt_softplus=True, return_state=True, cfg=PARALLEL)
-    out2, end = ejkernel.state_space_v1(
-        **second, initial_state=mid, dt_softplus=True, return_state=True, cfg=PARALLEL
-    )
-    assert_close(jnp.concatenate([out1, out2], axis=1), whole, scale=F32)
-    assert_close(end, state, scale=F32)
 
 
 def test_decays_that_underflow_stay_finite_and_exact() -> None:
     arrays = inputs(1, 97, 8, 4, seed=3)
     arrays["A"] = arrays["A"] * 40.0  # Δ·A down to about -100 per token
-    out, grads = check(arrays, PARALLEL, dt_softplus=True, return_state=True)
+    out, grads = check(arrays, cfg=PARALLEL, dt_softplus=True, return_state=True)
     for x in (*out, *grads.values()):
         assert np.all(np.isfinite(np.asarray(x)))
 
 
 def test_bfloat16_matches_the_float32_reference() -> None:
     arrays = inputs(1, 97, 8, 4, dtype=jnp.bfloat16, seed=4)
-    check(arrays, PARALLEL, scale=1.0, dt_softplus=True, return_state=True)
+    check(arrays, cfg=PARALLEL, scale=1.0, dt_softplus=True, return_state=True)
 
 
 def test_jit_of_vmap_of_the_gradient_matches_the_reference() -> None:
     arrays = inputs(1, 40, 4, 3, seed=5)
-    stacked = {k: jnp.stack([v, 0.5 * v]) for k, v in arrays.items()}
-
-    def loss(fn: Any, arrs: dict[str, Any]) -> Any:
-        return jnp.sum(jnp.sin(fn(**arrs, dt_softplus=True)))
-
-    ours = jax.jit(
-        jax.vmap(
-            jax.value_and_grad(
-                lambda a: loss(lambda **k: ejkernel.state_space_v1(**k, cfg=LOOP), a)
-            )
-        )
+    lc.check_jit_vmap_grad(
+        functools.partial(ejkernel.state_space_v1, cfg=LOOP),
+        state_space_v1_reference,
+        arrays,
+        dt_softplus=True,
     )
-    ref = jax.vmap(jax.value_and_grad(lambda a: loss(state_space_v1_reference, a)))
-    assert_close(ours(stacked), ref(stacked), scale=F32)
 
 
-class _Inv:
-    def __init__(self, s: int) -> None:
-        self.kwargs = {"x": jax.ShapeDtypeStruct((1, s, 8), jnp.float32)}
-        self.metadata = {"grad": True}
+def _inv(s: int) -> Any:
+    return lc.invocation(x=jax.ShapeDtypeStruct((1, s, 8), jnp.float32))
 
 
 def test_explain_and_configs() -> None:
     arrays = inputs(1, 37, 4, 3)
     record = ejkernel.explain("state_space_v1", **arrays)
     assert record.platform == "xla" and record.source == "heuristic"
-    assert record.config == heuristic(_Inv(37))
+    assert record.config == heuristic(_inv(37))
     assert record.config.intra_chunk == "sequential"  # the CPU default
-    assert heuristic(_Inv(5)).chunk_size == 8
-    space = config_space(_Inv(1000))
-    assert space[0] == heuristic(_Inv(1000)) and len(space) == len(set(space)) > 1
+    assert heuristic(_inv(5)).chunk_size == 8
+    space = config_space(_inv(1000))
+    assert space[0] == heuristic(_inv(1000)) and len(space) == len(set(space)) > 1
     assert {c.intra_chunk for c in space} == {"sequential", "associative"}
     with pytest.raises(ValueError, match="intra_chunk"):
         StateSpaceV1Config(intra_chunk="magic")
@@ -184,8 +149,7 @@ def _bad(**changes: Any) -> dict[str, Any]:
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
     arrays: dict[str, Any], error: type, match: str
 ) -> None:
-    with pytest.raises(error, match=r"^state_space_v1: .*" + match):
-        ejkernel.state_space_v1(**arrays)
+    lc.check_rejects(ejkernel.state_space_v1, arrays, {}, error, match)
 
 
 def test_bad_flags_raise_type_errors() -> None:
@@ -196,12 +160,7 @@ def test_bad_flags_raise_type_errors() -> None:
 def test_synthetic_autotuning_inputs_decay_and_stay_finite() -> None:
     from ejkernel.specs.state_space_v1 import SPEC
 
-    bound = SPEC.validate(SPEC.bind((), _bad()))
-    abstract = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-        for k, v in bound.items()
-    }
-    made = SPEC.validate(SPEC.make_synthetic(abstract, seed=0))
+    made = lc.synthetic_like(SPEC, _bad())
     assert np.all(np.asarray(made["A"]) < 0.0) and np.all(np.asarray(made["dt"]) > 0.0)
     out = state_space_v1_reference(**made)
     assert np.all(np.isfinite(np.asarray(out)))

@@ -8,22 +8,23 @@ of it against ``jax.vjp`` of the reference. Float32 is held to a relative error 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _linear_cases as lc
 
 import ejkernel
 from ejkernel.specs.state_space_v2 import state_space_v2_reference
-from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal
 from ejkernel_xla.ops.state_space_v2 import StateSpaceV2Config, config_space, heuristic
 
 ARRAYS = ("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state")
-#: f32 tolerance of this op: 1e-4 relative (the float32 table's 1e-5, times 10).
-F32 = 10.0
+#: The arrays with a token axis.
+PER_TOKEN = ("x", "B", "C", "dt", "gate")
 
 
 def inputs(
@@ -57,25 +58,9 @@ def inputs(
     return arrays
 
 
-def check(
-    arrays: dict[str, Any], cfg: Any = None, scale: float = F32, **statics: Any
-) -> tuple[Any, Any]:
-    """Compare output and gradients with the reference (eager ``jax.vjp`` of both)."""
-
-    def fwd_bwd(fn: Any) -> Any:
-        out, vjp = jax.vjp(lambda d: fn(**d, **statics), arrays)
-        cot = jax.tree.map(lambda o: normal(jax.random.PRNGKey(42), o.shape, o.dtype), out)
-        return out, vjp(cot)[0]
-
-    out, grads = fwd_bwd(lambda **kw: ejkernel.state_space_v2(**kw, cfg=cfg))
-    ref_out, ref_grads = fwd_bwd(state_space_v2_reference)
-    dtype = arrays["x"].dtype
-    assert (out[0] if isinstance(out, tuple) else out).dtype == dtype
-    assert_close(out, ref_out, scale=scale, dtype=dtype, name="out")
-    for name, grad in grads.items():
-        assert grad.shape == arrays[name].shape and grad.dtype == arrays[name].dtype, name
-        assert_close(grad, ref_grads[name], scale=scale, dtype=dtype, name=f"d{name}")
-    return out, grads
+#: ``check(arrays, cfg=..., **statics)``: output and gradients of ``ejkernel.state_space_v2``
+#: against the reference; returns ours.
+check = functools.partial(lc.check_vjp, ejkernel.state_space_v2, state_space_v2_reference, ARRAYS)
 
 
 @pytest.mark.parametrize(
@@ -87,49 +72,38 @@ def test_outputs_states_and_gradients_match_the_reference_over_301_steps(
     groups: int, chunk: Any
 ) -> None:
     arrays = inputs(2, 301, 6, 8, groups, 5)
-    (out, state), _ = check(arrays, chunk, dt_softplus=True, return_state=True)
+    (out, state), _ = check(arrays, cfg=chunk, dt_softplus=True, return_state=True)
     assert out.shape == (2, 301, 6, 8) and state.shape == (2, 6, 8, 5)
     assert state.dtype == jnp.float32
 
 
 def test_without_gate_bias_softplus_or_state_matches_the_reference() -> None:
     arrays = inputs(1, 97, 4, 8, 4, 6, seed=1, options=False)
-    out, _ = check(arrays, StateSpaceV2Config(chunk_size=16))
+    out, _ = check(arrays, cfg=StateSpaceV2Config(chunk_size=16))
     assert out.shape == (1, 97, 4, 8)
 
 
 def test_the_chunk_size_argument_wins_over_the_config() -> None:
     arrays = inputs(1, 97, 4, 8, 2, 6, seed=2)
-    inv = _Inv(97, chunk_size=8)
+    inv = _inv(97, chunk_size=8)
     assert heuristic(inv).chunk_size == 8 and config_space(inv) == [heuristic(inv)]
     record = ejkernel.explain("state_space_v2", **arrays, chunk_size=8)
     assert record.config == StateSpaceV2Config(chunk_size=8)
     # A chunk of 8 with a config asking for 64: same result as the reference.
-    check(arrays, StateSpaceV2Config(chunk_size=64), chunk_size=8, dt_softplus=True)
+    check(arrays, cfg=StateSpaceV2Config(chunk_size=64), chunk_size=8, dt_softplus=True)
 
 
 def test_two_halves_with_the_carried_state_equal_one_run() -> None:
     arrays = inputs(1, 194, 4, 8, 2, 6, seed=3)
     cfg = StateSpaceV2Config(chunk_size=16)
-    whole, state = ejkernel.state_space_v2(**arrays, dt_softplus=True, return_state=True, cfg=cfg)
-    per_token = ("x", "B", "C", "dt", "gate")
-    first = {k: v[:, :97] if k in per_token else v for k, v in arrays.items()}
-    second = {
-        k: v[:, 97:] if k in per_token else v for k, v in arrays.items() if k != "initial_state"
-    }
-    out1, mid = ejkernel.state_space_v2(**first, dt_softplus=True, return_state=True, cfg=cfg)
-    out2, end = ejkernel.state_space_v2(
-        **second, initial_state=mid, dt_softplus=True, return_state=True, cfg=cfg
-    )
-    assert_close(jnp.concatenate([out1, out2], axis=1), whole, scale=F32)
-    assert_close(end, state, scale=F32)
+    lc.check_two_halves(ejkernel.state_space_v2, arrays, PER_TOKEN, 97, dt_softplus=True, cfg=cfg)
 
 
 def test_decays_that_underflow_inside_a_chunk_stay_finite_and_exact() -> None:
     arrays = inputs(1, 97, 4, 8, 2, 6, seed=4)
     arrays["A"] = jnp.full((4,), -30.0)  # Δ·A down to about -100 per token
     out, grads = check(
-        arrays, StateSpaceV2Config(chunk_size=16), dt_softplus=True, return_state=True
+        arrays, cfg=StateSpaceV2Config(chunk_size=16), dt_softplus=True, return_state=True
     )
     for x in (*out, *grads.values()):
         assert np.all(np.isfinite(np.asarray(x)))
@@ -137,43 +111,39 @@ def test_decays_that_underflow_inside_a_chunk_stay_finite_and_exact() -> None:
 
 def test_bfloat16_matches_the_float32_reference() -> None:
     arrays = inputs(1, 97, 4, 8, 2, 6, dtype=jnp.bfloat16, seed=5)
-    check(arrays, StateSpaceV2Config(chunk_size=16), scale=1.0, dt_softplus=True, return_state=True)
+    check(
+        arrays,
+        cfg=StateSpaceV2Config(chunk_size=16),
+        scale=1.0,
+        dt_softplus=True,
+        return_state=True,
+    )
 
 
 def test_jit_of_vmap_of_the_gradient_matches_the_reference() -> None:
     arrays = inputs(1, 40, 2, 4, 1, 3, seed=6)
-    stacked = {k: jnp.stack([v, 0.5 * v]) for k, v in arrays.items()}
     cfg = StateSpaceV2Config(chunk_size=16)
-
-    def loss(fn: Any, arrs: dict[str, Any]) -> Any:
-        return jnp.sum(jnp.sin(fn(**arrs, dt_softplus=True)))
-
-    ours = jax.jit(
-        jax.vmap(
-            jax.value_and_grad(lambda a: loss(lambda **k: ejkernel.state_space_v2(**k, cfg=cfg), a))
-        )
+    lc.check_jit_vmap_grad(
+        functools.partial(ejkernel.state_space_v2, cfg=cfg),
+        state_space_v2_reference,
+        arrays,
+        dt_softplus=True,
     )
-    ref = jax.vmap(jax.value_and_grad(lambda a: loss(state_space_v2_reference, a)))
-    assert_close(ours(stacked), ref(stacked), scale=F32)
 
 
-class _Inv:
-    def __init__(self, s: int, chunk_size: int | None = None) -> None:
-        self.kwargs = {
-            "x": jax.ShapeDtypeStruct((1, s, 2, 8), jnp.float32),
-            "chunk_size": chunk_size,
-        }
-        self.metadata = {"grad": True}
+def _inv(s: int, chunk_size: int | None = None) -> Any:
+    x = jax.ShapeDtypeStruct((1, s, 2, 8), jnp.float32)
+    return lc.invocation(x=x, chunk_size=chunk_size)
 
 
 def test_explain_and_configs() -> None:
     arrays = inputs(1, 37, 2, 4, 1, 3)
     record = ejkernel.explain("state_space_v2", **arrays)
     assert record.platform == "xla" and record.source == "heuristic"
-    assert record.config == heuristic(_Inv(37))
-    assert heuristic(_Inv(5)).chunk_size == 8 and heuristic(_Inv(4096)).chunk_size >= 32
-    space = config_space(_Inv(1000))
-    assert space[0] == heuristic(_Inv(1000)) and len(space) == len(set(space)) > 1
+    assert record.config == heuristic(_inv(37))
+    assert heuristic(_inv(5)).chunk_size == 8 and heuristic(_inv(4096)).chunk_size >= 32
+    space = config_space(_inv(1000))
+    assert space[0] == heuristic(_inv(1000)) and len(space) == len(set(space)) > 1
     with pytest.raises(ValueError, match="chunk_size"):
         StateSpaceV2Config(chunk_size=0)
 
@@ -211,8 +181,7 @@ def _bad(**changes: Any) -> dict[str, Any]:
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
     arrays: dict[str, Any], error: type, match: str
 ) -> None:
-    with pytest.raises(error, match=r"^state_space_v2: .*" + match):
-        ejkernel.state_space_v2(**arrays)
+    lc.check_rejects(ejkernel.state_space_v2, arrays, {}, error, match)
 
 
 def test_bad_statics_raise_errors() -> None:
@@ -225,12 +194,7 @@ def test_bad_statics_raise_errors() -> None:
 def test_synthetic_autotuning_inputs_decay_and_stay_finite() -> None:
     from ejkernel.specs.state_space_v2 import SPEC
 
-    bound = SPEC.validate(SPEC.bind((), _bad()))
-    abstract = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v
-        for k, v in bound.items()
-    }
-    made = SPEC.validate(SPEC.make_synthetic(abstract, seed=0))
+    made = lc.synthetic_like(SPEC, _bad())
     assert np.all(np.asarray(made["A"]) < 0.0) and np.all(np.asarray(made["dt"]) > 0.0)
     out = state_space_v2_reference(**made)
     assert np.all(np.isfinite(np.asarray(out)))

@@ -101,6 +101,7 @@ from ejkernel_xla.ops._chunked_intra import (
 )
 from ejkernel_xla.ops._chunked_layout import Plan, layout, pad_axis
 from ejkernel_xla.ops._chunked_stream import stream_forward, streamable
+from ejkernel_xla.ops._tuning import backend
 
 __all__ = [
     "Gates",
@@ -124,12 +125,6 @@ _MIN_CHUNK = 16
 # --------------------------------------------------------------------------------------------
 
 
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in _DEFAULT_CHUNKS else "cpu"
-
-
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -147,7 +142,7 @@ def chunk_sizes(kwargs: Any, cfg: Any) -> tuple[int, int]:
     """
     query = kwargs["query"]
     seq = int(query.shape[1])
-    default_chunk, default_sub = _DEFAULT_CHUNKS[_backend()]
+    default_chunk, default_sub = _DEFAULT_CHUNKS[backend(_DEFAULT_CHUNKS)]
     chunk = getattr(cfg, "chunk_size", None)
     sub = getattr(cfg, "sub_chunk_size", None)
     if chunk is None:

@@ -8,7 +8,7 @@ factored, two-level "exact"), described in that module's docstring.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -138,7 +138,7 @@ def chunk_output(
             out = out * gate_v
     else:
         out = inter if gate_v is None else inter * gate_v
-        out = out + _intra_exact(q, k, v, bk, bv, st.sub_chunk)
+        out = out + _intra_exact(_Rows(q, k, v, bk, bv), st.sub_chunk)
     return st.scale * out
 
 
@@ -148,68 +148,63 @@ def causal(c: int) -> jax.Array:
 
 def _intra_scalar(q: jax.Array, k: jax.Array, v: jax.Array, bk: jax.Array | None) -> jax.Array:
     """Per-head scalar gate: ``((q kᵀ) ⊙ exp(b_t - b_s) ⊙ [s ≤ t]) v`` per chunk (exact)."""
-    mask = causal(q.shape[1])
+    return dot("mcs,msv->mcv", _scalar_scores(q, k, bk, causal(q.shape[1])), v)
+
+
+def _scalar_scores(q: jax.Array, k: jax.Array, bk: jax.Array | None, mask: jax.Array) -> jax.Array:
+    """``(q kᵀ) ⊙ exp(b_t - b_s)`` where ``mask`` holds, else 0, for no key gate or a per-head
+    scalar one (``bk`` [M, C, 1]); the exponent is masked before ``exp``."""
     scores = dot("mck,msk->mcs", q, k)
     if bk is None:
-        scores = jnp.where(mask, scores, 0.0)
-    else:
-        b = bk[..., 0]
-        scores = scores * jnp.exp(jnp.where(mask, b[:, :, None] - b[:, None, :], -jnp.inf))
-    return dot("mcs,msv->mcv", scores, v)
+        return jnp.where(mask, scores, 0.0)
+    b = bk[..., 0]
+    return scores * jnp.exp(jnp.where(mask, b[:, :, None] - b[:, None, :], -jnp.inf))
 
 
-def _intra_exact(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bk: jax.Array | None,
-    bv: jax.Array | None,
-    sub: int,
-) -> jax.Array:
+class _Rows(NamedTuple):
+    """The operands of the exact form, [M, C, F] each: queries, keys, values and the
+    cumulative key and value gates (``None`` when absent)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    bk: jax.Array | None
+    bv: jax.Array | None
+
+
+def _intra_exact(x: _Rows, sub: int) -> jax.Array:
     """:func:`_intra_subchunks` over groups of chunk rows, each group rematerialised in the
     backward: its pairwise [c, c, F] decays then never exist for more than one group at a
     time (and a compiled program holding this path as an untaken branch stays small)."""
-    m, c, dv = v.shape
-    rows = max(1, _EXACT_GROUP_ELEMENTS // (c * sub * max(q.shape[-1], dv)))
+    m, c, dv = x.v.shape
+    rows = max(1, _EXACT_GROUP_ELEMENTS // (c * sub * max(x.q.shape[-1], dv)))
     if rows >= m:
-        return _intra_subchunks(q, k, v, bk, bv, sub)
+        return _intra_subchunks(x, sub)
     groups = -(-m // rows)
-    grouped = lambda x: (
-        None if x is None else pad_axis(x, 0, groups * rows).reshape(groups, rows, *x.shape[1:])
+    grouped = lambda a: (
+        None if a is None else pad_axis(a, 0, groups * rows).reshape(groups, rows, *a.shape[1:])
     )
-    body = jax.checkpoint(lambda xs: _intra_subchunks(*xs, sub))
-    out = lax.map(body, tuple(grouped(x) for x in (q, k, v, bk, bv)))
+    body = jax.checkpoint(lambda xs: _intra_subchunks(xs, sub))
+    out = lax.map(body, _Rows(*map(grouped, x)))
     return out.reshape(groups * rows, c, dv)[:m]
 
 
-def _intra_subchunks(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bk: jax.Array | None,
-    bv: jax.Array | None,
-    sub: int,
-) -> jax.Array:
+def _intra_subchunks(x: _Rows, sub: int) -> jax.Array:
     """Gates over K and/or V, any spread: the two-level form (see the module docstring).
 
     Arrays stay at most 4-D (XLA's CPU code for 5-D broadcasts is several times slower).
     """
-    m, c, dv = v.shape
+    m, c, dv = x.v.shape
     n = c // sub
     out = jnp.zeros((m, n, sub, dv), jnp.float32)
     if n > 1:
-        out = _intra_off_diagonal(q, k, v, bk, bv, sub)
-    split = lambda x: None if x is None else x.reshape(m * n, sub, x.shape[-1])
-    q2, k2, v2, bk2, bv2 = (split(x) for x in (q, k, v, bk, bv))  # [M·n, c, F]
+        out = _intra_off_diagonal(x, sub)
+    split = lambda a: None if a is None else a.reshape(m * n, sub, a.shape[-1])
+    q2, k2, v2, bk2, bv2 = (split(a) for a in x)  # [M·n, c, F]
     tril = causal(sub)
     # Diagonal sub-chunks: pairwise decays exp(b_t - b_s), s ≤ t, [M·n, c, c, F].
-    if bk2 is None:
-        diag = jnp.where(tril, dot("mck,msk->mcs", q2, k2), 0.0)
-    elif bk2.shape[-1] == 1:
-        b = bk2[..., 0]
-        diag = dot("mck,msk->mcs", q2, k2) * jnp.exp(
-            jnp.where(tril, b[:, :, None] - b[:, None, :], -jnp.inf)
-        )
+    if bk2 is None or bk2.shape[-1] == 1:
+        diag = _scalar_scores(q2, k2, bk2, tril)
     else:
         ek = jnp.where(tril[:, :, None], bk2[:, :, None, :] - bk2[:, None, :, :], -jnp.inf)
         diag = jnp.sum(q2[:, :, None, :] * k2[:, None, :, :] * jnp.exp(ek), axis=-1)
@@ -221,24 +216,18 @@ def _intra_subchunks(
     return (out + out_diag.reshape(m, n, sub, dv)).reshape(m, c, dv)
 
 
-def _intra_off_diagonal(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bk: jax.Array | None,
-    bv: jax.Array | None,
-    sub: int,
-) -> jax.Array:
+def _intra_off_diagonal(x: _Rows, sub: int) -> jax.Array:
     """Sub-chunk i against every earlier token of its chunk, [M, n, c, V], with decays split
     at ``r_i``, the cumulative gate at sub-chunk i's first token (flash-linear-attention's
     reference point): ``exp(b_t - r_i)`` for t in sub-chunk i and ``exp(r_i - b_s)`` for
     s before it are both ≤ 1."""
+    q, k, v, bk, bv = x
     m, c, _ = v.shape
     n = c // sub
     before = (jnp.arange(c)[None, :] < (jnp.arange(n) * sub)[:, None])[
         None, :, :, None
     ]  # [1, n, C, 1]
-    split = lambda x: x.reshape(m, n, sub, x.shape[-1])
+    split = lambda a: a.reshape(m, n, sub, a.shape[-1])
     if bk is None:
         q_i = split(q)
         k_i = jnp.where(before, k[:, None], 0.0)

@@ -179,6 +179,7 @@ def layout(a: dict[str, Any], st: LinearStatics, gates: Gates, plan: Plan) -> di
 
 
 def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Zero-pad ``axis`` of ``x`` to ``size``."""
     extra = size - x.shape[axis]
     if extra == 0:
         return x

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.specs.kernel_delta_attention import L2NORM_EPS
+from ejkernel_xla.ops._chunked_layout import pad_axis
 from ejkernel_xla.ops._delta_intra import Chunk, Prepared, dot, recurrence, ut_transform
 
 __all__ = ["Statics", "backward", "forward"]
@@ -141,7 +142,8 @@ def _streamed(
     dv = arrays["value"].shape[-1]
     c = st.chunk
     n = -(-s // c)
-    rows = lambda x: _pad_axis(x, 1, n * c).reshape(b * n, c, *x.shape[2:])
+    # Zero padding is neutral tokens: q = k = v = β = g = 0.
+    rows = lambda x: pad_axis(x, 1, n * c).reshape(b * n, c, *x.shape[2:])
     inits = _initial_states(arrays)
     heads = lambda x: jnp.swapaxes(x, 0, 1)  # [C, H, ...] -> [H, C, ...] (in cache)
 
@@ -178,16 +180,6 @@ def _streamed(
     (_, finals), out = lax.scan(step, carry, xs)
     out = out.reshape(b, n * c, h, dv)[:, :s].astype(query.dtype)
     return out, finals
-
-
-def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-    """Zero-pad ``axis`` of ``x`` to ``size`` (neutral tokens: q = k = v = β = g = 0)."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
 
 
 @functools.partial(jax.jit, static_argnames="st")

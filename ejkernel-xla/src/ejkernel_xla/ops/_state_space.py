@@ -1,45 +1,30 @@
-"""What the XLA state-space ops (``state_space_v1``, ``state_space_v2``) share: ``Δ`` from
-``dt``, the skip connection and gate around the scan's output, and chunk lengths."""
+"""What the XLA state-space ops (``state_space_v1``, ``state_space_v2``) share: their array
+arguments, chunk lengths fitted to a call, ``Δ`` from ``dt``, and the skip connection and gate
+around the scan's output."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-__all__ = [
-    "backend",
-    "check_chunk_size",
-    "delta",
-    "fit_chunk",
-    "pull_skip_and_gate",
-    "skip_and_gate",
-]
+from ejkernel_xla.ops._tuning import fit_chunk
+
+__all__ = ["ARRAYS", "arrays", "delta", "fitted", "pull_skip_and_gate", "skip_and_gate"]
+
+#: The ops' array arguments (the passes read them by name; ``None`` when absent).
+ARRAYS = ("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state")
 
 
-def backend(table: Mapping[str, Any]) -> str:
-    """This process's JAX backend as a key of ``table`` (``"gpu"`` for CUDA/ROCm; ``"cpu"``
-    when ``table`` does not know it)."""
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in table else "cpu"
+def arrays(args: dict[str, Any]) -> dict[str, Any]:
+    """The array arguments of a call's keywords, every name of :data:`ARRAYS` present."""
+    return {n: args.get(n) for n in ARRAYS}
 
 
-def fit_chunk(chunk: int, length: int) -> int:
-    """``chunk``, or the smallest power of two covering a shorter sequence."""
-    if length >= chunk:
-        return chunk
-    return 1 << max(0, (length - 1).bit_length())
-
-
-def check_chunk_size(instance: Any, attribute: Any, value: Any) -> None:
-    """attrs validator of a config's ``chunk_size``: an int >= 1."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(
-            f"{type(instance).__name__}: `{attribute.name}` must be an int >= 1; got {value!r}"
-        )
+def fitted(inv: Any, chunk: int) -> int:
+    """``chunk``, or the smallest power of two covering a shorter sequence (``x``'s axis 1)."""
+    return fit_chunk(chunk, int(inv.kwargs["x"].shape[1]))
 
 
 def delta(dt: jax.Array, dt_bias: jax.Array | None, softplus: bool) -> jax.Array:

@@ -13,11 +13,14 @@ flop and byte counts against the sequential scan, and the backward from saved ch
 states.
 
 Tunables: ``chunk_size`` (tokens per chunk) and ``sub_chunk_size`` (tokens per sub-chunk of the
-two-level form; its pairwise decays are [c, c, K]). It declines nothing (no ``supports``).
+two-level form; its pairwise decays are [c, c, K]). It declines nothing (no ``supports``). The
+entry point, forward and backward are the linear family's shared adapter,
+:mod:`ejkernel_xla.ops._chunked_op`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -25,125 +28,45 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.plugins import defvjp
-from ejkernel_xla.ops import _chunked as _engine
-from ejkernel_xla.ops import recurrent
+from ejkernel_xla.ops import _chunked_op as adapter
+from ejkernel_xla.ops.recurrent import RecurrentConfig
 
 __all__ = ["GlaConfig", "config_space", "gla_xla", "heuristic"]
 
 
 @attrs.frozen(kw_only=True)
-class GlaConfig:
-    """Tunables of the chunked XLA gla.
-
-    Attributes:
-        chunk_size: tokens per chunk; ``None`` takes the backend's default (clamped to the
-            sequence length rounded up to a power of two).
-        sub_chunk_size: tokens per sub-chunk, dividing ``chunk_size``; ``None``: default.
-    """
-
-    chunk_size: int | None = None
-    sub_chunk_size: int | None = None
+class GlaConfig(RecurrentConfig):
+    """Tunables of the chunked XLA gla: those of :class:`RecurrentConfig` (gla runs the same
+    engine with the key gate ``g``)."""
 
 
 def heuristic(inv: Any) -> GlaConfig:
     """The backend's default chunk sizes, smaller for short (packed) sequences."""
-    chunk, sub = _engine.chunk_sizes(inv.kwargs, None)
-    return GlaConfig(chunk_size=chunk, sub_chunk_size=sub)
+    return adapter.heuristic(inv, GlaConfig)
 
 
 def config_space(inv: Any) -> list[GlaConfig]:
     """The heuristic's config, then a few (chunk, sub-chunk) pairs, clamped and deduplicated."""
-    return [GlaConfig(**attrs.asdict(c)) for c in recurrent.config_space(inv)]
+    return adapter.config_space(inv, GlaConfig, adapter.SUB_CHUNKED_TUNING)
 
 
-def gla_xla(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    g: jax.Array,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
-    cfg: GlaConfig | None = None,
-) -> Any:
-    """Gated linear attention, chunked (arguments as validated by the core spec).
-
-    Args:
-        query: [B, S, H, K].
-        key: [B, S, H, K].
-        value: [B, S, H, V].
-        g: [B, S, H, K] log gate of the state's K axis.
-        initial_state: [N, H, K, V] or ``None`` (zeros).
-        softmax_scale: scales the query; ``None`` means K ** -0.5.
-        cu_seqlens: [N + 1] packed-sequence offsets (B == 1), or ``None``.
-        return_state: also return the final states [N, H, K, V] (float32).
-        cfg: chunk sizes; ``None`` takes the defaults.
+def gla_xla(*, cfg: GlaConfig | None = None, **args: Any) -> Any:
+    """Gated linear attention, chunked: the op's arguments (:func:`ejkernel.specs.gla.gla`,
+    validated by the core) as keywords, and the chunk sizes ``cfg`` (``None``: the defaults).
 
     Returns:
         ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state)``.
     """
-    out, _ = _gla_fwd(
-        query=query,
-        key=key,
-        value=value,
-        g=g,
-        initial_state=initial_state,
-        softmax_scale=softmax_scale,
-        cu_seqlens=cu_seqlens,
-        return_state=return_state,
-        cfg=cfg,
-        residuals=False,
-    )
-    return out
-
-
-def _gla_fwd(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    g: jax.Array,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
-    cfg: GlaConfig | None = None,
-    residuals: bool = True,
-) -> tuple[Any, dict[str, Any]]:
-    """Forward of :func:`gla_xla`: ``(out, residuals)`` (inputs and chunk-start states)."""
-    arrays = {
-        "query": query,
-        "key": key,
-        "value": value,
-        "g": g,
-        "initial_state": initial_state,
-        "cu_seqlens": cu_seqlens,
-    }
-    st = _engine.LinearStatics.of(
-        arrays, cfg, softmax_scale=softmax_scale, return_state=return_state
-    )
-    return _engine.linear_attention_forward(arrays, st, _gla_gates, residuals=residuals)
-
-
-def _gla_bwd(
-    residuals: dict[str, Any],
-    d_out: Any,
-    *,
-    cfg: GlaConfig | None = None,
-    softmax_scale: float | None = None,
-    return_state: bool = False,
-) -> dict[str, jax.Array | None]:
-    """Backward of :func:`gla_xla`: gradients of q, k, v, g and initial_state."""
-    st = _engine.LinearStatics.of(
-        residuals["arrays"], cfg, softmax_scale=softmax_scale, return_state=return_state
-    )
-    return _engine.linear_attention_backward(residuals, d_out, st, _gla_gates)
-
-
-defvjp(gla_xla, _gla_fwd, _gla_bwd)
+    return adapter.primal(args, cfg, _gla_gates)
 
 
 def _gla_gates(a: dict[str, Any]) -> tuple[jax.Array, None]:
+    """The key gate ``g`` [B, S, H, K]; no value gate."""
     return a["g"].astype(jnp.float32), None
+
+
+defvjp(
+    gla_xla,
+    functools.partial(adapter.forward, gates=_gla_gates),
+    functools.partial(adapter.backward, gates=_gla_gates),
+)

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.plugins import defvjp
+from ejkernel_xla.ops._tuning import backend, distinct, pow2_ceil
 
 __all__ = [
     "GroupedMatmulConfig",
@@ -88,67 +89,35 @@ def heuristic(inv: Any) -> GroupedMatmulConfig:
 def config_space(inv: Any) -> list[GroupedMatmulConfig]:
     """The heuristic's tile, then every tuning tile no longer than M rounded up to a power of 2."""
     m, _ = _sizes(inv)
-    configs = [heuristic(inv)]
-    for block in _TUNING_BLOCKS:
-        cfg = GroupedMatmulConfig(block_m=block)
-        if block <= _next_power_of_2(m) and cfg not in configs:
-            configs.append(cfg)
-    return configs
+    tuned = (GroupedMatmulConfig(block_m=b) for b in _TUNING_BLOCKS if b <= pow2_ceil(m))
+    return distinct([heuristic(inv), *tuned])
 
 
-def grouped_matmul_xla(
-    *,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    preferred_element_type: Any = None,
-    transpose_rhs: bool = False,
-    cfg: GroupedMatmulConfig | None = None,
-) -> jax.Array:
-    """Grouped matmul by row tiles (arguments as validated by the core spec).
-
-    Args:
-        lhs: [M, K], rows sorted by group.
-        rhs: [G, K, N], or [G, N, K] with ``transpose_rhs``.
-        group_sizes: [G] integer rows per group (may be traced).
-        preferred_element_type: output dtype; ``None`` means the input dtype.
-        transpose_rhs: ``rhs`` is [G, N, K].
-        cfg: tile size; ``None`` takes the heuristic's.
+def grouped_matmul_xla(*, cfg: GroupedMatmulConfig | None = None, **args: Any) -> jax.Array:
+    """Grouped matmul by row tiles: the op's arguments
+    (:func:`ejkernel.specs.grouped_matmul.grouped_matmul`, validated by the core) as keywords,
+    and the tile size ``cfg`` (``None``: the heuristic's).
 
     Returns:
         [M, N] in ``preferred_element_type``; rows past ``sum(group_sizes)`` are zeros.
     """
-    out, _ = _grouped_matmul_fwd(
-        lhs=lhs,
-        rhs=rhs,
-        group_sizes=group_sizes,
-        preferred_element_type=preferred_element_type,
-        transpose_rhs=transpose_rhs,
-        cfg=cfg,
-    )
-    return out
-
-
-def _grouped_matmul_fwd(
-    *,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    preferred_element_type: Any = None,
-    transpose_rhs: bool = False,
-    cfg: GroupedMatmulConfig | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Forward of :func:`grouped_matmul_xla`: ``(out, residuals)``; residuals are the inputs."""
-    out_dtype = lhs.dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    out = _gmm(
+    lhs, rhs = args["lhs"], args["rhs"]
+    dtype = args.get("preferred_element_type")
+    out_dtype = lhs.dtype if dtype is None else jnp.dtype(dtype)
+    return _gmm(
         lhs,
         rhs,
-        group_sizes,
+        args["group_sizes"],
         block_m=_block_m(cfg, lhs.shape[0], rhs.shape[0]),
-        contract_rhs_dim=1 if transpose_rhs else 0,
+        contract_rhs_dim=1 if args.get("transpose_rhs") else 0,
         out_dtype=out_dtype.name,
     )
-    return out, {"lhs": lhs, "rhs": rhs, "group_sizes": group_sizes}
+
+
+def _grouped_matmul_fwd(**args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Forward of :func:`grouped_matmul_xla`: ``(out, residuals)``; residuals are the arrays."""
+    residuals = {n: args[n] for n in ("lhs", "rhs", "group_sizes")}
+    return grouped_matmul_xla(**args), residuals
 
 
 def _grouped_matmul_bwd(
@@ -195,19 +164,9 @@ defvjp(grouped_matmul_xla, _grouped_matmul_fwd, _grouped_matmul_bwd)
 # --------------------------------------------------------------------------------------------
 
 
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in _BLOCK_M_RANGE else "cpu"
-
-
 def _sizes(inv: Any) -> tuple[int, int]:
     kwargs = inv.kwargs
     return int(kwargs["lhs"].shape[0]), int(kwargs["rhs"].shape[0])
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _default_block_m(m: int, num_groups: int) -> int:
@@ -215,10 +174,10 @@ def _default_block_m(m: int, num_groups: int) -> int:
 
     Never longer than M rounded up to a power of two (one tile then covers every row).
     """
-    smallest, block = _BLOCK_M_RANGE[_backend()]
+    smallest, block = _BLOCK_M_RANGE[backend(_BLOCK_M_RANGE)]
     while block > smallest and (num_groups - 1) * block > m // 2:
         block //= 2
-    return min(block, _next_power_of_2(m))
+    return min(block, pow2_ceil(m))
 
 
 def _block_m(cfg: GroupedMatmulConfig | None, m: int, num_groups: int) -> int:

@@ -96,6 +96,7 @@ import jax
 
 from ejkernel.plugins import defvjp
 from ejkernel_xla.ops._delta_chunked import Statics, backward, forward
+from ejkernel_xla.ops._tuning import backend, check_chunk_size, distinct, fit_chunk
 
 __all__ = [
     "KernelDeltaAttentionConfig",
@@ -109,6 +110,8 @@ __all__ = [
 _DEFAULT_CHUNK: dict[str, int] = {"cpu": 32, "gpu": 64, "tpu": 128}
 #: Chunk lengths :func:`config_space` offers.
 _TUNING_CHUNKS: tuple[int, ...] = (16, 32, 64, 128)
+#: The op's array arguments (the passes read them by name; ``None`` when absent).
+_ARRAYS = ("query", "key", "value", "beta", "g", "initial_state", "cu_seqlens")
 
 
 @attrs.frozen(kw_only=True)
@@ -120,90 +123,43 @@ class KernelDeltaAttentionConfig:
             powers of two are the efficient ones.
     """
 
-    chunk_size: int = attrs.field(default=64)
-
-    @chunk_size.validator
-    def _check(self, attribute: Any, value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(
-                f"KernelDeltaAttentionConfig: `chunk_size` must be an int >= 1; got {value!r}"
-            )
+    chunk_size: int = attrs.field(default=64, validator=check_chunk_size)
 
 
 def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     """The backend's default chunk, shrunk to a power of two for shorter (packed) sequences."""
-    return KernelDeltaAttentionConfig(
-        chunk_size=_fit_chunk(_DEFAULT_CHUNK[_backend()], _typical_length(inv))
-    )
+    chunk = _DEFAULT_CHUNK[backend(_DEFAULT_CHUNK)]
+    return KernelDeltaAttentionConfig(chunk_size=fit_chunk(chunk, _typical_length(inv)))
 
 
 def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
     """The heuristic's config, then a few chunk lengths fitted to the sequences."""
-    configs = [heuristic(inv)]
-    for chunk in _TUNING_CHUNKS:
-        cfg = KernelDeltaAttentionConfig(chunk_size=_fit_chunk(chunk, _typical_length(inv)))
-        if cfg not in configs:
-            configs.append(cfg)
-    return configs
+    fitted = (fit_chunk(chunk, _typical_length(inv)) for chunk in _TUNING_CHUNKS)
+    return distinct([heuristic(inv), *(KernelDeltaAttentionConfig(chunk_size=c) for c in fitted)])
 
 
 def kernel_delta_attention_xla(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    beta: jax.Array,
-    g: jax.Array,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
-    cfg: KernelDeltaAttentionConfig | None = None,
+    *, cfg: KernelDeltaAttentionConfig | None = None, **args: Any
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """The gated delta rule, chunked (arguments as validated by the core spec).
-
-    Args:
-        query: [B, S, H, K].
-        key: [B, S, H, K].
-        value: [B, S, H, V].
-        beta: [B, S, H] step sizes.
-        g: [B, S, H, K] or [B, S, H] log-space decays.
-        initial_state: [B, H, K, V] ([N, H, K, V] with ``cu_seqlens``) or ``None`` (zeros).
-        softmax_scale: scales the query; ``None`` means K ** -0.5.
-        use_qk_l2norm: L2-normalise query and key over K first.
-        cu_seqlens: [N + 1] offsets of sequences packed along S (B == 1), or ``None``.
-        return_state: also return the final state.
-        cfg: chunk sizes; ``None`` takes the defaults.
+    """The gated delta rule, chunked: the op's arguments
+    (:func:`ejkernel.specs.kernel_delta_attention.kernel_delta_attention`, validated by the
+    core) as keywords, and the chunk length ``cfg`` (``None``: the default).
 
     Returns:
         out [B, S, H, V] in the query dtype, and with ``return_state`` the float32 final state.
     """
-    arrays = _arrays(query, key, value, beta, g, initial_state, cu_seqlens)
-    st = _statics(arrays, cfg, softmax_scale, use_qk_l2norm)
-    out, final = forward(arrays, st, return_state)
-    return (out, final) if return_state else out
+    return _kernel_delta_attention_fwd(cfg=cfg, **args)[0]
 
 
 def _kernel_delta_attention_fwd(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    beta: jax.Array,
-    g: jax.Array,
-    initial_state: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    cu_seqlens: jax.Array | None = None,
-    return_state: bool = False,
-    cfg: KernelDeltaAttentionConfig | None = None,
+    *, cfg: KernelDeltaAttentionConfig | None = None, **args: Any
 ) -> tuple[Any, dict[str, Any]]:
     """Forward of :func:`kernel_delta_attention_xla`: ``(out, residuals)``; the residuals are
-    the array inputs only (the backward recomputes the chunked forward)."""
-    arrays = _arrays(query, key, value, beta, g, initial_state, cu_seqlens)
-    st = _statics(arrays, cfg, softmax_scale, use_qk_l2norm)
-    out, final = forward(arrays, st, return_state)
+    the array inputs only (the backward recomputes the chunked forward), so the primal call
+    runs this too and does no extra work."""
+    arrays = {n: args.get(n) for n in _ARRAYS}
+    return_state = args.get("return_state", False)
+    out, final = forward(arrays, _statics(arrays, cfg, **args), return_state)
     return ((out, final) if return_state else out), arrays
 
 
@@ -212,9 +168,8 @@ def _kernel_delta_attention_bwd(
     d_out: Any,
     *,
     cfg: KernelDeltaAttentionConfig | None = None,
-    softmax_scale: float | None = None,
-    use_qk_l2norm: bool = True,
     return_state: bool = False,
+    **statics: Any,
 ) -> dict[str, jax.Array | None]:
     """Backward of :func:`kernel_delta_attention_xla`.
 
@@ -222,9 +177,8 @@ def _kernel_delta_attention_bwd(
         Gradients of ``query``, ``key``, ``value``, ``beta``, ``g`` and ``initial_state``, each
         in its input's dtype (``None`` for an absent initial state).
     """
-    st = _statics(residuals, cfg, softmax_scale, use_qk_l2norm)
     d_o, d_final = d_out if return_state else (d_out, None)
-    return backward(residuals, d_o, d_final, st)
+    return backward(residuals, d_o, d_final, _statics(residuals, cfg, **statics))
 
 
 defvjp(kernel_delta_attention_xla, _kernel_delta_attention_fwd, _kernel_delta_attention_bwd)
@@ -235,12 +189,6 @@ defvjp(kernel_delta_attention_xla, _kernel_delta_attention_fwd, _kernel_delta_at
 # --------------------------------------------------------------------------------------------
 
 
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in _DEFAULT_CHUNK else "cpu"
-
-
 def _typical_length(inv: Any) -> int:
     """S, or the mean length S / N of N packed sequences."""
     s = int(inv.kwargs["query"].shape[1])
@@ -248,19 +196,16 @@ def _typical_length(inv: Any) -> int:
     return s if cu is None else max(1, -(-s // max(1, int(cu.shape[0]) - 1)))
 
 
-def _fit_chunk(chunk: int, length: int) -> int:
-    """``chunk``, or the smallest power of two covering a shorter sequence."""
-    if length >= chunk:
-        return chunk
-    return 1 << max(0, (length - 1).bit_length())
-
-
 def _statics(
     arrays: dict[str, Any],
     cfg: KernelDeltaAttentionConfig | None,
-    softmax_scale: float | None,
-    use_qk_l2norm: bool,
+    *,
+    softmax_scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    **unused: Any,
 ) -> Statics:
+    """The passes' statics from the config and the op's non-array arguments."""
+    del unused  # the arrays, and return_state (not a static of the passes)
     chunk = (cfg if cfg is not None else KernelDeltaAttentionConfig()).chunk_size
     dk = arrays["query"].shape[-1]
     return Statics(
@@ -268,17 +213,3 @@ def _statics(
         scale=float(dk**-0.5 if softmax_scale is None else softmax_scale),
         l2norm=bool(use_qk_l2norm),
     )
-
-
-def _arrays(
-    query: Any, key: Any, value: Any, beta: Any, g: Any, initial_state: Any, cu_seqlens: Any
-) -> dict[str, Any]:
-    return {
-        "query": query,
-        "key": key,
-        "value": value,
-        "beta": beta,
-        "g": g,
-        "initial_state": initial_state,
-        "cu_seqlens": cu_seqlens,
-    }

@@ -29,12 +29,9 @@ __all__ = ["mean_pooling_xla"]
 def mean_pooling_xla(
     *, x: jax.Array, cu_seqlens: jax.Array | None = None, cfg: Any = None
 ) -> jax.Array:
-    """Mean over each sequence's tokens (arguments as validated by the core spec).
-
-    Args:
-        x: [B, S, D]; or packed [T, D] / [1, T, D] with ``cu_seqlens``.
-        cu_seqlens: [N + 1] integer offsets of packed sequences, or ``None``.
-        cfg: unused (nothing to tune).
+    """Mean over each sequence's tokens: the op's arguments
+    (:func:`ejkernel.specs.mean_pooling.mean_pooling`, validated by the core); ``cfg`` is
+    unused (nothing to tune).
 
     Returns:
         [B, D] or [N, D] in the dtype of ``x``; empty sequences give zero rows.
@@ -45,12 +42,9 @@ def mean_pooling_xla(
     return _packed_mean(x, _offsets(x, cu_seqlens))
 
 
-def _mean_pooling_fwd(
-    *, x: jax.Array, cu_seqlens: jax.Array | None = None, cfg: Any = None
-) -> tuple[jax.Array, dict[str, jax.Array | None]]:
+def _mean_pooling_fwd(**args: Any) -> tuple[jax.Array, dict[str, jax.Array | None]]:
     """Forward of :func:`mean_pooling_xla`: ``(out, residuals)``; residuals are the inputs."""
-    out = mean_pooling_xla(x=x, cu_seqlens=cu_seqlens, cfg=cfg)
-    return out, {"x": x, "cu_seqlens": cu_seqlens}
+    return mean_pooling_xla(**args), {"x": args["x"], "cu_seqlens": args.get("cu_seqlens")}
 
 
 def _mean_pooling_bwd(

@@ -49,6 +49,7 @@ from jax import lax
 
 from ejkernel.plugins import defvjp
 from ejkernel_xla.ops import _state_space as ssm
+from ejkernel_xla.ops._tuning import backend, check_chunk_size, distinct
 
 __all__ = [
     "StateSpaceV1Config",
@@ -86,7 +87,7 @@ class StateSpaceV1Config:
             tokens) or ``"sequential"`` (a token loop).
     """
 
-    chunk_size: int = attrs.field(default=64, validator=ssm.check_chunk_size)
+    chunk_size: int = attrs.field(default=64, validator=check_chunk_size)
     intra_chunk: str = attrs.field(default="associative")
 
     @intra_chunk.validator
@@ -100,91 +101,41 @@ class StateSpaceV1Config:
 def heuristic(inv: Any) -> StateSpaceV1Config:
     """The backend's default chunk and intra-chunk solver; the chunk shrunk to a power of two
     for shorter sequences."""
-    name = ssm.backend(_DEFAULT_CHUNK)
+    name = backend(_DEFAULT_CHUNK)
     return StateSpaceV1Config(
-        chunk_size=ssm.fit_chunk(_DEFAULT_CHUNK[name], int(inv.kwargs["x"].shape[1])),
-        intra_chunk=_DEFAULT_INTRA[name],
+        chunk_size=ssm.fitted(inv, _DEFAULT_CHUNK[name]), intra_chunk=_DEFAULT_INTRA[name]
     )
 
 
 def config_space(inv: Any) -> list[StateSpaceV1Config]:
     """The heuristic's config, then a few (chunk, solver) pairs fitted to the sequence."""
-    configs = [heuristic(inv)]
-    for chunk, intra in _TUNING:
-        cfg = StateSpaceV1Config(
-            chunk_size=ssm.fit_chunk(chunk, int(inv.kwargs["x"].shape[1])), intra_chunk=intra
-        )
-        if cfg not in configs:
-            configs.append(cfg)
-    return configs
+    tuned = (StateSpaceV1Config(chunk_size=ssm.fitted(inv, c), intra_chunk=i) for c, i in _TUNING)
+    return distinct([heuristic(inv), *tuned])
 
 
 def state_space_v1_xla(
-    *,
-    x: jax.Array,
-    A: jax.Array,
-    B: jax.Array,
-    C: jax.Array,
-    D: jax.Array,
-    dt: jax.Array,
-    gate: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-    dt_softplus: bool = False,
-    initial_state: jax.Array | None = None,
-    return_state: bool = False,
-    cfg: StateSpaceV1Config | None = None,
+    *, cfg: StateSpaceV1Config | None = None, **args: Any
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Mamba-1 selective scan, chunked (arguments as validated by the core spec).
-
-    Args:
-        x: [B, S, I].
-        A: [I, N].
-        B: [B, S, N].
-        C: [B, S, N].
-        D: [I].
-        dt: [B, S, I].
-        gate: [B, S, I] or ``None``.
-        dt_bias: [I] or ``None``.
-        dt_softplus: softplus of ``dt + dt_bias``.
-        initial_state: [B, I, N] or ``None`` (zeros).
-        return_state: also return the final state.
-        cfg: chunk length; ``None`` takes the default.
+    """Mamba-1 selective scan, chunked: the op's arguments
+    (:func:`ejkernel.specs.state_space_v1.state_space_v1`, validated by the core) as keywords,
+    and the chunk length and solver ``cfg`` (``None``: the defaults).
 
     Returns:
         out [B, S, I] in the dtype of ``x``, and with ``return_state`` the float32 state.
     """
-    arrays = dict(
-        x=x, A=A, B=B, C=C, D=D, dt=dt, gate=gate, dt_bias=dt_bias, initial_state=initial_state
-    )
-    out, final, _ = _forward(arrays, _statics(cfg, dt_softplus), save=False)
-    return (out, final) if return_state else out
+    return _run(args, cfg, save=False)[0]
 
 
 def _state_space_v1_fwd(
-    *,
-    x: jax.Array,
-    A: jax.Array,
-    B: jax.Array,
-    C: jax.Array,
-    D: jax.Array,
-    dt: jax.Array,
-    gate: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-    dt_softplus: bool = False,
-    initial_state: jax.Array | None = None,
-    return_state: bool = False,
-    cfg: StateSpaceV1Config | None = None,
+    *, cfg: StateSpaceV1Config | None = None, **args: Any
 ) -> tuple[Any, dict[str, Any]]:
     """Forward of :func:`state_space_v1_xla`: ``(out, residuals)``.
 
     The residuals are the array inputs, ``y = C h`` ``[B, S, I]`` and every chunk's incoming
     state ``[S / C, B, I, N]`` (float32).
     """
-    arrays = dict(
-        x=x, A=A, B=B, C=C, D=D, dt=dt, gate=gate, dt_bias=dt_bias, initial_state=initial_state
-    )
-    out, final, (y, states) = _forward(arrays, _statics(cfg, dt_softplus), save=True)
-    return ((out, final) if return_state else out), {**arrays, "y": y, "states": states}
+    out, arrays, (y, states) = _run(args, cfg, save=True)
+    return out, {**arrays, "y": y, "states": states}
 
 
 def _state_space_v1_bwd(
@@ -192,8 +143,8 @@ def _state_space_v1_bwd(
     d_out: Any,
     *,
     cfg: StateSpaceV1Config | None = None,
-    dt_softplus: bool = False,
     return_state: bool = False,
+    **statics: Any,
 ) -> dict[str, jax.Array | None]:
     """Backward of :func:`state_space_v1_xla`.
 
@@ -203,11 +154,18 @@ def _state_space_v1_bwd(
     d_o, d_final = d_out if return_state else (d_out, None)
     arrays = {k: v for k, v in residuals.items() if k not in ("y", "states")}
     return _backward(
-        arrays, residuals["y"], residuals["states"], d_o, d_final, _statics(cfg, dt_softplus)
+        arrays, residuals["y"], residuals["states"], d_o, d_final, _statics(cfg, **statics)
     )
 
 
 defvjp(state_space_v1_xla, _state_space_v1_fwd, _state_space_v1_bwd)
+
+
+def _run(args: dict[str, Any], cfg: StateSpaceV1Config | None, save: bool) -> tuple[Any, ...]:
+    """``(out or (out, final_state), arrays, (y, incoming states) or None)``."""
+    arrays = ssm.arrays(args)
+    out, final, saved = _forward(arrays, _statics(cfg, **args), save=save)
+    return ((out, final) if args.get("return_state") else out), arrays, saved
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,7 +182,11 @@ class _Statics:
     dt_softplus: bool
 
 
-def _statics(cfg: StateSpaceV1Config | None, dt_softplus: bool) -> _Statics:
+def _statics(
+    cfg: StateSpaceV1Config | None, *, dt_softplus: bool = False, **unused: Any
+) -> _Statics:
+    """The passes' statics from the config and the op's ``dt_softplus``."""
+    del unused  # the arrays and return_state
     cfg = cfg or StateSpaceV1Config()
     return _Statics(
         chunk=cfg.chunk_size, intra_chunk=cfg.intra_chunk, dt_softplus=bool(dt_softplus)

@@ -56,6 +56,7 @@ from ejkernel_xla.ops._chunked import (
     LinearStatics,
     linear_attention_backward,
 )
+from ejkernel_xla.ops._tuning import backend, check_chunk_size, distinct
 
 __all__ = [
     "StateSpaceV2Config",
@@ -70,8 +71,6 @@ _DEFAULT_CHUNK: dict[str, int] = {"cpu": 64, "gpu": 256, "tpu": 256}
 #: Chunk lengths :func:`config_space` offers.
 _TUNING_CHUNKS: tuple[int, ...] = (32, 64, 128, 256)
 
-_ARRAYS = ("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state")
-
 
 @attrs.frozen(kw_only=True)
 class StateSpaceV2Config:
@@ -81,93 +80,43 @@ class StateSpaceV2Config:
         chunk_size: tokens per chunk C (the op's ``chunk_size`` argument wins over it).
     """
 
-    chunk_size: int = attrs.field(default=64, validator=ssm.check_chunk_size)
+    chunk_size: int = attrs.field(default=64, validator=check_chunk_size)
 
 
 def heuristic(inv: Any) -> StateSpaceV2Config:
     """The backend's default chunk (or the call's ``chunk_size``), no longer than needed."""
-    chunk = inv.kwargs.get("chunk_size") or _DEFAULT_CHUNK[ssm.backend(_DEFAULT_CHUNK)]
-    return StateSpaceV2Config(chunk_size=ssm.fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
+    chunk = inv.kwargs.get("chunk_size") or _DEFAULT_CHUNK[backend(_DEFAULT_CHUNK)]
+    return StateSpaceV2Config(chunk_size=ssm.fitted(inv, chunk))
 
 
 def config_space(inv: Any) -> list[StateSpaceV2Config]:
     """The heuristic's config, then a few chunk lengths (only it when the call fixes one)."""
-    configs = [heuristic(inv)]
     if inv.kwargs.get("chunk_size") is not None:
-        return configs
-    for chunk in _TUNING_CHUNKS:
-        cfg = StateSpaceV2Config(chunk_size=ssm.fit_chunk(chunk, int(inv.kwargs["x"].shape[1])))
-        if cfg not in configs:
-            configs.append(cfg)
-    return configs
+        return [heuristic(inv)]
+    tuned = (StateSpaceV2Config(chunk_size=ssm.fitted(inv, c)) for c in _TUNING_CHUNKS)
+    return distinct([heuristic(inv), *tuned])
 
 
 def state_space_v2_xla(
-    *,
-    x: jax.Array,
-    A: jax.Array,
-    B: jax.Array,
-    C: jax.Array,
-    D: jax.Array,
-    dt: jax.Array,
-    gate: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-    dt_softplus: bool = False,
-    initial_state: jax.Array | None = None,
-    chunk_size: int | None = None,
-    return_state: bool = False,
-    cfg: StateSpaceV2Config | None = None,
+    *, cfg: StateSpaceV2Config | None = None, **args: Any
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Mamba-2 SSD, chunked (arguments as validated by the core spec).
-
-    Args:
-        x: [B, S, H, P].
-        A: [H] scalar decay per head.
-        B: [B, S, G, N].
-        C: [B, S, G, N].
-        D: [H].
-        dt: [B, S, H].
-        gate: [B, S, H, P] or ``None``.
-        dt_bias: [H] or ``None``.
-        dt_softplus: softplus of ``dt + dt_bias``.
-        initial_state: [B, H, P, N] or ``None`` (zeros).
-        chunk_size: chunk length; wins over ``cfg``.
-        return_state: also return the final state.
-        cfg: chunk length; ``None`` takes the default.
+    """Mamba-2 SSD, chunked: the op's arguments
+    (:func:`ejkernel.specs.state_space_v2.state_space_v2`, validated by the core) as keywords,
+    and the chunk length ``cfg`` (``None``: the default; the op's ``chunk_size`` wins over it).
 
     Returns:
         out [B, S, H, P] in the dtype of ``x``, and with ``return_state`` the float32 state.
     """
-    arrays = dict(
-        x=x, A=A, B=B, C=C, D=D, dt=dt, gate=gate, dt_bias=dt_bias, initial_state=initial_state
-    )
-    out, _ = _forward(arrays, _statics(cfg, chunk_size, dt_softplus, return_state), False)
-    return out
+    return _forward(ssm.arrays(args), _statics(cfg, **args), False)[0]
 
 
 def _state_space_v2_fwd(
-    *,
-    x: jax.Array,
-    A: jax.Array,
-    B: jax.Array,
-    C: jax.Array,
-    D: jax.Array,
-    dt: jax.Array,
-    gate: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-    dt_softplus: bool = False,
-    initial_state: jax.Array | None = None,
-    chunk_size: int | None = None,
-    return_state: bool = False,
-    cfg: StateSpaceV2Config | None = None,
+    *, cfg: StateSpaceV2Config | None = None, **args: Any
 ) -> tuple[Any, dict[str, Any]]:
     """Forward of :func:`state_space_v2_xla`: ``(out, residuals)``; the residuals are the
     array inputs, ``y = C h`` and the engine's chunk-start states."""
-    arrays = dict(
-        x=x, A=A, B=B, C=C, D=D, dt=dt, gate=gate, dt_bias=dt_bias, initial_state=initial_state
-    )
-    st = _statics(cfg, chunk_size, dt_softplus, return_state)
-    out, (y, h_start) = _forward(arrays, st, True)
+    arrays = ssm.arrays(args)
+    out, (y, h_start) = _forward(arrays, _statics(cfg, **args), True)
     return out, {"arrays": arrays, "y": y, "h_start": h_start}
 
 
@@ -176,19 +125,16 @@ def _state_space_v2_bwd(
     d_out: Any,
     *,
     cfg: StateSpaceV2Config | None = None,
-    dt_softplus: bool = False,
-    chunk_size: int | None = None,
-    return_state: bool = False,
+    **statics: Any,
 ) -> dict[str, jax.Array | None]:
     """Backward of :func:`state_space_v2_xla`.
 
     Returns:
         The gradient of every given array, in its dtype (``None`` for absent ones).
     """
-    d_y, d_final = d_out if return_state else (d_out, None)
-    arrays = residuals["arrays"]
-    st = _statics(cfg, chunk_size, dt_softplus, return_state)
-    return _backward(arrays, residuals["y"], residuals["h_start"], d_y, d_final, st)
+    st = _statics(cfg, **statics)
+    d_y, d_final = d_out if st.linear.return_state else (d_out, None)
+    return _backward(residuals["arrays"], residuals["y"], residuals["h_start"], d_y, d_final, st)
 
 
 defvjp(state_space_v2_xla, _state_space_v2_fwd, _state_space_v2_bwd)
@@ -208,8 +154,15 @@ class _Statics:
 
 
 def _statics(
-    cfg: StateSpaceV2Config | None, chunk_size: int | None, dt_softplus: bool, return_state: bool
+    cfg: StateSpaceV2Config | None,
+    *,
+    chunk_size: int | None = None,
+    dt_softplus: bool = False,
+    return_state: bool = False,
+    **unused: Any,
 ) -> _Statics:
+    """The passes' statics from the config and the op's non-array arguments."""
+    del unused  # the arrays
     chunk = int(chunk_size if chunk_size is not None else (cfg or StateSpaceV2Config()).chunk_size)
     # The engine's scalar-gate path has no sub-chunks: one sub-chunk per chunk keeps any C valid.
     linear = LinearStatics(
@@ -266,7 +219,7 @@ def _backward(
     """Pull back the gate and skip, then the engine's backward, then the mapping onto it."""
     d_outer, d_lin_y = ssm.pull_skip_and_gate(a, y, d_y)
 
-    diff = {n: a[n] for n in _ARRAYS if a[n] is not None}
+    diff = {n: a[n] for n in ssm.ARRAYS if a[n] is not None}
     linear, pull_linear = jax.vjp(lambda d: _as_linear({**a, **d}, st), diff)
     d_out: Any = d_lin_y
     if st.linear.return_state:
@@ -277,7 +230,7 @@ def _backward(
     )
     (grads,) = pull_linear({n: d_linear.get(n) for n in linear})
     grads = {n: g + d_outer[n] if n in d_outer else g for n, g in grads.items()}
-    return {n: None if a[n] is None else grads[n].astype(a[n].dtype) for n in _ARRAYS}
+    return {n: None if a[n] is None else grads[n].astype(a[n].dtype) for n in ssm.ARRAYS}
 
 
 def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Array]:
