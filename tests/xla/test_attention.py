@@ -7,12 +7,14 @@ gradients flow from both outputs, ``out`` and ``weights``, and are compared with
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _attention_helpers as helpers
 
 import ejkernel
 from ejkernel.specs.attention import attention_reference
@@ -53,9 +55,7 @@ def check(
     assert weights.shape == (shape.b, shape.hq, shape.sq, shape.sk)
     assert_close(out, ref_out, name="out")
     assert_close(weights, ref_weights, name="weights")
-    for name, grad in grads.items():
-        assert grad.shape == ref_grads[name].shape and grad.dtype == ref_grads[name].dtype
-        assert_close(grad, ref_grads[name], name=f"d{name}")
+    helpers.assert_gradients_close(grads, ref_grads)
     return (out, weights), grads
 
 
@@ -70,15 +70,9 @@ def test_causal_sliding_window_and_soft_cap_match_the_reference(shape: Attention
     check(shape, causal=True, sliding_window=(20, 3), logits_soft_cap=2.0)
 
 
-@pytest.mark.parametrize(
-    "bias_shape",
-    [(2, 6, 37, 129), (1, 6, 1, 129), (37, 129), (2, 1, 37, 1)],
-    ids=lambda s: "x".join(map(str, s)),
-)
+@pytest.mark.parametrize("bias_shape", helpers.BIAS_SHAPES, ids=helpers.shape_id)
 def test_bias_and_its_gradient_keep_the_bias_broadcast_shape(bias_shape: tuple[int, ...]) -> None:
-    bias = normal(jax.random.PRNGKey(1), bias_shape)
-    _, grads = check(SHORT_Q, bias=bias, logits_soft_cap=3.0)
-    assert grads["bias"].shape == bias_shape
+    helpers.assert_bias_gradient_keeps_its_shape(functools.partial(check, SHORT_Q), bias_shape)
 
 
 def test_attention_mask_and_segments_give_zero_rows_with_zero_gradients() -> None:

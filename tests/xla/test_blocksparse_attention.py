@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _attention_helpers as helpers
 
 import ejkernel
 from ejkernel.specs.blocksparse_attention import blocksparse_attention_reference
@@ -91,9 +92,7 @@ def check(
     )
     assert out.dtype == q.dtype
     assert_close(out, ref_out, name="out")
-    for name, grad in grads.items():
-        assert grad.shape == ref_grads[name].shape and grad.dtype == ref_grads[name].dtype
-        assert_close(grad, ref_grads[name], name=f"d{name}")
+    helpers.assert_gradients_close(grads, ref_grads)
     return out, grads
 
 

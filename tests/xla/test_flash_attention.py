@@ -6,12 +6,14 @@ builds it: static arguments closed over, array arguments passed as arguments.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _attention_helpers as helpers
 
 from ejkernel._params import BwdParams, FwdParams
 from ejkernel.specs.flash_attention import flash_attention_reference
@@ -136,9 +138,7 @@ def check(
     ref_out, ref_grads = reference(q, k, v, args, d_out)
     assert out.dtype == q.dtype
     assert_close(out, ref_out, name="out")
-    for name, grad in grads.items():
-        assert grad.shape == ref_grads[name].shape and grad.dtype == ref_grads[name].dtype
-        assert_close(grad, ref_grads[name], name=f"d{name}")
+    helpers.assert_gradients_close(grads, ref_grads)
     return out, grads
 
 
@@ -174,15 +174,11 @@ def test_logits_soft_cap_matches_the_reference() -> None:
     check(GQA, logits_soft_cap=1.5, causal=True)
 
 
-@pytest.mark.parametrize(
-    "bias_shape",
-    [(2, 6, 37, 129), (1, 6, 1, 129), (37, 129), (2, 1, 37, 1)],
-    ids=lambda s: "x".join(map(str, s)),
-)
+@pytest.mark.parametrize("bias_shape", helpers.BIAS_SHAPES, ids=helpers.shape_id)
 def test_bias_and_its_gradient_keep_the_bias_broadcast_shape(bias_shape: tuple[int, ...]) -> None:
-    bias = normal(jax.random.PRNGKey(1), bias_shape)
-    _, grads = check(SHORT_Q, SMALL, bias=bias, logits_soft_cap=3.0)
-    assert grads["bias"].shape == bias_shape
+    helpers.assert_bias_gradient_keeps_its_shape(
+        functools.partial(check, SHORT_Q, SMALL), bias_shape
+    )
 
 
 def test_attention_mask_matches_the_reference() -> None:

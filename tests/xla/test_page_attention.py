@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _attention_helpers as helpers
 
 import ejkernel
-from ejkernel._invocation import Invocation
 from ejkernel._params import FwdParams
-from ejkernel.specs.page_attention import SPEC, page_attention_reference
+from ejkernel.specs.page_attention import SPEC
 from ejkernel.testing import assert_close
 from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
 from ejkernel_xla.ops.page_attention import (
@@ -26,9 +26,7 @@ from ejkernel_xla.ops.page_attention import (
     page_attention_xla,
 )
 
-STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
-#: The oracle, jitted (eager, its many small ops would each compile on first use).
-reference = jax.jit(page_attention_reference, static_argnames=STATICS)
+reference = helpers.jitted_reference(SPEC)
 
 #: Lengths 0 and 1, a whole page (5), whole capacity (45), odd lengths; sequences 0 and 4
 #: share their first 3 pages.
@@ -53,20 +51,10 @@ def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE
     return batch.example("decode", unused=unused).build(SPEC, dtype)
 
 
-def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
-    return SPEC.validate(SPEC.bind((), {**arrays, **options}))
-
-
-def abstract(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
-
-
 def check(batch: PagedBatch, cfg: Any = None, dtype: str = "float32", **options: Any) -> jax.Array:
-    args = validated(make_inputs(batch, dtype), **options)
+    args = helpers.validated(SPEC, make_inputs(batch, dtype), **options)
     out = page_attention_xla(**args, cfg=cfg)
-    assert out.shape == args["query"].shape and out.dtype == jnp.dtype(dtype)
-    assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
-    assert_close(out, reference(**args), name=str(batch))
+    helpers.assert_output(out, reference(**args), args["query"].shape, dtype, str(batch))
     return out
 
 
@@ -99,11 +87,8 @@ def test_bfloat16_matches_the_float32_reference() -> None:
 
 
 def test_garbage_in_unused_table_slots_changes_nothing() -> None:
-    outs = [
-        np.asarray(page_attention_xla(**validated(make_inputs(GQA, unused=u))))
-        for u in (0, GARBAGE)
-    ]
-    assert np.array_equal(outs[0], outs[1])
+    make = lambda unused: make_inputs(GQA, unused=unused)
+    helpers.assert_unused_slots_change_nothing(page_attention_xla, SPEC, make)
 
 
 def test_jit_and_vmap_match_the_reference() -> None:
@@ -137,32 +122,25 @@ def test_public_function_and_explain() -> None:
 
 
 def test_memory_does_not_grow_with_num_pages() -> None:
-    def temp_bytes(num_pages: int) -> int:
+    def shapes(num_pages: int) -> dict[str, Any]:
         s, max_pages = 32, 64
-        shapes = {
+        return {
             "query": jax.ShapeDtypeStruct((s, 8, 64), jnp.float32),
             "key_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
             "value_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
             "kv_lens": jax.ShapeDtypeStruct((s,), jnp.int32),
             "block_tables": jax.ShapeDtypeStruct((s, max_pages), jnp.int32),
         }
-        memory = (
-            jax.jit(lambda a: page_attention_xla(**a)).lower(shapes).compile().memory_analysis()
-        )
-        if memory is None:
-            pytest.skip("this backend reports no memory analysis")
-        return int(memory.temp_size_in_bytes)
 
-    small, large = temp_bytes(1024), temp_bytes(100_000)
+    small, large = (helpers.temp_bytes(page_attention_xla, shapes(n)) for n in (1024, 100_000))
     assert small == large and small < 1024 * 16 * 2 * 64 * 4
 
 
 @pytest.mark.parametrize("batch", [GQA, MQA], ids=str)
 def test_configs_use_one_token_items_and_whole_pages(batch: PagedBatch) -> None:
-    args = validated(make_inputs(batch))
-    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
-    space = config_space(inv)
-    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    space = helpers.config_space_of(
+        SPEC, helpers.validated(SPEC, make_inputs(batch)), heuristic, config_space
+    )
     for cfg in space:
         assert (
             cfg.fwd_params.q_blocksize == 1 and cfg.fwd_params.kv_blocksize % batch.page_size == 0
@@ -170,7 +148,7 @@ def test_configs_use_one_token_items_and_whole_pages(batch: PagedBatch) -> None:
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {k: abstract(v) for k, v in validated(make_inputs(MQA)).items()}
+    shapes = {k: helpers.abstract(v) for k, v in helpers.validated(SPEC, make_inputs(MQA)).items()}
     inputs = SPEC.make_synthetic(shapes, seed=1)
     kv_lens = np.asarray(inputs["kv_lens"])
     assert np.all((kv_lens >= 1) & (kv_lens <= MQA.max_pages * MQA.page_size))
@@ -208,11 +186,9 @@ def test_synthetic_inputs_are_valid() -> None:
         ("logits_soft_cap", 0.0, r"`logits_soft_cap` must be > 0"),
         ("sliding_window", (1, 2, 3), r"`sliding_window` must be an int or \(left, right\)"),
     ],
-    ids=lambda x: x if isinstance(x, str) and not x.startswith("`") else None,
+    ids=helpers.error_id,
 )
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
     name: str, value: Any, message: str
 ) -> None:
-    arrays = {**make_inputs(GQA), name: value}
-    with pytest.raises((TypeError, ValueError), match=r"^page_attention: " + message):
-        ejkernel.page_attention(**arrays)
+    helpers.assert_rejected(SPEC, {**make_inputs(GQA), name: value}, message)

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _attention_helpers as helpers
 
 import ejkernel
-from ejkernel._invocation import Invocation
 from ejkernel._params import FwdParams
-from ejkernel.specs.prefill_page_attention import SPEC, prefill_page_attention_reference
+from ejkernel.specs.prefill_page_attention import SPEC
 from ejkernel.testing import assert_close
 from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
 from ejkernel_xla.ops.prefill_page_attention import (
@@ -26,9 +26,7 @@ from ejkernel_xla.ops.prefill_page_attention import (
     prefill_page_attention_xla,
 )
 
-STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
-#: The oracle, jitted (eager, its many small ops would each compile on first use).
-reference = jax.jit(prefill_page_attention_reference, static_argnames=STATICS)
+reference = helpers.jitted_reference(SPEC)
 
 
 def chunk(c: int, kv_len: int, **sizes: int) -> PagedBatch:
@@ -51,20 +49,10 @@ def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE
     return batch.example("prefill", unused=unused).build(SPEC, dtype)
 
 
-def abstract(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
-
-
-def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
-    return SPEC.validate(SPEC.bind((), {**arrays, **options}))
-
-
 def check(batch: PagedBatch, cfg: Any = None, dtype: str = "float32", **options: Any) -> jax.Array:
-    args = validated(make_inputs(batch, dtype), **options)
+    args = helpers.validated(SPEC, make_inputs(batch, dtype), **options)
     out = prefill_page_attention_xla(**args, cfg=cfg)
-    assert out.shape == args["query"].shape and out.dtype == jnp.dtype(dtype)
-    assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
-    assert_close(out, reference(**args), name=str(batch))
+    helpers.assert_output(out, reference(**args), args["query"].shape, dtype, str(batch))
     return out
 
 
@@ -87,8 +75,8 @@ def test_queries_before_every_key_are_zeros(batch: PagedBatch) -> None:
 )
 def test_kv_len_may_be_an_int_or_a_scalar_array(kv_len: Any) -> None:
     arrays = {**make_inputs(CHUNKED), "kv_len": kv_len}
-    out = prefill_page_attention_xla(**validated(arrays))
-    assert_close(out, reference(**validated(make_inputs(CHUNKED))))
+    out = prefill_page_attention_xla(**helpers.validated(SPEC, arrays))
+    assert_close(out, reference(**helpers.validated(SPEC, make_inputs(CHUNKED))))
 
 
 def test_every_option_matches_the_reference() -> None:
@@ -107,11 +95,8 @@ def test_bfloat16_matches_the_float32_reference() -> None:
 
 
 def test_garbage_page_ids_change_nothing() -> None:
-    outs = [
-        np.asarray(prefill_page_attention_xla(**validated(make_inputs(CHUNKED, unused=u))))
-        for u in (0, GARBAGE)
-    ]
-    assert np.array_equal(outs[0], outs[1])
+    make = lambda unused: make_inputs(CHUNKED, unused=unused)
+    helpers.assert_unused_slots_change_nothing(prefill_page_attention_xla, SPEC, make)
 
 
 def test_jit_with_a_traced_kv_len_and_vmap_match_the_reference() -> None:
@@ -144,10 +129,8 @@ def test_public_function_and_explain() -> None:
 
 @pytest.mark.parametrize("batch", [CHUNKED, ONE], ids=str)
 def test_configs_use_whole_pages_and_the_heuristic_comes_first(batch: PagedBatch) -> None:
-    args = validated(make_inputs(batch))
-    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
-    space = config_space(inv)
-    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    args = helpers.validated(SPEC, make_inputs(batch))
+    space = helpers.config_space_of(SPEC, args, heuristic, config_space)
     for cfg in space:
         assert (
             cfg.fwd_params.kv_blocksize % batch.page_size == 0
@@ -156,7 +139,9 @@ def test_configs_use_whole_pages_and_the_heuristic_comes_first(batch: PagedBatch
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {k: abstract(v) for k, v in validated(make_inputs(CHUNKED)).items()}
+    shapes = {
+        k: helpers.abstract(v) for k, v in helpers.validated(SPEC, make_inputs(CHUNKED)).items()
+    }
     inputs = SPEC.make_synthetic(shapes, seed=2)
     kv_len = int(inputs["kv_len"])
     assert CHUNKED.tokens <= kv_len <= CHUNKED.max_pages * CHUNKED.page_size
@@ -192,11 +177,9 @@ def test_synthetic_inputs_are_valid() -> None:
         ("page_indices", jnp.ones((0,), jnp.int32), r"`page_indices` must be \[P\] with P >= 1"),
         ("sliding_window", -3, r"`sliding_window` must be non-negative"),
     ],
-    ids=lambda x: x if isinstance(x, str) and not x.startswith("`") else None,
+    ids=helpers.error_id,
 )
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
     name: str, value: Any, message: str
 ) -> None:
-    arrays = {**make_inputs(CHUNKED), name: value}
-    with pytest.raises((TypeError, ValueError), match=r"^prefill_page_attention: " + message):
-        ejkernel.prefill_page_attention(**arrays)
+    helpers.assert_rejected(SPEC, {**make_inputs(CHUNKED), name: value}, message)

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _attention_helpers as helpers
 
 import ejkernel
-from ejkernel._invocation import Invocation
 from ejkernel.plugins import FwdParams
-from ejkernel.specs.ragged_decode_attention import SPEC, ragged_decode_attention_reference
+from ejkernel.specs.ragged_decode_attention import SPEC
 from ejkernel.testing import Example, assert_close
 from ejkernel.testing.cases.ragged_decode_attention import rows_example
 from ejkernel_xla.ops.ragged_decode_attention import (
@@ -23,9 +23,7 @@ from ejkernel_xla.ops.ragged_decode_attention import (
     ragged_decode_attention_xla,
 )
 
-STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
-#: The oracle, jitted (eager, its many small ops would each compile on first use).
-reference = jax.jit(ragged_decode_attention_reference, static_argnames=STATICS)
+reference = helpers.jitted_reference(SPEC)
 
 #: The whole cache, a middle range, an empty range, one token at either end, a range ending
 #: one short of the cache; D ≠ Dv.
@@ -39,21 +37,13 @@ def make_inputs(rows: Example, dtype: str = "float32") -> dict[str, Any]:
     return rows.build(SPEC, dtype)
 
 
-def abstract(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
-
-
-def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
-    return SPEC.validate(SPEC.bind((), {**arrays, **options}))
-
-
 def check(rows: Example, cfg: Any = None, dtype: str = "float32", **options: Any) -> jax.Array:
-    args = validated(make_inputs(rows, dtype), **options)
+    args = helpers.validated(SPEC, make_inputs(rows, dtype), **options)
     out = ragged_decode_attention_xla(**args, cfg=cfg)
     b, hq = args["query"].shape[:2]
-    assert out.shape == (b, hq, args["value"].shape[-1]) and out.dtype == jnp.dtype(dtype)
-    assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
-    assert_close(out, reference(**args), name=str(rows))
+    helpers.assert_output(
+        out, reference(**args), (b, hq, args["value"].shape[-1]), dtype, str(rows)
+    )
     return out
 
 
@@ -77,11 +67,7 @@ def test_output_matches_the_reference_for_every_batch(rows: Example) -> None:
 def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
     options = dict(options)
     if "softmax_aux" in options:
-        hq = GQA.arrays["query"][0][1]
-        shape = (hq,) if options["softmax_aux"] == "Hq" else (hq, 2)
-        options["softmax_aux"] = jnp.asarray(
-            np.random.default_rng(3).standard_normal(shape) + 1.0, jnp.float32
-        )
+        options["softmax_aux"] = helpers.sinks(GQA.arrays["query"][0][1], options["softmax_aux"], 3)
     check(GQA, **options)
 
 
@@ -123,42 +109,33 @@ def test_public_function_and_explain() -> None:
 
 
 def test_memory_does_not_grow_with_the_cache_length() -> None:
-    def temp_bytes(sk: int) -> int:
+    def shapes(sk: int) -> dict[str, Any]:
         b = 8
-        shapes = {
+        return {
             "query": jax.ShapeDtypeStruct((b, 8, 64), jnp.float32),
             "key": jax.ShapeDtypeStruct((b, sk, 2, 64), jnp.float32),
             "value": jax.ShapeDtypeStruct((b, sk, 2, 64), jnp.float32),
             "sequence_start": jax.ShapeDtypeStruct((b,), jnp.int32),
             "sequence_end": jax.ShapeDtypeStruct((b,), jnp.int32),
         }
-        memory = (
-            jax.jit(lambda a: ragged_decode_attention_xla(**a))
-            .lower(shapes)
-            .compile()
-            .memory_analysis()
-        )
-        if memory is None:
-            pytest.skip("this backend reports no memory analysis")
-        return int(memory.temp_size_in_bytes)
 
-    small, large = temp_bytes(4096), temp_bytes(262_144)
+    small, large = (
+        helpers.temp_bytes(ragged_decode_attention_xla, shapes(sk)) for sk in (4096, 262_144)
+    )
     assert small == large and small < 8 * 4096 * 2 * 64 * 4
 
 
 @pytest.mark.parametrize("rows", [GQA, MQA], ids=str)
 def test_configs_never_use_blocks_longer_than_the_cache(rows: Example) -> None:
-    args = validated(make_inputs(rows))
-    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
+    args = helpers.validated(SPEC, make_inputs(rows))
     sk = args["key"].shape[1]
-    space = config_space(inv)
-    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    space = helpers.config_space_of(SPEC, args, heuristic, config_space)
     for cfg in space:
         assert cfg.fwd_params.q_blocksize == 1 and 1 <= cfg.fwd_params.kv_blocksize <= sk
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {k: abstract(v) for k, v in validated(make_inputs(MQA)).items()}
+    shapes = {k: helpers.abstract(v) for k, v in helpers.validated(SPEC, make_inputs(MQA)).items()}
     inputs = SPEC.make_synthetic(shapes, seed=1)
     start, end = np.asarray(inputs["sequence_start"]), np.asarray(inputs["sequence_end"])
     assert np.all((start >= 0) & (start < end) & (end <= shapes["key"].shape[1]))
@@ -187,11 +164,9 @@ def test_synthetic_inputs_are_valid() -> None:
         ),
         ("logits_soft_cap", "big", r"`logits_soft_cap` must be a number"),
     ],
-    ids=lambda x: x if isinstance(x, str) and not x.startswith("`") else None,
+    ids=helpers.error_id,
 )
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
     name: str, value: Any, message: str
 ) -> None:
-    arrays = {**make_inputs(GQA), name: value}
-    with pytest.raises((TypeError, ValueError), match=r"^ragged_decode_attention: " + message):
-        ejkernel.ragged_decode_attention(**arrays)
+    helpers.assert_rejected(SPEC, {**make_inputs(GQA), name: value}, message)

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _attention_helpers as helpers
 
 import ejkernel
-from ejkernel._invocation import Invocation
 from ejkernel._params import FwdParams
-from ejkernel.specs.ragged_page_attention import SPEC, ragged_page_attention_reference
+from ejkernel.specs.ragged_page_attention import SPEC
 from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal
 from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
-from ejkernel.testing.cases.ragged_page_attention import MIXED as CASES_MIXED
 from ejkernel_xla.ops.ragged_page_attention import (
     RaggedPageAttentionConfig,
     config_space,
@@ -30,25 +28,11 @@ from ejkernel_xla.ops.ragged_page_attention import (
     ragged_page_attention_xla,
 )
 
-STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
-#: The oracle, jitted (eager, its many small ops would each compile on first use).
-reference = jax.jit(ragged_page_attention_reference, static_argnames=STATICS)
+reference = helpers.jitted_reference(SPEC)
 
-#: The conformance batch (lengths 0 and 1, whole pages, a chunked prefill, decode steps, a
-#: sequence with more queries than keys, padding tokens) at D 40, with a 2-page prefix shared
-#: by sequences 0 and 3.
-MIXED = attrs.evolve(CASES_MIXED, d=40, shared_pages=2)
+MIXED = helpers.MIXED
 #: MQA, large pages, a sequence filling its capacity exactly (144 = 9 × 16).
-MQA = PagedBatch(
-    kv_lens=(129, 1, 16, 144),
-    q_lens=(3, 1, 16, 7),
-    hq=4,
-    hkv=1,
-    d=32,
-    page_size=16,
-    max_pages=9,
-    num_pages=40,
-)
+MQA = helpers.mqa_batch((129, 1, 16, 144), (3, 1, 16, 7), num_pages=40)
 #: Pure decode (one query per sequence).
 DECODE = PagedBatch(
     kv_lens=(17, 64, 3, 33),
@@ -68,11 +52,6 @@ def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE
     return {k: v for k, v in args.items() if k != "num_seqs"}
 
 
-def validated(arrays: dict[str, Any], num_seqs: Any, **options: Any) -> dict[str, Any]:
-    """Every argument as the core passes it to an implementation."""
-    return SPEC.validate(SPEC.bind((), {**arrays, "num_seqs": num_seqs, **options}))
-
-
 def check(
     batch: PagedBatch,
     cfg: Any = None,
@@ -82,7 +61,9 @@ def check(
 ) -> tuple[jax.Array, dict[str, Any]]:
     """Compare the XLA output with the reference; return ours and the arguments."""
     arrays = make_inputs(batch, dtype)
-    args = validated(arrays, len(batch.kv_lens) if num_seqs is None else num_seqs, **options)
+    args = helpers.validated(
+        SPEC, arrays, num_seqs=len(batch.kv_lens) if num_seqs is None else num_seqs, **options
+    )
     out = ragged_page_attention_xla(**args, cfg=cfg)
     ref = reference(**args)
     assert out.shape == arrays["queries"].shape and out.dtype == jnp.dtype(dtype)
@@ -120,11 +101,9 @@ def test_only_the_first_num_seqs_sequences_are_live(num_seqs: Any) -> None:
 
 
 def test_garbage_in_unused_table_slots_changes_nothing() -> None:
-    outs = []
-    for unused in (0, GARBAGE, (2**31 - 1, -(2**31))):
-        args = validated(make_inputs(MIXED, unused=unused), len(MIXED.kv_lens))
-        outs.append(np.asarray(ragged_page_attention_xla(**args)))
-    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    make = lambda unused: {**make_inputs(MIXED, unused=unused), "num_seqs": len(MIXED.kv_lens)}
+    unused = (0, GARBAGE, (2**31 - 1, -(2**31)))
+    helpers.assert_unused_slots_change_nothing(ragged_page_attention_xla, SPEC, make, unused)
 
 
 @pytest.mark.parametrize(
@@ -179,9 +158,9 @@ def test_public_function_and_explain() -> None:
 
 
 def test_work_and_memory_do_not_grow_with_num_pages() -> None:
-    def temp_bytes(num_pages: int) -> int:
+    def shapes(num_pages: int) -> dict[str, Any]:
         t, s, max_pages = 256, 16, 64
-        shapes = {
+        return {
             "queries": jax.ShapeDtypeStruct((t, 8, 64), jnp.float32),
             "key_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
             "value_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
@@ -190,19 +169,19 @@ def test_work_and_memory_do_not_grow_with_num_pages() -> None:
             "query_start_loc": jax.ShapeDtypeStruct((s + 1,), jnp.int32),
             "num_seqs": jax.ShapeDtypeStruct((), jnp.int32),
         }
-        fn = jax.jit(lambda a: ragged_page_attention_xla(**a))
-        memory = fn.lower(shapes).compile().memory_analysis()
-        if memory is None:
-            pytest.skip("this backend reports no memory analysis")
-        return int(memory.temp_size_in_bytes)
 
-    small, large = temp_bytes(1024), temp_bytes(100_000)
+    small, large = (
+        helpers.temp_bytes(ragged_page_attention_xla, shapes(n)) for n in (1024, 100_000)
+    )
     cache_bytes = 1024 * 16 * 2 * 64 * 4
     assert small == large and small < cache_bytes
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {k: abstract(v) for k, v in validated(make_inputs(MQA), 4).items()}
+    shapes = {
+        k: helpers.abstract(v)
+        for k, v in helpers.validated(SPEC, make_inputs(MQA), num_seqs=4).items()
+    }
     inputs = SPEC.make_synthetic(shapes, seed=3)
     kv_lens, qsl = np.asarray(inputs["kv_lens"]), np.asarray(inputs["query_start_loc"])
     tables = np.asarray(inputs["block_tables"])
@@ -217,17 +196,11 @@ def test_synthetic_inputs_are_valid() -> None:
 
 @pytest.mark.parametrize("batch", [MIXED, MQA, DECODE], ids=str)
 def test_configs_use_whole_pages_and_the_heuristic_comes_first(batch: PagedBatch) -> None:
-    args = validated(make_inputs(batch), len(batch.kv_lens))
-    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
-    space = config_space(inv)
-    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    args = helpers.validated(SPEC, make_inputs(batch), num_seqs=len(batch.kv_lens))
+    space = helpers.config_space_of(SPEC, args, heuristic, config_space)
     for cfg in space:
         assert cfg.fwd_params.kv_blocksize % batch.page_size == 0
         assert 1 <= cfg.fwd_params.q_blocksize <= batch.tokens and cfg.blocks_per_step >= 1
-
-
-def abstract(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
 
 
 def _bad(name: str, value: Any) -> dict[str, Any]:
@@ -281,7 +254,4 @@ def _bad(name: str, value: Any) -> dict[str, Any]:
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
     change: dict[str, Any], message: str
 ) -> None:
-    arrays = {**make_inputs(MIXED), "num_seqs": 7}
-    arrays.update(change)
-    with pytest.raises((TypeError, ValueError), match=r"^ragged_page_attention: " + message):
-        ejkernel.ragged_page_attention(**arrays)
+    helpers.assert_rejected(SPEC, {**make_inputs(MIXED), "num_seqs": 7, **change}, message)

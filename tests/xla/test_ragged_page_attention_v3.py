@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _attention_helpers as helpers
 
 import ejkernel
-from ejkernel._invocation import Invocation
 from ejkernel._params import FwdParams
-from ejkernel.specs.ragged_page_attention_v3 import SPEC, ragged_page_attention_v3_reference
+from ejkernel.specs.ragged_page_attention_v3 import SPEC
 from ejkernel.testing import assert_close
 from ejkernel.testing.cases._paged import PagedBatch
 from ejkernel_xla.ops.ragged_page_attention_v3 import (
@@ -28,35 +29,18 @@ from ejkernel_xla.ops.ragged_page_attention_v3 import (
     ragged_page_attention_v3_xla,
 )
 
-STATICS = ("softmax_scale", "logits_soft_cap", "sliding_window")
-#: The oracle, jitted (eager, its many small ops would each compile on first use).
-reference = jax.jit(ragged_page_attention_v3_reference, static_argnames=STATICS)
+reference = helpers.jitted_reference(SPEC)
 
 #: Lengths 0 and 1, a whole-page prefill (8), chunked prefills, decode, a sequence with more
 #: new tokens than positions (its 2 first tokens are neither written nor see anything),
 #: padding tokens; sequence 3 reads sequence 0's first 2 pages and writes only past them.
-MIXED = PagedBatch(
+MIXED = attrs.evolve(
+    helpers.MIXED,
     kv_lens=(37, 0, 1, 12, 8, 19, 5, 2),
     q_lens=(5, 0, 1, 4, 8, 7, 1, 4),
-    hq=6,
-    hkv=2,
-    d=40,
-    page_size=4,
-    max_pages=11,
-    num_pages=64,
-    pad_tokens=3,
     shared_pages=(0, 0, 0, 2, 0, 0, 0, 0),
 )
-MQA = PagedBatch(
-    kv_lens=(129, 1, 144),
-    q_lens=(3, 1, 16),
-    hq=4,
-    hkv=1,
-    d=32,
-    page_size=16,
-    max_pages=9,
-    num_pages=30,
-)
+MQA = helpers.mqa_batch((129, 1, 144), (3, 1, 16), num_pages=30)
 
 
 def make_inputs(batch: PagedBatch, dtype: str = "float32") -> dict[str, Any]:
@@ -77,10 +61,6 @@ def written_slots(batch: PagedBatch, tables: np.ndarray, num_seqs: int) -> set[t
     return slots
 
 
-def validated(arrays: dict[str, Any], num_seqs: Any, **options: Any) -> dict[str, Any]:
-    return SPEC.validate(SPEC.bind((), {**arrays, "num_seqs": num_seqs, **options}))
-
-
 def check(
     batch: PagedBatch,
     cfg: Any = None,
@@ -91,7 +71,7 @@ def check(
     """Compare output and both caches with the reference; check exactly which slots changed."""
     num_seqs = len(batch.kv_lens) if num_seqs is None else num_seqs
     arrays = make_inputs(batch, dtype)
-    args = validated(arrays, num_seqs, **options)
+    args = helpers.validated(SPEC, arrays, num_seqs=num_seqs, **options)
     out, key_cache, value_cache = ragged_page_attention_v3_xla(**args, cfg=cfg)
     ref_out, ref_keys, ref_values = reference(**args)
     dtype = jnp.dtype(dtype)
@@ -208,20 +188,17 @@ def test_public_function_and_explain() -> None:
     np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(expected[1]))
 
 
-def abstract(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
-
-
 def test_configs_use_whole_pages_and_the_heuristic_comes_first() -> None:
-    args = validated(make_inputs(MIXED), len(MIXED.kv_lens))
-    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
-    space = config_space(inv)
-    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    args = helpers.validated(SPEC, make_inputs(MIXED), num_seqs=len(MIXED.kv_lens))
+    space = helpers.config_space_of(SPEC, args, heuristic, config_space)
     assert all(cfg.fwd_params.kv_blocksize % MIXED.page_size == 0 for cfg in space)
 
 
 def test_synthetic_inputs_write_distinct_slots() -> None:
-    shapes = {k: abstract(v) for k, v in validated(make_inputs(MQA), 3).items()}
+    shapes = {
+        k: helpers.abstract(v)
+        for k, v in helpers.validated(SPEC, make_inputs(MQA), num_seqs=3).items()
+    }
     inputs = SPEC.make_synthetic(shapes, seed=5)
     kv_lens, qsl = np.asarray(inputs["kv_lens"]), np.asarray(inputs["query_start_loc"])
     tables = np.asarray(inputs["block_tables"])
@@ -250,11 +227,9 @@ def test_synthetic_inputs_write_distinct_slots() -> None:
         ("num_seqs", 9, r"`num_seqs` must be in \[0, 8\]"),
         ("block_tables", jnp.ones((8, 11)), r"`block_tables` must be an integer"),
     ],
-    ids=lambda x: x if isinstance(x, str) and not x.startswith("`") else None,
+    ids=helpers.error_id,
 )
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
     name: str, value: Any, message: str
 ) -> None:
-    arrays = {**make_inputs(MIXED), "num_seqs": 8, name: value}
-    with pytest.raises((TypeError, ValueError), match=r"^ragged_page_attention_v3: " + message):
-        ejkernel.ragged_page_attention_v3(**arrays)
+    helpers.assert_rejected(SPEC, {**make_inputs(MIXED), "num_seqs": 8, name: value}, message)

@@ -1,22 +1,23 @@
 """The XLA unified attention (vLLM-style) against the reference: ALiBi, causal or not, sinks.
 
-Batches are hostile: shuffled pages, garbage ids (``10**6``, ``-1``) in table slots past the
-live pages, NaN in every cache slot no sequence holds, a prefix shared by two sequences.
+Batches are the shared hostile ones of the paged tests (shuffled pages, garbage table ids, NaN
+in unowned cache slots), here with a prefix shared by two sequences.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.xla import _attention_helpers as helpers
 
 import ejkernel
-from ejkernel._invocation import Invocation
 from ejkernel._params import FwdParams
-from ejkernel.specs.unified_attention import SPEC, unified_attention_reference
+from ejkernel.specs.unified_attention import SPEC
 from ejkernel.testing import assert_close
 from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
 from ejkernel_xla.ops.unified_attention import (
@@ -26,33 +27,12 @@ from ejkernel_xla.ops.unified_attention import (
     unified_attention_xla,
 )
 
-STATICS = ("softmax_scale", "causal", "logits_soft_cap", "sliding_window")
-#: The oracle, jitted (eager, its many small ops would each compile on first use).
-reference = jax.jit(unified_attention_reference, static_argnames=STATICS)
+reference = helpers.jitted_reference(SPEC)
 
-#: Lengths 0 and 1, whole pages, chunked and full prefills, decode, more queries than keys,
-#: and a 2-page prefix shared by sequences 0 and 3.
-MIXED = PagedBatch(
-    kv_lens=(37, 0, 1, 8, 19, 5, 2),
-    q_lens=(5, 0, 1, 8, 19, 1, 4),
-    hq=6,
-    hkv=2,
-    d=40,
-    page_size=4,
-    max_pages=11,
-    num_pages=64,
-    shared_pages=2,
-)
-MQA = PagedBatch(
-    kv_lens=(129, 1, 16),
-    q_lens=(3, 1, 16),
-    hq=4,
-    hkv=1,
-    d=32,
-    page_size=16,
-    max_pages=9,
-    num_pages=20,
-)
+#: The shared ragged batch (lengths 0 and 1, whole pages, chunked and full prefills, decode, more
+#: queries than keys, a 2-page prefix shared by sequences 0 and 3) without padding tokens.
+MIXED = attrs.evolve(helpers.MIXED, pad_tokens=0)
+MQA = helpers.mqa_batch((129, 1, 16), (3, 1, 16), num_pages=20)
 
 
 def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE) -> dict[str, Any]:
@@ -60,20 +40,10 @@ def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE
     return batch.example(unused=unused).build(SPEC, dtype)
 
 
-def validated(arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
-    return SPEC.validate(SPEC.bind((), {**arrays, **options}))
-
-
-def abstract(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
-
-
 def check(batch: PagedBatch, cfg: Any = None, dtype: str = "float32", **options: Any) -> jax.Array:
-    args = validated(make_inputs(batch, dtype), **options)
+    args = helpers.validated(SPEC, make_inputs(batch, dtype), **options)
     out = unified_attention_xla(**args, cfg=cfg)
-    assert out.shape == args["queries"].shape and out.dtype == jnp.dtype(dtype)
-    assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
-    assert_close(out, reference(**args), name=str(batch))
+    helpers.assert_output(out, reference(**args), args["queries"].shape, dtype, str(batch))
     return out
 
 
@@ -109,10 +79,7 @@ def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
     if "alibi_slopes" in options:
         options["alibi_slopes"] = slopes(MIXED.hq)
     if "softmax_aux" in options:
-        shape = (MIXED.hq,) if options["softmax_aux"] == "Hq" else (MIXED.hq, 2)
-        options["softmax_aux"] = jnp.asarray(
-            np.random.default_rng(5).standard_normal(shape) + 1.0, jnp.float32
-        )
+        options["softmax_aux"] = helpers.sinks(MIXED.hq, options["softmax_aux"], 5)
     check(MIXED, **options)
 
 
@@ -134,11 +101,8 @@ def test_bfloat16_matches_the_float32_reference() -> None:
 
 
 def test_garbage_in_unused_table_slots_changes_nothing() -> None:
-    outs = [
-        np.asarray(unified_attention_xla(**validated(make_inputs(MQA, unused=u))))
-        for u in (0, GARBAGE)
-    ]
-    assert np.array_equal(outs[0], outs[1])
+    make = lambda unused: make_inputs(MQA, unused=unused)
+    helpers.assert_unused_slots_change_nothing(unified_attention_xla, SPEC, make)
 
 
 def test_jit_and_vmap_match_the_reference() -> None:
@@ -167,15 +131,13 @@ def test_public_function_and_explain() -> None:
 
 
 def test_configs_use_whole_pages_and_the_heuristic_comes_first() -> None:
-    args = validated(make_inputs(MIXED))
-    inv = Invocation(kernel=SPEC.name, kwargs={k: abstract(v) for k, v in args.items()})
-    space = config_space(inv)
-    assert space[0] == heuristic(inv) and len(space) == len(set(space)) and 1 <= len(space) <= 8
+    args = helpers.validated(SPEC, make_inputs(MIXED))
+    space = helpers.config_space_of(SPEC, args, heuristic, config_space)
     assert all(cfg.fwd_params.kv_blocksize % MIXED.page_size == 0 for cfg in space)
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {k: abstract(v) for k, v in validated(make_inputs(MQA)).items()}
+    shapes = {k: helpers.abstract(v) for k, v in helpers.validated(SPEC, make_inputs(MQA)).items()}
     inputs = SPEC.make_synthetic(shapes, seed=4)
     qsl, kv_lens = np.asarray(inputs["query_start_loc"]), np.asarray(inputs["kv_lens"])
     assert qsl[0] == 0 and np.all(np.diff(qsl) >= 0) and np.all(np.diff(qsl) <= kv_lens)
@@ -206,11 +168,9 @@ def test_synthetic_inputs_are_valid() -> None:
             r"`kv_lens` must be \[num_seqs\] with num_seqs >= 1",
         ),
     ],
-    ids=lambda x: x if isinstance(x, str) and not x.startswith("`") else None,
+    ids=helpers.error_id,
 )
 def test_bad_inputs_raise_clear_errors_before_any_kernel(
     name: str, value: Any, message: str
 ) -> None:
-    arrays = {**make_inputs(MIXED), name: value}
-    with pytest.raises((TypeError, ValueError), match=r"^unified_attention: " + message):
-        ejkernel.unified_attention(**arrays)
+    helpers.assert_rejected(SPEC, {**make_inputs(MIXED), name: value}, message)

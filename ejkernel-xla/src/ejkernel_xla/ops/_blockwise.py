@@ -22,6 +22,7 @@ from jax import lax
 from ejkernel.attention_semantics import (
     EMPTY_ROW_LSE,
     MASK_VALUE,
+    Geometry,
     Tiling,
     mask_scores,
     soft_cap,
@@ -30,6 +31,7 @@ from ejkernel.attention_semantics import (
 
 __all__ = [
     "Blocking",
+    "SideInputs",
     "as_4d",
     "backend",
     "block_scores",
@@ -43,7 +45,9 @@ __all__ = [
     "pad_axis",
     "q_blocks",
     "scan",
+    "segment_blocks",
     "take",
+    "tile_may_see",
     "unblock_kv",
     "unblock_q",
     "when",
@@ -118,6 +122,52 @@ def unblock_kv(x: jax.Array, geo: Blocking) -> jax.Array:
     """[nk, B, Hkv, bk, F] -> [B, Sk, Hkv, F]."""
     x = x.transpose(1, 0, 3, 2, 4).reshape(geo.b, geo.sk_pad, geo.hkv, x.shape[-1])
     return x[:, : geo.sk]
+
+
+def segment_blocks(
+    ids: jax.Array | None, geo: Tiling, *, keys: bool, stacked: bool = True
+) -> jax.Array | None:
+    """[B, Sq] query (or [B, Sk] key) segment ids -> [n, B, block] int32 (``stacked``) or
+    [B, n, block]; padded positions carry -1, which hides them. ``None`` stays ``None``."""
+    if ids is None:
+        return None
+    pad, n, block = (geo.sk_pad, geo.nk, geo.bk) if keys else (geo.sq_pad, geo.nq, geo.bq)
+    ids = pad_axis(ids.astype(jnp.int32), 1, pad, -1)
+    ids = ids.reshape(ids.shape[0], n, block)
+    return ids.transpose(1, 0, 2) if stacked else ids
+
+
+@attrs.frozen(kw_only=True)
+class SideInputs:
+    """A call's bias, attention mask and segment ids in an op's block layout (each may be
+    absent): bias and mask as the op's ``pair(x, geo, fill)`` lays them out, segment ids by
+    :func:`segment_blocks`."""
+
+    bias: Any
+    mask: Any
+    q_segments: jax.Array | None
+    kv_segments: jax.Array | None
+
+    @classmethod
+    def of(
+        cls,
+        a: dict[str, Any],
+        geo: Tiling,
+        pair: Callable[[jax.Array, Any, Any], Any],
+        *,
+        stacked: bool = True,
+        kv_segments: bool = True,
+    ) -> SideInputs:
+        """``kv_segments=False`` leaves the key segment ids out (they travel elsewhere)."""
+        bias, mask, kv_ids = a["bias"], a["attention_mask"], a["kv_segment_ids"]
+        return cls(
+            bias=None if bias is None else pair(bias, geo, 0),
+            mask=None if mask is None else pair(mask, geo, False),
+            q_segments=segment_blocks(a["q_segment_ids"], geo, keys=False, stacked=stacked),
+            kv_segments=segment_blocks(kv_ids, geo, keys=True, stacked=stacked)
+            if kv_segments
+            else None,
+        )
 
 
 def as_4d(x: jax.Array) -> jax.Array:
@@ -205,6 +255,27 @@ def block_visibility(
         kv_valid=kv_valid,
         attention_mask=attention_mask,
     )
+
+
+def tile_may_see(tiling: Tiling, st: Any, i: Any, j: Any) -> Any:
+    """Whether causality and the window (``st.causal``, ``st.sliding_window``) leave block
+    (i, j) of ``tiling`` any visible entry; ``None`` when they hide nothing.
+
+    Depends on block indices only, so it stays a scalar branch condition under ``vmap``.
+    """
+    if not st.causal and st.sliding_window is None:
+        return None
+    # Which blocks may see each other depends on the lengths alone, not on batch or heads.
+    sem = Geometry(
+        batch=1,
+        sq=tiling.sq,
+        sk=tiling.sk,
+        num_q_heads=1,
+        num_kv_heads=1,
+        causal=st.causal,
+        window=st.sliding_window,
+    )
+    return sem.block_may_see(i, j, tiling.bq, tiling.bk)
 
 
 def block_scores(

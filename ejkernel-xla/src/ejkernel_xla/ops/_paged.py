@@ -3,8 +3,9 @@
 ``page_attention``, ``ragged_page_attention``, ``ragged_page_attention_v3``,
 ``prefill_page_attention``, ``unified_attention`` and ``ragged_decode_attention`` all run on
 this module; each op module is an adapter that describes its sequences (:class:`Sequences`) and
-its key fetch (:func:`paged_fetch`, :func:`dense_fetch`), and names its config class. Forward
-only: the serving ops are not differentiable.
+its key fetch (:func:`paged_fetch`, :func:`dense_fetch`) in a jitted forward, names its config
+class, and runs through :func:`serve` (which binds the arguments by the op's spec, so no module
+restates them). Forward only: the serving ops are not differentiable.
 
 Algorithm: the online softmax of FlashAttention-2 (Dao, 2023, Sec. 3.1) over a flat work list,
 in the spirit of split-KV decoding (FlashDecoding) and the ragged paged kernels of vLLM and
@@ -59,6 +60,7 @@ from jax import lax
 from ejkernel import attention_semantics as semantics
 from ejkernel.attention_semantics import MASK_VALUE
 from ejkernel.plugins import FwdParams
+from ejkernel.specs import OpSpec
 
 __all__ = [
     "PagedConfig",
@@ -76,6 +78,7 @@ __all__ = [
     "paged_heuristic",
     "paged_problem",
     "paged_sequences",
+    "serve",
     "tuning",
 ]
 
@@ -298,61 +301,58 @@ def tuning(
     return heuristic, config_space
 
 
-def make_statics(
-    problem: Problem,
-    cfg: Any,
-    softmax_scale: float | None,
-    logits_soft_cap: float | None,
-    sliding_window: tuple[int, int] | None,
-    *,
-    causal: bool = True,
-) -> Statics:
-    """The statics of one call, ``cfg``'s ``None`` fields taken from the heuristic."""
+def make_statics(problem: Problem, cfg: Any, static: Mapping[str, Any]) -> Statics:
+    """The statics of one call from its static arguments (``softmax_scale``,
+    ``logits_soft_cap``, ``sliding_window``; ``causal``, true when absent), ``cfg``'s ``None``
+    fields taken from the heuristic."""
     params = cfg.fwd_params if cfg is not None else FwdParams()
     per_step = cfg.blocks_per_step if cfg is not None else None
     bq, bk, w = _blocks(problem, params.q_blocksize, params.kv_blocksize, per_step)
+    scale, cap, window = (
+        static.get(n) for n in ("softmax_scale", "logits_soft_cap", "sliding_window")
+    )
     return Statics(
-        softmax_scale=float(problem.head_dim**-0.5 if softmax_scale is None else softmax_scale),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        sliding_window=None
-        if sliding_window is None
-        else (int(sliding_window[0]), int(sliding_window[1])),
-        causal=bool(causal),
+        softmax_scale=float(problem.head_dim**-0.5 if scale is None else scale),
+        logits_soft_cap=None if cap is None else float(cap),
+        sliding_window=None if window is None else (int(window[0]), int(window[1])),
+        causal=bool(static.get("causal", True)),
         q_block=bq,
         kv_block=bk,
         blocks_per_step=w,
     )
 
 
-#: The arguments of :func:`packed_forward`, by name.
-_PACKED = (
-    "queries",
-    "key_cache",
-    "value_cache",
-    "kv_lens",
-    "block_tables",
-    "query_start_loc",
-    "num_seqs",
-    "softmax_aux",
-    "alibi_slopes",
-)
-
-
-def packed_forward(args: Mapping[str, Any], st: Statics) -> jax.Array:
-    """Packed queries over a paged cache, the forward of the ragged and unified ops, from
-    their arguments by name (``num_seqs``, ``softmax_aux``, ``alibi_slopes`` may be absent)."""
-    return _packed_forward({n: args.get(n) for n in _PACKED}, st)
+def serve(
+    spec: OpSpec,
+    forward: Callable[[dict[str, Any], Statics], Any],
+    problem: Callable[[Mapping[str, Any]], Problem],
+    cfg: Any,
+    args: Mapping[str, Any],
+) -> Any:
+    """One call of a serving op, ``args`` by the names of its ``spec``: ``forward`` (jitted)
+    on the array arguments (absent ones ``None``), with the statics of the call's problem, its
+    ``cfg`` and its static arguments."""
+    arrays = {a.name: args.get(a.name) for a in spec.args if a.array}
+    return forward(arrays, make_statics(problem(args), cfg, args))
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _packed_forward(a: dict[str, Any], st: Statics) -> jax.Array:
+def packed_forward(a: dict[str, Any], st: Statics) -> jax.Array:
+    """Packed queries over a paged cache: the forward of the ragged and unified ops, from their
+    arrays by name (``num_seqs``, ``softmax_aux`` and ``alibi_slopes`` may be absent)."""
     queries, key_cache, block_tables = a["queries"], a["key_cache"], a["block_tables"]
-    num_seqs = a["num_seqs"] if a["num_seqs"] is not None else block_tables.shape[0]
+    num_seqs = a.get("num_seqs")
+    num_seqs = num_seqs if num_seqs is not None else block_tables.shape[0]
     capacity = block_tables.shape[1] * key_cache.shape[1]
     seqs = paged_sequences(a["kv_lens"], a["query_start_loc"], num_seqs, queries.shape[0], capacity)
     fetch = paged_fetch(key_cache, a["value_cache"], block_tables, seqs.kv_hi, st.kv_block)
     return attend(
-        queries, seqs, fetch, st, softmax_aux=a["softmax_aux"], alibi_slopes=a["alibi_slopes"]
+        queries,
+        seqs,
+        fetch,
+        st,
+        softmax_aux=a.get("softmax_aux"),
+        alibi_slopes=a.get("alibi_slopes"),
     )
 
 

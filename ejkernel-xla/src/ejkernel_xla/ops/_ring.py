@@ -8,7 +8,7 @@ What one device of the ``shard_map`` axis needs to run its part of Ring Attentio
   ring (``lax.ppermute`` from device r to r + 1);
 - :func:`vary_like` and :func:`sum_if_replicated`, which keep loop state and gradients typed
   as ``shard_map``'s replication tracking (``check_vma``) expects;
-- the blocks of one step: :class:`Shard` (what travels), :class:`SideInputs` (what stays),
+- the blocks of one step: :class:`Shard` (what travels), :func:`side_inputs` (what stays),
   :class:`At` (where a block sits), :func:`scores` and :func:`block_keep` on global positions,
   :func:`block_may_see` and :func:`shard_may_see` (the skips), :func:`sinks`, and
   :class:`BiasGradient`, which accumulates the bias gradient shard by shard.
@@ -26,14 +26,17 @@ from jax import lax
 
 from ejkernel.attention_semantics import Geometry, bias_grad, finite_or_zero
 from ejkernel.specs.flash_attention import dropout_keep
+from ejkernel_xla.ops._adapter import Blocked
 from ejkernel_xla.ops._blockwise import (
     Blocking,
+    SideInputs,
     as_4d,
     block_scores,
     block_visibility,
     dot,
     kv_blocks,
     pad_axis,
+    segment_blocks,
     take,
 )
 
@@ -42,7 +45,6 @@ __all__ = [
     "BiasGradient",
     "RingGeometry",
     "Shard",
-    "SideInputs",
     "Statics",
     "block_keep",
     "block_may_see",
@@ -50,6 +52,7 @@ __all__ = [
     "rotate",
     "scores",
     "shard_may_see",
+    "side_inputs",
     "sinks",
     "sum_if_replicated",
     "vary_like",
@@ -58,17 +61,11 @@ __all__ = [
 
 
 @attrs.frozen(kw_only=True)
-class Statics:
-    """Everything static about one ring call (hashable: the ``jax.jit`` static argument)."""
+class Statics(Blocked):
+    """Everything static about one ring call (hashable: the ``jax.jit`` static argument): the
+    masking and blocks of :class:`~ejkernel_xla.ops._adapter.Blocked` and the ring's axis."""
 
     axis_name: Any
-    softmax_scale: float
-    causal: bool
-    sliding_window: tuple[int, int] | None
-    logits_soft_cap: float | None
-    dropout_prob: float
-    block_q: int
-    block_k: int
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,15 +204,11 @@ class Shard:
 
     @classmethod
     def of(cls, a: dict[str, Any], geo: RingGeometry) -> Shard:
-        seg = a["kv_segment_ids"]
-        if seg is not None:
-            seg = pad_axis(seg.astype(jnp.int32), 1, geo.sk_pad, -1)
-            seg = seg.reshape(geo.b, geo.nk, geo.bk).transpose(1, 0, 2)
         # Non-finite keys/values read as 0, so a hidden one contributes nothing (0 · NaN).
         return cls(
             key=kv_blocks(finite_or_zero(a["key"]), geo),
             value=kv_blocks(finite_or_zero(a["value"]), geo),
-            segments=seg,
+            segments=segment_blocks(a["kv_segment_ids"], geo, keys=True),
         )
 
 
@@ -226,26 +219,10 @@ jax.tree_util.register_pytree_node(
 )
 
 
-@attrs.frozen(kw_only=True)
-class SideInputs:
-    """What stays on the device: blocked bias and attention mask, query segment ids."""
-
-    bias: jax.Array | None  # [n|1, nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1]
-    mask: jax.Array | None
-    q_segments: jax.Array | None  # [nq, B, bq]
-
-    @classmethod
-    def of(cls, a: dict[str, Any], geo: RingGeometry) -> SideInputs:
-        seg = a["q_segment_ids"]
-        if seg is not None:
-            seg = pad_axis(seg.astype(jnp.int32), 1, geo.sq_pad, -1)
-            seg = seg.reshape(geo.b, geo.nq, geo.bq).transpose(1, 0, 2)
-        bias, mask = a["bias"], a["attention_mask"]
-        return cls(
-            bias=None if bias is None else _pair_blocks(bias, geo, 0),
-            mask=None if mask is None else _pair_blocks(mask, geo, False),
-            q_segments=seg,
-        )
+def side_inputs(a: dict[str, Any], geo: RingGeometry) -> SideInputs:
+    """What stays on the device: the bias and attention mask of my rows over every key column
+    ([n|1, nq|1, nk|1, B|1, Hkv|1, G|1, bq|1, bk|1]), my query segment ids."""
+    return SideInputs.of(a, geo, _pair_blocks, kv_segments=False)
 
 
 def _pair_blocks(x: jax.Array, geo: RingGeometry, fill: Any) -> jax.Array:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 
@@ -42,149 +41,25 @@ from ejkernel.attention_semantics import (
     soft_cap_grad,
 )
 from ejkernel.plugins import defvjp
+from ejkernel.specs.attention import SPEC
 from ejkernel.specs.flash_attention import dropout_keep
+from ejkernel_xla.ops._adapter import Masking, Passes
 
 __all__ = ["attention_xla"]
 
 
-def attention_xla(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Materialised attention (arguments as validated by the core spec).
+def attention_xla(*, cfg: None = None, **args: Any) -> tuple[jax.Array, jax.Array]:
+    """Materialised attention.
 
     Args:
-        query: [B, Sq, Hq, D].
-        key: [B, Sk, Hkv, D].
-        value: [B, Sk, Hkv, Dv].
-        bias: broadcastable to [B, Hq, Sq, Sk], added to the (soft-capped) logits.
-        attention_mask: bool, broadcastable to [B, Hq, Sq, Sk], True = may attend.
-        q_segment_ids: [B, Sq] int; a query sees a key when ids are equal and non-negative.
-        kv_segment_ids: [B, Sk] int.
-        softmax_aux: [Hq] or [Hq, n] sink logits, in the softmax denominator only.
-        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
-        causal: bottom-right aligned causal mask.
-        sliding_window: ``(left, right)`` window around each query's position, or ``None``.
-        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
-        dropout_prob: dropout on the attention probabilities.
-        dropout_seed: uint32 scalar seed of the dropout hash (used when dropout_prob > 0).
         cfg: unused (this implementation has no tunables).
+        **args: :func:`ejkernel.attention`'s arguments by name, as its spec validated them
+            (absent ones take their defaults).
 
     Returns:
         ``(out [B, Sq, Hq, Dv], weights [B, Hq, Sq, Sk])`` in the query dtype.
     """
-    outputs, _ = _attention_fwd(
-        query=query,
-        key=key,
-        value=value,
-        bias=bias,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        softmax_aux=softmax_aux,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        dropout_prob=dropout_prob,
-        dropout_seed=dropout_seed,
-        cfg=cfg,
-    )
-    return outputs
-
-
-def _attention_fwd(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: None = None,
-) -> tuple[tuple[jax.Array, jax.Array], dict[str, jax.Array | None]]:
-    """Forward of :func:`attention_xla`: ``((out, weights), residuals)``.
-
-    The residuals are the array inputs, the undropped probabilities ``[B, Hq, Sq, Sk]`` and
-    the row logsumexp ``[B, Hq, Sq]``, both float32.
-    """
-    del cfg
-    arrays = {
-        "query": query,
-        "key": key,
-        "value": value,
-        "bias": bias,
-        "attention_mask": attention_mask,
-        "q_segment_ids": q_segment_ids,
-        "kv_segment_ids": kv_segment_ids,
-        "softmax_aux": softmax_aux,
-        "dropout_seed": _seed(dropout_seed) if dropout_prob > 0.0 else None,
-    }
-    st = _Statics.of(
-        query,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        dropout_prob=dropout_prob,
-    )
-    out, weights, probs, lse = _forward(arrays, st)
-    return (out, weights), {**arrays, "probs": probs, "logsumexp": lse}
-
-
-def _attention_bwd(
-    residuals: dict[str, jax.Array | None],
-    d_outputs: tuple[jax.Array, jax.Array],
-    *,
-    cfg: None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-) -> dict[str, jax.Array | None]:
-    """Backward of :func:`attention_xla` for the cotangents of ``(out, weights)``.
-
-    Returns:
-        Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
-        ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
-    """
-    del cfg
-    st = _Statics.of(
-        residuals["query"],  # type: ignore[arg-type]
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        dropout_prob=dropout_prob,
-    )
-    d_out, d_weights = d_outputs
-    return _backward(residuals, d_out, d_weights, st)
-
-
-defvjp(attention_xla, _attention_fwd, _attention_bwd)
+    return _PASSES.primal(args, cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,43 +67,12 @@ defvjp(attention_xla, _attention_fwd, _attention_bwd)
 # --------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(kw_only=True)
-class _Statics:
-    """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
-
-    softmax_scale: float
-    causal: bool
-    sliding_window: tuple[int, int] | None
-    logits_soft_cap: float | None
-    dropout_prob: float
-
-    @classmethod
-    def of(
-        cls,
-        query: jax.Array,
-        *,
-        softmax_scale: float | None,
-        causal: bool,
-        sliding_window: tuple[int, int] | None,
-        logits_soft_cap: float | None,
-        dropout_prob: float,
-    ) -> _Statics:
-        return cls(
-            softmax_scale=float(
-                query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-            ),
-            causal=bool(causal),
-            sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
-            logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-            dropout_prob=float(dropout_prob or 0.0),
-        )
+def _statics(arrays: dict[str, Any], cfg: None, backward: bool, static: Any) -> Masking:
+    del cfg, backward
+    return Masking.of(arrays["query"], static)
 
 
-def _seed(seed: Any) -> jax.Array:
-    return jnp.asarray(0 if seed is None else seed).astype(jnp.uint32)
-
-
-def _raw_logits(q: jax.Array, k: jax.Array, st: _Statics) -> jax.Array:
+def _raw_logits(q: jax.Array, k: jax.Array, st: Masking) -> jax.Array:
     """``softmax_scale · q kᵀ`` as [B, Hq, Sq, Sk] float32 (GQA without repeating K)."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
@@ -237,12 +81,12 @@ def _raw_logits(q: jax.Array, k: jax.Array, st: _Statics) -> jax.Array:
     return s.reshape(b, hq, sq, k.shape[1]) * st.softmax_scale
 
 
-def _visible(a: dict[str, Any], st: _Statics) -> jax.Array:
+def _visible(a: dict[str, Any], st: Masking) -> jax.Array:
     geometry = Geometry.of(a["query"], a["key"], causal=st.causal, window=st.sliding_window)
     return dense_visibility(geometry, a["attention_mask"], a["q_segment_ids"], a["kv_segment_ids"])
 
 
-def _keep(a: dict[str, Any], st: _Statics) -> jax.Array:
+def _keep(a: dict[str, Any], st: Masking) -> jax.Array:
     """Dropout keep-mask [B, Hq, Sq, Sk] from global indices (flash attention's hash)."""
     b, sq, hq, _ = a["query"].shape
     sk = a["key"].shape[1]
@@ -278,8 +122,11 @@ def _apply_v(w: jax.Array, v: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``out``, ``weights`` (query dtype), undropped ``probs`` and ``lse`` (float32)."""
+def _forward(
+    a: dict[str, Any], st: Masking
+) -> tuple[tuple[jax.Array, jax.Array], dict[str, jax.Array]]:
+    """``(out, weights)`` in the query dtype, and for the backward the undropped
+    probabilities ``[B, Hq, Sq, Sk]`` and the row logsumexp ``[B, Hq, Sq]`` (float32)."""
     q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
     hq = q.shape[2]
     s = soft_cap(_raw_logits(q, k, st), st.logits_soft_cap)
@@ -306,13 +153,17 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax
     if st.dropout_prob > 0.0:
         weights = jnp.where(_keep(a, st), probs * (1.0 / (1.0 - st.dropout_prob)), 0.0)
     out = _apply_v(weights, v)
-    return out.astype(q.dtype), weights.astype(q.dtype), probs, lse
+    return (out.astype(q.dtype), weights.astype(q.dtype)), {"probs": probs, "logsumexp": lse}
 
 
 @functools.partial(jax.jit, static_argnames="st")
 def _backward(
-    a: dict[str, Any], d_out: jax.Array, d_weights: jax.Array, st: _Statics
+    a: dict[str, Any], d_outputs: tuple[jax.Array, jax.Array], st: Masking
 ) -> dict[str, jax.Array | None]:
+    """Gradients for the cotangents of ``(out, weights)``: ``query``, ``key``, ``value``,
+    ``bias`` (in bias's own shape) and ``softmax_aux``, each in its input's dtype; ``None``
+    for an absent input."""
+    d_out, d_weights = d_outputs
     q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -348,3 +199,7 @@ def _backward(
         rows = lambda x: x.transpose(0, 2, 1)
         grads["softmax_aux"] = sink_grad(aux, rows(lse), rows(delta[..., 0]))
     return grads
+
+
+_PASSES = Passes(spec=SPEC, statics=_statics, forward=_forward, backward=_backward)
+defvjp(attention_xla, _PASSES.fwd, _PASSES.bwd)

@@ -58,7 +58,11 @@ from ejkernel.attention_semantics import (
     soft_cap_grad,
 )
 from ejkernel.plugins import defvjp
+from ejkernel.specs.blocksparse_attention import SPEC
+from ejkernel_xla.ops._adapter import Blocked, Passes
 from ejkernel_xla.ops._blockwise import (
+    Blocking,
+    SideInputs,
     block_scores,
     block_visibility,
     finish_rows,
@@ -73,138 +77,18 @@ __all__ = ["blocksparse_attention_xla"]
 LANES_PER_ROW = 2
 
 
-def blocksparse_attention_xla(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    block_mask: jax.Array,
-    block_size: tuple[int, int] = (128, 128),
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    cfg: None = None,
-) -> jax.Array:
-    """Block-sparse attention over live blocks only (arguments as validated by the core spec).
+def blocksparse_attention_xla(*, cfg: None = None, **args: Any) -> jax.Array:
+    """Block-sparse attention over live blocks only.
 
     Args:
-        query: [B, Sq, Hq, D].
-        key: [B, Sk, Hkv, D].
-        value: [B, Sk, Hkv, Dv].
-        block_mask: bool [B|1, Hq|1, nq, nk], ``nq = ceil(Sq / bq)``, ``nk = ceil(Sk / bk)``.
-        block_size: ``(bq, bk)``.
-        bias: broadcastable to [B, Hq, Sq, Sk], added to the (soft-capped) logits.
-        attention_mask: bool, broadcastable to [B, Hq, Sq, Sk], True = may attend.
-        q_segment_ids: [B, Sq] int; a query sees a key when ids are equal and non-negative.
-        kv_segment_ids: [B, Sk] int.
-        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
-        causal: bottom-right aligned causal mask.
-        sliding_window: ``(left, right)`` window around each query's position, or ``None``.
-        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
         cfg: unused (the block sizes are the mask's).
+        **args: :func:`ejkernel.blocksparse_attention`'s arguments by name, as its spec
+            validated them (absent ones take their defaults).
 
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    out, _ = _blocksparse_attention_fwd(
-        query=query,
-        key=key,
-        value=value,
-        block_mask=block_mask,
-        block_size=block_size,
-        bias=bias,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        cfg=cfg,
-    )
-    return out
-
-
-def _blocksparse_attention_fwd(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    block_mask: jax.Array,
-    block_size: tuple[int, int] = (128, 128),
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    cfg: None = None,
-) -> tuple[jax.Array, dict[str, Any]]:
-    """Forward of :func:`blocksparse_attention_xla`: ``(out, residuals)``.
-
-    The residuals are the array inputs, the schedule, the output and the per-row logsumexp
-    ``[R, bq]`` (float32).
-    """
-    del cfg
-    arrays = {
-        "query": query,
-        "key": key,
-        "value": value,
-        "block_mask": block_mask,
-        "bias": bias,
-        "attention_mask": attention_mask,
-        "q_segment_ids": q_segment_ids,
-        "kv_segment_ids": kv_segment_ids,
-    }
-    st = _Statics.of(
-        query,
-        block_size=block_size,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
-    out, lse, schedule = _forward(arrays, st)
-    return out, {**arrays, "out": out, "logsumexp": lse, "schedule": schedule}
-
-
-def _blocksparse_attention_bwd(
-    residuals: dict[str, Any],
-    d_out: jax.Array,
-    *,
-    cfg: None = None,
-    block_size: tuple[int, int] = (128, 128),
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-) -> dict[str, jax.Array | None]:
-    """Backward of :func:`blocksparse_attention_xla` (FlashAttention-2 Alg. 2, live blocks only).
-
-    Returns:
-        Gradients for ``query``, ``key``, ``value`` and ``bias`` (in bias's own shape), each in
-        its input's dtype; ``None`` for an absent bias.
-    """
-    del cfg
-    st = _Statics.of(
-        residuals["query"],
-        block_size=block_size,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
-    return _backward(residuals, d_out, st)
-
-
-defvjp(blocksparse_attention_xla, _blocksparse_attention_fwd, _blocksparse_attention_bwd)
+    return _PASSES.primal(args, cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,68 +96,20 @@ defvjp(blocksparse_attention_xla, _blocksparse_attention_fwd, _blocksparse_atten
 # --------------------------------------------------------------------------------------------
 
 
-@attrs.frozen(kw_only=True)
-class _Statics:
-    """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
-
-    block_q: int
-    block_k: int
-    softmax_scale: float
-    causal: bool
-    sliding_window: tuple[int, int] | None
-    logits_soft_cap: float | None
-
-    @classmethod
-    def of(
-        cls,
-        query: jax.Array,
-        *,
-        block_size: tuple[int, int],
-        softmax_scale: float | None,
-        causal: bool,
-        sliding_window: tuple[int, int] | None,
-        logits_soft_cap: float | None,
-    ) -> _Statics:
-        return cls(
-            block_q=int(block_size[0]),
-            block_k=int(block_size[1]),
-            softmax_scale=float(
-                query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-            ),
-            causal=bool(causal),
-            sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
-            logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        )
+def _statics(arrays: dict[str, Any], cfg: None, backward: bool, static: Any) -> Blocked:
+    """The mask's blocks ``block_size = (bq, bk)`` in both passes."""
+    del cfg, backward
+    bq, bk = static["block_size"]
+    return Blocked.of(arrays["query"], static, block_q=int(bq), block_k=int(bk))
 
 
 @attrs.frozen(kw_only=True)
-class _Geometry:
-    """Sizes of one call and its blocking (all Python ints)."""
-
-    b: int
-    sq: int
-    sk: int
-    hq: int
-    hkv: int
-    d: int
-    dv: int
-    bq: int
-    bk: int
+class _Geometry(Blocking):
+    """:class:`~ejkernel_xla.ops._blockwise.Blocking` and the rows and lanes of the schedule."""
 
     @classmethod
-    def of(cls, a: dict[str, Any], st: _Statics) -> _Geometry:
-        b, sq, hq, d = a["query"].shape
-        _, sk, hkv, _ = a["key"].shape
-        dv = a["value"].shape[3]
-        return cls(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=dv, bq=st.block_q, bk=st.block_k)
-
-    @property
-    def nq(self) -> int:
-        return -(-self.sq // self.bq)
-
-    @property
-    def nk(self) -> int:
-        return -(-self.sk // self.bk)
+    def of_call(cls, a: dict[str, Any], st: Blocked) -> _Geometry:
+        return cls.of(a["query"], a["key"], a["value"], st.block_q, st.block_k)
 
     @property
     def rows(self) -> int:
@@ -312,7 +148,7 @@ def _unblock_kv(x: jax.Array, geo: _Geometry) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
-def _live_blocks(block_mask: jax.Array, geo: _Geometry, st: _Statics) -> jax.Array:
+def _live_blocks(block_mask: jax.Array, geo: _Geometry, st: Blocked) -> jax.Array:
     """[R, nk]: the block mask, minus blocks that causality or the window hide entirely."""
     live = jnp.broadcast_to(block_mask, (geo.b, geo.hq, geo.nq, geo.nk))
     q_lo = jnp.arange(geo.nq)[:, None] * geo.bq + (geo.sk - geo.sq)
@@ -481,41 +317,15 @@ class _PairInput:
         return x[:, :, :q1, :k1].reshape(self.shape).astype(dtype)
 
 
-@attrs.frozen(kw_only=True)
-class _SideInputs:
-    """Bias, attention mask and segment ids in gather-ready layouts (each may be absent)."""
-
-    bias: _PairInput | None
-    mask: _PairInput | None
-    q_segments: jax.Array | None  # [B, nq, bq]
-    kv_segments: jax.Array | None  # [B, nk, bk]
-
-    @classmethod
-    def of(cls, a: dict[str, Any], geo: _Geometry) -> _SideInputs:
-        bias, mask = a["bias"], a["attention_mask"]
-        q_seg, kv_seg = a["q_segment_ids"], a["kv_segment_ids"]
-        if q_seg is not None:
-            q_seg = pad_axis(q_seg.astype(jnp.int32), 1, geo.nq * geo.bq, -1)
-            q_seg = q_seg.reshape(geo.b, geo.nq, geo.bq)
-            kv_seg = pad_axis(kv_seg.astype(jnp.int32), 1, geo.nk * geo.bk, -1)
-            kv_seg = kv_seg.reshape(geo.b, geo.nk, geo.bk)
-        return cls(
-            bias=None if bias is None else _PairInput.of(bias, geo, 0),
-            mask=None if mask is None else _PairInput.of(mask, geo, False),
-            q_segments=q_seg,
-            kv_segments=kv_seg,
-        )
-
-
 def _scores(
     q_lanes: jax.Array,
     kb: jax.Array,
     j: jax.Array,
     valid: jax.Array,
     lanes: _Lanes,
-    side: _SideInputs,
+    side: SideInputs,
     geo: _Geometry,
-    st: _Statics,
+    st: Blocked,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Masked logits of each lane's block ``j``, [L, bq, bk] float32, and the capped ones.
 
@@ -555,12 +365,13 @@ def _scores(
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """``out [B, Sq, Hq, Dv]``, logsumexp ``[R, bq]`` and the schedule."""
+def _forward(a: dict[str, Any], st: Blocked) -> tuple[jax.Array, dict[str, Any]]:
+    """``out [B, Sq, Hq, Dv]``, and for the backward it, the logsumexp ``[R, bq]`` (float32)
+    and the schedule."""
     # Non-finite keys/values read as 0, so a hidden one contributes nothing (0 · NaN).
     q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
-    geo = _Geometry.of(a, st)
-    side = _SideInputs.of(a, geo)
+    geo = _Geometry.of_call(a, st)
+    side = SideInputs.of(a, geo, _PairInput.of, stacked=False)
     schedule = _schedule(_live_blocks(a["block_mask"], geo, st), geo)
     lanes = _Lanes.of(schedule, geo)
     q_lanes = lanes.gather_q(_q_blocks(q, geo))  # [L, bq, D]
@@ -574,15 +385,21 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dic
 
     m, denom, acc = _merge_rows(*lax.fori_loop(0, schedule["steps"], step, init), lanes, geo)
     out, lse = finish_rows(m, denom, acc)
-    return _unrow_q(out.astype(q.dtype), geo), lse, schedule
+    out = _unrow_q(out.astype(q.dtype), geo)
+    return out, {"out": out, "logsumexp": lse, "schedule": schedule}
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _backward(a: dict[str, Any], d_out: jax.Array, st: _Statics) -> dict[str, jax.Array | None]:
-    """FlashAttention-2 Alg. 2 on the forward's schedule; dK/dV/dBias by scatter-add."""
+def _backward(a: dict[str, Any], d_out: jax.Array, st: Blocked) -> dict[str, jax.Array | None]:
+    """FlashAttention-2 Alg. 2 on the forward's schedule; dK/dV/dBias by scatter-add.
+
+    Returns:
+        Gradients for ``query``, ``key``, ``value`` and ``bias`` (in bias's own shape), each in
+        its input's dtype; ``None`` for an absent bias.
+    """
     q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
-    geo = _Geometry.of(a, st)
-    side = _SideInputs.of(a, geo)
+    geo = _Geometry.of_call(a, st)
+    side = SideInputs.of(a, geo, _PairInput.of, stacked=False)
     schedule = a["schedule"]
     lanes = _Lanes.of(schedule, geo)
     d_out = d_out.astype(q.dtype)
@@ -632,3 +449,7 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: _Statics) -> dict[str, ja
         "value": _unblock_kv(dv, geo).astype(v.dtype),
         "bias": None if db is None else side.bias.finish(db, geo, a["bias"].dtype),  # type: ignore[union-attr]
     }
+
+
+_PASSES = Passes(spec=SPEC, statics=_statics, forward=_forward, backward=_backward)
+defvjp(blocksparse_attention_xla, _PASSES.fwd, _PASSES.bwd)

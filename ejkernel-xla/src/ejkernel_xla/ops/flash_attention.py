@@ -48,16 +48,24 @@ import jax.numpy as jnp
 
 from ejkernel.attention_semantics import (
     EMPTY_ROW_LSE,
-    Geometry,
     bias_grad,
     finite_or_zero,
     sink_grad,
     soft_cap_grad,
 )
-from ejkernel.plugins import BwdParams, FwdParams, defvjp
-from ejkernel.specs.flash_attention import dropout_keep
+from ejkernel.plugins import defvjp
+from ejkernel.specs.flash_attention import SPEC, dropout_keep
+from ejkernel_xla.ops._adapter import (
+    BlockConfig,
+    Blocked,
+    Passes,
+    clamp_blocks,
+    distinct,
+    pass_blocks,
+)
 from ejkernel_xla.ops._blockwise import (
     Blocking,
+    SideInputs,
     as_4d,
     backend,
     block_scores,
@@ -72,6 +80,7 @@ from ejkernel_xla.ops._blockwise import (
     q_blocks,
     scan,
     take,
+    tile_may_see,
     unblock_kv,
     unblock_q,
     when,
@@ -112,29 +121,20 @@ _TUNING_BLOCKS: dict[str, tuple[tuple[int, int], ...]] = {
 
 
 @attrs.frozen(kw_only=True)
-class FlashAttentionConfig:
-    """Tunables of the XLA flash attention (also used by scaled_dot_product_attention).
+class FlashAttentionConfig(BlockConfig):
+    """Tunables of the XLA flash attention (also used by scaled_dot_product_attention): the
+    block sizes of :class:`~ejkernel_xla.ops._adapter.BlockConfig`.
 
     Only ``q_blocksize`` and ``kv_blocksize`` matter here; ``None`` takes the backend's
     default. Blocks longer than the sequence are clamped to it.
-
-    Attributes:
-        fwd_params: block sizes of the forward pass.
-        bwd_params: block sizes of the backward pass.
     """
-
-    fwd_params: FwdParams = attrs.field(factory=FwdParams)
-    bwd_params: BwdParams = attrs.field(factory=BwdParams)
 
 
 def heuristic(inv: Any) -> FlashAttentionConfig:
     """The backend's default block sizes, clamped to the sequence lengths of ``inv``."""
     b, hq, sq, sk = _problem_size(inv)
     fwd, bwd = (_default_blocks(b, hq, sq, sk, backward=p) for p in (False, True))
-    return FlashAttentionConfig(
-        fwd_params=FwdParams(q_blocksize=fwd[0], kv_blocksize=fwd[1]),
-        bwd_params=BwdParams(q_blocksize=bwd[0], kv_blocksize=bwd[1]),
-    )
+    return FlashAttentionConfig.of(fwd, bwd)
 
 
 def config_space(inv: Any) -> list[FlashAttentionConfig]:
@@ -144,206 +144,45 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
     sequence has a single candidate.
     """
     _, _, sq, sk = _problem_size(inv)
-    configs = [heuristic(inv)]
-    for pair in _TUNING_BLOCKS[backend()]:
-        bq, bk = _clamp_blocks(pair, sq, sk)
-        cfg = FlashAttentionConfig(
-            fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk),
-            bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk),
-        )
-        if cfg not in configs:
-            configs.append(cfg)
-    return configs
+    pairs = (clamp_blocks(pair, sq, sk) for pair in _TUNING_BLOCKS[backend()])
+    return distinct([heuristic(inv), *(FlashAttentionConfig.of(pair) for pair in pairs)])
 
 
-def flash_attention_xla(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: FlashAttentionConfig | None = None,
-) -> jax.Array:
-    """Exact attention, blockwise, O(S) memory (arguments as validated by the core spec).
+def flash_attention_xla(*, cfg: FlashAttentionConfig | None = None, **args: Any) -> jax.Array:
+    """Exact attention, blockwise, O(S) memory.
 
     Args:
-        query: [B, Sq, Hq, D].
-        key: [B, Sk, Hkv, D].
-        value: [B, Sk, Hkv, Dv].
-        bias: broadcastable to [B, Hq, Sq, Sk], added to the (soft-capped) logits.
-        attention_mask: bool, broadcastable to [B, Hq, Sq, Sk], True = may attend.
-        q_segment_ids: [B, Sq] int; a query sees a key when ids are equal and non-negative.
-        kv_segment_ids: [B, Sk] int.
-        softmax_aux: [Hq] or [Hq, n] sink logits, in the softmax denominator only.
-        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
-        causal: bottom-right aligned causal mask.
-        sliding_window: ``(left, right)`` window around each query's position, or ``None``.
-        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
-        dropout_prob: dropout on the attention probabilities.
-        dropout_seed: uint32 scalar seed of the dropout hash (used when dropout_prob > 0).
         cfg: block sizes; ``None`` takes the defaults.
+        **args: :func:`ejkernel.flash_attention`'s arguments by name, as its spec validated
+            them (absent ones take their defaults).
 
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    out, _ = _flash_attention_fwd(**locals())
-    return out
-
-
-def _flash_attention_fwd(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: FlashAttentionConfig | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array | None]]:
-    """Forward of :func:`flash_attention_xla`: ``(out, residuals)``.
-
-    The residuals are the array inputs the backward needs, the output and the per-row
-    logsumexp ``[B, Sq, Hq]`` (float32).
-    """
-    arrays = {
-        "query": query,
-        "key": key,
-        "value": value,
-        "bias": bias,
-        "attention_mask": attention_mask,
-        "q_segment_ids": q_segment_ids,
-        "kv_segment_ids": kv_segment_ids,
-        "softmax_aux": softmax_aux,
-        "dropout_seed": _seed(dropout_seed) if dropout_prob > 0.0 else None,
-    }
-    statics = _statics(
-        arrays,
-        cfg,
-        backward=False,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        dropout_prob=dropout_prob,
-    )
-    out, lse = _forward(arrays, statics)
-    return out, {**arrays, "out": out, "logsumexp": lse}
-
-
-def _flash_attention_bwd(
-    residuals: dict[str, jax.Array | None],
-    d_out: jax.Array,
-    *,
-    cfg: FlashAttentionConfig | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-) -> dict[str, jax.Array | None]:
-    """Backward of :func:`flash_attention_xla` (FlashAttention-2 Alg. 2).
-
-    Returns:
-        Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
-        ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
-    """
-    arrays = {k: v for k, v in residuals.items() if k not in ("out", "logsumexp")}
-    statics = _statics(
-        arrays,
-        cfg,
-        backward=True,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        dropout_prob=dropout_prob,
-    )
-    return _backward(arrays, residuals["out"], residuals["logsumexp"], d_out, statics)
-
-
-defvjp(flash_attention_xla, _flash_attention_fwd, _flash_attention_bwd)
+    return _PASSES.primal(args, cfg)
 
 
 def scaled_dot_product_attention_xla(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    cfg: FlashAttentionConfig | None = None,
+    *, cfg: FlashAttentionConfig | None = None, **args: Any
 ) -> jax.Array:
     """Scaled dot-product attention: :func:`flash_attention_xla` without dropout and sinks.
 
-    Args: as :func:`flash_attention_xla`.
+    Args: as :func:`flash_attention_xla`, with :func:`ejkernel.scaled_dot_product_attention`'s
+    arguments.
 
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    out, _ = _scaled_dot_product_attention_fwd(**locals())
-    return out
-
-
-def _scaled_dot_product_attention_fwd(
-    *, cfg: FlashAttentionConfig | None = None, **kwargs: Any
-) -> tuple[jax.Array, dict[str, jax.Array | None]]:
-    """Forward of :func:`scaled_dot_product_attention_xla`: ``(out, residuals)``."""
-    return _flash_attention_fwd(**kwargs, cfg=cfg)
+    return _PASSES.primal(args, cfg)
 
 
 def _scaled_dot_product_attention_bwd(
-    residuals: dict[str, jax.Array | None],
-    d_out: jax.Array,
-    *,
-    cfg: FlashAttentionConfig | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
+    residuals: dict[str, jax.Array | None], d_out: jax.Array, **static: Any
 ) -> dict[str, jax.Array | None]:
-    """Backward of :func:`scaled_dot_product_attention_xla`: gradients of q, k, v and bias."""
-    grads = _flash_attention_bwd(
-        residuals,
-        d_out,
-        cfg=cfg,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
+    """Flash attention's gradients of q, k, v and bias (the op has no sinks)."""
+    grads = _PASSES.bwd(residuals, d_out, **static)
     grads.pop("softmax_aux")
     return grads
-
-
-defvjp(
-    scaled_dot_product_attention_xla,
-    _scaled_dot_product_attention_fwd,
-    _scaled_dot_product_attention_bwd,
-)
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,7 +204,7 @@ def _default_blocks(b: int, hq: int, sq: int, sk: int, *, backward: bool) -> tup
     2 x 128).
     """
     family = backend()
-    bq, bk = _clamp_blocks(_DEFAULT_BLOCKS[family][1 if backward else 0], sq, sk)
+    bq, bk = clamp_blocks(_DEFAULT_BLOCKS[family][1 if backward else 0], sq, sk)
     while b * hq * bq * bk > _TILE_BUDGET[family] and max(bq, bk) > _MIN_BLOCK:
         if bq >= bk and bq > _MIN_BLOCK:
             bq //= 2
@@ -381,58 +220,14 @@ def _balanced(block: int, seq: int) -> int:
     return min(block, -(-per_block // 8) * 8)
 
 
-def _clamp_blocks(blocks: tuple[int, int], sq: int, sk: int) -> tuple[int, int]:
-    """Blocks no longer than their sequence (a shorter sequence is then one unpadded block)."""
-    return max(1, min(blocks[0], sq)), max(1, min(blocks[1], sk))
-
-
-def _seed(seed: Any) -> jax.Array:
-    return jnp.asarray(0 if seed is None else seed).astype(jnp.uint32)
-
-
-@attrs.frozen(kw_only=True)
-class _Statics:
-    """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
-
-    softmax_scale: float
-    causal: bool
-    sliding_window: tuple[int, int] | None
-    logits_soft_cap: float | None
-    dropout_prob: float
-    block_q: int
-    block_k: int
-
-
 def _statics(
-    arrays: dict[str, Any],
-    cfg: FlashAttentionConfig | None,
-    *,
-    backward: bool,
-    softmax_scale: float | None,
-    causal: bool,
-    sliding_window: tuple[int, int] | None,
-    logits_soft_cap: float | None,
-    dropout_prob: float,
-) -> _Statics:
-    query, key = arrays["query"], arrays["key"]
-    cfg = cfg if cfg is not None else FlashAttentionConfig()
-    params = cfg.bwd_params if backward else cfg.fwd_params
-    b, sq, hq, _ = query.shape
-    default_q, default_k = _default_blocks(b, hq, sq, key.shape[1], backward=backward)
-    bq, bk = _clamp_blocks(
-        (params.q_blocksize or default_q, params.kv_blocksize or default_k),
-        query.shape[1],
-        key.shape[1],
-    )
-    return _Statics(
-        softmax_scale=float(query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale),
-        causal=bool(causal),
-        sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        dropout_prob=float(dropout_prob or 0.0),
-        block_q=bq,
-        block_k=bk,
-    )
+    arrays: dict[str, Any], cfg: FlashAttentionConfig | None, backward: bool, static: Any
+) -> Blocked:
+    b, sq, hq, _ = arrays["query"].shape
+    sk = arrays["key"].shape[1]
+    default = _default_blocks(b, hq, sq, sk, backward=backward)
+    blocks = pass_blocks(cfg or FlashAttentionConfig(), backward, default, sq, sk)
+    return Blocked.of(arrays["query"], static, **blocks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -441,12 +236,12 @@ def _statics(
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
-    """FlashAttention-2 Alg. 1: ``out [B, Sq, Hq, Dv]`` and logsumexp ``[B, Sq, Hq]``."""
+def _forward(a: dict[str, Any], st: Blocked) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """FlashAttention-2 Alg. 1: ``out [B, Sq, Hq, Dv]``, and it with the logsumexp
+    ``[B, Sq, Hq]`` (float32) for the backward."""
     q, k, v = a["query"], finite_or_zero(a["key"]), finite_or_zero(a["value"])
     geo = Blocking.of(q, k, v, st.block_q, st.block_k)
-    sem = _semantics(geo, st)
-    side = _SideInputs.of(a, geo)
+    side = SideInputs.of(a, geo, _pair_blocks)
     qb = q_blocks(q, geo)
     kb, vb = kv_blocks(k, geo), kv_blocks(v, geo)
     aux = _sinks(a["softmax_aux"], geo)
@@ -463,25 +258,28 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
                     keep = _keep(a["dropout_seed"], geo, st, i, j)
                 return online_step(carry, s, take(vb, j), "bhgqk,bhkd->bhgqd", keep)
 
-            return when(_block_may_see(sem, geo, i, j), compute, carry), None
+            return when(tile_may_see(geo, st, i, j), compute, carry), None
 
         (m, denom, acc), _ = scan(one_kv_block, init, geo.nk)
         out_i, lse_i = finish_rows(m, denom, acc, sinks=aux, dropout_prob=st.dropout_prob)
         return out_i.astype(q.dtype), lse_i
 
     out_b, lse_b = map_blocks(one_q_block, geo.nq)
-    return unblock_q(out_b, geo), unblock_q(lse_b[..., None], geo)[..., 0]
+    out = unblock_q(out_b, geo)
+    return out, {"out": out, "logsumexp": unblock_q(lse_b[..., None], geo)[..., 0]}
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _backward(
-    a: dict[str, Any], out: jax.Array, lse: jax.Array, d_out: jax.Array, st: _Statics
-) -> dict[str, jax.Array | None]:
-    """FlashAttention-2 Alg. 2: outer scan over key blocks, inner scan over query blocks."""
-    q, k, v = a["query"], a["key"], a["value"]
+def _backward(a: dict[str, Any], d_out: jax.Array, st: Blocked) -> dict[str, jax.Array | None]:
+    """FlashAttention-2 Alg. 2: outer scan over key blocks, inner scan over query blocks.
+
+    Returns:
+        Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
+        ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
+    """
+    q, k, v, out, lse = (a[n] for n in ("query", "key", "value", "out", "logsumexp"))
     geo = Blocking.of(q, k, v, st.block_q, st.block_k)
-    sem = _semantics(geo, st)
-    side = _SideInputs.of(a, geo)
+    side = SideInputs.of(a, geo, _pair_blocks)
     d_out = d_out.astype(q.dtype)
     # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row (Sec. 3.1.2).
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -530,7 +328,7 @@ def _backward(
             def skip(inner: Any) -> Any:
                 return inner, (dq_zero, bias_grad.zeros_per_q())
 
-            return when_else(_block_may_see(sem, geo, i, j), compute, skip, inner)
+            return when_else(tile_may_see(geo, st, i, j), compute, skip, inner)
 
         (dk, dv, db_sum), (dq_parts, db_parts) = scan(one_q_block, init, geo.nq)
         dq_acc, db_acc = outer
@@ -552,6 +350,11 @@ def _backward(
     if a["softmax_aux"] is not None:
         grads["softmax_aux"] = sink_grad(a["softmax_aux"], lse, delta)
     return grads
+
+
+_PASSES = Passes(spec=SPEC, statics=_statics, forward=_forward, backward=_backward)
+defvjp(flash_attention_xla, _PASSES.fwd, _PASSES.bwd)
+defvjp(scaled_dot_product_attention_xla, _PASSES.fwd, _scaled_dot_product_attention_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -581,38 +384,12 @@ def _take_pair(x: jax.Array, i: Any, j: Any) -> jax.Array:
     return take(take(x, i), j)
 
 
-@attrs.frozen(kw_only=True)
-class _SideInputs:
-    """Block-stacked bias, attention mask and segment ids (each may be absent)."""
-
-    bias: jax.Array | None
-    mask: jax.Array | None
-    q_segments: jax.Array | None  # [nq, B, bq]
-    kv_segments: jax.Array | None  # [nk, B, bk]
-
-    @classmethod
-    def of(cls, a: dict[str, Any], geo: Blocking) -> _SideInputs:
-        bias, mask = a["bias"], a["attention_mask"]
-        q_seg, kv_seg = a["q_segment_ids"], a["kv_segment_ids"]
-        if q_seg is not None:
-            q_seg = pad_axis(q_seg.astype(jnp.int32), 1, geo.sq_pad, -1)
-            q_seg = q_seg.reshape(geo.b, geo.nq, geo.bq).transpose(1, 0, 2)
-            kv_seg = pad_axis(kv_seg.astype(jnp.int32), 1, geo.sk_pad, -1)
-            kv_seg = kv_seg.reshape(geo.b, geo.nk, geo.bk).transpose(1, 0, 2)
-        return cls(
-            bias=None if bias is None else _pair_blocks(bias, geo, 0),
-            mask=None if mask is None else _pair_blocks(mask, geo, False),
-            q_segments=q_seg,
-            kv_segments=kv_seg,
-        )
-
-
 def _scores(
     q_i: jax.Array,
     k_j: jax.Array,
-    side: _SideInputs,
+    side: SideInputs,
     geo: Blocking,
-    st: _Statics,
+    st: Blocked,
     i: Any,
     j: Any,
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -626,7 +403,7 @@ def _scores(
     )
 
 
-def _visibility(side: _SideInputs, geo: Blocking, st: _Statics, i: Any, j: Any) -> Any:
+def _visibility(side: SideInputs, geo: Blocking, st: Blocked, i: Any, j: Any) -> Any:
     """Bool mask of block (i, j) broadcastable to [B, Hkv, G, bq, bk]; ``None`` = all visible."""
     q_pos = (i * geo.bq + jnp.arange(geo.bq))[:, None] + (geo.sk - geo.sq)
     k_pos = (j * geo.bk + jnp.arange(geo.bk))[None, :]
@@ -651,29 +428,7 @@ def _visibility(side: _SideInputs, geo: Blocking, st: _Statics, i: Any, j: Any) 
     )
 
 
-def _semantics(geo: Blocking, st: _Statics) -> Geometry:
-    return Geometry(
-        batch=geo.b,
-        sq=geo.sq,
-        sk=geo.sk,
-        num_q_heads=geo.hq,
-        num_kv_heads=geo.hkv,
-        causal=st.causal,
-        window=st.sliding_window,
-    )
-
-
-def _block_may_see(sem: Geometry, geo: Blocking, i: Any, j: Any) -> Any:
-    """Whether causality and the window leave block (i, j) any visible entry (``None``: yes).
-
-    Depends on block indices only, so it stays a scalar branch condition under ``vmap``.
-    """
-    if not sem.restricted:
-        return None
-    return sem.block_may_see(i, j, geo.bq, geo.bk)
-
-
-def _keep(seed: jax.Array, geo: Blocking, st: _Statics, i: Any, j: Any) -> jax.Array:
+def _keep(seed: jax.Array, geo: Blocking, st: Blocked, i: Any, j: Any) -> jax.Array:
     """Dropout keep-mask of block (i, j), [B, Hkv, G, bq, bk], from global indices."""
     return dropout_keep(
         seed,
@@ -749,11 +504,8 @@ class _BiasGradient:
         return jnp.zeros(self._block_shape(), jnp.float32)
 
     def split_over_q(self, running: Any, block: Any) -> tuple[Any, Any]:
-        if self.shape is None:
-            return None, None
-        if self._q_full:
-            return running, block
-        return running + block, None
+        """``(carry, output)`` of a query block: stacked along a full query axis, else summed."""
+        return self._split(2, running, block)
 
     def join_q(self, running: Any, stacked: Any) -> Any:
         """The key block's gradient, [nq|1, B|1, Hkv|1, G|1, bq|1, bk|1]."""
@@ -769,9 +521,13 @@ class _BiasGradient:
         return jnp.zeros((nq, *self._block_shape()), jnp.float32)
 
     def split_over_k(self, running: Any, block: Any) -> tuple[Any, Any]:
+        """``(carry, output)`` of a key block: stacked along a full key axis, else summed."""
+        return self._split(3, running, block)
+
+    def _split(self, axis: int, running: Any, block: Any) -> tuple[Any, Any]:
         if self.shape is None:
             return None, None
-        if self._k_full:
+        if self._dims4[axis] > 1:
             return running, block
         return running + block, None
 

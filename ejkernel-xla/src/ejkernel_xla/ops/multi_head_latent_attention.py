@@ -48,11 +48,20 @@ from jax import lax
 
 from ejkernel.attention_semantics import (
     EMPTY_ROW_LSE,
-    Geometry,
+    Tiling,
     finite_or_zero,
     soft_cap_grad,
 )
-from ejkernel.plugins import BwdParams, FwdParams, defvjp
+from ejkernel.plugins import defvjp
+from ejkernel.specs.multi_head_latent_attention import SPEC
+from ejkernel_xla.ops._adapter import (
+    BlockConfig,
+    Blocked,
+    Passes,
+    clamp_blocks,
+    distinct,
+    pass_blocks,
+)
 from ejkernel_xla.ops._blockwise import (
     backend,
     block_scores,
@@ -64,6 +73,7 @@ from ejkernel_xla.ops._blockwise import (
     pad_axis,
     scan,
     take,
+    tile_may_see,
     when,
     when_else,
 )
@@ -93,7 +103,7 @@ _TUNING_BLOCKS: dict[str, tuple[tuple[int, int], ...]] = {
 
 
 @attrs.frozen(kw_only=True)
-class MultiHeadLatentAttentionConfig:
+class MultiHeadLatentAttentionConfig(BlockConfig):
     """Tunables of the XLA MLA.
 
     Attributes:
@@ -105,8 +115,6 @@ class MultiHeadLatentAttentionConfig:
     """
 
     form: str | None = attrs.field(default=None, validator=attrs.validators.in_((None, *FORMS)))
-    fwd_params: FwdParams = attrs.field(factory=FwdParams)
-    bwd_params: BwdParams = attrs.field(factory=BwdParams)
 
 
 def mla_form(sq: int, sk: int, hq: int, r: int, dn: int, dr: int, dv: int) -> str:
@@ -124,143 +132,34 @@ def heuristic(inv: Any) -> MultiHeadLatentAttentionConfig:
     """The cheaper form by :func:`mla_form`, with the backend's default (clamped) blocks."""
     form = mla_form(*_sizes(inv))
     sq, sk = _sizes(inv)[:2]
-    fwd, bwd = (_clamp_blocks(b, sq, sk) for b in _DEFAULT_BLOCKS[backend()])
-    return MultiHeadLatentAttentionConfig(
-        form=form,
-        fwd_params=FwdParams(q_blocksize=fwd[0], kv_blocksize=fwd[1]),
-        bwd_params=BwdParams(q_blocksize=bwd[0], kv_blocksize=bwd[1]),
-    )
+    fwd, bwd = (clamp_blocks(b, sq, sk) for b in _DEFAULT_BLOCKS[backend()])
+    return MultiHeadLatentAttentionConfig.of(fwd, bwd, form=form)
 
 
 def config_space(inv: Any) -> list[MultiHeadLatentAttentionConfig]:
     """The heuristic's config, then both forms × a few block pairs (deduplicated)."""
     sq, sk = _sizes(inv)[:2]
-    configs = [heuristic(inv)]
-    for form in FORMS:
-        for pair in _TUNING_BLOCKS[backend()]:
-            bq, bk = _clamp_blocks(pair, sq, sk)
-            cfg = MultiHeadLatentAttentionConfig(
-                form=form,
-                fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk),
-                bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk),
-            )
-            if cfg not in configs:
-                configs.append(cfg)
-    return configs
+    pairs = [clamp_blocks(pair, sq, sk) for pair in _TUNING_BLOCKS[backend()]]
+    candidates = (
+        MultiHeadLatentAttentionConfig.of(pair, form=form) for form in FORMS for pair in pairs
+    )
+    return distinct([heuristic(inv), *candidates])
 
 
 def multi_head_latent_attention_xla(
-    *,
-    query: jax.Array,
-    key_value: jax.Array,
-    w_kc: jax.Array,
-    w_vc: jax.Array,
-    k_rope: jax.Array,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    cfg: MultiHeadLatentAttentionConfig | None = None,
+    *, cfg: MultiHeadLatentAttentionConfig | None = None, **args: Any
 ) -> jax.Array:
-    """MLA, blockwise, O(S) memory (arguments as validated by the core spec).
+    """MLA, blockwise, O(S) memory.
 
     Args:
-        query: [B, Sq, Hq, Dn + Dr].
-        key_value: [B, Sk, R] latents.
-        w_kc: [R, Hq, Dn].
-        w_vc: [R, Hq, Dv].
-        k_rope: [B, Sk, Dr], shared by every head.
-        softmax_scale: multiplies the logits; ``None`` means (Dn + Dr) ** -0.5.
-        causal: bottom-right aligned causal mask.
-        sliding_window: ``(left, right)`` window around each query's position, or ``None``.
-        logits_soft_cap: ``cap * tanh(logits / cap)`` before masking, or ``None``.
         cfg: form and block sizes; ``None`` picks the form by multiply-adds, default blocks.
+        **args: :func:`ejkernel.multi_head_latent_attention`'s arguments by name, as its spec
+            validated them (absent ones take their defaults).
 
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    out, _ = _multi_head_latent_attention_fwd(
-        query=query,
-        key_value=key_value,
-        w_kc=w_kc,
-        w_vc=w_vc,
-        k_rope=k_rope,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        cfg=cfg,
-    )
-    return out
-
-
-def _multi_head_latent_attention_fwd(
-    *,
-    query: jax.Array,
-    key_value: jax.Array,
-    w_kc: jax.Array,
-    w_vc: jax.Array,
-    k_rope: jax.Array,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    cfg: MultiHeadLatentAttentionConfig | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Forward of :func:`multi_head_latent_attention_xla`: ``(out, residuals)``.
-
-    The residuals are the inputs, the attention output in the form's value space (the latent
-    output ``[B, Sq, Hq, R]`` float32 when absorbed, ``out`` when expanded) and the per-row
-    logsumexp ``[B, Sq, Hq]``.
-    """
-    arrays = {"query": query, "key_value": key_value, "w_kc": w_kc, "w_vc": w_vc, "k_rope": k_rope}
-    st = _statics(
-        arrays,
-        cfg,
-        backward=False,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
-    out, out_attn, lse = _forward(arrays, st)
-    return out, {**arrays, "out_attn": out_attn, "logsumexp": lse}
-
-
-def _multi_head_latent_attention_bwd(
-    residuals: dict[str, jax.Array],
-    d_out: jax.Array,
-    *,
-    cfg: MultiHeadLatentAttentionConfig | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-) -> dict[str, jax.Array]:
-    """Backward of :func:`multi_head_latent_attention_xla`.
-
-    Returns:
-        Gradients for ``query``, ``key_value``, ``w_kc``, ``w_vc`` and ``k_rope``, each in its
-        input's dtype.
-    """
-    arrays = {k: v for k, v in residuals.items() if k not in ("out_attn", "logsumexp")}
-    st = _statics(
-        arrays,
-        cfg,
-        backward=True,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
-    return _backward(arrays, residuals["out_attn"], residuals["logsumexp"], d_out, st)
-
-
-defvjp(
-    multi_head_latent_attention_xla,
-    _multi_head_latent_attention_fwd,
-    _multi_head_latent_attention_bwd,
-)
+    return _PASSES.primal(args, cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,33 +176,18 @@ def _sizes(inv: Any) -> tuple[int, int, int, int, int, int, int]:
     return int(sq), int(sk), int(hq), int(r), int(dn), int(d - dn), int(dv)
 
 
-def _clamp_blocks(blocks: tuple[int, int], sq: int, sk: int) -> tuple[int, int]:
-    """Blocks no longer than their sequence (a shorter sequence is then one unpadded block)."""
-    return max(1, min(blocks[0], sq)), max(1, min(blocks[1], sk))
-
-
 @attrs.frozen(kw_only=True)
-class _Statics:
-    """Everything static about one call (hashable: the ``jax.jit`` static argument)."""
+class _Statics(Blocked):
+    """:class:`~ejkernel_xla.ops._adapter.Blocked` and the form (``absorbed`` or not)."""
 
     absorbed: bool
-    softmax_scale: float
-    causal: bool
-    sliding_window: tuple[int, int] | None
-    logits_soft_cap: float | None
-    block_q: int
-    block_k: int
 
 
 def _statics(
     arrays: dict[str, Any],
     cfg: MultiHeadLatentAttentionConfig | None,
-    *,
     backward: bool,
-    softmax_scale: float | None,
-    causal: bool,
-    sliding_window: tuple[int, int] | None,
-    logits_soft_cap: float | None,
+    static: Any,
 ) -> _Statics:
     query, key_value, w_kc, w_vc = (arrays[n] for n in ("query", "key_value", "w_kc", "w_vc"))
     _, sq, hq, d = query.shape
@@ -311,20 +195,9 @@ def _statics(
     dn, dv = w_kc.shape[2], w_vc.shape[2]
     cfg = cfg if cfg is not None else MultiHeadLatentAttentionConfig()
     form = cfg.form or mla_form(sq, sk, hq, r, dn, d - dn, dv)
-    params = cfg.bwd_params if backward else cfg.fwd_params
-    default_q, default_k = _DEFAULT_BLOCKS[backend()][1 if backward else 0]
-    bq, bk = _clamp_blocks(
-        (params.q_blocksize or default_q, params.kv_blocksize or default_k), sq, sk
-    )
-    return _Statics(
-        absorbed=form == "absorbed",
-        softmax_scale=float(d**-0.5 if softmax_scale is None else softmax_scale),
-        causal=bool(causal),
-        sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        block_q=bq,
-        block_k=bk,
-    )
+    default = _DEFAULT_BLOCKS[backend()][1 if backward else 0]
+    blocks = pass_blocks(cfg, backward, default, sq, sk)
+    return _Statics.of(query, static, absorbed=form == "absorbed", **blocks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -333,12 +206,13 @@ def _statics(
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``out [B, Sq, Hq, Dv]``, the attention output in value space and logsumexp [B, Sq, Hq]."""
+def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``out [B, Sq, Hq, Dv]``, and for the backward the attention output in the form's value
+    space (the latent output ``[B, Sq, Hq, R]`` float32 when absorbed, ``out`` when expanded)
+    and the per-row logsumexp ``[B, Sq, Hq]``."""
     a = _finite_latents(a)
     q, w_vc = a["query"], a["w_vc"]
     geo = _Geometry.of(a, st)
-    sem = _semantics(geo, st)
     q_att, q_rope = _query_parts(a, st)
     qab, qrb = _q_blocks(q_att, geo), _q_blocks(q_rope, geo)
     cb, rb = _k_blocks(a["key_value"], geo), _k_blocks(a["k_rope"], geo)
@@ -354,9 +228,9 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax
 
             def compute(stats: Any) -> Any:
                 s, _ = _scores(qa_i, qr_i, k_j, r_j, geo, st, i, j)
-                return online_step(stats, s, v_j, _pv_spec(st))
+                return online_step(stats, s, v_j, _spec("pv", st))
 
-            return None, when(_block_may_see(sem, geo, i, j), compute, tuple(stats))
+            return None, when(tile_may_see(geo, st, i, j), compute, tuple(stats))
 
         _, stats = lax.scan(one_q_block, None, (jnp.arange(geo.nq), qab, qrb, *carry))
         return stats, None
@@ -367,20 +241,23 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax
     lse = _unblock_q(lse[..., None], geo)[..., 0]
     if st.absorbed:
         out = dot("bqhr,rhv->bqhv", out_attn.astype(w_vc.dtype), w_vc).astype(q.dtype)
-        return out, out_attn, lse
+        return out, {"out_attn": out_attn, "logsumexp": lse}
     out = out_attn.astype(q.dtype)
-    return out, out, lse
+    return out, {"out_attn": out, "logsumexp": lse}
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _backward(
-    a: dict[str, Any], out_attn: jax.Array, lse: jax.Array, d_out: jax.Array, st: _Statics
-) -> dict[str, jax.Array]:
-    """FlashAttention-2 Alg. 2 (keys outer, queries inner), then the projections' chain rule."""
+def _backward(a: dict[str, Any], d_out: jax.Array, st: _Statics) -> dict[str, jax.Array]:
+    """FlashAttention-2 Alg. 2 (keys outer, queries inner), then the projections' chain rule.
+
+    Returns:
+        Gradients for ``query``, ``key_value``, ``w_kc``, ``w_vc`` and ``k_rope``, each in its
+        input's dtype.
+    """
+    out_attn, lse = a["out_attn"], a["logsumexp"]
     a = _finite_latents(a)
     q, c, w_kc, w_vc, rope = (a[n] for n in ("query", "key_value", "w_kc", "w_vc", "k_rope"))
     geo = _Geometry.of(a, st)
-    sem = _semantics(geo, st)
     dtype = q.dtype
     d_out = d_out.astype(dtype)
     q_att, q_rope = _query_parts(a, st)
@@ -414,15 +291,15 @@ def _backward(
                 dk_j, dkr_j, dv_j = inner
                 s, capped = _scores(qa_i, qr_i, k_j, r_j, geo, st, i, j)
                 p = jnp.exp(s - lse_i[..., None])
-                dv_j = dv_j + dot(_dv_spec(st), p.astype(dtype), do_i)
-                dp = dot(_dp_spec(st), do_i, v_j)
+                dv_j = dv_j + dot(_spec("dv", st), p.astype(dtype), do_i)
+                dp = dot(_spec("dp", st), do_i, v_j)
                 ds = p * (dp - delta_i[..., None])
                 if capped is not None:
                     ds = ds * soft_cap_grad(capped, st.logits_soft_cap)
                 ds = ds.astype(dtype)
-                dqa_i = dot(_dq_spec(st), ds, k_j)
+                dqa_i = dot(_spec("dq", st), ds, k_j)
                 dqr_i = dot("bhqk,bke->bhqe", ds, r_j)
-                dk_j = dk_j + dot(_dk_spec(st), ds, qa_i)
+                dk_j = dk_j + dot(_spec("dk", st), ds, qa_i)
                 dkr_j = dkr_j + dot("bhqk,bhqe->bke", ds, qr_i)
                 return (dk_j, dkr_j, dv_j), (dqa_i, dqr_i)
 
@@ -433,7 +310,7 @@ def _backward(
                 )
                 return inner, zeros
 
-            return when_else(_block_may_see(sem, geo, i, j), compute, skip, inner)
+            return when_else(tile_may_see(geo, st, i, j), compute, skip, inner)
 
         xs = (jnp.arange(geo.nq), qab, qrb, dob, deltab, lseb)
         (dk_j, dkr_j, dv_j), (dqa_parts, dqr_parts) = lax.scan(one_q_block, inner_init, xs)
@@ -472,18 +349,21 @@ def _backward(
     }
 
 
+_PASSES = Passes(spec=SPEC, statics=_statics, forward=_forward, backward=_backward)
+defvjp(multi_head_latent_attention_xla, _PASSES.fwd, _PASSES.bwd)
+
+
 # --------------------------------------------------------------------------------------------
 # Block helpers
 # --------------------------------------------------------------------------------------------
 
 
 @attrs.frozen(kw_only=True)
-class _Geometry:
-    """Sizes of one call and its blocking (all Python ints)."""
+class _Geometry(Tiling):
+    """Sizes of one call and its blocking (all Python ints): the tiling, batch, heads, the
+    latent rank and the head dims."""
 
     b: int
-    sq: int
-    sk: int
     hq: int
     r: int
     dn: int
@@ -510,14 +390,6 @@ class _Geometry:
             bk=st.block_k,
         )
 
-    @property
-    def nq(self) -> int:
-        return -(-self.sq // self.bq)
-
-    @property
-    def nk(self) -> int:
-        return -(-self.sk // self.bk)
-
 
 def _query_parts(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
     """The query part meeting the keys' latent side (``q_lat`` or ``q_nope``) and ``q_rope``."""
@@ -538,29 +410,22 @@ def _project(c_j: jax.Array, a: dict[str, Any], st: _Statics) -> tuple[jax.Array
     return k_j, v_j
 
 
-# einsum specs per form: shared latent keys/values (absorbed) or per-head ones (expanded).
-def _qk_spec(st: _Statics) -> str:
-    return "bhqr,bkr->bhqk" if st.absorbed else "bhqn,bhkn->bhqk"
+#: einsum specs per product, ``(absorbed, expanded)``: shared latent keys/values (absorbed) or
+#: per-head ones (expanded).
+_SPECS = {
+    "qk": ("bhqr,bkr->bhqk", "bhqn,bhkn->bhqk"),
+    "pv": ("bhqk,bkr->bhqr", "bhqk,bhkv->bhqv"),
+    "dv": ("bhqk,bhqr->bkr", "bhqk,bhqv->bhkv"),
+    "dp": ("bhqr,bkr->bhqk", "bhqv,bhkv->bhqk"),
+    "dq": ("bhqk,bkr->bhqr", "bhqk,bhkn->bhqn"),
+    "dk": ("bhqk,bhqr->bkr", "bhqk,bhqn->bhkn"),
+}
 
 
-def _pv_spec(st: _Statics) -> str:
-    return "bhqk,bkr->bhqr" if st.absorbed else "bhqk,bhkv->bhqv"
-
-
-def _dv_spec(st: _Statics) -> str:
-    return "bhqk,bhqr->bkr" if st.absorbed else "bhqk,bhqv->bhkv"
-
-
-def _dp_spec(st: _Statics) -> str:
-    return "bhqr,bkr->bhqk" if st.absorbed else "bhqv,bhkv->bhqk"
-
-
-def _dq_spec(st: _Statics) -> str:
-    return "bhqk,bkr->bhqr" if st.absorbed else "bhqk,bhkn->bhqn"
-
-
-def _dk_spec(st: _Statics) -> str:
-    return "bhqk,bhqr->bkr" if st.absorbed else "bhqk,bhqn->bhkn"
+def _spec(product: str, st: _Statics) -> str:
+    """The einsum spec of ``product`` (a key of :data:`_SPECS`) in ``st``'s form."""
+    absorbed, expanded = _SPECS[product]
+    return absorbed if st.absorbed else expanded
 
 
 def _q_blocks(x: jax.Array, geo: _Geometry, fill: Any = 0) -> jax.Array:
@@ -599,7 +464,7 @@ def _scores(
     j: Any,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Masked logits of block (i, j), [B, Hq, bq, bk] float32, and the soft-capped ones."""
-    s = dot(_qk_spec(st), qa_i, k_j)
+    s = dot(_spec("qk", st), qa_i, k_j)
     if geo.dr:
         s = s + dot("bhqe,bke->bhqk", qr_i, r_j)
     q_pos = (i * geo.bq + jnp.arange(geo.bq))[:, None] + (geo.sk - geo.sq)
@@ -616,20 +481,3 @@ def _finite_latents(a: dict[str, Any]) -> dict[str, Any]:
     """Non-finite latents read as 0 before any projection mixes them, so a hidden one
     contributes nothing (:mod:`ejkernel.attention_semantics`)."""
     return {**a, "key_value": finite_or_zero(a["key_value"]), "k_rope": finite_or_zero(a["k_rope"])}
-
-
-def _semantics(geo: _Geometry, st: _Statics) -> Geometry:
-    return Geometry(
-        batch=geo.b,
-        sq=geo.sq,
-        sk=geo.sk,
-        num_q_heads=geo.hq,
-        num_kv_heads=geo.hq,
-        causal=st.causal,
-        window=st.sliding_window,
-    )
-
-
-def _block_may_see(sem: Geometry, geo: _Geometry, i: Any, j: Any) -> Any:
-    """Whether causality and the window leave block (i, j) any visible entry (``None``: yes)."""
-    return sem.block_may_see(i, j, geo.bq, geo.bk) if sem.restricted else None

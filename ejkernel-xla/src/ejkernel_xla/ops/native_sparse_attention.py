@@ -42,7 +42,8 @@ from jax import lax
 
 from ejkernel.attention_semantics import EMPTY_ROW_LSE, finite_or_zero, hide, mask_scores
 from ejkernel.plugins import FwdParams, defvjp
-from ejkernel.specs.native_sparse_attention import nsa_select_blocks, sequence_layout
+from ejkernel.specs.native_sparse_attention import SPEC, nsa_select_blocks, sequence_layout
+from ejkernel_xla.ops._adapter import static_defaults
 from ejkernel_xla.ops._blockwise import backend, pad_axis
 from ejkernel_xla.ops.flash_attention import flash_attention_xla
 
@@ -59,6 +60,10 @@ __all__ = [
 _CHUNK_BYTES = {"cpu": 2 * 2**20, "gpu": 64 * 2**20, "tpu": 64 * 2**20}
 #: Query chunk sizes :func:`config_space` offers (clamped to S).
 _TUNING_CHUNKS = (16, 32, 64, 128, 256)
+
+
+#: The arrays the compressed and selected branches read (and their backward differentiates).
+_BRANCH_ARRAYS = ("query", "key", "value", "g_cmp", "g_slc", "cu_seqlens")
 
 
 @attrs.frozen(kw_only=True)
@@ -91,91 +96,57 @@ def config_space(inv: Any) -> list[NativeSparseAttentionConfig]:
 
 
 def native_sparse_attention_xla(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    g_cmp: jax.Array,
-    g_slc: jax.Array,
-    g_swa: jax.Array | None = None,
-    block_size: int = 64,
-    block_counts: int = 16,
-    window_size: int = 0,
-    block_indices: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    cu_seqlens: jax.Array | None = None,
-    cfg: NativeSparseAttentionConfig | None = None,
+    *, cfg: NativeSparseAttentionConfig | None = None, **args: Any
 ) -> jax.Array:
-    """NSA (arguments as validated by the core spec).
+    """NSA: compressed, selected and sliding-window branches mixed by their gates.
 
     Args:
-        query: [B, S, Hq, D].
-        key: [B, S, Hkv, D].
-        value: [B, S, Hkv, Dv].
-        g_cmp: [B, S, Hq] gate of the compressed branch.
-        g_slc: [B, S, Hq] gate of the selected branch.
-        g_swa: [B, S, Hq] gate of the sliding-window branch, or ``None``.
-        block_size: tokens per block.
-        block_counts: blocks selected per query (without ``block_indices``).
-        window_size: sliding-window length; 0 skips the branch.
-        block_indices: [B, S, Hkv, T] int selected blocks, or ``None``.
-        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
-        cu_seqlens: [num_seqs + 1] int offsets of packed sequences (B = 1), or ``None``.
         cfg: the query chunk size; ``None`` takes the default.
+        **args: :func:`ejkernel.native_sparse_attention`'s arguments by name, as its spec
+            validated them (absent ones take their defaults).
 
     Returns:
         [B, S, Hq, Dv] in the query dtype.
     """
-    st = _statics(locals(), residuals=False)
-    out, _ = _sparse_forward(query, key, value, g_cmp, g_slc, block_indices, cu_seqlens, st)
-    if st.window > 0 and g_swa is not None:
-        window = _window_args(cu_seqlens, query.shape[1], st)
-        o_swa = flash_attention_xla(query=query, key=key, value=value, **window)
-        out = out + g_swa.astype(jnp.float32)[..., None] * o_swa.astype(jnp.float32)
-    return out.astype(query.dtype)
+    out, _ = _native_sparse_attention(args, cfg, residuals=False)
+    return out
 
 
 def _native_sparse_attention_fwd(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    g_cmp: jax.Array,
-    g_slc: jax.Array,
-    g_swa: jax.Array | None = None,
-    block_size: int = 64,
-    block_counts: int = 16,
-    window_size: int = 0,
-    block_indices: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    cu_seqlens: jax.Array | None = None,
-    cfg: NativeSparseAttentionConfig | None = None,
+    *, cfg: NativeSparseAttentionConfig | None = None, **args: Any
 ) -> tuple[jax.Array, dict[str, Any]]:
     """Forward of :func:`native_sparse_attention_xla`: ``(out, residuals)``.
 
     The residuals are the inputs, each sparse branch's output and logsumexp and the selection
     (in the chunked layout), and flash attention's residuals for the sliding window.
     """
-    st = _statics(locals(), residuals=True)
-    out, saved = _sparse_forward(query, key, value, g_cmp, g_slc, block_indices, cu_seqlens, st)
+    return _native_sparse_attention(args, cfg, residuals=True)
+
+
+def _native_sparse_attention(
+    args: dict[str, Any], cfg: NativeSparseAttentionConfig | None, *, residuals: bool
+) -> tuple[jax.Array, dict[str, Any] | None]:
+    """The forward, keeping the backward's residuals only when asked (``None`` otherwise)."""
+    a = SPEC.bind((), args)
+    query, key, value, g_swa, cu_seqlens = (
+        a[n] for n in ("query", "key", "value", "g_swa", "cu_seqlens")
+    )
+    st = _statics(a, cfg, residuals=residuals)
+    out, saved = _sparse_forward({n: a[n] for n in (*_BRANCH_ARRAYS, "block_indices")}, st)
     swa = None
     if st.window > 0 and g_swa is not None:
-        fwd = flash_attention_xla.fwd  # type: ignore[attr-defined]
         window = _window_args(cu_seqlens, query.shape[1], st)
-        o_swa, swa = fwd(query=query, key=key, value=value, **window)
+        flash = {"query": query, "key": key, "value": value, **window}
+        if residuals:
+            o_swa, swa = flash_attention_xla.fwd(**flash)  # type: ignore[attr-defined]
+        else:
+            o_swa = flash_attention_xla(**flash)
         out = out + g_swa.astype(jnp.float32)[..., None] * o_swa.astype(jnp.float32)
-    residuals = {
-        "query": query,
-        "key": key,
-        "value": value,
-        "g_cmp": g_cmp,
-        "g_slc": g_slc,
-        "g_swa": g_swa,
-        "cu_seqlens": cu_seqlens,
-        "sparse": saved,
-        "swa": swa,
-    }
-    return out.astype(query.dtype), residuals
+    out = out.astype(query.dtype)
+    if not residuals:
+        return out, None
+    kept = {n: a[n] for n in (*_BRANCH_ARRAYS, "g_swa")}
+    return out, {**kept, "sparse": saved, "swa": swa}
 
 
 def _native_sparse_attention_bwd(
@@ -183,10 +154,7 @@ def _native_sparse_attention_bwd(
     d_out: jax.Array,
     *,
     cfg: NativeSparseAttentionConfig | None = None,
-    block_size: int = 64,
-    block_counts: int = 16,
-    window_size: int = 0,
-    softmax_scale: float | None = None,
+    **static: Any,
 ) -> dict[str, jax.Array | None]:
     """Backward of :func:`native_sparse_attention_xla`.
 
@@ -196,18 +164,18 @@ def _native_sparse_attention_bwd(
     r = residuals
     query, key, value = r["query"], r["key"], r["value"]
     idx = r["sparse"]["idx"]  # [n_chunks, B, Hkv, cq, T]: the forward's chunking
+    static = static_defaults(SPEC, static)
+    scale = static["softmax_scale"]
     st = _Statics(
-        block_size=int(block_size),
+        block_size=int(static["block_size"]),
         block_counts=int(idx.shape[-1]),
         select=False,
-        scale=float(query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale),
+        scale=float(query.shape[-1] ** -0.5 if scale is None else scale),
         chunk=int(idx.shape[3]),
-        window=int(window_size),
+        window=int(static["window_size"]),
         residuals=True,
     )
-    grads = _sparse_backward(
-        query, key, value, r["g_cmp"], r["g_slc"], r["cu_seqlens"], r["sparse"], d_out, st
-    )
+    grads = _sparse_backward({n: r[n] for n in _BRANCH_ARRAYS}, r["sparse"], d_out, st)
     grads["g_swa"] = None
     if r["swa"] is not None:
         g_swa = r["g_swa"]
@@ -260,8 +228,10 @@ class _Statics:
     residuals: bool
 
 
-def _statics(a: dict[str, Any], *, residuals: bool) -> _Statics:
-    query, idx, cfg = a["query"], a.get("block_indices"), a.get("cfg")
+def _statics(
+    a: dict[str, Any], cfg: NativeSparseAttentionConfig | None, *, residuals: bool
+) -> _Statics:
+    query, idx = a["query"], a["block_indices"]
     chunk = (cfg.fwd_params.q_blocksize if cfg is not None else None) or _default_chunk(a)
     scale = a.get("softmax_scale")
     return _Statics(
@@ -405,19 +375,15 @@ def _slots(c: dict[str, Any], idx: jax.Array, geo: _Layout) -> tuple[jax.Array, 
 
 @functools.partial(jax.jit, static_argnames="st")
 def _sparse_forward(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    g_cmp: jax.Array,
-    g_slc: jax.Array,
-    block_indices: jax.Array | None,
-    cu_seqlens: jax.Array | None,
-    st: _Statics,
+    a: dict[str, Any], st: _Statics
 ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
-    """``g_cmp ⊙ o_cmp + g_slc ⊙ o_slc`` float32 [B, S, Hq, Dv], and the chunked residuals."""
+    """``g_cmp ⊙ o_cmp + g_slc ⊙ o_slc`` float32 [B, S, Hq, Dv], and the chunked residuals,
+    from :data:`_BRANCH_ARRAYS` and ``block_indices``."""
+    query, g_cmp, g_slc, cu_seqlens = (a[n] for n in ("query", "g_cmp", "g_slc", "cu_seqlens"))
+    block_indices = a["block_indices"]
     # Non-finite keys/values read as 0, so a hidden one reaches no row, block choice or
     # compressed token that cannot see it (attention_semantics).
-    key, value = finite_or_zero(key), finite_or_zero(value)
+    key, value = finite_or_zero(a["key"]), finite_or_zero(a["value"])
     geo = _Layout.of(query, value, st, cu_seqlens is not None)
     seqs = _sequences(geo, cu_seqlens)
     k_cmp = _compress(key, geo.bs, seqs["pool"]).transpose(0, 2, 1, 3)  # [B, Hkv, TC, D]
@@ -451,18 +417,12 @@ def _sparse_forward(
 
 @functools.partial(jax.jit, static_argnames="st")
 def _sparse_backward(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    g_cmp: jax.Array,
-    g_slc: jax.Array,
-    cu_seqlens: jax.Array | None,
-    saved: dict[str, jax.Array],
-    d_out: jax.Array,
-    st: _Statics,
+    a: dict[str, Any], saved: dict[str, jax.Array], d_out: jax.Array, st: _Statics
 ) -> dict[str, Any]:
-    """Gradients of the compressed and selected branches (q, k, v float32; gates cast)."""
-    key, value = finite_or_zero(key), finite_or_zero(value)
+    """Gradients of the compressed and selected branches (q, k, v float32; gates cast), from
+    :data:`_BRANCH_ARRAYS` and the forward's chunked residuals."""
+    query, g_cmp, g_slc, cu_seqlens = (a[n] for n in ("query", "g_cmp", "g_slc", "cu_seqlens"))
+    key, value = finite_or_zero(a["key"]), finite_or_zero(a["value"])
     geo = _Layout.of(query, value, st, cu_seqlens is not None)
     seqs = _sequences(geo, cu_seqlens)
     k_cmp, pool_k = jax.vjp(lambda k: _compress(k, geo.bs, seqs["pool"]), key)

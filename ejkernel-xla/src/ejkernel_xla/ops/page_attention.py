@@ -19,6 +19,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel.specs.page_attention import SPEC
 from ejkernel_xla.ops import _paged as engine
 
 __all__ = ["PageAttentionConfig", "config_space", "heuristic", "page_attention_xla"]
@@ -37,52 +38,25 @@ def _problem(kw: Mapping[str, Any]) -> engine.Problem:
 heuristic, config_space = engine.tuning(PageAttentionConfig, _problem)
 
 
-def page_attention_xla(
-    *,
-    query: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: tuple[int, int] | None = None,
-    cfg: PageAttentionConfig | None = None,
-) -> jax.Array:
-    """Decode attention over a paged cache (arguments as validated by the core spec).
+def page_attention_xla(*, cfg: PageAttentionConfig | None = None, **args: Any) -> jax.Array:
+    """Decode attention over a paged cache.
 
     Args:
-        query: [S, Hq, D].
-        key_cache, value_cache: [num_pages, page_size, Hkv, D].
-        kv_lens: [S] int; block_tables: [S, max_pages] int.
-        softmax_scale, logits_soft_cap, sliding_window: as the spec normalises them.
         cfg: blocks; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.page_attention`'s arguments by name, as its spec validated them.
 
     Returns:
         [S, Hq, D] in the query dtype.
     """
-    st = engine.make_statics(
-        _problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
-    )
-    return _forward(query, key_cache, value_cache, kv_lens, block_tables, st)
+    return engine.serve(SPEC, _forward, _problem, cfg, args)
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(
-    query: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    st: engine.Statics,
-) -> jax.Array:
-    kv_len = kv_lens.astype(jnp.int32)
+def _forward(a: dict[str, Any], st: engine.Statics) -> jax.Array:
+    key_cache, block_tables = a["key_cache"], a["block_tables"]
+    kv_len = a["kv_lens"].astype(jnp.int32)
     kv_hi = jnp.clip(kv_len, 0, block_tables.shape[1] * key_cache.shape[1])
     # The decode token is the newest one.
     seqs = engine.decode_sequences(kv_len - 1, jnp.zeros_like(kv_len), kv_hi)
-    return engine.attend(
-        query,
-        seqs,
-        engine.paged_fetch(key_cache, value_cache, block_tables, kv_hi, st.kv_block),
-        st,
-    )
+    fetch = engine.paged_fetch(key_cache, a["value_cache"], block_tables, kv_hi, st.kv_block)
+    return engine.attend(a["query"], seqs, fetch, st)

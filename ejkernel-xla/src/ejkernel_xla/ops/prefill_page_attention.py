@@ -19,6 +19,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel.specs.prefill_page_attention import SPEC
 from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
@@ -42,51 +43,30 @@ heuristic, config_space = engine.tuning(PrefillPageAttentionConfig, _problem)
 
 
 def prefill_page_attention_xla(
-    *,
-    query: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_len: jax.Array,
-    page_indices: jax.Array,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: tuple[int, int] | None = None,
-    cfg: PrefillPageAttentionConfig | None = None,
+    *, cfg: PrefillPageAttentionConfig | None = None, **args: Any
 ) -> jax.Array:
-    """Causal prefill of one sequence over its pages (arguments as validated by the core spec).
+    """Causal prefill of one sequence over its pages.
 
     Args:
-        query: [C, Hq, D].
-        key_cache, value_cache: [num_pages, page_size, Hkv, D].
-        kv_len: int32 scalar; page_indices: [P] int.
-        softmax_scale, logits_soft_cap, sliding_window: as the spec normalises them.
         cfg: blocks; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.prefill_page_attention`'s arguments by name, as its spec
+            validated them.
 
     Returns:
         [C, Hq, D] in the query dtype.
     """
-    st = engine.make_statics(
-        _problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
-    )
-    return _forward(query, key_cache, value_cache, kv_len, page_indices, st)
+    return engine.serve(SPEC, _forward, _problem, cfg, args)
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(
-    query: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_len: jax.Array,
-    page_indices: jax.Array,
-    st: engine.Statics,
-) -> jax.Array:
+def _forward(a: dict[str, Any], st: engine.Statics) -> jax.Array:
+    query, key_cache = a["query"], a["key_cache"]
     c = query.shape[0]
-    tables = page_indices[None]
-    kv_lens = jnp.asarray(kv_len, jnp.int32).reshape(1)
+    tables = a["page_indices"][None]
+    kv_lens = jnp.asarray(a["kv_len"], jnp.int32).reshape(1)
     starts = jnp.array([0, c], jnp.int32)
     seqs = engine.paged_sequences(
         kv_lens, starts, jnp.int32(1), c, tables.shape[1] * key_cache.shape[1]
     )
-    return engine.attend(
-        query, seqs, engine.paged_fetch(key_cache, value_cache, tables, seqs.kv_hi, st.kv_block), st
-    )
+    fetch = engine.paged_fetch(key_cache, a["value_cache"], tables, seqs.kv_hi, st.kv_block)
+    return engine.attend(query, seqs, fetch, st)

@@ -20,6 +20,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel.specs.ragged_decode_attention import SPEC
 from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
@@ -56,51 +57,27 @@ heuristic, config_space = engine.tuning(RaggedDecodeAttentionConfig, _problem)
 
 
 def ragged_decode_attention_xla(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    sequence_start: jax.Array,
-    sequence_end: jax.Array,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: tuple[int, int] | None = None,
-    softmax_aux: jax.Array | None = None,
-    cfg: RaggedDecodeAttentionConfig | None = None,
+    *, cfg: RaggedDecodeAttentionConfig | None = None, **args: Any
 ) -> jax.Array:
-    """Decode attention over ``[start, end)`` of a dense cache (arguments as validated).
+    """Decode attention over ``[start, end)`` of a dense cache.
 
     Args:
-        query: [B, Hq, D].
-        key: [B, Sk, Hkv, D]; value: [B, Sk, Hkv, Dv].
-        sequence_start, sequence_end: [B] int.
-        softmax_scale, logits_soft_cap, sliding_window: as the spec normalises them.
-        softmax_aux: [Hq] or [Hq, n] sink logits, or ``None``.
         cfg: blocks; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.ragged_decode_attention`'s arguments by name, as its spec
+            validated them.
 
     Returns:
         [B, Hq, Dv] in the query dtype.
     """
-    st = engine.make_statics(
-        _problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
-    )
-    return _forward(query, key, value, sequence_start, sequence_end, softmax_aux, st)
+    return engine.serve(SPEC, _forward, _problem, cfg, args)
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    sequence_start: jax.Array,
-    sequence_end: jax.Array,
-    softmax_aux: jax.Array | None,
-    st: engine.Statics,
-) -> jax.Array:
+def _forward(a: dict[str, Any], st: engine.Statics) -> jax.Array:
+    key, value = a["key"], a["value"]
     sk = key.shape[1]
-    start = jnp.clip(sequence_start.astype(jnp.int32), 0, sk)
-    end = jnp.clip(sequence_end.astype(jnp.int32), 0, sk)
+    start = jnp.clip(a["sequence_start"].astype(jnp.int32), 0, sk)
+    end = jnp.clip(a["sequence_end"].astype(jnp.int32), 0, sk)
     seqs = engine.decode_sequences(end - 1, start, end)  # the decode token is the newest one
-    return engine.attend(
-        query, seqs, engine.dense_fetch(key, value, st.kv_block), st, softmax_aux=softmax_aux
-    )
+    fetch = engine.dense_fetch(key, value, st.kv_block)
+    return engine.attend(a["query"], seqs, fetch, st, softmax_aux=a["softmax_aux"])

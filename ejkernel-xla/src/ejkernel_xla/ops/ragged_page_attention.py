@@ -12,9 +12,12 @@ It declines nothing (no ``supports``): this backend serves every valid call on e
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import jax
 
+from ejkernel.specs.ragged_page_attention import SPEC
 from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
@@ -35,35 +38,16 @@ heuristic, config_space = engine.tuning(RaggedPageAttentionConfig, engine.packed
 
 
 def ragged_page_attention_xla(
-    *,
-    queries: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: jax.Array,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: tuple[int, int] | None = None,
-    softmax_aux: jax.Array | None = None,
-    cfg: RaggedPageAttentionConfig | None = None,
+    *, cfg: RaggedPageAttentionConfig | None = None, **args: Any
 ) -> jax.Array:
-    """Ragged paged attention (arguments as validated by the core spec; OPS.md names).
+    """Ragged paged attention.
 
     Args:
-        queries: [T, Hq, D].
-        key_cache, value_cache: [num_pages, page_size, Hkv, D].
-        kv_lens: [num_seqs] int; block_tables: [num_seqs, max_pages] int;
-            query_start_loc: [num_seqs + 1] int; num_seqs: int32 scalar, the live sequences.
-        softmax_scale, logits_soft_cap, sliding_window: as the spec normalises them.
-        softmax_aux: [Hq] or [Hq, n] sink logits, or ``None``.
         cfg: blocks; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.ragged_page_attention`'s arguments by name, as its spec
+            validated them.
 
     Returns:
         [T, Hq, D] in the query dtype.
     """
-    st = engine.make_statics(
-        engine.packed_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
-    )
-    return engine.packed_forward(locals(), st)
+    return engine.serve(SPEC, engine.packed_forward, engine.packed_problem, cfg, args)

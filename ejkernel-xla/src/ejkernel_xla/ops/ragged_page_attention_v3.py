@@ -14,11 +14,13 @@ It declines nothing (no ``supports``): this backend serves every valid call on e
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel.specs.ragged_page_attention_v3 import SPEC
 from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
@@ -39,79 +41,35 @@ heuristic, config_space = engine.tuning(RaggedPageAttentionV3Config, engine.pack
 
 
 def ragged_page_attention_v3_xla(
-    *,
-    queries: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: jax.Array,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: tuple[int, int] | None = None,
-    softmax_aux: jax.Array | None = None,
-    cfg: RaggedPageAttentionV3Config | None = None,
+    *, cfg: RaggedPageAttentionV3Config | None = None, **args: Any
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Fused cache update and ragged paged attention (arguments as validated by the core
-    spec; OPS.md names).
+    """Fused cache update and ragged paged attention.
 
     Args:
-        queries: [T, Hq, D].
-        keys, values: [T, Hkv, D], written before attending.
-        key_cache, value_cache: [num_pages, page_size, Hkv, D]; donate them
-            (``jax.jit(..., donate_argnums=...)``) for an in-place update.
-        kv_lens: [num_seqs] int, lengths after the update; block_tables: [num_seqs, max_pages]
-            int; query_start_loc: [num_seqs + 1] int; num_seqs: int32 scalar, the live ones.
-        softmax_scale, logits_soft_cap, sliding_window: as the spec normalises them.
-        softmax_aux: [Hq] or [Hq, n] sink logits, or ``None``.
         cfg: blocks; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.ragged_page_attention_v3`'s arguments by name, as its spec
+            validated them; donate ``key_cache`` and ``value_cache``
+            (``jax.jit(..., donate_argnums=...)``) for an in-place update.
 
     Returns:
         ``(out [T, Hq, D], key_cache, value_cache)``.
     """
-    st = engine.make_statics(
-        engine.packed_problem(locals()), cfg, softmax_scale, logits_soft_cap, sliding_window
-    )
-    return _forward(
-        queries,
-        keys,
-        values,
-        key_cache,
-        value_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        softmax_aux,
-        st,
-    )
+    return engine.serve(SPEC, _forward, engine.packed_problem, cfg, args)
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(
-    queries: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: jax.Array,
-    softmax_aux: jax.Array | None,
-    st: engine.Statics,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _forward(a: dict[str, Any], st: engine.Statics) -> tuple[jax.Array, jax.Array, jax.Array]:
+    queries, key_cache, value_cache, block_tables = (
+        a[n] for n in ("queries", "key_cache", "value_cache", "block_tables")
+    )
     t = queries.shape[0]
     capacity = block_tables.shape[1] * key_cache.shape[1]
-    seqs = engine.paged_sequences(kv_lens, query_start_loc, num_seqs, t, capacity)
+    seqs = engine.paged_sequences(a["kv_lens"], a["query_start_loc"], a["num_seqs"], t, capacity)
     page, slot = _destinations(seqs, block_tables, key_cache.shape[0], key_cache.shape[1], t)
-    key_cache = key_cache.at[page, slot].set(keys.astype(key_cache.dtype), mode="drop")
-    value_cache = value_cache.at[page, slot].set(values.astype(value_cache.dtype), mode="drop")
+    key_cache = key_cache.at[page, slot].set(a["keys"].astype(key_cache.dtype), mode="drop")
+    value_cache = value_cache.at[page, slot].set(a["values"].astype(value_cache.dtype), mode="drop")
     fetch = engine.paged_fetch(key_cache, value_cache, block_tables, seqs.kv_hi, st.kv_block)
-    out = engine.attend(queries, seqs, fetch, st, softmax_aux=softmax_aux)
+    out = engine.attend(queries, seqs, fetch, st, softmax_aux=a["softmax_aux"])
     return out, key_cache, value_cache
 
 

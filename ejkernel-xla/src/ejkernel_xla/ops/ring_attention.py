@@ -50,7 +50,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.attention_semantics import EMPTY_ROW_LSE, sink_grad, soft_cap_grad
-from ejkernel.plugins import BwdParams, FwdParams, defvjp
+from ejkernel.plugins import defvjp
+from ejkernel.specs.ring_attention import SPEC
+from ejkernel_xla.ops._adapter import BlockConfig, Passes, pass_blocks
 from ejkernel_xla.ops._blockwise import (
     backend,
     dot,
@@ -70,7 +72,6 @@ from ejkernel_xla.ops._ring import (
     BiasGradient,
     RingGeometry,
     Shard,
-    SideInputs,
     Statics,
     block_keep,
     block_may_see,
@@ -78,6 +79,7 @@ from ejkernel_xla.ops._ring import (
     rotate,
     scores,
     shard_may_see,
+    side_inputs,
     sinks,
     sum_if_replicated,
     vary_like,
@@ -104,19 +106,13 @@ _DEFAULT_BLOCKS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 
 
 @attrs.frozen(kw_only=True)
-class RingAttentionConfig:
-    """Tunables of the XLA ring attention: block sizes inside one device's shard.
+class RingAttentionConfig(BlockConfig):
+    """Tunables of the XLA ring attention: the block sizes of
+    :class:`~ejkernel_xla.ops._adapter.BlockConfig` inside one device's shard.
 
     Without ``axis_name`` they are flash attention's. ``None`` takes the backend's default;
     blocks longer than the local sequence are clamped to it.
-
-    Attributes:
-        fwd_params: block sizes of the forward pass.
-        bwd_params: block sizes of the backward pass.
     """
-
-    fwd_params: FwdParams = attrs.field(factory=FwdParams)
-    bwd_params: BwdParams = attrs.field(factory=BwdParams)
 
 
 def heuristic(inv: Any) -> RingAttentionConfig:
@@ -137,86 +133,35 @@ def config_space(inv: Any) -> list[RingAttentionConfig]:
 
 
 def ring_attention_xla(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    axis_name: Any = None,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: RingAttentionConfig | None = None,
+    *, cfg: RingAttentionConfig | None = None, axis_name: Any = None, **args: Any
 ) -> jax.Array:
-    """Ring attention (arguments as validated by the core spec; arrays are local shards).
+    """Ring attention (arrays are the device's local shards).
 
     Args:
-        query: [B, Sq, Hq, D], the device's query rows.
-        key: [B, Sk, Hkv, D], the device's key rows.
-        value: [B, Sk, Hkv, Dv].
-        axis_name: the ``shard_map`` axis the sequence is split over; ``None``: flash attention.
-        bias: broadcastable to [B, Hq, Sq, n·Sk] (my rows, every key column).
-        attention_mask: bool, broadcastable to [B, Hq, Sq, n·Sk], True = may attend.
-        q_segment_ids: [B, Sq] int (my rows).
-        kv_segment_ids: [B, Sk] int (my key rows; they travel with the keys).
-        softmax_aux: [Hq] or [Hq, n_sinks] sink logits, in the softmax denominator only.
-        softmax_scale: multiplies the logits; ``None`` means D ** -0.5.
-        causal: causal mask on global positions, bottom-right aligned for the global lengths.
-        sliding_window: ``(left, right)`` around each query's global position, or ``None``.
-        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
-        dropout_prob: dropout on the attention probabilities.
-        dropout_seed: uint32 scalar seed of the dropout hash (used when dropout_prob > 0).
         cfg: block sizes inside the shard; ``None`` takes the defaults.
+        axis_name: the ``shard_map`` axis the sequence is split over; ``None``: flash attention.
+        **args: the rest of :func:`ejkernel.ring_attention`'s arguments by name, as its spec
+            validated them (absent ones take their defaults): ``query [B, Sq, Hq, D]`` holds
+            the device's query rows, ``key``/``value`` (with ``kv_segment_ids``) its key rows,
+            which travel; ``bias``/``attention_mask`` broadcast to [B, Hq, Sq, n·Sk] (my rows,
+            every key column); masks apply to global positions.
 
     Returns:
         [B, Sq, Hq, Dv] in the query dtype (my rows); rows with no visible key are zeros.
     """
-    arrays = _arrays(locals())
     if axis_name is None:
-        return flash_attention_xla(**arrays, **_masking(locals()), cfg=_to_flash(cfg))
-    st = _statics(arrays, cfg, backward=False, axis_name=axis_name, **_masking(locals()))
-    out, _ = _forward(arrays, st)
-    return out
+        return flash_attention_xla(cfg=_to_flash(cfg), **args)
+    return _PASSES.primal({**args, "axis_name": axis_name}, cfg)
 
 
 def _ring_attention_fwd(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    axis_name: Any = None,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: RingAttentionConfig | None = None,
+    *, cfg: RingAttentionConfig | None = None, axis_name: Any = None, **args: Any
 ) -> tuple[jax.Array, dict[str, jax.Array | None]]:
-    """Forward of :func:`ring_attention_xla`: ``(out, residuals)``.
-
-    On the ring the residuals are the array inputs, the output and the per-row logsumexp
-    ``[B, Sq, Hq]`` (float32) of the global softmax.
-    """
-    arrays = _arrays(locals())
+    """Forward of :func:`ring_attention_xla`: ``(out, residuals)``, flash attention's without
+    a ring axis."""
     if axis_name is None:
-        fwd = flash_attention_xla.fwd  # type: ignore[attr-defined]
-        return fwd(**arrays, **_masking(locals()), cfg=_to_flash(cfg))
-    st = _statics(arrays, cfg, backward=False, axis_name=axis_name, **_masking(locals()))
-    out, lse = _forward(arrays, st)
-    return out, {**arrays, "out": out, "logsumexp": lse}
+        return flash_attention_xla.fwd(cfg=_to_flash(cfg), **args)  # type: ignore[attr-defined]
+    return _PASSES.fwd(cfg=cfg, axis_name=axis_name, **args)
 
 
 def _ring_attention_bwd(
@@ -225,65 +170,18 @@ def _ring_attention_bwd(
     *,
     cfg: RingAttentionConfig | None = None,
     axis_name: Any = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
+    **static: Any,
 ) -> dict[str, jax.Array | None]:
-    """Backward of :func:`ring_attention_xla`.
-
-    Returns:
-        Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
-        ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
-    """
-    masking = {
-        "softmax_scale": softmax_scale,
-        "causal": causal,
-        "sliding_window": sliding_window,
-        "logits_soft_cap": logits_soft_cap,
-        "dropout_prob": dropout_prob,
-    }
+    """Backward of :func:`ring_attention_xla` (flash attention's without a ring axis)."""
     if axis_name is None:
         bwd = flash_attention_xla.bwd  # type: ignore[attr-defined]
-        return bwd(residuals, d_out, cfg=_to_flash(cfg), **masking)
-    arrays = {k: v for k, v in residuals.items() if k not in ("out", "logsumexp")}
-    st = _statics(arrays, cfg, backward=True, axis_name=axis_name, **masking)
-    return _backward(arrays, residuals["out"], residuals["logsumexp"], d_out, st)
-
-
-defvjp(ring_attention_xla, _ring_attention_fwd, _ring_attention_bwd)
+        return bwd(residuals, d_out, cfg=_to_flash(cfg), **static)
+    return _PASSES.bwd(residuals, d_out, cfg=cfg, axis_name=axis_name, **static)
 
 
 # --------------------------------------------------------------------------------------------
 # Configuration helpers
 # --------------------------------------------------------------------------------------------
-
-_ARRAY_NAMES = (
-    "query",
-    "key",
-    "value",
-    "bias",
-    "attention_mask",
-    "q_segment_ids",
-    "kv_segment_ids",
-    "softmax_aux",
-    "dropout_seed",
-)
-_MASKING_NAMES = ("softmax_scale", "causal", "sliding_window", "logits_soft_cap", "dropout_prob")
-
-
-def _arrays(scope: dict[str, Any]) -> dict[str, Any]:
-    arrays = {name: scope[name] for name in _ARRAY_NAMES}
-    if not scope["dropout_prob"]:
-        arrays["dropout_seed"] = None
-    elif arrays["dropout_seed"] is None or not hasattr(arrays["dropout_seed"], "dtype"):
-        arrays["dropout_seed"] = jnp.asarray(arrays["dropout_seed"] or 0).astype(jnp.uint32)
-    return arrays
-
-
-def _masking(scope: dict[str, Any]) -> dict[str, Any]:
-    return {name: scope[name] for name in _MASKING_NAMES}
 
 
 def _from_flash(cfg: FlashAttentionConfig) -> RingAttentionConfig:
@@ -297,33 +195,12 @@ def _to_flash(cfg: RingAttentionConfig | None) -> FlashAttentionConfig | None:
 
 
 def _statics(
-    arrays: dict[str, Any],
-    cfg: RingAttentionConfig | None,
-    *,
-    backward: bool,
-    axis_name: Any,
-    softmax_scale: float | None,
-    causal: bool,
-    sliding_window: tuple[int, int] | None,
-    logits_soft_cap: float | None,
-    dropout_prob: float,
+    arrays: dict[str, Any], cfg: RingAttentionConfig | None, backward: bool, static: Any
 ) -> Statics:
-    query, key = arrays["query"], arrays["key"]
-    cfg = cfg if cfg is not None else RingAttentionConfig()
-    params = cfg.bwd_params if backward else cfg.fwd_params
-    default_q, default_k = _DEFAULT_BLOCKS[backend()][1 if backward else 0]
-    bq = max(1, min(params.q_blocksize or default_q, query.shape[1]))
-    bk = max(1, min(params.kv_blocksize or default_k, key.shape[1]))
-    return Statics(
-        axis_name=axis_name,
-        softmax_scale=float(query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale),
-        causal=bool(causal),
-        sliding_window=None if sliding_window is None else tuple(map(int, sliding_window)),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        dropout_prob=float(dropout_prob or 0.0),
-        block_q=bq,
-        block_k=bk,
-    )
+    default = _DEFAULT_BLOCKS[backend()][1 if backward else 0]
+    sq, sk = arrays["query"].shape[1], arrays["key"].shape[1]
+    blocks = pass_blocks(cfg or RingAttentionConfig(), backward, default, sq, sk)
+    return Statics.of(arrays["query"], static, axis_name=static["axis_name"], **blocks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,11 +209,12 @@ def _statics(
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _forward(a: dict[str, Any], st: Statics) -> tuple[jax.Array, jax.Array]:
-    """Ring Attention forward: ``out [B, Sq, Hq, Dv]`` and logsumexp ``[B, Sq, Hq]``."""
+def _forward(a: dict[str, Any], st: Statics) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Ring Attention forward: ``out [B, Sq, Hq, Dv]``, and it with the logsumexp
+    ``[B, Sq, Hq]`` of the global softmax (float32) for the backward."""
     q = a["query"]
     geo = RingGeometry.of(a, st)
-    side = SideInputs.of(a, geo)
+    side = side_inputs(a, geo)
     qb = q_blocks(q, geo)
     rank = lax.axis_index(st.axis_name)
     rows = (geo.nq, geo.b, geo.hkv, geo.group, geo.bq)
@@ -376,17 +254,21 @@ def _forward(a: dict[str, Any], st: Statics) -> tuple[jax.Array, jax.Array]:
     aux = sinks(a["softmax_aux"], geo)
     out, lse = finish_rows(m, denom, acc, sinks=aux, dropout_prob=st.dropout_prob)
     out = out.astype(q.dtype)
-    return unblock_q(out, geo), unblock_q(lse[..., None], geo)[..., 0]
+    out = unblock_q(out, geo)
+    return out, {"out": out, "logsumexp": unblock_q(lse[..., None], geo)[..., 0]}
 
 
 @functools.partial(jax.jit, static_argnames="st")
-def _backward(
-    a: dict[str, Any], out: jax.Array, lse: jax.Array, d_out: jax.Array, st: Statics
-) -> dict[str, jax.Array | None]:
-    """Ring Attention backward: dQ stays, dK/dV travel with their shard and come home."""
-    q, k, v = a["query"], a["key"], a["value"]
+def _backward(a: dict[str, Any], d_out: jax.Array, st: Statics) -> dict[str, jax.Array | None]:
+    """Ring Attention backward: dQ stays, dK/dV travel with their shard and come home.
+
+    Returns:
+        Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
+        ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
+    """
+    q, k, v, out, lse = (a[n] for n in ("query", "key", "value", "out", "logsumexp"))
     geo = RingGeometry.of(a, st)
-    side = SideInputs.of(a, geo)
+    side = side_inputs(a, geo)
     rank = lax.axis_index(st.axis_name)
     d_out = d_out.astype(q.dtype)
     # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row.
@@ -474,3 +356,7 @@ def _backward(
         d_aux = sink_grad(aux.astype(jnp.float32), lse, delta)
         grads["softmax_aux"] = sum_if_replicated(d_aux, aux, q, st.axis_name).astype(aux.dtype)
     return grads
+
+
+_PASSES = Passes(spec=SPEC, statics=_statics, forward=_forward, backward=_backward)
+defvjp(ring_attention_xla, _ring_attention_fwd, _ring_attention_bwd)

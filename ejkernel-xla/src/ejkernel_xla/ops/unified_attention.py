@@ -11,9 +11,12 @@ It declines nothing (no ``supports``): this backend serves every valid call on e
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import jax
 
+from ejkernel.specs.unified_attention import SPEC
 from ejkernel_xla.ops import _paged as engine
 
 __all__ = [
@@ -32,38 +35,15 @@ class UnifiedAttentionConfig(engine.PagedConfig):
 heuristic, config_space = engine.tuning(UnifiedAttentionConfig, engine.packed_problem)
 
 
-def unified_attention_xla(
-    *,
-    queries: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    alibi_slopes: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    cfg: UnifiedAttentionConfig | None = None,
-) -> jax.Array:
-    """Unified paged attention (arguments as validated by the core spec; OPS.md names).
+def unified_attention_xla(*, cfg: UnifiedAttentionConfig | None = None, **args: Any) -> jax.Array:
+    """Unified paged attention, ALiBi slopes added after the soft cap.
 
     Args:
-        queries: [T, Hq, D].
-        key_cache, value_cache: [num_pages, page_size, Hkv, D].
-        kv_lens: [num_seqs] int; block_tables: [num_seqs, max_pages] int;
-            query_start_loc: [num_seqs + 1] int.
-        alibi_slopes: [Hq] or ``None``; softmax_aux: [Hq] or [Hq, n] sink logits, or ``None``.
-        softmax_scale, causal, sliding_window, logits_soft_cap: as the spec normalises them.
         cfg: blocks; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.unified_attention`'s arguments by name, as its spec validated
+            them.
 
     Returns:
         [T, Hq, D] in the query dtype.
     """
-    problem = engine.packed_problem(locals())
-    st = engine.make_statics(
-        problem, cfg, softmax_scale, logits_soft_cap, sliding_window, causal=causal
-    )
-    return engine.packed_forward(locals(), st)
+    return engine.serve(SPEC, engine.packed_forward, engine.packed_problem, cfg, args)

@@ -1,0 +1,148 @@
+"""What the tests of the XLA attention ops share.
+
+For the serving ops: the jitted oracle, the arguments as the core passes them to an
+implementation, an MQA batch, and the checks every serving op makes (output against the
+reference, config space, hostile tables, memory that must not grow, bad inputs). For the
+differentiable ones: output and gradients against the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkernel
+from ejkernel._invocation import Invocation
+from ejkernel.specs import OpSpec
+from ejkernel.testing import assert_close, random_normal
+from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
+from ejkernel.testing.cases.ragged_page_attention import MIXED as CASES_MIXED
+
+
+def jitted_reference(spec: OpSpec) -> Callable[..., Any]:
+    """The op's oracle under ``jax.jit`` (eager, its many small ops would each compile on first
+    use), its static arguments static."""
+    statics = tuple(a.name for a in spec.args if not a.array)
+    return jax.jit(spec.reference, static_argnames=statics)
+
+
+def validated(spec: OpSpec, arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
+    """Every argument as the core passes it to an implementation."""
+    return spec.validate(spec.bind((), {**arrays, **options}))
+
+
+def abstract(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
+
+
+def sinks(hq: int, kind: str, seed: int) -> jax.Array:
+    """Random sink logits (around 1), ``[Hq]`` for ``kind`` ``"Hq"``, else ``[Hq, 2]``."""
+    shape = (hq,) if kind == "Hq" else (hq, 2)
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) + 1.0, jnp.float32)
+
+
+def assert_output(
+    out: jax.Array, expected: Any, shape: tuple[int, ...], dtype: str, name: str
+) -> None:
+    """``out`` has ``shape`` and ``dtype``, holds no garbage and matches the reference."""
+    assert out.shape == tuple(shape) and out.dtype == jnp.dtype(dtype)
+    assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
+    assert_close(out, expected, name=name)
+
+
+def config_space_of(
+    spec: OpSpec,
+    args: dict[str, Any],
+    heuristic: Callable[..., Any],
+    config_space: Callable[..., Any],
+) -> list[Any]:
+    """The config space for ``args``, checked: the heuristic's config first, no repeats, at
+    most 8."""
+    inv = Invocation(kernel=spec.name, kwargs={k: abstract(v) for k, v in args.items()})
+    space = config_space(inv)
+    assert space[0] == heuristic(inv) and len(space) == len(set(space))
+    assert 1 <= len(space) <= 8
+    return space
+
+
+def temp_bytes(fn: Callable[..., Any], shapes: dict[str, Any]) -> int:
+    """Temporary bytes of ``fn(**shapes)`` compiled (skips where the backend reports none)."""
+    memory = jax.jit(lambda a: fn(**a)).lower(shapes).compile().memory_analysis()
+    if memory is None:
+        pytest.skip("this backend reports no memory analysis")
+    return int(memory.temp_size_in_bytes)
+
+
+#: The conformance ragged batch (lengths 0 and 1, whole pages, a chunked prefill, decode steps,
+#: a sequence with more queries than keys, padding tokens) at D 40, with a 2-page prefix shared
+#: by sequences 0 and 3.
+MIXED = attrs.evolve(CASES_MIXED, d=40, shared_pages=2)
+
+
+def mqa_batch(kv_lens: tuple[int, ...], q_lens: tuple[int, ...], num_pages: int) -> PagedBatch:
+    """MQA (Hq 4, Hkv 1, D 32) over 16-token pages, at most 9 a sequence."""
+    return PagedBatch(
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        hq=4,
+        hkv=1,
+        d=32,
+        page_size=16,
+        max_pages=9,
+        num_pages=num_pages,
+    )
+
+
+def assert_unused_slots_change_nothing(
+    fn: Callable[..., Any],
+    spec: OpSpec,
+    make_inputs: Callable[[Any], dict[str, Any]],
+    unused: tuple[Any, ...] = (0, GARBAGE),
+) -> None:
+    """``fn``'s output is the same whatever the table slots past the live pages hold
+    (``make_inputs(u)`` builds the arguments with ``u`` there)."""
+    outs = [np.asarray(fn(**validated(spec, make_inputs(u)))) for u in unused]
+    assert all(np.array_equal(outs[0], out) for out in outs[1:])
+
+
+def error_id(x: Any) -> str | None:
+    """Readable parameter ids of a bad-input table: argument names, not values or messages."""
+    return x if isinstance(x, str) and not x.startswith("`") else None
+
+
+def assert_rejected(spec: OpSpec, arrays: dict[str, Any], message: str) -> None:
+    """The public function refuses ``arrays`` before any kernel runs, with ``message`` after
+    the op's name."""
+    with pytest.raises((TypeError, ValueError), match=rf"^{spec.name}: " + message):
+        getattr(ejkernel, spec.name)(**arrays)
+
+
+def assert_gradients_close(grads: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Each gradient has the reference gradient's shape and dtype and matches it."""
+    for name, grad in grads.items():
+        assert grad.shape == expected[name].shape and grad.dtype == expected[name].dtype
+        assert_close(grad, expected[name], name=f"d{name}")
+
+
+#: Bias shapes against [B, Hq, Sq, Sk] = [2, 6, 37, 129]: full, and broadcast along each axis.
+BIAS_SHAPES = [(2, 6, 37, 129), (1, 6, 1, 129), (37, 129), (2, 1, 37, 1)]
+
+
+def shape_id(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+def assert_bias_gradient_keeps_its_shape(
+    check: Callable[..., tuple[Any, dict[str, Any]]], bias_shape: tuple[int, ...]
+) -> None:
+    """``check(bias=..., logits_soft_cap=...)`` passes and returns a bias gradient in the
+    bias's own (broadcast) shape."""
+    bias = random_normal(jax.random.PRNGKey(1), bias_shape)
+    _, grads = check(bias=bias, logits_soft_cap=3.0)
+    assert grads["bias"].shape == bias_shape
