@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from ejkernel import env
 from ejkernel.attention_semantics import Geometry, Tiling
 from ejkernel_pallas import _compat
-from ejkernel_pallas._attention import FlashAttentionConfig
+from ejkernel_pallas._attention import FlashAttentionConfig, Shapes
 
 LANES = 128
 SUBLANES = 8
@@ -22,24 +22,6 @@ BWD_BLOCKS = (256, 512)
 #: Bytes one grid step may hold in VMEM (inputs double-buffered, scratch, f32 temporaries);
 #: below the 16 MiB scoped default of v4/v5e so the compiler keeps its own headroom.
 VMEM_BUDGET = 12 * 2**20
-
-
-@attrs.frozen(kw_only=True)
-class Shapes:
-    b: int
-    sq: int
-    sk: int
-    hq: int
-    hkv: int
-    d: int
-    dv: int
-
-
-def shape_of(inv: Any) -> Shapes:
-    kw = inv.kwargs
-    b, sq, hq, d = kw["query"].shape
-    _, sk, hkv, _ = kw["key"].shape
-    return Shapes(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=kw["value"].shape[3])
 
 
 def round_up(x: int, m: int) -> int:
@@ -104,12 +86,10 @@ class Problem(Tiling):
         backward: bool,
         **statics: Any,
     ) -> Problem:
-        b, sq, hq, d = query.shape
-        _, sk, hkv, _ = key.shape
-        shapes = Shapes(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=value.shape[3])
+        shapes = Shapes.of(query, key, value)
         return cls.from_shapes(
             shapes,
-            head_dim_padded=round_up(d, LANES),
+            head_dim_padded=round_up(shapes.d, LANES),
             dtype=query.dtype,
             segments=q_segment_ids is not None,
             cfg=cfg,
