@@ -78,26 +78,10 @@ def supports(inv: Any) -> bool | str:
     return cudnn_supports(inv.kwargs)
 
 
-def flash_attention_cuda(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: Any = None,
-    cfg: Any = None,
-) -> jax.Array:
-    """Flash attention through cuDNN (arguments as validated; ``supports()`` has declined
-    segment ids, sinks, soft cap and dropout).
+def flash_attention_cuda(*, cfg: Any = None, **args: Any) -> jax.Array:
+    """Flash attention through cuDNN: ``ejkernel.flash_attention``'s arguments as keywords,
+    validated by the core spec (``supports()`` has declined segment ids, sinks, soft cap and
+    dropout).
 
     Args:
         query: [B, Sq, Hq, D].
@@ -113,18 +97,8 @@ def flash_attention_cuda(
     Returns:
         [B, Sq, Hq, D] in the query dtype.
     """
-    del q_segment_ids, kv_segment_ids, softmax_aux, logits_soft_cap, dropout_prob, dropout_seed
     del cfg
-    return cudnn_attention(
-        query,
-        key,
-        value,
-        bias=bias,
-        attention_mask=attention_mask,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-    )
+    return cudnn_attention(**args)
 
 
 def _to_4d(x: jax.Array, sq: int, sk: int) -> jax.Array:
@@ -134,17 +108,21 @@ def _to_4d(x: jax.Array, sq: int, sk: int) -> jax.Array:
 
 
 def cudnn_attention(
+    *,
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    *,
-    bias: jax.Array | None,
-    attention_mask: jax.Array | None,
-    softmax_scale: float | None,
-    causal: bool,
-    sliding_window: tuple[int, int] | None,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    **declined: Any,
 ) -> jax.Array:
-    """``jax.nn.dot_product_attention(implementation="cudnn")`` with ejkernel's semantics."""
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` with ejkernel's semantics, for
+    the arguments of flash attention or scaled dot-product attention; ``declined`` are those
+    :func:`cudnn_supports` turns away (absent or zero here)."""
+    del declined
     b, sq, hq, d = query.shape
     sk = key.shape[1]
     scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
