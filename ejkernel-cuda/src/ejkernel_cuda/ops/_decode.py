@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel_cuda.ops._limits import declined_dtype_or_head_dims
+
 __all__ = [
     "DecodeConfig",
     "decode",
@@ -102,16 +104,13 @@ def decode_tuning(
     return heuristic, config_space
 
 
-def decode_supports(query: Any, key: Any, value: Any) -> bool | str:
+def decode_supports(query: Any, value: Any) -> bool | str:
     """Shape and dtype limits of the kernel, then whether it is built (first use builds)."""
-    dtype = str(jnp.dtype(query.dtype))
-    if dtype not in DTYPES:
-        return f"the CUDA decode kernel takes {'/'.join(DTYPES)}; got {dtype}"
-    d, dv = int(key.shape[-1]), int(value.shape[-1])
-    if dv != d:
-        return f"the CUDA decode kernel needs Dv == D; got D={d}, Dv={dv}"
-    if d % 8 or d > MAX_HEAD_DIM:
-        return f"the CUDA decode kernel needs a head dim that is a multiple of 8 and <= {MAX_HEAD_DIM}; got D={d}"
+    declined = declined_dtype_or_head_dims(
+        "the CUDA decode kernel", DTYPES, MAX_HEAD_DIM, query, value
+    )
+    if declined:
+        return declined
     from ejkernel_cuda._build import native_status
 
     return native_status()

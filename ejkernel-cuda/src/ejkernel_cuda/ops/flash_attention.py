@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import visible
+from ejkernel_cuda.ops._limits import declined_dtype_or_head_dims
 
 __all__ = ["cudnn_attention", "cudnn_supports", "flash_attention_cuda", "supports"]
 
@@ -40,15 +41,10 @@ def cudnn_supports(kw: Any) -> bool | str:
     from ejkernel_cuda._device import cc_major, cudnn_version
 
     q, k, v = kw["query"], kw["key"], kw["value"]
-    dtype = str(jnp.dtype(q.dtype))
-    if dtype not in DTYPES:
-        return f"cuDNN fused attention takes bfloat16/float16; got {dtype}"
-    d, dv = int(q.shape[-1]), int(v.shape[-1])
-    if dv != d:
-        return f"the cuDNN route needs Dv == D; got D={d}, Dv={dv}"
     head_max = 256 if cc_major() >= 9 else 128
-    if d > head_max or d % 8:
-        return f"cuDNN needs a head dim <= {head_max} and a multiple of 8; got D={d}"
+    declined = declined_dtype_or_head_dims("cuDNN fused attention", DTYPES, head_max, q, v)
+    if declined:
+        return declined
     if kw.get("logits_soft_cap") is not None:
         return "cuDNN fused attention has no logits soft cap"
     if kw.get("softmax_aux") is not None:

@@ -42,7 +42,7 @@ heuristic, config_space = decode_tuning(_dims, PageAttentionConfig)
 
 def supports(inv: Any) -> bool | str:
     kw = inv.kwargs
-    return decode_supports(kw["query"], kw["key_cache"], kw["value_cache"])
+    return decode_supports(kw["query"], kw["value_cache"])
 
 
 def page_attention_cuda(*, cfg: PageAttentionConfig | None = None, **args: Any) -> jax.Array:

@@ -48,7 +48,7 @@ heuristic, config_space = decode_tuning(_dims, RaggedDecodeAttentionConfig)
 
 def supports(inv: Any) -> bool | str:
     kw = inv.kwargs
-    return decode_supports(kw["query"], kw["key"], kw["value"])
+    return decode_supports(kw["query"], kw["value"])
 
 
 def ragged_decode_attention_cuda(
