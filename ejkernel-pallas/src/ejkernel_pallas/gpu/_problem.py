@@ -134,6 +134,16 @@ class Problem(Shapes):
         seen = jnp.maximum(q0 + self.offset + 1, 0)
         return jnp.minimum(lax.div(seen, jnp.int32(self.bk)), steps)
 
+    def kv_blocks(self, q0: Any) -> tuple[Any, Any]:
+        """``(steps, full)``: :meth:`kv_steps` and :meth:`kv_full_steps` of rows from ``q0``."""
+        steps = self.kv_steps(q0)
+        return steps, self.kv_full_steps(q0, steps)
+
+    def q_blocks(self, k0: Any) -> tuple[Any, Any]:
+        """``(start, full_from)``: :meth:`q_start` and :meth:`q_full_start` of keys from ``k0``."""
+        start = self.q_start(k0)
+        return start, self.q_full_start(k0, start)
+
     def q_start(self, k0: Any) -> Any:
         """First query block that sees keys ``[k0, k0 + bk)`` (causal; else 0)."""
         if not self.causal:

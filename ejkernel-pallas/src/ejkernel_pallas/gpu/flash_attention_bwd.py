@@ -64,8 +64,7 @@ def _bwd_dq_kernel(*refs, pr: Problem):
     @mg.consumers(wg)
     def _consumer():
         q0 = tile_q0 + wg * bq
-        steps = pr.kv_steps(q0)
-        full = pr.kv_full_steps(q0, steps)
+        steps, full = pr.kv_blocks(q0)
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
         rows = (b, pl.ds(q0, bq), h)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_landed.at[wg])
@@ -172,8 +171,7 @@ def _bwd_dkv_kernel(*refs, pr: Problem, out_dtype: Any):
     @mg.consumers(wg)
     def _consumer():
         k0 = tile_k0 + wg * bk
-        start = pr.q_start(k0)
-        full_from = pr.q_full_start(k0, start)
+        start, full_from = pr.q_blocks(k0)
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         rows = (b, pl.ds(k0, bk), kv_h)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_landed.at[wg])

@@ -182,8 +182,7 @@ def _flash_attention_fwd_kernel(
     @mg.consumers(wg)
     def _consumer():
         q0 = tile_q0 + wg * bq
-        steps = pr.kv_steps(q0)
-        full = pr.kv_full_steps(q0, steps)
+        steps, full = pr.kv_blocks(q0)
         qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_landed.at[wg])
         plgpu.barrier_wait(q_landed.at[wg])

@@ -3,6 +3,7 @@ budget, the kernel layout ([B, H, S_pad, D_pad]) and padded segment ids."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -81,48 +82,23 @@ class Problem(Tiling):
         key: jax.Array,
         value: jax.Array,
         q_segment_ids: jax.Array | None,
-        cfg: FlashAttentionConfig | None,
+        statics: Mapping[str, Any],
         *,
         backward: bool,
-        **statics: Any,
     ) -> Problem:
-        shapes = Shapes.of(query, key, value)
-        return cls.from_shapes(
-            shapes,
-            head_dim_padded=round_up(shapes.d, LANES),
-            dtype=query.dtype,
-            segments=q_segment_ids is not None,
-            cfg=cfg,
-            backward=backward,
-            **statics,
-        )
-
-    @classmethod
-    def from_shapes(
-        cls,
-        s: Shapes,
-        *,
-        head_dim_padded: int,
-        dtype: Any,
-        segments: bool,
-        cfg: FlashAttentionConfig | None,
-        backward: bool,
-        softmax_scale: float | None,
-        causal: bool,
-        sliding_window: tuple[int, int] | None,
-        logits_soft_cap: float | None,
-    ) -> Problem:
-        params = None
-        if cfg is not None:
-            params = cfg.bwd_params if backward else cfg.fwd_params
+        """The launch of one call, from its arrays and its statics (``cfg``,
+        ``softmax_scale``, ``causal``, ``sliding_window``, ``logits_soft_cap``; absent: the
+        defaults)."""
+        s = Shapes.of(query, key, value)
+        cfg: FlashAttentionConfig | None = statics.get("cfg")
+        params = None if cfg is None else (cfg.bwd_params if backward else cfg.fwd_params)
         default = BWD_BLOCKS if backward else FWD_BLOCKS
         pair = (
             (params.q_blocksize if params and params.q_blocksize else default[0]),
             (params.kv_blocksize if params and params.kv_blocksize else default[1]),
         )
         bq, bk = fit_blocks(pair, s, backward=backward)
-        if softmax_scale is None:
-            softmax_scale = s.d**-0.5
+        scale, cap = statics.get("softmax_scale"), statics.get("logits_soft_cap")
         return cls(
             b=s.b,
             sq=s.sq,
@@ -131,23 +107,23 @@ class Problem(Tiling):
             hkv=s.hkv,
             d=s.d,
             dv=s.dv,
-            d_pad=head_dim_padded,
+            d_pad=round_up(s.d, LANES),
             dv_pad=round_up(s.dv, LANES),
             bq=bq,
             bk=bk,
-            scale=float(softmax_scale),
-            cap=None if logits_soft_cap is None else float(logits_soft_cap),
+            scale=float(s.d**-0.5 if scale is None else scale),
+            cap=None if cap is None else float(cap),
             geo=Geometry(
                 batch=s.b,
                 sq=s.sq,
                 sk=s.sk,
                 num_q_heads=s.hq,
                 num_kv_heads=s.hkv,
-                causal=bool(causal),
-                window=sliding_window,
+                causal=bool(statics.get("causal")),
+                window=statics.get("sliding_window"),
             ),
-            segments=segments,
-            dtype=jnp.dtype(dtype),
+            segments=q_segment_ids is not None,
+            dtype=jnp.dtype(query.dtype),
         )
 
     @property

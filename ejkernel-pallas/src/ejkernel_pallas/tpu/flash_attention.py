@@ -140,17 +140,6 @@ def flash_attention_pallas(*, cfg: FlashAttentionConfig | None = None, **args: A
     return out
 
 
-#: The call's statics that shape a launch (:meth:`Problem.from_shapes`).
-GEOMETRY = ("softmax_scale", "causal", "sliding_window", "logits_soft_cap")
-
-
-def _problem(
-    query: jax.Array, key: jax.Array, value: jax.Array, q_segment_ids: Any, statics: Any, **kw: Any
-) -> Problem:
-    geometry = {name: statics.get(name) for name in GEOMETRY}
-    return Problem.of(query, key, value, q_segment_ids, statics.get("cfg"), **geometry, **kw)
-
-
 def _flash_attention_fwd(
     *,
     query: jax.Array,
@@ -162,7 +151,7 @@ def _flash_attention_fwd(
 ) -> tuple[jax.Array, dict[str, Any]]:
     """Forward: ``(out, residuals)``; residuals hold the kernel-layout inputs, output and lse."""
     refuse_declined(statics)
-    pr = _problem(query, key, value, q_segment_ids, statics, backward=False)
+    pr = Problem.of(query, key, value, q_segment_ids, statics, backward=False)
     q, k, v = to_kernel_layout(query, key, value, pr)
     segs = kernel_segments(q_segment_ids, kv_segment_ids, pr)
     out, lse = fwd_call(q, k, v, segs, pr)
@@ -184,7 +173,7 @@ def _flash_attention_bwd(
 ) -> dict[str, jax.Array | None]:
     """Backward: gradients of query, key and value (in their dtypes)."""
     query, key, value = residuals["query"], residuals["key"], residuals["value"]
-    pr = _problem(query, key, value, residuals["q_segment_ids"], statics, backward=True)
+    pr = Problem.of(query, key, value, residuals["q_segment_ids"], statics, backward=True)
     q, k, v = to_kernel_layout(query, key, value, pr)
     segs = kernel_segments(residuals["q_segment_ids"], residuals["kv_segment_ids"], pr)
     rows = (pr.b, pr.hq, pr.sq_pad)
@@ -196,8 +185,9 @@ def _flash_attention_bwd(
         jnp.broadcast_to(pad_to(x, rows)[..., None], (*rows, LANES)) for x in (lse, delta)
     )
     do = pad_to(jnp.swapaxes(d_out.astype(query.dtype), 1, 2), (*rows, pr.dv_pad))
-    dq = dq_call(q, k, v, do, lse, delta, segs, pr)
-    dk, dv = dkv_call(q, k, v, do, lse, delta, segs, pr)
+    inputs = (q, k, v, do, lse, delta)
+    dq = dq_call(inputs, segs, pr)
+    dk, dv = dkv_call(inputs, segs, pr)
     return {
         "query": jnp.swapaxes(dq[:, :, : pr.sq, : pr.d], 1, 2),
         "key": jnp.swapaxes(dk[:, :, : pr.sk, : pr.d], 1, 2),

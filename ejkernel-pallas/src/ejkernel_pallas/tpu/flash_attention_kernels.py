@@ -88,16 +88,11 @@ def fwd_call(
     return out, lse
 
 
-def dq_call(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    do: jax.Array,
-    lse: jax.Array,
-    delta: jax.Array,
-    segs: tuple[jax.Array, jax.Array] | None,
-    pr: Problem,
-) -> jax.Array:
+#: The backward kernels' inputs in kernel layout: (Q, K, V, dO, logsumexp, Δ).
+BwdInputs = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+def dq_call(inputs: BwdInputs, segs: tuple[jax.Array, jax.Array] | None, pr: Problem) -> jax.Array:
     """dQ over grid (B, Hq, nq, nk): [B, Hq, Sq_pad, D_pad] in the query dtype."""
     in_specs, q_rows = _by_query_block(pr, segs, (pr.dv_pad, LANES, LANES))  # dO, lse, delta
     return _pallas_call(
@@ -109,18 +104,11 @@ def dq_call(
         out_specs=q_rows(pr.d_pad),
         out_shape=jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq_pad, pr.d_pad), pr.dtype),
         scratch_shapes=[_compat.vmem((pr.bq, pr.d_pad), jnp.float32)],
-    )(q, k, v, do, lse, delta, *(segs or ()))
+    )(*inputs, *(segs or ()))
 
 
 def dkv_call(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    do: jax.Array,
-    lse: jax.Array,
-    delta: jax.Array,
-    segs: tuple[jax.Array, jax.Array] | None,
-    pr: Problem,
+    inputs: BwdInputs, segs: tuple[jax.Array, jax.Array] | None, pr: Problem
 ) -> tuple[jax.Array, jax.Array]:
     """dK, dV over grid (B, Hkv, nk, G, nq): the G query heads of a kv head accumulate in VMEM."""
     bq, bk, group = pr.bq, pr.bk, pr.group
@@ -161,7 +149,7 @@ def dkv_call(
             _compat.vmem((bk, pr.d_pad), jnp.float32),
             _compat.vmem((bk, pr.dv_pad), jnp.float32),
         ],
-    )(q, k, v, do, lse, delta, *(segs or ()))
+    )(*inputs, *(segs or ()))
 
 
 def _pallas_call(
