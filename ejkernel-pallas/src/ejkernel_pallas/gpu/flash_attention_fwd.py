@@ -128,7 +128,7 @@ def fwd_call(q: jax.Array, k: jax.Array, v: jax.Array, pr: Problem) -> tuple[jax
         return _fwd_persistent_call(q, k, v, pr)
     smem = (
         mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q in, O out, per consumer
-        *_kv_ring(pr),
+        *_kv_ring_and_lse(pr),
     )
     return _fwd_launch(
         pr,
@@ -139,7 +139,7 @@ def fwd_call(q: jax.Array, k: jax.Array, v: jax.Array, pr: Problem) -> tuple[jax
     )(q, k, v)
 
 
-def _kv_ring(pr: Problem) -> tuple[Any, ...]:
+def _kv_ring_and_lse(pr: Problem) -> tuple[Any, ...]:
     """The K and V ring (``stages`` slots of ``bk`` rows) and the logsumexp rows per consumer."""
     return (
         mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
@@ -293,7 +293,7 @@ def _fwd_persistent_call(
     smem = (
         mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q, per consumer
         mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # O, per consumer
-        *_kv_ring(pr),
+        *_kv_ring_and_lse(pr),
     )
     return _fwd_launch(
         pr,
