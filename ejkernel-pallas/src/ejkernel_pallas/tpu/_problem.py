@@ -99,29 +99,18 @@ class Problem(Tiling):
         )
         bq, bk = fit_blocks(pair, s, backward=backward)
         scale, cap = statics.get("softmax_scale"), statics.get("logits_soft_cap")
+        geo = Geometry.of(
+            query, key, causal=bool(statics.get("causal")), window=statics.get("sliding_window")
+        )
         return cls(
-            b=s.b,
-            sq=s.sq,
-            sk=s.sk,
-            hq=s.hq,
-            hkv=s.hkv,
-            d=s.d,
-            dv=s.dv,
+            **attrs.asdict(s),
             d_pad=round_up(s.d, LANES),
             dv_pad=round_up(s.dv, LANES),
             bq=bq,
             bk=bk,
             scale=float(s.d**-0.5 if scale is None else scale),
             cap=None if cap is None else float(cap),
-            geo=Geometry(
-                batch=s.b,
-                sq=s.sq,
-                sk=s.sk,
-                num_q_heads=s.hq,
-                num_kv_heads=s.hkv,
-                causal=bool(statics.get("causal")),
-                window=statics.get("sliding_window"),
-            ),
+            geo=geo,
             segments=q_segment_ids is not None,
             dtype=jnp.dtype(query.dtype),
         )
