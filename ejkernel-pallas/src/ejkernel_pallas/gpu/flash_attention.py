@@ -45,7 +45,8 @@ barriers, TMA copies and shared memory simulated) with the ``wgmma`` calls repla
 ``jnp.dot`` on the same shared-memory tiles (the interpreter does not model WGMMA
 accumulators); the consumers' named-barrier ping-pong only orders work and is skipped there.
 ``tests/pallas/test_flash_attention_gpu.py`` runs one body in both modes; the ``gpu`` mode and
-``benchmarks/bench_pallas_gpu.py`` exercise the real lowering.
+``benchmarks/bench_pallas_gpu.py`` exercise the real lowering. The masking rule (hidden NaN/Inf)
+is held in interpret mode by ``tests/core/test_attention_semantics.py``.
 """
 
 from __future__ import annotations
