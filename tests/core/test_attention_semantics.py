@@ -197,10 +197,12 @@ def one_device_ring(**kwargs: Any) -> Any:
     )
 
 
-def op_fn(op: str, platform: str | None) -> Any:
-    """``ejkernel.<op>`` on ``platform`` (``None``: the op's reference)."""
+def op_fn(op: str, platform: Any) -> Any:
+    """``ejkernel.<op>`` on ``platform`` (``None``: the op's reference; a callable: itself)."""
     if platform is None:
         return REFERENCES[op]
+    if callable(platform):
+        return platform
     if op == "ring_attention":
         return lambda **a: one_device_ring(**a, platform=platform)
     return lambda **a: getattr(ejkernel, op)(**a, platform=platform)
@@ -515,3 +517,35 @@ def test_interpreted_kernels_keep_hidden_nan_out(
     pytest.importorskip(f"ejkernel_{platform}")
     monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
     test_hidden_nan_and_inf_never_reach_a_row("flash_attention", case, platform)
+
+
+def mosaic_gpu_interpreted(*, query: Any, key: Any, value: Any, **kw: Any) -> Any:
+    """The Pallas Mosaic GPU flash attention in Mosaic GPU's interpret mode, in bf16 (its
+    plugin registers it for GPUs only: called here directly, with its VJP)."""
+    from ejkernel_pallas.gpu.flash_attention import flash_attention_pallas as fn
+
+    @jax.custom_vjp
+    def attend(q: Any, k: Any, v: Any) -> Any:
+        return fn(query=q, key=k, value=v, **kw)
+
+    def bwd(res: Any, g: Any) -> Any:
+        grads = fn.bwd(res, g, **kw)
+        return grads["query"], grads["key"], grads["value"]
+
+    attend.defvjp(lambda q, k, v: fn.fwd(query=q, key=k, value=v, **kw), bwd)
+    return attend(*(x.astype(jnp.bfloat16) for x in (query, key, value)))
+
+
+@pytest.mark.slow
+def test_interpreted_mosaic_gpu_kernels_keep_hidden_nan_out() -> None:
+    # bf16, D 64, Sq and Sk multiples of 128, causal: what those kernels implement (compiled
+    # on a GPU, interpreted on the CPU)
+    if jax.default_backend() not in ("cpu", "gpu"):
+        pytest.skip("Mosaic GPU kernels run on a GPU or interpreted on the CPU")
+    pytest.importorskip("ejkernel_pallas")
+    pytest.importorskip("absl", reason="Mosaic GPU interpret mode needs absl-py")
+    case = Case(
+        b=1, sq=128, sk=256, hq=2, hkv=1, d=64, causal=True, window=None,
+        segments=False, mask=False, soft_cap=None, sinks=False,
+    )  # fmt: skip
+    test_hidden_nan_and_inf_never_reach_a_row("flash_attention", case, mosaic_gpu_interpreted)

@@ -154,15 +154,16 @@ def test_ragged_public_op_runs_on_cuda_under_jit_and_vmap() -> None:
 
 def paged_inputs(
     kv_lens: tuple[int, ...],
-    *,
     hq: int,
     hkv: int,
     d: int,
     page_size: int,
     max_pages: int,
     num_pages: int,
+    *,
     dtype: Any,
 ) -> dict[str, Any]:
+    """A paged cache holding the sequences' tokens; unowned slots hold NaN (never to be read)."""
     rng = np.random.default_rng(0)
     tables = paged_block_tables(
         rng,
@@ -198,17 +199,8 @@ PAGED = {
 
 
 def check_paged(name: str, dtype: Any = jnp.float32, cfg: Any = None, **options: Any) -> None:
-    kv_lens, hq, hkv, d, page_size, max_pages, num_pages = PAGED[name]
-    arrays = paged_inputs(
-        kv_lens,
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        page_size=page_size,
-        max_pages=max_pages,
-        num_pages=num_pages,
-        dtype=dtype,
-    )
+    kv_lens = PAGED[name][0]
+    arrays = paged_inputs(*PAGED[name], dtype=dtype)
     args = PAGE_SPEC.validate(PAGE_SPEC.bind((), {**arrays, **options}))
     out = page_attention_cuda(**args, cfg=cfg)
     assert out.shape == arrays["query"].shape and out.dtype == dtype
@@ -239,17 +231,7 @@ def test_paged_any_split_count_gives_the_same_result(splits: int) -> None:
 
 
 def test_paged_public_op_is_selected_on_the_gpu() -> None:
-    kv_lens, hq, hkv, d, page_size, max_pages, num_pages = PAGED["page16-full"]
-    arrays = paged_inputs(
-        kv_lens,
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        page_size=page_size,
-        max_pages=max_pages,
-        num_pages=num_pages,
-        dtype=jnp.bfloat16,
-    )
+    arrays = paged_inputs(*PAGED["page16-full"], dtype=jnp.bfloat16)
     record = ejkernel.explain("page_attention", *arrays.values())
     assert record.platform == "cuda", record.rejected
     out = jax.jit(lambda a: ejkernel.page_attention(**a))(arrays)

@@ -47,34 +47,41 @@ def _interpret(*values: Any, id: str) -> Any:
 
 
 def _check(
-    mode: str, shape: AttentionShape, causal: bool, cfg: Any = None, *, grads: bool = True
+    mode: str,
+    shape: AttentionShape,
+    causal: bool,
+    cfg: Any = None,
+    *,
+    grads: bool = True,
+    softmax_scale: float | None = None,
 ) -> None:
     """Output (and, with ``grads``, the gradients) of the kernels against the reference."""
     if mode == "interpret" and jax.default_backend() != "cpu":
         pytest.skip("interpret mode is exercised on the CPU")
     q, k, v = attention_inputs(shape, jnp.bfloat16, seed=1)
     d_out = normal(jax.random.PRNGKey(7), (shape.b, shape.sq, shape.hq, shape.d), jnp.bfloat16)
+    kw = {"causal": causal, "softmax_scale": softmax_scale}
     if mode == "gpu":
         # The Mosaic GPU kernels must accept the call (supports() is True) when asked for by
         # platform: unasked, a higher-priority plugin (the CUDA one) may rightly be chosen.
-        sel = ejkernel.explain(ejkernel.flash_attention, q, k, v, causal=causal, platform="pallas")
+        sel = ejkernel.explain(ejkernel.flash_attention, q, k, v, **kw, platform="pallas")
         assert sel.implementation.startswith("ejkernel_pallas.gpu."), sel
 
         def ours(q: Any, k: Any, v: Any) -> Any:
-            return ejkernel.flash_attention(q, k, v, causal=causal, platform="pallas", cfg=cfg)
+            return ejkernel.flash_attention(q, k, v, **kw, platform="pallas", cfg=cfg)
 
     else:
         from ejkernel_pallas.gpu.flash_attention import flash_attention_pallas as fn
 
         @jax.custom_vjp
         def ours(q: Any, k: Any, v: Any) -> Any:
-            return fn(query=q, key=k, value=v, causal=causal, cfg=cfg)
+            return fn(query=q, key=k, value=v, **kw, cfg=cfg)
 
         def fwd(q: Any, k: Any, v: Any) -> Any:
-            return fn.fwd(query=q, key=k, value=v, causal=causal, cfg=cfg)
+            return fn.fwd(query=q, key=k, value=v, **kw, cfg=cfg)
 
         def bwd(res: Any, g: Any) -> Any:
-            grads = fn.bwd(res, g, causal=causal, cfg=cfg)
+            grads = fn.bwd(res, g, **kw, cfg=cfg)
             return grads["query"], grads["key"], grads["value"]
 
         ours.defvjp(fwd, bwd)
@@ -88,7 +95,7 @@ def _check(
     out, got = jax.jit(run)(q, k, v, d_out)
     up = lambda x: x.astype(jnp.float32)
     ref_out, ref_vjp = jax.vjp(
-        lambda q, k, v: flash_attention_reference(q, k, v, causal=causal), up(q), up(k), up(v)
+        lambda q, k, v: flash_attention_reference(q, k, v, **kw), up(q), up(k), up(v)
     )
     assert out.dtype == jnp.bfloat16
     assert_close(out, ref_out, name="out")
@@ -114,6 +121,15 @@ def test_causal_gqa_with_more_keys_than_queries(mode: str) -> None:
 @pytest.mark.parametrize("mode", [GPU, INTERPRET])
 def test_full_attention_one_tile(mode: str, d: int) -> None:
     _check(mode, AttentionShape(b=1, sq=128, sk=128, hq=1, hkv=1, d=d), False, SMALL)
+
+
+@pytest.mark.parametrize("scale", [-0.2, 0.0], ids=["negative", "zero"])
+@pytest.mark.parametrize("mode", [GPU, INTERPRET])
+def test_causal_with_a_softmax_scale_that_is_not_positive(mode: str, scale: float) -> None:
+    # the forward's running maximum is max(s) · scale only for a positive scale, and a hidden
+    # score of -inf times a scale <= 0 is +inf or NaN: scaled first, then masked
+    shape = AttentionShape(b=1, sq=128, sk=256, hq=1, hkv=1, d=64)
+    _check(mode, shape, True, SMALL, softmax_scale=scale)
 
 
 @pytest.mark.parametrize("mode", [GPU, INTERPRET])

@@ -43,6 +43,7 @@ __all__ = [
     "find_nvcc",
     "native_status",
     "normalize_arch",
+    "require_native",
     "source_files",
     "status",
 ]
@@ -366,3 +367,11 @@ def native_status() -> bool | str:
                     f"{type(err).__name__}: {err}"
                 )
         return _state["status"]  # type: ignore[no-any-return]
+
+
+def require_native() -> None:
+    """Raise ``RuntimeError`` with :func:`native_status`'s reason unless the kernels are ready
+    (``supports()`` has said so already; this guards direct calls)."""
+    ready = native_status()
+    if ready is not True:
+        raise RuntimeError(str(ready))

@@ -23,40 +23,39 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <typename T>
 struct Pack8;
 
-template <>
-struct Pack8<__nv_bfloat16> {
+// The 16-bit types: one 16-byte load; each 32-bit word holds two elements, low half first,
+// converted to a float pair by Pack8<T>::pair.
+template <typename T>
+struct Pack8Of16Bit {
   struct Raw {
     uint4 a;
   };
-  __device__ __forceinline__ static Raw load(const __nv_bfloat16* p) {
+  __device__ __forceinline__ static Raw load(const T* p) {
     return {__ldg(reinterpret_cast<const uint4*>(p))};
   }
   __device__ __forceinline__ static void convert(const Raw& r, float (&out)[8]) {
     const uint32_t w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      out[2 * i] = __uint_as_float(w[i] << 16);
-      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      const float2 f = Pack8<T>::pair(w[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
     }
   }
 };
 
 template <>
-struct Pack8<__half> {
-  struct Raw {
-    uint4 a;
-  };
-  __device__ __forceinline__ static Raw load(const __half* p) {
-    return {__ldg(reinterpret_cast<const uint4*>(p))};
+struct Pack8<__nv_bfloat16> : Pack8Of16Bit<__nv_bfloat16> {
+  // A bfloat16 is the high half of a float32.
+  __device__ __forceinline__ static float2 pair(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
   }
-  __device__ __forceinline__ static void convert(const Raw& r, float (&out)[8]) {
-    const uint32_t w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      out[2 * i] = f.x;
-      out[2 * i + 1] = f.y;
-    }
+};
+
+template <>
+struct Pack8<__half> : Pack8Of16Bit<__half> {
+  __device__ __forceinline__ static float2 pair(uint32_t w) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
   }
 };
 
@@ -106,27 +105,37 @@ __device__ __forceinline__ void load16<__half>(const __half* p, float (&out)[8])
   Pack8<__half>::convert(Pack8<__half>::load(p), out);
 }
 
+// T <-> float, one specialisation a storage type.
 template <typename T>
-__device__ __forceinline__ T from_float(float x);
+struct FloatOf;
+
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+struct FloatOf<float> {
+  __device__ __forceinline__ static float to(float x) { return x; }
+  __device__ __forceinline__ static float from(float x) { return x; }
+};
+
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+struct FloatOf<__nv_bfloat16> {
+  __device__ __forceinline__ static float to(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ __forceinline__ static __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+};
+
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+struct FloatOf<__half> {
+  __device__ __forceinline__ static float to(__half x) { return __half2float(x); }
+  __device__ __forceinline__ static __half from(float x) { return __float2half_rn(x); }
+};
 
 template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
+__device__ __forceinline__ T from_float(float x) {
+  return FloatOf<T>::from(x);
 }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return FloatOf<T>::to(x);
+}
 
 // float[kVec<T>] -> 16 bytes of T.
 template <typename T>

@@ -162,6 +162,15 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<T, TPT, HPC>::MIN_B
     for (int c = 0; c < CHUNKS; ++c) words[c] = *chunk_at(stage, u, kv, c);
     return raw;
   };
+  // Row u of a stage as floats (kv 0: the key, 1: the value), zeros where ``ok`` is false.
+  auto floats_at = [&](int stage, int u, int kv, bool ok, float(&out)[8]) {
+    if (ok) {
+      P::convert(raw_at(stage, u, kv), out);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) out[j] = 0.f;
+    }
+  };
 
   const int steps = (s_hi - s_lo + STEP - 1) / STEP;
 #pragma unroll
@@ -178,12 +187,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<T, TPT, HPC>::MIN_B
     for (int u = 0; u < UNROLL; ++u) {
       const bool valid = t0 + u * NG + group < s_hi;
       float kf[8];
-      if (valid && active) {
-        P::convert(raw_at(stage, u, 0), kf);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) kf[j] = 0.f;
-      }
+      floats_at(stage, u, 0, valid && active, kf);
 #pragma unroll
       for (int h = 0; h < HPC; ++h) {
         float dot = 0.f;
@@ -215,12 +219,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<T, TPT, HPC>::MIN_B
     for (int u = 0; u < UNROLL; ++u) {
       const bool valid = t0 + u * NG + group < s_hi;
       float vf[8];
-      if (valid && active) {
-        P::convert(raw_at(stage, u, 1), vf);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) vf[j] = 0.f;
-      }
+      floats_at(stage, u, 1, valid && active, vf);
 #pragma unroll
       for (int h = 0; h < HPC; ++h) {
         if (m[h] == -INFINITY) continue;

@@ -10,6 +10,8 @@
 // the length (an empty sequence gives 0). Backward, _mean_pooling_bwd_kernel: token t of
 // sequence n receives d_out[n] / length_n (zero outside every sequence), found by a binary
 // search of the offsets; pure streaming writes.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace ejk {
@@ -179,34 +181,38 @@ void launch_bwd(const T* d_out, const int32_t* offsets, int64_t uniform_len, int
       d_out, offsets, uniform_len, num_seqs, num_tokens, d, col_blocks, dx);
 }
 
+// The row width of ``in`` (its last dim), and launch(vec) with 16-byte vectors of T
+// (std::integral_constant<int, kVec<T>>) when they tile the row, single elements otherwise.
+template <typename T, typename Launch>
+ffi::Error by_row_width(ffi::AnyBuffer in, const char* what, Launch&& launch) {
+  const auto dims = in.dimensions();
+  const int d = static_cast<int>(dims[dims.size() - 1]);
+  if (d % kVec<T> == 0) {
+    launch(d, std::integral_constant<int, kVec<T>>{});
+  } else {
+    launch(d, std::integral_constant<int, 1>{});
+  }
+  return launch_status(what);
+}
+
 template <typename T>
 ffi::Error fwd_typed(ffi::AnyBuffer x, const int32_t* offsets, int64_t uniform_len, int num_seqs,
                      int num_splits, float* partial, ffi::AnyBuffer out, cudaStream_t stream) {
-  const auto xd = x.dimensions();
-  const int d = static_cast<int>(xd[xd.size() - 1]);
   const T* xp = static_cast<const T*>(x.untyped_data());
   T* op = static_cast<T*>(out.untyped_data());
-  if (d % kVec<T> == 0) {
-    launch_fwd<T, kVec<T>>(xp, offsets, uniform_len, num_seqs, d, num_splits, partial, op, stream);
-  } else {
-    launch_fwd<T, 1>(xp, offsets, uniform_len, num_seqs, d, num_splits, partial, op, stream);
-  }
-  return launch_status("ejkernel_mean_pooling_fwd");
+  return by_row_width<T>(x, "ejkernel_mean_pooling_fwd", [&](int d, auto vec) {
+    launch_fwd<T, vec()>(xp, offsets, uniform_len, num_seqs, d, num_splits, partial, op, stream);
+  });
 }
 
 template <typename T>
 ffi::Error bwd_typed(ffi::AnyBuffer d_out, const int32_t* offsets, int64_t uniform_len,
                      int num_seqs, int64_t num_tokens, ffi::AnyBuffer dx, cudaStream_t stream) {
-  const auto dd = d_out.dimensions();
-  const int d = static_cast<int>(dd[dd.size() - 1]);
   const T* gp = static_cast<const T*>(d_out.untyped_data());
   T* xp = static_cast<T*>(dx.untyped_data());
-  if (d % kVec<T> == 0) {
-    launch_bwd<T, kVec<T>>(gp, offsets, uniform_len, num_seqs, num_tokens, d, xp, stream);
-  } else {
-    launch_bwd<T, 1>(gp, offsets, uniform_len, num_seqs, num_tokens, d, xp, stream);
-  }
-  return launch_status("ejkernel_mean_pooling_bwd");
+  return by_row_width<T>(d_out, "ejkernel_mean_pooling_bwd", [&](int d, auto vec) {
+    launch_bwd<T, vec()>(gp, offsets, uniform_len, num_seqs, num_tokens, d, xp, stream);
+  });
 }
 
 ffi::Error MeanPoolingFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets,

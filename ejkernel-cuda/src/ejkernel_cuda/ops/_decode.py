@@ -14,7 +14,9 @@ takes the fewest splits whose CTAs fill at least 90 % of the resident slots of t
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -22,13 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel_cuda.ops._limits import declined_dtype_or_head_dims
+
 __all__ = [
     "DecodeConfig",
-    "decode_config_space",
-    "decode_heuristic",
+    "decode",
     "decode_supports",
+    "decode_tuning",
     "heads_per_cta",
-    "native_decode",
 ]
 
 #: Head dims the kernel serves: multiples of 8 up to this.
@@ -77,65 +80,111 @@ def default_splits(rows: int, hq: int, hkv: int, capacity: int, itemsize: int = 
     return max(range(1, most + 1), key=fill)
 
 
-def decode_heuristic(
-    rows: int, hq: int, hkv: int, capacity: int, itemsize: int, config: type
-) -> Any:
-    return config(num_splits=default_splits(rows, hq, hkv, capacity, itemsize))
+#: ``(rows, hq, hkv, capacity, cache itemsize)`` of a call: what the split count depends on.
+Dims = tuple[int, int, int, int, int]
 
 
-def decode_config_space(
-    rows: int, hq: int, hkv: int, capacity: int, itemsize: int, config: type
-) -> list[Any]:
-    most = max(1, min(MAX_SPLITS, capacity // MIN_KEYS_PER_SPLIT))
-    counts = {1, default_splits(rows, hq, hkv, capacity, itemsize)}
-    counts.update(n for n in (2, 4, 8, 16, 32, 64) if n <= most)
-    return [config(num_splits=n) for n in sorted(counts)]
+def decode_tuning(
+    dims: Callable[[Mapping[str, Any]], Dims], config: type
+) -> tuple[Callable[[Any], Any], Callable[[Any], list[Any]]]:
+    """An op's ``heuristic`` and ``config_space`` from ``dims(kwargs)`` and its config class."""
+
+    def heuristic(inv: Any) -> Any:
+        """The fewest splits that fill the GPU's resident CTA slots (``default_splits``)."""
+        return config(num_splits=default_splits(*dims(inv.kwargs)))
+
+    def config_space(inv: Any) -> list[Any]:
+        """One split, the heuristic's, and powers of two up to the keys' limit."""
+        rows, hq, hkv, capacity, itemsize = dims(inv.kwargs)
+        most = max(1, min(MAX_SPLITS, capacity // MIN_KEYS_PER_SPLIT))
+        counts = {1, default_splits(rows, hq, hkv, capacity, itemsize)}
+        counts.update(n for n in (2, 4, 8, 16, 32, 64) if n <= most)
+        return [config(num_splits=n) for n in sorted(counts)]
+
+    return heuristic, config_space
 
 
-def decode_supports(query: Any, key: Any, value: Any) -> bool | str:
+def decode_supports(query: Any, value: Any) -> bool | str:
     """Shape and dtype limits of the kernel, then whether it is built (first use builds)."""
-    dtype = str(jnp.dtype(query.dtype))
-    if dtype not in DTYPES:
-        return f"the CUDA decode kernel takes {'/'.join(DTYPES)}; got {dtype}"
-    d, dv = int(key.shape[-1]), int(value.shape[-1])
-    if dv != d:
-        return f"the CUDA decode kernel needs Dv == D; got D={d}, Dv={dv}"
-    if d % 8 or d > MAX_HEAD_DIM:
-        return f"the CUDA decode kernel needs a head dim that is a multiple of 8 and <= {MAX_HEAD_DIM}; got D={d}"
+    declined = declined_dtype_or_head_dims(
+        "the CUDA decode kernel", DTYPES, MAX_HEAD_DIM, query, value
+    )
+    if declined:
+        return declined
     from ejkernel_cuda._build import native_status
 
     return native_status()
 
 
-def native_decode(
+#: ``bounds(first, second, capacity, left) -> (lo, hi)``: an op's visible range per row.
+Bounds = Callable[[jax.Array, Any, int, Any], tuple[jax.Array, jax.Array]]
+
+
+def decode(
     query: jax.Array,
     key_cache: jax.Array,
     value_cache: jax.Array,
-    lo: jax.Array,
-    hi: jax.Array,
+    per_row: tuple[jax.Array, jax.Array | None],
+    *,
+    bounds: Bounds,
+    table: jax.Array | None,
+    softmax_aux: jax.Array | None,
+    dims: Dims,
+    cfg: DecodeConfig | None,
+    options: Mapping[str, Any],
+) -> jax.Array:
+    """A decode op's forward: ``bounds`` turns the ``per_row`` arrays into each row's
+    ``[lo, hi)`` (clamped, windowed by ``sliding_window``'s left), then the kernel with ``options``' scale and soft cap and ``cfg``'s splits (0 or ``None``: the heuristic's)."""
+    from ejkernel_cuda._build import require_native
+
+    require_native()
+    splits = cfg.num_splits if cfg is not None and cfg.num_splits > 0 else 0
+    scale, window = options.get("softmax_scale"), options.get("sliding_window")
+    return _decode(
+        query,
+        key_cache,
+        value_cache,
+        *per_row,
+        table,
+        softmax_aux,
+        bounds=bounds,
+        scale=float(query.shape[-1] ** -0.5 if scale is None else scale),
+        cap=options.get("logits_soft_cap"),
+        left=None if window is None else int(window[0]),
+        splits=int(splits or default_splits(*dims)),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("bounds", "scale", "cap", "left", "splits"))
+def _decode(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    first: jax.Array,
+    second: jax.Array | None,
     table: jax.Array | None,
     softmax_aux: jax.Array | None,
     *,
-    softmax_scale: float,
-    logits_soft_cap: float | None,
-    num_splits: int,
+    bounds: Bounds,
+    scale: float,
+    cap: float | None,
+    left: int | None,
+    splits: int,
 ) -> jax.Array:
     """Launch the FFI target: ``[R, Hq, D]`` out over ``[lo, hi)`` of each row's cache.
 
     Args:
         query: [R, Hq, D].
         key_cache, value_cache: [P, page_size, Hkv, D] (dense: [R, Sk, Hkv, D]).
-        lo, hi: [R] int32 visible range per row (already clamped and windowed).
-        table: [R, max_pages] int32 page ids, or ``None`` for a dense cache.
+        first, second: the per-row arrays ``bounds`` reads (``second`` may be ``None``).
+        table: [R, max_pages] int page ids, or ``None`` for a dense cache.
         softmax_aux: [Hq] or [Hq, n] sink logits, or ``None``.
-        softmax_scale, logits_soft_cap: as the op's.
-        num_splits: key-range splits per row (>= 1).
+        scale, cap: the softmax scale and logits soft cap.
+        left: the sliding window's left extent, or ``None``.
+        splits: key-range splits per row (>= 1).
     """
-    from ejkernel_cuda._build import native_status
-
-    ready = native_status()
-    if ready is not True:  # supports() said so already; this guards direct calls
-        raise RuntimeError(str(ready))
+    capacity = key_cache.shape[1] * (1 if table is None else table.shape[1])
+    lo, hi = bounds(first, second, capacity, left)
     r, hq, d = query.shape
     aux = (
         jnp.zeros((1, 1), jnp.float32)
@@ -145,8 +194,8 @@ def native_decode(
     tab = jnp.zeros((1, 1), jnp.int32) if table is None else table.astype(jnp.int32)
     out_types = (
         jax.ShapeDtypeStruct((r, hq, d), query.dtype),
-        jax.ShapeDtypeStruct((r, hq, num_splits, d), jnp.float32),
-        jax.ShapeDtypeStruct((r, hq, num_splits, 2), jnp.float32),
+        jax.ShapeDtypeStruct((r, hq, splits, d), jnp.float32),
+        jax.ShapeDtypeStruct((r, hq, splits, 2), jnp.float32),
     )
     call = jax.ffi.ffi_call("ejkernel_decode_attention", out_types, vmap_method="sequential")
     out, _, _ = call(
@@ -157,9 +206,9 @@ def native_decode(
         hi.astype(jnp.int32),
         tab,
         aux,
-        softmax_scale=np.float32(softmax_scale),
-        soft_cap=np.float32(logits_soft_cap or 0.0),
-        num_splits=np.int64(num_splits),
+        softmax_scale=np.float32(scale),
+        soft_cap=np.float32(cap or 0.0),
+        num_splits=np.int64(splits),
         paged=np.int64(table is not None),
         has_aux=np.int64(softmax_aux is not None),
     )

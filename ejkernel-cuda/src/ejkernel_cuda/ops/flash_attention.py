@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import visible
+from ejkernel_cuda.ops._limits import declined_dtype_or_head_dims
 
 __all__ = ["cudnn_attention", "cudnn_supports", "flash_attention_cuda", "supports"]
 
@@ -40,15 +41,10 @@ def cudnn_supports(kw: Any) -> bool | str:
     from ejkernel_cuda._device import cc_major, cudnn_version
 
     q, k, v = kw["query"], kw["key"], kw["value"]
-    dtype = str(jnp.dtype(q.dtype))
-    if dtype not in DTYPES:
-        return f"cuDNN fused attention takes bfloat16/float16; got {dtype}"
-    d, dv = int(q.shape[-1]), int(v.shape[-1])
-    if dv != d:
-        return f"the cuDNN route needs Dv == D; got D={d}, Dv={dv}"
     head_max = 256 if cc_major() >= 9 else 128
-    if d > head_max or d % 8:
-        return f"cuDNN needs a head dim <= {head_max} and a multiple of 8; got D={d}"
+    declined = declined_dtype_or_head_dims("cuDNN fused attention", DTYPES, head_max, q, v)
+    if declined:
+        return declined
     if kw.get("logits_soft_cap") is not None:
         return "cuDNN fused attention has no logits soft cap"
     if kw.get("softmax_aux") is not None:
@@ -78,26 +74,10 @@ def supports(inv: Any) -> bool | str:
     return cudnn_supports(inv.kwargs)
 
 
-def flash_attention_cuda(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: Any = None,
-    cfg: Any = None,
-) -> jax.Array:
-    """Flash attention through cuDNN (arguments as validated; ``supports()`` has declined
-    segment ids, sinks, soft cap and dropout).
+def flash_attention_cuda(*, cfg: Any = None, **args: Any) -> jax.Array:
+    """Flash attention through cuDNN: ``ejkernel.flash_attention``'s arguments as keywords,
+    validated by the core spec (``supports()`` has declined segment ids, sinks, soft cap and
+    dropout).
 
     Args:
         query: [B, Sq, Hq, D].
@@ -113,18 +93,8 @@ def flash_attention_cuda(
     Returns:
         [B, Sq, Hq, D] in the query dtype.
     """
-    del q_segment_ids, kv_segment_ids, softmax_aux, logits_soft_cap, dropout_prob, dropout_seed
     del cfg
-    return cudnn_attention(
-        query,
-        key,
-        value,
-        bias=bias,
-        attention_mask=attention_mask,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-    )
+    return cudnn_attention(**args)
 
 
 def _to_4d(x: jax.Array, sq: int, sk: int) -> jax.Array:
@@ -134,17 +104,21 @@ def _to_4d(x: jax.Array, sq: int, sk: int) -> jax.Array:
 
 
 def cudnn_attention(
+    *,
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    *,
-    bias: jax.Array | None,
-    attention_mask: jax.Array | None,
-    softmax_scale: float | None,
-    causal: bool,
-    sliding_window: tuple[int, int] | None,
+    bias: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: tuple[int, int] | None = None,
+    **declined: Any,
 ) -> jax.Array:
-    """``jax.nn.dot_product_attention(implementation="cudnn")`` with ejkernel's semantics."""
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` with ejkernel's semantics, for
+    the arguments of flash attention or scaled dot-product attention; ``declined`` are those
+    :func:`cudnn_supports` turns away (absent or zero here)."""
+    del declined
     b, sq, hq, d = query.shape
     sk = key.shape[1]
     scale = float(d**-0.5 if softmax_scale is None else softmax_scale)

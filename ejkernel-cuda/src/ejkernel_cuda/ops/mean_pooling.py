@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.plugins import defvjp
+from ejkernel_cuda import _build
 
 __all__ = ["mean_pooling_cuda", "supports"]
 
@@ -37,47 +38,34 @@ def supports(inv: Any) -> bool | str:
     dtype = str(jnp.dtype(inv.kwargs["x"].dtype))
     if dtype not in DTYPES:
         return f"the CUDA mean_pooling kernels take {'/'.join(DTYPES)}; got {dtype}"
-    from ejkernel_cuda._build import native_status
-
-    return native_status()
+    return _build.native_status()
 
 
-def mean_pooling_cuda(
-    *, x: jax.Array, cu_seqlens: jax.Array | None = None, cfg: Any = None
-) -> jax.Array:
-    """Mean over each sequence's tokens (arguments as validated by the core spec).
-
-    Args:
-        x: [B, S, D]; or packed [T, D] / [1, T, D] with ``cu_seqlens``.
-        cu_seqlens: [N + 1] integer offsets of packed sequences, or ``None``.
-        cfg: unused (nothing to tune).
-
-    Returns:
-        [B, D] or [N, D] in the dtype of ``x``; empty sequences give zero rows.
-    """
+def mean_pooling_cuda(*, cfg: Any = None, **args: Any) -> jax.Array:
+    """Mean over each sequence's tokens: ``ejkernel.mean_pooling``'s arguments (``x`` dense
+    [B, S, D] or packed [T, D] / [1, T, D] with ``cu_seqlens``) as keywords, validated by the
+    core spec; ``cfg`` is unused (nothing to tune). Returns [B, D] or [N, D] in the dtype of
+    ``x``; empty sequences give zero rows."""
     del cfg
-    _ensure_built()
-    tokens, offsets, uniform, num_seqs = _layout(x, cu_seqlens)
+    _build.require_native()
+    tokens, offsets, uniform, num_seqs = _layout(**args)
     return _forward(tokens, offsets, uniform=uniform, num_seqs=num_seqs)
 
 
-def _mean_pooling_fwd(
-    *, x: jax.Array, cu_seqlens: jax.Array | None = None, cfg: Any = None
-) -> tuple[jax.Array, dict[str, jax.Array | None]]:
+def _mean_pooling_fwd(**args: Any) -> tuple[jax.Array, dict[str, jax.Array | None]]:
     """Forward of :func:`mean_pooling_cuda`: ``(out, residuals)``; residuals are the inputs."""
-    out = mean_pooling_cuda(x=x, cu_seqlens=cu_seqlens, cfg=cfg)
-    return out, {"x": x, "cu_seqlens": cu_seqlens}
+    return mean_pooling_cuda(**args), {"x": args["x"], "cu_seqlens": args.get("cu_seqlens")}
 
 
 def _mean_pooling_bwd(
-    residuals: dict[str, jax.Array | None], d_out: jax.Array, *, cfg: Any = None
+    residuals: dict[str, jax.Array | None], d_out: jax.Array, **statics: Any
 ) -> dict[str, jax.Array]:
     """Backward of :func:`mean_pooling_cuda`: ``{"x": d_x}`` in the dtype of ``x``."""
-    del cfg
-    x, cu_seqlens = residuals["x"], residuals["cu_seqlens"]
+    del statics
+    x = residuals["x"]
     assert x is not None
-    _ensure_built()
-    tokens, offsets, uniform, _ = _layout(x, cu_seqlens)
+    _build.require_native()
+    tokens, offsets, uniform, _ = _layout(**residuals)
     d_tokens = _backward(
         d_out.astype(x.dtype), offsets, num_tokens=tokens.shape[0], uniform=uniform
     )
@@ -92,15 +80,9 @@ defvjp(mean_pooling_cuda, _mean_pooling_fwd, _mean_pooling_bwd)
 # --------------------------------------------------------------------------------------------
 
 
-def _ensure_built() -> None:
-    from ejkernel_cuda._build import native_status
-
-    ready = native_status()
-    if ready is not True:  # supports() said so already; this guards direct calls
-        raise RuntimeError(str(ready))
-
-
-def _layout(x: jax.Array, cu_seqlens: jax.Array | None) -> tuple[jax.Array, jax.Array, int, int]:
+def _layout(
+    x: jax.Array, cu_seqlens: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, int, int]:
     """``(tokens [T, D], offsets [N + 1] int32, uniform length or 0, N)``."""
     d = x.shape[-1]
     if cu_seqlens is None:

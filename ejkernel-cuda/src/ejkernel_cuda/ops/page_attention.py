@@ -15,21 +15,13 @@ reason carries the compiler's message). The op is forward-only.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_cuda.ops._decode import (
-    DecodeConfig,
-    decode_config_space,
-    decode_heuristic,
-    decode_supports,
-    default_splits,
-    native_decode,
-)
+from ejkernel_cuda.ops._decode import DecodeConfig, decode, decode_supports, decode_tuning
 
 __all__ = ["PageAttentionConfig", "config_space", "heuristic", "page_attention_cuda", "supports"]
 
@@ -45,33 +37,17 @@ def _dims(kw: Any) -> tuple[int, int, int, int, int]:
     return int(q.shape[0]), int(q.shape[1]), int(kc.shape[2]), capacity, kc.dtype.itemsize
 
 
-def heuristic(inv: Any) -> PageAttentionConfig:
-    """The fewest splits that fill the GPU's resident CTA slots (see ``default_splits``)."""
-    return decode_heuristic(*_dims(inv.kwargs), PageAttentionConfig)  # type: ignore[no-any-return]
-
-
-def config_space(inv: Any) -> list[PageAttentionConfig]:
-    return decode_config_space(*_dims(inv.kwargs), PageAttentionConfig)
+heuristic, config_space = decode_tuning(_dims, PageAttentionConfig)
 
 
 def supports(inv: Any) -> bool | str:
     kw = inv.kwargs
-    return decode_supports(kw["query"], kw["key_cache"], kw["value_cache"])
+    return decode_supports(kw["query"], kw["value_cache"])
 
 
-def page_attention_cuda(
-    *,
-    query: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: tuple[int, int] | None = None,
-    cfg: PageAttentionConfig | None = None,
-) -> jax.Array:
-    """Decode attention over a paged cache (arguments as validated by the core spec).
+def page_attention_cuda(*, cfg: PageAttentionConfig | None = None, **args: Any) -> jax.Array:
+    """Decode attention over a paged cache: ``ejkernel.page_attention``'s arguments as
+    keywords, validated by the core spec.
 
     Args:
         query: [S, Hq, D].
@@ -87,52 +63,23 @@ def page_attention_cuda(
     Returns:
         [S, Hq, D] in the query dtype; sequences with ``kv_len == 0`` give zeros.
     """
-    s, hq, d = query.shape
-    capacity = int(block_tables.shape[1]) * int(key_cache.shape[1])
-    splits = cfg.num_splits if cfg is not None and cfg.num_splits > 0 else 0
-    splits = splits or default_splits(
-        s, hq, int(key_cache.shape[2]), capacity, key_cache.dtype.itemsize
-    )
-    scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
-    return _forward(
-        query,
-        key_cache,
-        value_cache,
-        kv_lens,
-        block_tables,
-        scale=scale,
-        cap=logits_soft_cap,
-        left=None if sliding_window is None else int(sliding_window[0]),
-        splits=int(splits),
+    return decode(
+        args["query"],
+        args["key_cache"],
+        args["value_cache"],
+        (args["kv_lens"], None),
+        bounds=_bounds,
+        table=args["block_tables"],
+        softmax_aux=None,
+        dims=_dims(args),
+        cfg=cfg,
+        options=args,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "cap", "left", "splits"))
-def _forward(
-    query: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    *,
-    scale: float,
-    cap: float | None,
-    left: int | None,
-    splits: int,
-) -> jax.Array:
-    capacity = block_tables.shape[1] * key_cache.shape[1]
+def _bounds(kv_lens: jax.Array, _: None, capacity: int, left: int | None) -> Any:
+    """Sequence ``s`` sees ``[max(0, kv_len - 1 - left), min(kv_len, capacity))``."""
     kv_len = kv_lens.astype(jnp.int32)
     hi = jnp.clip(kv_len, 0, capacity)
     lo = jnp.zeros_like(hi) if left is None else jnp.maximum(0, kv_len - 1 - left)
-    return native_decode(
-        query,
-        key_cache,
-        value_cache,
-        lo,
-        hi,
-        block_tables,
-        None,
-        softmax_scale=scale,
-        logits_soft_cap=cap,
-        num_splits=splits,
-    )
+    return lo, hi

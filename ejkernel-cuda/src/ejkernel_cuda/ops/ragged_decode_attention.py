@@ -16,21 +16,13 @@ not differentiable).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel_cuda.ops._decode import (
-    DecodeConfig,
-    decode_config_space,
-    decode_heuristic,
-    decode_supports,
-    default_splits,
-    native_decode,
-)
+from ejkernel_cuda.ops._decode import DecodeConfig, decode, decode_supports, decode_tuning
 
 __all__ = [
     "RaggedDecodeAttentionConfig",
@@ -51,34 +43,19 @@ def _dims(kw: Any) -> tuple[int, int, int, int, int]:
     return int(q.shape[0]), int(q.shape[1]), int(k.shape[2]), int(k.shape[1]), k.dtype.itemsize
 
 
-def heuristic(inv: Any) -> RaggedDecodeAttentionConfig:
-    """The fewest splits that fill the GPU's resident CTA slots (see ``default_splits``)."""
-    return decode_heuristic(*_dims(inv.kwargs), RaggedDecodeAttentionConfig)  # type: ignore[no-any-return]
-
-
-def config_space(inv: Any) -> list[RaggedDecodeAttentionConfig]:
-    return decode_config_space(*_dims(inv.kwargs), RaggedDecodeAttentionConfig)
+heuristic, config_space = decode_tuning(_dims, RaggedDecodeAttentionConfig)
 
 
 def supports(inv: Any) -> bool | str:
     kw = inv.kwargs
-    return decode_supports(kw["query"], kw["key"], kw["value"])
+    return decode_supports(kw["query"], kw["value"])
 
 
 def ragged_decode_attention_cuda(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    sequence_start: jax.Array,
-    sequence_end: jax.Array,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: tuple[int, int] | None = None,
-    softmax_aux: jax.Array | None = None,
-    cfg: RaggedDecodeAttentionConfig | None = None,
+    *, cfg: RaggedDecodeAttentionConfig | None = None, **args: Any
 ) -> jax.Array:
-    """Decode attention over ``[start, end)`` of a dense cache (arguments as validated).
+    """Decode attention over ``[start, end)`` of a dense cache: the arguments of
+    ``ejkernel.ragged_decode_attention`` as keywords, validated by the core spec.
 
     Args:
         query: [B, Hq, D].
@@ -95,53 +72,22 @@ def ragged_decode_attention_cuda(
     Returns:
         [B, Hq, D] in the query dtype; empty ranges give zeros.
     """
-    b, hq, d = query.shape
-    splits = cfg.num_splits if cfg is not None and cfg.num_splits > 0 else 0
-    splits = splits or default_splits(
-        b, hq, int(key.shape[2]), int(key.shape[1]), key.dtype.itemsize
-    )
-    scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
-    return _forward(
-        query,
-        key,
-        value,
-        sequence_start,
-        sequence_end,
-        softmax_aux,
-        scale=scale,
-        cap=logits_soft_cap,
-        left=None if sliding_window is None else int(sliding_window[0]),
-        splits=int(splits),
+    return decode(
+        args["query"],
+        args["key"],
+        args["value"],
+        (args["sequence_start"], args["sequence_end"]),
+        bounds=_bounds,
+        table=None,
+        softmax_aux=args.get("softmax_aux"),
+        dims=_dims(args),
+        cfg=cfg,
+        options=args,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "cap", "left", "splits"))
-def _forward(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    sequence_start: jax.Array,
-    sequence_end: jax.Array,
-    softmax_aux: jax.Array | None,
-    *,
-    scale: float,
-    cap: float | None,
-    left: int | None,
-    splits: int,
-) -> jax.Array:
-    sk = key.shape[1]
-    start = jnp.clip(sequence_start.astype(jnp.int32), 0, sk)
-    end = jnp.clip(sequence_end.astype(jnp.int32), 0, sk)
-    lo = start if left is None else jnp.maximum(start, end - 1 - left)
-    return native_decode(
-        query,
-        key,
-        value,
-        lo,
-        end,
-        None,
-        softmax_aux,
-        softmax_scale=scale,
-        logits_soft_cap=cap,
-        num_splits=splits,
-    )
+def _bounds(start: jax.Array, end: jax.Array, sk: int, left: int | None) -> Any:
+    """Row ``b`` sees ``[max(start, end - 1 - left), end)``, both clamped to ``[0, Sk]``."""
+    start = jnp.clip(start.astype(jnp.int32), 0, sk)
+    end = jnp.clip(end.astype(jnp.int32), 0, sk)
+    return (start if left is None else jnp.maximum(start, end - 1 - left)), end

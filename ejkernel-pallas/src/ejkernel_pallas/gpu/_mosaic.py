@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel.attention_semantics import visible
 from ejkernel_pallas import _compat
 from ejkernel_pallas.gpu._problem import Problem
 
@@ -34,6 +35,27 @@ def _value(x: Any, transpose: bool = False) -> Any:
     return v.T if transpose else v
 
 
+def _issue(
+    pr: Problem,
+    a: Any,
+    b: Any,
+    acc_ref: Any,
+    *,
+    transpose_b: bool,
+    after_issue: Callable[[], None] | None,
+) -> Any:
+    """Start ``acc_ref += a @ b`` (``b`` a shared-memory ref, transposed when asked) as a
+    wgmma, and run ``after_issue`` while it is in flight; in interpret mode return ``a @ b``."""
+    out = None
+    if pr.interpret:
+        out = jnp.dot(_value(a), _value(b, transpose_b), preferred_element_type=jnp.float32)
+    else:
+        _compat.plgpu().wgmma(acc_ref, a, _compat.transpose_ref(b, (1, 0)) if transpose_b else b)
+    if after_issue is not None:
+        after_issue()
+    return out
+
+
 def mma(
     pr: Problem,
     a: Any,
@@ -44,21 +66,15 @@ def mma(
     after_issue: Callable[[], None] | None = None,
 ) -> Any:
     """``a @ b`` (``b`` a shared-memory ref, transposed when asked) in float32 registers."""
+    issue = functools.partial(_issue, pr, a, b, transpose_b=transpose_b, after_issue=after_issue)
     if pr.interpret:
-        out = jnp.dot(_value(a), _value(b, transpose_b), preferred_element_type=jnp.float32)
-        if after_issue is not None:
-            after_issue()
-        return out
-    plgpu, pl = _compat.plgpu(), _compat.pl
-    b_ref = _compat.transpose_ref(b, (1, 0)) if transpose_b else b
+        return issue(None)
 
     def body(acc_ref: Any) -> Any:
-        plgpu.wgmma(acc_ref, a, b_ref)
-        if after_issue is not None:
-            after_issue()
+        issue(acc_ref)
         return acc_ref[...]
 
-    return pl.run_scoped(body, _compat.gpu_accumulator(shape, jnp.float32))
+    return _compat.pl.run_scoped(body, _compat.gpu_accumulator(shape, jnp.float32))
 
 
 def mma_acc(
@@ -74,20 +90,35 @@ def mma_acc(
     while the matmul is in flight. Refs it reads (``b`` too) must be indexed by traced values:
     with jax 0.11, a constant index there fails to lower ("Shaped arrays must be represented by
     ir.Values")."""
+    issue = functools.partial(_issue, pr, a, b, transpose_b=transpose_b, after_issue=after_issue)
     if pr.interpret:
-        out = acc + jnp.dot(_value(a), _value(b, transpose_b), preferred_element_type=jnp.float32)
-        if after_issue is not None:
-            after_issue()
-        return out
-    plgpu, pl = _compat.plgpu(), _compat.pl
-    b_ref = _compat.transpose_ref(b, (1, 0)) if transpose_b else b
+        return acc + issue(None)
+    return _compat.pl.run_state(issue)(_compat.gpu_accumulator_init(acc))
 
-    def body(acc_ref: Any) -> None:
-        plgpu.wgmma(acc_ref, a, b_ref)
-        if after_issue is not None:
-            after_issue()
 
-    return pl.run_state(body)(_compat.gpu_accumulator_init(acc))
+def consumers(wg: Any) -> Callable[[Callable[[], None]], None]:
+    """Decorator: run the body on the two consumer warpgroups (``wg`` 0 and 1), with the
+    larger share of the register file."""
+
+    def run(body: Callable[[], None]) -> None:
+        @_compat.pl.when(wg < 2)
+        def _() -> None:
+            _compat.plgpu().set_max_registers(CONSUMER_REGISTERS, action="increase")
+            body()
+
+    return run
+
+
+def producer(wg: Any) -> Callable[[Callable[[], None]], None]:
+    """Decorator: run the body on the producer warpgroup (``wg`` 2), with few registers."""
+
+    def run(body: Callable[[], None]) -> None:
+        @_compat.pl.when(wg == 2)
+        def _() -> None:
+            _compat.plgpu().set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            body()
+
+    return run
 
 
 #: Named barriers of the consumers' ping-pong (Mosaic GPU itself uses the low IDs).
@@ -128,6 +159,28 @@ def iota(pr: Problem, shape: tuple[int, int], dim: int) -> Any:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_compat.gpu_layout("WGMMA"))
 
 
+def causal_visible(
+    pr: Problem, shape: tuple[int, int], q_start: Any, k_start: Any, *, q_axis: int = 0
+) -> Any:
+    """Bool ``shape`` tile of :func:`ejkernel.attention_semantics.visible` (causal): axis
+    ``q_axis`` holds the queries from row ``q_start``, the other axis the keys from ``k_start``."""
+    q_pos = iota(pr, shape, q_axis) + (q_start + pr.offset)
+    k_pos = iota(pr, shape, 1 - q_axis) + k_start
+    return visible(q_pos, k_pos, causal=True)
+
+
+def finite_or_zero_smem(pr: Problem, ref: Any) -> None:
+    """Rewrite a shared-memory operand tile with its NaN and ±Inf entries as 0
+    (:func:`ejkernel.attention_semantics.finite_or_zero` in place), before a matmul reads it
+    against probabilities of a partially visible block: ``0 · NaN`` is NaN, so a hidden
+    non-finite key or value would otherwise reach the rows that cannot see it. A ring slot
+    both consumers read may be rewritten by both: they write the same values."""
+    x = ref[...] if pr.interpret else _compat.gpu_load(ref, layout=_compat.gpu_layout("WGMMA"))
+    # |x| <= max is False for NaN and ±Inf alike (``isfinite`` has no Mosaic GPU lowering).
+    ref[...] = jnp.where(jnp.abs(x) <= jnp.finfo(x.dtype).max, x, jnp.zeros((), x.dtype))
+    _compat.plgpu().commit_smem()  # the writes, before the wgmma reads the tile
+
+
 def smem(pr: Problem, shape: tuple[int, ...], dtype: Any, tiled: bool = True) -> Any:
     plgpu = _compat.plgpu()
     if not tiled:
@@ -140,16 +193,16 @@ def smem(pr: Problem, shape: tuple[int, ...], dtype: Any, tiled: bool = True) ->
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
+def head_grid(pr: Problem, tiles: str, count: int) -> dict[str, int]:
+    """The grid of one CTA per (head, tile, batch): heads vary fastest."""
+    return {"heads": pr.hq, tiles: count, "batch": pr.b}
+
+
 def launch(
-    pr: Problem,
-    body: Any,
-    *,
-    out: Any,
-    scratch: Any,
-    grid: tuple[int, ...],
-    grid_names: tuple[str, ...],
-    name: str,
+    pr: Problem, body: Any, *, out: Any, scratch: Any, grid: dict[str, int], name: str
 ) -> Any:
+    """``plgpu.kernel`` of ``body`` with three warpgroups (``wg``) a CTA over ``grid`` (axis
+    name to size)."""
     # No cross-warp reduction scratch: every row reduction of a wgmma tile stays in one warp,
     # and the 2 KiB it reserves by default are what two 192-row K/V stages at D 128 lack.
     params = {"approx_math": True, "reduction_scratch_bytes": 0}
@@ -160,8 +213,8 @@ def launch(
         body,
         out=out,
         scratch=scratch,
-        grid=grid,
-        grid_names=grid_names,
+        grid=tuple(grid.values()),
+        grid_names=tuple(grid),
         num_threads=3,
         thread_name="wg",
         compiler_params=_compat.gpu_compiler_params(**params),

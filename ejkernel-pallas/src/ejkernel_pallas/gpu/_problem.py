@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel_pallas._attention import FlashAttentionConfig
+from ejkernel_pallas._attention import FlashAttentionConfig, Shapes
 
 #: Defaults per head dim: forward (bq per consumer, bk, stages), backward (bq, bk, stages).
 FWD_DEFAULT = {64: (64, 128, 2), 128: (64, 128, 2)}
@@ -39,15 +39,9 @@ def tail_steps(sk: int, bk: int) -> int | None:
 
 
 @attrs.frozen(kw_only=True)
-class Problem:
-    """Everything static about one launch."""
+class Problem(Shapes):
+    """Everything static about one launch (its sizes are :class:`Shapes`')."""
 
-    b: int
-    sq: int
-    sk: int
-    hq: int
-    hkv: int
-    d: int
     bq: int
     bk: int
     stages: int
@@ -69,8 +63,8 @@ class Problem:
         softmax_scale: float | None,
         causal: bool,
     ) -> Problem:
-        b, sq, hq, d = query.shape
-        _, sk, hkv, _ = key.shape
+        shapes = Shapes.of(query, key)
+        sq, sk, d = shapes.sq, shapes.sk, shapes.d
         defaults = BWD_DEFAULT.get(d, (64, 64, 2)) if backward else fwd_defaults(d, causal)
         params = None if cfg is None else (cfg.bwd_params if backward else cfg.fwd_params)
         bq = (params and params.q_blocksize) or defaults[0]
@@ -91,12 +85,7 @@ class Problem:
                 + ("" if backward or causal else f" (or of it plus {TAIL_ROWS}-row steps)")
             )
         return cls(
-            b=b,
-            sq=sq,
-            sk=sk,
-            hq=hq,
-            hkv=hkv,
-            d=d,
+            **attrs.asdict(shapes),
             bq=bq,
             bk=bk,
             stages=max(2, int(stages)),
@@ -106,10 +95,6 @@ class Problem:
             interpret=jax.default_backend() == "cpu",
             tail=tail,
         )
-
-    @property
-    def group(self) -> int:
-        return self.hq // self.hkv
 
     @property
     def offset(self) -> int:
@@ -148,6 +133,16 @@ class Problem:
             return steps
         seen = jnp.maximum(q0 + self.offset + 1, 0)
         return jnp.minimum(lax.div(seen, jnp.int32(self.bk)), steps)
+
+    def kv_blocks(self, q0: Any) -> tuple[Any, Any]:
+        """``(steps, full)``: :meth:`kv_steps` and :meth:`kv_full_steps` of rows from ``q0``."""
+        steps = self.kv_steps(q0)
+        return steps, self.kv_full_steps(q0, steps)
+
+    def q_blocks(self, k0: Any) -> tuple[Any, Any]:
+        """``(start, full_from)``: :meth:`q_start` and :meth:`q_full_start` of keys from ``k0``."""
+        start = self.q_start(k0)
+        return start, self.q_full_start(k0, start)
 
     def q_start(self, k0: Any) -> Any:
         """First query block that sees keys ``[k0, k0 + bk)`` (causal; else 0)."""

@@ -27,9 +27,10 @@ logsumexp saved in base 2 for the backward.
   and summed over the group in float32.
 
 Masking is :func:`ejkernel.attention_semantics.visible` (the causal term; the kernels take no
-other). Hidden scores are selected out; a non-finite value at a key hidden from some rows of a
-diagonal block still reaches those rows through ``P·V`` (the value tile streams from shared
-memory into ``wgmma`` unsanitised), unlike the XLA and Pallas TPU paths.
+other). Hidden scores are selected out; on a diagonal (partially visible) block the shared-memory
+operand that multiplies probabilities (V in the forward, K in ``dQ``, Q in ``dK``) is rewritten
+through ``finite_or_zero`` and hidden ``P``/``dS`` are selected to zero, so a hidden NaN or Inf
+reaches no row (:mod:`ejkernel.attention_semantics`); fully visible blocks run untouched.
 
 Declined in ``supports()`` (the XLA plugin serves them): everything but bf16/f16 inputs; head
 dims other than 64/128 or ``Dv != D``; sequence lengths that are not multiples of 128;
@@ -44,7 +45,8 @@ barriers, TMA copies and shared memory simulated) with the ``wgmma`` calls repla
 ``jnp.dot`` on the same shared-memory tiles (the interpreter does not model WGMMA
 accumulators); the consumers' named-barrier ping-pong only orders work and is skipped there.
 ``tests/pallas/test_flash_attention_gpu.py`` runs one body in both modes; the ``gpu`` mode and
-``benchmarks/bench_pallas_gpu.py`` exercise the real lowering.
+``benchmarks/bench_pallas_gpu.py`` exercise the real lowering. The masking rule (hidden NaN/Inf)
+is held in interpret mode by ``tests/core/test_attention_semantics.py``.
 """
 
 from __future__ import annotations
@@ -55,8 +57,14 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel import env
-from ejkernel.plugins import BwdParams, FwdParams, defvjp
-from ejkernel_pallas._attention import FlashAttentionConfig, declined_features
+from ejkernel.plugins import defvjp
+from ejkernel_pallas._attention import (
+    FlashAttentionConfig,
+    blocks_config,
+    declined_features,
+    refuse_declined,
+    unique_configs,
+)
 from ejkernel_pallas.gpu import _problem as pb
 from ejkernel_pallas.gpu._problem import Problem
 from ejkernel_pallas.gpu.flash_attention_bwd import dkv_call, dq_call
@@ -79,43 +87,32 @@ DTYPES = ("bfloat16", "float16")
 TUNING = ((64, 64, 2), (64, 128, 2), (64, 128, 3), (64, 64, 3))
 
 
+#: Arguments these kernels decline beyond :data:`~ejkernel_pallas._attention.DECLINED`.
+DECLINED = (
+    ("sliding_window", "a sliding window"),
+    ("logits_soft_cap", "a logits soft cap"),
+    ("q_segment_ids", "segment ids"),
+)
+
+
 def heuristic(inv: Any) -> FlashAttentionConfig:
     """FA3's blocks for the head dim (two consumers of 64 query rows, kv tiles of 64-128)."""
     d = inv.kwargs["query"].shape[3]
-    fq, fk, fs = pb.fwd_defaults(d, bool(inv.kwargs.get("causal")))
-    bq, bk, bs = pb.BWD_DEFAULT.get(d, (64, 64, 2))
-    return FlashAttentionConfig(
-        fwd_params=FwdParams(q_blocksize=fq, kv_blocksize=fk, num_stages=fs),
-        bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_stages=bs),
-    )
+    fwd = pb.fwd_defaults(d, bool(inv.kwargs.get("causal")))
+    return blocks_config(fwd, pb.BWD_DEFAULT.get(d, (64, 64, 2)))
 
 
 def config_space(inv: Any) -> list[FlashAttentionConfig]:
     """The heuristic's config, then a few (bq, bk, stages) triples for both passes."""
-    configs = [heuristic(inv)]
-    for bq, bk, stages in TUNING:
-        cfg = FlashAttentionConfig(
-            fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_stages=stages),
-            bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_stages=stages),
-        )
-        if cfg not in configs:
-            configs.append(cfg)
-    return configs
+    return unique_configs([heuristic(inv), *(blocks_config(t, t) for t in TUNING)])
 
 
 def supports(inv: Any) -> bool | str:
     """True, or why these kernels cannot serve the call (see the module docstring)."""
     kw = inv.kwargs
-    declined = declined_features(kw)
+    declined = declined_features(kw, DECLINED, "the Pallas Mosaic GPU kernels")
     if declined:
         return declined
-    for name, why in (
-        ("sliding_window", "a sliding window"),
-        ("logits_soft_cap", "a logits soft cap"),
-        ("q_segment_ids", "segment ids"),
-    ):
-        if kw.get(name) is not None:
-            return f"the Pallas Mosaic GPU kernels do not implement {why}; XLA serves it"
     q, k, v = kw["query"], kw["key"], kw["value"]
     dtype = jnp.dtype(q.dtype).name
     if dtype not in DTYPES:
@@ -147,25 +144,9 @@ def _compute_capability() -> tuple[int, int] | None:
         return None
 
 
-def flash_attention_pallas(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: FlashAttentionConfig | None = None,
-) -> jax.Array:
-    """Flash attention on Mosaic GPU (arguments as validated by the core spec).
+def flash_attention_pallas(*, cfg: FlashAttentionConfig | None = None, **args: Any) -> jax.Array:
+    """Flash attention on Mosaic GPU: ``ejkernel.flash_attention``'s arguments as keywords,
+    validated by the core spec.
 
     Args:
         query: [B, Sq, Hq, D], bf16/f16.
@@ -179,7 +160,7 @@ def flash_attention_pallas(
     Returns:
         [B, Sq, Hq, D] in the query dtype.
     """
-    out, _ = _flash_attention_fwd(**locals())
+    out, _ = _flash_attention_fwd(cfg=cfg, **args)
     return out
 
 
@@ -194,7 +175,7 @@ def _flash_attention_fwd(
     **declined: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Forward: ``(out, residuals)`` with the base-2 logsumexp [B, Hq, Sq] (float32)."""
-    _refuse(declined)
+    refuse_declined(declined, DECLINED)
     pr = Problem.of(query, key, cfg, backward=False, softmax_scale=softmax_scale, causal=causal)
     out, lse = fwd_call(query, key, value, pr)
     return out, {"query": query, "key": key, "value": value, "out": out, "lse": lse}
@@ -227,16 +208,3 @@ def _flash_attention_bwd(
 
 
 defvjp(flash_attention_pallas, _flash_attention_fwd, _flash_attention_bwd)
-
-
-def _refuse(declined: dict[str, Any]) -> None:
-    present = [
-        k
-        for k, v in declined.items()
-        if v is not None and not (k == "dropout_prob" and float(v) == 0.0)
-    ]
-    if present:
-        raise NotImplementedError(
-            f"ejkernel_pallas Mosaic GPU flash attention: {present} are declined by supports(); "
-            "select platform='xla' for them"
-        )

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel.attention_semantics import visible
+from ejkernel.attention_semantics import hide
 from ejkernel_pallas import _compat
 from ejkernel_pallas.gpu import _mosaic as mg
 from ejkernel_pallas.gpu._problem import Problem
@@ -45,45 +45,26 @@ def dq_call(q, k, v, do, lse, delta, pr: Problem) -> jax.Array:
         functools.partial(_bwd_dq_kernel, pr=pr),
         out=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch=scratch,
-        grid=(pr.hq, pr.sq // (2 * pr.bq), pr.b),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=mg.head_grid(pr, "q_tiles", pr.sq // (2 * pr.bq)),
         name="ejkernel_flash_attention_bwd_dq",
     )(q, k, v, do, lse, delta)
 
 
-def _bwd_dq_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dq_ref,
-    smem,
-    q_landed,
-    do_landed,
-    lse_landed,
-    delta_landed,
-    k_landed,
-    v_landed,
-    kv_free,
-    *,
-    pr: Problem,
-):
+def _bwd_dq_kernel(*refs, pr: Problem):
     pl, plgpu = _compat.pl, _compat.plgpu()
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, *barriers = refs
     q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
+    q_landed, do_landed, lse_landed, delta_landed, k_landed, v_landed, kv_free = barriers
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     tile_q0 = lax.axis_index("q_tiles") * (2 * pr.bq)
     cta_steps = pr.kv_steps(tile_q0 + pr.bq)
     bq, bk, d = pr.bq, pr.bk, pr.d
 
-    @pl.when(wg < 2)
+    @mg.consumers(wg)
     def _consumer():
-        plgpu.set_max_registers(mg.CONSUMER_REGISTERS, action="increase")
         q0 = tile_q0 + wg * bq
-        steps = pr.kv_steps(q0)
-        full = pr.kv_full_steps(q0, steps)
+        steps, full = pr.kv_blocks(q0)
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
         rows = (b, pl.ds(q0, bq), h)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_landed.at[wg])
@@ -106,13 +87,15 @@ def _bwd_dq_kernel(
             s = mg.mma(pr, q_smem, k_smem.at[slot], (bq, bk), transpose_b=True)
             s = s * (pr.scale * mg.LOG2E)
             if masked:
-                q_pos = mg.iota(pr, (bq, bk), 0) + (q0 + pr.offset)
-                k_pos = mg.iota(pr, (bq, bk), 1) + j * bk
-                s = jnp.where(visible(q_pos, k_pos, causal=True), s, -jnp.inf)
+                vis = mg.causal_visible(pr, (bq, bk), q0, j * bk)
+                s = jnp.where(vis, s, -jnp.inf)
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
             plgpu.barrier_wait(v_landed.at[slot])
             dp = mg.mma(pr, do_smem, v_smem.at[slot], (bq, bk), transpose_b=True)
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+            if masked:  # dP of a hidden non-finite value is NaN, and 0 · NaN too
+                ds = hide(ds, vis)
+                mg.finite_or_zero_smem(pr, k_smem.at[slot])
             dq = mg.mma_acc(pr, dq, ds.astype(pr.dtype), k_smem.at[slot])
             plgpu.barrier_arrive(kv_free.at[slot])
             return dq
@@ -126,9 +109,8 @@ def _bwd_dq_kernel(
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @mg.producer(wg)
     def _producer():
-        plgpu.set_max_registers(mg.PRODUCER_REGISTERS, action="decrease")
         kv_h = lax.div(h, jnp.int32(pr.group))
 
         def load(j, slot):
@@ -168,35 +150,16 @@ def dkv_call(q, k, v, do, lse, delta, pr: Problem) -> tuple[jax.Array, jax.Array
         functools.partial(_bwd_dkv_kernel, pr=pr, out_dtype=out_dtype),
         out=[jax.ShapeDtypeStruct(shape, out_dtype)] * 2,
         scratch=scratch,
-        grid=(pr.hq, pr.sk // (2 * pr.bk), pr.b),
-        grid_names=("heads", "kv_tiles", "batch"),
+        grid=mg.head_grid(pr, "kv_tiles", pr.sk // (2 * pr.bk)),
         name="ejkernel_flash_attention_bwd_dkv",
     )(q, k, v, do, lse, delta)
 
 
-def _bwd_dkv_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dk_ref,
-    dv_ref,
-    smem,
-    k_landed,
-    v_landed,
-    q_landed,
-    do_landed,
-    lse_landed,
-    delta_landed,
-    free,
-    *,
-    pr: Problem,
-    out_dtype: Any,
-):
+def _bwd_dkv_kernel(*refs, pr: Problem, out_dtype: Any):
     pl, plgpu = _compat.pl, _compat.plgpu()
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem, *barriers = refs
     k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *f32_out = smem
+    k_landed, v_landed, q_landed, do_landed, lse_landed, delta_landed, free = barriers
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     tile_k0 = lax.axis_index("kv_tiles") * (2 * pr.bk)
@@ -205,12 +168,10 @@ def _bwd_dkv_kernel(
     kv_h = lax.div(h, jnp.int32(pr.group))
     ring = (q_landed, do_landed, lse_landed, delta_landed)
 
-    @pl.when(wg < 2)
+    @mg.consumers(wg)
     def _consumer():
-        plgpu.set_max_registers(mg.CONSUMER_REGISTERS, action="increase")
         k0 = tile_k0 + wg * bk
-        start = pr.q_start(k0)
-        full_from = pr.q_full_start(k0, start)
+        start, full_from = pr.q_blocks(k0)
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         rows = (b, pl.ds(k0, bk), kv_h)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_landed.at[wg])
@@ -229,18 +190,22 @@ def _bwd_dkv_kernel(
             s_t = mg.mma(pr, k_smem, q_smem.at[slot], (bk, bq), transpose_b=True)
             s_t = s_t * (pr.scale * mg.LOG2E)
             if masked:
-                k_pos = mg.iota(pr, (bk, bq), 0) + k0
-                q_pos = mg.iota(pr, (bk, bq), 1) + (i * bq + pr.offset)
-                s_t = jnp.where(visible(q_pos, k_pos, causal=True), s_t, -jnp.inf)
+                vis = mg.causal_visible(pr, (bk, bq), i * bq, k0, q_axis=1)
+                s_t = jnp.where(vis, s_t, -jnp.inf)
             plgpu.barrier_wait(lse_landed.at[slot])
             lse = mg.load_row_vector(pr, lse_smem.at[slot], 0)
             p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+            if masked:  # a row's non-finite logsumexp must not reach the keys it cannot see
+                p_t = hide(p_t, vis)
             plgpu.barrier_wait(do_landed.at[slot])
             dv = mg.mma_acc(pr, dv, p_t.astype(pr.dtype), do_smem.at[slot])
             dp_t = mg.mma(pr, v_smem, do_smem.at[slot], (bk, bq), transpose_b=True)
             plgpu.barrier_wait(delta_landed.at[slot])
             delta = mg.load_row_vector(pr, delta_smem.at[slot], 0)
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+            if masked:  # likewise its Δ, and a hidden query's non-finite entries
+                ds_t = hide(ds_t, vis)
+                mg.finite_or_zero_smem(pr, q_smem.at[slot])
             dk = mg.mma_acc(pr, dk, ds_t.astype(pr.dtype), q_smem.at[slot])
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv
@@ -266,9 +231,8 @@ def _bwd_dkv_kernel(
             plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_rows])
             plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @mg.producer(wg)
     def _producer():
-        plgpu.set_max_registers(mg.PRODUCER_REGISTERS, action="decrease")
 
         def load(i, slot):
             rows = (b, pl.ds(i * bq, bq), h)

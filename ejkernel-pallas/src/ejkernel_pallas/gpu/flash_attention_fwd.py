@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel.attention_semantics import visible
 from ejkernel_pallas import _compat
 from ejkernel_pallas.gpu import _mosaic as mg
 from ejkernel_pallas.gpu import _problem as pb
@@ -70,7 +69,8 @@ def _fwd_step(
 
     ``step`` is the block's position in the ring's stream and ``end`` where the stream stops
     (the K of ``step + 1`` is awaited when it exists); ``ring`` holds the K and V slots with
-    their landed and free barriers; ``mask`` sets hidden scores to -inf; ``rows`` (default
+    their landed and free barriers; ``mask`` sets hidden scores to -inf (a partially visible
+    block: its value tile is read through ``finite_or_zero`` too); ``rows`` (default
     ``bk``) is how many leading rows of the slots the block fills (a tail step's pb.TAIL_ROWS)."""
     pl, plgpu = _compat.pl, _compat.plgpu()
     k_smem, v_smem, k_landed, v_landed, k_free, v_free = ring
@@ -83,10 +83,13 @@ def _fwd_step(
         k_tile, v_tile = k_smem.at[slot, part], v_smem.at[slot, part]
     s = mg.mma(pr, q_smem, k_tile, (pr.bq, rows), transpose_b=True, after_issue=issued)
     plgpu.barrier_arrive(k_free.at[slot])
+    # The softmax scale (base 2) folds into the exponent's argument: one FMA a logit. The
+    # running maximum is max(s) · scale only for a positive scale; otherwise scale first.
+    scale = pr.scale * mg.LOG2E
+    if pr.scale <= 0:
+        s, scale = s * scale, 1.0
     if mask is not None:
         s = mask(s)
-    # The softmax scale (base 2) folds into the exponent's argument: one FMA a logit.
-    scale = pr.scale * mg.LOG2E
     m_new = jnp.maximum(m, s.max(axis=1) * scale)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -97,6 +100,8 @@ def _fwd_step(
     acc, p16 = lax.optimization_barrier((acc, p16))
     denom, m_new = lax.optimization_barrier((denom, m_new))
     plgpu.barrier_wait(v_landed.at[slot])
+    if mask is not None:  # a partially visible block: its hidden values must not reach P·V
+        mg.finite_or_zero_smem(pr, v_tile)
     wait_other()
     nxt = step + 1
 
@@ -121,48 +126,47 @@ def fwd_call(q: jax.Array, k: jax.Array, v: jax.Array, pr: Problem) -> tuple[jax
     persistent = pr.d in PERSISTENT_FORWARD_HEAD_DIMS and not pr.causal and not pr.tail
     if persistent and pr.fwd_tiles > _sm_count(pr):
         return _fwd_persistent_call(q, k, v, pr)
-    scratch = [
-        (
-            mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q in, O out, per consumer
-            mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
-            mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
-            mg.smem(pr, (2, pr.bq), jnp.float32, tiled=False),
-        ),
-        *_fwd_barriers(pr),
-    ]
-    out_types = [
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq), jnp.float32),
-    ]
-    out, lse = mg.launch(
+    smem = (
+        mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q in, O out, per consumer
+        *_kv_ring_and_lse(pr),
+    )
+    return _fwd_launch(
         pr,
         functools.partial(_flash_attention_fwd_kernel, pr=pr),
-        out=out_types,
-        scratch=scratch,
-        grid=(pr.hq, pr.sq // (2 * pr.bq), pr.b),
-        grid_names=("heads", "q_tiles", "batch"),
+        smem,
+        grid=mg.head_grid(pr, "q_tiles", pr.sq // (2 * pr.bq)),
         name="ejkernel_flash_attention_fwd",
     )(q, k, v)
-    return out, lse
+
+
+def _kv_ring_and_lse(pr: Problem) -> tuple[Any, ...]:
+    """The K and V ring (``stages`` slots of ``bk`` rows) and the logsumexp rows per consumer."""
+    return (
+        mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
+        mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
+        mg.smem(pr, (2, pr.bq), jnp.float32, tiled=False),
+    )
+
+
+def _fwd_launch(
+    pr: Problem, body: Any, smem: tuple[Any, ...], *, grid: dict[str, int], name: str
+) -> Any:
+    """A forward kernel of ``(q, k, v) -> (out, lse)`` with scratch ``smem`` and the barriers of
+    :func:`_fwd_barriers`."""
+    out = [
+        jax.ShapeDtypeStruct((pr.b, pr.sq, pr.hq, pr.d), pr.dtype),
+        jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq), jnp.float32),
+    ]
+    scratch = [smem, *_fwd_barriers(pr)]
+    return mg.launch(pr, body, out=out, scratch=scratch, grid=grid, name=name)
 
 
 def _flash_attention_fwd_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    out_ref,
-    lse_ref,
-    smem,
-    k_landed,
-    v_landed,
-    q_landed,
-    k_free,
-    v_free,
-    *,
-    pr: Problem,
+    q_ref, k_ref, v_ref, out_ref, lse_ref, smem, *barriers, pr: Problem
 ):
     pl, plgpu = _compat.pl, _compat.plgpu()
     qo_smem2, k_smem, v_smem, lse_smem2 = smem
+    k_landed, v_landed, q_landed, k_free, v_free = barriers
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     tile_q0 = _q_tile(pr) * (2 * pr.bq)
@@ -175,12 +179,10 @@ def _flash_attention_fwd_kernel(
     issued = functools.partial(mg.schedule_barrier, pr, wg, "arrive")
     wait_other = functools.partial(mg.schedule_barrier, pr, wg, "sync")
 
-    @pl.when(wg < 2)
+    @mg.consumers(wg)
     def _consumer():
-        plgpu.set_max_registers(mg.CONSUMER_REGISTERS, action="increase")
         q0 = tile_q0 + wg * bq
-        steps = pr.kv_steps(q0)
-        full = pr.kv_full_steps(q0, steps)
+        steps, full = pr.kv_blocks(q0)
         qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_landed.at[wg])
         plgpu.barrier_wait(q_landed.at[wg])
@@ -197,9 +199,7 @@ def _flash_attention_fwd_kernel(
         ring = (k_smem, v_smem, k_landed, v_landed, k_free, v_free)
 
         def causal_mask(j: Any, s: Any) -> Any:
-            rows = mg.iota(pr, (bq, bk), 0) + (q0 + pr.offset)
-            cols = mg.iota(pr, (bq, bk), 1) + j * bk
-            return jnp.where(visible(rows, cols, causal=True), s, -jnp.inf)
+            return jnp.where(mg.causal_visible(pr, (bq, bk), q0, j * bk), s, -jnp.inf)
 
         def step(j, carry, masked: bool, rows: int | None = None):
             mask = functools.partial(causal_mask, j) if masked else None
@@ -247,9 +247,8 @@ def _flash_attention_fwd_kernel(
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @mg.producer(wg)
     def _producer():
-        plgpu.set_max_registers(mg.PRODUCER_REGISTERS, action="decrease")
         kv_h = lax.div(h, jnp.int32(pr.group))
 
         def copy(start, n, slot, rows):
@@ -291,51 +290,26 @@ def _fwd_persistent_call(
     consumer loads its next Q before writing its output (separate Q and O buffers)."""
     tiles = pr.fwd_tiles
     ctas = min(_sm_count(pr), tiles)
-    scratch = [
-        (
-            mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q, per consumer
-            mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # O, per consumer
-            mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
-            mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
-            mg.smem(pr, (2, pr.bq), jnp.float32, tiled=False),
-        ),
-        *_fwd_barriers(pr),
-    ]
-    out_types = [
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq), jnp.float32),
-    ]
-    out, lse = mg.launch(
+    smem = (
+        mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q, per consumer
+        mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # O, per consumer
+        *_kv_ring_and_lse(pr),
+    )
+    return _fwd_launch(
         pr,
         functools.partial(_fwd_persistent_kernel, pr=pr, tiles=tiles, ctas=ctas),
-        out=out_types,
-        scratch=scratch,
-        grid=(ctas,),
-        grid_names=("cta",),
+        smem,
+        grid={"cta": ctas},
         name="ejkernel_flash_attention_fwd_persistent",
     )(q, k, v)
-    return out, lse
 
 
 def _fwd_persistent_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    out_ref,
-    lse_ref,
-    smem,
-    k_landed,
-    v_landed,
-    q_landed,
-    k_free,
-    v_free,
-    *,
-    pr: Problem,
-    tiles: int,
-    ctas: int,
+    q_ref, k_ref, v_ref, out_ref, lse_ref, smem, *barriers, pr: Problem, tiles: int, ctas: int
 ):
     pl, plgpu = _compat.pl, _compat.plgpu()
     q_smem2, o_smem2, k_smem, v_smem, lse_smem2 = smem
+    k_landed, v_landed, q_landed, k_free, v_free = barriers
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     bq, bk, d, nk = pr.bq, pr.bk, pr.d, pr.nk
     q_tiles = pr.sq // (2 * bq)
@@ -351,9 +325,8 @@ def _fwd_persistent_kernel(
     issued = functools.partial(mg.schedule_barrier, pr, wg, "arrive")
     wait_other = functools.partial(mg.schedule_barrier, pr, wg, "sync")
 
-    @pl.when(wg < 2)
+    @mg.consumers(wg)
     def _consumer():
-        plgpu.set_max_registers(mg.CONSUMER_REGISTERS, action="increase")
         q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
 
         def load_q(i: Any) -> None:
@@ -401,10 +374,8 @@ def _fwd_persistent_kernel(
         lax.fori_loop(0, mine, tile, None)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @mg.producer(wg)
     def _producer():
-        plgpu.set_max_registers(mg.PRODUCER_REGISTERS, action="decrease")
-
         def load(g, slot):
             b, h, _ = tile_of(lax.div(g, jnp.int32(nk)))
             rows = (b, pl.ds(lax.rem(g, jnp.int32(nk)) * bk, bk), lax.div(h, jnp.int32(pr.group)))

@@ -3,6 +3,7 @@ budget, the kernel layout ([B, H, S_pad, D_pad]) and padded segment ids."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 from ejkernel import env
 from ejkernel.attention_semantics import Geometry, Tiling
 from ejkernel_pallas import _compat
-from ejkernel_pallas._attention import FlashAttentionConfig
+from ejkernel_pallas._attention import FlashAttentionConfig, Shapes
 
 LANES = 128
 SUBLANES = 8
@@ -22,24 +23,6 @@ BWD_BLOCKS = (256, 512)
 #: Bytes one grid step may hold in VMEM (inputs double-buffered, scratch, f32 temporaries);
 #: below the 16 MiB scoped default of v4/v5e so the compiler keeps its own headroom.
 VMEM_BUDGET = 12 * 2**20
-
-
-@attrs.frozen(kw_only=True)
-class Shapes:
-    b: int
-    sq: int
-    sk: int
-    hq: int
-    hkv: int
-    d: int
-    dv: int
-
-
-def shape_of(inv: Any) -> Shapes:
-    kw = inv.kwargs
-    b, sq, hq, d = kw["query"].shape
-    _, sk, hkv, _ = kw["key"].shape
-    return Shapes(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=kw["value"].shape[3])
 
 
 def round_up(x: int, m: int) -> int:
@@ -99,75 +82,37 @@ class Problem(Tiling):
         key: jax.Array,
         value: jax.Array,
         q_segment_ids: jax.Array | None,
-        cfg: FlashAttentionConfig | None,
+        statics: Mapping[str, Any],
         *,
         backward: bool,
-        **statics: Any,
     ) -> Problem:
-        b, sq, hq, d = query.shape
-        _, sk, hkv, _ = key.shape
-        shapes = Shapes(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=value.shape[3])
-        return cls.from_shapes(
-            shapes,
-            head_dim_padded=round_up(d, LANES),
-            dtype=query.dtype,
-            segments=q_segment_ids is not None,
-            cfg=cfg,
-            backward=backward,
-            **statics,
-        )
-
-    @classmethod
-    def from_shapes(
-        cls,
-        s: Shapes,
-        *,
-        head_dim_padded: int,
-        dtype: Any,
-        segments: bool,
-        cfg: FlashAttentionConfig | None,
-        backward: bool,
-        softmax_scale: float | None,
-        causal: bool,
-        sliding_window: tuple[int, int] | None,
-        logits_soft_cap: float | None,
-    ) -> Problem:
-        params = None
-        if cfg is not None:
-            params = cfg.bwd_params if backward else cfg.fwd_params
+        """The launch of one call, from its arrays and its statics (``cfg``,
+        ``softmax_scale``, ``causal``, ``sliding_window``, ``logits_soft_cap``; absent: the
+        defaults)."""
+        s = Shapes.of(query, key, value)
+        cfg: FlashAttentionConfig | None = statics.get("cfg")
+        params = None if cfg is None else (cfg.bwd_params if backward else cfg.fwd_params)
         default = BWD_BLOCKS if backward else FWD_BLOCKS
         pair = (
             (params.q_blocksize if params and params.q_blocksize else default[0]),
             (params.kv_blocksize if params and params.kv_blocksize else default[1]),
         )
         bq, bk = fit_blocks(pair, s, backward=backward)
-        if softmax_scale is None:
-            softmax_scale = s.d**-0.5
+        scale, cap = statics.get("softmax_scale"), statics.get("logits_soft_cap")
+        geo = Geometry.of(
+            query, key, causal=bool(statics.get("causal")), window=statics.get("sliding_window")
+        )
         return cls(
-            b=s.b,
-            sq=s.sq,
-            sk=s.sk,
-            hq=s.hq,
-            hkv=s.hkv,
-            d=s.d,
-            dv=s.dv,
-            d_pad=head_dim_padded,
+            **attrs.asdict(s),
+            d_pad=round_up(s.d, LANES),
             dv_pad=round_up(s.dv, LANES),
             bq=bq,
             bk=bk,
-            scale=float(softmax_scale),
-            cap=None if logits_soft_cap is None else float(logits_soft_cap),
-            geo=Geometry(
-                batch=s.b,
-                sq=s.sq,
-                sk=s.sk,
-                num_q_heads=s.hq,
-                num_kv_heads=s.hkv,
-                causal=bool(causal),
-                window=sliding_window,
-            ),
-            segments=segments,
-            dtype=jnp.dtype(dtype),
+            scale=float(s.d**-0.5 if scale is None else scale),
+            cap=None if cap is None else float(cap),
+            geo=geo,
+            segments=q_segment_ids is not None,
+            dtype=jnp.dtype(query.dtype),
         )
 
     @property

@@ -49,8 +49,15 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import EMPTY_ROW_LSE
-from ejkernel.plugins import BwdParams, FwdParams, defvjp
-from ejkernel_pallas._attention import FlashAttentionConfig, declined_features
+from ejkernel.plugins import defvjp
+from ejkernel_pallas._attention import (
+    FlashAttentionConfig,
+    Shapes,
+    blocks_config,
+    declined_features,
+    refuse_declined,
+    unique_configs,
+)
 from ejkernel_pallas.tpu._problem import (
     BWD_BLOCKS,
     FWD_BLOCKS,
@@ -60,7 +67,6 @@ from ejkernel_pallas.tpu._problem import (
     from_kernel_layout,
     kernel_segments,
     pad_to,
-    shape_of,
     to_kernel_layout,
 )
 from ejkernel_pallas.tpu.flash_attention_kernels import dkv_call, dq_call, fwd_call
@@ -79,31 +85,20 @@ DTYPES = ("float32", "bfloat16", "float16")
 TUNING_BLOCKS = ((128, 128), (128, 256), (256, 256), (256, 512), (512, 512), (512, 1024))
 
 
+def _fitted(fwd: tuple[int, int], bwd: tuple[int, int], inv: Any) -> FlashAttentionConfig:
+    """The config of a forward and a backward block pair, each fitted to its pass."""
+    p = Shapes.of(inv.kwargs["query"], inv.kwargs["key"], inv.kwargs["value"])
+    return blocks_config(fit_blocks(fwd, p, backward=False), fit_blocks(bwd, p, backward=True))
+
+
 def heuristic(inv: Any) -> FlashAttentionConfig:
     """Default blocks clamped to the sequences and shrunk to the VMEM budget."""
-    p = shape_of(inv)
-    fwd = fit_blocks(FWD_BLOCKS, p, backward=False)
-    bwd = fit_blocks(BWD_BLOCKS, p, backward=True)
-    return FlashAttentionConfig(
-        fwd_params=FwdParams(q_blocksize=fwd[0], kv_blocksize=fwd[1]),
-        bwd_params=BwdParams(q_blocksize=bwd[0], kv_blocksize=bwd[1]),
-    )
+    return _fitted(FWD_BLOCKS, BWD_BLOCKS, inv)
 
 
 def config_space(inv: Any) -> list[FlashAttentionConfig]:
     """The heuristic's config, then the tuning pairs that fit (duplicates after clamping once)."""
-    p = shape_of(inv)
-    configs = [heuristic(inv)]
-    for pair in TUNING_BLOCKS:
-        fwd = fit_blocks(pair, p, backward=False)
-        bwd = fit_blocks(pair, p, backward=True)
-        cfg = FlashAttentionConfig(
-            fwd_params=FwdParams(q_blocksize=fwd[0], kv_blocksize=fwd[1]),
-            bwd_params=BwdParams(q_blocksize=bwd[0], kv_blocksize=bwd[1]),
-        )
-        if cfg not in configs:
-            configs.append(cfg)
-    return configs
+    return unique_configs([heuristic(inv), *(_fitted(p, p, inv) for p in TUNING_BLOCKS)])
 
 
 def supports(inv: Any) -> bool | str:
@@ -121,25 +116,9 @@ def supports(inv: Any) -> bool | str:
     return True
 
 
-def flash_attention_pallas(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: FlashAttentionConfig | None = None,
-) -> jax.Array:
-    """Flash attention on Mosaic TPU (arguments as validated by the core spec).
+def flash_attention_pallas(*, cfg: FlashAttentionConfig | None = None, **args: Any) -> jax.Array:
+    """Flash attention on Mosaic TPU: ``ejkernel.flash_attention``'s arguments as keywords,
+    validated by the core spec.
 
     Args:
         query: [B, Sq, Hq, D].
@@ -157,7 +136,7 @@ def flash_attention_pallas(
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    out, _ = _flash_attention_fwd(**locals())
+    out, _ = _flash_attention_fwd(cfg=cfg, **args)
     return out
 
 
@@ -166,33 +145,13 @@ def _flash_attention_fwd(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: FlashAttentionConfig | None = None,
+    **statics: Any,
 ) -> tuple[jax.Array, dict[str, Any]]:
     """Forward: ``(out, residuals)``; residuals hold the kernel-layout inputs, output and lse."""
-    _refuse_declined(bias, attention_mask, softmax_aux, dropout_prob)
-    pr = Problem.of(
-        query,
-        key,
-        value,
-        q_segment_ids,
-        cfg,
-        backward=False,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
+    refuse_declined(statics)
+    pr = Problem.of(query, key, value, q_segment_ids, statics, backward=False)
     q, k, v = to_kernel_layout(query, key, value, pr)
     segs = kernel_segments(q_segment_ids, kv_segment_ids, pr)
     out, lse = fwd_call(q, k, v, segs, pr)
@@ -210,31 +169,11 @@ def _flash_attention_fwd(
 
 
 def _flash_attention_bwd(
-    residuals: dict[str, Any],
-    d_out: jax.Array,
-    *,
-    cfg: FlashAttentionConfig | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
+    residuals: dict[str, Any], d_out: jax.Array, **statics: Any
 ) -> dict[str, jax.Array | None]:
     """Backward: gradients of query, key and value (in their dtypes)."""
-    del dropout_prob  # declined in supports(): always 0 here
     query, key, value = residuals["query"], residuals["key"], residuals["value"]
-    pr = Problem.of(
-        query,
-        key,
-        value,
-        residuals["q_segment_ids"],
-        cfg,
-        backward=True,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
+    pr = Problem.of(query, key, value, residuals["q_segment_ids"], statics, backward=True)
     q, k, v = to_kernel_layout(query, key, value, pr)
     segs = kernel_segments(residuals["q_segment_ids"], residuals["kv_segment_ids"], pr)
     rows = (pr.b, pr.hq, pr.sq_pad)
@@ -246,8 +185,9 @@ def _flash_attention_bwd(
         jnp.broadcast_to(pad_to(x, rows)[..., None], (*rows, LANES)) for x in (lse, delta)
     )
     do = pad_to(jnp.swapaxes(d_out.astype(query.dtype), 1, 2), (*rows, pr.dv_pad))
-    dq = dq_call(q, k, v, do, lse, delta, segs, pr)
-    dk, dv = dkv_call(q, k, v, do, lse, delta, segs, pr)
+    inputs = (q, k, v, do, lse, delta)
+    dq = dq_call(inputs, segs, pr)
+    dk, dv = dkv_call(inputs, segs, pr)
     return {
         "query": jnp.swapaxes(dq[:, :, : pr.sq, : pr.d], 1, 2),
         "key": jnp.swapaxes(dk[:, :, : pr.sk, : pr.d], 1, 2),
@@ -256,12 +196,3 @@ def _flash_attention_bwd(
 
 
 defvjp(flash_attention_pallas, _flash_attention_fwd, _flash_attention_bwd)
-
-
-def _refuse_declined(*args: Any) -> None:
-    bias, mask, aux, dropout = args
-    if bias is not None or mask is not None or aux is not None or float(dropout or 0.0) > 0:
-        raise NotImplementedError(
-            "ejkernel_pallas flash attention: bias, attention_mask, softmax_aux and dropout are "
-            "declined by supports(); select platform='xla' for them"
-        )

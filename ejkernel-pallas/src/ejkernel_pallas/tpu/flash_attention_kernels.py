@@ -30,6 +30,34 @@ def _spec(block: tuple[Any, ...], index_map: Callable[..., Any]) -> Any:
     return _compat.pl.BlockSpec(block, index_map)
 
 
+def _by_query_block(
+    pr: Problem, segs: Any, row_widths: tuple[int, ...]
+) -> tuple[list[Any], Callable[[int], Any]]:
+    """In-specs over grid (B, Hq, nq, nk), the forward's and dQ's: Q, K, V, a ``[bq, width]``
+    block of query rows per ``row_widths``, then the segment ids; and the query-row spec (of a
+    width). Kv blocks clamp to the span query block ``i`` sees."""
+    bq, bk = pr.bq, pr.bk
+
+    def kv_block(i: Any, j: Any) -> Any:
+        first, last = kv_block_span(pr.geo, i, bq, bk, pr.nk)
+        return jnp.clip(j, first, last)
+
+    q_rows = lambda width: _spec((None, None, bq, width), lambda b, h, i, j: (b, h, i, 0))
+    kv_map = lambda b, h, i, j: (b, h // pr.group, kv_block(i, j), 0)
+    in_specs = [
+        q_rows(pr.d_pad),
+        _spec((None, None, bk, pr.d_pad), kv_map),
+        _spec((None, None, bk, pr.dv_pad), kv_map),
+        *map(q_rows, row_widths),
+    ]
+    if segs is not None:
+        in_specs += [
+            _spec((None, bq, LANES), lambda b, h, i, j: (b, i, 0)),
+            _spec((None, SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_block(i, j))),
+        ]
+    return in_specs, q_rows
+
+
 def fwd_call(
     q: jax.Array,
     k: jax.Array,
@@ -38,115 +66,49 @@ def fwd_call(
     pr: Problem,
 ) -> tuple[jax.Array, jax.Array]:
     """The forward kernel over grid (B, Hq, nq, nk): out [B, Hq, Sq_pad, Dv_pad], lse lanes."""
-    bq, bk, group = pr.bq, pr.bk, pr.group
-
-    def kv_block(i: Any, j: Any) -> Any:
-        first, last = kv_block_span(pr.geo, i, bq, bk, pr.nk)
-        return jnp.clip(j, first, last)
-
-    q_map = lambda b, h, i, j: (b, h, i, 0)
-    kv_map = lambda b, h, i, j: (b, h // group, kv_block(i, j), 0)
-    in_specs = [
-        _spec((None, None, bq, pr.d_pad), q_map),
-        _spec((None, None, bk, pr.d_pad), kv_map),
-        _spec((None, None, bk, pr.dv_pad), kv_map),
-    ]
-    args = [q, k, v]
-    if segs is not None:
-        in_specs += [
-            _spec((None, bq, LANES), lambda b, h, i, j: (b, i, 0)),
-            _spec((None, SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_block(i, j))),
-        ]
-        args += list(segs)
-    out_shape = [
-        jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq_pad, pr.dv_pad), pr.dtype),
-        jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq_pad, LANES), jnp.float32),
-    ]
-    out_specs = [
-        _spec((None, None, bq, pr.dv_pad), q_map),
-        _spec((None, None, bq, LANES), q_map),
-    ]
-    scratch = [
-        _compat.vmem((bq, LANES), jnp.float32),  # running max
-        _compat.vmem((bq, LANES), jnp.float32),  # running denominator
-        _compat.vmem((bq, pr.dv_pad), jnp.float32),  # output accumulator
-    ]
+    in_specs, q_rows = _by_query_block(pr, segs, ())
+    rows = (pr.b, pr.hq, pr.sq_pad)
     out, lse = _pallas_call(
         pr,
-        functools.partial(_flash_attention_fwd_kernel, pr=pr),
-        out_shape=out_shape,
+        _flash_attention_fwd_kernel,
+        name="ejkernel_flash_attention_fwd",
         grid=(pr.b, pr.hq, pr.nq, pr.nk),
         in_specs=in_specs,
-        out_specs=out_specs,
-        scratch_shapes=scratch,
-        compiler_params=_compat.tpu_compiler_params(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
-        ),
-        interpret=pr.interpret,
-        name="ejkernel_flash_attention_fwd",
-    )(*args)
+        out_specs=[q_rows(pr.dv_pad), q_rows(LANES)],
+        out_shape=[
+            jax.ShapeDtypeStruct((*rows, pr.dv_pad), pr.dtype),
+            jax.ShapeDtypeStruct((*rows, LANES), jnp.float32),
+        ],
+        scratch_shapes=[
+            _compat.vmem((pr.bq, LANES), jnp.float32),  # running max
+            _compat.vmem((pr.bq, LANES), jnp.float32),  # running denominator
+            _compat.vmem((pr.bq, pr.dv_pad), jnp.float32),  # output accumulator
+        ],
+    )(q, k, v, *(segs or ()))
     return out, lse
 
 
-def dq_call(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    do: jax.Array,
-    lse: jax.Array,
-    delta: jax.Array,
-    segs: tuple[jax.Array, jax.Array] | None,
-    pr: Problem,
-) -> jax.Array:
+#: The backward kernels' inputs in kernel layout: (Q, K, V, dO, logsumexp, Δ).
+BwdInputs = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+def dq_call(inputs: BwdInputs, segs: tuple[jax.Array, jax.Array] | None, pr: Problem) -> jax.Array:
     """dQ over grid (B, Hq, nq, nk): [B, Hq, Sq_pad, D_pad] in the query dtype."""
-    bq, bk, group = pr.bq, pr.bk, pr.group
-
-    def kv_block(i: Any, j: Any) -> Any:
-        first, last = kv_block_span(pr.geo, i, bq, bk, pr.nk)
-        return jnp.clip(j, first, last)
-
-    q_map = lambda b, h, i, j: (b, h, i, 0)
-    kv_map = lambda b, h, i, j: (b, h // group, kv_block(i, j), 0)
-    in_specs = [
-        _spec((None, None, bq, pr.d_pad), q_map),
-        _spec((None, None, bk, pr.d_pad), kv_map),
-        _spec((None, None, bk, pr.dv_pad), kv_map),
-        _spec((None, None, bq, pr.dv_pad), q_map),
-        _spec((None, None, bq, LANES), q_map),
-        _spec((None, None, bq, LANES), q_map),
-    ]
-    args = [q, k, v, do, lse, delta]
-    if segs is not None:
-        in_specs += [
-            _spec((None, bq, LANES), lambda b, h, i, j: (b, i, 0)),
-            _spec((None, SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_block(i, j))),
-        ]
-        args += list(segs)
+    in_specs, q_rows = _by_query_block(pr, segs, (pr.dv_pad, LANES, LANES))  # dO, lse, delta
     return _pallas_call(
         pr,
-        functools.partial(_bwd_dq_kernel, pr=pr),
-        out_shape=jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq_pad, pr.d_pad), pr.dtype),
+        _bwd_dq_kernel,
+        name="ejkernel_flash_attention_bwd_dq",
         grid=(pr.b, pr.hq, pr.nq, pr.nk),
         in_specs=in_specs,
-        out_specs=_spec((None, None, bq, pr.d_pad), q_map),
-        scratch_shapes=[_compat.vmem((bq, pr.d_pad), jnp.float32)],
-        compiler_params=_compat.tpu_compiler_params(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
-        ),
-        interpret=pr.interpret,
-        name="ejkernel_flash_attention_bwd_dq",
-    )(*args)
+        out_specs=q_rows(pr.d_pad),
+        out_shape=jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq_pad, pr.d_pad), pr.dtype),
+        scratch_shapes=[_compat.vmem((pr.bq, pr.d_pad), jnp.float32)],
+    )(*inputs, *(segs or ()))
 
 
 def dkv_call(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    do: jax.Array,
-    lse: jax.Array,
-    delta: jax.Array,
-    segs: tuple[jax.Array, jax.Array] | None,
-    pr: Problem,
+    inputs: BwdInputs, segs: tuple[jax.Array, jax.Array] | None, pr: Problem
 ) -> tuple[jax.Array, jax.Array]:
     """dK, dV over grid (B, Hkv, nk, G, nq): the G query heads of a kv head accumulate in VMEM."""
     bq, bk, group = pr.bq, pr.bk, pr.group
@@ -155,52 +117,55 @@ def dkv_call(
         first, last = q_block_span(pr.geo, j, bq, bk, pr.nq)
         return jnp.clip(i, first, last)
 
-    q_map = lambda b, h, j, g, i: (b, h * group + g, q_block(j, i), 0)
-    kv_map = lambda b, h, j, g, i: (b, h, j, 0)
+    q_rows = lambda width: _spec(
+        (None, None, bq, width), lambda b, h, j, g, i: (b, h * group + g, q_block(j, i), 0)
+    )
+    kv_rows = lambda width: _spec((None, None, bk, width), lambda b, h, j, g, i: (b, h, j, 0))
     in_specs = [
-        _spec((None, None, bq, pr.d_pad), q_map),
-        _spec((None, None, bk, pr.d_pad), kv_map),
-        _spec((None, None, bk, pr.dv_pad), kv_map),
-        _spec((None, None, bq, pr.dv_pad), q_map),
-        _spec((None, None, bq, LANES), q_map),
-        _spec((None, None, bq, LANES), q_map),
+        q_rows(pr.d_pad),
+        kv_rows(pr.d_pad),
+        kv_rows(pr.dv_pad),
+        *map(q_rows, (pr.dv_pad, LANES, LANES)),  # dO, lse, delta
     ]
-    args = [q, k, v, do, lse, delta]
     if segs is not None:
         in_specs += [
             _spec((None, bq, LANES), lambda b, h, j, g, i: (b, q_block(j, i), 0)),
             _spec((None, SUBLANES, bk), lambda b, h, j, g, i: (b, 0, j)),
         ]
-        args += list(segs)
+    rows = (pr.b, pr.hkv, pr.sk_pad)
     return _pallas_call(
         pr,
-        functools.partial(_bwd_dkv_kernel, pr=pr),
-        out_shape=[
-            jax.ShapeDtypeStruct((pr.b, pr.hkv, pr.sk_pad, pr.d_pad), pr.dtype),
-            jax.ShapeDtypeStruct((pr.b, pr.hkv, pr.sk_pad, pr.dv_pad), pr.dtype),
-        ],
+        _bwd_dkv_kernel,
+        name="ejkernel_flash_attention_bwd_dkv",
         grid=(pr.b, pr.hkv, pr.nk, group, pr.nq),
+        reduced_axes=2,
         in_specs=in_specs,
-        out_specs=[
-            _spec((None, None, bk, pr.d_pad), kv_map),
-            _spec((None, None, bk, pr.dv_pad), kv_map),
+        out_specs=[kv_rows(pr.d_pad), kv_rows(pr.dv_pad)],
+        out_shape=[
+            jax.ShapeDtypeStruct((*rows, pr.d_pad), pr.dtype),
+            jax.ShapeDtypeStruct((*rows, pr.dv_pad), pr.dtype),
         ],
         scratch_shapes=[
             _compat.vmem((bk, pr.d_pad), jnp.float32),
             _compat.vmem((bk, pr.dv_pad), jnp.float32),
         ],
-        compiler_params=_compat.tpu_compiler_params(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
-        ),
+    )(*inputs, *(segs or ()))
+
+
+def _pallas_call(
+    pr: Problem, kernel: Any, *, grid: tuple[int, ...], reduced_axes: int = 1, **kwargs: Any
+) -> Any:
+    """``pl.pallas_call`` of ``kernel`` for ``pr`` over ``grid``, whose last ``reduced_axes``
+    axes accumulate ("arbitrary"); in interpret mode made vmappable one example at a time (the
+    TPU interpreter's batching of a pallas_call fails on these block specs with jax 0.10)."""
+    semantics = ("parallel",) * (len(grid) - reduced_axes) + ("arbitrary",) * reduced_axes
+    call = _compat.pl.pallas_call(
+        functools.partial(kernel, pr=pr),
+        grid=grid,
+        compiler_params=_compat.tpu_compiler_params(dimension_semantics=semantics),
         interpret=pr.interpret,
-        name="ejkernel_flash_attention_bwd_dkv",
-    )(*args)
-
-
-def _pallas_call(pr: Problem, kernel: Any, **kwargs: Any) -> Any:
-    """``pl.pallas_call``; in interpret mode made vmappable one example at a time (the TPU
-    interpreter's batching of a pallas_call fails on these block specs with jax 0.10)."""
-    call = _compat.pl.pallas_call(kernel, **kwargs)
+        **kwargs,
+    )
     return jax.custom_batching.sequential_vmap(call) if pr.interpret else call
 
 
@@ -257,12 +222,16 @@ def _logits(q: Any, k: Any, pr: Problem) -> tuple[Any, Any]:
     return pr.cap * tanh, tanh
 
 
+def _split_refs(refs: tuple[Any, ...], inputs: int, pr: Problem) -> tuple[Any, Any, Any]:
+    """A kernel's refs as (its ``inputs`` inputs, the segment-id refs or ``(None, None)``,
+    outputs and scratch): the segment ids follow the inputs when the call has them."""
+    end = inputs + 2 * pr.segments
+    return refs[:inputs], (refs[inputs:end] or (None, None)), refs[end:]
+
+
 def _flash_attention_fwd_kernel(*refs: Any, pr: Problem) -> None:
-    if pr.segments:
-        q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
-    else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
-        qs_ref = ks_ref = None
+    (q_ref, k_ref, v_ref), (qs_ref, ks_ref), out = _split_refs(refs, 3, pr)
+    o_ref, lse_ref, m_sc, l_sc, acc_sc = out
     i, j = _compat.pl.program_id(2), _compat.pl.program_id(3)
 
     @_when(j == 0)
@@ -314,11 +283,8 @@ def _probabilities_and_ds(
 
 
 def _bwd_dq_kernel(*refs: Any, pr: Problem) -> None:
-    if pr.segments:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref, dq_sc = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc = refs
-        qs_ref = ks_ref = None
+    inputs, (qs_ref, ks_ref), (dq_ref, dq_sc) = _split_refs(refs, 6, pr)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     i, j = _compat.pl.program_id(2), _compat.pl.program_id(3)
 
     @_when(j == 0)
@@ -342,13 +308,8 @@ def _bwd_dq_kernel(*refs: Any, pr: Problem) -> None:
 
 
 def _bwd_dkv_kernel(*refs: Any, pr: Problem) -> None:
-    if pr.segments:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref) = refs[:8]
-        dk_ref, dv_ref, dk_sc, dv_sc = refs[8:]
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-        dk_ref, dv_ref, dk_sc, dv_sc = refs[6:]
-        qs_ref = ks_ref = None
+    inputs, (qs_ref, ks_ref), (dk_ref, dv_ref, dk_sc, dv_sc) = _split_refs(refs, 6, pr)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     pl = _compat.pl
     j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
