@@ -499,12 +499,15 @@ def test_nsa_hidden_nan_stays_in_the_rows_that_see_it(platform: str | None) -> N
 
 #: Kernel platforms run through their interpreters on the CPU, on the flash-attention cases whose
 #: features they implement (Pallas declines masks and sinks; the XLA plugin serves those).
-INTERPRETED = ["pallas"]
+INTERPRETED = ["pallas", "triton"]
+#: Interpreted platforms whose kernels take masks and sinks too.
+WITH_MASKS_AND_SINKS = {"triton"}
 KERNEL_CASES = [
     pytest.param(platform, case, id=f"{platform}-{case}")
     for platform in INTERPRETED
     for case, op in zip(CASES, FLASH_OPS * 3)
-    if op == "flash_attention" and not case.mask and not case.sinks
+    if op == "flash_attention"
+    and (platform in WITH_MASKS_AND_SINKS or not case.mask and not case.sinks)
 ]
 
 

@@ -18,6 +18,7 @@ from ejkernel_triton.kernels.flash_attention_common import (
     EMPTY_LSE,
     MASK_VALUE,
     _aligned,
+    _finite_or_zero,
     _head_rows,
     _key_ranges,
     _load_tile,
@@ -235,6 +236,10 @@ def flash_attention_bwd_dkdv_kernel(
         BLOCK_DV,
         True,
     )
+    # a program's K/V tile is loaded once for all its steps: cleaned once (free next to the
+    # steps), whether its masked steps or its whole ones read it
+    k = _finite_or_zero(k)
+    v = _finite_or_zero(v)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     n_hi = tl.minimum(start_n * BLOCK_N + BLOCK_N, seqlen_k)
@@ -402,6 +407,9 @@ def _bwd_dq_inner(
             BLOCK_DV,
             MASKED,
         )
+        if MASKED:
+            k = _finite_or_zero(k)
+            v = _finite_or_zero(v)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
         s = _visible(
@@ -675,8 +683,8 @@ def flash_attention_bwd_dkdv_ws_kernel(
     do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
     k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
     v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
-    k = k_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
-    v = v_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
+    k = _finite_or_zero(k_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM]))
+    v = _finite_or_zero(v_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM]))
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)

@@ -92,6 +92,18 @@ def _load_tile(
 
 
 @triton.jit
+def _finite_or_zero(x):
+    """:func:`ejkernel.attention_semantics.finite_or_zero`: NaN and ±Inf entries read as 0.
+
+    Every kernel passes the K and V tiles of the blocks it masks through it (never those of
+    the blocks every row sees whole): a probability the mask zeroes times a NaN or Inf key or
+    value (``0 · NaN``, in ``P·V``, ``dO·Vᵀ`` or ``dS·K``) would otherwise reach a row that
+    cannot see the entry. Keys loaded past the sequence end are zeros already.
+    """
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
 def _scores(qk, sm_scale, soft_cap, SOFT_CAP: tl.constexpr):
     """``(softcap(scale · qk) · log2e, tanh)``; ``tanh`` is what the soft-cap gradient needs."""
     if SOFT_CAP:

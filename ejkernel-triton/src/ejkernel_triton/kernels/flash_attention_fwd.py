@@ -17,6 +17,7 @@ from ejkernel_triton.kernels.flash_attention_common import (
     LOG2E,
     MASK_VALUE,
     _aligned,
+    _finite_or_zero,
     _head_rows,
     _key_ranges,
     _load_tile,
@@ -91,6 +92,8 @@ def _fwd_inner(
             BLOCK_D,
             MASKED,
         )
+        if MASKED:
+            k = _finite_or_zero(k)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SCALE_IN_EXP:  # nothing to mask or add: the scale rides in the exponent's FFMA
             m_new = tl.maximum(m_i, tl.max(qk, 1) * (sm_scale * LOG2E))
@@ -135,6 +138,8 @@ def _fwd_inner(
             BLOCK_DV,
             MASKED,
         )
+        if MASKED:
+            v = _finite_or_zero(v)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -357,7 +362,8 @@ def flash_attention_fwd_ws_kernel(
 
     The key loop inside masks every block when ``CAUSAL`` or a cut last block (``EVEN_K``
     false) needs it: the pass rejects a second loop, and a branch in the loop turns the
-    specialization off. Rows and blocks are addressed in 2-D views ``[B·S, H·D]``; a key block
+    specialization off. The pass also fails on any operation between a tile's TMA load and its
+    matmul, so the caller passes K and V through ``finite_or_zero`` when blocks are masked. Rows and blocks are addressed in 2-D views ``[B·S, H·D]``; a key block
     that runs into the next batch's rows is masked like one past the end, and query rows past
     ``seqlen_q`` are never stored.
     """

@@ -25,6 +25,7 @@ from ejkernel_triton.kernels.flash_attention_hopper_fwd import (
     LOADER_REGS,
     LOG2E,
     MASK_VALUE,
+    _finite_or_zero_smem,
     _head_rows,
     _tanh,
 )
@@ -208,6 +209,11 @@ def _bwd_consumer(
     v = v_smem.index(WG)
     n_ds = 0  # steps with a dQ (both consumers count the same ones)
     mbarrier.wait(kv_bar.index(WG), 0)
+    # the consumer's keys and values, once: a hidden NaN or Inf would reach dQ's rows through
+    # 0 · NaN in dPᵀ = v·dOᵀ and dQ = dS·k (the other consumer reads this K only after the
+    # first dSᵀ exchange, which follows)
+    _finite_or_zero_smem(k)
+    _finite_or_zero_smem(v)
     for it in range(n_iters):
         slot = it % STAGES
         phase = (it // STAGES) & 1

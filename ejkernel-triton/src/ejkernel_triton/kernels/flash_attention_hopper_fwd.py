@@ -59,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ejkernel_triton.kernels.flash_attention_common import _program_tile
+from ejkernel_triton.kernels.flash_attention_common import _finite_or_zero, _program_tile
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 MASK_VALUE: gl.constexpr = gl.constexpr(-1.0e30)
@@ -77,6 +77,29 @@ def _tanh(x):
     e = gl.exp2(gl.abs(x) * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
     return gl.where(x < 0.0, -t, t)
+
+
+@gluon.jit
+def _finite_or_zero_smem(tile):
+    """A K or V tile in shared memory through ``_finite_or_zero``, in place, by the 4 warps of
+    a consumer; fenced, so that the tensor cores' reads issued next see it."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    tile.store(_finite_or_zero(tile.load(layout)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _finite_or_zero_v(v, start_n, mask_from, MASKED: gl.constexpr):
+    """The V tile of the key block at ``start_n`` through ``_finite_or_zero`` where this
+    consumer masks the block (as :func:`_softmax_step`): a hidden NaN or Inf value would
+    reach its rows through ``0 · NaN`` in P·V. Both consumers read the slot; one that sees the
+    block whole may read it before or after the other cleans it, which changes only entries
+    its rows see (what a row computes from a non-finite value it sees is unspecified). The
+    keys' NaN and Inf need nothing: the score select drops them."""
+    if MASKED:  # noqa: SIM102 (a constexpr: no code at all when false)
+        if start_n >= mask_from:
+            _finite_or_zero_smem(v)
 
 
 @gluon.jit
@@ -226,6 +249,7 @@ def _consumer(
                 q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
             )
             mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            _finite_or_zero_v(v_smem.index(prev), (j - 1) * BLOCK_N, mask_from, MASKED)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done, P·V runs on
@@ -252,6 +276,7 @@ def _consumer(
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         last = (n_blocks - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        _finite_or_zero_v(v_smem.index(last), (n_blocks - 1) * BLOCK_N, mask_from, MASKED)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
