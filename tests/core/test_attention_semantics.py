@@ -507,7 +507,7 @@ KERNEL_CASES = [
     for platform in INTERPRETED
     for case, op in zip(CASES, FLASH_OPS * 3)
     if op == "flash_attention"
-    and (platform in WITH_MASKS_AND_SINKS or not case.mask and not case.sinks)
+    and (platform in WITH_MASKS_AND_SINKS or (not case.mask and not case.sinks))
 ]
 
 

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ejkernel.attention_semantics import finite_or_zero
 from ejkernel_triton import _launch
@@ -47,8 +46,7 @@ def _launch_specialized(
     *outs, _ = _launch.launch(
         kernel,
         *arrays,
-        np.float32(st.sm_scale),
-        np.float32(st.soft_cap or 1.0),
+        *st.scale_and_cap(),
         b,
         sq,
         sk,
