@@ -421,7 +421,8 @@ def segments(b: int, s: int) -> jax.Array:
 
 #: [B, Sq, Sk, Hq, Hkv, D] in the interpreter and on the GPU, the call's options, and what goes
 #: where, ``(array, batch, key, kv head, value)`` (a key below 0 counts from the end): beside
-#: the causal diagonal, inside a window, in a padding segment, and in batch 1's first keys
+#: the causal diagonal, inside a window, in another segment (a block whole by position: only
+#: the segment ids hide it) and in padding, and in batch 1's first keys
 #: (which the warp-specialized kernels read past batch 0's cut last key block; NaN only: the
 #: rows of batch 1 see them, and the interpreter stops at an ``inf - inf``).
 HIDDEN_CASES = {
@@ -441,7 +442,7 @@ HIDDEN_CASES = {
         (2, 37, 37, 2, 2, 64),
         (2, 777, 777, 4, 2, 128),
         {"segments": True},
-        [("value", 1, -1, 0, np.inf), ("key", 1, -2, 1, np.nan)],
+        [("value", 0, 5, 0, np.nan), ("key", 1, -2, 1, np.nan)],
     ),
     "cut-keys": (
         (2, 40, 37, 2, 2, 64),
@@ -465,6 +466,8 @@ HIDDEN_PARAMS = [
 
 
 @pytest.mark.parametrize(("fwd", "bwd", "name"), HIDDEN_PARAMS)
+# the interpreter's numpy warns where the dK/dV kernel makes a NaN in the poisoned key's own row
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_hidden_nan_and_inf_in_keys_and_values_reach_no_row(
     mode: str, fwd: str, bwd: str, name: str
 ) -> None:

@@ -18,7 +18,6 @@ from ejkernel_triton.kernels.flash_attention_common import (
     EMPTY_LSE,
     MASK_VALUE,
     _aligned,
-    _finite_or_zero,
     _head_rows,
     _heads,
     _key_ranges,
@@ -111,12 +110,13 @@ def flash_attention_bwd_dkdv_kernel(
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    # the program's K/V tile, loaded once for all its steps: cleaned once (free next to the
-    # steps), whether its masked steps or its whole ones read it
+    # the program's K/V tile, loaded once for all its steps and never cleaned: a non-finite
+    # entry of key j reaches only row j of dK/dV (every product here keeps keys apart), the
+    # key's own gradient; cleaning it would take shared memory for a second copy (occupancy)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
-    k = _key_tile(k_base, offs_n, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, True)
+    k = _key_tile(k_base, offs_n, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, True, False)
     v_base = V + off_b * stride_vb + off_hk * stride_vh
-    v = _key_tile(v_base, offs_n, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, True)
+    v = _key_tile(v_base, offs_n, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, True, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     ranges = _query_ranges(start_n * BLOCK_N, geo, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
@@ -294,11 +294,16 @@ def flash_attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     ranges = _key_ranges(start_m * BLOCK_M, geo, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
-        MASKED = part != 1  # a constexpr
+        MASKED = part != 1  # constexprs: a cut block; a step whose select hides keys
+        HIDES = MASKED or HAS_MASK or HAS_SEG
         for start_n in range(ranges[part], ranges[part + 1], BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
-            k = _key_tile(k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
-            v = _key_tile(v_base, cols, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
+            k = _key_tile(
+                k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED, HIDES
+            )
+            v = _key_tile(
+                v_base, cols, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES
+            )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
             s = _visible(s, offs_m[:, None], cols[None, :], geo, masks, MASKED, features)
@@ -371,8 +376,8 @@ def flash_attention_bwd_dkdv_ws_kernel(
     do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
     k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
     v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
-    k = _finite_or_zero(k_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM]))
-    v = _finite_or_zero(v_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM]))
+    k = k_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
+    v = v_desc.load([off_b * seqlen_k + start_n * BLOCK_N, off_hk * HEAD_DIM])
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)

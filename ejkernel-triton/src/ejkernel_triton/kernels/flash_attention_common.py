@@ -95,12 +95,22 @@ def _load_tile(
 def _finite_or_zero(x):
     """:func:`ejkernel.attention_semantics.finite_or_zero`: NaN and ±Inf entries read as 0.
 
-    Every kernel passes the K and V tiles of the blocks it masks through it (never those of
-    the blocks every row sees whole): a probability the mask zeroes times a NaN or Inf key or
+    Every kernel passes the K and V tiles of the steps whose scores go through the mask's
+    select through it (:func:`_finite_or_zero_if`; never on the whole blocks of a call without
+    an attention mask or segment ids): a probability the mask zeroes times a NaN or Inf key or
     value (``0 · NaN``, in ``P·V``, ``dO·Vᵀ`` or ``dS·K``) would otherwise reach a row that
     cannot see the entry. Keys loaded past the sequence end are zeros already.
     """
     return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
+def _finite_or_zero_if(x, HIDES: tl.constexpr):
+    """``x`` through :func:`_finite_or_zero` on a step that hides keys from some row (a cut
+    block: ``MASKED``; any block under an attention mask or segment ids), else as it is."""
+    if HIDES:
+        x = _finite_or_zero(x)
+    return x
 
 
 @triton.jit
@@ -113,22 +123,14 @@ def _key_tile(
     N_COLS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     MASKED: tl.constexpr,
+    HIDES: tl.constexpr,
 ):
     """The K or V tile ``[len(cols), BLOCK_COLS]`` of the keys ``cols`` (``base``: this batch
-    and head's first key; ``stride``: the key stride). On a masked step, bounds-checked and
-    through :func:`_finite_or_zero`; on a whole block, a plain load."""
-    x = _load_tile(
-        base + cols[:, None] * stride + offs[None, :],
-        cols,
-        seqlen_k,
-        offs,
-        N_COLS,
-        BLOCK_COLS,
-        MASKED,
-    )
-    if MASKED:
-        x = _finite_or_zero(x)
-    return x
+    and head's first key; ``stride``: the key stride): bounds-checked on a cut block
+    (``MASKED``), through :func:`_finite_or_zero` on a step that hides keys (``HIDES``)."""
+    ptrs = base + cols[:, None] * stride + offs[None, :]
+    x = _load_tile(ptrs, cols, seqlen_k, offs, N_COLS, BLOCK_COLS, MASKED)
+    return _finite_or_zero_if(x, HIDES)
 
 
 @triton.jit

@@ -130,10 +130,13 @@ def flash_attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     ranges = _key_ranges(start_m * BLOCK_M, geo, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
-        MASKED = part != 1  # a constexpr
+        MASKED = part != 1  # constexprs: a cut block; a step whose select hides keys
+        HIDES = MASKED or HAS_MASK or HAS_SEG
         for start_n in range(ranges[part], ranges[part + 1], BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
-            k = _key_tile(k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
+            k = _key_tile(
+                k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED, HIDES
+            )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if PLAIN_SCALE and part == 1:  # the scale rides in the exponent's FFMA
                 m_new = tl.maximum(m_i, tl.max(qk, 1) * (sm_scale * LOG2E))
@@ -146,7 +149,9 @@ def flash_attention_fwd_kernel(
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = _key_tile(v_base, cols, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
+            v = _key_tile(
+                v_base, cols, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES
+            )
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
             m_i = m_new
 

@@ -1,7 +1,7 @@
 """Flash attention backward for Hopper in Gluon: dQ, dK and dV in one kernel
 (:func:`flash_attention_bwd_gluon_kernel`) of a loader warp and two consumer warp groups, as
 FlashAttention-3's (Shah et al., 2024); the contract and the schedule are described in
-:mod:`ejkernel_triton.kernels.flash_attention_hopper_fwd`, whose constants and helpers it shares.
+:mod:`ejkernel_triton.kernels.flash_attention_hopper_fwd`, whose helpers it shares.
 """
 
 from __future__ import annotations

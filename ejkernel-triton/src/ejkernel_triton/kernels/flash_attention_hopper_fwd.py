@@ -1,8 +1,9 @@
 """Flash attention for Hopper in Gluon: the forward, scheduled as FlashAttention-3 (Shah et al.,
 2024), a loader warp and two consumer warp groups that take turns on the tensor cores. The
 backward (:mod:`ejkernel_triton.kernels.flash_attention_hopper_bwd`), dQ, dK and dV in one
-kernel of a loader warp and two consumer warp groups, shares this module's constants and
-helpers; both are described here.
+kernel of a loader warp and two consumer warp groups, shares this module's helpers (both take
+their constants and Triton helpers from :mod:`ejkernel_triton.kernels.flash_attention_common`);
+both are described here.
 
 Triton 3.6's automatic warp specialization (the ``*_ws_kernel`` functions of
 :mod:`ejkernel_triton.kernels.flash_attention_fwd` and ``flash_attention_bwd``) splits a
@@ -26,7 +27,10 @@ the ``pingpong`` variant refuses the rest, which the heuristic sends to Triton's
 ``[B, Hq, Sq]`` in the log2 domain, with ``EMPTY_LSE`` and zeros for rows that see no key, so
 the warp-specialized backward takes it as is. Rows and blocks are addressed in the 2-D views
 ``[B·S, H·D]``: a key block that runs into the next batch's rows is masked like one past the
-end, and query rows past ``seqlen_q`` are never stored.
+end, and query rows past ``seqlen_q`` are never stored. A hidden NaN or Inf key or value
+reaches no row: a consumer passes the V slot of a block it masks through ``_finite_or_zero``
+before its P·V (the score select drops the keys'); the backward's consumers clean their K and V
+once.
 
 The backward takes ``lse`` and ``delta`` as the Triton kernels do (``[B, Hq, S]``, log2
 domain), padded to whole query blocks, because its loader brings them by TMA. One program per
