@@ -110,9 +110,10 @@ def flash_attention_bwd_dkdv_kernel(
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    # the program's K/V tile, loaded once for all its steps and never cleaned: a non-finite
-    # entry of key j reaches only row j of dK/dV (every product here keeps keys apart), the
-    # key's own gradient; cleaning it would take shared memory for a second copy (occupancy)
+    # the program's K/V tile, loaded once for all its steps and never cleaned (a cleaned copy
+    # would take shared memory of its own): a non-finite entry of key j reaches only row j of
+    # dK/dV, as every product here keeps keys apart, and a step that hides keys zeroes the dS
+    # of hidden pairs, so a key no row sees gets zero gradients
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     k = _key_tile(k_base, offs_n, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, True, False)
     v_base = V + off_b * stride_vb + off_hk * stride_vh
@@ -133,7 +134,8 @@ def flash_attention_bwd_dkdv_kernel(
             seg,
         )
         for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
-            MASKED = part != 1  # a constexpr
+            MASKED = part != 1  # constexprs: a cut block; a step whose select hides keys
+            HIDES = MASKED or HAS_MASK or HAS_SEG
             for start_m in range(ranges[part], ranges[part + 1], BLOCK_M):
                 rows = start_m + tl.arange(0, BLOCK_M)
                 q_ptrs = q_base + rows[:, None] * stride_qs + offs_d[None, :]
@@ -157,6 +159,8 @@ def flash_attention_bwd_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])
                 if SOFT_CAP:
                     ds_t = ds_t * (1.0 - t_t * t_t)
+                if HIDES:  # hidden: p = 0 exactly, and dS 0 even where v or k is not finite
+                    ds_t = tl.where(p_t > 0.0, ds_t, 0.0)
                 dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
 
     dk = dk * sm_scale
