@@ -31,9 +31,7 @@ def visibility_probe_kernel(
     qi = tl.arange(0, BLOCK_Q)[:, None]
     kj = tl.arange(0, BLOCK_K)[None, :]
     s = tl.load(S + qi * BLOCK_K + kj)
-    s = _visible(
-        s, qi, kj, q_pos_offset, seqlen_q, seqlen_k, window_left, window_right,
-        Mask, Mask, QSeg, KSeg, 0, 0, BLOCK_K, 1,
-        True, CAUSAL, WINDOW, False, HAS_MASK, HAS_SEG,
-    )  # fmt: skip
+    geo = (q_pos_offset, seqlen_q, seqlen_k, window_left, window_right)
+    masks = ((Mask, 0, 0), (Mask, BLOCK_K, 1), (QSeg, KSeg))  # no bias; the mask row-major
+    s = _visible(s, qi, kj, geo, masks, True, (CAUSAL, WINDOW, False, HAS_MASK, HAS_SEG))
     tl.store(Out + qi * BLOCK_K + kj, s)

@@ -408,6 +408,125 @@ def test_a_variant_that_cannot_serve_the_call_is_refused(mode: str, fwd: str, bw
         jax.grad(lambda q: jnp.sum(f(q).astype(jnp.float32)))(q)
 
 
+# -- hidden NaN and Inf, in every mode ----------------------------------------------------------
+
+
+def segments(b: int, s: int) -> jax.Array:
+    """Two segments a batch; batch 1's last quarter is padding (-1)."""
+    seg = np.zeros((b, s), np.int32)
+    seg[:, s // 2 :] = 1
+    seg[1, s - s // 4 :] = -1
+    return jnp.asarray(seg)
+
+
+#: [B, Sq, Sk, Hq, Hkv, D] in the interpreter and on the GPU, the call's options, and what goes
+#: where, ``(array, batch, key, kv head, value)`` (a key below 0 counts from the end): beside
+#: the causal diagonal, inside a window, in another segment (a block whole by position: only
+#: the segment ids hide it) and in padding, and in batch 1's first keys
+#: (which the warp-specialized kernels read past batch 0's cut last key block; NaN only: the
+#: rows of batch 1 see them, and the interpreter stops at an ``inf - inf``).
+HIDDEN_CASES = {
+    "causal": (
+        (1, 37, 37, 2, 1, 64),
+        (1, 777, 777, 4, 1, 128),
+        {"causal": True},
+        [("value", 0, -1, 0, np.nan), ("key", 0, -3, 0, np.inf)],
+    ),
+    "window": (
+        (1, 37, 45, 4, 2, 64),
+        (1, 700, 900, 4, 2, 64),
+        {"sliding_window": (5, 2)},
+        [("value", 0, -14, 1, np.nan), ("key", 0, -15, 0, -np.inf)],
+    ),
+    "segment-padding": (
+        (2, 37, 37, 2, 2, 64),
+        (2, 777, 777, 4, 2, 128),
+        {"segments": True},
+        [("value", 0, 5, 0, np.nan), ("key", 1, -2, 1, np.nan), ("value", 1, -1, 0, np.inf)],
+    ),
+    "cut-keys": (
+        (2, 40, 37, 2, 2, 64),
+        (2, 1000, 1500, 4, 4, 128),
+        {},
+        [("value", 1, 0, 0, np.nan), ("key", 1, 1, 1, np.nan)],
+    ),
+}
+#: The variant pairs each case runs: those the interpreter runs, then the Gluon ones (GPU).
+HIDDEN_VARIANTS = [("usual", "usual"), ("warp_specialized", "warp_specialized")]
+HIDDEN_PARAMS = [
+    pytest.param(fwd, bwd, name, id=f"{fwd}-{bwd}-{name}", marks=marks)
+    for fwd, bwd, marks in [
+        *((f, b, []) for f, b in HIDDEN_VARIANTS),
+        ("pingpong", "gluon", [pytest.mark.gpu]),
+    ]
+    for name in HIDDEN_CASES
+    if fwd == "usual" or "segments" not in HIDDEN_CASES[name][2]
+    if fwd == "usual" or "sliding_window" not in HIDDEN_CASES[name][2]
+]
+
+
+@pytest.mark.parametrize(("fwd", "bwd", "name"), HIDDEN_PARAMS)
+# the interpreter's numpy warns where the dK/dV kernel makes a NaN in the poisoned key's own row
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_hidden_nan_and_inf_in_keys_and_values_reach_no_row(
+    mode: str, fwd: str, bwd: str, name: str
+) -> None:
+    """:mod:`ejkernel.attention_semantics`' rule: rows that see no planted entry give the same
+    output and dQ as on clean inputs, and keys no such row shares (a planted key no row sees
+    among them) give the same dK/dV."""
+    from ejkernel.attention_semantics import Geometry, dense_visibility
+
+    interpret, gpu, options, plants = HIDDEN_CASES[name]
+    b, sq, sk, hq, hkv, d = shape_of(mode, interpret, gpu)
+    q, k, v = inputs(mode, (b, sq, sk, hq, hkv, d), jnp.bfloat16 if fwd != "usual" else None)
+    kw = {n: x for n, x in options.items() if n != "segments"}
+    if options.get("segments"):
+        kw["q_segment_ids"] = kw["kv_segment_ids"] = segments(b, sq)
+    cfg = variant_config(mode, fwd, bwd, {"query": q, "key": k, "value": v, **kw})
+    geometry = Geometry(
+        batch=b,
+        sq=sq,
+        sk=sk,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        causal=bool(kw.get("causal")),
+        window=kw.get("sliding_window"),
+    )
+    seg = (kw.get("q_segment_ids"), kw.get("kv_segment_ids"))
+    vis = np.asarray(dense_visibility(geometry, None, *seg))  # [B, Hq, Sq, Sk]
+    planted = np.zeros((b, sk, hkv), bool)
+    bad = {"key": np.array(k, np.float32), "value": np.array(v, np.float32)}
+    for array, batch, key, head, value in plants:
+        planted[batch, key % sk, head] = True
+        bad[array][batch, key % sk, head, key % d] = value
+    k_bad, v_bad = jnp.asarray(bad["key"], k.dtype), jnp.asarray(bad["value"], v.dtype)
+    group = hq // hkv
+    sees = vis & np.repeat(planted, group, axis=2).transpose(0, 2, 1)[:, :, None, :]
+    dirty = sees.any(-1)  # [B, Hq, Sq]
+    shared = (vis & dirty[..., None]).any(2).reshape(b, hkv, group, sk).any(2)  # [B, Hkv, Sk]
+    assert (~dirty).any() and vis[~dirty].any(), "a clean row that sees something"
+    clean_rows = ~dirty.transpose(0, 2, 1)
+    # a planted key no row sees has the gradients of a clean one (zeros)
+    unseen = ~vis.reshape(b, hkv, group, sq, sk).any(axis=(2, 3)).transpose(0, 2, 1)
+    clean_keys = (~planted & ~shared.transpose(0, 2, 1)) | (planted & unseen)
+
+    def run(k: Any, v: Any) -> Any:
+        f = lambda q, k, v: ejkernel.flash_attention(q, k, v, **kw, platform="triton", cfg=cfg)
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, *vjp(normal(jax.random.PRNGKey(3), out.shape, out.dtype))
+
+    if mode == "gpu":
+        run = jax.jit(run)
+    got, want = run(k_bad, v_bad), run(k, v)
+    for what, x, x_w, where in zip(
+        ("out", "dq", "dk", "dv"), got, want, (clean_rows, clean_rows, clean_keys, clean_keys)
+    ):
+        x, x_w = np.asarray(x, np.float32)[where], np.asarray(x_w, np.float32)[where]
+        assert np.isfinite(x).all(), f"{what}: non-finite where nothing planted is seen"
+        tol = 2e-2 if mode == "gpu" else 1e-6  # the Gluon dQ's sum has no fixed order
+        np.testing.assert_allclose(x, x_w, rtol=tol, atol=tol, err_msg=what)
+
+
 # -- GPU only ---------------------------------------------------------------------------------
 
 

@@ -19,7 +19,9 @@ from ejkernel_triton.kernels.flash_attention_common import (
     MASK_VALUE,
     _aligned,
     _head_rows,
+    _heads,
     _key_ranges,
+    _key_tile,
     _load_tile,
     _program_tile,
     _query_ranges,
@@ -30,116 +32,6 @@ from ejkernel_triton.kernels.flash_attention_common import (
 )
 
 # -- backward: dK and dV ---------------------------------------------------------------------
-
-
-@triton.jit
-def _bwd_dkdv_inner(
-    dk,
-    dv,
-    k,
-    v,
-    q_base,
-    do_base,
-    lse_base,
-    delta_base,
-    lo,
-    hi,
-    offs_n,
-    offs_d,
-    offs_dv,
-    stride_qs,
-    stride_dos,
-    sm_scale,
-    soft_cap,
-    q_pos_offset,
-    seqlen_q,
-    seqlen_k,
-    window_left,
-    window_right,
-    bias_ptr,
-    mask_ptr,
-    qseg_ptr,
-    kseg_ptr,
-    stride_biasq,
-    stride_biask,
-    stride_maskq,
-    stride_maskk,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_SEG: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    for start_m in range(lo, hi, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(
-            q_base + rows[:, None] * stride_qs + offs_d[None, :],
-            rows,
-            seqlen_q,
-            offs_d,
-            HEAD_DIM,
-            BLOCK_D,
-            MASKED,
-        )
-        do = _load_tile(
-            do_base + rows[:, None] * stride_dos + offs_dv[None, :],
-            rows,
-            seqlen_q,
-            offs_dv,
-            HEAD_DIM_V,
-            BLOCK_DV,
-            MASKED,
-        )
-        if MASKED:
-            lse = tl.load(lse_base + rows, mask=rows < seqlen_q, other=EMPTY_LSE)
-            delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
-        else:
-            lse = tl.load(lse_base + rows)
-            delta = tl.load(delta_base + rows)
-        # transposed scores, [BLOCK_N, BLOCK_M]: p and ds then feed dV and dK as they are,
-        # with no transpose of a register tile (which costs a trip through shared memory)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        s_t, t_t = _scores(qk_t, sm_scale, soft_cap, SOFT_CAP)
-        s_t = _visible(
-            s_t,
-            rows[None, :],
-            offs_n[:, None],
-            q_pos_offset,
-            seqlen_q,
-            seqlen_k,
-            window_left,
-            window_right,
-            bias_ptr,
-            mask_ptr,
-            qseg_ptr,
-            kseg_ptr,
-            stride_biasq,
-            stride_biask,
-            stride_maskq,
-            stride_maskk,
-            MASKED,
-            CAUSAL,
-            WINDOW,
-            HAS_BIAS,
-            HAS_MASK,
-            HAS_SEG,
-        )
-        p_t = tl.exp2(s_t - lse[None, :])
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFT_CAP:
-            ds_t = ds_t * (1.0 - t_t * t_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
 
 
 @triton.jit
@@ -212,107 +104,64 @@ def flash_attention_bwd_dkdv_kernel(
     off_b = off_bhk // num_heads_k
     off_hk = off_bhk % num_heads_k
     group = num_heads_q // num_heads_k
-    q_pos_offset = seqlen_k - seqlen_q
+    geo = (seqlen_k - seqlen_q, seqlen_q, seqlen_k, window_left, window_right)
+    features = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)
 
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_tile(
-        K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-        offs_n,
-        seqlen_k,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        True,
-    )
-    v = _load_tile(
-        V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
-        offs_n,
-        seqlen_k,
-        offs_dv,
-        HEAD_DIM_V,
-        BLOCK_DV,
-        True,
-    )
+    # the program's K/V tile, loaded once for all its steps and never cleaned (a cleaned copy
+    # would take shared memory of its own): a non-finite entry of key j reaches only row j of
+    # dK/dV, as every product here keeps keys apart, and a step that hides keys zeroes the dS
+    # of hidden pairs, so a key no row sees gets zero gradients
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    k = _key_tile(k_base, offs_n, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, True, False)
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    v = _key_tile(v_base, offs_n, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, True, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    n_hi = tl.minimum(start_n * BLOCK_N + BLOCK_N, seqlen_k)
-    start, full_start, full_end, end = _query_ranges(
-        start_n * BLOCK_N,
-        n_hi,
-        q_pos_offset,
-        seqlen_q,
-        seqlen_k,
-        window_left,
-        window_right,
-        BLOCK_M,
-        BLOCK_N,
-        CAUSAL,
-        WINDOW,
-    )
-    qseg_ptr = QSeg + off_b * seqlen_q
-    kseg_ptr = KSeg + off_b * seqlen_k
+    ranges = _query_ranges(start_n * BLOCK_N, geo, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    seg = (QSeg + off_b * seqlen_q, KSeg + off_b * seqlen_k)
     for g in range(0, group):
         off_h = off_hk * group + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         lse_base = Lse + (off_b * num_heads_q + off_h) * seqlen_q
         delta_base = Delta + (off_b * num_heads_q + off_h) * seqlen_q
-        bias_ptr = Bias + off_b * stride_biasb + off_h * stride_biash
-        mask_ptr = Mask + off_b * stride_maskb + off_h * stride_maskh
+        masks = (
+            (Bias + off_b * stride_biasb + off_h * stride_biash, stride_biasq, stride_biask),
+            (Mask + off_b * stride_maskb + off_h * stride_maskh, stride_maskq, stride_maskk),
+            seg,
+        )
         for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
-            if part == 0:
-                lo, hi = start, full_start
-            elif part == 1:
-                lo, hi = full_start, full_end
-            else:
-                lo, hi = full_end, end
-            dk, dv = _bwd_dkdv_inner(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                do_base,
-                lse_base,
-                delta_base,
-                lo,
-                hi,
-                offs_n,
-                offs_d,
-                offs_dv,
-                stride_qs,
-                stride_dos,
-                sm_scale,
-                soft_cap,
-                q_pos_offset,
-                seqlen_q,
-                seqlen_k,
-                window_left,
-                window_right,
-                bias_ptr,
-                mask_ptr,
-                qseg_ptr,
-                kseg_ptr,
-                stride_biasq,
-                stride_biask,
-                stride_maskq,
-                stride_maskk,
-                HEAD_DIM,
-                HEAD_DIM_V,
-                BLOCK_D,
-                BLOCK_DV,
-                BLOCK_M,
-                part != 1,
-                CAUSAL,
-                WINDOW,
-                SOFT_CAP,
-                HAS_BIAS,
-                HAS_MASK,
-                HAS_SEG,
-                DOT_PRECISION,
-            )
+            MASKED = part != 1  # constexprs: a cut block; a step whose select hides keys
+            HIDES = MASKED or HAS_MASK or HAS_SEG
+            for start_m in range(ranges[part], ranges[part + 1], BLOCK_M):
+                rows = start_m + tl.arange(0, BLOCK_M)
+                q_ptrs = q_base + rows[:, None] * stride_qs + offs_d[None, :]
+                q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+                do_ptrs = do_base + rows[:, None] * stride_dos + offs_dv[None, :]
+                do = _load_tile(do_ptrs, rows, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
+                if MASKED:
+                    lse = tl.load(lse_base + rows, mask=rows < seqlen_q, other=EMPTY_LSE)
+                    delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
+                else:
+                    lse = tl.load(lse_base + rows)
+                    delta = tl.load(delta_base + rows)
+                # transposed scores, [BLOCK_N, BLOCK_M]: p and ds then feed dV and dK as they
+                # are, with no transpose of a register tile (a trip through shared memory)
+                qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+                s_t, t_t = _scores(qk_t, sm_scale, soft_cap, SOFT_CAP)
+                s_t = _visible(s_t, rows[None, :], offs_n[:, None], geo, masks, MASKED, features)
+                p_t = tl.exp2(s_t - lse[None, :])
+                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                ds_t = p_t * (dp_t - delta[None, :])
+                if SOFT_CAP:
+                    ds_t = ds_t * (1.0 - t_t * t_t)
+                if HIDES:  # hidden: p = 0 exactly, and dS 0 even where v or k is not finite
+                    ds_t = tl.where(p_t > 0.0, ds_t, 0.0)
+                dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
 
     dk = dk * sm_scale
     dk_ptrs = (
@@ -334,113 +183,6 @@ def flash_attention_bwd_dkdv_kernel(
 
 
 # -- backward: dQ (and the bias gradient) ---------------------------------------------------
-
-
-@triton.jit
-def _bwd_dq_inner(
-    dq,
-    q,
-    do,
-    lse,
-    delta,
-    k_base,
-    v_base,
-    dbias_ptr,
-    lo,
-    hi,
-    offs_m,
-    offs_d,
-    offs_dv,
-    stride_ks,
-    stride_vs,
-    sm_scale,
-    soft_cap,
-    q_pos_offset,
-    seqlen_q,
-    seqlen_k,
-    window_left,
-    window_right,
-    bias_ptr,
-    mask_ptr,
-    qseg_ptr,
-    kseg_ptr,
-    stride_biasq,
-    stride_biask,
-    stride_maskq,
-    stride_maskk,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_SEG: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(
-            k_base + cols[:, None] * stride_ks + offs_d[None, :],
-            cols,
-            seqlen_k,
-            offs_d,
-            HEAD_DIM,
-            BLOCK_D,
-            MASKED,
-        )
-        v = _load_tile(
-            v_base + cols[:, None] * stride_vs + offs_dv[None, :],
-            cols,
-            seqlen_k,
-            offs_dv,
-            HEAD_DIM_V,
-            BLOCK_DV,
-            MASKED,
-        )
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-        s = _visible(
-            s,
-            offs_m[:, None],
-            cols[None, :],
-            q_pos_offset,
-            seqlen_q,
-            seqlen_k,
-            window_left,
-            window_right,
-            bias_ptr,
-            mask_ptr,
-            qseg_ptr,
-            kseg_ptr,
-            stride_biasq,
-            stride_biask,
-            stride_maskq,
-            stride_maskk,
-            MASKED,
-            CAUSAL,
-            WINDOW,
-            HAS_BIAS,
-            HAS_MASK,
-            HAS_SEG,
-        )
-        p = tl.exp2(s - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if HAS_BIAS:
-            tl.store(
-                dbias_ptr + offs_m[:, None] * seqlen_k + cols[None, :],
-                ds,
-                mask=(offs_m[:, None] < seqlen_q) & (cols[None, :] < seqlen_k),
-            )
-        if SOFT_CAP:
-            ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq
 
 
 @triton.jit
@@ -517,10 +259,9 @@ def flash_attention_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh = _aligned(stride_dob, stride_dos, stride_doh, ALIGN)
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
-    off_b = off_bh // num_heads_q
-    off_h = off_bh % num_heads_q
-    off_hk = off_h // (num_heads_q // num_heads_k)
-    q_pos_offset = seqlen_k - seqlen_q
+    off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
+    geo = (seqlen_k - seqlen_q, seqlen_q, seqlen_k, window_left, window_right)
+    features = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -547,77 +288,41 @@ def flash_attention_bwd_dq_kernel(
     tl.store(Delta + off_bh * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
-    bias_ptr = Bias + off_b * stride_biasb + off_h * stride_biash
-    mask_ptr = Mask + off_b * stride_maskb + off_h * stride_maskh
-    qseg_ptr = QSeg + off_b * seqlen_q
-    kseg_ptr = KSeg + off_b * seqlen_k
+    masks = (
+        (Bias + off_b * stride_biasb + off_h * stride_biash, stride_biasq, stride_biask),
+        (Mask + off_b * stride_maskb + off_h * stride_maskh, stride_maskq, stride_maskk),
+        (QSeg + off_b * seqlen_q, KSeg + off_b * seqlen_k),
+    )
     dbias_ptr = DBias + off_bh.to(tl.int64) * seqlen_q * seqlen_k
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    m_hi = tl.minimum(start_m * BLOCK_M + BLOCK_M, seqlen_q)
-    start, full_start, full_end, end = _key_ranges(
-        start_m * BLOCK_M,
-        m_hi,
-        q_pos_offset,
-        seqlen_k,
-        window_left,
-        window_right,
-        BLOCK_N,
-        CAUSAL,
-        WINDOW,
-    )
+    ranges = _key_ranges(start_m * BLOCK_M, geo, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
-        if part == 0:
-            lo, hi = start, full_start
-        elif part == 1:
-            lo, hi = full_start, full_end
-        else:
-            lo, hi = full_end, end
-        dq = _bwd_dq_inner(
-            dq,
-            q,
-            do,
-            lse,
-            delta,
-            k_base,
-            v_base,
-            dbias_ptr,
-            lo,
-            hi,
-            offs_m,
-            offs_d,
-            offs_dv,
-            stride_ks,
-            stride_vs,
-            sm_scale,
-            soft_cap,
-            q_pos_offset,
-            seqlen_q,
-            seqlen_k,
-            window_left,
-            window_right,
-            bias_ptr,
-            mask_ptr,
-            qseg_ptr,
-            kseg_ptr,
-            stride_biasq,
-            stride_biask,
-            stride_maskq,
-            stride_maskk,
-            HEAD_DIM,
-            HEAD_DIM_V,
-            BLOCK_D,
-            BLOCK_DV,
-            BLOCK_N,
-            part != 1,
-            CAUSAL,
-            WINDOW,
-            SOFT_CAP,
-            HAS_BIAS,
-            HAS_MASK,
-            HAS_SEG,
-            DOT_PRECISION,
-        )
+        MASKED = part != 1  # constexprs: a cut block; a step whose select hides keys
+        HIDES = MASKED or HAS_MASK or HAS_SEG
+        for start_n in range(ranges[part], ranges[part + 1], BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            k = _key_tile(
+                k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED, HIDES
+            )
+            v = _key_tile(
+                v_base, cols, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES
+            )
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
+            s = _visible(s, offs_m[:, None], cols[None, :], geo, masks, MASKED, features)
+            p = tl.exp2(s - lse[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            if HAS_BIAS:
+                tl.store(
+                    dbias_ptr + offs_m[:, None] * seqlen_k + cols[None, :],
+                    ds,
+                    mask=(offs_m[:, None] < seqlen_q) & (cols[None, :] < seqlen_k),
+                )
+            if SOFT_CAP:
+                ds = ds * (1.0 - t * t)
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
     dq = dq * sm_scale
     dq_ptrs = (
@@ -753,9 +458,7 @@ def flash_attention_bwd_dq_ws_kernel(
     of :func:`_program_tile`.
     """
     start_m, off_bh = _program_tile(HEAD_GROUP)
-    off_b = off_bh // num_heads
-    off_h = off_bh % num_heads
-    off_hk = off_h // (num_heads // num_kv_heads)
+    off_b, off_h, off_hk = _heads(off_bh, num_heads, num_kv_heads)
     q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
     do_desc = _head_rows(DO, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
     k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)

@@ -92,6 +92,48 @@ def _load_tile(
 
 
 @triton.jit
+def _finite_or_zero(x):
+    """:func:`ejkernel.attention_semantics.finite_or_zero`: NaN and ±Inf entries read as 0.
+
+    Every kernel passes the K and V tiles of the steps whose scores go through the mask's
+    select through it (:func:`_finite_or_zero_if`; never on the whole blocks of a call without
+    an attention mask or segment ids): a probability the mask zeroes times a NaN or Inf key or
+    value (``0 · NaN``, in ``P·V``, ``dO·Vᵀ`` or ``dS·K``) would otherwise reach a row that
+    cannot see the entry. Keys loaded past the sequence end are zeros already.
+    """
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
+def _finite_or_zero_if(x, HIDES: tl.constexpr):
+    """``x`` through :func:`_finite_or_zero` on a step that hides keys from some row (a cut
+    block: ``MASKED``; any block under an attention mask or segment ids), else as it is."""
+    if HIDES:
+        x = _finite_or_zero(x)
+    return x
+
+
+@triton.jit
+def _key_tile(
+    base,
+    cols,
+    stride,
+    offs,
+    seqlen_k,
+    N_COLS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    MASKED: tl.constexpr,
+    HIDES: tl.constexpr,
+):
+    """The K or V tile ``[len(cols), BLOCK_COLS]`` of the keys ``cols`` (``base``: this batch
+    and head's first key; ``stride``: the key stride): bounds-checked on a cut block
+    (``MASKED``), through :func:`_finite_or_zero` on a step that hides keys (``HIDES``)."""
+    ptrs = base + cols[:, None] * stride + offs[None, :]
+    x = _load_tile(ptrs, cols, seqlen_k, offs, N_COLS, BLOCK_COLS, MASKED)
+    return _finite_or_zero_if(x, HIDES)
+
+
+@triton.jit
 def _scores(qk, sm_scale, soft_cap, SOFT_CAP: tl.constexpr):
     """``(softcap(scale · qk) · log2e, tanh)``; ``tanh`` is what the soft-cap gradient needs."""
     if SOFT_CAP:
@@ -104,30 +146,7 @@ def _scores(qk, sm_scale, soft_cap, SOFT_CAP: tl.constexpr):
 
 
 @triton.jit
-def _visible(
-    s,
-    qi,
-    kj,
-    q_pos_offset,
-    seqlen_q,
-    seqlen_k,
-    window_left,
-    window_right,
-    bias_ptr,
-    mask_ptr,
-    qseg_ptr,
-    kseg_ptr,
-    stride_biasq,
-    stride_biask,
-    stride_maskq,
-    stride_maskk,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_SEG: tl.constexpr,
-):
+def _visible(s, qi, kj, geo, masks, MASKED: tl.constexpr, FEATURES: tl.constexpr):
     """Add the bias and apply every mask to a tile of log2-domain scores.
 
     The visibility is :func:`ejkernel.attention_semantics.visible`, restated in Triton: query
@@ -142,10 +161,18 @@ def _visible(
 
     ``qi``/``kj`` are the query and key indices broadcast to the tile: ``rows[:, None]`` and
     ``cols[None, :]`` for a ``[queries, keys]`` tile, or the other way round for the
-    transposed tile of the dK/dV kernel. ``bias_ptr``/``mask_ptr`` point at this (batch,
-    head)'s ``[Sq, Sk]`` plane (strides may be 0 for broadcast dims); ``qseg_ptr``/``kseg_ptr``
-    at this batch's segment ids.
+    transposed tile of the dK/dV kernel. The tuples: ``geo = (q_pos_offset, seqlen_q,
+    seqlen_k, window_left, window_right)``; ``masks = ((bias_ptr, stride_biasq, stride_biask),
+    (mask_ptr, stride_maskq, stride_maskk), (qseg_ptr, kseg_ptr))``, the bias and mask at this
+    (batch, head)'s ``[Sq, Sk]`` plane (strides may be 0 for broadcast dims), the segment ids
+    at this batch's; ``FEATURES = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)``, constexprs.
     """
+    q_pos_offset, seqlen_q, seqlen_k, window_left, window_right = geo
+    bias, mask, seg = masks
+    bias_ptr, stride_biasq, stride_biask = bias
+    mask_ptr, stride_maskq, stride_maskk = mask
+    qseg_ptr, kseg_ptr = seg
+    CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG = FEATURES
     in_bounds = (qi < seqlen_q) & (kj < seqlen_k)
     if HAS_BIAS:
         b = tl.load(
@@ -181,20 +208,19 @@ def _visible(
 @triton.jit
 def _key_ranges(
     m_lo,
-    m_hi,
-    q_pos_offset,
-    seqlen_k,
-    window_left,
-    window_right,
+    geo,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
-    """Key blocks for query rows ``[m_lo, m_hi)``: ``(start, full_start, full_end, end)``.
+    """Key blocks for the query block at row ``m_lo``: ``(start, full_start, full_end, end)``.
 
     ``[start, end)`` holds every key some row sees; ``[full_start, full_end)`` (multiples of
-    ``BLOCK_N``) the blocks every row sees whole, within bounds.
+    ``BLOCK_N``) the blocks every row sees whole, within bounds. ``geo`` as :func:`_visible`'s.
     """
+    q_pos_offset, seqlen_q, seqlen_k, window_left, window_right = geo
+    m_hi = tl.minimum(m_lo + BLOCK_M, seqlen_q)
     p_first = m_lo + q_pos_offset
     p_last = m_hi - 1 + q_pos_offset
     lo = 0
@@ -209,30 +235,21 @@ def _key_ranges(
         hi = tl.minimum(hi, p_last + window_right + 1)
         full_lo = tl.maximum(full_lo, p_last - window_left)
         full_hi = tl.minimum(full_hi, p_first + window_right + 1)
-    hi = tl.maximum(hi, 0)
-    full_hi = tl.maximum(full_hi, 0)
-    start = (lo // BLOCK_N) * BLOCK_N
-    end = tl.maximum(hi, start)
-    full_start = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), end)
-    full_end = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_start), end)
-    return start, full_start, full_end, end
+    return _block_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
 
 
 @triton.jit
 def _query_ranges(
     n_lo,
-    n_hi,
-    q_pos_offset,
-    seqlen_q,
-    seqlen_k,
-    window_left,
-    window_right,
+    geo,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
-    """Query blocks for key columns ``[n_lo, n_hi)``, as :func:`_key_ranges` for queries."""
+    """Query blocks for the key block at column ``n_lo``, as :func:`_key_ranges` for queries."""
+    q_pos_offset, seqlen_q, seqlen_k, window_left, window_right = geo
+    n_hi = tl.minimum(n_lo + BLOCK_N, seqlen_k)
     lo = 0
     hi = seqlen_q
     full_lo = 0
@@ -247,13 +264,29 @@ def _query_ranges(
         full_hi = tl.minimum(full_hi, n_lo + window_left - q_pos_offset + 1)
     if n_lo + BLOCK_N > seqlen_k:  # a key block cut by the sequence end is masked everywhere
         full_hi = 0
+    return _block_ranges(lo, hi, full_lo, full_hi, BLOCK_M)
+
+
+@triton.jit
+def _block_ranges(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """``(start, full_start, full_end, end)`` in whole ``BLOCK``s from the positions some row
+    sees, ``[lo, hi)``, and those every row sees, ``[full_lo, full_hi)``: the walk's masked
+    blocks are ``[start, full_start)`` and ``[full_end, end)``."""
     hi = tl.maximum(hi, 0)
     full_hi = tl.maximum(full_hi, 0)
-    start = (lo // BLOCK_M) * BLOCK_M
+    start = (lo // BLOCK) * BLOCK
     end = tl.maximum(hi, start)
-    full_start = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, start), end)
-    full_end = tl.minimum(tl.maximum((full_hi // BLOCK_M) * BLOCK_M, full_start), end)
+    full_start = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, start), end)
+    full_end = tl.minimum(tl.maximum((full_hi // BLOCK) * BLOCK, full_start), end)
     return start, full_start, full_end, end
+
+
+@triton.jit
+def _heads(off_bh, num_heads, num_kv_heads):
+    """``(batch, query head, key head)`` of a program's ``batch · num_heads + head``."""
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    return off_b, off_h, off_h // (num_heads // num_kv_heads)
 
 
 @triton.jit
@@ -334,5 +367,5 @@ def _ws_tile(tile, num_m, heads, num_heads, num_kv_heads, CAUSAL: tl.constexpr):
     if CAUSAL:
         start_m = num_m - 1 - start_m
     off_bh = tile % heads
-    off_h = off_bh % num_heads
-    return start_m, off_bh, off_bh // num_heads, off_h, off_h // (num_heads // num_kv_heads)
+    off_b, off_h, off_hk = _heads(off_bh, num_heads, num_kv_heads)
+    return start_m, off_bh, off_b, off_h, off_hk

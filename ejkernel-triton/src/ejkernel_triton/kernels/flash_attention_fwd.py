@@ -18,7 +18,9 @@ from ejkernel_triton.kernels.flash_attention_common import (
     MASK_VALUE,
     _aligned,
     _head_rows,
+    _heads,
     _key_ranges,
+    _key_tile,
     _load_tile,
     _program_tile,
     _scores,
@@ -28,116 +30,6 @@ from ejkernel_triton.kernels.flash_attention_common import (
 )
 
 # -- forward --------------------------------------------------------------------------------
-
-
-@triton.jit
-def _fwd_inner(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_base,
-    v_base,
-    lo,
-    hi,
-    offs_m,
-    offs_d,
-    offs_dv,
-    stride_ks,
-    stride_vs,
-    sm_scale,
-    soft_cap,
-    q_pos_offset,
-    seqlen_q,
-    seqlen_k,
-    window_left,
-    window_right,
-    bias_ptr,
-    mask_ptr,
-    qseg_ptr,
-    kseg_ptr,
-    stride_biasq,
-    stride_biask,
-    stride_maskq,
-    stride_maskk,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_SEG: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    SCALE_IN_EXP: tl.constexpr,
-):
-    """The online softmax over key blocks ``[lo, hi)``. With ``SCALE_IN_EXP`` (whole blocks,
-    nothing to add or mask, no soft cap, a scale ≥ 0) the raw scores' row maximum is scaled
-    once per row and the scale rides in the exponent, ``exp2(qk · c − m)``: one FFMA a score
-    where a multiply and a subtraction were, a tenth of the loop's instructions at D 64 (where
-    the softmax's instructions bound it)."""
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(
-            k_base + cols[:, None] * stride_ks + offs_d[None, :],
-            cols,
-            seqlen_k,
-            offs_d,
-            HEAD_DIM,
-            BLOCK_D,
-            MASKED,
-        )
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if SCALE_IN_EXP:  # nothing to mask or add: the scale rides in the exponent's FFMA
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * (sm_scale * LOG2E))
-            p = tl.exp2(qk * (sm_scale * LOG2E) - m_new[:, None])
-        else:
-            s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-            s = _visible(
-                s,
-                offs_m[:, None],
-                cols[None, :],
-                q_pos_offset,
-                seqlen_q,
-                seqlen_k,
-                window_left,
-                window_right,
-                bias_ptr,
-                mask_ptr,
-                qseg_ptr,
-                kseg_ptr,
-                stride_biasq,
-                stride_biask,
-                stride_maskq,
-                stride_maskk,
-                MASKED,
-                CAUSAL,
-                WINDOW,
-                HAS_BIAS,
-                HAS_MASK,
-                HAS_SEG,
-            )
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = _load_tile(
-            v_base + cols[:, None] * stride_vs + offs_dv[None, :],
-            cols,
-            seqlen_k,
-            offs_dv,
-            HEAD_DIM_V,
-            BLOCK_DV,
-            MASKED,
-        )
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -201,16 +93,22 @@ def flash_attention_fwd_kernel(
     PLAIN_SCALE: tl.constexpr = False,
 ):
     """One program: ``BLOCK_M`` query rows of one (batch, query head). Grid ``(⌈Sq/BM⌉, B·Hq)``.
-    ``PLAIN_SCALE``: no soft cap, bias, mask or segments and a scale ≥ 0 (see ``_fwd_inner``)."""
+
+    The online softmax walks the key blocks in three parts (cut, whole, cut: see
+    ``_key_ranges``). ``PLAIN_SCALE``: no soft cap, bias, mask or segments and a scale ≥ 0;
+    then on whole blocks (nothing to mask or add) the raw scores' row maximum is scaled once
+    per row and the scale rides in the exponent, ``exp2(qk · c − m)``: one FFMA a score where
+    a multiply and a subtraction were, a tenth of the loop's instructions at D 64 (where the
+    softmax's instructions bound it).
+    """
     stride_qb, stride_qs, stride_qh = _aligned(stride_qb, stride_qs, stride_qh, ALIGN)
     stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
     stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
     stride_ob, stride_os, stride_oh = _aligned(stride_ob, stride_os, stride_oh, ALIGN)
     start_m, off_bh = _program_tile(HEAD_GROUP)
-    off_b = off_bh // num_heads_q
-    off_h = off_bh % num_heads_q
-    off_hk = off_h // (num_heads_q // num_heads_k)
-    q_pos_offset = seqlen_k - seqlen_q
+    off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
+    geo = (seqlen_k - seqlen_q, seqlen_q, seqlen_k, window_left, window_right)
+    features = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -221,77 +119,41 @@ def flash_attention_fwd_kernel(
     q = _load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
-    bias_ptr = Bias + off_b * stride_biasb + off_h * stride_biash
-    mask_ptr = Mask + off_b * stride_maskb + off_h * stride_maskh
-    qseg_ptr = QSeg + off_b * seqlen_q
-    kseg_ptr = KSeg + off_b * seqlen_k
+    masks = (
+        (Bias + off_b * stride_biasb + off_h * stride_biash, stride_biasq, stride_biask),
+        (Mask + off_b * stride_maskb + off_h * stride_maskh, stride_maskq, stride_maskk),
+        (QSeg + off_b * seqlen_q, KSeg + off_b * seqlen_k),
+    )
 
     m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    m_hi = tl.minimum(start_m * BLOCK_M + BLOCK_M, seqlen_q)
-    start, full_start, full_end, end = _key_ranges(
-        start_m * BLOCK_M,
-        m_hi,
-        q_pos_offset,
-        seqlen_k,
-        window_left,
-        window_right,
-        BLOCK_N,
-        CAUSAL,
-        WINDOW,
-    )
+    ranges = _key_ranges(start_m * BLOCK_M, geo, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     for part in tl.static_range(3):  # cut blocks, whole blocks, cut blocks
-        if part == 0:
-            lo, hi = start, full_start
-        elif part == 1:
-            lo, hi = full_start, full_end
-        else:
-            lo, hi = full_end, end
-        acc, l_i, m_i = _fwd_inner(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_base,
-            v_base,
-            lo,
-            hi,
-            offs_m,
-            offs_d,
-            offs_dv,
-            stride_ks,
-            stride_vs,
-            sm_scale,
-            soft_cap,
-            q_pos_offset,
-            seqlen_q,
-            seqlen_k,
-            window_left,
-            window_right,
-            bias_ptr,
-            mask_ptr,
-            qseg_ptr,
-            kseg_ptr,
-            stride_biasq,
-            stride_biask,
-            stride_maskq,
-            stride_maskk,
-            HEAD_DIM,
-            HEAD_DIM_V,
-            BLOCK_D,
-            BLOCK_DV,
-            BLOCK_N,
-            part != 1,
-            CAUSAL,
-            WINDOW,
-            SOFT_CAP,
-            HAS_BIAS,
-            HAS_MASK,
-            HAS_SEG,
-            DOT_PRECISION,
-            PLAIN_SCALE and part == 1,
-        )
+        MASKED = part != 1  # constexprs: a cut block; a step whose select hides keys
+        HIDES = MASKED or HAS_MASK or HAS_SEG
+        for start_n in range(ranges[part], ranges[part + 1], BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            k = _key_tile(
+                k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED, HIDES
+            )
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if PLAIN_SCALE and part == 1:  # the scale rides in the exponent's FFMA
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * (sm_scale * LOG2E))
+                p = tl.exp2(qk * (sm_scale * LOG2E) - m_new[:, None])
+            else:
+                s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
+                s = _visible(s, offs_m[:, None], cols[None, :], geo, masks, MASKED, features)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = _key_tile(
+                v_base, cols, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES
+            )
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
 
     empty = m_i <= MASK_VALUE * 0.5
     if HAS_AUX:
@@ -357,7 +219,8 @@ def flash_attention_fwd_ws_kernel(
 
     The key loop inside masks every block when ``CAUSAL`` or a cut last block (``EVEN_K``
     false) needs it: the pass rejects a second loop, and a branch in the loop turns the
-    specialization off. Rows and blocks are addressed in 2-D views ``[B·S, H·D]``; a key block
+    specialization off. The pass also fails on any operation between a tile's TMA load and its
+    matmul, so the caller passes K and V through ``finite_or_zero`` when blocks are masked. Rows and blocks are addressed in 2-D views ``[B·S, H·D]``; a key block
     that runs into the next batch's rows is masked like one past the end, and query rows past
     ``seqlen_q`` are never stored.
     """

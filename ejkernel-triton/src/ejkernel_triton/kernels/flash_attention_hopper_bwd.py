@@ -1,7 +1,7 @@
 """Flash attention backward for Hopper in Gluon: dQ, dK and dV in one kernel
 (:func:`flash_attention_bwd_gluon_kernel`) of a loader warp and two consumer warp groups, as
 FlashAttention-3's (Shah et al., 2024); the contract and the schedule are described in
-:mod:`ejkernel_triton.kernels.flash_attention_hopper_fwd`, whose constants and helpers it shares.
+:mod:`ejkernel_triton.kernels.flash_attention_hopper_fwd`, whose helpers it shares.
 """
 
 from __future__ import annotations
@@ -18,15 +18,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ejkernel_triton.kernels.flash_attention_common import _program_tile
+from ejkernel_triton.kernels.flash_attention_common import (
+    LOG2E,
+    MASK_VALUE,
+    _program_tile,
+    _tanh,
+)
 from ejkernel_triton.kernels.flash_attention_hopper_fwd import (
     CONSUMER_REGS,
     HALF,
     LOADER_REGS,
-    LOG2E,
-    MASK_VALUE,
+    _barriers,
+    _finite_or_zero_smem,
     _head_rows,
-    _tanh,
+    _operand_layout,
+    _wgmma_layout,
 )
 
 # -- backward -----------------------------------------------------------------------------------
@@ -44,9 +50,10 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _bwd_loader(descs, smem, bars, loads, n_m, n_iters, STAGES: gl.constexpr):
+def _bwd_loader(descs, smem, bars, loads, steps, STAGES: gl.constexpr):
     """The loader warp: both consumers' K and V rows once, then Q and dO of each (query head,
     query block) step into the ring."""
+    n_m, n_iters = steps
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, _ = descs
     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, _, _ = smem
     kv_bar, q_ready, do_ready, q_empty, do_empty, _, _ = bars
@@ -102,9 +109,7 @@ def _dq_issue(smem, bars, n_ds, WG: gl.constexpr):
     BLOCK_M: gl.constexpr = ds_smem.type.shape[2]
     DQ_M: gl.constexpr = dq_smem.type.shape[1]
     DQ_N: gl.constexpr = dq_smem.type.shape[2]
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_N, 16]
-    )
+    dq_layout: gl.constexpr = _wgmma_layout(DQ_N)
     buf = n_ds % 2
     mbarrier.wait(ds_ready.index(buf), (n_ds // 2) & 1)
     dq = gl.zeros([DQ_M, DQ_N], gl.float32, layout=dq_layout)
@@ -147,10 +152,10 @@ def _bwd_consumer(
     descs,
     smem,
     bars,
+    call,
     tile,
     loads,
-    n_m,
-    n_iters,
+    steps,
     WG: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
@@ -162,31 +167,17 @@ def _bwd_consumer(
     ``dV += pᵀ·dO``, ``dPᵀ = v·dOᵀ``, ``dSᵀ = pᵀ ∘ (dPᵀ − delta)``, ``dK += dSᵀ·q``; and its
     share of each step's dQ from both consumers' dSᵀ (:func:`_dq_issue`, :func:`_dq_add`)."""
     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, _ = smem
+    n_m, n_iters = steps  # query blocks per head, steps in all
     kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready, ds_empty = bars
-    (
-        dk_ptr,
-        dv_ptr,
-        sm_scale,
-        soft_cap,
-        seqlen_q,
-        seqlen_k,
-        num_kv_heads,
-        start_n,
-        m_start,
-        off_b,
-        off_hk,
-    ) = tile
+    dk_ptr, dv_ptr, sm_scale, soft_cap, seqlen_q, seqlen_k, num_kv_heads = call
+    start_n, m_start, off_b, off_hk = tile
     q_row, q_col = loads[0], loads[1]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    op_layout: gl.constexpr = _operand_layout(acc_layout)
     stat_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
@@ -208,6 +199,11 @@ def _bwd_consumer(
     v = v_smem.index(WG)
     n_ds = 0  # steps with a dQ (both consumers count the same ones)
     mbarrier.wait(kv_bar.index(WG), 0)
+    # the consumer's keys and values, once: a hidden NaN or Inf would reach dQ's rows through
+    # 0 · NaN in dPᵀ = v·dOᵀ and dQ = dS·k (the other consumer reads this K only after the
+    # first dSᵀ exchange, which follows)
+    _finite_or_zero_smem(k)
+    _finite_or_zero_smem(v)
     for it in range(n_iters):
         slot = it % STAGES
         phase = (it // STAGES) & 1
@@ -281,61 +277,6 @@ def _bwd_consumer(
 
 
 @gluon.jit
-def _bwd_consumer_0(
-    descs,
-    smem,
-    bars,
-    tile,
-    loads,
-    n_m,
-    n_iters,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    FUSE_DQ: gl.constexpr,
-):
-    _bwd_consumer(
-        descs, smem, bars, tile, loads, n_m, n_iters, 0, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ
-    )
-
-
-@gluon.jit
-def _bwd_consumer_1(
-    descs,
-    smem,
-    bars,
-    tile,
-    loads,
-    n_m,
-    n_iters,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    FUSE_DQ: gl.constexpr,
-):
-    _bwd_consumer(
-        descs, smem, bars, tile, loads, n_m, n_iters, 1, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ
-    )
-
-
-@gluon.jit
-def _bwd_loader_warp(
-    descs,
-    smem,
-    bars,
-    tile,
-    loads,
-    n_m,
-    n_iters,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    FUSE_DQ: gl.constexpr,
-):
-    _bwd_loader(descs, smem, bars, loads, n_m, n_iters, STAGES)
-
-
-@gluon.jit
 def flash_attention_bwd_gluon_kernel(
     Q,
     K,
@@ -402,22 +343,13 @@ def flash_attention_bwd_gluon_kernel(
     # dSᵀ: 2 buffers x 2 halves; dQ staging: a tile per consumer (a token one without FUSE_DQ)
     ds_smem = gl.allocate_shared_memory(dtype, [4 if FUSE_DQ else 1, HALF, BLOCK_M], ds_sl)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2 if FUSE_DQ else 1, DQ_M, DQ_N], dq_sl)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(kv_bar.index(i), count=1)
-        mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves
-        mbarrier.init(ds_empty.index(i), count=2)  # both consumers' dQ read them
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
-        mbarrier.init(do_empty.index(i), count=2)
+    kv_bar = _barriers(2, 1)
+    q_ready = _barriers(STAGES, 1)
+    do_ready = _barriers(STAGES, 1)
+    q_empty = _barriers(STAGES, 2)  # both consumers release a slot
+    do_empty = _barriers(STAGES, 2)
+    ds_ready = _barriers(2, 2)  # both consumers' halves
+    ds_empty = _barriers(2, 2)  # both consumers' dQ read them
     fence_async_shared()
 
     start_n, off_bhk = _program_tile(HEAD_GROUP)
@@ -435,37 +367,24 @@ def flash_attention_bwd_gluon_kernel(
     descs = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc)
     smem = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem)
     bars = (kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready, ds_empty)
-    tile = (
-        DK,
-        DV,
-        sm_scale,
-        soft_cap,
-        seqlen_q,
-        seqlen_k,
-        num_kv_heads,
-        start_n,
-        m_start,
-        off_b,
-        off_hk,
-    )
+    call = (DK, DV, sm_scale, soft_cap, seqlen_q, seqlen_k, num_kv_heads)
+    tile = (start_n, m_start, off_b, off_hk)
     q_row = off_b * seqlen_q + m_start * BLOCK_M
     stats0 = (off_b * num_heads + off_hk * group) * stats_len + m_start * BLOCK_M
     k_row = off_b * seqlen_k + start_n * (2 * HALF)
     loads = (q_row, off_hk * group * HEAD_DIM, k_row, off_hk * HEAD_DIM, stats0, stats_len)
+    steps = (n_m, n_iters)
     gl.warp_specialize(
-        [
+        [  # (constexprs inside a tuple variable would become tensors: spelled out each time)
             (
-                _bwd_consumer_0,
-                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ),
+                _bwd_consumer,
+                (descs, smem, bars, call, tile, loads, steps, 0, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ),
             ),
             (
-                _bwd_consumer_1,
-                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ),
+                _bwd_consumer,
+                (descs, smem, bars, call, tile, loads, steps, 1, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ),
             ),
-            (
-                _bwd_loader_warp,
-                (descs, smem, bars, tile, loads, n_m, n_iters, STAGES, CAUSAL, SOFT_CAP, FUSE_DQ),
-            ),
+            (_bwd_loader, (descs, smem, bars, loads, steps, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],

@@ -1,8 +1,9 @@
 """Flash attention for Hopper in Gluon: the forward, scheduled as FlashAttention-3 (Shah et al.,
 2024), a loader warp and two consumer warp groups that take turns on the tensor cores. The
 backward (:mod:`ejkernel_triton.kernels.flash_attention_hopper_bwd`), dQ, dK and dV in one
-kernel of a loader warp and two consumer warp groups, shares this module's constants and
-helpers; both are described here.
+kernel of a loader warp and two consumer warp groups, shares this module's helpers (both take
+their constants and Triton helpers from :mod:`ejkernel_triton.kernels.flash_attention_common`);
+both are described here.
 
 Triton 3.6's automatic warp specialization (the ``*_ws_kernel`` functions of
 :mod:`ejkernel_triton.kernels.flash_attention_fwd` and ``flash_attention_bwd``) splits a
@@ -26,7 +27,10 @@ the ``pingpong`` variant refuses the rest, which the heuristic sends to Triton's
 ``[B, Hq, Sq]`` in the log2 domain, with ``EMPTY_LSE`` and zeros for rows that see no key, so
 the warp-specialized backward takes it as is. Rows and blocks are addressed in the 2-D views
 ``[B·S, H·D]``: a key block that runs into the next batch's rows is masked like one past the
-end, and query rows past ``seqlen_q`` are never stored.
+end, and query rows past ``seqlen_q`` are never stored. A hidden NaN or Inf key or value
+reaches no row: a consumer passes the V slot of a block it masks through ``_finite_or_zero``
+before its P·V (the score select drops the keys'); the backward's consumers clean their K and V
+once.
 
 The backward takes ``lse`` and ``delta`` as the Triton kernels do (``[B, Hq, S]``, log2
 domain), padded to whole query blocks, because its loader brings them by TMA. One program per
@@ -59,24 +63,64 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ejkernel_triton.kernels.flash_attention_common import _program_tile
+from ejkernel_triton.kernels.flash_attention_common import (
+    EMPTY_LSE,
+    LOG2E,
+    MASK_VALUE,
+    _finite_or_zero,
+    _heads,
+    _program_tile,
+    _tanh,
+)
 
-LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
-MASK_VALUE: gl.constexpr = gl.constexpr(-1.0e30)
-#: as :data:`ejkernel_triton.kernels.flash_attention_common.EMPTY_LSE`
-EMPTY_LSE: gl.constexpr = gl.constexpr(3.0e38)
 #: query rows per consumer warp group (a program's tile is two of them)
 HALF: gl.constexpr = gl.constexpr(64)
 CONSUMER_REGS: gl.constexpr = gl.constexpr(240)
 LOADER_REGS: gl.constexpr = gl.constexpr(24)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """The accumulator layout of a consumer's (4 warps') matmuls with ``n`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _operand_layout(acc_layout):
+    """Registers as the left operand (P, dS) of a matmul into ``acc_layout``."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+
 @gluon.jit
-def _tanh(x):
-    """tanh through exp2, finite for any ``x`` (as the Triton kernels' ``_tanh``)."""
-    e = gl.exp2(gl.abs(x) * (-2.0 * LOG2E))
-    t = (1.0 - e) / (1.0 + e)
-    return gl.where(x < 0.0, -t, t)
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    """``n`` mbarriers in shared memory, each completing a phase at ``count`` arrivals."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+
+@gluon.jit
+def _finite_or_zero_smem(tile):
+    """A K or V tile in shared memory through ``_finite_or_zero``, in place, by the 4 warps of
+    a consumer; fenced, so that the tensor cores' reads issued next see it."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    tile.store(_finite_or_zero(tile.load(layout)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _finite_or_zero_v(v, start_n, mask_from, MASKED: gl.constexpr):
+    """The V tile of the key block at ``start_n`` through ``_finite_or_zero`` where this
+    consumer masks the block (as :func:`_softmax_step`): a hidden NaN or Inf value would
+    reach its rows through ``0 · NaN`` in P·V. Both consumers read the slot; one that sees the
+    block whole may read it before or after the other cleans it, which changes only entries
+    its rows see (what a row computes from a non-finite value it sees is unspecified). The
+    keys' NaN and Inf need nothing: the score select drops them."""
+    if MASKED:  # noqa: SIM102 (a constexpr: no code at all when false)
+        if start_n >= mask_from:
+            _finite_or_zero_smem(v)
 
 
 @gluon.jit
@@ -113,20 +157,16 @@ def _softmax_step(
     m_i,
     l_i,
     start_n,
-    mask_from,
-    offs_m,
-    offs_n,
-    q_pos_offset,
-    seqlen_k,
-    scale,
-    soft_cap,
+    tile_consts,
     SOFT_CAP: gl.constexpr,
     MASKED: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
     """One key block's online softmax of the raw scores ``s = q·kᵀ``: ``(p, alpha, m_i,
     l_i)``. The log2-domain scores are ``s · scale`` (``scale = sm_scale · log2 e``); with a
-    soft cap they are ``softcap(sm_scale · s) · log2 e``, computed here, and ``scale`` is 1."""
+    soft cap they are ``softcap(sm_scale · s) · log2 e``, computed here, and ``scale`` is 1.
+    ``tile_consts``: what the consumer's blocks share (:func:`_consumer`)."""
+    mask_from, offs_m, offs_n, q_pos_offset, seqlen_k, scale, soft_cap = tile_consts
     if SOFT_CAP:
         s = _tanh(s * (scale / (soft_cap * LOG2E))) * (soft_cap * LOG2E)
         scale = 1.0
@@ -167,13 +207,9 @@ def _consumer(
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = _operand_layout(o_layout)
     MASKED: gl.constexpr = CAUSAL or not EVEN_K
 
     q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
@@ -185,6 +221,8 @@ def _consumer(
     mask_from = seqlen_k - BLOCK_N + 1
     if CAUSAL:
         mask_from = gl.minimum(mask_from, row0 + q_pos_offset - BLOCK_N + 1)
+
+    tile_consts = (mask_from, offs_m, offs_n, q_pos_offset, seqlen_k, scale, soft_cap)
 
     m_i = gl.full([HALF], MASK_VALUE, gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -200,22 +238,7 @@ def _consumer(
         mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        p, alpha, m_i, l_i = _softmax_step(
-            s,
-            m_i,
-            l_i,
-            0,
-            mask_from,
-            offs_m,
-            offs_n,
-            q_pos_offset,
-            seqlen_k,
-            scale,
-            soft_cap,
-            SOFT_CAP,
-            MASKED,
-            CAUSAL,
-        )
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, tile_consts, SOFT_CAP, MASKED, CAUSAL)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, n_blocks):
             slot = j % STAGES
@@ -226,25 +249,13 @@ def _consumer(
                 q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
             )
             mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            _finite_or_zero_v(v_smem.index(prev), (j - 1) * BLOCK_N, mask_from, MASKED)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done, P·V runs on
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, alpha, m_i, l_i = _softmax_step(
-                s,
-                m_i,
-                l_i,
-                j * BLOCK_N,
-                mask_from,
-                offs_m,
-                offs_n,
-                q_pos_offset,
-                seqlen_k,
-                scale,
-                soft_cap,
-                SOFT_CAP,
-                MASKED,
-                CAUSAL,
+                s, m_i, l_i, j * BLOCK_N, tile_consts, SOFT_CAP, MASKED, CAUSAL
             )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -252,6 +263,7 @@ def _consumer(
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         last = (n_blocks - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        _finite_or_zero_v(v_smem.index(last), (n_blocks - 1) * BLOCK_N, mask_from, MASKED)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
@@ -274,60 +286,6 @@ def _consumer(
     )
     off_bh = off_b * num_heads + off_h
     gl.store(lse_ptr + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-
-
-# the partitions: the default one and the two workers (which share one signature)
-
-
-@gluon.jit
-def _consumer_0(
-    descs,
-    smem,
-    bars,
-    turn,
-    tile,
-    loads,
-    n_blocks,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    EVEN_K: gl.constexpr,
-):
-    _consumer(smem, bars, turn, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, EVEN_K)
-
-
-@gluon.jit
-def _consumer_1(
-    descs,
-    smem,
-    bars,
-    turn,
-    tile,
-    loads,
-    n_blocks,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    EVEN_K: gl.constexpr,
-):
-    _consumer(smem, bars, turn, tile, n_blocks, 1, STAGES, CAUSAL, SOFT_CAP, EVEN_K)
-
-
-@gluon.jit
-def _loader_warp(
-    descs,
-    smem,
-    bars,
-    turn,
-    tile,
-    loads,
-    n_blocks,
-    STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    SOFT_CAP: gl.constexpr,
-    EVEN_K: gl.constexpr,
-):
-    _loader(descs, smem, bars, loads, n_blocks, STAGES)
 
 
 @gluon.jit
@@ -377,26 +335,16 @@ def flash_attention_fwd_pingpong_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
-        mbarrier.init(v_empty.index(i), count=2)
+    q_bar = _barriers(2, 1)
+    turn = _barriers(2, 1)
+    k_ready = _barriers(STAGES, 1)
+    v_ready = _barriers(STAGES, 1)
+    k_empty = _barriers(STAGES, 2)  # both consumers release a slot
+    v_empty = _barriers(STAGES, 2)
     fence_async_shared()
 
     start_m, off_bh = _program_tile(HEAD_GROUP)
-    off_b = off_bh // num_heads
-    off_h = off_bh % num_heads
-    off_hk = off_h // (num_heads // num_kv_heads)
+    off_b, off_h, off_hk = _heads(off_bh, num_heads, num_kv_heads)
     hi = seqlen_k
     if CAUSAL:  # the last key the tile's last row sees
         hi = gl.maximum(gl.minimum(hi, (start_m + 1) * (2 * HALF) + seqlen_k - seqlen_q), 0)
@@ -409,18 +357,9 @@ def flash_attention_fwd_pingpong_kernel(
     loads = (q_row, off_h * HEAD_DIM, off_b * seqlen_k, off_hk * HEAD_DIM)
     gl.warp_specialize(
         [  # (constexprs inside a tuple variable would become tensors: spelled out each time)
-            (
-                _consumer_0,
-                (descs, smem, bars, turn, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
-            ),
-            (
-                _consumer_1,
-                (descs, smem, bars, turn, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
-            ),
-            (
-                _loader_warp,
-                (descs, smem, bars, turn, tile, loads, n_blocks, STAGES, CAUSAL, SOFT_CAP, EVEN_K),
-            ),
+            (_consumer, (smem, bars, turn, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, EVEN_K)),
+            (_consumer, (smem, bars, turn, tile, n_blocks, 1, STAGES, CAUSAL, SOFT_CAP, EVEN_K)),
+            (_loader, (descs, smem, bars, loads, n_blocks, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],

@@ -75,79 +75,43 @@ _LOG2E = 1.4426950408889634
 # -- the op ---------------------------------------------------------------------------------
 
 
-def flash_attention_triton(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: FlashAttentionConfig | None = None,
-) -> jax.Array:
-    """Exact attention through the Triton kernels (arguments as validated by the core spec).
+def flash_attention_triton(*, cfg: FlashAttentionConfig | None = None, **args: Any) -> jax.Array:
+    """Exact attention through the Triton kernels.
 
     Args:
-        query: [B, Sq, Hq, D].
-        key: [B, Sk, Hkv, D].
-        value: [B, Sk, Hkv, Dv].
-        bias: broadcastable to [B, Hq, Sq, Sk], added to the (soft-capped) logits.
-        attention_mask: bool, broadcastable to [B, Hq, Sq, Sk], True = may attend.
-        q_segment_ids: [B, Sq] int; a query sees a key when ids are equal and non-negative.
-        kv_segment_ids: [B, Sk] int.
-        softmax_aux: [Hq] or [Hq, n] sink logits, in the softmax denominator only.
-        softmax_scale: multiplies the logits (the spec fills in D ** -0.5).
-        causal: bottom-right aligned causal mask.
-        sliding_window: ``(left, right)`` or ``None``.
-        logits_soft_cap: ``cap * tanh(logits / cap)`` before bias and masking, or ``None``.
-        dropout_prob: must be 0 (:func:`supports` declines dropout).
-        dropout_seed: unused.
+        **args: the arguments of :func:`ejkernel.specs.flash_attention.flash_attention`, by
+            name, as the core spec validated them (absent ones take the spec's defaults);
+            ``dropout_prob`` must be 0 (:func:`supports` declines dropout).
         cfg: the kernel variants with their block sizes, warps and stages; ``None`` takes the
             heuristic's. A variant that cannot serve the call raises ``ValueError``.
 
     Returns:
         [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
     """
-    out, _ = _flash_attention_fwd(**locals())
+    out, _ = _flash_attention_fwd(cfg=cfg, **args)
     return out
 
 
 def _flash_attention_fwd(
-    *,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed: jax.Array | None = None,
-    cfg: FlashAttentionConfig | None = None,
+    *, cfg: FlashAttentionConfig | None = None, **args: Any
 ) -> tuple[jax.Array, dict[str, Any]]:
     """Forward: ``(out, residuals)``; residuals are the inputs, the output and the lse."""
-    del dropout_seed
-    if dropout_prob:
+    if args.get("dropout_prob"):
         raise ValueError("flash_attention (triton): dropout is not supported; use the xla platform")
-    arrays = _Arrays.of(
-        query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, softmax_aux
-    )
-    st = _Statics.of(arrays, softmax_scale, causal, sliding_window, logits_soft_cap, cfg, "fwd")
+    arrays = _Arrays.of(args)
+    st = _Statics.of(arrays, cfg, "fwd", **_static_args(args))
     out, lse = _forward_call(st, arrays.modes())(*arrays.launch_args())
     return out, {"arrays": arrays, "out": out, "lse": lse}
+
+
+def _static_args(args: dict[str, Any]) -> dict[str, Any]:
+    """The call's options the kernels take as scalars and constexprs (spec defaults filled)."""
+    return {
+        "softmax_scale": args.get("softmax_scale"),
+        "causal": args.get("causal", False),
+        "sliding_window": args.get("sliding_window"),
+        "logits_soft_cap": args.get("logits_soft_cap"),
+    }
 
 
 def _flash_attention_bwd(
@@ -155,17 +119,13 @@ def _flash_attention_bwd(
     d_out: jax.Array,
     *,
     cfg: FlashAttentionConfig | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
+    **statics: Any,
 ) -> dict[str, jax.Array | None]:
-    """Backward: gradients of query, key, value, bias (its own shape) and softmax_aux."""
-    del dropout_prob
+    """Backward: gradients of query, key, value, bias (its own shape) and softmax_aux;
+    ``statics``: the call's static arguments, by name."""
     arrays: _Arrays = residuals["arrays"]
     out, lse = residuals["out"], residuals["lse"]
-    st = _Statics.of(arrays, softmax_scale, causal, sliding_window, logits_soft_cap, cfg, "bwd")
+    st = _Statics.of(arrays, cfg, "bwd", **_static_args(statics))
     call = _backward_call(st, arrays.modes())
     dq, dk, dv, dbias, delta = call(*arrays.launch_args(), d_out, lse, out)
     grads: dict[str, jax.Array | None] = {"query": dq, "key": dk, "value": dv}
@@ -199,16 +159,22 @@ class _Statics:
     bwd_head_group: int
     scale_in_exponent: bool
 
+    def scale_and_cap(self) -> tuple[np.float32, np.float32]:
+        """The first two scalars of every kernel: the softmax scale and the soft cap (1 when
+        there is none), as np.float32 (jax-triton would pass a Python float as fp64)."""
+        return np.float32(self.sm_scale), np.float32(self.soft_cap or 1.0)
+
     @classmethod
     def of(
         cls,
         arrays: _Arrays,
+        cfg: FlashAttentionConfig | None,
+        passes: str,
+        *,
         softmax_scale: float | None,
         causal: bool,
         sliding_window: tuple[int, int] | None,
         logits_soft_cap: float | None,
-        cfg: FlashAttentionConfig | None,
-        passes: str,
     ) -> _Statics:
         query = arrays.query
         kwargs = {
@@ -278,11 +244,16 @@ class _Arrays:
     aux_dtype: Any = None
 
     @classmethod
-    def of(cls, query, key, value, bias, mask, q_seg, kv_seg, aux) -> _Arrays:
+    def of(cls, args: dict[str, Any]) -> _Arrays:
+        """From the call's arguments, by name."""
+        query, bias, aux = args["query"], args.get("bias"), args.get("softmax_aux")
+        mask, q_seg, kv_seg = (
+            args.get(n) for n in ("attention_mask", "q_segment_ids", "kv_segment_ids")
+        )
         return cls(
             query,
-            key,
-            value,
+            args["key"],
+            args["value"],
             None if bias is None else _as_4d(bias),
             None if mask is None else _as_4d(mask).astype(jnp.int8),
             None if q_seg is None else q_seg.astype(jnp.int32),
@@ -388,10 +359,8 @@ def _common(
     _, sq, hq, d = q.shape
     _, sk, hkv, dv = v.shape
     left, right = st.window or (0, 0)
-    # floats as np.float32: jax-triton would pass a Python float as fp64
     scalars = [
-        np.float32(st.sm_scale),
-        np.float32(st.soft_cap or 1.0),
+        *st.scale_and_cap(),
         sq,
         sk,
         hq,
@@ -530,54 +499,60 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             )
 
         d_pow2, dv_pow2 = pow2(q.shape[-1]), pow2(v.shape[-1])
+
+        def launch(kernel, rows, params, step, own, out_shape, grid, **extra):
+            """One of the two kernels: ``rows`` (out or delta) after the shared arrays;
+            ``step`` rows of the other sequence a loop step, ``own`` of the program's."""
+            return _launch.launch(
+                kernel,
+                *args(rows),
+                out_shape=out_shape,
+                grid=grid,
+                num_warps=params.num_warps or 4,
+                num_stages=fit_stages(
+                    params.num_stages or 2,
+                    lambda n: bwd_smem(step, own, n, d_pow2, dv_pow2, q.dtype.itemsize),
+                    step * own,
+                    bias,
+                    mask,
+                ),
+                **extra,
+                **constexprs,
+            )
+
         # dQ first: it computes delta for the dK/dV kernel
         has_bias = bias.ndim == 4
         qb, kb = clamp(st.dq.q_blocksize or 128, sq), clamp(st.dq.kv_blocksize or 32, sk)
-        dq, dbias, delta = _launch.launch(
+        dq, dbias, delta = launch(
             flash_attention_bwd_dq_kernel,
-            *args(out),
-            out_shape=[
+            out,
+            st.dq,
+            kb,
+            qb,
+            [
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq, sk) if has_bias else (1,), jnp.float32),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
             ],
-            grid=(_cdiv(sq, qb), b * hq),
-            num_warps=st.dq.num_warps or 4,
-            num_stages=fit_stages(
-                st.dq.num_stages or 2,
-                lambda n: bwd_smem(kb, qb, n, d_pow2, dv_pow2, q.dtype.itemsize),
-                qb * kb,
-                bias,
-                mask,
-            ),
+            (_cdiv(sq, qb), b * hq),
             zeroed_outputs=(1,),
             BLOCK_M=qb,
             BLOCK_N=kb,
-            **constexprs,
         )
         if st.bwd_variant == "gluon_dkdv":  # dQ and delta from the usual kernel above
             _, dk, dv = specialized.bwd_gluon(st, q, k, v, do, lse, delta, fuse_dq=False)
             return dq, dk, dv, dbias, delta
         bq, bk = clamp(st.bwd.q_blocksize or 32, sq), clamp(st.bwd.kv_blocksize or 128, sk)
-        dk, dv = _launch.launch(
+        dk, dv = launch(
             flash_attention_bwd_dkdv_kernel,
-            *args(delta),
-            out_shape=[
-                jax.ShapeDtypeStruct(k.shape, k.dtype),
-                jax.ShapeDtypeStruct(v.shape, v.dtype),
-            ],
-            grid=(_cdiv(sk, bk), b * hkv),
-            num_warps=st.bwd.num_warps or 4,
-            num_stages=fit_stages(
-                st.bwd.num_stages or 2,
-                lambda n: bwd_smem(bq, bk, n, d_pow2, dv_pow2, q.dtype.itemsize),
-                bq * bk,
-                bias,
-                mask,
-            ),
+            delta,
+            st.bwd,
+            bq,
+            bk,
+            [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            (_cdiv(sk, bk), b * hkv),
             BLOCK_M=bq,
             BLOCK_N=bk,
-            **constexprs,
         )
         return dq, dk, dv, dbias, delta
 

@@ -154,15 +154,9 @@ class Call:
 
 def fwd_problem(variant: str, call: Call) -> str | None:
     """Why forward ``variant`` cannot serve ``call`` (``None``: it can)."""
-    if variant == "usual":
-        return None
-    why = _specialized_problem(call)
-    if why or variant == "warp_specialized":
+    why = _variant_problem(variant, call)
+    if why or variant != "pingpong":
         return why
-    if call.interpreting:
-        return "Gluon kernels do not run in Triton's interpreter"
-    if not _gluon_available():
-        return "this Triton has no Gluon Hopper API"
     if call.head_dim != 128:
         return f"it takes D 128; got D {call.head_dim}"
     if call.scale <= 0:
@@ -172,6 +166,12 @@ def fwd_problem(variant: str, call: Call) -> str | None:
 
 def bwd_problem(variant: str, call: Call) -> str | None:
     """Why backward ``variant`` cannot serve ``call`` (``None``: it can)."""
+    return _variant_problem(variant, call)
+
+
+def _variant_problem(variant: str, call: Call) -> str | None:
+    """What keeps ``variant`` (of either pass) from serving ``call``: nothing for the usual
+    kernels; the Hopper kernels' limits for the others, and the Gluon ones' for Gluon's."""
     if variant == "usual":
         return None
     why = _specialized_problem(call)
@@ -203,27 +203,15 @@ def _specialized_problem(call: Call) -> str | None:
 #: them)``. The warp-specialized kernels compiled to wrong results in other block sizes and
 #: stage counts (triton 3.6); ``pingpong`` is tested in this tile only; the Gluon backward's
 #: 128 keys and 4 warps are its two consumer warp groups of 64 keys.
+_EVERY_FIELD = ("q_blocksize", "kv_blocksize", "num_warps", "num_stages")
+_WS_TILE = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
+_BWD_TILE = BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2)
 _FIXED: dict[tuple[str, str], tuple[Any, tuple[str, ...]]] = {
-    ("fwd", "warp_specialized"): (
-        FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
-        ("q_blocksize", "kv_blocksize", "num_warps", "num_stages"),
-    ),
-    ("bwd", "warp_specialized"): (
-        BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2),
-        ("q_blocksize", "kv_blocksize", "num_warps", "num_stages"),
-    ),
-    ("dq", "warp_specialized"): (
-        FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2),
-        ("q_blocksize", "kv_blocksize", "num_warps", "num_stages"),
-    ),
-    ("fwd", "pingpong"): (
-        FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3),
-        ("q_blocksize", "kv_blocksize", "num_warps", "num_stages"),
-    ),
-    ("bwd", "gluon"): (
-        BwdParams(q_blocksize=64, kv_blocksize=128, num_warps=4, num_stages=2),
-        ("kv_blocksize", "num_warps"),
-    ),
+    ("fwd", "warp_specialized"): (_WS_TILE, _EVERY_FIELD),
+    ("bwd", "warp_specialized"): (_BWD_TILE, _EVERY_FIELD),
+    ("dq", "warp_specialized"): (_WS_TILE, _EVERY_FIELD),
+    ("fwd", "pingpong"): (attrs.evolve(_WS_TILE, num_stages=3), _EVERY_FIELD),
+    ("bwd", "gluon"): (_BWD_TILE, ("kv_blocksize", "num_warps")),
 }
 _FIXED["bwd", "gluon_dkdv"] = _FIXED["bwd", "gluon"]
 
@@ -392,62 +380,56 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
     d, dv = pow2(call.head_dim), pow2(call.head_dim_v)
     size = call.dtype.itemsize
     limit = _shared_memory_limit()
+
+    def tiles(field: str, params: Any, blocks: Any, smem: Any, **fixed: Any) -> list[Any]:
+        """``base`` with ``field`` set to each of ``blocks`` whose ``smem(bq, bk, stages)``
+        fits (and the ``fixed`` fields)."""
+        return [
+            attrs.evolve(
+                base,
+                **{field: params(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)},
+                **fixed,
+            )
+            for bq, bk, w, s in blocks
+            if smem(bq, bk, s) <= limit
+        ]
+
     usual = _config(call, ("usual",), ("usual",))
     configs = [base]
-    configs += [
-        attrs.evolve(
-            base,
-            fwd_variant="usual",
-            fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s),
-            fwd_head_group=usual.fwd_head_group,
-        )
-        for bq, bk, w, s in _FWD_BLOCKS
-        if fwd_smem(bq, bk, s, d, dv, size) <= limit
-    ]
+    configs += tiles(
+        "fwd_params",
+        FwdParams,
+        _FWD_BLOCKS,
+        lambda bq, bk, s: fwd_smem(bq, bk, s, d, dv, size),
+        fwd_variant="usual",
+        fwd_head_group=usual.fwd_head_group,
+    )
+
+    def with_pass(kind: str, other: FlashAttentionConfig) -> FlashAttentionConfig:
+        return attrs.evolve(base, **{f: getattr(other, f) for f in _PASS_FIELDS[kind]})
+
     for variant in FWD_VARIANTS:
         if variant != base.fwd_variant and not fwd_problem(variant, call):
-            other = _config(call, (variant,), (base.bwd_variant,))
-            configs.append(
-                attrs.evolve(
-                    base,
-                    fwd_variant=variant,
-                    fwd_params=other.fwd_params,
-                    fwd_head_group=other.fwd_head_group,
-                )
-            )
+            configs.append(with_pass("fwd", _config(call, (variant,), (base.bwd_variant,))))
     for variant in BWD_VARIANTS:
         if variant != base.bwd_variant and not bwd_problem(variant, call):
-            other = _config(call, (base.fwd_variant,), (variant,))
-            configs.append(
-                attrs.evolve(
-                    base,
-                    bwd_variant=variant,
-                    bwd_params=other.bwd_params,
-                    dq_params=other.dq_params,
-                    bwd_head_group=other.bwd_head_group,
-                )
-            )
+            configs.append(with_pass("bwd", _config(call, (base.fwd_variant,), (variant,))))
     if base.bwd_variant == "usual":
-        configs += [
-            attrs.evolve(
-                base,
-                bwd_params=BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s),
-            )
-            for bq, bk, w, s in _BWD_BLOCKS
-            if bwd_smem(bq, bk, s, d, dv, size) <= limit
-        ]
-    if base.bwd_variant in ("usual", "gluon_dkdv"):
-        configs += [
-            attrs.evolve(
-                base,
-                dq_params=FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s),
-            )
-            for bq, bk, w, s in _DQ_BLOCKS
-            if bwd_smem(bk, bq, s, d, dv, size) <= limit
-        ]
+        configs += tiles(
+            "bwd_params", BwdParams, _BWD_BLOCKS, lambda bq, bk, s: bwd_smem(bq, bk, s, d, dv, size)
+        )
+    if base.bwd_variant in ("usual", "gluon_dkdv"):  # the dQ kernel steps over keys
+        configs += tiles(
+            "dq_params", FwdParams, _DQ_BLOCKS, lambda bq, bk, s: bwd_smem(bk, bq, s, d, dv, size)
+        )
     return list(dict.fromkeys(configs))
 
 
+#: The fields of a config that each pass's variant brings along.
+_PASS_FIELDS = {
+    "fwd": ("fwd_variant", "fwd_params", "fwd_head_group"),
+    "bwd": ("bwd_variant", "bwd_params", "dq_params", "bwd_head_group"),
+}
 #: The usual kernels' blocks the config space tries: (q rows, keys, warps, stages).
 _FWD_BLOCKS = ((128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3))
 _BWD_BLOCKS = ((64, 64, 4, 2), (32, 64, 4, 2), (128, 64, 4, 1), (64, 64, 4, 3))

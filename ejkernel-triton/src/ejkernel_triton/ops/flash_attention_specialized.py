@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ejkernel.attention_semantics import finite_or_zero
 from ejkernel_triton import _launch
 from ejkernel_triton.ops.flash_attention_config import clamp, persistent_programs
 
@@ -46,8 +46,7 @@ def _launch_specialized(
     *outs, _ = _launch.launch(
         kernel,
         *arrays,
-        np.float32(st.sm_scale),
-        np.float32(st.soft_cap or 1.0),
+        *st.scale_and_cap(),
         b,
         sq,
         sk,
@@ -70,6 +69,16 @@ def _launch_specialized(
     return outs
 
 
+def _masked_loop_kv(st: _Statics, k: jax.Array, v: jax.Array, bk: int) -> tuple[Any, Any]:
+    """K and V for a warp-specialized kernel's key loop: through ``finite_or_zero`` where the
+    loop masks its blocks (causal, or a cut last block, whose keys are the next batch's), so a
+    hidden NaN or Inf reaches no row through ``0 · NaN``. Here, not in the loop: Triton's
+    warp specialization fails on any operation between a tile's TMA load and its matmul."""
+    if st.causal or k.shape[1] % bk:
+        return finite_or_zero(k), finite_or_zero(v)
+    return k, v
+
+
 def forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[Any]:
     """Output and lse by ``flash_attention_fwd_ws_kernel``, persistent: one program per SM
     walks the (query block, batch·head) tiles."""
@@ -81,7 +90,7 @@ def forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[A
     return _launch_specialized(
         st,
         flash_attention_fwd_ws_kernel,
-        (q, k, v),
+        (q, *_masked_loop_kv(st, k, v, bk)),
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
         (min(_cdiv(sq, bq) * b * hq, persistent_programs()),),
         params,
@@ -187,7 +196,7 @@ def dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
     (dq,) = _launch_specialized(
         st,
         flash_attention_bwd_dq_ws_kernel,
-        (q, k, v, do, lse, delta),
+        (q, *_masked_loop_kv(st, k, v, bk), do, lse, delta),
         [jax.ShapeDtypeStruct(q.shape, q.dtype)],
         (blocks, b * hq),
         params,
