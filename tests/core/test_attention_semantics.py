@@ -76,15 +76,9 @@ class Case(AttentionShape):
 
     @property
     def geometry(self) -> Geometry:
-        return Geometry(
-            batch=self.b,
-            sq=self.sq,
-            sk=self.sk,
-            num_q_heads=self.hq,
-            num_kv_heads=self.hkv,
-            causal=self.causal,
-            window=self.window,
-        )
+        query = jax.ShapeDtypeStruct((self.b, self.sq, self.hq, self.d), jnp.float32)
+        key = jax.ShapeDtypeStruct((self.b, self.sk, self.hkv, self.d), jnp.float32)
+        return Geometry.of(query, key, causal=self.causal, window=self.window)
 
 
 def draw_cases(n: int, seed: int) -> list[Case]:
