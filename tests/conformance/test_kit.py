@@ -210,16 +210,11 @@ def test_every_built_in_op_declares_examples_and_invalid_changes() -> None:
 def test_the_pytest_plugin_is_registered_and_the_old_helper_names_still_import() -> None:
     eps = importlib.metadata.entry_points(group="pytest11")
     assert any(ep.value == "ejkernel.testing.pytest_plugin" for ep in eps)
-    from ejkernel.testing import (  # noqa: F401 - the names tests import since the start
-        ATTENTION_SHAPES,
-        TOLERANCES,
-        AttentionShape,
-        assert_close,
-        attention_inputs,
-        random_normal,
-    )
+    import ejkernel.testing as kit
 
-    assert attrs.has(AttentionShape) and len(ATTENTION_SHAPES) >= 3
+    old = ("TOLERANCES", "assert_close", "attention_inputs", "random_normal")  # since the start
+    assert all(hasattr(kit, name) for name in old)
+    assert attrs.has(kit.AttentionShape) and len(kit.ATTENTION_SHAPES) >= 3
 
 
 def _pytest(tmp_path: Any, *args: str) -> subprocess.CompletedProcess[str]:

@@ -35,6 +35,7 @@ from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.specs.multi_head_latent_attention import multi_head_latent_attention_reference
 from ejkernel.specs.native_sparse_attention import native_sparse_attention_reference
 from ejkernel.specs.scaled_dot_product_attention import scaled_dot_product_attention_reference
+from ejkernel.testing import AttentionShape
 
 #: Platforms whose implementations the property runs against.
 PLATFORMS = ["xla"]
@@ -45,17 +46,16 @@ REFERENCES = {
     "scaled_dot_product_attention": scaled_dot_product_attention_reference,
     "attention": attention_reference,
     "ring_attention": flash_attention_reference,
+    "blocksparse_attention": blocksparse_attention_reference,
+    "multi_head_latent_attention": multi_head_latent_attention_reference,
+    "native_sparse_attention": native_sparse_attention_reference,
 }
 
 
 @attrs.frozen(kw_only=True)
-class Case:
-    b: int
-    sq: int
-    sk: int
-    hq: int
-    hkv: int
-    d: int
+class Case(AttentionShape):
+    """An attention problem: its shape and which of the masks and options it uses."""
+
     causal: bool
     window: tuple[int, int] | None
     segments: bool
@@ -72,20 +72,13 @@ class Case:
             "cap" * (self.soft_cap is not None),
             "sinks" * self.sinks,
         ]
-        shape = f"B{self.b}-Sq{self.sq}-Sk{self.sk}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}"
-        return "-".join([shape, *(f for f in flags if f)])
+        return "-".join([super().__str__(), *(f for f in flags if f)])
 
     @property
     def geometry(self) -> Geometry:
-        return Geometry(
-            batch=self.b,
-            sq=self.sq,
-            sk=self.sk,
-            num_q_heads=self.hq,
-            num_kv_heads=self.hkv,
-            causal=self.causal,
-            window=self.window,
-        )
+        query = jax.ShapeDtypeStruct((self.b, self.sq, self.hq, self.d), jnp.float32)
+        key = jax.ShapeDtypeStruct((self.b, self.sk, self.hkv, self.d), jnp.float32)
+        return Geometry.of(query, key, causal=self.causal, window=self.window)
 
 
 def draw_cases(n: int, seed: int) -> list[Case]:
@@ -414,10 +407,7 @@ def test_blocksparse_hidden_nan_never_reaches_a_row(platform: str | None) -> Non
     hidden = ~vis.reshape(case.b, case.hkv, -1, case.sq, case.sk).all(axis=(2, 3))
     poisoned, planted = plant(arrays, hidden.transpose(0, 2, 1), rng)
     clean_rows, clean_keys, empty = row_and_key_maps(vis, planted, case.hq // case.hkv)
-    if platform is None:
-        fn = lambda **a: blocksparse_attention_reference(**a)
-    else:
-        fn = lambda **a: ejkernel.blocksparse_attention(**a, platform=platform)
+    fn = op_fn("blocksparse_attention", platform)
     kw_arrays = {n: x for n, x in kw.items() if hasattr(x, "shape")}
     statics = {n: x for n, x in kw.items() if n not in kw_arrays}
     clean = {n: jnp.asarray(x) for n, x in arrays.items()}
@@ -441,11 +431,8 @@ def test_mla_hidden_nan_stays_in_its_rows_and_batch(platform: str | None) -> Non
     poisoned = {n: x.copy() for n, x in arrays.items()}
     poisoned["key_value"][0, 13, 3] = np.nan  # batch 0, key 13: rows < 13 cannot see it
     poisoned["k_rope"][0, 17, 1] = np.inf
-    kw = {"causal": True}
-    if platform is None:
-        fn = lambda a: multi_head_latent_attention_reference(**a, **kw)
-    else:
-        fn = lambda a: ejkernel.multi_head_latent_attention(**a, **kw, platform=platform)
+    call = op_fn("multi_head_latent_attention", platform)
+    fn = lambda a: call(**a, causal=True)
 
     def out_and_grads(a: dict[str, np.ndarray]) -> Any:
         a = {n: jnp.asarray(x) for n, x in a.items()}
@@ -481,11 +468,8 @@ def test_nsa_hidden_nan_stays_in_the_rows_that_see_it(platform: str | None) -> N
     poisoned = {n: x.copy() for n, x in arrays.items()}
     poisoned["value"][0, 29, 0, 2] = np.nan  # key 29: causally hidden from queries < 29
     poisoned["key"][0, 33, 0, 5] = np.inf
-    kw = {"block_size": 4, "block_counts": 3, "window_size": 5}
-    if platform is None:
-        fn = lambda a: native_sparse_attention_reference(**a, **kw)
-    else:
-        fn = lambda a: ejkernel.native_sparse_attention(**a, **kw, platform=platform)
+    call = op_fn("native_sparse_attention", platform)
+    fn = lambda a: call(**a, block_size=4, block_counts=3, window_size=5)
 
     def out_and_dq(a: dict[str, np.ndarray]) -> Any:
         a = {n: jnp.asarray(x) for n, x in a.items()}

@@ -102,13 +102,35 @@ def mqa_batch(kv_lens: tuple[int, ...], q_lens: tuple[int, ...], num_pages: int)
 def assert_unused_slots_change_nothing(
     fn: Callable[..., Any],
     spec: OpSpec,
-    make_inputs: Callable[[Any], dict[str, Any]],
+    make_inputs: Callable[..., dict[str, Any]],
+    batch: Any,
     unused: tuple[Any, ...] = (0, GARBAGE),
+    **options: Any,
 ) -> None:
     """``fn``'s output is the same whatever the table slots past the live pages hold
-    (``make_inputs(u)`` builds the arguments with ``u`` there)."""
-    outs = [np.asarray(fn(**validated(spec, make_inputs(u)))) for u in unused]
+    (``make_inputs(batch, unused=u)`` builds the arguments with ``u`` there)."""
+    outs = [
+        np.asarray(fn(**validated(spec, make_inputs(batch, unused=u), **options))) for u in unused
+    ]
     assert all(np.array_equal(outs[0], out) for out in outs[1:])
+
+
+def explained_public_call(
+    spec: OpSpec, args: tuple[Any, ...], config_type: type, **options: Any
+) -> Any:
+    """``ejkernel.explain`` picks the XLA implementation and its heuristic config (a
+    ``config_type``) for ``args``; returns what the public function gives for them."""
+    record = ejkernel.explain(spec.name, *args, **options)
+    assert record.platform == "xla" and record.source == "heuristic"
+    assert isinstance(record.config, config_type)
+    return getattr(ejkernel, spec.name)(*args, **options)
+
+
+def synthetic(spec: OpSpec, arrays: dict[str, Any], seed: int, **options: Any) -> dict[str, Any]:
+    """The inputs ``spec`` makes for autotuning, for the shapes and dtypes of the valid call
+    ``arrays`` (with ``options``)."""
+    shapes = {k: abstract(v) for k, v in validated(spec, arrays, **options).items()}
+    return spec.make_synthetic(shapes, seed=seed)
 
 
 def error_id(x: Any) -> str | None:
@@ -121,6 +143,16 @@ def assert_rejected(spec: OpSpec, arrays: dict[str, Any], message: str) -> None:
     the op's name."""
     with pytest.raises((TypeError, ValueError), match=rf"^{spec.name}: " + message):
         getattr(ejkernel, spec.name)(**arrays)
+
+
+def assert_output_and_gradients_close(
+    out: Any, grads: dict[str, Any], expected: tuple[Any, dict[str, Any]], dtype: Any
+) -> None:
+    """``out`` is of ``dtype``; it and ``grads`` match the reference's ``expected``
+    ``(output, gradients)``."""
+    assert out.dtype == dtype
+    assert_close(out, expected[0], name="out")
+    assert_gradients_close(grads, expected[1])
 
 
 def assert_gradients_close(grads: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -146,3 +178,27 @@ def assert_bias_gradient_keeps_its_shape(
     bias = random_normal(jax.random.PRNGKey(1), bias_shape)
     _, grads = check(bias=bias, logits_soft_cap=3.0)
     assert grads["bias"].shape == bias_shape
+
+
+def padding_segments(b: int, sq: int, sk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Query and key segment ids (``[b, sq]``, ``[b, sk]``, ``sk`` >= 100) with padding (-1)
+    on both sides and, in batch row 1, a query segment (7) that has no keys."""
+    q_seg = np.full((b, sq), -1, np.int32)
+    q_seg[:, :10], q_seg[:, 10:30], q_seg[1, 30:33] = 0, 1, 7  # id 7 has no keys
+    kv_seg = np.full((b, sk), -1, np.int32)
+    kv_seg[:, :50], kv_seg[:, 50:100] = 0, 1
+    return q_seg, kv_seg
+
+
+def assert_blind_rows_are_zeros(
+    out: Any, grads: dict[str, Any], q_seg: np.ndarray, kv_seg: np.ndarray
+) -> np.ndarray:
+    """Rows of :func:`padding_segments` that see no key give zeros and zero query gradients,
+    padding keys get zero gradients, and no gradient holds NaN; returns the blind rows."""
+    blind = (q_seg < 0) | (q_seg == 7)
+    assert np.all(np.asarray(out)[blind] == 0.0)
+    assert np.all(np.asarray(grads["query"])[blind] == 0.0)
+    assert np.all(np.asarray(grads["key"])[kv_seg < 0] == 0.0)
+    for grad in grads.values():
+        assert np.all(np.isfinite(np.asarray(grad)))
+    return blind

@@ -30,6 +30,7 @@ __all__ = [
     "common_bad_inputs",
     "invocation",
     "linear_invocation",
+    "qkv",
     "synthetic_like",
 ]
 
@@ -177,6 +178,17 @@ def check_rejects(
     the op's name and matches ``match``, before any kernel runs."""
     with pytest.raises(error, match=rf"^{op.__name__}: .*{match}"):
         op(**{**valid, **changes})
+
+
+def qkv(keys: Any, sizes: tuple[int, ...], dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Random ``query``, ``key`` ``[B, S, H, Dk]`` and ``value`` ``[B, S, H, Dv]`` of ``dtype``
+    for ``sizes`` ``(B, S, H, Dk, Dv)``, drawn from ``keys[0]``, ``keys[1]``, ``keys[2]``."""
+    b, s, h, dk, dv = sizes
+    shapes = {"query": dk, "key": dk, "value": dv}
+    return {
+        name: normal(key, (b, s, h, d), dtype)
+        for key, (name, d) in zip(keys, shapes.items(), strict=False)
+    }
 
 
 def invocation(**kwargs: Any) -> Any:

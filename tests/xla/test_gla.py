@@ -30,24 +30,18 @@ DIFFERENTIABLE = ("query", "key", "value", "g", "initial_state")
 
 
 def make_inputs(
-    b: int,
-    s: int,
-    h: int,
-    dk: int,
-    dv: int,
-    *,
+    *sizes: int,
     strength: float = 1.0,
     num_states: int | None = None,
     dtype: Any = jnp.float32,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """q, k, v (``dtype``), the float32 gate ``log_sigmoid(x) · strength`` and, when asked,
+    """q, k, v of ``sizes`` (B, S, H, Dk, Dv) in ``dtype``, the float32 gate ``log_sigmoid(x) · strength`` and, when asked,
     an initial state for ``num_states`` sequences."""
+    b, s, h, dk, dv = sizes
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
     arrays: dict[str, Any] = {
-        "query": normal(keys[0], (b, s, h, dk), dtype),
-        "key": normal(keys[1], (b, s, h, dk), dtype),
-        "value": normal(keys[2], (b, s, h, dv), dtype),
+        **lc.qkv(keys, sizes, dtype),
         "g": jax.nn.log_sigmoid(normal(keys[3], (b, s, h, dk)) + 1.0) * strength,
     }
     if num_states is not None:

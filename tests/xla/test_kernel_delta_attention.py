@@ -34,25 +34,19 @@ PACKED = (2, 2, 3, 40, 40, 90)
 
 
 def inputs(
-    b: int,
-    s: int,
-    h: int,
-    dk: int,
-    dv: int,
-    *,
+    *sizes: int,
     per_channel: bool,
     states: int | None = None,
     dtype: Any = jnp.float32,
     seed: int = 0,
     decay: float = 1.0,
 ) -> dict[str, jax.Array]:
-    """Random q, k, v (never zeros), β in (0, 1), decays g ≤ 0, a random initial state."""
+    """Random q, k, v of ``sizes`` (B, S, H, Dk, Dv) (never zeros), β in (0, 1), decays g ≤ 0, a random initial state."""
+    b, s, h, dk, dv = sizes
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
     g_shape = (b, s, h, dk) if per_channel else (b, s, h)
     return {
-        "query": normal(ks[0], (b, s, h, dk), dtype),
-        "key": normal(ks[1], (b, s, h, dk), dtype),
-        "value": normal(ks[2], (b, s, h, dv), dtype),
+        **lc.qkv(ks, sizes, dtype),
         "beta": jax.nn.sigmoid(normal(ks[3], (b, s, h))).astype(dtype),
         "g": (-decay * jax.nn.softplus(normal(ks[4], g_shape))).astype(dtype),
         "initial_state": normal(ks[5], (states or b, h, dk, dv)),

@@ -34,21 +34,15 @@ DIFFERENTIABLE = ("query", "key", "value", "slopes", "initial_state")
 
 
 def make_inputs(
-    b: int,
-    s: int,
-    h: int,
-    dk: int,
-    dv: int,
-    *,
+    *sizes: int,
     num_states: int | None = None,
     dtype: Any = jnp.float32,
 ) -> dict[str, Any]:
-    """q, k, v (``dtype``), MiniMax-01 slopes of layer 3 of 8, and an initial state."""
+    """q, k, v of ``sizes`` (B, S, H, Dk, Dv) in ``dtype``, MiniMax-01 slopes of layer 3 of 8, and an initial state."""
+    _, _, h, dk, dv = sizes
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     arrays: dict[str, Any] = {
-        "query": normal(keys[0], (b, s, h, dk), dtype),
-        "key": normal(keys[1], (b, s, h, dk), dtype),
-        "value": normal(keys[2], (b, s, h, dv), dtype),
+        **lc.qkv(keys, sizes, dtype),
         "slopes": jnp.asarray(lightning_slopes(h, 3, 8)),
     }
     if num_states is not None:

@@ -45,6 +45,9 @@ MQA = PagedBatch(
     kv_lens=(129, 16, 2, 64), hq=4, hkv=1, d=32, page_size=16, max_pages=10, num_pages=33
 )
 
+#: Blocks of two pages, three a step.
+SMALL = PageAttentionConfig(fwd_params=FwdParams(kv_blocksize=10), blocks_per_step=3)
+
 
 def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE) -> dict[str, Any]:
     """The batch's arguments from the shared cases (hostile tables, NaN in unowned slots)."""
@@ -70,16 +73,12 @@ def test_output_matches_the_reference_for_every_batch(batch: PagedBatch) -> None
     [
         {"sliding_window": 0},
         {"sliding_window": (7, 0), "logits_soft_cap": 2.0, "softmax_scale": 0.5},
+        {"cfg": SMALL, "sliding_window": (12, 0), "logits_soft_cap": 3.0},
     ],
-    ids=["window-0", "window-7-0-softcap-scale"],
+    ids=["window-0", "window-7-0-softcap-scale", "small-blocks-window-softcap"],
 )
-def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
+def test_every_option_and_small_blocks_match_the_reference(options: dict[str, Any]) -> None:
     check(GQA, **options)
-
-
-def test_small_blocks_match_the_reference() -> None:
-    cfg = PageAttentionConfig(fwd_params=FwdParams(kv_blocksize=10), blocks_per_step=3)
-    check(GQA, cfg, sliding_window=(12, 0), logits_soft_cap=3.0)
 
 
 def test_bfloat16_matches_the_float32_reference() -> None:
@@ -87,8 +86,7 @@ def test_bfloat16_matches_the_float32_reference() -> None:
 
 
 def test_garbage_in_unused_table_slots_changes_nothing() -> None:
-    make = lambda unused: make_inputs(GQA, unused=unused)
-    helpers.assert_unused_slots_change_nothing(page_attention_xla, SPEC, make)
+    helpers.assert_unused_slots_change_nothing(page_attention_xla, SPEC, make_inputs, GQA)
 
 
 def test_jit_and_vmap_match_the_reference() -> None:
@@ -114,10 +112,7 @@ def test_jit_and_vmap_match_the_reference() -> None:
 
 def test_public_function_and_explain() -> None:
     args = tuple(make_inputs(MQA).values())
-    record = ejkernel.explain("page_attention", *args, sliding_window=40)
-    assert record.platform == "xla" and record.source == "heuristic"
-    assert isinstance(record.config, PageAttentionConfig)
-    out = ejkernel.page_attention(*args, sliding_window=40)
+    out = helpers.explained_public_call(SPEC, args, PageAttentionConfig, sliding_window=40)
     assert_close(out, reference(*args, sliding_window=(40, 40)))
 
 
@@ -148,8 +143,7 @@ def test_configs_use_one_token_items_and_whole_pages(batch: PagedBatch) -> None:
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {k: helpers.abstract(v) for k, v in helpers.validated(SPEC, make_inputs(MQA)).items()}
-    inputs = SPEC.make_synthetic(shapes, seed=1)
+    inputs = helpers.synthetic(SPEC, make_inputs(MQA), seed=1)
     kv_lens = np.asarray(inputs["kv_lens"])
     assert np.all((kv_lens >= 1) & (kv_lens <= MQA.max_pages * MQA.page_size))
     assert_close(page_attention_xla(**inputs), reference(**inputs))

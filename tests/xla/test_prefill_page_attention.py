@@ -95,8 +95,9 @@ def test_bfloat16_matches_the_float32_reference() -> None:
 
 
 def test_garbage_page_ids_change_nothing() -> None:
-    make = lambda unused: make_inputs(CHUNKED, unused=unused)
-    helpers.assert_unused_slots_change_nothing(prefill_page_attention_xla, SPEC, make)
+    helpers.assert_unused_slots_change_nothing(
+        prefill_page_attention_xla, SPEC, make_inputs, CHUNKED
+    )
 
 
 def test_jit_with_a_traced_kv_len_and_vmap_match_the_reference() -> None:
@@ -121,10 +122,8 @@ def test_jit_with_a_traced_kv_len_and_vmap_match_the_reference() -> None:
 
 def test_public_function_and_explain() -> None:
     args = tuple(make_inputs(FULL).values())
-    record = ejkernel.explain("prefill_page_attention", *args)
-    assert record.platform == "xla" and record.source == "heuristic"
-    assert isinstance(record.config, PrefillPageAttentionConfig)
-    assert_close(ejkernel.prefill_page_attention(*args), reference(*args))
+    out = helpers.explained_public_call(SPEC, args, PrefillPageAttentionConfig)
+    assert_close(out, reference(*args))
 
 
 @pytest.mark.parametrize("batch", [CHUNKED, ONE], ids=str)
@@ -139,10 +138,7 @@ def test_configs_use_whole_pages_and_the_heuristic_comes_first(batch: PagedBatch
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {
-        k: helpers.abstract(v) for k, v in helpers.validated(SPEC, make_inputs(CHUNKED)).items()
-    }
-    inputs = SPEC.make_synthetic(shapes, seed=2)
+    inputs = helpers.synthetic(SPEC, make_inputs(CHUNKED), seed=2)
     kv_len = int(inputs["kv_len"])
     assert CHUNKED.tokens <= kv_len <= CHUNKED.max_pages * CHUNKED.page_size
     live = np.asarray(inputs["page_indices"])[: -(-kv_len // CHUNKED.page_size)]

@@ -31,6 +31,10 @@ GQA = rows_example((0, 5, 10, 36, 0, 3), (37, 20, 10, 37, 1, 36), sk=37, hq=6, h
 #: MQA; ranges past the cache on either side are clamped to [0, Sk].
 MQA = rows_example((0, 64, -5), (129, 100, 300), sk=129, hq=4, hkv=1, d=32)
 
+#: 8-key blocks, three a step: Sk = 37 is no multiple of 8, so the last block is shifted left
+#: and its overlap masked.
+SMALL = RaggedDecodeAttentionConfig(fwd_params=FwdParams(kv_blocksize=8), blocks_per_step=3)
+
 
 def make_inputs(rows: Example, dtype: str = "float32") -> dict[str, Any]:
     """Query and cache from the shared cases (NaN outside every row's valid range)."""
@@ -61,20 +65,15 @@ def test_output_matches_the_reference_for_every_batch(rows: Example) -> None:
         {"sliding_window": 3, "logits_soft_cap": 2.0, "softmax_scale": 0.4},
         {"softmax_aux": "Hq"},
         {"softmax_aux": "Hq-2", "sliding_window": (10, 10)},
+        {"cfg": SMALL, "sliding_window": (13, 0), "logits_soft_cap": 4.0},
     ],
-    ids=["window-3-softcap-scale", "sinks-Hq", "sinks-Hq-2-window"],
+    ids=["window-3-softcap-scale", "sinks-Hq", "sinks-Hq-2-window", "small-blocks-shifted"],
 )
-def test_every_option_matches_the_reference(options: dict[str, Any]) -> None:
+def test_every_option_and_small_blocks_match_the_reference(options: dict[str, Any]) -> None:
     options = dict(options)
     if "softmax_aux" in options:
         options["softmax_aux"] = helpers.sinks(GQA.arrays["query"][0][1], options["softmax_aux"], 3)
     check(GQA, **options)
-
-
-def test_small_blocks_with_a_shifted_last_block_match_the_reference() -> None:
-    # Sk = 37 is no multiple of 8: the last block is shifted left and its overlap masked.
-    cfg = RaggedDecodeAttentionConfig(fwd_params=FwdParams(kv_blocksize=8), blocks_per_step=3)
-    check(GQA, cfg, sliding_window=(13, 0), logits_soft_cap=4.0)
 
 
 def test_bfloat16_matches_the_float32_reference() -> None:
@@ -102,10 +101,8 @@ def test_jit_and_vmap_match_the_reference() -> None:
 
 def test_public_function_and_explain() -> None:
     args = tuple(make_inputs(MQA).values())
-    record = ejkernel.explain("ragged_decode_attention", *args)
-    assert record.platform == "xla" and record.source == "heuristic"
-    assert isinstance(record.config, RaggedDecodeAttentionConfig)
-    assert_close(ejkernel.ragged_decode_attention(*args), reference(*args))
+    out = helpers.explained_public_call(SPEC, args, RaggedDecodeAttentionConfig)
+    assert_close(out, reference(*args))
 
 
 def test_memory_does_not_grow_with_the_cache_length() -> None:
@@ -135,10 +132,9 @@ def test_configs_never_use_blocks_longer_than_the_cache(rows: Example) -> None:
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {k: helpers.abstract(v) for k, v in helpers.validated(SPEC, make_inputs(MQA)).items()}
-    inputs = SPEC.make_synthetic(shapes, seed=1)
+    inputs = helpers.synthetic(SPEC, make_inputs(MQA), seed=1)
     start, end = np.asarray(inputs["sequence_start"]), np.asarray(inputs["sequence_end"])
-    assert np.all((start >= 0) & (start < end) & (end <= shapes["key"].shape[1]))
+    assert np.all((start >= 0) & (start < end) & (end <= inputs["key"].shape[1]))
     assert_close(ragged_decode_attention_xla(**inputs), reference(**inputs))
 
 

@@ -101,9 +101,10 @@ def test_only_the_first_num_seqs_sequences_are_live(num_seqs: Any) -> None:
 
 
 def test_garbage_in_unused_table_slots_changes_nothing() -> None:
-    make = lambda unused: {**make_inputs(MIXED, unused=unused), "num_seqs": len(MIXED.kv_lens)}
     unused = (0, GARBAGE, (2**31 - 1, -(2**31)))
-    helpers.assert_unused_slots_change_nothing(ragged_page_attention_xla, SPEC, make, unused)
+    helpers.assert_unused_slots_change_nothing(
+        ragged_page_attention_xla, SPEC, make_inputs, MIXED, unused, num_seqs=len(MIXED.kv_lens)
+    )
 
 
 @pytest.mark.parametrize(
@@ -150,10 +151,7 @@ def test_jit_with_a_traced_num_seqs_and_vmap_match_the_reference() -> None:
 def test_public_function_and_explain() -> None:
     arrays = make_inputs(DECODE)
     args = (*arrays.values(), 3)
-    record = ejkernel.explain("ragged_page_attention", *args, logits_soft_cap=3.0)
-    assert record.platform == "xla" and record.source == "heuristic"
-    assert isinstance(record.config, RaggedPageAttentionConfig)
-    out = ejkernel.ragged_page_attention(*args, logits_soft_cap=3.0)
+    out = helpers.explained_public_call(SPEC, args, RaggedPageAttentionConfig, logits_soft_cap=3.0)
     assert_close(out, reference(*args, logits_soft_cap=3.0))
 
 
@@ -178,11 +176,7 @@ def test_work_and_memory_do_not_grow_with_num_pages() -> None:
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {
-        k: helpers.abstract(v)
-        for k, v in helpers.validated(SPEC, make_inputs(MQA), num_seqs=4).items()
-    }
-    inputs = SPEC.make_synthetic(shapes, seed=3)
+    inputs = helpers.synthetic(SPEC, make_inputs(MQA), seed=3, num_seqs=4)
     kv_lens, qsl = np.asarray(inputs["kv_lens"]), np.asarray(inputs["query_start_loc"])
     tables = np.asarray(inputs["block_tables"])
     assert qsl[0] == 0 and np.all(np.diff(qsl) >= 0) and qsl[-1] <= MQA.tokens

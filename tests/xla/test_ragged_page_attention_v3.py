@@ -178,10 +178,7 @@ def test_jit_with_a_traced_num_seqs_and_vmap_match_the_reference() -> None:
 
 def test_public_function_and_explain() -> None:
     args = (*make_inputs(MQA).values(), jnp.array([3], jnp.int32))
-    record = ejkernel.explain("ragged_page_attention_v3", *args)
-    assert record.platform == "xla" and record.source == "heuristic"
-    assert isinstance(record.config, RaggedPageAttentionV3Config)
-    out = ejkernel.ragged_page_attention_v3(*args)
+    out = helpers.explained_public_call(SPEC, args, RaggedPageAttentionV3Config)
     expected = reference(*args)
     assert isinstance(out, tuple) and len(out) == 3
     assert_close(out[0], expected[0])
@@ -195,11 +192,7 @@ def test_configs_use_whole_pages_and_the_heuristic_comes_first() -> None:
 
 
 def test_synthetic_inputs_write_distinct_slots() -> None:
-    shapes = {
-        k: helpers.abstract(v)
-        for k, v in helpers.validated(SPEC, make_inputs(MQA), num_seqs=3).items()
-    }
-    inputs = SPEC.make_synthetic(shapes, seed=5)
+    inputs = helpers.synthetic(SPEC, make_inputs(MQA), seed=5, num_seqs=3)
     kv_lens, qsl = np.asarray(inputs["kv_lens"]), np.asarray(inputs["query_start_loc"])
     tables = np.asarray(inputs["block_tables"])
     slots = [

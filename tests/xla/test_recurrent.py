@@ -33,26 +33,18 @@ DIFFERENTIABLE = ("query", "key", "value", "g", "gk", "gv", "initial_state")
 
 
 def make_inputs(
-    b: int,
-    s: int,
-    h: int,
-    dk: int,
-    dv: int,
-    *,
+    *sizes: int,
     gates: tuple[str, ...] = (),
     strength: float = 0.25,
     num_states: int | None = None,
     dtype: Any = jnp.float32,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """q, k, v (``dtype``), float32 log-sigmoid gates scaled by ``strength``, and an initial
+    """q, k, v of ``sizes`` (B, S, H, Dk, Dv) in ``dtype``, float32 log-sigmoid gates scaled by ``strength``, and an initial
     state for ``num_states`` sequences when given."""
+    b, s, h, dk, dv = sizes
     keys = jax.random.split(jax.random.PRNGKey(seed), 8)
-    arrays: dict[str, Any] = {
-        "query": normal(keys[0], (b, s, h, dk), dtype),
-        "key": normal(keys[1], (b, s, h, dk), dtype),
-        "value": normal(keys[2], (b, s, h, dv), dtype),
-    }
+    arrays = lc.qkv(keys, sizes, dtype)
     shapes = {"g": (b, s, h), "gk": (b, s, h, dk), "gv": (b, s, h, dv)}
     for i, name in enumerate(gates):
         arrays[name] = jax.nn.log_sigmoid(normal(keys[3 + i], shapes[name]) + 1.0) * strength

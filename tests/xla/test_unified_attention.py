@@ -101,8 +101,7 @@ def test_bfloat16_matches_the_float32_reference() -> None:
 
 
 def test_garbage_in_unused_table_slots_changes_nothing() -> None:
-    make = lambda unused: make_inputs(MQA, unused=unused)
-    helpers.assert_unused_slots_change_nothing(unified_attention_xla, SPEC, make)
+    helpers.assert_unused_slots_change_nothing(unified_attention_xla, SPEC, make_inputs, MQA)
 
 
 def test_jit_and_vmap_match_the_reference() -> None:
@@ -124,10 +123,8 @@ def test_jit_and_vmap_match_the_reference() -> None:
 
 def test_public_function_and_explain() -> None:
     args = tuple(make_inputs(MQA).values())
-    record = ejkernel.explain("unified_attention", *args, causal=False)
-    assert record.platform == "xla" and record.source == "heuristic"
-    assert isinstance(record.config, UnifiedAttentionConfig)
-    assert_close(ejkernel.unified_attention(*args, causal=False), reference(*args, causal=False))
+    out = helpers.explained_public_call(SPEC, args, UnifiedAttentionConfig, causal=False)
+    assert_close(out, reference(*args, causal=False))
 
 
 def test_configs_use_whole_pages_and_the_heuristic_comes_first() -> None:
@@ -137,8 +134,7 @@ def test_configs_use_whole_pages_and_the_heuristic_comes_first() -> None:
 
 
 def test_synthetic_inputs_are_valid() -> None:
-    shapes = {k: helpers.abstract(v) for k, v in helpers.validated(SPEC, make_inputs(MQA)).items()}
-    inputs = SPEC.make_synthetic(shapes, seed=4)
+    inputs = helpers.synthetic(SPEC, make_inputs(MQA), seed=4)
     qsl, kv_lens = np.asarray(inputs["query_start_loc"]), np.asarray(inputs["kv_lens"])
     assert qsl[0] == 0 and np.all(np.diff(qsl) >= 0) and np.all(np.diff(qsl) <= kv_lens)
     assert_close(unified_attention_xla(**inputs), reference(**inputs))

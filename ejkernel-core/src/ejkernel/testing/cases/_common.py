@@ -10,7 +10,14 @@ import numpy as np
 
 from ejkernel.testing._examples import FLOAT, Example
 
-__all__ = ["arrays_of", "attention_example", "segment_ids", "sizes_id"]
+__all__ = [
+    "arrays_of",
+    "attention_example",
+    "heads_id",
+    "segment_ids",
+    "sizes_id",
+    "tagged",
+]
 
 
 def arrays_of(
@@ -41,27 +48,34 @@ def segment_ids(rng: np.random.Generator, b: int, s: int, *, pad: int = 0) -> np
     return ids
 
 
+def heads_id(hq: int, hkv: int, d: int, dv: int) -> str:
+    """The heads part of an attention example's name: ``Hq4-Hkv2-D80`` (``-Dv48`` when
+    ``dv`` differs)."""
+    return f"Hq{hq}-Hkv{hkv}-D{d}" + (f"-Dv{dv}" if dv != d else "")
+
+
+def tagged(name: str, tags: str) -> str:
+    """``name`` with ``tags`` appended (when any)."""
+    return name + (f"-{tags}" if tags else "")
+
+
 def attention_example(
-    b: int,
-    sq: int,
-    sk: int,
-    hq: int,
-    hkv: int,
-    d: int,
-    dv: int | None = None,
+    sizes: tuple[int, ...],
     *,
     tags: str = "",
     extra: dict[str, tuple[tuple[int, ...], str]] | None = None,
     **kwargs: Any,
 ) -> Example:
-    """An attention example with query/key/value of the given sizes (named like
-    ``B2-Sq37-Sk37-Hq4-Hkv2-D80``), ``extra`` arrays, and :class:`Example` fields."""
-    dv = d if dv is None else dv
-    name = f"B{b}-Sq{sq}-Sk{sk}-Hq{hq}-Hkv{hkv}-D{d}" + (f"-Dv{dv}" if dv != d else "")
+    """An attention example with query/key/value of ``sizes`` ``(B, Sq, Sk, Hq, Hkv, D)`` or
+    ``(..., D, Dv)`` (named like ``B2-Sq37-Sk37-Hq4-Hkv2-D80``), ``extra`` arrays, and
+    :class:`Example` fields."""
+    b, sq, sk, hq, hkv, d = sizes[:6]
+    dv = sizes[6] if len(sizes) > 6 else d
     arrays = {
         "query": ((b, sq, hq, d), FLOAT),
         "key": ((b, sk, hkv, d), FLOAT),
         "value": ((b, sk, hkv, dv), FLOAT),
         **(extra or {}),
     }
-    return Example(name=name + (f"-{tags}" if tags else ""), arrays=arrays, **kwargs)
+    name = f"B{b}-Sq{sq}-Sk{sk}-" + heads_id(hq, hkv, d, dv)
+    return Example(name=tagged(name, tags), arrays=arrays, **kwargs)

@@ -10,7 +10,7 @@ import numpy as np
 from ejkernel.testing._examples import Example, Invalid
 from ejkernel.testing.cases._common import arrays_of
 
-__all__ = ["PACKED", "invalid_linear", "linear_example", "packed"]
+__all__ = ["PACKED", "invalid_linear", "linear_example", "packed", "packed_example"]
 
 #: Uneven packed sequences over 70 tokens, one of a single token.
 PACKED = (0, 13, 40, 41, 70)
@@ -49,6 +49,11 @@ def linear_example(
         arrays["cu_seqlens"] = ((n + 1,), "int32")
         kwargs["fill"] = packed
     return Example(name=f"B{b}-S{s}-H{h}-K{k}-V{v}-{tags}", arrays=arrays, **kwargs)
+
+
+def packed_example(*, tags: str, extra: dict[str, str], h: int = 2, **kwargs: Any) -> Example:
+    """:func:`linear_example` of sequences packed as :data:`PACKED`, at K 32 and V 16."""
+    return linear_example(tags=tags, extra=extra, h=h, k=32, v=16, packed_sequences=True, **kwargs)
 
 
 def invalid_linear() -> list[Invalid]:

@@ -13,24 +13,13 @@ __all__ = ["examples"]
 def examples() -> list[Example | Invalid]:
     return [
         attention_example(
-            2,
-            37,
-            129,
-            4,
-            2,
-            80,
+            (2, 37, 129, 4, 2, 80),
             tags="block16x32-causal",
             extra={"block_mask": ((1, 4, 3, 5), "bool")},
             options={"block_size": (16, 32), "causal": True},
         ),
         attention_example(
-            1,
-            129,
-            37,
-            4,
-            1,
-            64,
-            48,
+            (1, 129, 37, 4, 1, 64, 48),
             tags="block32-masks-bias-segments-window-softcap",
             extra={
                 "block_mask": ((1, 1, 5, 2), "bool"),

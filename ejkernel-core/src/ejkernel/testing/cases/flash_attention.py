@@ -34,35 +34,19 @@ def attention_examples(*, dropout: bool, sinks: bool) -> list[Example]:
         masks["softmax_aux"] = ((4,), FLOAT)
     cases = [
         attention_example(
-            2,
-            37,
-            37,
-            4,
-            2,
-            80,
+            (2, 37, 37, 4, 2, 80),
             tags="causal-softcap",
             options={"causal": True, "logits_soft_cap": 20.0},
         ),
         attention_example(
-            1,
-            37,
-            129,
-            4,
-            1,
-            64,
-            48,
+            (1, 37, 129, 4, 1, 64, 48),
             tags="masks-bias-segments-window" + ("-sinks" if sinks else ""),
             extra=masks,
             options={"sliding_window": (16, 8), "softmax_scale": 0.2},
             fill=_segments,
         ),
         attention_example(
-            1,
-            129,
-            129,
-            8,
-            2,
-            64,
+            (1, 129, 129, 8, 2, 64),
             tags="causal-window",
             options={"causal": True, "sliding_window": 24},
             thorough=True,
@@ -71,12 +55,7 @@ def attention_examples(*, dropout: bool, sinks: bool) -> list[Example]:
     if dropout:
         cases.append(
             attention_example(
-                1,
-                1,
-                129,
-                8,
-                2,
-                64,
+                (1, 1, 129, 8, 2, 64),
                 tags="decode-causal-dropout" + ("-sinks2" if sinks else ""),
                 extra={"softmax_aux": ((8, 2), FLOAT)} if sinks else None,
                 options={"causal": True, "dropout_prob": 0.25, "dropout_seed": 7},

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._linear import invalid_linear, linear_example
+from ejkernel.testing.cases._linear import invalid_linear, linear_example, packed_example
 
 __all__ = ["examples"]
 
@@ -15,8 +15,6 @@ def examples() -> list[Example | Invalid]:
             extra={"g": "[B, S, H, K]", "initial_state": "[N, H, K, V]"},
             options={"return_state": True},
         ),
-        linear_example(
-            h=2, k=32, v=16, tags="packed", extra={"g": "[B, S, H, K]"}, packed_sequences=True
-        ),
+        packed_example(tags="packed", extra={"g": "[B, S, H, K]"}),
         *invalid_linear(),
     ]

@@ -4,7 +4,7 @@ and without the L2 norm, states, packed sequences."""
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._linear import invalid_linear, linear_example
+from ejkernel.testing.cases._linear import invalid_linear, linear_example, packed_example
 
 __all__ = ["examples"]
 
@@ -13,9 +13,7 @@ HEAD_DECAY = {"beta": "[B, S, H]", "g": "[B, S, H]"}
 
 def examples() -> list[Example | Invalid]:
     return [
-        linear_example(
-            h=2, k=32, v=16, tags="head-decay-packed", extra=HEAD_DECAY, packed_sequences=True
-        ),
+        packed_example(tags="head-decay-packed", extra=HEAD_DECAY),
         linear_example(
             tags="channel-decay-state",
             extra={"beta": "[B, S, H]", "g": "[B, S, H, K]", "initial_state": "[N, H, K, V]"},

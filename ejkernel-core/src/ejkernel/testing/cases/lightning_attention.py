@@ -4,7 +4,7 @@ slopes from the layer index, packed sequences."""
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._linear import invalid_linear, linear_example
+from ejkernel.testing.cases._linear import invalid_linear, linear_example, packed_example
 
 __all__ = ["examples"]
 
@@ -17,14 +17,8 @@ def examples() -> list[Example | Invalid]:
             extra={"slopes": "[H]", "initial_state": "[N, H, K, V]"},
             options={"return_state": True},
         ),
-        linear_example(
-            h=3,
-            k=32,
-            v=16,
-            tags="layer-slopes-packed",
-            extra={},
-            options={"layer_idx": 2, "num_layers": 8},
-            packed_sequences=True,
+        packed_example(
+            h=3, tags="layer-slopes-packed", extra={}, options={"layer_idx": 2, "num_layers": 8}
         ),
         *invalid_linear(),
     ]

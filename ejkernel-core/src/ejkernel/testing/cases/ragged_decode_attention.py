@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ejkernel.testing._examples import FLOAT, Example, Invalid
+from ejkernel.testing.cases._common import heads_id, tagged
 
 __all__ = ["examples", "rows_example"]
 
@@ -29,9 +30,8 @@ def rows_example(
 ) -> Example:
     """One decode query per row over ``[start, end)`` of a dense ``[B, Sk, Hkv, ·]`` cache."""
     b, dv = len(starts), d if dv is None else dv
-    name = f"B{b}-Sk{sk}-Hq{hq}-Hkv{hkv}-D{d}" + (f"-Dv{dv}" if dv != d else "")
     return Example(
-        name=name + (f"-{tags}" if tags else ""),
+        name=tagged(f"B{b}-Sk{sk}-" + heads_id(hq, hkv, d, dv), tags),
         arrays={
             "query": ((b, hq, d), FLOAT),
             "key": ((b, sk, hkv, d), FLOAT),

@@ -4,7 +4,7 @@ packed sequences."""
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._linear import invalid_linear, linear_example
+from ejkernel.testing.cases._linear import invalid_linear, linear_example, packed_example
 
 __all__ = ["examples"]
 
@@ -16,14 +16,10 @@ def examples() -> list[Example | Invalid]:
             extra={"g": "[B, S, H]", "gk": "[B, S, H, K]", "initial_state": "[N, H, K, V]"},
             options={"return_state": True},
         ),
-        linear_example(
-            h=2,
-            k=32,
-            v=16,
+        packed_example(
             tags="gv-reverse-packed-state",
             extra={"gv": "[B, S, H, V]", "initial_state": "[N, H, K, V]"},
             options={"reverse": True, "return_state": True, "softmax_scale": 0.3},
-            packed_sequences=True,
         ),
         *invalid_linear(),
     ]
