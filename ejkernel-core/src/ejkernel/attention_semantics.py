@@ -35,7 +35,9 @@ enough: every product of probabilities (or score gradients) with keys or values 
 ``P·V`` in the forward, ``dO·Vᵀ`` and ``dS·K`` in the backward — must not read a non-finite
 entry into a row that cannot see it. The references and the XLA implementations read keys
 and values through :func:`finite_or_zero` wherever they multiply probabilities, which is exact
-and costs one elementwise pass over K and V. What a row computes from a non-finite key or
+and costs one elementwise pass over K and V; the Triton and Pallas kernels clean the tiles
+of the blocks the mask cuts (every block under an attention mask or segment ids) the same
+way and leave fully visible blocks as they are. What a row computes from a non-finite key or
 value it *can* see is unspecified (the references and XLA read it as 0; a kernel may give
 NaN): it is a bad input, not a masking question.
 
