@@ -6,7 +6,8 @@ some rows cannot see. For the rows that cannot see a planted entry, the referenc
 implementation of ``PLATFORMS`` must give the same output and gradients as on clean inputs,
 finite; a row that sees nothing returns exact zeros with zero gradient. The dense visibility
 must equal the elementwise predicate (and a plain-Python reading of OPS.md), and the
-geometry's block helpers must agree with it.
+geometry's block helpers must agree with it. The paged serving ops get NaN/Inf inside a
+sequence's own pages, at tokens the causal mask or the window hides from some of its queries.
 
 A platform joins by adding its name to ``PLATFORMS`` (calls go through ``ejkernel.<op>(...,
 platform=p)``).
@@ -14,6 +15,7 @@ platform=p)``).
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from typing import Any
 
@@ -540,3 +542,51 @@ def test_interpreted_mosaic_gpu_kernels_keep_hidden_nan_out() -> None:
         segments=False, mask=False, soft_cap=None, sinks=False,
     )  # fmt: skip
     test_hidden_nan_and_inf_never_reach_a_row("flash_attention", case, mosaic_gpu_interpreted)
+
+
+#: Serving ops over a paged cache (forward only), with their argument layout.
+PAGED_OPS = {
+    "ragged_page_attention": "packed",
+    "unified_attention": "packed",
+    "prefill_page_attention": "prefill",
+}
+
+
+@pytest.mark.parametrize("platform", [None, *PLATFORMS], ids=lambda p: p or "reference")
+@pytest.mark.parametrize("window", [None, 3], ids=["causal", "window-3"])
+@pytest.mark.parametrize("op", sorted(PAGED_OPS))
+def test_paged_hidden_nan_stays_out_of_the_rows_that_cannot_see_it(
+    op: str, window: int | None, platform: str | None
+) -> None:
+    """Inside a sequence's own pages: NaN keys and +Inf values at its last token (seen by its
+    last query only) and, with a window, at the token just left of the first query's window
+    (seen by no query). Every other row equals its clean output. (Slots no sequence owns hold
+    NaN in every paged example already.)"""
+    from ejkernel.testing.cases._paged import PagedBatch
+
+    layout = PAGED_OPS[op]
+    spec = importlib.import_module(f"ejkernel.specs.{op}").SPEC
+    kv_lens, q_lens = ((37,), (6,)) if layout == "prefill" else ((37, 21), (6, 3))
+    batch = PagedBatch(
+        kv_lens=kv_lens, q_lens=q_lens, hq=4, hkv=2, d=32, page_size=8, max_pages=6, num_pages=16
+    )
+    num_seqs = len(kv_lens) if "num_seqs" in spec.arg_names else None
+    example = batch.example(layout, num_seqs=num_seqs)
+    clean = {k: np.asarray(v) for k, v in example.build(spec, "float32").items()}
+    kw = {} if window is None else {"sliding_window": (window, 0)}
+    fn = spec.reference if platform is None else op_fn(op, platform)
+    tables = clean["page_indices"][None] if layout == "prefill" else clean["block_tables"]
+    poisoned = {k: v.copy() for k, v in clean.items()}
+    seen_by_last_query = []
+    for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):
+        planted = [kv_len - 1] + ([] if window is None else [kv_len - q_len - window - 1])
+        for pos in planted:
+            page, slot = tables[s, pos // batch.page_size], pos % batch.page_size
+            poisoned["key_cache"][page, slot] = np.nan
+            poisoned["value_cache"][page, slot] = np.inf
+        seen_by_last_query.append(sum(q_lens[: s + 1]) - 1)
+    want = np.asarray(fn(**{k: jnp.asarray(v) for k, v in clean.items()}, **kw))
+    got = np.asarray(fn(**{k: jnp.asarray(v) for k, v in poisoned.items()}, **kw))
+    rows = np.setdiff1d(np.arange(got.shape[0]), seen_by_last_query)
+    assert np.isfinite(got[rows]).all(), "a row that cannot see a planted entry is not finite"
+    np.testing.assert_allclose(got[rows], want[rows], rtol=1e-5, atol=1e-6)

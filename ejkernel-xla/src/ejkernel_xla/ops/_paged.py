@@ -33,7 +33,9 @@ JAX's TPU serving work:
   by ``alpha = exp(m_old - m_new)`` rides on the same scatter: the first pair of each item
   (pairs are sorted by item) adds ``state · (alpha - 1)``, so a step costs O(its pairs),
   never O(all items). Masked entries are zeroed explicitly, and the values of keys outside
-  ``[kv_lo, kv_len)`` are zeroed before the product, so NaN in unused cache slots never leaks.
+  ``[kv_lo, kv_len)`` are zeroed and the rest pass through ``finite_or_zero`` before the
+  product, so NaN in unused cache slots, or at positions the causal mask or the window hides
+  from some rows, never leaks.
 - Finish. Sinks (``softmax_aux``) join the maximum and the denominator; rows that saw no key
   (``l == 0``) become zeros; items scatter back to their tokens.
 
@@ -587,8 +589,12 @@ def attend(
         m = m.at[dest].max(jnp.max(s, axis=-1), mode="drop")
         m_item = m[item]
         p = jnp.where(vis, jnp.exp(s - m_item[..., None]), 0.0)
-        # Keys outside [kv_lo, kv_hi) may be garbage (even NaN): never let them reach p @ V.
+        # Keys outside [kv_lo, kv_hi) may be garbage (even NaN), and a value hidden from some
+        # rows by the causal mask or the window may be NaN or Inf: p = 0 times either is NaN,
+        # so neither reaches p @ V (``finite_or_zero``: a value a row sees reads as 0 if not
+        # finite, as in the references).
         values = jnp.where(key_ok[:, :, None, None], values, jnp.zeros((), values.dtype))
+        values = semantics.finite_or_zero(values)
         v = values.transpose(0, 2, 1, 3).reshape(w * hkv, bk, dv)
         p_flat = p.reshape(w * hkv, bq * group, bk).astype(v.dtype)
         pv = lax.dot_general(p_flat, v, contract_k, preferred_element_type=jnp.float32)
