@@ -483,15 +483,7 @@ def test_hidden_nan_and_inf_in_keys_and_values_reach_no_row(
     if options.get("segments"):
         kw["q_segment_ids"] = kw["kv_segment_ids"] = segments(b, sq)
     cfg = variant_config(mode, fwd, bwd, {"query": q, "key": k, "value": v, **kw})
-    geometry = Geometry(
-        batch=b,
-        sq=sq,
-        sk=sk,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        causal=bool(kw.get("causal")),
-        window=kw.get("sliding_window"),
-    )
+    geometry = Geometry.of(q, k, causal=bool(kw.get("causal")), window=kw.get("sliding_window"))
     seg = (kw.get("q_segment_ids"), kw.get("kv_segment_ids"))
     vis = np.asarray(dense_visibility(geometry, None, *seg))  # [B, Hq, Sq, Sk]
     planted = np.zeros((b, sk, hkv), bool)
