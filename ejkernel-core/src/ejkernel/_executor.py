@@ -25,13 +25,19 @@ import attrs
 import jax
 import numpy as np
 
+from ejkernel import _env
 from ejkernel._autotune import on_device, run_outside_trace, tune_candidates
 from ejkernel._chain import Choice, ConfigSelectorChain, Tunable, overlay_state
 from ejkernel._invocation import Invocation, current_backend
 from ejkernel._kernel import Kernel, OpKernel, run_kernel
 from ejkernel._memo import Memo, call_key
 from ejkernel._registry import Implementation
-from ejkernel._selection import Selection, select_implementation
+from ejkernel._selection import (
+    Selection,
+    check_platform_argument,
+    reject_failed,
+    select_implementation,
+)
 from ejkernel._vjp import build_op_function, traced
 from ejkernel.errors import ConfigError
 from ejkernel.plugins import get_registry
@@ -93,6 +99,14 @@ def _config_platform(cfg: Any) -> str | None:
     return None if p in (None, "auto") else str(p)
 
 
+class _ImplementationFailed(Exception):
+    """Internal: the selected implementation raised ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 # -- running ops ----------------------------------------------------------------------------
 
 
@@ -136,6 +150,7 @@ class Executor:
         """Validate, then select; returns the implementation, why, rejections, arguments and
         the arguments' fast signature (reused by every invocation of this call)."""
         arguments = validated if validated is not None else spec.validate(dict(bound))
+        check_platform_argument(spec, platform)
         reason = "platform= argument" if platform is not None else None
         if platform is None and _config_platform(cfg) is not None:
             platform, reason = _config_platform(cfg), "cfg.platform"
@@ -190,6 +205,9 @@ class Executor:
 
         Eager calls without ``cfg=`` or overlays are memoised per executor (see the module
         docstring): a hit skips selection and the chain, straight to the implementation.
+        Unless a platform is forced (``platform=``, ``cfg.platform``, ``EJKERNEL_PLATFORM``),
+        an implementation that raises while traced (eagerly: while called) is rejected for
+        this call and the next runnable one runs (:func:`ejkernel._selection.reject_failed`).
         """
         arguments = spec.validate(dict(bound))
         eager = not traced(arguments)  # concrete inputs: nothing differentiates this call
@@ -204,16 +222,61 @@ class Executor:
             hit = self._eager.get((*memo_key, self.selector.cache.version))
             if hit is not None:
                 return hit[0].fn(**arguments, cfg=hit[1])
-        impl, _, _, arguments, fast = self._prepare(spec, bound, platform, cfg, arguments, fast)
+        forced = (
+            platform is not None
+            or _config_platform(cfg) is not None
+            or _env.forced_platform() is not None
+        )
+        while True:
+            impl, _, _, arguments, fast = self._prepare(spec, bound, platform, cfg, arguments, fast)
+            try:
+                return self._run_impl(spec, impl, arguments, cfg, fast, eager, memo_key)
+            except _ImplementationFailed as failed:
+                err = failed.error
+            # outside the handler: the implementation's error is raised as it was
+            inv = Invocation(kernel=spec.name, kwargs=arguments, fast=fast)
+            if forced or not reject_failed(spec, inv, impl, err):
+                raise err
+
+    def _run_impl(
+        self,
+        spec: OpSpec,
+        impl: Implementation,
+        arguments: dict[str, Any],
+        cfg: Any,
+        fast: tuple[Any, ...],
+        eager: bool,
+        memo_key: tuple[Any, ...] | None,
+    ) -> Any:
+        """Run ``impl``; an error the implementation raises (not the config chain) comes out
+        wrapped in :class:`_ImplementationFailed`."""
         choose, seen = self._chooser(spec, impl, arguments, cfg, fast)
         if eager:
             config = choose(False)
+            try:
+                out = impl.fn(**arguments, cfg=config)
+            except Exception as err:
+                raise _ImplementationFailed(err) from None
             if memo_key is not None and seen["fwd"].source not in ("override", "overlay"):
                 # the version after the chain ran: it may have put this very config in memory
                 self._eager.put((*memo_key, self.selector.cache.version), (impl, config))
-            return impl.fn(**arguments, cfg=config)
+            return out
+        chain_errors: list[Exception] = []
+
+        def chosen(grad: bool) -> Any:
+            try:
+                return choose(grad)
+            except Exception as err:
+                chain_errors.append(err)
+                raise
+
         arrays = {k: v for k, v in arguments.items() if spec.arg(k).array and v is not None}
-        return build_op_function(spec, impl, arguments, choose)(arrays)
+        try:
+            return build_op_function(spec, impl, arguments, chosen)(arrays)
+        except Exception as err:
+            if any(err is e for e in chain_errors):
+                raise
+            raise _ImplementationFailed(err) from None
 
     def explain_op(
         self,

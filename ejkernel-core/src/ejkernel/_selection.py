@@ -9,6 +9,12 @@ For an invocation of op X on the default device's backend B:
 3. else a platform cross-platform autotuning chose for this invocation;
 4. else the highest priority.
 
+When no platform is forced, an implementation that raises while it is traced (or, called
+eagerly, run) is rejected for that invocation (:func:`reject_failed`): the executor warns once
+and selects again; later calls of the same invocation key skip it, and its reason shows in
+:attr:`Selection.rejected`. The last runnable candidate is never rejected this way: its error
+propagates as it is.
+
 No candidate: :class:`~ejkernel.errors.NoImplementationError` listing, per installed
 implementation, why it was rejected, and which distribution to install. Step 1 is memoised by
 :func:`ejkernel._memo.call_key` (the memo policy is in :mod:`ejkernel._memo`).
@@ -26,11 +32,18 @@ from ejkernel._chain import ConfigSelectorChain
 from ejkernel._invocation import Invocation, current_backend
 from ejkernel._memo import Memo, call_key
 from ejkernel._registry import KNOWN_DISTRIBUTIONS, Implementation, Registry
-from ejkernel.errors import NoImplementationError
+from ejkernel.errors import NoImplementationError, PluginWarning, warn_once
 from ejkernel.plugins import get_registry
 from ejkernel.specs import OpSpec
 
-__all__ = ["Selection", "preferred_platform", "runnable", "select_implementation"]
+__all__ = [
+    "Selection",
+    "check_platform_argument",
+    "preferred_platform",
+    "reject_failed",
+    "runnable",
+    "select_implementation",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -75,6 +88,9 @@ class Selection:
 
 #: Step 1 per call: (candidates, rejected), keyed by :func:`ejkernel._memo.call_key`.
 _runnable_memo: Memo[tuple[list[Implementation], dict[str, str]]] = Memo()
+
+#: Implementations that failed while traced, per call: label -> reason, keyed as above.
+_failed_memo: Memo[dict[str, str]] = Memo()
 
 
 def _label(impl: Implementation, impls: list[Implementation]) -> str:
@@ -145,6 +161,8 @@ def select_implementation(
     if memo is None:
         memo = _runnable_memo.put(key, runnable(registry, spec, inv, backend))
     candidates, rejected = memo[0], dict(memo[1])
+    if forced is None and len(_failed_memo):
+        candidates = _without_failed(_failure_key(spec, inv, backend), candidates, rejected)
     if forced is not None:
         return (
             _forced(spec, registry, forced.lower(), why, candidates, rejected),
@@ -169,6 +187,93 @@ def select_implementation(
                 return impl, "cached platform choice (cross-platform autotune)", rejected
     best = candidates[0]
     return best, f"highest priority ({best.priority}) of {len(candidates)} runnable", rejected
+
+
+def _name(item: tuple[Any, ...]) -> str:
+    return str(item[0])
+
+
+def _failure_key(spec: OpSpec, inv: Invocation, backend: str) -> tuple[Any, ...]:
+    """The call key with the arguments in name order (callers bind them in different orders)
+    and without arrays' shardings (a traced array has none): a failure while tracing is one of
+    shapes, dtypes and static arguments."""
+    args, kwargs = inv.fast_signature()
+    fast = tuple(
+        tuple(sorted((item[:3] if len(item) == 4 else item for item in part), key=_name))
+        for part in (args, kwargs)
+    )
+    return call_key(spec.name, fast, backend, get_registry().generation)
+
+
+def _without_failed(
+    key: tuple[Any, ...], candidates: list[Implementation], rejected: dict[str, str]
+) -> list[Implementation]:
+    """The candidates that did not fail while traced for this call; adds the others' reasons
+    to ``rejected``."""
+    failed = _failed_memo.get(key)
+    if not failed:
+        return candidates
+    impls = get_registry().implementations(candidates[0].op) if candidates else []
+    kept = []
+    for impl in candidates:
+        label = _label(impl, impls)
+        if label in failed:
+            rejected[label] = failed[label]
+        else:
+            kept.append(impl)
+    return kept
+
+
+def reject_failed(spec: OpSpec, inv: Invocation, impl: Implementation, err: Exception) -> bool:
+    """Reject ``impl`` for ``inv`` after it raised ``err`` while traced; warn once.
+
+    Returns:
+        False, recording nothing, when ``impl`` is the last runnable candidate of the call
+        (its error is then the caller's to raise); else True.
+    """
+    registry = get_registry()
+    backend = current_backend()
+    memo = _runnable_memo.get(
+        call_key(spec.name, inv.fast_signature(), backend, registry.generation)
+    )
+    if memo is None:
+        return False
+    key = _failure_key(spec, inv, backend)
+    failed = dict(_failed_memo.get(key) or {})
+    impls = registry.implementations(spec.name)
+    label = _label(impl, impls)
+    others = [c for c in memo[0] if c is not impl and _label(c, impls) not in failed]
+    if not others:
+        return False
+    reason = f"failed while traced: {type(err).__name__}: {err}"
+    failed[label] = reason
+    _failed_memo.put(key, failed)
+    warn_once(
+        PluginWarning,
+        f"{spec.name}/{label}/{type(err).__name__}: {err}",
+        f"{spec.name}: platform {label!r} raised {type(err).__name__}: {err}; it is rejected "
+        f"for this call, which runs on the next runnable platform "
+        f"({', '.join(repr(c.platform) for c in others)}). "
+        f"Pass platform={impl.platform!r} to see the error raised.",
+    )
+    return True
+
+
+def check_platform_argument(spec: OpSpec, platform: Any) -> None:
+    """``platform=`` must be a string naming a platform with an implementation of the op."""
+    if platform is None:
+        return
+    if not isinstance(platform, str):
+        raise TypeError(
+            f"{spec.name}: `platform` must be a str or None; got {type(platform).__name__}"
+        )
+    registry = get_registry()
+    installed = sorted({i.platform for i in registry.implementations(spec.name)})
+    if platform.lower() not in installed:
+        raise ValueError(
+            f"{spec.name}: `platform`={platform!r} is not installed for {spec.name}; installed: "
+            f"{', '.join(installed) or '(none)'} ({install_hint(spec, registry, platform.lower())})"
+        )
 
 
 def _forced(
