@@ -145,7 +145,7 @@ def test_forced_platform_that_cannot_run_names_the_reason(toy):
     with pytest.raises(NoImplementationError, match="toy does not do dropout") as info:
         ejkernel.flash_attention(q, k, v, dropout_prob=0.5, platform="toy")
     assert info.value.rejected == {"toy": "toy does not do dropout"}
-    with pytest.raises(ValueError, match="installed: toy.*install ejkernel-triton"):
+    with pytest.raises(ValueError, match=r"installed: toy.*install ejkernel-triton"):
         ejkernel.flash_attention(q, k, v, platform="triton")
 
 
