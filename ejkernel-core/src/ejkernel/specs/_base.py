@@ -296,8 +296,16 @@ def static_number(op: str, name: str, x: Any) -> float:
 
 
 def check_softmax_scale(op: str, scale: Any, dim: int) -> float:
-    """The ``softmax_scale`` argument as a float; ``dim ** -0.5`` when it is None."""
-    return float(dim**-0.5 if scale is None else static_number(op, "softmax_scale", scale))
+    """The ``softmax_scale`` argument as a finite float; ``dim ** -0.5`` when it is None.
+
+    Every op that takes ``softmax_scale`` checks it here: a NaN or infinite scale would turn
+    every logit into NaN."""
+    if scale is None:
+        return float(dim**-0.5)
+    value = static_number(op, "softmax_scale", scale)
+    if not np.isfinite(value):
+        raise ValueError(f"{op}: `softmax_scale` must be a finite number; got {value}")
+    return value
 
 
 @functools.cache

@@ -40,6 +40,7 @@ from ejkernel.specs._base import (
     check_array,
     check_flag,
     check_floating,
+    check_softmax_scale,
     even_offsets,
     synthetic_normals,
 )
@@ -183,17 +184,10 @@ def validate_kernel_delta_attention(a: dict[str, Any]) -> dict[str, Any]:
         )
     want = (num_states, h, dk, v.shape[3])
     check_initial_state(op, a.get("initial_state"), want, packed=cu is not None)
-    scale = a.get("softmax_scale")
-    a["softmax_scale"] = float(dk**-0.5 if scale is None else _number(op, "softmax_scale", scale))
+    a["softmax_scale"] = check_softmax_scale(op, a.get("softmax_scale"), dk)
     for flag in ("use_qk_l2norm", "return_state"):
         a[flag] = check_flag(op, flag, a.get(flag))
     return a
-
-
-def _number(op: str, name: str, x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{op}: `{name}` must be a Python number (it is static); got {x!r}")
-    return float(x)
 
 
 def synthetic_kernel_delta_attention(abstract: Any, seed: int = 0) -> dict[str, Any]:
