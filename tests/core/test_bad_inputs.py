@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import pytest
 
 import ejkernel
@@ -33,3 +34,21 @@ SCALED = [op for op in builtin_ops() if "softmax_scale" in builtin_spec(op).arg_
 def test_softmax_scale_must_be_finite(op: str, scale: float) -> None:
     with pytest.raises(ValueError, match=rf"{op}: `softmax_scale` must be a finite number"):
         call(op, {**first_example(op), "softmax_scale": scale})
+
+
+DROPOUT = [op for op in builtin_ops() if "dropout_seed" in builtin_spec(op).arg_names]
+
+
+@pytest.mark.parametrize("seed", [2**31, 2**40, -(2**31) - 1])
+@pytest.mark.parametrize("op", DROPOUT)
+def test_dropout_seed_must_fit_int32(op: str, seed: int) -> None:
+    args = {**first_example(op), "dropout_prob": 0.1, "dropout_seed": seed}
+    with pytest.raises(ValueError, match=rf"{op}: `dropout_seed` must be in \[-2\*\*31, 2\*\*31\)"):
+        call(op, args)
+
+
+@pytest.mark.parametrize("op", DROPOUT)
+def test_traced_dropout_prob_is_a_type_error(op: str) -> None:
+    args = first_example(op)
+    with pytest.raises(TypeError, match=rf"{op}: `dropout_prob` must be a Python float"):
+        jax.jit(lambda p: call(op, {**args, "dropout_prob": p}))(0.1)
