@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import ejkernel
@@ -52,3 +53,33 @@ def test_traced_dropout_prob_is_a_type_error(op: str) -> None:
     args = first_example(op)
     with pytest.raises(TypeError, match=rf"{op}: `dropout_prob` must be a Python float"):
         jax.jit(lambda p: call(op, {**args, "dropout_prob": p}))(0.1)
+
+
+BAD_CU_SEQLENS = [
+    ("float", lambda s: jnp.asarray([0.0, s]), TypeError, "`cu_seqlens` must be an integer"),
+    ("one-offset", lambda s: jnp.asarray([0]), ValueError, r"`cu_seqlens` must be \[N \+ 1\]"),
+    ("2d", lambda s: jnp.asarray([[0, s]]), ValueError, r"`cu_seqlens` must be \[N \+ 1\]"),
+    ("past-S", lambda s: jnp.asarray([0, s + 1]), ValueError, "must lie in"),
+    ("negative", lambda s: jnp.asarray([-1, s]), ValueError, "must lie in"),
+    ("decreasing", lambda s: jnp.asarray([0, 5, 3, s]), ValueError, "never decrease"),
+]
+
+
+def packed_example(op: str) -> dict[str, Any]:
+    """A valid packed call of the op (B == 1, cu_seqlens given)."""
+    spec = builtin_spec(op)
+    for example in examples_of(spec):
+        if "cu_seqlens" in example.arrays:
+            return example.build(spec, "float32")
+    raise AssertionError(f"{op} has no packed example")
+
+
+@pytest.mark.parametrize(
+    "name,make,error,match", BAD_CU_SEQLENS, ids=[c[0] for c in BAD_CU_SEQLENS]
+)
+@pytest.mark.parametrize("op", ["native_sparse_attention", "kernel_delta_attention"])
+def test_cu_seqlens_checked_alike(op: str, name: str, make: Any, error: type, match: str) -> None:
+    args = packed_example(op)
+    s = args["query"].shape[1]
+    with pytest.raises(error, match=rf"{op}: .*{match}"):
+        call(op, {**args, "cu_seqlens": make(s)})

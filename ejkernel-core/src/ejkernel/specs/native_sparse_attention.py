@@ -50,8 +50,8 @@ from ejkernel.specs._base import (
     check_softmax_scale,
     is_floating,
     is_integer,
-    shape_of,
 )
+from ejkernel.specs.recurrent import check_packed_sequences
 
 __all__ = [
     "SPEC",
@@ -246,18 +246,7 @@ def validate_native_sparse_attention(a: dict[str, Any]) -> dict[str, Any]:
             raise TypeError(
                 f"{OP}: `block_indices` must be an integer array; got dtype {idx.dtype}"
             )
-    cu = a.get("cu_seqlens")
-    if cu is not None:
-        check_array(OP, "cu_seqlens", cu, ndim=1, letters="[num_seqs + 1]")
-        if not is_integer(cu) or cu.shape[0] < 2:
-            raise ValueError(
-                f"{OP}: `cu_seqlens` must be an integer [num_seqs + 1] array with num_seqs >= 1; "
-                f"got cu_seqlens.shape={shape_of(cu)}, dtype {cu.dtype}"
-            )
-        if b != 1:
-            raise ValueError(
-                f"{OP}: `cu_seqlens` packs sequences along S, so B must be 1; got query.shape={tuple(q.shape)}"
-            )
+    check_packed_sequences(OP, a.get("cu_seqlens"), q)
     a["softmax_scale"] = check_softmax_scale(OP, a.get("softmax_scale"), d)
     return a
 

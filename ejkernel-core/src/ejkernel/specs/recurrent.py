@@ -222,7 +222,25 @@ def check_packed_sequences(op: str, cu: Any, query: Any) -> int:
             f"{op}: `cu_seqlens` packs sequences along S and needs B == 1; got "
             f"query.shape={tuple(query.shape)}"
         )
+    s = int(query.shape[1])
+    values = _concrete(cu)
+    if values is not None and (
+        values[0] < 0 or values[-1] > s or np.any(np.diff(values.astype(np.int64)) < 0)
+    ):
+        raise ValueError(
+            f"{op}: `cu_seqlens` must lie in [0, S={s}] and never decrease; got {values.tolist()}"
+        )
     return num_seqs
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """The values of ``x`` when they are known now (not a tracer), else ``None``."""
+    if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        return None
+    try:
+        return np.asarray(x)
+    except Exception:  # an abstract value (e.g. ShapeDtypeStruct) has no contents
+        return None
 
 
 def check_initial_state(op: str, init: Any, want: tuple[int, ...], *, packed: bool) -> None:
