@@ -178,7 +178,34 @@ def call_op(spec: OpSpec, arguments: dict[str, Any]) -> Any:
     """Run an op through the default executor (imported lazily: ``import ejkernel`` stays light)."""
     from ejkernel._executor import call_op as run
 
+    empty = empty_output(spec, arguments)
+    if empty is not None:
+        return empty
     return run(spec, arguments)
+
+
+def empty_output(spec: OpSpec, arguments: Mapping[str, Any]) -> Any:
+    """The op's output when its (first) output has no elements (a batch of 0), else None.
+
+    An empty output needs no kernel, so no platform is asked to serve it (several cannot
+    launch an empty grid): it is zeros, or the reference's result when other outputs are not
+    empty (``ragged_page_attention_v3`` returns its caches, written with no tokens). The
+    arguments are still validated. Only calls with an empty array argument pay for the check
+    (the op's ``validate`` and an ``eval_shape`` of its reference).
+    """
+    if not any(getattr(arguments.get(a.name), "size", 1) == 0 for a in spec.args if a.array):
+        return None
+    bound = {k: v for k, v in arguments.items() if k not in CALL_PARAMETERS}
+    checked = spec.validate(dict(bound))
+    arrays = {k: v for k, v in checked.items() if spec.arg(k).array and v is not None}
+    statics = {k: v for k, v in checked.items() if k not in arrays}
+    shapes = jax.eval_shape(lambda arr: spec.reference(**arr, **statics), arrays)
+    leaves = jax.tree.leaves(shapes)
+    if leaves[0].size:
+        return None
+    if any(leaf.size for leaf in leaves):
+        return spec.reference(**arrays, **statics)
+    return jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
 
 
 def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:

@@ -182,12 +182,12 @@ def native_sparse_attention_reference(
     logits = jnp.einsum("bthgd,bjhd->bthgj", q, k) * scale
     o_slc = jnp.einsum("bthgj,bjhd->bthgd", _softmax_rows(logits, selected[:, :, :, None]), v)
 
-    out = g_cmp.astype(jnp.float32)[..., None] * o_cmp.reshape(b, s, hq, -1)
-    out = out + g_slc.astype(jnp.float32)[..., None] * o_slc.reshape(b, s, hq, -1)
+    out = g_cmp.astype(jnp.float32)[..., None] * o_cmp.reshape(b, s, hq, o_cmp.shape[-1])
+    out = out + g_slc.astype(jnp.float32)[..., None] * o_slc.reshape(b, s, hq, o_slc.shape[-1])
     if window_size > 0 and g_swa is not None:
         window = causal & (key_pos > pos[..., None] - window_size)
         o_swa = jnp.einsum("bthgj,bjhd->bthgd", _softmax_rows(logits, window[:, :, None, None]), v)
-        out = out + g_swa.astype(jnp.float32)[..., None] * o_swa.reshape(b, s, hq, -1)
+        out = out + g_swa.astype(jnp.float32)[..., None] * o_swa.reshape(b, s, hq, o_swa.shape[-1])
     return out.astype(query.dtype)
 
 
