@@ -170,3 +170,27 @@ def test_batch_zero_under_jit_and_grad(op: str) -> None:
     grads = jax.jit(jax.grad(loss))(arrays)
     for name, g in grads.items():
         assert g.shape == arrays[name].shape and not np.any(np.asarray(g)), name
+
+
+FORWARD_ONLY = [op for op in builtin_ops() if not builtin_spec(op).differentiable]
+
+
+def query_of(args: dict[str, Any]) -> str:
+    return "query" if "query" in args else "queries"
+
+
+@pytest.mark.parametrize("op", FORWARD_ONLY)
+def test_grad_through_a_forward_only_op_names_it(op: str) -> None:
+    args = first_example(op)
+    name = query_of(args)
+
+    def loss(q: Any) -> Any:
+        return jnp.sum(jax.tree.leaves(call(op, {**args, name: q}))[0])
+
+    with pytest.raises(TypeError, match=rf"{op} is forward-only: it has no gradient"):
+        jax.grad(loss)(args[name])
+    with pytest.raises(TypeError, match=rf"{op} is forward-only"):
+        jax.jvp(loss, (args[name],), (jnp.ones_like(args[name]),))
+    stopped = jax.grad(lambda q: loss(jax.lax.stop_gradient(q)))(args[name])
+    assert not np.any(np.asarray(stopped))
+    assert np.allclose(jax.jit(loss)(args[name]), loss(args[name]), equal_nan=True)
