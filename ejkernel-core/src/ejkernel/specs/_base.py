@@ -201,7 +201,7 @@ def empty_output(spec: OpSpec, arguments: Mapping[str, Any]) -> Any:
     statics = {k: v for k, v in checked.items() if k not in arrays}
     shapes = jax.eval_shape(lambda arr: spec.reference(**arr, **statics), arrays)
     leaves = jax.tree.leaves(shapes)
-    if leaves[0].size:
+    if not leaves or leaves[0].size:
         return None
     if any(leaf.size for leaf in leaves):
         return spec.reference(**arrays, **statics)
