@@ -96,3 +96,19 @@ def test_build_command_asks_the_plugin_that_builds_the_platform(capsys):
     assert "xla: nothing to build" in capsys.readouterr().out
     assert main(["build", "nowhere"]) == 1
     assert "no installed plugin provides platform 'nowhere'" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_command(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "EJKERNEL_CACHE_DIR": str(tmp_path)}
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "ejkernel", *a], capture_output=True, text=True, env=env, timeout=120
+    )
+    helped = run("--help")
+    assert helped.returncode == 0 and "usage: ejkernel" in helped.stdout
+    path = run("cache", "path")
+    assert path.returncode == 0 and path.stdout.strip() == str(tmp_path)
+    assert run("no-such-command").returncode == 2

@@ -319,7 +319,7 @@ def _errors() -> list[tuple[str, dict[str, Any], type, str]]:
             "`preferred_element_type`",
         ),
         ("transpose-not-bool", {"transpose_rhs": 1}, TypeError, "`transpose_rhs` must be a bool"),
-        ("empty-M", {"lhs": lhs[:0]}, ValueError, "non-empty M, K, N and G"),
+        ("empty-N", {"rhs": rhs[..., :0]}, ValueError, "non-empty K, N and G"),
         ("lhs-not-array", {"lhs": [[1.0]]}, TypeError, "`lhs` must be an array [M, K]"),
     ]
 

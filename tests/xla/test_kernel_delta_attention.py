@@ -221,7 +221,7 @@ def test_bad_inputs_raise_clear_errors_before_any_kernel(
 def test_bad_flags_raise_type_errors() -> None:
     with pytest.raises(TypeError, match="`use_qk_l2norm` must be a bool"):
         ejkernel.kernel_delta_attention(**VALID, use_qk_l2norm=None)
-    with pytest.raises(TypeError, match="`softmax_scale` must be a Python number"):
+    with pytest.raises(TypeError, match="`softmax_scale` must be a number"):
         ejkernel.kernel_delta_attention(**VALID, softmax_scale="big")
 
 

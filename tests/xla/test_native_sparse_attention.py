@@ -256,11 +256,11 @@ def _good() -> dict[str, Any]:
             TypeError,
             "`block_indices` must be an integer",
         ),
-        ({"cu_seqlens": jnp.array([0, 37])}, ValueError, "B must be 1"),
+        ({"cu_seqlens": jnp.array([0, 37])}, ValueError, "needs B == 1"),
         (
             {"cu_seqlens": jnp.array([[0, 37]])},
             ValueError,
-            r"`cu_seqlens` must be \[num_seqs \+ 1\]",
+            r"`cu_seqlens` must be \[N \+ 1\]",
         ),
     ],
     ids=[

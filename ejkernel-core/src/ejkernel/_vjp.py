@@ -18,7 +18,14 @@ import jax.numpy as jnp
 from ejkernel._registry import Implementation
 from ejkernel.specs import OpSpec
 
-__all__ = ["Static", "build_op_function", "build_kernel_function", "is_float_array", "traced"]
+__all__ = [
+    "Static",
+    "build_kernel_function",
+    "build_op_function",
+    "forward_only",
+    "is_float_array",
+    "traced",
+]
 
 
 class Static:
@@ -71,6 +78,8 @@ def build_op_function(
     def primal(arrays: dict[str, Any]) -> Any:
         return fn(**statics, **nones, **arrays, cfg=choose(False))
 
+    if not spec.differentiable:
+        return forward_only(spec.name, primal)
     vjp = impl.get_vjp()
     if not (spec.differentiable and diff and vjp is not None):
         return primal
@@ -89,6 +98,24 @@ def build_op_function(
 
     wrapped = jax.custom_vjp(primal)
     wrapped.defvjp(fwd, bwd)
+    return wrapped
+
+
+def forward_only(
+    op: str, primal: Callable[[dict[str, Any]], Any]
+) -> Callable[[dict[str, Any]], Any]:
+    """``primal`` of an op with no backward pass: differentiating it (``jax.grad``, ``vjp``,
+    ``jvp``) raises a TypeError naming the op, rather than failing somewhere inside the
+    implementation (an XLA ``while_loop`` cannot be reverse-differentiated)."""
+
+    def refuse(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
+        raise TypeError(
+            f"{op} is forward-only: it has no gradient (it cannot be differentiated with "
+            f"jax.grad, jax.vjp or jax.jvp); stop gradients before it with jax.lax.stop_gradient"
+        )
+
+    wrapped = jax.custom_jvp(primal)
+    wrapped.defjvp(refuse)
     return wrapped
 
 

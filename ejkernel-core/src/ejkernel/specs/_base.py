@@ -178,7 +178,34 @@ def call_op(spec: OpSpec, arguments: dict[str, Any]) -> Any:
     """Run an op through the default executor (imported lazily: ``import ejkernel`` stays light)."""
     from ejkernel._executor import call_op as run
 
+    empty = empty_output(spec, arguments)
+    if empty is not None:
+        return empty
     return run(spec, arguments)
+
+
+def empty_output(spec: OpSpec, arguments: Mapping[str, Any]) -> Any:
+    """The op's output when its (first) output has no elements (a batch of 0), else None.
+
+    An empty output needs no kernel, so no platform is asked to serve it (several cannot
+    launch an empty grid): it is zeros, or the reference's result when other outputs are not
+    empty (``ragged_page_attention_v3`` returns its caches, written with no tokens). The
+    arguments are still validated. Only calls with an empty array argument pay for the check
+    (the op's ``validate`` and an ``eval_shape`` of its reference).
+    """
+    if not any(getattr(arguments.get(a.name), "size", 1) == 0 for a in spec.args if a.array):
+        return None
+    bound = {k: v for k, v in arguments.items() if k not in CALL_PARAMETERS}
+    checked = spec.validate(dict(bound))
+    arrays = {k: v for k, v in checked.items() if spec.arg(k).array and v is not None}
+    statics = {k: v for k, v in checked.items() if k not in arrays}
+    shapes = jax.eval_shape(lambda arr: spec.reference(**arr, **statics), arrays)
+    leaves = jax.tree.leaves(shapes)
+    if not leaves or leaves[0].size:
+        return None
+    if any(leaf.size for leaf in leaves):
+        return spec.reference(**arrays, **statics)
+    return jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
 
 
 def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
@@ -296,8 +323,16 @@ def static_number(op: str, name: str, x: Any) -> float:
 
 
 def check_softmax_scale(op: str, scale: Any, dim: int) -> float:
-    """The ``softmax_scale`` argument as a float; ``dim ** -0.5`` when it is None."""
-    return float(dim**-0.5 if scale is None else static_number(op, "softmax_scale", scale))
+    """The ``softmax_scale`` argument as a finite float; ``dim ** -0.5`` when it is None.
+
+    Every op that takes ``softmax_scale`` checks it here: a NaN or infinite scale would turn
+    every logit into NaN."""
+    if scale is None:
+        return float(dim**-0.5)
+    value = static_number(op, "softmax_scale", scale)
+    if not np.isfinite(value):
+        raise ValueError(f"{op}: `softmax_scale` must be a finite number; got {value}")
+    return value
 
 
 @functools.cache

@@ -104,8 +104,10 @@ def check_queries(op: str, name: str, x: Any, *, letters: str, cache: PagedCache
             f"{op}: `{name}` must be {letters} with D={cache.d} and Hq % Hkv == 0 "
             f"(Hkv={cache.hkv}); got {name}.shape={tuple(x.shape)}"
         )
-    if min(x.shape) == 0:
-        raise ValueError(f"{op}: `{name}` must not be empty; got {name}.shape={tuple(x.shape)}")
+    if min(x.shape[1:]) == 0:  # no sequences (or tokens) is an empty call, not an error
+        raise ValueError(
+            f"{op}: `{name}` must have non-empty Hq and D; got {name}.shape={tuple(x.shape)}"
+        )
     return hq
 
 
@@ -122,12 +124,15 @@ def check_index_vector(op: str, name: str, x: Any, *, letters: str, length: int)
         )
 
 
-def check_counted_vector(op: str, name: str, x: Any, *, count: str) -> int:
-    """A non-empty integer array ``[count]`` whose length defines ``count``; returns it."""
+def check_counted_vector(
+    op: str, name: str, x: Any, *, count: str, allow_empty: bool = False
+) -> int:
+    """An integer array ``[count]`` whose length defines ``count``; returns it. Empty only when
+    ``allow_empty`` (a call with no tokens may have no sequences)."""
     letters = f"[{count}]"
     check_array(op, name, x, ndim=1, letters=letters)
     length = int(x.shape[0])
-    if length == 0:
+    if length == 0 and not allow_empty:
         raise ValueError(
             f"{op}: `{name}` must be {letters} with {count} >= 1; got {name}.shape=(0,)"
         )

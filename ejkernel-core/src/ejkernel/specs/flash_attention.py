@@ -263,7 +263,13 @@ def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, An
     a.setdefault("causal", False)
     attention_statics(op, a, d=d)
     if "dropout_prob" in a:
-        prob = static_number(op, "dropout_prob", a.get("dropout_prob") or 0.0)
+        prob = a.get("dropout_prob")
+        if isinstance(prob, jax.core.Tracer):
+            raise TypeError(
+                f"{op}: `dropout_prob` must be a Python float (it is static, part of the "
+                f"compiled kernel); got a traced value"
+            )
+        prob = 0.0 if prob is None else static_number(op, "dropout_prob", prob)
         if not 0.0 <= prob < 1.0:
             raise ValueError(f"{op}: `dropout_prob` must be in [0, 1); got {prob}")
         a["dropout_prob"] = prob
@@ -273,6 +279,11 @@ def validate_flash_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, An
                 if not isinstance(seed, (int, np.integer)):
                     raise TypeError(
                         f"{op}: `dropout_seed` must be an int or an integer scalar array; got {seed!r}"
+                    )
+                if not -(2**31) <= seed < 2**31:
+                    raise ValueError(
+                        f"{op}: `dropout_seed` must be in [-2**31, 2**31) as a Python int; "
+                        f"got {seed}"
                     )
             elif np.shape(seed) != () or not is_integer(seed):
                 raise TypeError(

@@ -96,7 +96,7 @@ def validate_grouped_matmul(a: dict[str, Any], *, op: str = OP) -> dict[str, Any
         raise TypeError(
             f"{op}: `lhs` and `rhs` must share one dtype; got {lhs.dtype} and {rhs.dtype}"
         )
-    m, k = lhs.shape
+    _, k = lhs.shape
     num_groups = rhs.shape[0]
     rhs_k = rhs.shape[2] if transpose else rhs.shape[1]
     if rhs_k != k:
@@ -105,9 +105,9 @@ def validate_grouped_matmul(a: dict[str, Any], *, op: str = OP) -> dict[str, Any
             f"(transpose_rhs={transpose}); got rhs.shape={tuple(rhs.shape)}, "
             f"lhs.shape={tuple(lhs.shape)}"
         )
-    if min(m, k, *rhs.shape) == 0:
+    if min(k, *rhs.shape) == 0:  # M == 0 (no rows) is an empty call, not an error
         raise ValueError(
-            f"{op}: `lhs` [M, K] and `rhs` {rhs_letters} must have non-empty M, K, N and G; "
+            f"{op}: `lhs` [M, K] and `rhs` {rhs_letters} must have non-empty K, N and G; "
             f"got lhs.shape={tuple(lhs.shape)}, rhs.shape={tuple(rhs.shape)}"
         )
     if not is_integer(sizes):

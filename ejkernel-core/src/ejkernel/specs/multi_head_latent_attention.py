@@ -109,9 +109,9 @@ def validate_multi_head_latent_attention(a: dict[str, Any]) -> dict[str, Any]:
             f"{OP}: `k_rope` must be [B, Sk, Dr]=({b}, {sk}, {d - dn}) with Dr = query's last "
             f"dim ({d}) - Dn ({dn}); got k_rope.shape={tuple(rope.shape)}"
         )
-    if min(b, sq, sk, r, dn, w_vc.shape[2]) == 0:
+    if min(sq, sk, r, dn, w_vc.shape[2]) == 0:  # B == 0 is an empty call, not an error
         raise ValueError(
-            f"{OP}: B, Sq, Sk, R, Dn and Dv must be non-empty; got query.shape={tuple(q.shape)}, "
+            f"{OP}: Sq, Sk, R, Dn and Dv must be non-empty; got query.shape={tuple(q.shape)}, "
             f"key_value.shape={tuple(c.shape)}, w_kc.shape={tuple(w_kc.shape)}, "
             f"w_vc.shape={tuple(w_vc.shape)}"
         )

@@ -50,8 +50,8 @@ from ejkernel.specs._base import (
     check_softmax_scale,
     is_floating,
     is_integer,
-    shape_of,
 )
+from ejkernel.specs.recurrent import check_packed_sequences
 
 __all__ = [
     "SPEC",
@@ -182,12 +182,12 @@ def native_sparse_attention_reference(
     logits = jnp.einsum("bthgd,bjhd->bthgj", q, k) * scale
     o_slc = jnp.einsum("bthgj,bjhd->bthgd", _softmax_rows(logits, selected[:, :, :, None]), v)
 
-    out = g_cmp.astype(jnp.float32)[..., None] * o_cmp.reshape(b, s, hq, -1)
-    out = out + g_slc.astype(jnp.float32)[..., None] * o_slc.reshape(b, s, hq, -1)
+    out = g_cmp.astype(jnp.float32)[..., None] * o_cmp.reshape(b, s, hq, o_cmp.shape[-1])
+    out = out + g_slc.astype(jnp.float32)[..., None] * o_slc.reshape(b, s, hq, o_slc.shape[-1])
     if window_size > 0 and g_swa is not None:
         window = causal & (key_pos > pos[..., None] - window_size)
         o_swa = jnp.einsum("bthgj,bjhd->bthgd", _softmax_rows(logits, window[:, :, None, None]), v)
-        out = out + g_swa.astype(jnp.float32)[..., None] * o_swa.reshape(b, s, hq, -1)
+        out = out + g_swa.astype(jnp.float32)[..., None] * o_swa.reshape(b, s, hq, o_swa.shape[-1])
     return out.astype(query.dtype)
 
 
@@ -246,18 +246,7 @@ def validate_native_sparse_attention(a: dict[str, Any]) -> dict[str, Any]:
             raise TypeError(
                 f"{OP}: `block_indices` must be an integer array; got dtype {idx.dtype}"
             )
-    cu = a.get("cu_seqlens")
-    if cu is not None:
-        check_array(OP, "cu_seqlens", cu, ndim=1, letters="[num_seqs + 1]")
-        if not is_integer(cu) or cu.shape[0] < 2:
-            raise ValueError(
-                f"{OP}: `cu_seqlens` must be an integer [num_seqs + 1] array with num_seqs >= 1; "
-                f"got cu_seqlens.shape={shape_of(cu)}, dtype {cu.dtype}"
-            )
-        if b != 1:
-            raise ValueError(
-                f"{OP}: `cu_seqlens` packs sequences along S, so B must be 1; got query.shape={tuple(q.shape)}"
-            )
+    check_packed_sequences(OP, a.get("cu_seqlens"), q)
     a["softmax_scale"] = check_softmax_scale(OP, a.get("softmax_scale"), d)
     return a
 

@@ -90,9 +90,9 @@ def validate_ragged_decode_attention(a: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"{OP}: `value` must be [B, Sk, Hkv, Dv]; got value.shape={tuple(v.shape)}, key.shape={tuple(k.shape)}"
         )
-    if min(b, hq, d, int(k.shape[1]), int(v.shape[3])) == 0:
+    if min(hq, d, int(k.shape[1]), int(v.shape[3])) == 0:  # B == 0 is an empty call
         raise ValueError(
-            f"{OP}: `query`/`key`/`value` must not be empty; got {q.shape}, {k.shape}, {v.shape}"
+            f"{OP}: `query`/`key`/`value` must have non-empty Hq, D, Sk and Dv; got {q.shape}, {k.shape}, {v.shape}"
         )
     for name in ("sequence_start", "sequence_end"):
         check_index_vector(OP, name, a[name], letters="[B]", length=b)

@@ -60,7 +60,9 @@ def validate_ragged_page_attention(a: dict[str, Any], *, op: str = OP) -> dict[s
     """Check every argument; fill defaults; ``num_seqs`` becomes an int32 scalar array."""
     cache = check_paged_cache(op, a["key_cache"], a["value_cache"])
     hq = check_queries(op, "queries", a["queries"], letters="[T, Hq, D]", cache=cache)
-    num_seqs = check_counted_vector(op, "kv_lens", a["kv_lens"], count="num_seqs")
+    num_seqs = check_counted_vector(
+        op, "kv_lens", a["kv_lens"], count="num_seqs", allow_empty=a["queries"].shape[0] == 0
+    )
     check_block_tables(op, "block_tables", a["block_tables"], num_seqs=num_seqs)
     check_index_vector(
         op, "query_start_loc", a["query_start_loc"], letters="[num_seqs + 1]", length=num_seqs + 1

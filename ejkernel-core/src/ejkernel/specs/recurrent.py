@@ -191,7 +191,8 @@ def recurrent_reference(
 
 
 def check_linear_qkv(op: str, q: Any, k: Any, v: Any) -> None:
-    """``query``/``key`` [B, S, H, K] and ``value`` [B, S, H, V]: floating, one dtype, non-empty."""
+    """``query``/``key`` [B, S, H, K] and ``value`` [B, S, H, V]: floating, one dtype, non-empty
+    but for B (a batch of 0 is an empty call)."""
     check_qkv(op, q, k, v, letters=("[B, S, H, K]", "[B, S, H, K]", "[B, S, H, V]"))
     b, s, h, dk = q.shape
     if tuple(k.shape) != (b, s, h, dk):
@@ -204,9 +205,9 @@ def check_linear_qkv(op: str, q: Any, k: Any, v: Any) -> None:
             f"{op}: `value` must be [B, S, H, V]; got value.shape={tuple(v.shape)}, "
             f"query.shape={tuple(q.shape)}"
         )
-    if min(b, s, h, dk, v.shape[3]) == 0:
+    if min(s, h, dk, v.shape[3]) == 0:
         raise ValueError(
-            f"{op}: `query`/`value` must have non-empty B, S, H, K, V; got query.shape="
+            f"{op}: `query`/`value` must have non-empty S, H, K, V; got query.shape="
             f"{tuple(q.shape)}, value.shape={tuple(v.shape)}"
         )
 
@@ -222,7 +223,25 @@ def check_packed_sequences(op: str, cu: Any, query: Any) -> int:
             f"{op}: `cu_seqlens` packs sequences along S and needs B == 1; got "
             f"query.shape={tuple(query.shape)}"
         )
+    s = int(query.shape[1])
+    values = _concrete(cu)
+    if values is not None and (
+        values[0] < 0 or values[-1] > s or np.any(np.diff(values.astype(np.int64)) < 0)
+    ):
+        raise ValueError(
+            f"{op}: `cu_seqlens` must lie in [0, S={s}] and never decrease; got {values.tolist()}"
+        )
     return num_seqs
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """The values of ``x`` when they are known now (not a tracer), else ``None``."""
+    if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        return None
+    try:
+        return np.asarray(x)
+    except Exception:  # an abstract value (e.g. ShapeDtypeStruct) has no contents
+        return None
 
 
 def check_initial_state(op: str, init: Any, want: tuple[int, ...], *, packed: bool) -> None:
