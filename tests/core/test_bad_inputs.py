@@ -194,3 +194,31 @@ def test_grad_through_a_forward_only_op_names_it(op: str) -> None:
     stopped = jax.grad(lambda q: loss(jax.lax.stop_gradient(q)))(args[name])
     assert not np.any(np.asarray(stopped))
     assert np.allclose(jax.jit(loss)(args[name]), loss(args[name]), equal_nan=True)
+
+
+@pytest.mark.parametrize("op", builtin_ops())
+def test_cfg_of_a_wrong_type_is_an_error(op: str) -> None:
+    with pytest.raises(ValueError, match=rf"{op}: `cfg` must be a \w+"):
+        call(op, {**first_example(op), "cfg": "big blocks"})
+
+
+def test_cfg_of_another_op_is_an_error_not_a_silent_default() -> None:
+    from ejkernel.modules import GlaConfig
+
+    args = first_example("flash_attention")
+    with pytest.raises(ValueError, match=r"flash_attention: `cfg` is a GlaConfig whose fields"):
+        call("flash_attention", {**args, "cfg": GlaConfig(chunk_size=64)})
+
+
+def test_cfg_that_only_names_a_platform_or_fits_by_options_is_accepted() -> None:
+    from ejkernel.modules import FlashAttentionConfig, GlaConfig
+    from ejkernel.plugins import FwdParams
+
+    args = first_example("flash_attention")
+    call("flash_attention", {**args, "cfg": FlashAttentionConfig(platform="xla")})
+    fwd = FwdParams(q_blocksize=16, kv_blocksize=16)
+    call("flash_attention", {**args, "cfg": FlashAttentionConfig(fwd_params=fwd)})
+    gla = first_example("gla")
+    call("gla", {**gla, "cfg": GlaConfig(options={"chunk_size": 16})})
+    with pytest.raises(ValueError, match="takes no config"):
+        call("mean_pooling", {**first_example("mean_pooling"), "cfg": GlaConfig(chunk_size=16)})

@@ -168,7 +168,7 @@ def test_environment_platform_is_read_at_call_time(toy, monkeypatch):
 
 def test_a_config_that_does_not_fit_is_a_clear_error(toy):
     q, k, v = attention_inputs(SHAPE)
-    with pytest.raises(ConfigError, match="cfg must be a ToyConfig"):
+    with pytest.raises(ConfigError, match="`cfg` must be a ToyConfig"):
         ejkernel.flash_attention(q, k, v, cfg="big blocks")
 
 

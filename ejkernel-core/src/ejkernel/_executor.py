@@ -71,21 +71,40 @@ def coerce_config(spec: OpSpec, impl: Implementation, cfg: Any) -> Any:
     A config of the implementation's class passes as is; another attrs class or dataclass is
     converted field by field (shared field names; ``platform`` is dropped; the entries of an
     ``options`` mapping field count as fields, so op-level configs can carry any tunable).
+    Anything else, or a config that sets fields of which the target has none (another op's
+    config), is a :class:`ConfigError` naming ``cfg``: never silently replaced by a default.
     """
     target = impl.config_type
-    if cfg is None or target is None:
+    if cfg is None:
         return None
-    if isinstance(cfg, target):
-        return cfg
     fields = _fields(cfg)
     if fields is None:
-        raise ConfigError(f"{spec.name}: cfg must be a {target.__name__}; got {type(cfg).__name__}")
+        want = target.__name__ if target is not None else "config (attrs class or dataclass)"
+        raise ConfigError(f"{spec.name}: `cfg` must be a {want} or None; got {type(cfg).__name__}")
+    if target is not None and isinstance(cfg, target):
+        return cfg
+    options = fields.pop("options", None) or {}
+    fields = {**fields, **dict(options)}
+    given = {k: v for k, v in fields.items() if k != "platform" and v is not None}
+    if target is None:
+        if given:
+            raise ConfigError(
+                f"{spec.name}: platform {impl.platform!r} takes no config, but `cfg` sets "
+                f"{', '.join(sorted(given))}"
+            )
+        return None
     names = (
         {f.name for f in attrs.fields(target)}
         if attrs.has(target)
         else {f.name for f in dataclasses.fields(target)}
     )
-    common = {k: v for k, v in fields.items() if k in names and v is not None}
+    if given and not given.keys() & names:
+        raise ConfigError(
+            f"{spec.name}: `cfg` is a {type(cfg).__name__} whose fields ({', '.join(sorted(given))}) "
+            f"platform {impl.platform!r}'s {target.__name__} does not have "
+            f"({', '.join(sorted(names))}): a config of another op?"
+        )
+    common = {k: v for k, v in given.items() if k in names}
     try:
         return target(**common)
     except Exception as err:
