@@ -222,3 +222,15 @@ def test_cfg_that_only_names_a_platform_or_fits_by_options_is_accepted() -> None
     call("gla", {**gla, "cfg": GlaConfig(options={"chunk_size": 16})})
     with pytest.raises(ValueError, match="takes no config"):
         call("mean_pooling", {**first_example("mean_pooling"), "cfg": GlaConfig(chunk_size=16)})
+
+
+def test_batch_zero_still_checks_platform_and_cfg() -> None:
+    args = first_example("flash_attention")
+    args = {k: (v[:0] if k in ("query", "key", "value") else v) for k, v in args.items()}
+    with pytest.raises(TypeError, match="`platform` must be a str or None"):
+        ejkernel.flash_attention(**args, platform=123)
+    with pytest.raises(ValueError, match="`platform`='nowhere' is not installed"):
+        ejkernel.flash_attention(**args, platform="nowhere")
+    with pytest.raises(ValueError, match="`cfg` must be a config"):
+        ejkernel.flash_attention(**args, cfg="big blocks")
+    assert ejkernel.flash_attention(**args, platform="xla").shape[0] == 0

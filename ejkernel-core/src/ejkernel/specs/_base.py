@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import typing
@@ -11,6 +12,8 @@ from typing import Any
 import attrs
 import jax
 import numpy as np
+
+from ejkernel.errors import ConfigError
 
 
 @attrs.frozen(kw_only=True)
@@ -190,13 +193,19 @@ def empty_output(spec: OpSpec, arguments: Mapping[str, Any]) -> Any:
     An empty output needs no kernel, so no platform is asked to serve it (several cannot
     launch an empty grid): it is zeros, or the reference's result when other outputs are not
     empty (``ragged_page_attention_v3`` returns its caches, written with no tokens). The
-    arguments are still validated. Only calls with an empty array argument pay for the check
+    arguments (``platform=`` and the kind of ``cfg=`` too) are still validated. Only calls with an empty array argument pay for the check
     (the op's ``validate`` and an ``eval_shape`` of its reference).
     """
     if not any(getattr(arguments.get(a.name), "size", 1) == 0 for a in spec.args if a.array):
         return None
+    from ejkernel._selection import check_platform_argument
+
     bound = {k: v for k, v in arguments.items() if k not in CALL_PARAMETERS}
     checked = spec.validate(dict(bound))
+    check_platform_argument(spec, arguments.get("platform"))
+    cfg = arguments.get("cfg")
+    if cfg is not None and not (attrs.has(type(cfg)) or dataclasses.is_dataclass(cfg)):
+        raise ConfigError(f"{spec.name}: `cfg` must be a config or None; got {type(cfg).__name__}")
     arrays = {k: v for k, v in checked.items() if spec.arg(k).array and v is not None}
     statics = {k: v for k, v in checked.items() if k not in arrays}
     shapes = jax.eval_shape(lambda arr: spec.reference(**arr, **statics), arrays)
