@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import ejkernel
-from ejkernel.errors import PluginWarning
+from ejkernel.errors import FallbackWarning, PluginWarning
 from ejkernel.plugins import defvjp, hookimpl, register_plugin
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import AttentionShape, assert_close, attention_inputs
@@ -124,7 +124,7 @@ def test_explain_before_the_call_still_shows_the_priority_choice(broken):
 
 def test_jit_falls_back_at_trace_time(broken, toy):
     q, k, v = attention_inputs(SHAPE)
-    with pytest.warns(PluginWarning, match="'broken' raised NotImplementedError"):
+    with pytest.warns(FallbackWarning, match="'broken' raised NotImplementedError"):
         out = jax.jit(lambda q, k, v: ejkernel.flash_attention(q, k, v) * 2)(q, k, v)
     assert_close(out, 2 * flash_attention_reference(q, k, v))
     jax.jit(lambda q, k, v: ejkernel.flash_attention(q, k, v) + 1)(q, k, v)

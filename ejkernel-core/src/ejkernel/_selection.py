@@ -32,7 +32,7 @@ from ejkernel._chain import ConfigSelectorChain
 from ejkernel._invocation import Invocation, current_backend
 from ejkernel._memo import Memo, call_key
 from ejkernel._registry import KNOWN_DISTRIBUTIONS, Implementation, Registry
-from ejkernel.errors import NoImplementationError, PluginWarning, warn_once
+from ejkernel.errors import FallbackWarning, NoImplementationError, warn_once
 from ejkernel.plugins import get_registry
 from ejkernel.specs import OpSpec
 
@@ -249,7 +249,7 @@ def reject_failed(spec: OpSpec, inv: Invocation, impl: Implementation, err: Exce
     failed[label] = reason
     _failed_memo.put(key, failed)
     warn_once(
-        PluginWarning,
+        FallbackWarning,
         f"{spec.name}/{label}/{type(err).__name__}: {err}",
         f"{spec.name}: platform {label!r} raised {type(err).__name__}: {err}; it is rejected "
         f"for this call, which runs on the next runnable platform "

@@ -15,6 +15,7 @@ __all__ = [
     "CacheWarning",
     "ConfigError",
     "EjkernelError",
+    "FallbackWarning",
     "NoImplementationError",
     "PluginWarning",
     "warn_once",
@@ -45,6 +46,11 @@ class ConfigError(EjkernelError, ValueError):
 
 class PluginWarning(UserWarning):
     """A plugin failed to import or register, or was refused; it is skipped."""
+
+
+class FallbackWarning(PluginWarning):
+    """An implementation chosen without a forced platform failed while traced; the call ran on
+    the next runnable platform (a :class:`PluginWarning`, so filters of plugin trouble see it)."""
 
 
 class CacheWarning(UserWarning):
