@@ -193,8 +193,9 @@ def empty_output(spec: OpSpec, arguments: Mapping[str, Any]) -> Any:
     An empty output needs no kernel, so no platform is asked to serve it (several cannot
     launch an empty grid): it is zeros, or the reference's result when other outputs are not
     empty (``ragged_page_attention_v3`` returns its caches, written with no tokens). The
-    arguments (``platform=`` and the kind of ``cfg=`` too) are still validated. Only calls with an empty array argument pay for the check
-    (the op's ``validate`` and an ``eval_shape`` of its reference).
+    arguments (``platform=`` and the kind of ``cfg=`` too) are still validated. Only calls
+    with an empty array argument pay for the check (the op's ``validate`` and an
+    ``eval_shape`` of its reference).
     """
     if not any(getattr(arguments.get(a.name), "size", 1) == 0 for a in spec.args if a.array):
         return None

@@ -11,13 +11,12 @@ an implementation, its VJP forward and its backward is the same for all and live
 - :class:`Masking` and :class:`Blocked` are those statics: flash attention's masking
   arguments, normalised, and the block sizes of one pass.
 - :class:`BlockConfig` is the config of ops tuned by their block sizes, with
-  :func:`pass_blocks` resolving one pass's blocks and :func:`distinct` deduplicating a
-  config space.
+  :func:`pass_blocks` resolving one pass's blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -32,7 +31,6 @@ __all__ = [
     "Masking",
     "Passes",
     "clamp_blocks",
-    "distinct",
     "pass_blocks",
     "static_defaults",
 ]
@@ -112,15 +110,6 @@ def pass_blocks(
         (params.q_blocksize or default[0], params.kv_blocksize or default[1]), sq, sk
     )
     return {"block_q": bq, "block_k": bk}
-
-
-def distinct(configs: Iterable[_C]) -> list[_C]:
-    """``configs`` in order, each once."""
-    out: list[_C] = []
-    for cfg in configs:
-        if cfg not in out:
-            out.append(cfg)
-    return out
 
 
 def static_defaults(spec: OpSpec, static: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ejkernel.attention_semantics import (
     soft_cap,
     visible,
 )
+from ejkernel_xla.ops import _tuning
 
 __all__ = [
     "Blocking",
@@ -57,9 +58,7 @@ __all__ = [
 
 def backend() -> str:
     """``"cpu"``, ``"gpu"`` or ``"tpu"``: the default backend's family (``cpu`` if unknown)."""
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in ("cpu", "gpu", "tpu") else "cpu"
+    return _tuning.backend(("cpu", "gpu", "tpu"))
 
 
 @attrs.frozen(kw_only=True)

@@ -63,6 +63,7 @@ from ejkernel import attention_semantics as semantics
 from ejkernel.attention_semantics import MASK_VALUE
 from ejkernel.plugins import FwdParams
 from ejkernel.specs import OpSpec
+from ejkernel_xla.ops import _tuning
 
 __all__ = [
     "PagedConfig",
@@ -186,12 +187,6 @@ Fetch = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 # --------------------------------------------------------------------------------------------
 
 
-def _backend() -> str:
-    name = jax.default_backend().lower()
-    name = "gpu" if name in ("cuda", "rocm") else name
-    return name if name in _KV_BLOCK else "cpu"
-
-
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
@@ -205,7 +200,7 @@ def _blocks(
     problem: Problem, q_block: int | None, kv_block: int | None, per_step: int | None
 ) -> tuple[int, int, int]:
     """Resolve ``(q_block, kv_block, blocks_per_step)``, every ``None`` from the heuristic."""
-    backend = _backend()
+    backend = _tuning.backend(_KV_BLOCK)
     if problem.decode:
         bq = 1
     elif q_block is None:

@@ -3,7 +3,7 @@ lengths fitted to a call, the ``chunk_size`` validator, and a config space witho
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable
 from typing import Any, TypeVar
 
 import jax
@@ -13,7 +13,7 @@ __all__ = ["backend", "check_chunk_size", "distinct", "fit_chunk", "pow2_ceil"]
 _Config = TypeVar("_Config")
 
 
-def backend(table: Mapping[str, Any]) -> str:
+def backend(table: Collection[str]) -> str:
     """This process's JAX backend as a key of ``table`` (``"gpu"`` for CUDA/ROCm; ``"cpu"``
     when ``table`` does not know it)."""
     name = jax.default_backend().lower()

@@ -60,7 +60,6 @@ from ejkernel_xla.ops._adapter import (
     Blocked,
     Passes,
     clamp_blocks,
-    distinct,
     pass_blocks,
 )
 from ejkernel_xla.ops._blockwise import (
@@ -86,6 +85,7 @@ from ejkernel_xla.ops._blockwise import (
     when,
     when_else,
 )
+from ejkernel_xla.ops._tuning import distinct
 
 __all__ = [
     "FlashAttentionConfig",

@@ -59,7 +59,6 @@ from ejkernel_xla.ops._adapter import (
     Blocked,
     Passes,
     clamp_blocks,
-    distinct,
     pass_blocks,
 )
 from ejkernel_xla.ops._blockwise import (
@@ -77,6 +76,7 @@ from ejkernel_xla.ops._blockwise import (
     when,
     when_else,
 )
+from ejkernel_xla.ops._tuning import distinct
 
 __all__ = [
     "MultiHeadLatentAttentionConfig",
