@@ -493,10 +493,33 @@ INTERPRETED = ["pallas", "triton"]
 NUMPY_NAN = "invalid value encountered"
 #: Interpreted platforms whose kernels take masks and sinks too.
 WITH_MASKS_AND_SINKS = {"triton"}
+#: Geometries where a row that sees a planted key has hidden keys that only clean rows see
+#: (windows, segments): its lse is NaN there, and its probabilities at those keys must stay 0.
+DIRTY_ROW_CASES = [
+    Case(
+        b=1,
+        sq=37,
+        sk=37,
+        hq=2,
+        hkv=1,
+        d=16,
+        causal=causal,
+        window=window,
+        segments=segments,
+        mask=False,
+        soft_cap=None,
+        sinks=False,
+    )
+    for causal, window, segments in [
+        (True, (5, 0), False),
+        (False, (3, 2), False),
+        (True, None, True),
+    ]
+]
 KERNEL_CASES = [
     pytest.param(platform, case, id=f"{platform}-{case}")
     for platform in INTERPRETED
-    for case, op in zip(CASES, FLASH_OPS * 3)
+    for case, op in [*zip(CASES, FLASH_OPS * 3), *((c, "flash_attention") for c in DIRTY_ROW_CASES)]
     if op == "flash_attention"
     and (platform in WITH_MASKS_AND_SINKS or (not case.mask and not case.sinks))
 ]

@@ -95,11 +95,14 @@ def _load_tile(
 def _finite_or_zero(x):
     """:func:`ejkernel.attention_semantics.finite_or_zero`: NaN and ±Inf entries read as 0.
 
-    Every kernel passes the K and V tiles of the steps whose scores go through the mask's
-    select through it (:func:`_finite_or_zero_if`; never on the whole blocks of a call without
-    an attention mask or segment ids): a probability the mask zeroes times a NaN or Inf key or
-    value (``0 · NaN``, in ``P·V``, ``dO·Vᵀ`` or ``dS·K``) would otherwise reach a row that
-    cannot see the entry. Keys loaded past the sequence end are zeros already.
+    The kernels pass through it the tiles that a probability or score gradient zeroed by the
+    mask multiplies, on the steps whose scores go through the mask's select
+    (:func:`_finite_or_zero_if`; never on the whole blocks of a call without an attention mask
+    or segment ids): V in the forward's ``P·V``, K and V in the backward's ``dO·Vᵀ`` and
+    ``dS·K``; ``0 · NaN`` would otherwise reach a row that cannot see the entry. The forward's
+    K needs none (a hidden score goes through the select); a row that sees a non-finite key
+    then has a NaN lse, which the backward reads as ``+inf`` (all its probabilities 0, so none
+    is NaN at an entry it cannot see). Keys loaded past the sequence end are zeros already.
     """
     return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 

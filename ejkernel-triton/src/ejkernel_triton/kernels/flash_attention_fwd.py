@@ -135,7 +135,7 @@ def flash_attention_fwd_kernel(
         for start_n in range(ranges[part], ranges[part + 1], BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
             k = _key_tile(
-                k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED, HIDES
+                k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED, False
             )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if PLAIN_SCALE and part == 1:  # the scale rides in the exponent's FFMA

@@ -125,6 +125,9 @@ def _flash_attention_bwd(
     ``statics``: the call's static arguments, by name."""
     arrays: _Arrays = residuals["arrays"]
     out, lse = residuals["out"], residuals["lse"]
+    # A row that sees a NaN or Inf key has a NaN lse (the forward cleans only V): as +inf its
+    # probabilities are all 0, never NaN at its hidden entries, whose keys other rows may own.
+    lse = jnp.where(jnp.isnan(lse), jnp.inf, lse)
     st = _Statics.of(arrays, cfg, "bwd", **_static_args(statics))
     call = _backward_call(st, arrays.modes())
     dq, dk, dv, dbias, delta = call(*arrays.launch_args(), d_out, lse, out)
