@@ -72,8 +72,16 @@ def test_cudnn_sliding_window() -> None:
     check(*inputs(), sliding_window=(17, 0))
 
 
-def test_cudnn_decode_query_sees_the_whole_cache() -> None:
-    check(*inputs(sq=1, sk=1000), causal=True, grad=False)
+def test_cudnn_short_query_sees_the_whole_cache() -> None:
+    check(*inputs(sq=2, sk=1000), grad=False)
+
+
+def test_a_single_query_is_declined_for_its_odd_length() -> None:
+    q, k, v = inputs(sq=1, sk=1000)
+    record = ejkernel.explain("flash_attention", q, k, v, causal=True)
+    assert record.platform != "cuda" and "even sequence lengths" in record.rejected["cuda"]
+    out = ejkernel.flash_attention(q, k, v, causal=True)
+    assert_close(out, reference(q, k, v, causal=True))
 
 
 def test_cudnn_bias_and_mask_with_a_fully_masked_row() -> None:

@@ -55,7 +55,7 @@ def attention_kw(
 def cudnn_present(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend JAX found cuDNN 9.8 on a Hopper GPU."""
     monkeypatch.setattr(_device, "cudnn_version", lambda: 90800)
-    monkeypatch.setattr(_device, "cc_major", lambda: 9)
+    monkeypatch.setattr(_device, "cc_tuple", lambda: (9, 0))
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ def test_importing_the_plugin_loads_no_kernel_module() -> None:
 def test_cudnn_accepts_the_shapes_it_computes(cudnn_present: None) -> None:
     assert cudnn_supports(attention_kw()) is True
     assert cudnn_supports(attention_kw(causal=True)) is True
-    assert cudnn_supports(attention_kw(sq=1, sk=300, causal=True)) is True  # decode
+    assert cudnn_supports(attention_kw(sq=2, sk=300)) is True
     assert cudnn_supports(attention_kw(causal=True, sliding_window=(16, 16))) is True
     assert cudnn_supports(attention_kw(sliding_window=(16, 0), d=256, dtype=jnp.float16)) is True
     assert cudnn_supports(attention_kw(d=80)) is True
@@ -125,8 +125,10 @@ def test_cudnn_accepts_the_shapes_it_computes(cudnn_present: None) -> None:
         ({"softmax_aux": sds((8,), jnp.float32)}, "sinks"),
         ({"dropout_prob": 0.1}, "dropout"),
         ({"q_segment_ids": sds((2, 64), jnp.int32)}, "segment ids"),
-        ({"sq": 37, "causal": True}, "top-left"),
-        ({"sq": 37, "sliding_window": (8, 0)}, "Sq == Sk"),
+        ({"sq": 36, "causal": True}, "top-left"),
+        ({"sq": 36, "sliding_window": (8, 0)}, "Sq == Sk"),
+        ({"sq": 1, "sk": 300}, "even sequence lengths"),
+        ({"sq": 37}, "even sequence lengths"),
         ({"sliding_window": (8, 8)}, "left windows"),
     ],
     ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
@@ -139,7 +141,7 @@ def test_cudnn_declines_with_a_reason(cudnn_present: None, change: dict, reason:
 def test_cudnn_head_dim_limit_is_128_before_hopper(
     cudnn_present: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_device, "cc_major", lambda: 8)
+    monkeypatch.setattr(_device, "cc_tuple", lambda: (8, 0))
     assert "<= 128" in cudnn_supports(attention_kw(d=192))
 
 

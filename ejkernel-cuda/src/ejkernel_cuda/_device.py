@@ -8,7 +8,15 @@ from typing import Any
 
 import jax
 
-__all__ = ["available", "compute_capability", "cudnn_version", "is_nvidia_gpu", "sm_count"]
+__all__ = [
+    "available",
+    "cc_major",
+    "cc_tuple",
+    "compute_capability",
+    "cudnn_version",
+    "is_nvidia_gpu",
+    "sm_count",
+]
 
 
 def _device() -> Any:
@@ -56,13 +64,22 @@ def compute_capability() -> str | None:
     return str(cc) if cc else None
 
 
+def cc_tuple() -> tuple[int, int] | None:
+    """``(9, 0)`` style compute capability of the default device, or ``None`` when unknown."""
+    cc = compute_capability()
+    if not cc:
+        return None
+    try:
+        major, _, minor = str(cc).partition(".")
+        return int(major), int(minor or 0)
+    except ValueError:
+        return None
+
+
 def cc_major() -> int:
     """Major compute capability (0 when unknown)."""
-    cc = compute_capability()
-    try:
-        return int(str(cc).split(".")[0]) if cc else 0
-    except ValueError:
-        return 0
+    cc = cc_tuple()
+    return cc[0] if cc else 0
 
 
 def sm_count() -> int:

@@ -1,4 +1,8 @@
-"""Limits the CUDA routes share: dtypes and head dims a kernel takes, as a reason to decline."""
+"""Limits the CUDA routes share: dtypes and head dims a kernel takes, as a reason to decline.
+
+The cuDNN route's other limits (cuDNN version, GPU, sequence lengths, masks) are in
+:mod:`ejkernel_cuda.ops._cudnn_limits`, which passes its head-dim limit for this GPU here.
+"""
 
 from __future__ import annotations
 

@@ -2,18 +2,11 @@
 
 The vendor route: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` lowers to
 cuDNN's fused attention (forward and backward, FlashAttention-2 style, Dao 2023); JAX
-differentiates it with cuDNN's backward kernel. This module maps ejkernel's arguments onto it
-and declines, with the reason, what cuDNN (as JAX exposes it) cannot compute with ejkernel's
-semantics, so selection moves on to another platform:
-
-- dtypes other than bfloat16/float16; head dims over 256 (over 128 before Hopper) or not a
-  multiple of 8; ``Dv != D``;
-- ``logits_soft_cap``, ``softmax_aux`` (sinks), ``dropout_prob > 0`` (cuDNN's dropout is not
-  ejkernel's reproducible hash), segment ids (cuDNN's packed layout is not mapped);
-- ``causal`` with ``1 < Sq != Sk`` (cuDNN's causal mask is top-left aligned, ejkernel's
-  bottom-right; they agree when Sq == Sk, and a single query sees every key either way);
-- a sliding window unless ``Sq == Sk`` and it is left-only (``right == 0``, or ``causal``);
-- no cuDNN found by JAX.
+differentiates it with cuDNN's backward kernel. This module maps ejkernel's arguments onto it;
+``supports()`` declines, with the reason, what cuDNN (as JAX exposes it, on this cuDNN version
+and GPU) cannot compute with ejkernel's semantics, so selection moves on to another platform.
+The limits are in :mod:`ejkernel_cuda.ops._cudnn_limits` (dtypes, head dims, even sequence
+lengths, GQA, masks, the features cuDNN lacks); docs/platforms.md has the table.
 
 Bias and ``attention_mask`` are broadcast to ``[·, ·, Sq, Sk]`` (batch and head dims may stay
 1) and given to cuDNN, which adds them (the mask as a large negative bias); rows that the mask
@@ -29,45 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import visible
-from ejkernel_cuda.ops._limits import declined_dtype_or_head_dims
+from ejkernel_cuda.ops._cudnn_limits import cudnn_declines, current_target
 
 __all__ = ["cudnn_attention", "cudnn_supports", "flash_attention_cuda", "supports"]
 
-DTYPES = ("bfloat16", "float16")
-
 
 def cudnn_supports(kw: Any) -> bool | str:
-    """Whether cuDNN's fused attention computes this call with ejkernel's semantics."""
-    from ejkernel_cuda._device import cc_major, cudnn_version
-
-    q, k, v = kw["query"], kw["key"], kw["value"]
-    head_max = 256 if cc_major() >= 9 else 128
-    declined = declined_dtype_or_head_dims("cuDNN fused attention", DTYPES, head_max, q, v)
-    if declined:
-        return declined
-    if kw.get("logits_soft_cap") is not None:
-        return "cuDNN fused attention has no logits soft cap"
-    if kw.get("softmax_aux") is not None:
-        return "cuDNN fused attention has no attention sinks (softmax_aux)"
-    if (kw.get("dropout_prob") or 0.0) > 0.0:
-        return "cuDNN's dropout is not ejkernel's reproducible dropout"
-    if kw.get("q_segment_ids") is not None:
-        return "segment ids (packed sequences) are not mapped onto cuDNN"
-    sq, sk = int(q.shape[1]), int(k.shape[1])
-    window = kw.get("sliding_window")
-    if kw.get("causal") and sq not in (1, sk):
-        return (
-            f"cuDNN's causal mask is top-left aligned, ejkernel's bottom-right: they agree only "
-            f"for Sq == Sk or Sq == 1; got Sq={sq}, Sk={sk}"
-        )
-    if window is not None:
-        if sq != sk:
-            return f"a sliding window on cuDNN needs Sq == Sk; got Sq={sq}, Sk={sk}"
-        if not kw.get("causal") and window[1] != 0:
-            return f"cuDNN takes only left windows (right == 0, or causal); got {tuple(window)}"
-    if cudnn_version() is None:
-        return "JAX finds no cuDNN"
-    return True
+    """Whether cuDNN's fused attention computes this call with ejkernel's semantics on this
+    process's cuDNN and GPU (read now, not at import): ``True`` or the reason it cannot."""
+    return cudnn_declines(kw, current_target()) or True
 
 
 def supports(inv: Any) -> bool | str:
@@ -76,8 +39,8 @@ def supports(inv: Any) -> bool | str:
 
 def flash_attention_cuda(*, cfg: Any = None, **args: Any) -> jax.Array:
     """Flash attention through cuDNN: ``ejkernel.flash_attention``'s arguments as keywords,
-    validated by the core spec (``supports()`` has declined segment ids, sinks, soft cap and
-    dropout).
+    validated by the core spec (``supports()`` has declined segment ids, sinks, soft cap,
+    dropout, odd lengths and the masks cuDNN aligns differently).
 
     Args:
         query: [B, Sq, Hq, D].
