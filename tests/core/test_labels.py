@@ -122,6 +122,22 @@ def test_hash_stamps_are_found_in_the_caches(toy, monkeypatch):
     assert labels_to_configs([found]) == {found: toy.ToyConfig(block=32)}
 
 
+def test_a_config_without_a_json_form_is_stamped_by_its_repr(toy, monkeypatch):
+    class Opaque:
+        def __repr__(self):
+            return "Opaque()"
+
+    monkeypatch.setenv("EJKERNEL_OPS_STAMP", "json")
+    q, k, v = attention_inputs(SHAPE)
+    cfg = toy.ToyConfig(block=Opaque())
+    lowered = _lower(lambda q, k, v: _call(q, k, v, cfg=cfg), q, k, v)
+    (found,) = find_labels_in_lowered(lowered)
+    assert found.config_json == '"ToyConfig(block=Opaque())"'
+    assert labels_to_configs([found]) == {found: cfg}  # the stamp made in this process
+    _labels.forget_stamps()
+    assert labels_to_configs([found]) == {found: "ToyConfig(block=Opaque())"}
+
+
 def test_eager_calls_run_as_usual_while_stamping(toy, monkeypatch):
     monkeypatch.setenv("EJKERNEL_OPS_STAMP", "json")
     q, k, v = attention_inputs(SHAPE)

@@ -299,9 +299,9 @@ class Executor:
         chain_errors: list[Exception] = []
 
         def chosen(grad: bool) -> Any:
-            if record is not None:
-                record(grad)
             try:
+                if record is not None:
+                    record(grad)
                 return choose(grad)
             except Exception as err:
                 chain_errors.append(err)

@@ -19,6 +19,7 @@ exactly. :func:`extract_labels_from_hlo_text` finds stamps in any of these texts
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -32,7 +33,7 @@ import attrs
 import jax
 
 from ejkernel import _env
-from ejkernel._json import stable_hash, stable_json
+from ejkernel._json import stable_json
 from ejkernel._memo import Memo
 
 __all__ = [
@@ -91,14 +92,25 @@ _stamped: Memo[tuple[Any]] = Memo()
 _digests: Memo[str] = Memo()
 
 
+def _config_text(config: Any) -> str:
+    """The config as :func:`stable_json`, or its ``repr`` as a JSON string when it has no JSON
+    form (a stamp must never fail the call it marks)."""
+    try:
+        return stable_json(config)
+    except Exception:
+        return json.dumps(repr(config))
+
+
 def _digest(config: Any) -> str:
     try:
         memo = (type(config), config)
         hit = _digests.get(memo)
     except TypeError:  # an unhashable config
-        return stable_hash(config)[:DIGEST_CHARS]
+        memo, hit = None, None
     if hit is None:
-        hit = _digests.put(memo, stable_hash(config)[:DIGEST_CHARS])
+        hit = hashlib.sha256(_config_text(config).encode()).hexdigest()[:DIGEST_CHARS]
+        if memo is not None:
+            _digests.put(memo, hit)
     return hit
 
 
@@ -126,7 +138,7 @@ def op_stamp(op: str, platform: str, key: str, config: Any, mode: str) -> str:
         if config is not None:
             t = type(config)
             parts.append(f"type={_encode(f'{t.__module__}:{t.__qualname__}')}")
-        parts.append(f"json={_encode(stable_json(config))}")
+        parts.append(f"json={_encode(_config_text(config))}")
     return PREFIX + ";".join(parts)
 
 
@@ -291,12 +303,16 @@ def _matching(key: str, digest: str | None, configs: Iterable[tuple[str, Callabl
     return None
 
 
+def _from_stamps(found: Label) -> tuple[Any] | None:
+    """The config of a stamp made in this process (exactly the object that ran)."""
+    return _stamped.get((found.key, found.digest)) if found.key is not None else None
+
+
 def _from_caches(found: Label) -> tuple[Any] | None:
+    """A config of the default executor's memory cache or of the persistent cache whose key
+    starts with the stamp's and whose digest is the stamp's."""
     if found.key is None:
         return None
-    hit = _stamped.get((found.key, found.digest))
-    if hit is not None:
-        return hit
     from ejkernel import _executor
     from ejkernel._cache import PersistentCache
 
@@ -314,35 +330,40 @@ def _from_caches(found: Label) -> tuple[Any] | None:
     )
 
 
-def _from_json(found: Label) -> tuple[Any] | None:
+def _json_data(found: Label) -> tuple[Any] | None:
     if found.config_json is None:
         return None
     try:
-        data = json.loads(found.config_json)
+        return (json.loads(found.config_json),)
     except ValueError:
         return None
-    if data is None or found.config_type is None:
-        return (data,)
+
+
+def _from_json(found: Label) -> tuple[Any] | None:
+    """A ``json`` stamp's config structured into its class (``None`` when the class cannot be
+    imported here or no longer takes this JSON)."""
+    data = _json_data(found)
+    if data is None or data[0] is None:
+        return data
+    if found.config_type is None:
+        return None
     from ejkernel._json import from_json
     from ejkernel._registry import resolve
 
     try:
-        cls = resolve(found.config_type)
-    except Exception:  # the class is not importable here: the plain JSON
-        return (data,)
-    try:
-        return (from_json(data, cls),)
-    except Exception:  # the class changed since: not this stamp's config
+        return (from_json(data[0], resolve(found.config_type)),)
+    except Exception:
         return None
 
 
 def labels_to_configs(labels: Iterable[Label]) -> dict[Label, Any]:
     """The config each op stamp ran with.
 
-    A ``json`` stamp carries its config; a ``hash`` stamp is looked up by its key and digest
-    among the stamps made in this process, then in the default executor's memory cache and
-    the persistent cache. Labels of kind ``"label"`` and stamps whose config is found nowhere
-    are left out (a ``json`` stamp whose class cannot be imported maps to the plain JSON).
+    Looked up, in this order: among the stamps made in this process (by key and config
+    digest); in a ``json`` stamp itself (structured into its class); in the default
+    executor's memory cache and the persistent cache (by key prefix and digest); a ``json``
+    stamp whose class cannot be imported here maps to its plain JSON. Labels of kind
+    ``"label"`` and stamps whose config is found nowhere are left out.
 
     Returns:
         ``{label: config}`` (``None`` for implementations that take no config).
@@ -355,8 +376,7 @@ def labels_to_configs(labels: Iterable[Label]) -> dict[Label, Any]:
             )
         if found.kind != "op":
             continue
-        hit = _from_json(found) if found.config_type is not None else None
-        hit = hit or _from_caches(found) or _from_json(found)
+        hit = _from_stamps(found) or _from_json(found) or _from_caches(found) or _json_data(found)
         if hit is not None:
             out[found] = hit[0]
     return out
