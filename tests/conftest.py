@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _isolated_ejkernel(tmp_path, monkeypatch):
-    from ejkernel import _executor, errors, plugins
+    from ejkernel import _executor, _labels, _recording, errors, plugins
 
     monkeypatch.setenv("EJKERNEL_CACHE_DIR", str(tmp_path / "ejkernel-cache"))
     monkeypatch.setenv("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
@@ -16,15 +16,20 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
         "EJKERNEL_DISABLE_PLUGINS",
         "EJKERNEL_PLUGINS_AUTOLOAD",
         "EJKERNEL_LOG_AUTOTUNE",
+        "EJKERNEL_OPS_RECORD",
+        "EJKERNEL_OPS_STAMP",
     ):
         monkeypatch.delenv(name, raising=False)
     plugins.reset()
     _executor._default = None
     errors._reset_warnings_for_tests()
+    _recording.clear_invocations()
     yield
     plugins.reset()
     _executor._default = None
     errors._reset_warnings_for_tests()
+    _recording.clear_invocations()
+    _labels.forget_stamps()
 
 
 def pytest_configure(config):

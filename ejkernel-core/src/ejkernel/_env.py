@@ -45,9 +45,16 @@ VARIABLES: dict[str, tuple[str, str]] = {
     ),
     OPS_STAMP: (
         "none",
-        "reserved for invocation stamping (`hash|json|none`); read by the tuning work",
+        "`hash` or `json` runs every traced op call (under `jit`, `grad`, ...) in a named scope "
+        "`ejkernel:op=...` carrying the op, the platform and the config (its cache key, or the "
+        "config as JSON), seen in profiles and HLO metadata "
+        "(`ejkernel.ops.find_labels_in_lowered`); `none` stamps nothing",
     ),
-    OPS_RECORD: ("0", "reserved for invocation recording (`1` records); read by the tuning work"),
+    OPS_RECORD: (
+        "0",
+        "`1` records every op call (abstract arguments, deduplicated) for "
+        "`ejkernel.ops.get_invocations()` and batch tuning",
+    ),
 }
 
 
@@ -91,6 +98,19 @@ def disabled_plugins() -> frozenset[str]:
 def interpret() -> bool:
     """Whether kernel backends should run their kernels through an interpreter on the CPU."""
     return _get(INTERPRET).lower() in ("1", "true", "yes", "on")
+
+
+def ops_stamp() -> str:
+    """``"hash"``, ``"json"`` or ``"none"`` (the default): how op calls are stamped in HLO."""
+    value = _get(OPS_STAMP).lower() or "none"
+    if value not in ("hash", "json", "none"):
+        raise ValueError(f"{OPS_STAMP} must be 'hash', 'json' or 'none'; got {value!r}")
+    return value
+
+
+def ops_record() -> bool:
+    """Whether every op call is recorded (``EJKERNEL_OPS_RECORD=1``)."""
+    return _get(OPS_RECORD).lower() in ("1", "true", "yes", "on")
 
 
 def plugins_autoload() -> bool:

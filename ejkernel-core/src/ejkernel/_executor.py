@@ -25,7 +25,7 @@ import attrs
 import jax
 import numpy as np
 
-from ejkernel import _env
+from ejkernel import _env, _labels, _recording
 from ejkernel._autotune import on_device, run_outside_trace, tune_candidates
 from ejkernel._chain import Choice, ConfigSelectorChain, Tunable, overlay_state
 from ejkernel._invocation import Invocation, current_backend
@@ -116,6 +116,11 @@ def coerce_config(spec: OpSpec, impl: Implementation, cfg: Any) -> Any:
 def _config_platform(cfg: Any) -> str | None:
     p = getattr(cfg, "platform", None)
     return None if p in (None, "auto") else str(p)
+
+
+def _forced(platform: str | None, cfg: Any) -> str | None:
+    """The platform a call forces: ``platform=``, ``cfg.platform``, ``EJKERNEL_PLATFORM``."""
+    return platform or _config_platform(cfg) or _env.forced_platform()
 
 
 class _ImplementationFailed(Exception):
@@ -230,6 +235,10 @@ class Executor:
         """
         arguments = spec.validate(dict(bound))
         eager = not traced(arguments)  # concrete inputs: nothing differentiates this call
+        recording = _recording.active()
+        if recording and eager:
+            check_platform_argument(spec, platform)
+            _recording.record_op_call(spec, arguments, platform=_forced(platform, cfg), grad=False)
         fast = Invocation(kernel=spec.name, kwargs=arguments).fast_signature()
         memo_key = None
         if eager and cfg is None and not overlay_state():
@@ -241,15 +250,18 @@ class Executor:
             hit = self._eager.get((*memo_key, self.selector.cache.version))
             if hit is not None:
                 return hit[0].fn(**arguments, cfg=hit[1])
-        forced = (
-            platform is not None
-            or _config_platform(cfg) is not None
-            or _env.forced_platform() is not None
-        )
+        forced_platform = _forced(platform, cfg)
+        forced = forced_platform is not None
+        record = None
+        if recording and not eager:
+
+            def record(grad: bool) -> None:
+                _recording.record_op_call(spec, arguments, platform=forced_platform, grad=grad)
+
         while True:
             impl, _, _, arguments, fast = self._prepare(spec, bound, platform, cfg, arguments, fast)
             try:
-                return self._run_impl(spec, impl, arguments, cfg, fast, eager, memo_key)
+                return self._run_impl(spec, impl, arguments, cfg, fast, eager, memo_key, record)
             except _ImplementationFailed as failed:
                 err = failed.error
             # outside the handler: the implementation's error is raised as it was
@@ -266,9 +278,13 @@ class Executor:
         fast: tuple[Any, ...],
         eager: bool,
         memo_key: tuple[Any, ...] | None,
+        record: Callable[[bool], None] | None = None,
     ) -> Any:
         """Run ``impl``; an error the implementation raises (not the config chain) comes out
-        wrapped in :class:`_ImplementationFailed`."""
+        wrapped in :class:`_ImplementationFailed`. ``record(grad)`` records a traced call
+        when its config is chosen. With ``EJKERNEL_OPS_STAMP``, a traced implementation runs
+        in a named scope stamped with the op, the platform and its config (a named scope
+        marks only what is traced: eager calls have no program to stamp)."""
         choose, seen = self._chooser(spec, impl, arguments, cfg, fast)
         if eager:
             config = choose(False)
@@ -284,14 +300,23 @@ class Executor:
 
         def chosen(grad: bool) -> Any:
             try:
+                if record is not None:
+                    record(grad)
                 return choose(grad)
             except Exception as err:
                 chain_errors.append(err)
                 raise
 
+        stamp = _labels.stamp_mode()
+
+        def scope(grad: bool) -> str:
+            choice = seen["grad" if grad else "fwd"]
+            return _labels.op_stamp(spec.name, impl.platform, choice.key, choice.config, stamp)
+
         arrays = {k: v for k, v in arguments.items() if spec.arg(k).array and v is not None}
         try:
-            return build_op_function(spec, impl, arguments, chosen)(arrays)
+            f = build_op_function(spec, impl, arguments, chosen, scope if stamp else None)
+            return f(arrays)
         except Exception as err:
             if any(err is e for e in chain_errors):
                 raise

@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import jax
 
+from ejkernel import _recording
 from ejkernel._autotune import on_device, run_outside_trace, tune_candidates
 from ejkernel._chain import ConfigSelectorChain, Tunable
 from ejkernel._invocation import Invocation, current_backend
@@ -162,6 +163,8 @@ def run_kernel(
     )
 
     def choose(grad: bool) -> Any:
+        if _recording.active():
+            _recording.record_kernel_call(kernel, args, kwargs, grad=grad)
         inv = Invocation(
             kernel=kernel, args=args, kwargs=kwargs, metadata={"grad": grad, "platform": platform}
         )

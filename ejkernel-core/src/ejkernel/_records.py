@@ -80,9 +80,13 @@ class RecordedInvocation:
         op: the op name.
         arrays: array arguments by name (absent optional arrays are not listed).
         static: static arguments by name, in JSON form (tuples as lists).
-        platform: the platform the call forced (``platform=`` or ``cfg.platform``), else None.
+        platform: the platform the call forced (``platform=``, ``cfg.platform`` or
+            ``EJKERNEL_PLATFORM``), else None.
         grad: the call was differentiated.
         opaque: names of static arguments JSON cannot carry (kept as text in ``static``).
+        kernel: for a user :class:`ejkernel.ops.Kernel`, the kernel object in the process that
+            recorded it, its class's ``module:qualname`` text after a JSON round trip; ``None``
+            for ops of the catalogue. Not compared: records differing only here are equal.
     """
 
     op: str
@@ -91,6 +95,7 @@ class RecordedInvocation:
     platform: str | None = None
     grad: bool = False
     opaque: tuple[str, ...] = ()
+    kernel: Any = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def from_arguments(
@@ -169,6 +174,8 @@ class RecordedInvocation:
             out["platform"] = self.platform
         if self.opaque:
             out["opaque"] = list(self.opaque)
+        if self.kernel is not None:
+            out["kernel"] = kernel_name(self.kernel)
         return out
 
     @classmethod
@@ -206,11 +213,20 @@ class RecordedInvocation:
             platform=data.get("platform"),
             grad=bool(data.get("grad", False)),
             opaque=tuple(data.get("opaque", ())),
+            kernel=data.get("kernel"),
         )
 
     def dedupe_key(self) -> str:
         """Equal for records of the same call signature (what recording deduplicates by)."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def kernel_name(kernel: Any) -> str:
+    """``module:qualname`` of a user kernel's class (a string is returned as it is)."""
+    if isinstance(kernel, str):
+        return kernel
+    cls = type(kernel)
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def dumps(records: Iterable[RecordedInvocation]) -> str:

@@ -9,6 +9,7 @@ any number of times, for any configs, and each backward gets its own forward's c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ def build_op_function(
     impl: Implementation,
     arguments: Mapping[str, Any],
     choose: Callable[[bool], Any],
+    scope: Callable[[bool], str] | None = None,
 ) -> Callable[[dict[str, Any]], Any]:
     """``f(arrays) -> out`` for the given statics; wires ``impl.get_vjp()`` as a custom VJP.
 
@@ -66,6 +68,8 @@ def build_op_function(
         arguments: every argument of the call, validated (arrays may be replaced when ``f``
             is called; their names and the statics are fixed here).
         choose: ``choose(grad) -> cfg``, run when ``f`` (or its VJP forward) is traced.
+        scope: ``scope(grad) -> name``, called after ``choose(grad)``: the implementation
+            (forward and backward) runs inside ``jax.named_scope(name)`` (op stamps).
 
     Returns:
         ``f``, taking the dict of the call's non-``None`` array arguments.
@@ -76,7 +80,11 @@ def build_op_function(
     diff = {a.name for a in spec.args if a.differentiable and is_float_array(arguments.get(a.name))}
 
     def primal(arrays: dict[str, Any]) -> Any:
-        return fn(**statics, **nones, **arrays, cfg=choose(False))
+        cfg = choose(False)
+        if scope is None:
+            return fn(**statics, **nones, **arrays, cfg=cfg)
+        with jax.named_scope(scope(False)):
+            return fn(**statics, **nones, **arrays, cfg=cfg)
 
     if not spec.differentiable:
         return forward_only(spec.name, primal)
@@ -87,18 +95,25 @@ def build_op_function(
 
     def fwd(arrays: dict[str, Any]) -> tuple[Any, Any]:
         cfg = choose(True)
-        out, residuals = fwd_fn(**statics, **nones, **arrays, cfg=cfg)
-        return out, (residuals, Static((cfg, tuple(arrays))))
+        name = scope(True) if scope is not None else None
+        with _named(name):
+            out, residuals = fwd_fn(**statics, **nones, **arrays, cfg=cfg)
+        return out, (residuals, Static((cfg, tuple(arrays), name)))
 
     def bwd(saved: tuple[Any, Static], d_out: Any) -> tuple[dict[str, Any]]:
         residuals, static = saved
-        cfg, names = static.value
-        grads = bwd_fn(residuals, d_out, **statics, cfg=cfg)
+        cfg, names, name = static.value
+        with _named(name):
+            grads = bwd_fn(residuals, d_out, **statics, cfg=cfg)
         return ({k: (grads.get(k) if k in diff else None) for k in names},)
 
     wrapped = jax.custom_vjp(primal)
     wrapped.defvjp(fwd, bwd)
     return wrapped
+
+
+def _named(name: str | None) -> Any:
+    return jax.named_scope(name) if name is not None else contextlib.nullcontext()
 
 
 def forward_only(

@@ -33,6 +33,8 @@ from ejkernel._env import (
     forced_platform,
     interpret,
     log_autotune,
+    ops_record,
+    ops_stamp,
     plugins_autoload,
 )
 
@@ -53,5 +55,7 @@ __all__ = [
     "forced_platform",
     "interpret",
     "log_autotune",
+    "ops_record",
+    "ops_stamp",
     "plugins_autoload",
 ]

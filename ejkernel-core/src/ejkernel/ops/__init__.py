@@ -20,10 +20,28 @@ from ejkernel._invocation import (
 )
 from ejkernel._json import from_json, stable_json, to_json
 from ejkernel._kernel import Cfg, Kernel, OpKernel, Out, get_device_platform
+from ejkernel._labels import (
+    Label,
+    extract_labels_from_hlo_text,
+    find_labels_in_lowered,
+    label,
+    labels_to_configs,
+)
 from ejkernel._params import BwdParams, FwdParams
+from ejkernel._recording import (
+    InvocationRecorder,
+    clear_invocations,
+    get_invocations,
+    load_invocations,
+    record_invocation,
+    record_invocations,
+    save_invocations,
+)
+from ejkernel._records import ArraySpec, RecordedInvocation
 from ejkernel._tuning import autotune, autotune_platforms, pmap_with_config, vmap_with_config
 
 __all__ = [
+    "ArraySpec",
     "BwdParams",
     "CacheEntry",
     "Cfg",
@@ -33,23 +51,36 @@ __all__ = [
     "Executor",
     "FwdParams",
     "Invocation",
+    "InvocationRecorder",
     "Kernel",
+    "Label",
     "OpKernel",
     "Out",
     "PersistentCache",
+    "RecordedInvocation",
     "Selection",
     "autotune",
     "autotune_platforms",
     "benchmark",
+    "clear_invocations",
     "default_executor",
     "default_key_builder_with_sharding",
     "device_fingerprint",
     "device_kind",
+    "extract_labels_from_hlo_text",
+    "find_labels_in_lowered",
     "from_json",
     "get_device_platform",
+    "get_invocations",
+    "label",
+    "labels_to_configs",
+    "load_invocations",
     "overlay_cache",
     "pmap_with_config",
     "policy_override",
+    "record_invocation",
+    "record_invocations",
+    "save_invocations",
     "sharding_fingerprint",
     "stable_json",
     "to_json",
