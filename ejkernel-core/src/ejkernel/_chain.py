@@ -37,8 +37,8 @@ def overlay_cache(cache: ConfigCache | Mapping[str, Any]) -> Iterator[None]:
     """Configs from ``cache`` win over the caches inside this block (thread- and task-safe).
 
     Args:
-        cache: a :class:`ConfigCache`, or a mapping from invocation keys or op names
-            (``{"flash_attention": cfg}``) to configs.
+        cache: a :class:`ConfigCache`, an :class:`~ejkernel.ops.AutotuneResult`, or a mapping
+            from invocation keys or op names (``{"flash_attention": cfg}``) to configs.
     """
     token = _overlays.set((*_overlays.get(), cache))
     try:
@@ -245,6 +245,9 @@ def _dedupe(configs: list[Any]) -> list[Any]:
 
 
 def _overlay_lookup(layer: Any, key: str, op: str, platform: str) -> Any:
+    lookup = getattr(layer, "overlay_config", None)  # AutotuneResult and other layers
+    if callable(lookup):
+        return lookup(key, op, platform)
     if isinstance(layer, ConfigCache):
         return layer.get(key)
     if isinstance(layer, Mapping):
