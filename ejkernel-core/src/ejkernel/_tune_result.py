@@ -227,7 +227,9 @@ class AutotuneResult:
         """Read a file :meth:`export` (or ``ejkernel cache export``) wrote.
 
         Tuned entries and platform choices are read; other entries (heuristic choices) and
-        entries whose config class cannot be imported here are left out.
+        entries whose config class cannot be found here are left out. A config is structured
+        into the class of the registered implementation its key names (as the chain reads
+        persistent entries), else into the class it was stored with.
 
         Raises:
             ValueError: not such a file.
@@ -266,7 +268,7 @@ class AutotuneResult:
             if raw.get("source") != TUNED_SOURCE:
                 continue
             try:
-                config = structure_entry(raw)
+                config = structure_entry(raw, _config_class(document))
             except Exception:  # a config class this process cannot import
                 continue
             configs.append(
@@ -281,3 +283,18 @@ class AutotuneResult:
                 )
             )
         return cls(configs, platforms=platforms)
+
+
+def _config_class(document: Mapping[str, Any]) -> Any:
+    """The config class of the registered implementation the key document names (what the
+    chain structures persistent entries into), else None (the stored class is imported)."""
+    from ejkernel.plugins import get_registry
+
+    registry = get_registry()
+    op, platform = document.get("op"), document.get("platform")
+    if op not in registry.ops():
+        return None
+    for impl in registry.implementations(str(op)):
+        if impl.platform == platform:
+            return impl.config_type
+    return None
