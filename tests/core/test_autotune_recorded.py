@@ -420,3 +420,26 @@ def test_seed_batch_autotuning_example_runs_as_written(toy):
     # Autotune all at once
     results = autotune_recorded(invocations)
     assert any(c.op == "my_kernel" for c in results)
+
+
+def test_with_result_nests_per_thread(toy):
+    q, k, v = qkv()
+    result = autotune_recorded([record()], apply=False)
+    barrier = threading.Barrier(2)
+    seen: list[str] = []
+
+    def use(first: bool) -> None:
+        with result:
+            barrier.wait()  # both inside
+            seen.append(ejkernel.explain("flash_attention", q, k, v).source)
+            if first:
+                return  # leaves while the other thread is still inside
+            time.sleep(0.05)
+        seen.append(ejkernel.explain("flash_attention", q, k, v).source)
+
+    threads = [threading.Thread(target=use, args=(i == 0,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == ["heuristic", "overlay", "overlay"]

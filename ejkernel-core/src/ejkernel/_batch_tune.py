@@ -83,12 +83,12 @@ def _fwd_bwd(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _cotangent(abstract: Any) -> Any:
-    """A random cotangent shaped like the outputs ``abstract`` (float0 for integer outputs)."""
+    """A random cotangent shaped like the outputs ``abstract``, on the device."""
     rng = np.random.default_rng(1)
 
     def one(s: Any) -> Any:
-        if not np.issubdtype(np.dtype(s.dtype), np.floating) and s.dtype != jax.numpy.bfloat16:
-            return np.zeros(s.shape, jax.dtypes.float0)
+        if not jax.numpy.issubdtype(s.dtype, jax.numpy.floating):
+            return np.zeros(s.shape, s.dtype)
         return rng.standard_normal(s.shape, dtype=np.float32).astype(s.dtype)
 
     return on_device(jax.tree_util.tree_map(one, abstract))

@@ -11,7 +11,7 @@ and :meth:`AutotuneResult.load` reads back.
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -124,7 +124,10 @@ class AutotuneResult:
         self._configs: dict[str, TunedConfig] = {c.key: c for c in configs or []}
         self.platforms: dict[str, PlatformChoice] = {p.key: p for p in platforms or []}
         self.failures: list[TuneFailure] = list(failures or [])
-        self._entered: list[contextlib.ExitStack] = []
+        # the overlays this result entered, per context (thread, task): `with result:` nests
+        self._entered: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+            f"ejkernel_result_{id(self)}", default=()
+        )
 
     # -- a collection of tuned configs ------------------------------------------------------
     def __iter__(self) -> Iterator[TunedConfig]:
@@ -160,13 +163,15 @@ class AutotuneResult:
     def __enter__(self) -> AutotuneResult:
         from ejkernel._chain import overlay_cache
 
-        stack = contextlib.ExitStack()
-        stack.enter_context(overlay_cache(self))
-        self._entered.append(stack)
+        overlay = overlay_cache(self)
+        overlay.__enter__()
+        self._entered.set((*self._entered.get(), overlay))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._entered.pop().close()
+        *outer, overlay = self._entered.get()
+        self._entered.set(tuple(outer))
+        overlay.__exit__(None, None, None)
 
     # -- into caches ------------------------------------------------------------------------
     def entries(self) -> dict[str, dict[str, Any]]:
