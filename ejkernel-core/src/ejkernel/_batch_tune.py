@@ -58,7 +58,6 @@ class _Target:
     function: Callable[[Any], tuple[Callable[..., Any], tuple[Any, ...]]]
     #: ``abstract arguments -> concrete arguments on the device``; called when timing.
     inputs: Callable[[tuple[Any, ...]], tuple[Any, ...]]
-    job: int
     compiled: dict[int, tuple[Any, tuple[Any, ...]]] = attrs.field(factory=dict)
 
 
@@ -107,7 +106,6 @@ def _op_targets(
     forced: str | None,
     grad: bool,
     platforms: Sequence[str] | None,
-    job: int,
 ) -> tuple[_Job, list[str]]:
     """The targets of an op call (arrays given abstractly); and why platforms were skipped."""
     registry = get_registry()
@@ -159,13 +157,12 @@ def _op_targets(
                 configs=configs,
                 function=function,
                 inputs=inputs,
-                job=job,
             )
         )
     return result, skipped
 
 
-def _kernel_targets(kernel: Kernel[Any, Any], inv: Invocation, grad: bool, job: int) -> _Job:
+def _kernel_targets(kernel: Kernel[Any, Any], inv: Invocation, grad: bool) -> _Job:
     """The target of a user kernel's call: its preferred platform's method, forward only (as
     the chain tunes user kernels), keyed like ``executor(kernel, ...)``'s call."""
     platform = str(inv.metadata.get("platform") or kernel.select_platform())
@@ -211,7 +208,6 @@ def _kernel_targets(kernel: Kernel[Any, Any], inv: Invocation, grad: bool, job: 
             configs=configs,
             function=function,
             inputs=inputs,
-            job=job,
         )
     )
     return result
@@ -224,7 +220,6 @@ def _abstract(values: Iterable[Any]) -> list[Any]:
 def _prepare(
     ex: Executor,
     item: Any,
-    job: int,
     platforms: Sequence[str] | None,
     grad: bool | None,
 ) -> tuple[_Job, list[str]]:
@@ -233,17 +228,17 @@ def _prepare(
         item = attrs.evolve(item[1], kernel=item[0]) if item[1].kernel is None else item[1]
     if isinstance(item, RecordedInvocation):
         g = item.grad if grad is None else grad
-        return _op_targets(ex, item.op, (), item.arguments(), item.platform, g, platforms, job)
+        return _op_targets(ex, item.op, (), item.arguments(), item.platform, g, platforms)
     if isinstance(item, Invocation):
         g = item.grad if grad is None else grad
         kernel = item.kernel
         if isinstance(kernel, Kernel) and not isinstance(kernel, OpKernel):
-            return _kernel_targets(kernel, item, g, job), []
+            return _kernel_targets(kernel, item, g), []
         args = tuple(_abstract(item.args))
         kwargs = dict(zip(item.kwargs, _abstract(item.kwargs.values())))
         forced = kwargs.pop("platform", None) or item.metadata.get("platform")
         kwargs.pop("cfg", None)
-        return _op_targets(ex, kernel, args, kwargs, forced, g, platforms, job)
+        return _op_targets(ex, kernel, args, kwargs, forced, g, platforms)
     raise TypeError(f"autotune_recorded: not an invocation: {type(item).__name__}")
 
 
@@ -271,22 +266,18 @@ def _bar(total: int, desc: str, enabled: bool) -> Any:
 # -- the two phases -------------------------------------------------------------------------
 
 
+def _report(failures: list[TuneFailure], failure: TuneFailure, key: str, what: str) -> None:
+    failures.append(failure)
+    warn_once(AutotuneWarning, f"autotune_recorded:{key}", f"autotune_recorded: {failure}; {what}")
+
+
 def _fail(
     failures: list[TuneFailure], t: _Target, label: str | None, stage: str, err: Exception
 ) -> None:
-    failure = TuneFailure(
-        op=t.op,
-        platform=t.platform,
-        config=label,
-        stage=stage,
-        error=f"{type(err).__name__}: {err}",
-    )
-    failures.append(failure)
-    warn_once(
-        AutotuneWarning,
-        f"autotune_recorded:{t.key}:{label}",
-        f"autotune_recorded: {failure}; dropped",
-    )
+    """A candidate (``label``) of ``t`` failed: report it, drop it."""
+    error = f"{type(err).__name__}: {err}"
+    failure = TuneFailure(op=t.op, platform=t.platform, config=label, stage=stage, error=error)
+    _report(failures, failure, f"{t.key}:{label}", "dropped")
 
 
 def _compile_all(
@@ -436,36 +427,18 @@ def autotune_recorded(
     for n, item in enumerate(items):
         name = _name(item)
         try:
-            job, skipped = _prepare(ex, item, len(jobs), wanted, grad)
+            job, skipped = _prepare(ex, item, wanted, grad)
         except Exception as err:
-            failure = TuneFailure(
-                op=name,
-                platform=None,
-                config=None,
-                stage="record",
-                error=f"{type(err).__name__}: {err}",
-            )
-            failures.append(failure)
-            warn_once(
-                AutotuneWarning,
-                f"autotune_recorded:{n}:{err}",
-                f"autotune_recorded: {failure}; skipped",
-            )
+            error = f"{type(err).__name__}: {err}"
+            failure = TuneFailure(op=name, platform=None, config=None, stage="record", error=error)
+            _report(failures, failure, f"{n}:{error}", "skipped")
             continue
         if wanted is not None and job.choice is not None and not job.targets and skipped:
+            error = "no requested platform can run it (" + "; ".join(skipped) + ")"
             failure = TuneFailure(
-                op=job.op,
-                platform=None,
-                config=None,
-                stage="record",
-                error="no requested platform can run it (" + "; ".join(skipped) + ")",
+                op=job.op, platform=None, config=None, stage="record", error=error
             )
-            failures.append(failure)
-            warn_once(
-                AutotuneWarning,
-                f"autotune_recorded:{n}:platforms",
-                f"autotune_recorded: {failure}; skipped",
-            )
+            _report(failures, failure, f"{n}:platforms", "skipped")
             continue
         job.targets = [t for t in job.targets if t.key not in seen]
         if job.choice is not None and job.choice[0] in seen:
@@ -502,19 +475,11 @@ def autotune_recorded(
                 timings = _time_target(t, num_iters, num_warmup, failures)
                 bar.update(count)
                 if not timings:
+                    error = f"every one of {len(t.configs)} candidates failed"
                     failure = TuneFailure(
-                        op=t.op,
-                        platform=t.platform,
-                        config=None,
-                        stage="all failed",
-                        error=f"every one of {len(t.configs)} candidates failed",
+                        op=t.op, platform=t.platform, config=None, stage="all failed", error=error
                     )
-                    failures.append(failure)
-                    warn_once(
-                        AutotuneWarning,
-                        f"autotune_recorded:{t.key}",
-                        f"autotune_recorded: {failure}; skipped",
-                    )
+                    _report(failures, failure, t.key, "skipped")
                     continue
                 best = min(timings, key=timings.__getitem__)
                 per_platform[t.platform] = timings[best]
