@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -32,8 +32,14 @@ _policy: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+class OverlayLayer(Protocol):
+    """Anything with ``overlay_config(key, op, platform) -> cfg or None`` is an overlay layer."""
+
+    def overlay_config(self, key: str, op: str, platform: str) -> Any: ...
+
+
 @contextlib.contextmanager
-def overlay_cache(cache: ConfigCache | Mapping[str, Any]) -> Iterator[None]:
+def overlay_cache(cache: ConfigCache | Mapping[str, Any] | OverlayLayer) -> Iterator[None]:
     """Configs from ``cache`` win over the caches inside this block (thread- and task-safe).
 
     Args:
