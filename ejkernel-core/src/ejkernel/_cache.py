@@ -29,7 +29,14 @@ from ejkernel._json import converter
 from ejkernel._registry import resolve
 from ejkernel.errors import CacheWarning, warn_once
 
-__all__ = ["SCHEMA_VERSION", "CacheEntry", "ConfigCache", "PersistentCache"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "CacheEntry",
+    "ConfigCache",
+    "PersistentCache",
+    "make_entry",
+    "structure_entry",
+]
 
 SCHEMA_VERSION = 1
 FILE_NAME = "configs.json"
@@ -90,6 +97,26 @@ class ConfigCache:
 def _type_name(cfg: Any) -> str:
     t = type(cfg)
     return f"{t.__module__}:{t.__qualname__}"
+
+
+def make_entry(
+    cfg: Any, *, source: str = "manual", meta: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The stored (JSON) form of one entry, as :meth:`PersistentCache.put` writes it."""
+    return {
+        "config": converter.unstructure(cfg),
+        "config_type": _type_name(cfg),
+        "source": source,
+        "created": time.time(),
+        **dict(meta or {}),
+    }
+
+
+def structure_entry(raw: Mapping[str, Any], config_type: Any = None) -> Any:
+    """The config of a stored entry, structured into ``config_type`` (default: the stored
+    type). Raises when it no longer structures."""
+    cls = config_type if config_type is not None else resolve(raw["config_type"])
+    return converter.structure(raw["config"], cls)
 
 
 @contextlib.contextmanager
@@ -196,8 +223,7 @@ class PersistentCache:
         if raw is None:
             return default
         try:
-            cls = config_type if config_type is not None else resolve(raw["config_type"])
-            return converter.structure(raw["config"], cls)
+            return structure_entry(raw, config_type)
         except Exception:
             return default
 
@@ -222,14 +248,7 @@ class PersistentCache:
         self, key: str, cfg: Any, *, source: str = "manual", meta: Mapping[str, Any] | None = None
     ) -> bool:
         """Store ``cfg``; returns False (with one warning) when the folder is not writable."""
-        entry = {
-            "config": converter.unstructure(cfg),
-            "config_type": _type_name(cfg),
-            "source": source,
-            "created": time.time(),
-            **dict(meta or {}),
-        }
-        return self._update({key: entry})
+        return self._update({key: make_entry(cfg, source=source, meta=meta)})
 
     def merge(self, entries: Mapping[str, Mapping[str, Any]]) -> int:
         """Add entries (e.g. imported ones); returns how many were written."""

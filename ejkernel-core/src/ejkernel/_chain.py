@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -32,13 +32,19 @@ _policy: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+class OverlayLayer(Protocol):
+    """Anything with ``overlay_config(key, op, platform) -> cfg or None`` is an overlay layer."""
+
+    def overlay_config(self, key: str, op: str, platform: str) -> Any: ...
+
+
 @contextlib.contextmanager
-def overlay_cache(cache: ConfigCache | Mapping[str, Any]) -> Iterator[None]:
+def overlay_cache(cache: ConfigCache | Mapping[str, Any] | OverlayLayer) -> Iterator[None]:
     """Configs from ``cache`` win over the caches inside this block (thread- and task-safe).
 
     Args:
-        cache: a :class:`ConfigCache`, or a mapping from invocation keys or op names
-            (``{"flash_attention": cfg}``) to configs.
+        cache: a :class:`ConfigCache`, an :class:`~ejkernel.ops.AutotuneResult`, or a mapping
+            from invocation keys or op names (``{"flash_attention": cfg}``) to configs.
     """
     token = _overlays.set((*_overlays.get(), cache))
     try:
@@ -245,6 +251,9 @@ def _dedupe(configs: list[Any]) -> list[Any]:
 
 
 def _overlay_lookup(layer: Any, key: str, op: str, platform: str) -> Any:
+    lookup = getattr(layer, "overlay_config", None)  # AutotuneResult and other layers
+    if callable(lookup):
+        return lookup(key, op, platform)
     if isinstance(layer, ConfigCache):
         return layer.get(key)
     if isinstance(layer, Mapping):

@@ -1,5 +1,5 @@
-"""The ``ejkernel`` command: ``ejkernel info``, ``ejkernel cache {path,list,clear,export,import}``
-and ``ejkernel build <platform>``."""
+"""The ``ejkernel`` command: ``ejkernel info``, ``ejkernel cache {path,list,clear,export,import}``,
+``ejkernel tune --shapes FILE --out FILE`` and ``ejkernel build <platform>``."""
 
 from __future__ import annotations
 
@@ -107,6 +107,37 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from ejkernel._batch_tune import autotune_recorded
+    from ejkernel._records import loads
+
+    try:
+        with open(args.shapes) as fh:
+            records = loads(fh.read())
+    except (OSError, ValueError) as err:
+        print(f"ejkernel: cannot read records from {args.shapes}: {err}", file=sys.stderr)
+        return 1
+    try:
+        result = autotune_recorded(
+            records,
+            platforms=args.platforms,
+            grad=True if args.grad else None,
+            max_workers=args.max_workers,
+            apply=False,
+        )
+    except ValueError as err:
+        print(f"ejkernel: {err}", file=sys.stderr)
+        return 1
+    for failure in result.failures:
+        print(f"  failed: {failure}", file=sys.stderr)
+    n = result.export(args.out)
+    print(
+        f"tuned {len(result)} configs and {len(result.platforms)} platform choices of "
+        f"{len(records)} records; wrote {n} entries to {args.out}"
+    )
+    return 0 if len(result) or len(result.platforms) or not records else 1
+
+
 def _build(args: argparse.Namespace) -> int:
     from ejkernel import plugins
 
@@ -155,6 +186,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     actions.add_parser("export", help="write every entry to FILE").add_argument("file")
     actions.add_parser("import", help="merge the entries of FILE").add_argument("file")
     cache.set_defaults(run=_cache)
+    tune = sub.add_parser(
+        "tune",
+        help="tune recorded invocations on this device and write the configs "
+        "(the cache's export format: `ejkernel cache import FILE` merges it)",
+    )
+    tune.add_argument(
+        "--shapes", required=True, metavar="FILE", help="a file of recorded invocations"
+    )
+    tune.add_argument("--out", required=True, metavar="FILE", help="where to write the configs")
+    tune.add_argument(
+        "--platforms",
+        help="'all' or p1,p2: tune each of these platforms and record the fastest "
+        "(default: the platform each call selects)",
+    )
+    tune.add_argument(
+        "--grad", action="store_true", help="tune forward+backward (default: as recorded)"
+    )
+    tune.add_argument(
+        "--max-workers", type=int, metavar="N", help="compile threads (default min(8, CPUs))"
+    )
+    tune.set_defaults(run=_tune)
     build = sub.add_parser(
         "build", help="build a platform's native kernels ahead of time (e.g. `ejkernel build cuda`)"
     )

@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 from ejkernel._autotune import benchmark
+from ejkernel._batch_tune import autotune_recorded
 from ejkernel._cache import CacheEntry, ConfigCache, PersistentCache
 from ejkernel._chain import Choice, ConfigSelectorChain, overlay_cache, policy_override
 from ejkernel._executor import Executor, Selection, default_executor
@@ -38,10 +39,12 @@ from ejkernel._recording import (
     save_invocations,
 )
 from ejkernel._records import ArraySpec, RecordedInvocation
+from ejkernel._tune_result import AutotuneResult, PlatformChoice, TunedConfig, TuneFailure
 from ejkernel._tuning import autotune, autotune_platforms, pmap_with_config, vmap_with_config
 
 __all__ = [
     "ArraySpec",
+    "AutotuneResult",
     "BwdParams",
     "CacheEntry",
     "Cfg",
@@ -57,10 +60,14 @@ __all__ = [
     "OpKernel",
     "Out",
     "PersistentCache",
+    "PlatformChoice",
     "RecordedInvocation",
     "Selection",
+    "TuneFailure",
+    "TunedConfig",
     "autotune",
     "autotune_platforms",
+    "autotune_recorded",
     "benchmark",
     "clear_invocations",
     "default_executor",
