@@ -226,6 +226,13 @@ def _prepare(
     """The targets of one item of ``invocations``."""
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Invocation):
         item = attrs.evolve(item[1], kernel=item[0]) if item[1].kernel is None else item[1]
+    if isinstance(item, RecordedInvocation) and isinstance(item.kernel, Kernel):
+        from ejkernel._recording import call_arguments
+
+        args, kwargs = call_arguments(item)
+        item = Invocation(
+            kernel=item.kernel, args=args, kwargs=kwargs, metadata={"grad": item.grad}
+        )
     if isinstance(item, RecordedInvocation):
         g = item.grad if grad is None else grad
         return _op_targets(ex, item.op, (), item.arguments(), item.platform, g, platforms)
