@@ -21,9 +21,17 @@ from ejkernel._invocation import (
 from ejkernel._json import from_json, stable_json, to_json
 from ejkernel._kernel import Cfg, Kernel, OpKernel, Out, get_device_platform
 from ejkernel._params import BwdParams, FwdParams
+from ejkernel._policy import AutotunePolicy, forward_autotune_only
+from ejkernel._shipped import (
+    ShippedTable,
+    load_shipped_table,
+    shipped_tables,
+    write_shipped_table,
+)
 from ejkernel._tuning import autotune, autotune_platforms, pmap_with_config, vmap_with_config
 
 __all__ = [
+    "AutotunePolicy",
     "BwdParams",
     "CacheEntry",
     "Cfg",
@@ -38,6 +46,7 @@ __all__ = [
     "Out",
     "PersistentCache",
     "Selection",
+    "ShippedTable",
     "autotune",
     "autotune_platforms",
     "benchmark",
@@ -45,13 +54,17 @@ __all__ = [
     "default_key_builder_with_sharding",
     "device_fingerprint",
     "device_kind",
+    "forward_autotune_only",
     "from_json",
     "get_device_platform",
+    "load_shipped_table",
     "overlay_cache",
     "pmap_with_config",
     "policy_override",
     "sharding_fingerprint",
+    "shipped_tables",
     "stable_json",
     "to_json",
     "vmap_with_config",
+    "write_shipped_table",
 ]
