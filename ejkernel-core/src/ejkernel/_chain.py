@@ -262,7 +262,7 @@ class ConfigSelectorChain:
                     self.persistent.put(key, best, source="autotune", meta=meta)
                 return Choice(config=best, source="autotune", key=key)
         if heuristic is not None and policy.allow_heuristics:
-            if not peek:
+            if not peek and entry is None:  # never over a better entry the policy skipped
                 self.cache.put(key, heuristic, source="heuristic", meta={"created": time.time()})
             return Choice(config=heuristic, source="heuristic", key=key)
         if heuristic is not None:
