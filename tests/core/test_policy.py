@@ -72,6 +72,14 @@ def test_policy_override_refuses_bad_arguments(args, kwargs, error):
         pass
 
 
+def test_policy_override_of_one_chain_leaves_the_others_alone():
+    mine, other = ConfigSelectorChain(persistent=False), ConfigSelectorChain(persistent=False)
+    with policy_override(mine, policy="autotune", use_shipped=False):
+        assert mine.policy() == AutotunePolicy(use_shipped=False)
+        assert other.policy() == AutotunePolicy.named("heuristics")
+    assert mine.policy() == AutotunePolicy.named("heuristics")
+
+
 def test_policy_override_works_as_a_decorator():
     @policy_override(autotune=False)
     def inside():

@@ -136,7 +136,7 @@ class ConfigSelectorChain:
 
     def policy(self) -> AutotunePolicy:
         """The :class:`AutotunePolicy` in force for a call made now (hashable: memos key on it)."""
-        return resolve_policy(self.autotune_policy, self.autotune)
+        return resolve_policy(self.autotune_policy, self.autotune, self)
 
     # -- shipped tables (tier 5, selection step 4) --------------------------------------------
     def shipped_index(self) -> ShippedIndex | None:

@@ -83,8 +83,9 @@ _NAMED = {
 }
 _FIELDS = frozenset(a.name for a in attrs.fields(AutotunePolicy))
 
-#: Enclosing overrides, outermost first: a whole policy, or field updates.
-_layers: contextvars.ContextVar[tuple[AutotunePolicy | dict[str, Any], ...]] = (
+#: Enclosing overrides, outermost first: (the chain it is for, or None for every chain; a
+#: whole policy, or field updates).
+_layers: contextvars.ContextVar[tuple[tuple[Any, AutotunePolicy | dict[str, Any]], ...]] = (
     contextvars.ContextVar("ejkernel_policy_layers", default=())
 )
 _forward_only: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -101,7 +102,7 @@ def _mode(name: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def policy_override(
-    autotune: bool | AutotunePolicy | None = None,
+    autotune: Any = None,
     *,
     policy: str | AutotunePolicy | None = None,
     **fields: Any,
@@ -111,7 +112,9 @@ def policy_override(
 
     Args:
         autotune: ``True`` → tune on a miss, ``False`` → heuristics only; or a whole
-            :class:`AutotunePolicy`.
+            :class:`AutotunePolicy`; or a :class:`~ejkernel.ops.ConfigSelectorChain`, to
+            change only that chain's policy (``policy_override(selector,
+            allow_autotune=False)``, as upstream ejkernel spells it).
         policy: the same by name (``"autotune"`` or ``"heuristics"``), or a policy.
         **fields: :class:`AutotunePolicy` fields to change (``allow_heuristics=False``...),
             the others staying as in force outside the block.
@@ -122,8 +125,11 @@ def policy_override(
         >>> with policy_override(AutotunePolicy(use_shipped=False)):
         ...     pass
     """
+    owner = None
+    if hasattr(autotune, "autotune_policy"):  # a ConfigSelectorChain
+        owner, autotune = autotune, None
     layer = _layer(autotune, policy, fields)
-    token = _layers.set((*_layers.get(), layer))
+    token = _layers.set((*_layers.get(), (owner, layer)))
     try:
         yield
     finally:
@@ -196,14 +202,18 @@ def forward_autotune_only(fn: F | None = None) -> Any:
     return wrapper
 
 
-def resolve_policy(base: AutotunePolicy | None, allow_autotune: bool = True) -> AutotunePolicy:
-    """The policy in force: ``base`` (else ``EJKERNEL_AUTOTUNE_POLICY``), tuning forbidden
-    unless ``allow_autotune``, then the enclosing overrides, :func:`forward_autotune_only`
-    and ``EJKERNEL_SHIPPED``."""
+def resolve_policy(
+    base: AutotunePolicy | None, allow_autotune: bool = True, chain: Any = None
+) -> AutotunePolicy:
+    """The policy in force for ``chain``: ``base`` (else ``EJKERNEL_AUTOTUNE_POLICY``),
+    tuning forbidden unless ``allow_autotune``, then the enclosing overrides (those for every
+    chain and those for ``chain``), :func:`forward_autotune_only` and ``EJKERNEL_SHIPPED``."""
     policy = base if base is not None else AutotunePolicy.named(_env.autotune_policy())
     if not allow_autotune and policy.allow_autotune:
         policy = attrs.evolve(policy, allow_autotune=False)
-    for layer in _layers.get():
+    for owner, layer in _layers.get():
+        if owner is not None and owner is not chain:
+            continue
         policy = layer if isinstance(layer, AutotunePolicy) else attrs.evolve(policy, **layer)
     if _forward_only.get() and policy.autotune_backward:
         policy = attrs.evolve(policy, autotune_backward=False)
