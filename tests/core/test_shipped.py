@@ -232,6 +232,10 @@ def test_a_tuned_export_ships_as_a_table(toy, tables, tmp_path, monkeypatch, cap
     with policy_override(autotune=True):
         sel = ejkernel.explain("flash_attention", q, k, v)
     assert (sel.source, sel.config) == ("shipped", tuned)
+    assert f"from shipped table {tmp_path / 't.json'}" in str(sel)
+    capsys.readouterr()
+    assert main(["info"]) == 0
+    assert f"{tmp_path / 't.json'}: 1 entries" in capsys.readouterr().out
 
 
 def test_load_shipped_table_rejects_what_it_cannot_read(tmp_path, tables):

@@ -81,6 +81,8 @@ class Selection:
         origin = (
             f" (first made by {self.origin})" if self.origin and self.origin != self.source else ""
         )
+        if self.source == "shipped":
+            origin = f" table {self.origin}"
         lines = [
             f"{self.op}: platform {self.platform!r} ({self.reason}) -> {self.implementation}",
             f"  config {self.config!r}",
