@@ -208,6 +208,10 @@ def test_a_chain_given_its_own_tables_uses_only_those(toy, tables, tmp_path):
     sel = Executor(ConfigSelectorChain(shipped=[own])).explain_op(spec, spec.bind((q, k, v), {}))
     assert (sel.config, sel.origin) == (toy.ToyConfig(block=64), str(own))
     assert ejkernel.explain("flash_attention", q, k, v).origin == str(declared)
+    one = Executor(ConfigSelectorChain(shipped=own)).explain_op(spec, spec.bind((q, k, v), {}))
+    assert one.origin == str(own)
+    with pytest.raises(ValueError, match="cannot read"):
+        ConfigSelectorChain(shipped=[tmp_path / "missing.json"])
 
 
 def test_a_tuned_export_ships_as_a_table(toy, tables, tmp_path, monkeypatch, capsys):

@@ -105,7 +105,8 @@ class ConfigSelectorChain:
         policy: this chain's :class:`AutotunePolicy` (default: ``EJKERNEL_AUTOTUNE_POLICY``'s);
             :func:`policy_override` and :func:`forward_autotune_only` still apply on top.
         shipped: the shipped tier's tables: ``None`` those the plugins declare, ``False``
-            none, or a list of table files (or :class:`ShippedTable` objects) to use instead.
+            none, or table files (or :class:`ShippedTable` objects) to use instead, read now
+            (a file that is not a table raises ``ValueError``).
     """
 
     def __init__(
@@ -130,8 +131,14 @@ class ConfigSelectorChain:
             )
         self.autotune = autotune
         self.autotune_policy = policy
-        self._shipped_spec = shipped
+        self._shipped_declared = shipped is None or shipped is True
         self._shipped_own: ShippedIndex | None = None
+        if shipped is not None and not isinstance(shipped, bool):
+            if isinstance(shipped, (str, os.PathLike, ShippedTable)):
+                shipped = [shipped]
+            self._shipped_own = ShippedIndex(
+                [t if isinstance(t, ShippedTable) else load_shipped_table(t) for t in shipped]
+            )
         self._platform_choices: dict[str, str] | None = None
 
     def policy(self) -> AutotunePolicy:
@@ -141,16 +148,7 @@ class ConfigSelectorChain:
     # -- shipped tables (tier 5, selection step 4) --------------------------------------------
     def shipped_index(self) -> ShippedIndex | None:
         """The shipped tables this chain consults, indexed (``None``: none)."""
-        spec = self._shipped_spec
-        if spec is False:
-            return None
-        if spec is None or spec is True:
-            return registry_index()
-        if self._shipped_own is None:
-            self._shipped_own = ShippedIndex(
-                [t if isinstance(t, ShippedTable) else load_shipped_table(t) for t in spec]
-            )
-        return self._shipped_own
+        return registry_index() if self._shipped_declared else self._shipped_own
 
     def shipped_platform(self, inv: Invocation, runnable: Sequence[str]) -> tuple[str, str] | None:
         """The fastest of the ``runnable`` platforms by a shipped table, and that table's name
