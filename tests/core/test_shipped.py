@@ -103,6 +103,20 @@ def test_another_device_kind_misses_and_volatile_device_fields_do_not_count(toy,
     assert ejkernel.explain("flash_attention", q, k, v).source == "shipped"
 
 
+def test_entries_without_a_usable_key_document_are_skipped(toy, tables, tmp_path):
+    q, k, v = tables.inputs()
+    doc = tables.key_document((q, k, v))
+    broken = {**doc, "invocation": {"kwargs": {"query": {"shape": ["x"], "dtype": "f"}}}}
+    table = tables.ship(
+        tmp_path / "t.json",
+        tables.entry(broken, toy.ToyConfig(block=64)),
+        {"config": {"block": 64}},
+        tables.entry(doc, toy.ToyConfig(block=16)),
+    )
+    assert load_shipped_table(table).skipped == 2
+    assert ejkernel.explain("flash_attention", q, k, v).config == toy.ToyConfig(block=16)
+
+
 def test_an_entry_that_no_longer_structures_into_the_config_class_is_ignored(toy, tables, tmp_path):
     q, k, v = tables.inputs()
     tables.ship(tmp_path / "t.json", tables.entry(tables.key_document((q, k, v)), {"blocks": 16}))

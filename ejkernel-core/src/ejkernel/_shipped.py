@@ -123,6 +123,19 @@ def _valid_document(doc: Any) -> bool:
     )
 
 
+def _usable_entry(entry: Any) -> bool:
+    """Whether an entry has a config and a key document that can be indexed."""
+    if not isinstance(entry, dict) or "config" not in entry:
+        return False
+    if not _valid_document(entry.get("key")):
+        return False
+    try:
+        _shape_of(_stable(entry["key"]))
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return True
+
+
 def _stable(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The key document without the device's volatile fields."""
     device = doc.get("device") or {}
@@ -184,11 +197,7 @@ def _parse(text: str, name: str) -> ShippedTable:
         )
     if doc.get("format", FORMAT) != FORMAT:
         raise ValueError(f"{name} has format {doc.get('format')!r}; this ejkernel reads {FORMAT}")
-    entries = {
-        str(k): v
-        for k, v in doc["entries"].items()
-        if isinstance(v, dict) and "config" in v and _valid_document(v.get("key"))
-    }
+    entries = {str(k): v for k, v in doc["entries"].items() if _usable_entry(v)}
     kinds = sorted({str(e["key"]["device"].get("kind", "?")) for e in entries.values()})
     return ShippedTable(
         name=name,
@@ -407,9 +416,7 @@ def write_shipped_table(
     entries: dict[str, dict[str, Any]] = {}
     for source in sources:
         for raw in _source_entries(source).values():
-            if not isinstance(raw, Mapping) or "config" not in raw:
-                continue
-            if not _valid_document(raw.get("key")):
+            if not _usable_entry(raw):
                 continue
             stable = _stable(raw["key"])
             kind = stable["device"].get("kind", "")
