@@ -18,6 +18,7 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
         "EJKERNEL_LOG_AUTOTUNE",
         "EJKERNEL_OPS_RECORD",
         "EJKERNEL_OPS_STAMP",
+        "EJKERNEL_SHIPPED",
     ):
         monkeypatch.delenv(name, raising=False)
     plugins.reset()

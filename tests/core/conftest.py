@@ -22,3 +22,13 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     spec.loader.exec_module(module)
     register_plugin(module, name="toy")
     return module
+
+
+@pytest.fixture
+def tables(toy: ModuleType) -> ModuleType:
+    """Helpers that build shipped tables for the toy plugin (``_shipped_helpers.py``)."""
+    path = pathlib.Path(__file__).with_name("_shipped_helpers.py")
+    spec = importlib.util.spec_from_file_location("ejkernel_test_shipped_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -18,6 +18,7 @@ PLUGINS_AUTOLOAD = "EJKERNEL_PLUGINS_AUTOLOAD"
 OPS_STAMP = "EJKERNEL_OPS_STAMP"
 OPS_RECORD = "EJKERNEL_OPS_RECORD"
 INTERPRET = "EJKERNEL_INTERPRET"
+SHIPPED = "EJKERNEL_SHIPPED"
 
 #: name -> (default, meaning); the README table mirrors this mapping.
 VARIABLES: dict[str, tuple[str, str]] = {
@@ -26,6 +27,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "`autotune`: tune configs missing from the caches (once per shape and device; results "
         "persist); `heuristics`: never tune, use each implementation's heuristic (an explicit "
         "`cfg=` is always honoured)",
+    ),
+    SHIPPED: (
+        "1",
+        "`0` ignores the plugins' shipped tables of tuned configs and fastest platforms (the "
+        "config chain's `shipped` tier and selection by table), e.g. to measure tuning",
     ),
     LOG_AUTOTUNE: ("0", "`1` logs every autotune candidate and its time at INFO level"),
     CACHE_DIR: (
@@ -68,6 +74,11 @@ def autotune_policy() -> str:
     if value not in ("autotune", "heuristics"):
         raise ValueError(f"{AUTOTUNE_POLICY} must be 'autotune' or 'heuristics'; got {value!r}")
     return value
+
+
+def shipped() -> bool:
+    """Whether the plugins' shipped tables are consulted (``EJKERNEL_SHIPPED``, default on)."""
+    return _get(SHIPPED).lower() not in ("0", "false", "no", "off")
 
 
 def log_autotune() -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -291,6 +292,7 @@ class Registry:
         self._specs: dict[str, OpSpec] = {s.name: s for s in specs}
         self._impls: dict[str, list[Implementation]] = {}
         self._platforms: dict[str, Platform] = {}
+        self._shipped: list[tuple[str, str]] = []
         self._plugin = "<direct>"
         self._plugin_version = "0"
         self._served_memo: dict[tuple[int, str], Implementation] = {}
@@ -441,7 +443,28 @@ class Registry:
             )
             self.generation = next(_GENERATIONS)
 
+    def add_shipped_table(self, location: str | os.PathLike[str]) -> None:
+        """Declare a shipped table of tuned configs and fastest platforms (docs: tuning).
+
+        Nothing is read now: the config chain reads every declared table on its first lookup,
+        once per process; a missing, corrupt or foreign file is one ``CacheWarning``.
+
+        Args:
+            location: a JSON table or a folder of them (``*.json``, in name order): a path,
+                or ``"package:relative/path"`` inside an installed package (package data),
+                e.g. ``"ejkernel_myplat:shipped"``.
+        """
+        if not isinstance(location, (str, os.PathLike)) or not str(location):
+            raise TypeError(f"location must be a path or 'package:path'; got {location!r}")
+        with self._lock:
+            self._shipped.append((os.fspath(location), self._plugin))
+            self.generation = next(_GENERATIONS)
+
     # -- what the core reads -----------------------------------------------------------------
+    def shipped_tables(self) -> list[tuple[str, str]]:
+        """The declared shipped-table locations, each with the plugin that declared it."""
+        return list(self._shipped)
+
     def spec(self, op: str) -> OpSpec:
         try:
             return self._specs[op]
@@ -503,15 +526,16 @@ class Registry:
     # -- transactions, so one plugin's failure leaves no half registration -------------------
     def _snapshot(
         self,
-    ) -> tuple[dict[str, OpSpec], dict[str, list[Implementation]], dict[str, Platform]]:
+    ) -> tuple[dict[str, OpSpec], dict[str, list[Implementation]], dict[str, Platform], list[Any]]:
         return (
             dict(self._specs),
             {k: list(v) for k, v in self._impls.items()},
             dict(self._platforms),
+            list(self._shipped),
         )
 
-    def _restore(self, snap: tuple[Any, Any, Any]) -> None:
-        self._specs, self._impls, self._platforms = snap
+    def _restore(self, snap: tuple[Any, Any, Any, Any]) -> None:
+        self._specs, self._impls, self._platforms, self._shipped = snap
         self.generation = next(_GENERATIONS)
 
     def _attribute_to(self, plugin: str, version: str) -> None:

@@ -7,7 +7,9 @@ For an invocation of op X on the default device's backend B:
 2. a forced platform wins (``platform=``, a config's ``platform`` field, or
    ``EJKERNEL_PLATFORM``); if it cannot run the call, the error gives its reasons;
 3. else a platform cross-platform autotuning chose for this invocation;
-4. else the highest priority.
+4. else the fastest runnable platform a shipped table names for this device and shape bucket
+   (:meth:`ejkernel.ops.ConfigSelectorChain.shipped_platform`);
+5. else the highest priority.
 
 When no platform is forced, an implementation that raises while it is traced (or, called
 eagerly, run) is rejected for that invocation (:func:`reject_failed`): the executor warns once
@@ -54,11 +56,13 @@ class Selection:
         op: the op name.
         platform: the selected platform.
         implementation: ``module:qualname`` of the selected implementation.
-        reason: why this platform (argument, environment, cached choice, priority).
+        reason: why this platform (argument, environment, cached choice, shipped table,
+            priority).
         config: the config it would run with.
-        source: tier that gave the config: override, overlay, memory, persistent, autotune,
-            heuristic.
-        origin: for memory/persistent hits, how that entry was first made.
+        source: tier that gave the config: override, overlay, memory, persistent, shipped,
+            autotune, heuristic.
+        origin: for memory/persistent hits, how that entry was first made; for shipped ones,
+            the table.
         key: the invocation cache key.
         rejected: implementation (platform) -> why it cannot run this call.
     """
@@ -77,6 +81,8 @@ class Selection:
         origin = (
             f" (first made by {self.origin})" if self.origin and self.origin != self.source else ""
         )
+        if self.source == "shipped":
+            origin = f" table {self.origin}"
         lines = [
             f"{self.op}: platform {self.platform!r} ({self.reason}) -> {self.implementation}",
             f"  config {self.config!r}",
@@ -185,6 +191,11 @@ def select_implementation(
         for impl in candidates:
             if impl.platform == cached:
                 return impl, "cached platform choice (cross-platform autotune)", rejected
+    shipped = selector.shipped_platform(inv, [c.platform for c in candidates])
+    if shipped is not None:
+        for impl in candidates:
+            if impl.platform == shipped[0]:
+                return impl, f"shipped table ({shipped[1]})", rejected
     best = candidates[0]
     return best, f"highest priority ({best.priority}) of {len(candidates)} runnable", rejected
 

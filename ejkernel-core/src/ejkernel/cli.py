@@ -1,5 +1,6 @@
-"""The ``ejkernel`` command: ``ejkernel info``, ``ejkernel cache {path,list,clear,export,import}``,
-``ejkernel tune --shapes FILE --out FILE`` and ``ejkernel build <platform>``."""
+"""The ``ejkernel`` command: ``ejkernel info``, ``ejkernel cache
+{path,list,clear,export,import,ship}``, ``ejkernel tune --shapes FILE --out FILE`` and
+``ejkernel build <platform>``."""
 
 from __future__ import annotations
 
@@ -67,7 +68,21 @@ def _info(args: argparse.Namespace) -> int:
             print(f"  {p} unavailable: {ok}")
     print(f"cache {_env.cache_dir()}")
     print(f"autotune policy {_env.autotune_policy()}")
+    _print_shipped()
     return 0
+
+
+def _print_shipped() -> None:
+    from ejkernel import _env
+    from ejkernel._shipped import shipped_tables
+
+    tables = shipped_tables()
+    off = "" if _env.shipped() else f" (off: {_env.SHIPPED}=0)"
+    print(f"shipped tables{off}")
+    if not tables:
+        print("  (none)")
+    for t in tables:
+        print(f"  {t.name}: {len(t)} entries ({', '.join(t.device_kinds) or 'no device'})")
 
 
 def _cache(args: argparse.Namespace) -> int:
@@ -95,6 +110,8 @@ def _cache(args: argparse.Namespace) -> int:
         print(f"{len(entries)} entries in {cache.file}")
     elif args.action == "clear":
         print(f"removed {cache.delete()} entries from {cache.file}")
+    elif args.action == "ship":
+        return _ship(args, cache)
     elif args.action == "export":
         print(f"exported {cache.export(args.file)} entries to {args.file}")
     elif args.action == "import":
@@ -136,6 +153,22 @@ def _tune(args: argparse.Namespace) -> int:
         f"{len(records)} records; wrote {n} entries to {args.out}"
     )
     return 0 if len(result) or len(result.platforms) or not records else 1
+
+
+def _ship(args: argparse.Namespace, cache: object) -> int:
+    from ejkernel._shipped import write_shipped_table
+
+    platforms = args.platform.split(",") if args.platform else None
+    try:
+        table = write_shipped_table(
+            args.sources or [cache], args.out, device=args.device, platforms=platforms
+        )
+    except ValueError as err:
+        print(f"ejkernel: {err}", file=sys.stderr)
+        return 1
+    kinds = ", ".join(table.device_kinds) or "no device"
+    print(f"wrote {len(table)} entries ({kinds}) to {args.out}")
+    return 0
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -185,6 +218,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     actions.add_parser("clear", help="remove every cached config")
     actions.add_parser("export", help="write every entry to FILE").add_argument("file")
     actions.add_parser("import", help="merge the entries of FILE").add_argument("file")
+    ship = actions.add_parser(
+        "ship", help="write a shipped table from exports (default: this cache) to --out FILE"
+    )
+    ship.add_argument("sources", nargs="*", help="export files (ejkernel cache export)")
+    ship.add_argument("--out", required=True, help="the table to write")
+    ship.add_argument("--device", help="keep entries whose device kind contains this")
+    ship.add_argument(
+        "--platform", help="keep entries of these platforms (comma-separated; choice: fastest)"
+    )
     cache.set_defaults(run=_cache)
     tune = sub.add_parser(
         "tune",

@@ -26,6 +26,7 @@ from ejkernel._env import (
     OPS_STAMP,
     PLATFORM,
     PLUGINS_AUTOLOAD,
+    SHIPPED,
     VARIABLES,
     autotune_policy,
     cache_dir,
@@ -36,6 +37,7 @@ from ejkernel._env import (
     ops_record,
     ops_stamp,
     plugins_autoload,
+    shipped,
 )
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "OPS_STAMP",
     "PLATFORM",
     "PLUGINS_AUTOLOAD",
+    "SHIPPED",
     "VARIABLES",
     "autotune_policy",
     "cache_dir",
@@ -58,4 +61,5 @@ __all__ = [
     "ops_record",
     "ops_stamp",
     "plugins_autoload",
+    "shipped",
 ]

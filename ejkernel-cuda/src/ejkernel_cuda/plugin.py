@@ -51,6 +51,7 @@ def ejkernel_register(registry: Any) -> None:
     registry.add_platform(
         PLATFORM, available="ejkernel_cuda._device:available", distribution="ejkernel-cuda"
     )
+    registry.add_shipped_table("ejkernel_cuda:shipped")
     for op in OPS:
         registry.register_module(
             op, f"ejkernel_cuda.ops.{op}", platform=PLATFORM, backend="gpu", priority=PRIORITY

@@ -56,6 +56,7 @@ def ejkernel_api_version() -> int:
 @hookimpl
 def ejkernel_register(registry: Any) -> None:
     registry.add_platform("pallas", available=available, distribution="ejkernel-pallas")
+    registry.add_shipped_table("ejkernel_pallas:shipped")
     for op, families in OPS.items():
         for family in families:
             backends, priority = FAMILIES[family]

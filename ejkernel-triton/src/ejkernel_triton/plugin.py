@@ -58,6 +58,7 @@ def ejkernel_api_version() -> int:
 @hookimpl
 def ejkernel_register(registry: Any) -> None:
     registry.add_platform("triton", available=available, distribution="ejkernel-triton")
+    registry.add_shipped_table("ejkernel_triton:shipped")
     for op in OPS:
         registry.register_module(
             op,

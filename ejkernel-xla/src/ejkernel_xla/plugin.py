@@ -46,5 +46,6 @@ def ejkernel_api_version() -> int:
 @hookimpl
 def ejkernel_register(registry: Any) -> None:
     registry.add_platform("xla", distribution="ejkernel-xla")
+    registry.add_shipped_table("ejkernel_xla:shipped")
     for op in OPS:
         registry.register_module(op, f"ejkernel_xla.ops.{op}", platform="xla", backend="any")

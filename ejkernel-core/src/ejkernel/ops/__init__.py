@@ -29,6 +29,7 @@ from ejkernel._labels import (
     labels_to_configs,
 )
 from ejkernel._params import BwdParams, FwdParams
+from ejkernel._policy import AutotunePolicy, forward_autotune_only
 from ejkernel._recording import (
     InvocationRecorder,
     clear_invocations,
@@ -39,11 +40,18 @@ from ejkernel._recording import (
     save_invocations,
 )
 from ejkernel._records import ArraySpec, RecordedInvocation
+from ejkernel._shipped import (
+    ShippedTable,
+    load_shipped_table,
+    shipped_tables,
+    write_shipped_table,
+)
 from ejkernel._tune_result import AutotuneResult, PlatformChoice, TunedConfig, TuneFailure
 from ejkernel._tuning import autotune, autotune_platforms, pmap_with_config, vmap_with_config
 
 __all__ = [
     "ArraySpec",
+    "AutotunePolicy",
     "AutotuneResult",
     "BwdParams",
     "CacheEntry",
@@ -63,6 +71,7 @@ __all__ = [
     "PlatformChoice",
     "RecordedInvocation",
     "Selection",
+    "ShippedTable",
     "TuneFailure",
     "TunedConfig",
     "autotune",
@@ -76,12 +85,14 @@ __all__ = [
     "device_kind",
     "extract_labels_from_hlo_text",
     "find_labels_in_lowered",
+    "forward_autotune_only",
     "from_json",
     "get_device_platform",
     "get_invocations",
     "label",
     "labels_to_configs",
     "load_invocations",
+    "load_shipped_table",
     "overlay_cache",
     "pmap_with_config",
     "policy_override",
@@ -89,7 +100,9 @@ __all__ = [
     "record_invocations",
     "save_invocations",
     "sharding_fingerprint",
+    "shipped_tables",
     "stable_json",
     "to_json",
     "vmap_with_config",
+    "write_shipped_table",
 ]
