@@ -26,6 +26,7 @@ from ejkernel._env import (
     OPS_STAMP,
     PLATFORM,
     PLUGINS_AUTOLOAD,
+    SHARED_MEMORY_LIMIT,
     VARIABLES,
     autotune_policy,
     cache_dir,
@@ -34,6 +35,7 @@ from ejkernel._env import (
     interpret,
     log_autotune,
     plugins_autoload,
+    shared_memory_limit,
 )
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "OPS_STAMP",
     "PLATFORM",
     "PLUGINS_AUTOLOAD",
+    "SHARED_MEMORY_LIMIT",
     "VARIABLES",
     "autotune_policy",
     "cache_dir",
@@ -54,4 +57,5 @@ __all__ = [
     "interpret",
     "log_autotune",
     "plugins_autoload",
+    "shared_memory_limit",
 ]

@@ -11,6 +11,7 @@ from ejkernel._autotune import benchmark
 from ejkernel._cache import CacheEntry, ConfigCache, PersistentCache
 from ejkernel._chain import Choice, ConfigSelectorChain, overlay_cache, policy_override
 from ejkernel._executor import Executor, Selection, default_executor
+from ejkernel._hardware import prune_by_shared_memory, shared_memory_limit
 from ejkernel._invocation import (
     Invocation,
     default_key_builder_with_sharding,
@@ -50,7 +51,9 @@ __all__ = [
     "overlay_cache",
     "pmap_with_config",
     "policy_override",
+    "prune_by_shared_memory",
     "sharding_fingerprint",
+    "shared_memory_limit",
     "stable_json",
     "to_json",
     "vmap_with_config",
