@@ -16,6 +16,7 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
         "EJKERNEL_DISABLE_PLUGINS",
         "EJKERNEL_PLUGINS_AUTOLOAD",
         "EJKERNEL_LOG_AUTOTUNE",
+        "EJKERNEL_SHARED_MEMORY_LIMIT",
     ):
         monkeypatch.delenv(name, raising=False)
     plugins.reset()
