@@ -35,6 +35,7 @@ __all__ = [
     "config_space",
     "fwd_problem",
     "heuristic",
+    "kernel_smem",
     "smem_need",
     "supports",
 ]
@@ -416,26 +417,39 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
         configs += tiles("dq_params", FwdParams, _DQ_BLOCKS)
     return prune_by_shared_memory(
         list(dict.fromkeys(configs)),
-        functools.partial(smem_need, inv.kwargs, grad=getattr(inv, "grad", True)),
+        functools.partial(smem_need, inv.kwargs, grad=getattr(inv, "grad", True), beside=base),
         keep=(base,),
         what="flash_attention (triton)",
     )
 
 
-def smem_need(kw: Any, cfg: FlashAttentionConfig, *, grad: bool = True) -> int:
+def smem_need(kw: Any, cfg: FlashAttentionConfig, *, grad: bool = True, beside: Any = None) -> int:
     """Bytes of shared memory the largest of ``cfg``'s usual kernels asks for on the call
-    ``kw``: the forward, and with ``grad`` the dQ and dK/dV kernels (a differentiated call is
-    tuned on both passes), at the blocks, head dims and stages the launch runs them
-    (:func:`fwd_smem`, :func:`bwd_smem`). The specialized kernels run in fixed tiles that fit
-    the Hopper GPUs they serve (``tests/triton/test_codegen.py``) and count 0."""
+    ``kw`` (:func:`kernel_smem`), leaving out each kernel that asks for what it asks for in the
+    config ``beside`` (the heuristic's: a candidate is judged by what it changes; the launch
+    fits the heuristic's own stages to the device)."""
+    needs = kernel_smem(kw, cfg, grad=grad)
+    if beside is not None:
+        theirs = kernel_smem(kw, beside, grad=grad)
+        needs = {k: n for k, n in needs.items() if n != theirs.get(k)}
+    return max(needs.values(), default=0)
+
+
+def kernel_smem(kw: Any, cfg: FlashAttentionConfig, *, grad: bool = True) -> dict[str, int]:
+    """Bytes of shared memory each usual kernel of ``cfg`` asks for on the call ``kw``: the
+    forward (``"fwd"``), and with ``grad`` the ``"dq"`` and ``"dkdv"`` kernels (a
+    differentiated call is tuned on both passes), at the blocks, head dims and stages the
+    launch runs them (:func:`fwd_smem`, :func:`bwd_smem`). The specialized kernels run in
+    fixed tiles that fit the Hopper GPUs they serve (``tests/triton/test_codegen.py``) and are
+    left out."""
     q, k, v = kw["query"], kw["key"], kw["value"]
     sq, sk = q.shape[1], k.shape[1]
     d, dv, size = pow2(q.shape[-1]), pow2(v.shape[-1]), jnp.dtype(q.dtype).itemsize
-    needs = [0]
+    needs = {}
     if cfg.fwd_variant == "usual":
         p = cfg.fwd_params
         bq, bk = clamp(p.q_blocksize or 128, sq), clamp(p.kv_blocksize or 64, sk)
-        needs.append(fwd_smem(bq, bk, p.num_stages or 2, d, dv, size))
+        needs["fwd"] = fwd_smem(bq, bk, p.num_stages or 2, d, dv, size)
     if grad and cfg.bwd_variant in ("usual", "gluon_dkdv"):
         b = cfg.bwd_params
         dq = cfg.dq_params or FwdParams(
@@ -445,12 +459,12 @@ def smem_need(kw: Any, cfg: FlashAttentionConfig, *, grad: bool = True) -> int:
             num_stages=b.num_stages,
         )
         qb, kb = clamp(dq.q_blocksize or 128, sq), clamp(dq.kv_blocksize or 32, sk)
-        needs.append(bwd_smem(kb, qb, dq.num_stages or 2, d, dv, size))
+        needs["dq"] = bwd_smem(kb, qb, dq.num_stages or 2, d, dv, size)
     if grad and cfg.bwd_variant == "usual":
         b = cfg.bwd_params
         bq, bk = clamp(b.q_blocksize or 32, sq), clamp(b.kv_blocksize or 128, sk)
-        needs.append(bwd_smem(bq, bk, b.num_stages or 2, d, dv, size, step_vectors=2))
-    return max(needs)
+        needs["dkdv"] = bwd_smem(bq, bk, b.num_stages or 2, d, dv, size, step_vectors=2)
+    return needs
 
 
 #: The fields of a config that each pass's variant brings along.
