@@ -95,3 +95,17 @@ def test_no_limit_known_drops_nothing(monkeypatch):
     assert prune_by_shared_memory([500, 300], lambda n: n) == [500, 300]  # a CPU: no limit
     monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "100")
     assert prune_by_shared_memory([500, 30], lambda n: n) == [30]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_limit_is_what_the_device_reports():
+    import jax
+
+    device = jax.devices()[0]
+    reported = device.shared_memory_per_block_optin
+    assert shared_memory_limit() == reported
+    # the table (for a jax that does not report it) agrees on this GPU
+    by_capability = _gpu(compute_capability=device.compute_capability, device_kind="?")
+    assert shared_memory_limit(by_capability) == reported
+    kind_only = types.SimpleNamespace(platform="gpu", device_kind=device.device_kind)
+    assert shared_memory_limit(kind_only) in (reported, None)

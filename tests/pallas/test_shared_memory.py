@@ -157,3 +157,30 @@ def test_tuning_never_runs_a_dropped_candidate(monkeypatch):
     dropped = {blocks_config(t, t) for t in ((64, 128, 2), (64, 128, 3))}
     assert ran and not dropped & set(ran)
     assert blocks_config((64, 64, 3), (64, 64, 3)) in ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "causal"),
+    [(16, 16, 128, False), (16, 16, 128, True), (32, 8, 128, False), (16, 16, 64, True)],
+    ids=["D128-full", "D128-causal", "D128-gqa32x8", "D64-causal"],
+)
+def test_every_candidate_the_autotuner_gets_compiles_and_runs_on_the_gpu(hq, hkv, d, causal):
+    # The issue: on an H200 two candidates failed for shared memory at tuning. Now none does.
+    import ejkernel
+    from ejkernel_pallas.gpu.flash_attention import config_space
+
+    b, s = 4, 4096
+    q = jnp.ones((b, s, hq, d), jnp.bfloat16)
+    kv = jnp.ones((b, s, hkv, d), jnp.bfloat16)
+    inv = types.SimpleNamespace(
+        kwargs={"query": q, "key": kv, "value": kv, "causal": causal}, grad=True
+    )
+
+    def loss(q, k, v, cfg):
+        out = ejkernel.flash_attention(q, k, v, causal=causal, platform="pallas", cfg=cfg)
+        return out.astype(jnp.float32).sum()
+
+    for cfg in config_space(inv):
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, kv, kv, cfg)
+        jax.block_until_ready(grads)

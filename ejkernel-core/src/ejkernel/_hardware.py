@@ -120,15 +120,15 @@ def prune_by_shared_memory(
         The candidates that fit, plus ``keep``'s; if none would be left, the one needing the
         least (the first of equals).
     """
-    configs = list(configs)
+    candidates = list(configs)
     limit = shared_memory_limit() if limit is None else limit
-    if limit is None or not configs:
-        return configs
-    needs = [need(cfg) for cfg in configs]
-    kept = [cfg for cfg, n in zip(configs, needs, strict=True) if n <= limit or cfg in keep]
+    if limit is None or not candidates:
+        return candidates
+    needs = [need(cfg) for cfg in candidates]
+    kept = [cfg for cfg, n in zip(candidates, needs, strict=True) if n <= limit or cfg in keep]
     if not kept:
-        kept = [configs[needs.index(min(needs))]]
-    for cfg, n in zip(configs, needs, strict=True):
+        kept = [candidates[needs.index(min(needs))]]
+    for cfg, n in zip(candidates, needs, strict=True):
         if cfg not in kept:
             log.debug(
                 "%s: dropped %r: needs %d bytes of shared memory, over the device's %d",
