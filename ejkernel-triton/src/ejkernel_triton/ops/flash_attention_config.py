@@ -441,15 +441,23 @@ def kernel_smem(kw: Any, cfg: FlashAttentionConfig, *, grad: bool = True) -> dic
     differentiated call is tuned on both passes), at the blocks, head dims and stages the
     launch runs them (:func:`fwd_smem`, :func:`bwd_smem`). The specialized kernels run in
     fixed tiles that fit the Hopper GPUs they serve (``tests/triton/test_codegen.py``) and are
-    left out."""
+    left out. A bias or mask adds its score tile to every stage after the first, as
+    :func:`fit_stages` counts it."""
     q, k, v = kw["query"], kw["key"], kw["value"]
     sq, sk = q.shape[1], k.shape[1]
     d, dv, size = pow2(q.shape[-1]), pow2(v.shape[-1]), jnp.dtype(q.dtype).itemsize
-    needs = {}
+    bias, mask = kw.get("bias"), kw.get("attention_mask")
+    per_score = (0 if bias is None else jnp.dtype(bias.dtype).itemsize) + (mask is not None)
+
+    def scores(rows: int, cols: int, stages: int) -> int:
+        return (stages - 1) * rows * cols * per_score
+
+    needs: dict[str, int] = {}
     if cfg.fwd_variant == "usual":
         p = cfg.fwd_params
         bq, bk = clamp(p.q_blocksize or 128, sq), clamp(p.kv_blocksize or 64, sk)
-        needs["fwd"] = fwd_smem(bq, bk, p.num_stages or 2, d, dv, size)
+        stages = p.num_stages or 2
+        needs["fwd"] = fwd_smem(bq, bk, stages, d, dv, size) + scores(bq, bk, stages)
     if grad and cfg.bwd_variant in ("usual", "gluon_dkdv"):
         b = cfg.bwd_params
         dq = cfg.dq_params or FwdParams(
@@ -459,11 +467,14 @@ def kernel_smem(kw: Any, cfg: FlashAttentionConfig, *, grad: bool = True) -> dic
             num_stages=b.num_stages,
         )
         qb, kb = clamp(dq.q_blocksize or 128, sq), clamp(dq.kv_blocksize or 32, sk)
-        needs["dq"] = bwd_smem(kb, qb, dq.num_stages or 2, d, dv, size)
+        stages = dq.num_stages or 2
+        needs["dq"] = bwd_smem(kb, qb, stages, d, dv, size) + scores(qb, kb, stages)
     if grad and cfg.bwd_variant == "usual":
         b = cfg.bwd_params
         bq, bk = clamp(b.q_blocksize or 32, sq), clamp(b.kv_blocksize or 128, sk)
-        needs["dkdv"] = bwd_smem(bq, bk, b.num_stages or 2, d, dv, size, step_vectors=2)
+        stages = b.num_stages or 2
+        tiles = bwd_smem(bq, bk, stages, d, dv, size, step_vectors=2)
+        needs["dkdv"] = tiles + scores(bq, bk, stages)
     return needs
 
 
