@@ -19,6 +19,7 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
         "EJKERNEL_OPS_RECORD",
         "EJKERNEL_OPS_STAMP",
         "EJKERNEL_SHIPPED",
+        "EJKERNEL_SHARED_MEMORY_LIMIT",
     ):
         monkeypatch.delenv(name, raising=False)
     plugins.reset()

@@ -33,6 +33,7 @@ def hopper(monkeypatch):
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
     monkeypatch.setattr(config, "_compute_capability", lambda: (9, 0))
     monkeypatch.setattr(config, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "232448")  # the H100's
     return config
 
 

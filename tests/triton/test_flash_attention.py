@@ -577,6 +577,7 @@ def hopper(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(config._launch, "interpreting", lambda: False)
     monkeypatch.setattr(config, "_compute_capability", lambda: (9, 0))
     monkeypatch.setattr(config, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "232448")  # the H100's
     return config
 
 

@@ -19,6 +19,7 @@ OPS_STAMP = "EJKERNEL_OPS_STAMP"
 OPS_RECORD = "EJKERNEL_OPS_RECORD"
 INTERPRET = "EJKERNEL_INTERPRET"
 SHIPPED = "EJKERNEL_SHIPPED"
+SHARED_MEMORY_LIMIT = "EJKERNEL_SHARED_MEMORY_LIMIT"
 
 #: name -> (default, meaning); the README table mirrors this mapping.
 VARIABLES: dict[str, tuple[str, str]] = {
@@ -48,6 +49,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "0",
         "`1` runs Triton and Pallas kernels on the CPU through their interpreters (slow; for "
         "tests and debugging without the hardware)",
+    ),
+    SHARED_MEMORY_LIMIT: (
+        "the device's",
+        "bytes of shared memory a GPU kernel block may use, by which config spaces drop "
+        "candidates before compiling (`ejkernel.ops.shared_memory_limit`); `none` or `0`: "
+        "no limit, nothing dropped",
     ),
     OPS_STAMP: (
         "none",
@@ -127,3 +134,22 @@ def ops_record() -> bool:
 def plugins_autoload() -> bool:
     """Whether plugins are discovered through entry points (``EJKERNEL_PLUGINS_AUTOLOAD``)."""
     return _get(PLUGINS_AUTOLOAD).lower() not in ("0", "false", "no", "off")
+
+
+def shared_memory_limit() -> int | None:
+    """The bytes ``EJKERNEL_SHARED_MEMORY_LIMIT`` sets; 0 for ``none`` or ``0`` (no limit);
+    ``None`` when unset (the device's limit holds)."""
+    value = _get(SHARED_MEMORY_LIMIT).lower()
+    if not value:
+        return None
+    if value in ("none", "0"):
+        return 0
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(
+            f"{SHARED_MEMORY_LIMIT} must be a number of bytes or 'none'; got {value!r}"
+        )
+    return limit

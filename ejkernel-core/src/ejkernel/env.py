@@ -26,6 +26,7 @@ from ejkernel._env import (
     OPS_STAMP,
     PLATFORM,
     PLUGINS_AUTOLOAD,
+    SHARED_MEMORY_LIMIT,
     SHIPPED,
     VARIABLES,
     autotune_policy,
@@ -37,6 +38,7 @@ from ejkernel._env import (
     ops_record,
     ops_stamp,
     plugins_autoload,
+    shared_memory_limit,
     shipped,
 )
 
@@ -50,6 +52,7 @@ __all__ = [
     "OPS_STAMP",
     "PLATFORM",
     "PLUGINS_AUTOLOAD",
+    "SHARED_MEMORY_LIMIT",
     "SHIPPED",
     "VARIABLES",
     "autotune_policy",
@@ -61,5 +64,6 @@ __all__ = [
     "ops_record",
     "ops_stamp",
     "plugins_autoload",
+    "shared_memory_limit",
     "shipped",
 ]

@@ -12,6 +12,7 @@ from ejkernel._batch_tune import autotune_recorded
 from ejkernel._cache import CacheEntry, ConfigCache, PersistentCache
 from ejkernel._chain import Choice, ConfigSelectorChain, overlay_cache, policy_override
 from ejkernel._executor import Executor, Selection, default_executor
+from ejkernel._hardware import prune_by_shared_memory, shared_memory_limit
 from ejkernel._invocation import (
     Invocation,
     default_key_builder_with_sharding,
@@ -96,10 +97,12 @@ __all__ = [
     "overlay_cache",
     "pmap_with_config",
     "policy_override",
+    "prune_by_shared_memory",
     "record_invocation",
     "record_invocations",
     "save_invocations",
     "sharding_fingerprint",
+    "shared_memory_limit",
     "shipped_tables",
     "stable_json",
     "to_json",

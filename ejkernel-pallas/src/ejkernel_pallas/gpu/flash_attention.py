@@ -51,12 +51,14 @@ is held in interpret mode by ``tests/core/test_attention_semantics.py``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ejkernel import env
+from ejkernel.ops import prune_by_shared_memory
 from ejkernel.plugins import defvjp
 from ejkernel_pallas._attention import (
     FlashAttentionConfig,
@@ -67,14 +69,15 @@ from ejkernel_pallas._attention import (
 )
 from ejkernel_pallas.gpu import _problem as pb
 from ejkernel_pallas.gpu._problem import Problem
-from ejkernel_pallas.gpu.flash_attention_bwd import dkv_call, dq_call
-from ejkernel_pallas.gpu.flash_attention_fwd import fwd_call
+from ejkernel_pallas.gpu.flash_attention_bwd import bwd_smem, dkv_call, dq_call
+from ejkernel_pallas.gpu.flash_attention_fwd import fwd_call, fwd_smem
 
 __all__ = [
     "FlashAttentionConfig",
     "config_space",
     "flash_attention_pallas",
     "heuristic",
+    "smem_need",
     "supports",
 ]
 
@@ -103,8 +106,32 @@ def heuristic(inv: Any) -> FlashAttentionConfig:
 
 
 def config_space(inv: Any) -> list[FlashAttentionConfig]:
-    """The heuristic's config, then a few (bq, bk, stages) triples for both passes."""
-    return unique_configs([heuristic(inv), *(blocks_config(t, t) for t in TUNING)])
+    """The heuristic's config, then a few (bq, bk, stages) triples for both passes, minus those
+    whose kernels need more shared memory than the device grants (:func:`smem_need`; the
+    heuristic's stays)."""
+    base = heuristic(inv)
+    return prune_by_shared_memory(
+        unique_configs([base, *(blocks_config(t, t) for t in TUNING)]),
+        functools.partial(smem_need, inv.kwargs, grad=getattr(inv, "grad", True)),
+        keep=(base,),
+        what="flash_attention (pallas gpu)",
+    )
+
+
+def smem_need(kw: Any, cfg: FlashAttentionConfig, *, grad: bool = True) -> int:
+    """Bytes of shared memory the largest kernel of ``cfg`` allocates for the call ``kw``: the
+    forward, and with ``grad`` the dQ and dK/dV kernels (a differentiated call is tuned on
+    both passes), their scratch as Mosaic GPU lays it out (:mod:`._smem`). 0 for blocks that
+    do not tile the call (the kernels refuse them before compiling anything)."""
+    q, k = kw["query"], kw["key"]
+    args = {"softmax_scale": kw.get("softmax_scale"), "causal": bool(kw.get("causal"))}
+    try:
+        need = fwd_smem(Problem.of(q, k, cfg, backward=False, **args))
+        if grad:
+            need = max(need, bwd_smem(Problem.of(q, k, cfg, backward=True, **args)))
+    except ValueError:
+        return 0
+    return need
 
 
 def supports(inv: Any) -> bool | str:

@@ -15,36 +15,69 @@ from jax import lax
 from ejkernel.attention_semantics import hide
 from ejkernel_pallas import _compat
 from ejkernel_pallas.gpu import _mosaic as mg
+from ejkernel_pallas.gpu import _smem as sm
 from ejkernel_pallas.gpu._problem import Problem
 
-__all__ = ["dkv_call", "dq_call"]
+__all__ = ["bwd_smem", "dkv_call", "dkv_scratch", "dq_call", "dq_scratch"]
+
+
+def dq_scratch(pr: Problem) -> list[Any]:
+    """The dQ kernel's shared memory (:mod:`._smem`): per consumer Q (then dQ out), dO,
+    logsumexp and Δ; the K and V ring; then its barriers."""
+    rows = sm.Buffer((2, pr.bq, pr.d), pr.dtype)
+    vector = sm.Buffer((2, pr.bq), jnp.float32, tiled=False)
+    ring = sm.Buffer((pr.stages, pr.bk, pr.d), pr.dtype)
+    return [
+        (rows, rows, vector, vector, ring, ring),
+        sm.Barriers(2),  # Q, dO, lse, delta landed (one barrier each)
+        sm.Barriers(2),
+        sm.Barriers(2),
+        sm.Barriers(2),
+        sm.Barriers(pr.stages),  # K landed
+        sm.Barriers(pr.stages),  # V landed
+        sm.Barriers(pr.stages, num_arrivals=2),  # K/V slot free
+    ]
+
+
+def dkv_scratch(pr: Problem) -> list[Any]:
+    """The dK/dV kernel's shared memory (:mod:`._smem`): per consumer K (then dK out) and V
+    (then dV out); the Q, dO, logsumexp and Δ rings; under GQA the float32 outputs; then its
+    barriers."""
+    rows = sm.Buffer((2, pr.bk, pr.d), pr.dtype)
+    ring = sm.Buffer((pr.stages, pr.bq, pr.d), pr.dtype)
+    vectors = sm.Buffer((pr.stages, pr.bq), jnp.float32, tiled=False)
+    buffers: tuple[Any, ...] = (rows, rows, ring, ring, vectors, vectors)
+    if _dkv_out_dtype(pr) != pr.dtype:
+        buffers = (*buffers, sm.Buffer((2, pr.bk, pr.d), jnp.float32, tiled=False))
+    return [
+        buffers,
+        sm.Barriers(2),  # K landed
+        sm.Barriers(2),  # V landed
+        sm.Barriers(pr.stages),  # Q landed
+        sm.Barriers(pr.stages),  # dO landed
+        sm.Barriers(pr.stages),  # lse landed
+        sm.Barriers(pr.stages),  # delta landed
+        sm.Barriers(pr.stages, num_arrivals=2),  # ring slot free
+    ]
+
+
+def bwd_smem(pr: Problem) -> int:
+    """Bytes of shared memory the larger of the two backward kernels of ``pr`` allocates."""
+    return max(sm.nbytes(dq_scratch(pr)), sm.nbytes(dkv_scratch(pr)))
+
+
+def _dkv_out_dtype(pr: Problem) -> Any:
+    """dK/dV per query head: summed over a GQA group afterwards, in float32."""
+    return pr.dtype if pr.group == 1 else jnp.float32
 
 
 def dq_call(q, k, v, do, lse, delta, pr: Problem) -> jax.Array:
     """dQ [B, Sq, Hq, D]: consumers own query rows and stream K/V."""
-    plgpu = _compat.plgpu()
-    scratch = [
-        (
-            mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q, then dQ out
-            mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # dO
-            mg.smem(pr, (2, pr.bq), jnp.float32, tiled=False),  # lse
-            mg.smem(pr, (2, pr.bq), jnp.float32, tiled=False),  # delta
-            mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
-            mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
-        ),
-        plgpu.Barrier(num_barriers=2),  # Q, dO, lse, delta landed (one barrier each)
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=pr.stages),  # K landed
-        plgpu.Barrier(num_barriers=pr.stages),  # V landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # K/V slot free
-    ]
     return mg.launch(
         pr,
         functools.partial(_bwd_dq_kernel, pr=pr),
         out=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch=scratch,
+        scratch=sm.build(pr, dq_scratch(pr)),
         grid=mg.head_grid(pr, "q_tiles", pr.sq // (2 * pr.bq)),
         name="ejkernel_flash_attention_bwd_dq",
     )(q, k, v, do, lse, delta)
@@ -123,33 +156,13 @@ def _bwd_dq_kernel(*refs, pr: Problem):
 
 def dkv_call(q, k, v, do, lse, delta, pr: Problem) -> tuple[jax.Array, jax.Array]:
     """dK, dV per query head [B, Sk, Hq, D] (float32 when summed over a GQA group after)."""
-    plgpu = _compat.plgpu()
-    out_dtype = pr.dtype if pr.group == 1 else jnp.float32
-    scratch = [
-        (
-            mg.smem(pr, (2, pr.bk, pr.d), pr.dtype),  # K, then dK out
-            mg.smem(pr, (2, pr.bk, pr.d), pr.dtype),  # V, then dV out
-            mg.smem(pr, (pr.stages, pr.bq, pr.d), pr.dtype),  # Q ring
-            mg.smem(pr, (pr.stages, pr.bq, pr.d), pr.dtype),  # dO ring
-            mg.smem(pr, (pr.stages, pr.bq), jnp.float32, tiled=False),  # lse ring
-            mg.smem(pr, (pr.stages, pr.bq), jnp.float32, tiled=False),  # delta ring
-        ),
-        plgpu.Barrier(num_barriers=2),  # K landed
-        plgpu.Barrier(num_barriers=2),  # V landed
-        plgpu.Barrier(num_barriers=pr.stages),  # Q landed
-        plgpu.Barrier(num_barriers=pr.stages),  # dO landed
-        plgpu.Barrier(num_barriers=pr.stages),  # lse landed
-        plgpu.Barrier(num_barriers=pr.stages),  # delta landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),  # ring slot free
-    ]
-    if out_dtype != pr.dtype:
-        scratch[0] = (*scratch[0], mg.smem(pr, (2, pr.bk, pr.d), jnp.float32, tiled=False))
+    out_dtype = _dkv_out_dtype(pr)
     shape = (pr.b, pr.sk, pr.hq, pr.d)
     return mg.launch(
         pr,
         functools.partial(_bwd_dkv_kernel, pr=pr, out_dtype=out_dtype),
         out=[jax.ShapeDtypeStruct(shape, out_dtype)] * 2,
-        scratch=scratch,
+        scratch=sm.build(pr, dkv_scratch(pr)),
         grid=mg.head_grid(pr, "kv_tiles", pr.sk // (2 * pr.bk)),
         name="ejkernel_flash_attention_bwd_dkv",
     )(q, k, v, do, lse, delta)

@@ -19,9 +19,10 @@ from jax import lax
 from ejkernel_pallas import _compat
 from ejkernel_pallas.gpu import _mosaic as mg
 from ejkernel_pallas.gpu import _problem as pb
+from ejkernel_pallas.gpu import _smem as sm
 from ejkernel_pallas.gpu._problem import Problem
 
-__all__ = ["fwd_call"]
+__all__ = ["fwd_call", "fwd_scratch", "fwd_smem", "persistent"]
 
 
 #: The causal forward launches its query tiles longest first: the grid runs heads fastest, so
@@ -40,16 +41,39 @@ def _q_tile(pr: Problem) -> Any:
     return i
 
 
-def _fwd_barriers(pr: Problem) -> list[Any]:
-    """K landed, V landed, Q landed (per consumer), K slot free, V slot free."""
-    plgpu = _compat.plgpu()
+def fwd_scratch(pr: Problem) -> list[Any]:
+    """The forward's shared memory (:mod:`._smem`): its buffers (Q and O, shared or separate
+    for the persistent kernel; the K and V ring of ``stages`` slots of ``bk`` rows; the
+    logsumexp rows per consumer), then its barriers: K landed, V landed, Q landed (per
+    consumer), K slot free, V slot free."""
+    q = sm.Buffer((2, pr.bq, pr.d), pr.dtype)  # per consumer
+    ring = sm.Buffer((pr.stages, pr.bk, pr.d), pr.dtype)
+    lse = sm.Buffer((2, pr.bq), jnp.float32, tiled=False)
+    buffers = (q, q, ring, ring, lse) if persistent(pr) else (q, ring, ring, lse)
     return [
-        plgpu.Barrier(num_barriers=pr.stages),
-        plgpu.Barrier(num_barriers=pr.stages),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=pr.stages),
+        buffers,
+        sm.Barriers(pr.stages),
+        sm.Barriers(pr.stages),
+        sm.Barriers(2),
+        sm.Barriers(pr.stages, num_arrivals=2),
+        sm.Barriers(pr.stages, num_arrivals=2),
     ]
+
+
+def fwd_smem(pr: Problem) -> int:
+    """Bytes of shared memory the forward kernel of ``pr`` allocates."""
+    return sm.nbytes(fwd_scratch(pr))
+
+
+def persistent(pr: Problem) -> bool:
+    """Whether the forward of ``pr`` runs the persistent kernel: non-causal, no tail, a head
+    dim of :data:`PERSISTENT_FORWARD_HEAD_DIMS` and more tiles than SMs."""
+    return (
+        pr.d in PERSISTENT_FORWARD_HEAD_DIMS
+        and not pr.causal
+        and not pr.tail
+        and pr.fwd_tiles > _sm_count(pr)
+    )
 
 
 def _fwd_step(
@@ -123,41 +147,24 @@ def _fwd_step(
 
 def fwd_call(q: jax.Array, k: jax.Array, v: jax.Array, pr: Problem) -> tuple[jax.Array, jax.Array]:
     """out [B, Sq, Hq, D] and the base-2 logsumexp [B, Hq, Sq] (float32)."""
-    persistent = pr.d in PERSISTENT_FORWARD_HEAD_DIMS and not pr.causal and not pr.tail
-    if persistent and pr.fwd_tiles > _sm_count(pr):
+    if persistent(pr):
         return _fwd_persistent_call(q, k, v, pr)
-    smem = (
-        mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q in, O out, per consumer
-        *_kv_ring_and_lse(pr),
-    )
     return _fwd_launch(
         pr,
         functools.partial(_flash_attention_fwd_kernel, pr=pr),
-        smem,
         grid=mg.head_grid(pr, "q_tiles", pr.sq // (2 * pr.bq)),
         name="ejkernel_flash_attention_fwd",
     )(q, k, v)
 
 
-def _kv_ring_and_lse(pr: Problem) -> tuple[Any, ...]:
-    """The K and V ring (``stages`` slots of ``bk`` rows) and the logsumexp rows per consumer."""
-    return (
-        mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
-        mg.smem(pr, (pr.stages, pr.bk, pr.d), pr.dtype),
-        mg.smem(pr, (2, pr.bq), jnp.float32, tiled=False),
-    )
-
-
-def _fwd_launch(
-    pr: Problem, body: Any, smem: tuple[Any, ...], *, grid: dict[str, int], name: str
-) -> Any:
-    """A forward kernel of ``(q, k, v) -> (out, lse)`` with scratch ``smem`` and the barriers of
-    :func:`_fwd_barriers`."""
+def _fwd_launch(pr: Problem, body: Any, *, grid: dict[str, int], name: str) -> Any:
+    """A forward kernel of ``(q, k, v) -> (out, lse)`` with the scratch of :func:`fwd_scratch`
+    (Q in and O out share a buffer per consumer, except in the persistent kernel)."""
     out = [
         jax.ShapeDtypeStruct((pr.b, pr.sq, pr.hq, pr.d), pr.dtype),
         jax.ShapeDtypeStruct((pr.b, pr.hq, pr.sq), jnp.float32),
     ]
-    scratch = [smem, *_fwd_barriers(pr)]
+    scratch = sm.build(pr, fwd_scratch(pr))
     return mg.launch(pr, body, out=out, scratch=scratch, grid=grid, name=name)
 
 
@@ -290,15 +297,9 @@ def _fwd_persistent_call(
     consumer loads its next Q before writing its output (separate Q and O buffers)."""
     tiles = pr.fwd_tiles
     ctas = min(_sm_count(pr), tiles)
-    smem = (
-        mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # Q, per consumer
-        mg.smem(pr, (2, pr.bq, pr.d), pr.dtype),  # O, per consumer
-        *_kv_ring_and_lse(pr),
-    )
     return _fwd_launch(
         pr,
         functools.partial(_fwd_persistent_kernel, pr=pr, tiles=tiles, ctas=ctas),
-        smem,
         grid={"cta": ctas},
         name="ejkernel_flash_attention_fwd_persistent",
     )(q, k, v)

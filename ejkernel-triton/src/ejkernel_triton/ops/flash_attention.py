@@ -505,7 +505,9 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
 
         def launch(kernel, rows, params, step, own, out_shape, grid, **extra):
             """One of the two kernels: ``rows`` (out or delta) after the shared arrays;
-            ``step`` rows of the other sequence a loop step, ``own`` of the program's."""
+            ``step`` rows of the other sequence a loop step, ``own`` of the program's (dK/dV
+            streams each step's logsumexp and delta too)."""
+            vectors = 2 if kernel is flash_attention_bwd_dkdv_kernel else 0
             return _launch.launch(
                 kernel,
                 *args(rows),
@@ -514,7 +516,9 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
                 num_warps=params.num_warps or 4,
                 num_stages=fit_stages(
                     params.num_stages or 2,
-                    lambda n: bwd_smem(step, own, n, d_pow2, dv_pow2, q.dtype.itemsize),
+                    lambda n: bwd_smem(
+                        step, own, n, d_pow2, dv_pow2, q.dtype.itemsize, step_vectors=vectors
+                    ),
                     step * own,
                     bias,
                     mask,

@@ -23,8 +23,8 @@ import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel.ops import BwdParams, FwdParams
-from ejkernel_triton import _launch, _tuned
+from ejkernel.ops import BwdParams, FwdParams, prune_by_shared_memory
+from ejkernel_triton import _launch, _smem, _tuned
 
 __all__ = [
     "BWD_VARIANTS",
@@ -35,6 +35,8 @@ __all__ = [
     "config_space",
     "fwd_problem",
     "heuristic",
+    "kernel_smem",
+    "smem_need",
     "supports",
 ]
 
@@ -370,20 +372,17 @@ def _matches(entry: dict[str, Any], call: Call) -> bool:
 
 def config_space(inv: Any) -> list[FlashAttentionConfig]:
     """The heuristic; the usual forward's and backward's blocks that ranked near the top of a
-    sweep (benchmarks/triton_tune.py), minus those over the device's shared memory; and every
-    other variant that can serve the call, in the table's tiles. Kept small (about a dozen
-    candidates) so a cold start tunes in well under a minute."""
+    sweep (benchmarks/triton_tune.py); and every other variant that can serve the call, in the
+    table's tiles; minus those whose kernels need more shared memory than the device grants
+    (:func:`smem_need`; the heuristic's stays). Kept small (about a dozen candidates) so a cold
+    start tunes in well under a minute."""
     base = heuristic(inv)
     call = Call.of(inv.kwargs)
     if call.interpreting or call.dtype == jnp.float32:
         return [base]
-    d, dv = pow2(call.head_dim), pow2(call.head_dim_v)
-    size = call.dtype.itemsize
-    limit = _shared_memory_limit()
 
-    def tiles(field: str, params: Any, blocks: Any, smem: Any, **fixed: Any) -> list[Any]:
-        """``base`` with ``field`` set to each of ``blocks`` whose ``smem(bq, bk, stages)``
-        fits (and the ``fixed`` fields)."""
+    def tiles(field: str, params: Any, blocks: Any, **fixed: Any) -> list[Any]:
+        """``base`` with ``field`` set to each of ``blocks`` (and the ``fixed`` fields)."""
         return [
             attrs.evolve(
                 base,
@@ -391,7 +390,6 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
                 **fixed,
             )
             for bq, bk, w, s in blocks
-            if smem(bq, bk, s) <= limit
         ]
 
     usual = _config(call, ("usual",), ("usual",))
@@ -400,7 +398,6 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
         "fwd_params",
         FwdParams,
         _FWD_BLOCKS,
-        lambda bq, bk, s: fwd_smem(bq, bk, s, d, dv, size),
         fwd_variant="usual",
         fwd_head_group=usual.fwd_head_group,
     )
@@ -415,14 +412,70 @@ def config_space(inv: Any) -> list[FlashAttentionConfig]:
         if variant != base.bwd_variant and not bwd_problem(variant, call):
             configs.append(with_pass("bwd", _config(call, (base.fwd_variant,), (variant,))))
     if base.bwd_variant == "usual":
-        configs += tiles(
-            "bwd_params", BwdParams, _BWD_BLOCKS, lambda bq, bk, s: bwd_smem(bq, bk, s, d, dv, size)
-        )
+        configs += tiles("bwd_params", BwdParams, _BWD_BLOCKS)
     if base.bwd_variant in ("usual", "gluon_dkdv"):  # the dQ kernel steps over keys
-        configs += tiles(
-            "dq_params", FwdParams, _DQ_BLOCKS, lambda bq, bk, s: bwd_smem(bk, bq, s, d, dv, size)
+        configs += tiles("dq_params", FwdParams, _DQ_BLOCKS)
+    return prune_by_shared_memory(
+        list(dict.fromkeys(configs)),
+        functools.partial(smem_need, inv.kwargs, grad=getattr(inv, "grad", True), beside=base),
+        keep=(base,),
+        what="flash_attention (triton)",
+    )
+
+
+def smem_need(kw: Any, cfg: FlashAttentionConfig, *, grad: bool = True, beside: Any = None) -> int:
+    """Bytes of shared memory the largest of ``cfg``'s usual kernels asks for on the call
+    ``kw`` (:func:`kernel_smem`), leaving out each kernel that asks for what it asks for in the
+    config ``beside`` (the heuristic's: a candidate is judged by what it changes; the launch
+    fits the heuristic's own stages to the device)."""
+    needs = kernel_smem(kw, cfg, grad=grad)
+    if beside is not None:
+        theirs = kernel_smem(kw, beside, grad=grad)
+        needs = {k: n for k, n in needs.items() if n != theirs.get(k)}
+    return max(needs.values(), default=0)
+
+
+def kernel_smem(kw: Any, cfg: FlashAttentionConfig, *, grad: bool = True) -> dict[str, int]:
+    """Bytes of shared memory each usual kernel of ``cfg`` asks for on the call ``kw``: the
+    forward (``"fwd"``), and with ``grad`` the ``"dq"`` and ``"dkdv"`` kernels (a
+    differentiated call is tuned on both passes), at the blocks, head dims and stages the
+    launch runs them (:func:`fwd_smem`, :func:`bwd_smem`). The specialized kernels run in
+    fixed tiles that fit the Hopper GPUs they serve (``tests/triton/test_codegen.py``) and are
+    left out. A bias or mask adds its score tile to every stage after the first, as
+    :func:`fit_stages` counts it."""
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    sq, sk = q.shape[1], k.shape[1]
+    d, dv, size = pow2(q.shape[-1]), pow2(v.shape[-1]), jnp.dtype(q.dtype).itemsize
+    bias, mask = kw.get("bias"), kw.get("attention_mask")
+    per_score = (0 if bias is None else jnp.dtype(bias.dtype).itemsize) + (mask is not None)
+
+    def scores(rows: int, cols: int, stages: int) -> int:
+        return (stages - 1) * rows * cols * per_score
+
+    needs: dict[str, int] = {}
+    if cfg.fwd_variant == "usual":
+        p = cfg.fwd_params
+        bq, bk = clamp(p.q_blocksize or 128, sq), clamp(p.kv_blocksize or 64, sk)
+        stages = p.num_stages or 2
+        needs["fwd"] = fwd_smem(bq, bk, stages, d, dv, size) + scores(bq, bk, stages)
+    if grad and cfg.bwd_variant in ("usual", "gluon_dkdv"):
+        b = cfg.bwd_params
+        dq = cfg.dq_params or FwdParams(
+            q_blocksize=b.kv_blocksize,
+            kv_blocksize=b.q_blocksize,
+            num_warps=b.num_warps,
+            num_stages=b.num_stages,
         )
-    return list(dict.fromkeys(configs))
+        qb, kb = clamp(dq.q_blocksize or 128, sq), clamp(dq.kv_blocksize or 32, sk)
+        stages = dq.num_stages or 2
+        needs["dq"] = bwd_smem(kb, qb, stages, d, dv, size) + scores(qb, kb, stages)
+    if grad and cfg.bwd_variant == "usual":
+        b = cfg.bwd_params
+        bq, bk = clamp(b.q_blocksize or 32, sq), clamp(b.kv_blocksize or 128, sk)
+        stages = b.num_stages or 2
+        tiles = bwd_smem(bq, bk, stages, d, dv, size, step_vectors=2)
+        needs["dkdv"] = tiles + scores(bq, bk, stages)
+    return needs
 
 
 #: The fields of a config that each pass's variant brings along.
@@ -440,11 +493,21 @@ _DQ_BLOCKS = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3))
 
 
 def fwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
+    """Shared memory of the usual forward (:mod:`ejkernel_triton._smem`): its ``bq`` query
+    rows once, then ``stages`` buffers of ``bk`` key and value rows. What Triton allocates for
+    sm_90, to the byte, at the config space's blocks."""
     return (bq * d + stages * bk * (d + dv)) * size
 
 
-def bwd_smem(bq: int, bk: int, stages: int, d: int, dv: int, size: int) -> int:
-    return (bk * (d + dv) + stages * bq * (d + dv)) * size + bq * bk * 4
+def bwd_smem(
+    step: int, own: int, stages: int, d: int, dv: int, size: int, *, step_vectors: int = 0
+) -> int:
+    """Shared memory of a usual backward kernel (:mod:`ejkernel_triton._smem`): its ``own``
+    rows of two operands once (dQ: Q and dO; dK/dV: K and V), ``stages`` buffers of ``step``
+    rows of the other two, and of ``step_vectors`` float32 values a streamed row (dK/dV: 2,
+    the logsumexp and Δ). What Triton allocates for sm_90, or at most 512 bytes more, at the
+    config space's blocks."""
+    return (own + stages * step) * (d + dv) * size + stages * step * 4 * step_vectors
 
 
 def fit_stages(stages: int, smem_of: Any, tile: int, bias: jax.Array, mask: jax.Array) -> int:
@@ -452,24 +515,10 @@ def fit_stages(stages: int, smem_of: Any, tile: int, bias: jax.Array, mask: jax.
     for the q/k/v tiles plus, per extra stage, the bias and mask tiles of ``tile`` scores (an
     upper estimate, checked against the compiler's figure by tests/triton/test_codegen.py)."""
     extra = tile * (bias.dtype.itemsize if bias.ndim == 4 else 0) + tile * (mask.ndim == 4)
-    while stages > 1 and smem_of(stages) + (stages - 1) * extra > _shared_memory_limit():
+    limit = _smem.launch_limit()
+    while stages > 1 and smem_of(stages) + (stages - 1) * extra > limit:
         stages -= 1
     return stages
-
-
-#: Shared memory per block (opt-in maximum) by compute capability; unknown GPUs get the least.
-_SHARED_MEMORY = {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448, (10, 0): 232448}
-_SHARED_MEMORY_DEFAULT = 101376  # sm_86, sm_89, sm_120
-
-
-@functools.cache
-def _shared_memory_limit() -> int:
-    """From the device's compute capability (asking Triton's driver would import PyTorch,
-    seconds of every process's start where it is installed)."""
-    cc = _compute_capability()
-    if cc == (0, 0):  # not a CUDA device (the interpreter): assume Hopper's 227 KiB
-        return _SHARED_MEMORY[9, 0]
-    return _SHARED_MEMORY.get(cc, _SHARED_MEMORY_DEFAULT)
 
 
 @functools.cache
