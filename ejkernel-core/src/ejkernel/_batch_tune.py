@@ -68,6 +68,8 @@ class _Job:
     op: str
     targets: list[_Target] = attrs.field(factory=list)
     choice: tuple[str, dict[str, Any]] | None = None
+    #: Inputs its targets share (made by the first one timed, dropped once all are timed).
+    inputs: dict[str, Any] = attrs.field(factory=dict)
 
 
 # -- preparing targets ----------------------------------------------------------------------
@@ -142,10 +144,17 @@ def _op_targets(
                 return f, (arrays,)
             return _fwd_bwd(f), (arrays, jax.eval_shape(f, arrays))
 
-        def inputs(shapes: tuple[Any, ...]) -> tuple[Any, ...]:
-            concrete = on_device(spec.make_synthetic(abstract))
-            feed = {k: concrete[k] for k in arrays}
-            return (feed,) if not grad else (feed, _cotangent(shapes[1]))
+        def inputs(
+            shapes: tuple[Any, ...], made: dict[str, Any] = result.inputs
+        ) -> tuple[Any, ...]:
+            if "feed" not in made:  # every platform of the call times on the same inputs
+                concrete = on_device(spec.make_synthetic(abstract))
+                made["feed"] = {k: concrete[k] for k in arrays}
+            if not grad:
+                return (made["feed"],)
+            if "cotangent" not in made:
+                made["cotangent"] = _cotangent(shapes[1])
+            return made["feed"], made["cotangent"]
 
         result.targets.append(
             _Target(
@@ -475,7 +484,8 @@ def autotune_recorded(
     choices: list[PlatformChoice] = []
     bar = _bar(n_ok, "timing", show)
     try:
-        for job in jobs:
+        for n, job in enumerate(jobs, 1):
+            job_start = time.perf_counter()
             per_platform: dict[str, float] = {}
             for t in job.targets:
                 count = len(t.compiled)
@@ -502,6 +512,15 @@ def autotune_recorded(
                             document=t.document,
                         )
                     )
+            job.inputs.clear()
+            progress_logger.info(
+                "autotune_recorded: %d/%d %s timed in %.1f s: %s",
+                n,
+                len(jobs),
+                job.op,
+                time.perf_counter() - job_start,
+                ", ".join(f"{p} {ms:.3f} ms" for p, ms in per_platform.items()) or "no result",
+            )
             if job.choice is not None and per_platform:
                 choices.append(
                     PlatformChoice(

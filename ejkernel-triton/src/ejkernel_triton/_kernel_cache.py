@@ -48,6 +48,8 @@ __all__ = ["GLOBAL_SCRATCH_BYTES", "cache_folder", "compile_directly", "install"
 
 _installed = False
 _install_lock = threading.Lock()
+#: Held by :func:`_compile_direct` while Triton's cache folder knob points at its scratch folder.
+_direct_lock = threading.Lock()
 _captured = threading.local()
 _warned_unwritable = False
 _memory: dict[str, Any] = {}
@@ -214,8 +216,10 @@ def _compile_direct(
         fn, signature, constexprs=constexprs, attrs={k: v for k, v in attrs.items() if v}
     )
     # jax-triton switches Triton's own cache off (TRITON_CACHE_DIR=""), and triton.compile
-    # needs one: a throwaway folder (the PTX goes to this module's cache below)
+    # needs one: a throwaway folder (the PTX goes to this module's cache below). The folder is
+    # a process-wide knob, so direct compiles take turns (batch tuning compiles in threads).
     with (
+        _direct_lock,
         tempfile.TemporaryDirectory(prefix="ejkernel-direct-") as scratch,
         triton.knobs.cache.scope(),
     ):
