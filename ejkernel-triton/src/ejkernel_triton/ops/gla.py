@@ -1,0 +1,253 @@
+"""gla in Triton: chunked gated linear attention (Yang et al., 2024, Sec. 4), forward and
+backward through the executor's custom VJP.
+
+Per chunk of ``C`` tokens (:class:`~ejkernel_triton.ops.gla_config.GlaConfig`), with ``G`` the
+float32 cumulative log gate from the chunk start and ``h`` the float32 state at the chunk start:
+``o = scale · (q ⊙ exp(G)) h + A v`` with the intra-chunk matrix
+``A[i, j] = scale · Σ_k q_ik k_jk exp(G_ik − G_jk)`` (j ≤ i), and
+``h ← h · exp(G_last) + (k ⊙ exp(G_last − G))ᵀ v`` across chunks. The layout (padding to whole
+chunks; packed sequences chunk-aligned, so ``cu_seqlens`` may be traced and the state restarts
+at each sequence) is :mod:`ejkernel_triton.ops.gla_layout`; the kernels are
+:mod:`ejkernel_triton.kernels.gla_fwd` and :mod:`ejkernel_triton.kernels.gla_bwd`.
+
+Forward (3 kernels): chunk-start states and final states; ``A``; the output. The custom-VJP
+forward keeps the chunk-start states and ``A`` for the backward.
+
+Backward (5 kernels): ``dh``, the gradient of each chunk's end state, walked from the last chunk
+(starting from the final state's cotangent; what reaches a sequence's start is the initial
+state's gradient); ``dA = scale · do vᵀ`` (lower triangle); ``dv = Aᵀ do + (k ⊙ exp(G_last −
+G)) dh``; the intra-chunk ``dq``, ``dk`` from ``dA`` (sub-chunk split as in the forward's ``A``);
+the inter-chunk ``dq = scale · exp(G) ⊙ do hᵀ`` and ``dk = exp(G_last − G) ⊙ v dhᵀ`` added, and
+``q ⊙ dq − k ⊙ dk`` per token. With ``Γ`` the cumulative log gate of the whole sequence, every
+output depends on the gates only through ``q ⊙ exp(Γ)``, ``k ⊙ exp(−Γ)`` and the final state's
+``exp(Γ_last)``, so ``∂/∂Γ_t = q_t ⊙ dq_t − k_t ⊙ dk_t`` (plus ``Σ_v h_T ⊙ dh_T`` at the last
+token) and the gate gradient is its reverse cumulative sum within each sequence (in JAX).
+
+Every OPS.md argument of gla is served (``softmax_scale``, ``initial_state`` with its gradient,
+``return_state``, ``cu_seqlens`` with empty and length-1 sequences, any S). :func:`supports`
+declines dtypes other than bf16/f16/f32, mixed q/k/v dtypes and K or V over 256. Gates are
+log decays: where a chunk's gates grow (g > 0) the exps are of positive sums, as in the
+recurrence itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.plugins import defvjp
+from ejkernel_triton import _launch
+from ejkernel_triton.ops.gla_config import (
+    SUB_CHUNK,
+    GlaConfig,
+    config_space,
+    heuristic,
+    supports,
+)
+from ejkernel_triton.ops.gla_layout import Layout
+
+__all__ = ["GlaConfig", "config_space", "gla_triton", "heuristic", "supports"]
+
+
+# -- the op ---------------------------------------------------------------------------------
+
+
+def gla_triton(*, cfg: GlaConfig | None = None, **args: Any) -> Any:
+    """Gated linear attention through the Triton kernels.
+
+    Args:
+        **args: the arguments of :func:`ejkernel.specs.gla.gla`, by name, as the core spec
+            validated them.
+        cfg: chunk size, blocks, warps and stages; ``None`` takes the heuristic's.
+
+    Returns:
+        ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
+        when ``return_state``.
+    """
+    return _gla_fwd(cfg=cfg, **args)[0]
+
+
+def _gla_fwd(*, cfg: GlaConfig | None = None, **args: Any) -> tuple[Any, dict[str, Any]]:
+    """Forward: ``(out or (out, final_state), residuals)``."""
+    st = _Statics.of(args, cfg)
+    arrays = {n: args.get(n) for n in _ARRAY_NAMES}
+    out, final, res = _forward(arrays, st)
+    return ((out, final) if st.return_state else out), res
+
+
+def _gla_bwd(
+    residuals: dict[str, Any], d_out: Any, *, cfg: GlaConfig | None = None, **statics: Any
+) -> dict[str, jax.Array | None]:
+    """Backward: gradients of query, key, value, g and initial_state."""
+    lay: Layout = residuals["layout"]
+    st = _Statics.of({**statics, "query": residuals["q"], "value": residuals["v"]}, cfg)
+    st = attrs.evolve(st, chunk=lay.chunk)
+    d_o, d_final = d_out if st.return_state else (d_out, None)
+    return _backward(residuals, d_o, d_final, st)
+
+
+defvjp(gla_triton, _gla_fwd, _gla_bwd)
+
+_ARRAY_NAMES = ("query", "key", "value", "g", "initial_state", "cu_seqlens")
+
+
+@attrs.frozen
+class _Statics:
+    """The call's static facts and the config, resolved for the launches."""
+
+    scale: float
+    return_state: bool
+    chunk: int
+    block_k: int
+    block_v: int
+    num_warps: int
+    num_stages: int
+    precision: str
+
+    @classmethod
+    def of(cls, args: dict[str, Any], cfg: GlaConfig | None) -> _Statics:
+        q, v = args["query"], args["value"]
+        if cfg is None:
+            cfg = heuristic(_Inv(args))
+        dk, dv = q.shape[-1], v.shape[-1]
+        scale = args.get("softmax_scale")
+        bk, bv = cfg.blocks(dk, dv)
+        return cls(
+            scale=float(dk**-0.5 if scale is None else scale),
+            return_state=bool(args.get("return_state")),
+            chunk=cfg.chunk_size,
+            block_k=bk,
+            block_v=bv,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            precision="ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32",
+        )
+
+
+@attrs.frozen
+class _Inv:
+    kwargs: dict[str, Any]
+
+
+# -- forward --------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+    from ejkernel_triton.kernels.gla_fwd import (
+        gla_fwd_a_kernel,
+        gla_fwd_h_kernel,
+        gla_fwd_o_kernel,
+    )
+
+    query, value, init = a["query"], a["value"], a["initial_state"]
+    b, s, h, dk = query.shape
+    dv = value.shape[-1]
+    lay = Layout.of(s, st.chunk, a["cu_seqlens"])
+    q, k, v = (lay.to_chunks(a[n]) for n in ("query", "key", "value"))
+    g = _chunk_cumsum(lay.to_chunks(a["g"].astype(jnp.float32)), st.chunk)
+    init_rows = lay.state_rows(init, (b, h, dk, dv))
+    nt, c = lay.num_chunks, st.chunk
+    t = nt * c
+    common = {"num_warps": st.num_warps, "num_stages": st.num_stages}
+    prec = {"DOT_PRECISION": st.precision}
+    hs, final_rows = _launch.launch(
+        gla_fwd_h_kernel,
+        k,
+        v,
+        g,
+        init_rows,
+        lay.flags,
+        nt,
+        h,
+        lay.rows,
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, nt, dk, dv), query.dtype),
+            jax.ShapeDtypeStruct(init_rows.shape, jnp.float32),
+        ],
+        grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
+        K=dk,
+        V=dv,
+        C=c,
+        BK=st.block_k,
+        BV=st.block_v,
+        **common,
+        **prec,
+    )
+    (amat,) = _launch.launch(
+        gla_fwd_a_kernel,
+        q,
+        k,
+        g,
+        np.float32(st.scale),
+        nt,
+        h,
+        out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
+        grid=(nt * (c // SUB_CHUNK), b * h),
+        K=dk,
+        C=c,
+        BC=SUB_CHUNK,
+        BK=st.block_k,
+        **common,
+        **prec,
+    )
+    (o,) = _launch.launch(
+        gla_fwd_o_kernel,
+        q,
+        v,
+        g,
+        hs,
+        amat,
+        np.float32(st.scale),
+        nt,
+        h,
+        out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), query.dtype)],
+        grid=(_cdiv(dv, st.block_v), nt, b * h),
+        K=dk,
+        V=dv,
+        C=c,
+        BK=st.block_k,
+        BV=st.block_v,
+        **common,
+        **prec,
+    )
+    out = lay.from_chunks(o)
+    empty = init_rows[: final_rows.shape[0] - (1 if lay.packed else 0)]
+    final = lay.op_states(final_rows, empty)
+    res = {
+        "layout": lay,
+        "q": q,
+        "k": k,
+        "v": v,
+        "g": g,
+        "h": hs,
+        "a": amat,
+        "final_rows": final_rows,
+    }
+    if init is not None:  # the key's presence says the initial state has a gradient
+        res["init_rows"] = init_rows
+    return out, final, res
+
+
+def _chunk_cumsum(g: jax.Array, c: int) -> jax.Array:
+    """Float32 cumulative sum of ``g [B, T, H, K]`` within each chunk of ``c`` tokens."""
+    b, t, h, dk = g.shape
+    return jnp.cumsum(g.reshape(b, t // c, c, h, dk), axis=2).reshape(b, t, h, dk)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- backward -------------------------------------------------------------------------------
+
+
+def _backward(
+    res: dict[str, Any], d_o: jax.Array, d_final: jax.Array | None, st: _Statics
+) -> dict[str, jax.Array | None]:
+    raise NotImplementedError
