@@ -229,8 +229,10 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dic
         "a": amat,
         "final_rows": final_rows,
     }
+    res["dtypes"] = {"g": jnp.zeros((0,), a["g"].dtype)}  # the gradients' dtypes
     if init is not None:  # the key's presence says the initial state has a gradient
         res["init_rows"] = init_rows
+        res["dtypes"]["initial_state"] = jnp.zeros((0,), init.dtype)
     return out, final, res
 
 
@@ -247,7 +249,169 @@ def _cdiv(a: int, b: int) -> int:
 # -- backward -------------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnames=("st",))
 def _backward(
     res: dict[str, Any], d_o: jax.Array, d_final: jax.Array | None, st: _Statics
 ) -> dict[str, jax.Array | None]:
-    raise NotImplementedError
+    from ejkernel_triton.kernels.gla_bwd import (
+        gla_bwd_da_kernel,
+        gla_bwd_dh_kernel,
+        gla_bwd_dqk_kernel,
+        gla_bwd_dv_kernel,
+        gla_bwd_intra_kernel,
+    )
+
+    lay: Layout = res["layout"]
+    q, k, v, g = res["q"], res["k"], res["v"], res["g"]
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    nt, c = lay.num_chunks, lay.chunk
+    do = lay.to_chunks(d_o.astype(q.dtype))
+    dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
+    common = {"num_warps": st.num_warps, "num_stages": st.num_stages}
+    prec = {"DOT_PRECISION": st.precision}
+    scale = np.float32(st.scale)
+    tokens = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
+    dh, dinit_rows = _launch.launch(
+        gla_bwd_dh_kernel,
+        q,
+        g,
+        do,
+        dfinal_rows,
+        lay.flags,
+        scale,
+        nt,
+        h,
+        lay.rows,
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
+            jax.ShapeDtypeStruct(dfinal_rows.shape, jnp.float32),
+        ],
+        grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
+        K=dk,
+        V=dv,
+        C=c,
+        BK=st.block_k,
+        BV=st.block_v,
+        **common,
+        **prec,
+    )
+    (da,) = _launch.launch(
+        gla_bwd_da_kernel,
+        v,
+        do,
+        scale,
+        nt,
+        h,
+        out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
+        grid=(nt, b * h),
+        V=dv,
+        C=c,
+        BV=st.block_v,
+        **common,
+        **prec,
+    )
+    (d_v,) = _launch.launch(
+        gla_bwd_dv_kernel,
+        k,
+        g,
+        res["a"],
+        do,
+        dh,
+        nt,
+        h,
+        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        grid=(_cdiv(dv, st.block_v), nt, b * h),
+        K=dk,
+        V=dv,
+        C=c,
+        BK=st.block_k,
+        BV=st.block_v,
+        **common,
+        **prec,
+    )
+    dq_intra, dk_intra = _launch.launch(
+        gla_bwd_intra_kernel,
+        q,
+        k,
+        g,
+        da,
+        nt,
+        h,
+        out_shape=[tokens, tokens],
+        grid=(_cdiv(dk, st.block_k), nt * (c // SUB_CHUNK), b * h),
+        K=dk,
+        C=c,
+        BC=SUB_CHUNK,
+        BK=st.block_k,
+        **common,
+        **prec,
+    )
+    d_q, d_k, d_gamma = _launch.launch(
+        gla_bwd_dqk_kernel,
+        q,
+        k,
+        v,
+        g,
+        res["h"],
+        dh,
+        do,
+        dq_intra,
+        dk_intra,
+        scale,
+        nt,
+        h,
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            tokens,
+        ],
+        grid=(_cdiv(dk, st.block_k), nt, b * h),
+        K=dk,
+        V=dv,
+        C=c,
+        BK=st.block_k,
+        BV=st.block_v,
+        **common,
+        **prec,
+    )
+    final_term = None
+    if d_final is not None:  # the final state exp(Γ_last) h: Σ_v h_T ⊙ dh_T for every token
+        per_row = jnp.sum(res["final_rows"] * dfinal_rows, axis=-1)  # [B·R, H, K]
+        final_term = per_row.reshape(b, lay.rows, h, dk)[:, lay.sid]
+    d_g = _gate_gradient(d_gamma, lay, final_term)
+    grads: dict[str, jax.Array | None] = {
+        "query": lay.from_chunks(d_q),
+        "key": lay.from_chunks(d_k),
+        "value": lay.from_chunks(d_v),
+        "g": lay.from_chunks(d_g).astype(res["dtypes"]["g"].dtype),
+    }
+    if "init_rows" in res:
+        empty = dfinal_rows[: dinit_rows.shape[0] - (1 if lay.packed else 0)]
+        d_init = lay.op_states(dinit_rows, empty)
+        grads["initial_state"] = d_init.astype(res["dtypes"]["initial_state"].dtype)
+    return grads
+
+
+def _gate_gradient(d_gamma: jax.Array, lay: Layout, final_term: jax.Array | None) -> jax.Array:
+    """The gate gradient: the reverse cumulative sum of ``d_gamma [B, T, H, K]`` within each
+    sequence, plus ``final_term [B, NT, H, K]`` (per chunk: its sequence's) on every token.
+
+    Within chunks a reverse cumsum; across them a suffix sum over chunk totals that restarts at
+    each sequence's last chunk (an associative scan: no sequential loop over chunks)."""
+    b, t, h, dk = d_gamma.shape
+    nt, c = lay.num_chunks, lay.chunk
+    x = d_gamma.reshape(b, nt, c, h, dk)
+    within = jnp.flip(jnp.cumsum(jnp.flip(x, 2), axis=2), 2)
+    totals = within[:, :, 0]
+    later = jnp.concatenate([totals[:, 1:], jnp.zeros_like(totals[:, :1])], axis=1)
+    last = jnp.broadcast_to(lay.last[None, :, None, None], later.shape)
+    start = jnp.zeros_like(later) if final_term is None else final_term
+    u = jnp.where(last, start, later)  # S_n = u_n + (last_n ? 0 : S_{n+1})
+
+    def combine(a: Any, b_: Any) -> Any:
+        (av, af), (bv, bf) = a, b_
+        return jnp.where(bf, bv, av + bv), af | bf
+
+    suffix, _ = jax.lax.associative_scan(combine, (jnp.flip(u, 1), jnp.flip(last, 1)), axis=1)
+    return (within + jnp.flip(suffix, 1)[:, :, None]).reshape(b, t, h, dk)
