@@ -126,19 +126,19 @@ def gla_fwd_a_kernel(
         tl.store(p_a + i_j * BC, tl.zeros([BC, BC], dtype=tl.float32))
     # the diagonal sub-chunk, one key column at a time
     b_a = tl.zeros([BC, BC], dtype=tl.float32)
-    for j in range(0, BC):
-        b_col = tl.zeros([BC], dtype=tl.float32)
-        row_j = row0 + (t_i + j) * H
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < K
-            b_q = tl.load(q_ptr + rows_i[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            b_gq = tl.load(g_ptr + rows_i[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = tl.load(q_ptr + rows_i[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_gq = tl.load(g_ptr + rows_i[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_q = b_q.to(tl.float32)
+        for j in range(0, BC):
+            row_j = row0 + (t_i + j) * H
             b_k = tl.load(k_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_gk = tl.load(g_ptr + row_j * K + o_k, mask=m_k, other=0.0)
             b_d = tl.where(o_r[:, None] >= j, b_gq - b_gk[None, :], float("-inf"))
-            b_col += tl.sum(b_q.to(tl.float32) * b_k[None, :] * tl.exp(b_d), axis=1)
-        b_a = tl.where(o_r[None, :] == j, b_col[:, None], b_a)
+            b_col = tl.sum(b_q * b_k[None, :] * tl.exp(b_d), axis=1)
+            b_a = tl.where(o_r[None, :] == j, b_a + b_col[:, None], b_a)
     tl.store(p_a + i_i * BC, b_a * scale)
 
 
