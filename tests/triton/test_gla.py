@@ -126,6 +126,12 @@ def test_log_decays_down_to_minus_20_per_step_stay_finite_and_right(interpret) -
     check({"query": q, "key": k, "value": v, "g": g}, C32, return_state=True)
 
 
+def test_a_log_gate_of_minus_inf_resets_the_state(interpret) -> None:
+    q, k, v, g = inputs(1, 45, 2, 16, 16)
+    g = g.at[0, 5, :, :].set(-jnp.inf).at[0, 20, 1, :7].set(-jnp.inf)
+    check({"query": q, "key": k, "value": v, "g": g}, C32, return_state=True)
+
+
 def test_packed_sequences_with_empty_and_length_one_sequences(interpret) -> None:
     # sequences of 1, 0, 39, 30 and 1 tokens; tokens 71.. belong to none (zero output)
     q, k, v, g = inputs(1, 75, 2, 16, 32)

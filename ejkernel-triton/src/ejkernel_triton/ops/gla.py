@@ -27,7 +27,9 @@ Every OPS.md argument of gla is served (``softmax_scale``, ``initial_state`` wit
 ``return_state``, ``cu_seqlens`` with empty and length-1 sequences, any S). :func:`supports`
 declines dtypes other than bf16/f16/f32, mixed q/k/v dtypes and K or V over 256. Gates are
 log decays: where a chunk's gates grow (g > 0) the exps are of positive sums, as in the
-recurrence itself.
+recurrence itself. A gate of −inf is a state reset, as in the recurrence (gates are clamped at
+:data:`MIN_LOG_DECAY`, whose exp is already 0 in float32); a NaN stays in its causal future
+in the forward.
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ def _gla_bwd(
 
 defvjp(gla_triton, _gla_fwd, _gla_bwd)
 
+#: Gates are clamped from below here: ``exp(-200)`` is 0 in float32, so the recurrence is the
+#: same (a gate of −inf still zeroes the state: a reset), while cumulative sums stay finite
+#: (with −inf, every later difference inside the chunk would be NaN).
+MIN_LOG_DECAY = -200.0
+
 _ARRAY_NAMES = ("query", "key", "value", "g", "initial_state", "cu_seqlens")
 
 
@@ -150,7 +157,8 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dic
     dv = value.shape[-1]
     lay = Layout.of(s, st.chunk, a["cu_seqlens"])
     q, k, v = (lay.to_chunks(a[n]) for n in ("query", "key", "value"))
-    g = _chunk_cumsum(lay.to_chunks(a["g"].astype(jnp.float32)), st.chunk)
+    gates = jnp.maximum(a["g"].astype(jnp.float32), MIN_LOG_DECAY)  # NaN stays NaN
+    g = _chunk_cumsum(lay.to_chunks(gates), st.chunk)
     init_rows = lay.state_rows(init, (b, h, dk, dv))
     nt, c = lay.num_chunks, st.chunk
     t = nt * c
