@@ -156,6 +156,27 @@ def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
     assert_close(end, final, name="final")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_vmap_and_its_gradient_equal_one_call_per_index(interpret, packed: bool) -> None:
+    q, k, v, g = inputs(2, 37, 2, 16, 16)
+    cu = jnp.array([0, 20, 37], jnp.int32) if packed else None
+    ours = triton_gla(C16)
+
+    def f(q, k, v, g):
+        return ours(q[None], k[None], v[None], g[None], cu_seqlens=cu)[0]
+
+    def loss(fn, *args):
+        return jnp.sum(jnp.sin(fn(*args)))
+
+    mapped = jax.vmap(f)(q, k, v, g)
+    grads = jax.grad(lambda *a: loss(jax.vmap(f), *a), argnums=(0, 3))(q, k, v, g)
+    for i in range(2):
+        assert_close(mapped[i], f(q[i], k[i], v[i], g[i]), name="out")
+        one = jax.grad(lambda *a: loss(f, *a), argnums=(0, 3))(q[i], k[i], v[i], g[i])
+        assert_close(grads[0][i], one[0], name="dq")
+        assert_close(grads[1][i], one[1], name="dg")
+
+
 def test_supports_declines_what_the_kernels_do_not_hold() -> None:
     def call(dk: int, dtype: Any = jnp.float32, vdtype: Any = None) -> Any:
         q = jax.ShapeDtypeStruct((1, 8, 1, dk), dtype)

@@ -44,6 +44,7 @@ import numpy as np
 
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
+from ejkernel_triton._launch import BATCH, OTHER
 from ejkernel_triton.ops.gla_config import (
     SUB_CHUNK,
     GlaConfig,
@@ -146,12 +147,6 @@ class _Inv:
 
 @functools.partial(jax.jit, static_argnames=("st",))
 def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
-    from ejkernel_triton.kernels.gla_fwd import (
-        gla_fwd_a_kernel,
-        gla_fwd_h_kernel,
-        gla_fwd_o_kernel,
-    )
-
     query, value, init = a["query"], a["value"], a["initial_state"]
     b, s, h, dk = query.shape
     dv = value.shape[-1]
@@ -160,70 +155,8 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dic
     gates = jnp.maximum(a["g"].astype(jnp.float32), MIN_LOG_DECAY)  # NaN stays NaN
     g = _chunk_cumsum(lay.to_chunks(gates), st.chunk)
     init_rows = lay.state_rows(init, (b, h, dk, dv))
-    nt, c = lay.num_chunks, st.chunk
-    t = nt * c
-    common = {"num_warps": st.num_warps, "num_stages": st.num_stages}
-    prec = {"DOT_PRECISION": st.precision}
-    hs, final_rows = _launch.launch(
-        gla_fwd_h_kernel,
-        k,
-        v,
-        g,
-        init_rows,
-        lay.flags,
-        nt,
-        h,
-        lay.rows,
-        out_shape=[
-            jax.ShapeDtypeStruct((b, h, nt, dk, dv), query.dtype),
-            jax.ShapeDtypeStruct(init_rows.shape, jnp.float32),
-        ],
-        grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
-        K=dk,
-        V=dv,
-        C=c,
-        BK=st.block_k,
-        BV=st.block_v,
-        **common,
-        **prec,
-    )
-    (amat,) = _launch.launch(
-        gla_fwd_a_kernel,
-        q,
-        k,
-        g,
-        np.float32(st.scale),
-        nt,
-        h,
-        out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
-        grid=(nt * (c // SUB_CHUNK), b * h),
-        K=dk,
-        C=c,
-        BC=SUB_CHUNK,
-        BK=st.block_k,
-        **common,
-        **prec,
-    )
-    (o,) = _launch.launch(
-        gla_fwd_o_kernel,
-        q,
-        v,
-        g,
-        hs,
-        amat,
-        np.float32(st.scale),
-        nt,
-        h,
-        out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), query.dtype)],
-        grid=(_cdiv(dv, st.block_v), nt, b * h),
-        K=dk,
-        V=dv,
-        C=c,
-        BK=st.block_k,
-        BV=st.block_v,
-        **common,
-        **prec,
-    )
+    run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks), _modes(lay, 6))
+    hs, final_rows, amat, o = run(q, k, v, g, init_rows, lay.flags)
     out = lay.from_chunks(o)
     empty = init_rows[: final_rows.shape[0] - (1 if lay.packed else 0)]
     final = lay.op_states(final_rows, empty)
@@ -244,6 +177,99 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dic
     return out, final, res
 
 
+def _forward_kernels(st: _Statics, nt: int) -> Any:
+    """``run(q, k, v, g, init_rows, flags) -> (h, final_rows, A, o)``: the forward's launches
+    on the chunk layout."""
+    from ejkernel_triton.kernels.gla_fwd import (
+        gla_fwd_a_kernel,
+        gla_fwd_h_kernel,
+        gla_fwd_o_kernel,
+    )
+
+    def run(q, k, v, g, init_rows, flags):
+        b, t, h, dk = q.shape
+        dv = v.shape[-1]
+        c = st.chunk
+        common = _common(st)
+        hs, final_rows = _launch.launch(
+            gla_fwd_h_kernel,
+            k,
+            v,
+            g,
+            init_rows,
+            flags,
+            nt,
+            h,
+            init_rows.shape[0] // b,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
+                jax.ShapeDtypeStruct(init_rows.shape, jnp.float32),
+            ],
+            grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        (amat,) = _launch.launch(
+            gla_fwd_a_kernel,
+            q,
+            k,
+            g,
+            np.float32(st.scale),
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
+            grid=(nt * (c // SUB_CHUNK), b * h),
+            K=dk,
+            C=c,
+            BC=SUB_CHUNK,
+            BK=st.block_k,
+            **common,
+        )
+        (o,) = _launch.launch(
+            gla_fwd_o_kernel,
+            q,
+            v,
+            g,
+            hs,
+            amat,
+            np.float32(st.scale),
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype)],
+            grid=(_cdiv(dv, st.block_v), nt, b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        return hs, final_rows, amat, o
+
+    return run
+
+
+def _modes(lay: Layout, arrays: int) -> tuple[str, ...]:
+    """How :func:`~ejkernel_triton._launch.fold_vmap` folds a launch function's arguments
+    (the flags last): dense, a vmapped axis folds into the batch (state rows are one per batch
+    row); packed, the state rows are the sequences', so a vmapped call runs once per index."""
+    if lay.packed:
+        return (OTHER,) * arrays
+    return (BATCH,) * (arrays - 1) + (OTHER,)
+
+
+def _common(st: _Statics) -> dict[str, Any]:
+    return {
+        "num_warps": st.num_warps,
+        "num_stages": st.num_stages,
+        "DOT_PRECISION": st.precision,
+    }
+
+
 def _chunk_cumsum(g: jax.Array, c: int) -> jax.Array:
     """Float32 cumulative sum of ``g [B, T, H, K]`` within each chunk of ``c`` tokens."""
     b, t, h, dk = g.shape
@@ -261,127 +287,15 @@ def _cdiv(a: int, b: int) -> int:
 def _backward(
     res: dict[str, Any], d_o: jax.Array, d_final: jax.Array | None, st: _Statics
 ) -> dict[str, jax.Array | None]:
-    from ejkernel_triton.kernels.gla_bwd import (
-        gla_bwd_da_kernel,
-        gla_bwd_dh_kernel,
-        gla_bwd_dqk_kernel,
-        gla_bwd_dv_kernel,
-        gla_bwd_intra_kernel,
-    )
-
     lay: Layout = res["layout"]
-    q, k, v, g = res["q"], res["k"], res["v"], res["g"]
-    b, t, h, dk = q.shape
+    q, v = res["q"], res["v"]
+    b, _, h, dk = q.shape
     dv = v.shape[-1]
-    nt, c = lay.num_chunks, lay.chunk
     do = lay.to_chunks(d_o.astype(q.dtype))
     dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
-    common = {"num_warps": st.num_warps, "num_stages": st.num_stages}
-    prec = {"DOT_PRECISION": st.precision}
-    scale = np.float32(st.scale)
-    tokens = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
-    dh, dinit_rows = _launch.launch(
-        gla_bwd_dh_kernel,
-        q,
-        g,
-        do,
-        dfinal_rows,
-        lay.flags,
-        scale,
-        nt,
-        h,
-        lay.rows,
-        out_shape=[
-            jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
-            jax.ShapeDtypeStruct(dfinal_rows.shape, jnp.float32),
-        ],
-        grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
-        K=dk,
-        V=dv,
-        C=c,
-        BK=st.block_k,
-        BV=st.block_v,
-        **common,
-        **prec,
-    )
-    (da,) = _launch.launch(
-        gla_bwd_da_kernel,
-        v,
-        do,
-        scale,
-        nt,
-        h,
-        out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
-        grid=(nt, b * h),
-        V=dv,
-        C=c,
-        BV=st.block_v,
-        **common,
-        **prec,
-    )
-    (d_v,) = _launch.launch(
-        gla_bwd_dv_kernel,
-        k,
-        g,
-        res["a"],
-        do,
-        dh,
-        nt,
-        h,
-        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        grid=(_cdiv(dv, st.block_v), nt, b * h),
-        K=dk,
-        V=dv,
-        C=c,
-        BK=st.block_k,
-        BV=st.block_v,
-        **common,
-        **prec,
-    )
-    dq_intra, dk_intra = _launch.launch(
-        gla_bwd_intra_kernel,
-        q,
-        k,
-        g,
-        da,
-        nt,
-        h,
-        out_shape=[tokens, tokens],
-        grid=(_cdiv(dk, st.block_k), nt * (c // SUB_CHUNK), b * h),
-        K=dk,
-        C=c,
-        BC=SUB_CHUNK,
-        BK=st.block_k,
-        **common,
-        **prec,
-    )
-    d_q, d_k, d_gamma = _launch.launch(
-        gla_bwd_dqk_kernel,
-        q,
-        k,
-        v,
-        g,
-        res["h"],
-        dh,
-        do,
-        dq_intra,
-        dk_intra,
-        scale,
-        nt,
-        h,
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            tokens,
-        ],
-        grid=(_cdiv(dk, st.block_k), nt, b * h),
-        K=dk,
-        V=dv,
-        C=c,
-        BK=st.block_k,
-        BV=st.block_v,
-        **common,
-        **prec,
+    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), _modes(lay, 9))
+    dinit_rows, d_q, d_k, d_v, d_gamma = run(
+        q, res["k"], v, res["g"], res["h"], res["a"], do, dfinal_rows, lay.flags
     )
     final_term = None
     if d_final is not None:  # the final state exp(Γ_last) h: Σ_v h_T ⊙ dh_T for every token
@@ -399,6 +313,127 @@ def _backward(
         d_init = lay.op_states(dinit_rows, empty)
         grads["initial_state"] = d_init.astype(res["dtypes"]["initial_state"].dtype)
     return grads
+
+
+def _backward_kernels(st: _Statics, nt: int) -> Any:
+    """``run(q, k, v, g, h, A, do, dfinal_rows, flags) -> (dinit_rows, dq, dk, dv,
+    q·dq − k·dk)``: the backward's launches on the chunk layout."""
+    from ejkernel_triton.kernels.gla_bwd import (
+        gla_bwd_da_kernel,
+        gla_bwd_dh_kernel,
+        gla_bwd_dqk_kernel,
+        gla_bwd_dv_kernel,
+        gla_bwd_intra_kernel,
+    )
+
+    def run(q, k, v, g, hs, amat, do, dfinal_rows, flags):
+        b, t, h, dk = q.shape
+        dv = v.shape[-1]
+        c = st.chunk
+        common = _common(st)
+        scale = np.float32(st.scale)
+        tokens = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
+        dh, dinit_rows = _launch.launch(
+            gla_bwd_dh_kernel,
+            q,
+            g,
+            do,
+            dfinal_rows,
+            flags,
+            scale,
+            nt,
+            h,
+            dfinal_rows.shape[0] // b,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
+                jax.ShapeDtypeStruct(dfinal_rows.shape, jnp.float32),
+            ],
+            grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        (da,) = _launch.launch(
+            gla_bwd_da_kernel,
+            v,
+            do,
+            scale,
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
+            grid=(nt, b * h),
+            V=dv,
+            C=c,
+            BV=st.block_v,
+            **common,
+        )
+        (d_v,) = _launch.launch(
+            gla_bwd_dv_kernel,
+            k,
+            g,
+            amat,
+            do,
+            dh,
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            grid=(_cdiv(dv, st.block_v), nt, b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        dq_intra, dk_intra = _launch.launch(
+            gla_bwd_intra_kernel,
+            q,
+            k,
+            g,
+            da,
+            nt,
+            h,
+            out_shape=[tokens, tokens],
+            grid=(_cdiv(dk, st.block_k), nt * (c // SUB_CHUNK), b * h),
+            K=dk,
+            C=c,
+            BC=SUB_CHUNK,
+            BK=st.block_k,
+            **common,
+        )
+        d_q, d_k, d_gamma = _launch.launch(
+            gla_bwd_dqk_kernel,
+            q,
+            k,
+            v,
+            g,
+            hs,
+            dh,
+            do,
+            dq_intra,
+            dk_intra,
+            scale,
+            nt,
+            h,
+            out_shape=[
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                tokens,
+            ],
+            grid=(_cdiv(dk, st.block_k), nt, b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        return dinit_rows, d_q, d_k, d_v, d_gamma
+
+    return run
 
 
 def _gate_gradient(d_gamma: jax.Array, lay: Layout, final_term: jax.Array | None) -> jax.Array:
