@@ -102,7 +102,11 @@ def check(
 
 
 @pytest.mark.parametrize("cfg", SMALL)
-@pytest.mark.parametrize("shape", [(2, 37, 2, 16, 32), (1, 77, 2, 32, 16)], ids=["S37", "S77"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 37, 2, 16, 32), (1, 77, 2, 32, 16), (1, 37, 1, 24, 40)],
+    ids=["S37", "S77", "S37-K24-V40"],
+)
 def test_output_and_gradients_match_the_sequential_reference(interpret, cfg, shape) -> None:
     q, k, v, g = inputs(*shape)
     check({"query": q, "key": k, "value": v, "g": g}, cfg)
@@ -197,6 +201,29 @@ def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic() -> N
     inv = types.SimpleNamespace(kwargs={"query": q, "key": q, "value": q, "g": q})
     space = config_space(inv)
     assert space[0] == heuristic(inv) and len(space) == len(set(space)) > 1
+
+
+def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_path) -> None:
+    """The heuristic's launches (bf16, K = V = 128) compiled for sm_90 on any machine."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import gla
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    q = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+    call = {"query": q, "key": q, "value": q, "g": jnp.zeros(q.shape, jnp.float32)}
+    cfg = heuristic(types.SimpleNamespace(kwargs=call))
+    jax.clear_caches()  # the forward and backward are jitted: trace them under the recorder
+    with _codegen.recorded_launches() as record:
+        out, res = gla._gla_fwd(cfg=cfg, **call)
+        gla._gla_bwd(res, out, cfg=cfg)
+    assert len(record) == 8
+    for launch in record:
+        compiled = _codegen.compile_launch(launch, capability=90)
+        mix = _codegen.instruction_mix(compiled.ptx)
+        name = launch.kernel.fn.__name__
+        assert any(k.startswith(("wgmma", "mma")) for k in mix), name
+        assert compiled.shared <= 232448, name  # the H100's shared memory per block
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------

@@ -74,11 +74,13 @@ def supports(inv: Any) -> bool | str:
 
 
 def heuristic(inv: Any) -> GlaConfig:
-    """Chunks of 64 with 64 x 64 state tiles; smaller chunks for short sequences, and in the
-    interpreter (whose cost is per program and per loop step) whole-dim blocks."""
+    """Chunks of 64 with 64 x 64 state tiles; smaller chunks for short sequences (packed: by
+    their mean length, since each is padded to whole chunks), and in the interpreter (whose cost is per program and per loop step) whole-dim blocks."""
     a = inv.kwargs
     s, dk, dv = a["query"].shape[1], a["query"].shape[-1], a["value"].shape[-1]
-    chunk = 64 if s > 32 else 32 if s > 16 else 16
+    cu = a.get("cu_seqlens")
+    length = s if cu is None else s / max(1, cu.shape[0] - 1)  # mean packed length
+    chunk = 64 if length > 32 else 32 if length > 16 else 16
     if _launch.interpreting():
         return GlaConfig(
             chunk_size=min(chunk, 32), block_k=_pow2(dk), block_v=_pow2(dv), num_stages=1
