@@ -217,12 +217,13 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
     with _codegen.recorded_launches() as record:
         out, res = gla._gla_fwd(cfg=cfg, **call)
         gla._gla_bwd(res, out, cfg=cfg)
-    assert len(record) == 8
+    assert len(record) == 9
     for launch in record:
         compiled = _codegen.compile_launch(launch, capability=90)
         mix = _codegen.instruction_mix(compiled.ptx)
         name = launch.kernel.fn.__name__
-        assert any(k.startswith(("wgmma", "mma")) for k in mix), name
+        if name != "gla_fwd_cumsum_kernel":
+            assert any(k.startswith(("wgmma", "mma")) for k in mix), name
         assert compiled.shared <= 232448, name  # the H100's shared memory per block
 
 

@@ -30,6 +30,30 @@ import triton.language as tl
 
 
 @triton.jit
+def gla_fwd_cumsum_kernel(
+    g_ptr,
+    NT,
+    H,
+    gc_ptr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    MIN_LOG_DECAY: tl.constexpr,
+):
+    """Grid ``(cdiv(K, BK), NT, B·H)``: ``G`` [B, T, H, K] float32, the cumulative sum of the
+    gates within each chunk, each gate clamped below at ``MIN_LOG_DECAY`` (NaN stays NaN)."""
+    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + tl.arange(0, C)) * H
+    p = rows[:, None] * K + o_k[None, :]
+    b_g = tl.load(g_ptr + p, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_g = tl.where(b_g < MIN_LOG_DECAY, MIN_LOG_DECAY, b_g)
+    tl.store(gc_ptr + p, tl.cumsum(b_g, axis=0), mask=m_k[None, :])
+
+
+@triton.jit
 def gla_fwd_h_kernel(
     k_ptr,
     v_ptr,

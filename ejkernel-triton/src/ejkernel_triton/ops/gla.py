@@ -10,7 +10,8 @@ chunks; packed sequences chunk-aligned, so ``cu_seqlens`` may be traced and the 
 at each sequence) is :mod:`ejkernel_triton.ops.gla_layout`; the kernels are
 :mod:`ejkernel_triton.kernels.gla_fwd` and :mod:`ejkernel_triton.kernels.gla_bwd`.
 
-Forward (3 kernels): chunk-start states and final states; ``A``; the output. The custom-VJP
+Forward (4 kernels): the chunk-local cumulative gates ``G``; chunk-start states and final
+states; ``A``; the output. The custom-VJP
 forward keeps the chunk-start states and ``A`` for the backward.
 
 Backward (5 kernels): ``dh``, the gradient of each chunk's end state, walked from the last chunk
@@ -151,12 +152,10 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dic
     b, s, h, dk = query.shape
     dv = value.shape[-1]
     lay = Layout.of(s, st.chunk, a["cu_seqlens"])
-    q, k, v = (lay.to_chunks(a[n]) for n in ("query", "key", "value"))
-    gates = jnp.maximum(a["g"].astype(jnp.float32), MIN_LOG_DECAY)  # NaN stays NaN
-    g = _chunk_cumsum(lay.to_chunks(gates), st.chunk)
+    q, k, v, gates = (lay.to_chunks(a[n]) for n in ("query", "key", "value", "g"))
     init_rows = lay.state_rows(init, (b, h, dk, dv))
     run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks), _modes(lay, 6))
-    hs, final_rows, amat, o = run(q, k, v, g, init_rows, lay.flags)
+    g, hs, final_rows, amat, o = run(q, k, v, gates, init_rows, lay.flags)
     out = lay.from_chunks(o)
     empty = init_rows[: final_rows.shape[0] - (1 if lay.packed else 0)]
     final = lay.op_states(final_rows, empty)
@@ -178,19 +177,34 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dic
 
 
 def _forward_kernels(st: _Statics, nt: int) -> Any:
-    """``run(q, k, v, g, init_rows, flags) -> (h, final_rows, A, o)``: the forward's launches
-    on the chunk layout."""
+    """``run(q, k, v, gates, init_rows, flags) -> (G, h, final_rows, A, o)``: the forward's
+    launches on the chunk layout."""
     from ejkernel_triton.kernels.gla_fwd import (
         gla_fwd_a_kernel,
+        gla_fwd_cumsum_kernel,
         gla_fwd_h_kernel,
         gla_fwd_o_kernel,
     )
 
-    def run(q, k, v, g, init_rows, flags):
+    def run(q, k, v, gates, init_rows, flags):
         b, t, h, dk = q.shape
         dv = v.shape[-1]
         c = st.chunk
         common = _common(st)
+        (g,) = _launch.launch(
+            gla_fwd_cumsum_kernel,
+            gates,
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)],
+            grid=(_cdiv(dk, st.block_k), nt, b * h),
+            K=dk,
+            C=c,
+            BK=st.block_k,
+            MIN_LOG_DECAY=MIN_LOG_DECAY,
+            num_warps=st.num_warps,
+            num_stages=1,
+        )
         hs, final_rows = _launch.launch(
             gla_fwd_h_kernel,
             k,
@@ -248,7 +262,7 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
             BV=st.block_v,
             **common,
         )
-        return hs, final_rows, amat, o
+        return g, hs, final_rows, amat, o
 
     return run
 
@@ -268,12 +282,6 @@ def _common(st: _Statics) -> dict[str, Any]:
         "num_stages": st.num_stages,
         "DOT_PRECISION": st.precision,
     }
-
-
-def _chunk_cumsum(g: jax.Array, c: int) -> jax.Array:
-    """Float32 cumulative sum of ``g [B, T, H, K]`` within each chunk of ``c`` tokens."""
-    b, t, h, dk = g.shape
-    return jnp.cumsum(g.reshape(b, t // c, c, h, dk), axis=2).reshape(b, t, h, dk)
 
 
 def _cdiv(a: int, b: int) -> int:
