@@ -13,8 +13,9 @@
   row of the sub-chunk itself (first row for dq, last for dk) so both exponents are ≤ 0 for
   decaying gates; entry by entry, masked before the exp, inside it.
 - :func:`gla_bwd_dqk_kernel`: adds the inter-chunk ``scale · exp(G) ⊙ do hᵀ`` to dq and
-  ``exp(G_last − G) ⊙ v dhᵀ`` to dk, and writes ``q ⊙ dq − k ⊙ dk`` (float32), whose reverse
-  cumulative sum per sequence is the gate gradient.
+  ``exp(G_last − G) ⊙ v dhᵀ`` to dk, and writes the reverse cumulative sum of
+  ``q ⊙ dq − k ⊙ dk`` within the chunk (float32): the gate gradient but for what the sequence's
+  later chunks add.
 """
 
 from __future__ import annotations
@@ -251,8 +252,8 @@ def gla_bwd_dqk_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(cdiv(K, BK), NT, B·H)``: dq, dk (input dtype) and ``q ⊙ dq − k ⊙ dk``
-    (float32) of one chunk."""
+    """Grid ``(cdiv(K, BK), NT, B·H)``: dq, dk (input dtype) and the in-chunk reverse cumsum of
+    ``q ⊙ dq − k ⊙ dk`` (float32) of one chunk."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = i_k * BK + tl.arange(0, BK)
@@ -286,4 +287,5 @@ def gla_bwd_dqk_kernel(
     )
     tl.store(dq_ptr + p, b_dq.to(dq_ptr.dtype.element_ty), mask=m_k[None, :])
     tl.store(dk_ptr + p, b_dk.to(dk_ptr.dtype.element_ty), mask=m_k[None, :])
-    tl.store(dg_ptr + p, b_q * b_dq - b_k * b_dk, mask=m_k[None, :])
+    b_dg = tl.cumsum(b_q * b_dq - b_k * b_dk, axis=0, reverse=True)
+    tl.store(dg_ptr + p, b_dg, mask=m_k[None, :])

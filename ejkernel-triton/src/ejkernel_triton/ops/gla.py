@@ -19,10 +19,11 @@ Backward (5 kernels): ``dh``, the gradient of each chunk's end state, walked fro
 state's gradient); ``dA = scale · do vᵀ`` (lower triangle); ``dv = Aᵀ do + (k ⊙ exp(G_last −
 G)) dh``; the intra-chunk ``dq``, ``dk`` from ``dA`` (sub-chunk split as in the forward's ``A``);
 the inter-chunk ``dq = scale · exp(G) ⊙ do hᵀ`` and ``dk = exp(G_last − G) ⊙ v dhᵀ`` added, and
-``q ⊙ dq − k ⊙ dk`` per token. With ``Γ`` the cumulative log gate of the whole sequence, every
+the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``. With ``Γ`` the cumulative log gate of the whole sequence, every
 output depends on the gates only through ``q ⊙ exp(Γ)``, ``k ⊙ exp(−Γ)`` and the final state's
 ``exp(Γ_last)``, so ``∂/∂Γ_t = q_t ⊙ dq_t − k_t ⊙ dk_t`` (plus ``Σ_v h_T ⊙ dh_T`` at the last
-token) and the gate gradient is its reverse cumulative sum within each sequence (in JAX).
+token) and the gate gradient is its reverse cumulative sum within each sequence (within chunks
+in the kernel, across them in JAX).
 
 Every OPS.md argument of gla is served (``softmax_scale``, ``initial_state`` with its gradient,
 ``return_state``, ``cu_seqlens`` with empty and length-1 sequences, any S). :func:`supports`
@@ -324,8 +325,9 @@ def _backward(
 
 
 def _backward_kernels(st: _Statics, nt: int) -> Any:
-    """``run(q, k, v, g, h, A, do, dfinal_rows, flags) -> (dinit_rows, dq, dk, dv,
-    q·dq − k·dk)``: the backward's launches on the chunk layout."""
+    """``run(q, k, v, g, h, A, do, dfinal_rows, flags) -> (dinit_rows, dq, dk, dv, d_gamma)``
+    (``d_gamma``: the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``): the backward's launches
+    on the chunk layout."""
     from ejkernel_triton.kernels.gla_bwd import (
         gla_bwd_da_kernel,
         gla_bwd_dh_kernel,
@@ -445,15 +447,14 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
 
 
 def _gate_gradient(d_gamma: jax.Array, lay: Layout, final_term: jax.Array | None) -> jax.Array:
-    """The gate gradient: the reverse cumulative sum of ``d_gamma [B, T, H, K]`` within each
-    sequence, plus ``final_term [B, NT, H, K]`` (per chunk: its sequence's) on every token.
-
-    Within chunks a reverse cumsum; across them a suffix sum over chunk totals that restarts at
-    each sequence's last chunk (an associative scan: no sequential loop over chunks)."""
+    """The gate gradient from ``d_gamma [B, T, H, K]``, the reverse cumulative sums of
+    ``q ⊙ dq − k ⊙ dk`` within each chunk (the kernel's): add the suffix sums over the chunk
+    totals of the sequence's later chunks (an associative scan that restarts at each sequence's
+    last chunk: no sequential loop over chunks), and ``final_term [B, NT, H, K]`` (per chunk:
+    its sequence's) on every token."""
     b, t, h, dk = d_gamma.shape
     nt, c = lay.num_chunks, lay.chunk
-    x = d_gamma.reshape(b, nt, c, h, dk)
-    within = jnp.flip(jnp.cumsum(jnp.flip(x, 2), axis=2), 2)
+    within = d_gamma.reshape(b, nt, c, h, dk)
     totals = within[:, :, 0]
     later = jnp.concatenate([totals[:, 1:], jnp.zeros_like(totals[:, :1])], axis=1)
     last = jnp.broadcast_to(lay.last[None, :, None, None], later.shape)
