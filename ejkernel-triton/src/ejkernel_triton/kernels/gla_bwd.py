@@ -5,7 +5,8 @@
   the gradient of the state at the end of the current chunk: it restarts from the final state's
   cotangent where a sequence ends, stores ``dh`` per chunk, then
   ``dh ← dh · exp(G_last)[:, None] + (scale · q ⊙ exp(G))ᵀ do``; what reaches a sequence's first
-  chunk is the initial state's gradient.
+  chunk is the initial state's gradient. It also writes ``Σ_v h_end ⊙ dh`` per chunk: the
+  part of the gate gradient that reaches the chunk's tokens through its end state.
 - :func:`gla_bwd_da_kernel`: ``dA = scale · do vᵀ`` on and below the diagonal.
 - :func:`gla_bwd_dv_kernel`: ``dv = Aᵀ do + (k ⊙ exp(G_last − G)) dh``.
 - :func:`gla_bwd_intra_kernel`: the intra-chunk ``dq_i = Σ_{j≤i} dA_ij k_j ⊙ exp(G_i − G_j)``
@@ -14,8 +15,8 @@
   decaying gates; entry by entry, masked before the exp, inside it.
 - :func:`gla_bwd_dqk_kernel`: adds the inter-chunk ``scale · exp(G) ⊙ do hᵀ`` to dq and
   ``exp(G_last − G) ⊙ v dhᵀ`` to dk, and writes the reverse cumulative sum of
-  ``q ⊙ dq − k ⊙ dk`` within the chunk (float32): the gate gradient but for what the sequence's
-  later chunks add.
+  ``q ⊙ dq − k ⊙ dk`` within the chunk (float32): the gate gradient but for what arrives
+  through the chunk's end state.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def gla_bwd_dh_kernel(
     q_ptr,
     g_ptr,
     do_ptr,
+    h_ptr,
+    final_ptr,
     dfinal_ptr,
     flags_ptr,
     scale,
@@ -37,6 +40,7 @@ def gla_bwd_dh_kernel(
     R,
     dh_ptr,
     dinit_ptr,
+    dgs_ptr,
     K: tl.constexpr,
     V: tl.constexpr,
     C: tl.constexpr,
@@ -45,8 +49,12 @@ def gla_bwd_dh_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(K, BK), cdiv(V, BV), B·H)``: chunk-end state gradients
-    ``dh [B, H, NT, K, V]`` and initial-state gradients ``[B·R, H, K, V]`` (float32)."""
+    ``dh [B, H, NT, K, V]``, initial-state gradients ``[B·R, H, K, V]`` (float32), and
+    ``Σ_v h_end ⊙ dh`` per chunk and V block, ``[B, H, NT, cdiv(V, BV), K]`` (float32): the
+    gate gradient that reaches a chunk through its end state (``h_end`` the next chunk's start
+    state, or the final state at a sequence's last chunk)."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = tl.num_programs(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -56,6 +64,8 @@ def gla_bwd_dh_kernel(
     o_kv = o_k[:, None] * V + o_v[None, :]
     row0 = i_b.to(tl.int64) * NT * C * H + i_h
     p_dh = dh_ptr + i_bh.to(tl.int64) * NT * K * V
+    p_h = h_ptr + i_bh.to(tl.int64) * NT * K * V
+    p_dgs = dgs_ptr + (i_bh.to(tl.int64) * NT * NV + i_v) * K + o_k
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     for i_m in range(NT):
         i_n = NT - 1 - i_m
@@ -65,6 +75,11 @@ def gla_bwd_dh_kernel(
         b_dfinal = tl.load(dfinal_ptr + state + o_kv, mask=m_kv & last, other=0.0)
         b_dh = tl.where(last, b_dfinal, b_dh)
         tl.store(p_dh + i_n * K * V + o_kv, b_dh.to(dh_ptr.dtype.element_ty), mask=m_kv)
+        b_final = tl.load(final_ptr + state + o_kv, mask=m_kv & last, other=0.0)
+        m_next = m_kv & ((flags & 2) == 0) & (i_n + 1 < NT)
+        b_next = tl.load(p_h + (i_n + 1) * K * V + o_kv, mask=m_next, other=0.0)
+        b_end = tl.where(last, b_final, b_next.to(tl.float32))
+        tl.store(p_dgs + i_n * NV * K, tl.sum(b_end * b_dh, axis=1), mask=m_k)
         rows = row0 + (i_n * C + o_c) * H
         b_q = tl.load(q_ptr + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         b_g = tl.load(g_ptr + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)

@@ -22,8 +22,10 @@ the inter-chunk ``dq = scale · exp(G) ⊙ do hᵀ`` and ``dk = exp(G_last − G
 the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``. With ``Γ`` the cumulative log gate of the whole sequence, every
 output depends on the gates only through ``q ⊙ exp(Γ)``, ``k ⊙ exp(−Γ)`` and the final state's
 ``exp(Γ_last)``, so ``∂/∂Γ_t = q_t ⊙ dq_t − k_t ⊙ dk_t`` (plus ``Σ_v h_T ⊙ dh_T`` at the last
-token) and the gate gradient is its reverse cumulative sum within each sequence (within chunks
-in the kernel, across them in JAX).
+token) and the gate gradient is its reverse cumulative sum within each sequence: within the
+chunk in the kernel; what the sequence's later tokens (and its final state) add is the gradient
+through the chunk's end state, ``Σ_v h_end ⊙ dh_end``, exact and free of long cancelling sums
+(flash-linear-attention's ``chunk_gla`` does the same).
 
 Every OPS.md argument of gla is served (``softmax_scale``, ``initial_state`` with its gradient,
 ``return_state``, ``cu_seqlens`` with empty and length-1 sequences, any S). :func:`supports`
@@ -302,15 +304,24 @@ def _backward(
     dv = v.shape[-1]
     do = lay.to_chunks(d_o.astype(q.dtype))
     dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
-    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), _modes(lay, 9))
-    dinit_rows, d_q, d_k, d_v, d_gamma = run(
-        q, res["k"], v, res["g"], res["h"], res["a"], do, dfinal_rows, lay.flags
+    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), _modes(lay, 10))
+    dinit_rows, d_q, d_k, d_v, d_gamma, d_end = run(
+        q,
+        res["k"],
+        v,
+        res["g"],
+        res["h"],
+        res["a"],
+        res["final_rows"],
+        do,
+        dfinal_rows,
+        lay.flags,
     )
-    final_term = None
-    if d_final is not None:  # the final state exp(Γ_last) h: Σ_v h_T ⊙ dh_T for every token
-        per_row = jnp.sum(res["final_rows"] * dfinal_rows, axis=-1)  # [B·R, H, K]
-        final_term = per_row.reshape(b, lay.rows, h, dk)[:, lay.sid]
-    d_g = _gate_gradient(d_gamma, lay, final_term)
+    # in-chunk reverse cumsums, plus what reaches each chunk through its end state
+    through_end = jnp.sum(d_end, axis=3).transpose(0, 2, 1, 3)  # [B, NT, H, K]
+    d_g = (d_gamma.reshape(b, lay.num_chunks, lay.chunk, h, dk) + through_end[:, :, None]).reshape(
+        d_gamma.shape
+    )
     grads: dict[str, jax.Array | None] = {
         "query": lay.from_chunks(d_q),
         "key": lay.from_chunks(d_k),
@@ -325,9 +336,10 @@ def _backward(
 
 
 def _backward_kernels(st: _Statics, nt: int) -> Any:
-    """``run(q, k, v, g, h, A, do, dfinal_rows, flags) -> (dinit_rows, dq, dk, dv, d_gamma)``
-    (``d_gamma``: the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``): the backward's launches
-    on the chunk layout."""
+    """``run(q, k, v, g, h, A, final_rows, do, dfinal_rows, flags) -> (dinit_rows, dq, dk, dv,
+    d_gamma, d_end)`` (``d_gamma``: the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``;
+    ``d_end [B, H, NT, NV, K]``: ``Σ_v h_end ⊙ dh`` per V block): the backward's launches on
+    the chunk layout."""
     from ejkernel_triton.kernels.gla_bwd import (
         gla_bwd_da_kernel,
         gla_bwd_dh_kernel,
@@ -336,18 +348,21 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
         gla_bwd_intra_kernel,
     )
 
-    def run(q, k, v, g, hs, amat, do, dfinal_rows, flags):
+    def run(q, k, v, g, hs, amat, final_rows, do, dfinal_rows, flags):
         b, t, h, dk = q.shape
         dv = v.shape[-1]
         c = st.chunk
         common = _common(st)
         scale = np.float32(st.scale)
         tokens = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
-        dh, dinit_rows = _launch.launch(
+        nv = _cdiv(dv, st.block_v)
+        dh, dinit_rows, d_end = _launch.launch(
             gla_bwd_dh_kernel,
             q,
             g,
             do,
+            hs,
+            final_rows,
             dfinal_rows,
             flags,
             scale,
@@ -357,6 +372,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             out_shape=[
                 jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
                 jax.ShapeDtypeStruct(dfinal_rows.shape, jnp.float32),
+                jax.ShapeDtypeStruct((b, h, nt, nv, dk), jnp.float32),
             ],
             grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
             K=dk,
@@ -441,29 +457,6 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             BV=st.block_v,
             **common,
         )
-        return dinit_rows, d_q, d_k, d_v, d_gamma
+        return dinit_rows, d_q, d_k, d_v, d_gamma, d_end
 
     return run
-
-
-def _gate_gradient(d_gamma: jax.Array, lay: Layout, final_term: jax.Array | None) -> jax.Array:
-    """The gate gradient from ``d_gamma [B, T, H, K]``, the reverse cumulative sums of
-    ``q ⊙ dq − k ⊙ dk`` within each chunk (the kernel's): add the suffix sums over the chunk
-    totals of the sequence's later chunks (an associative scan that restarts at each sequence's
-    last chunk: no sequential loop over chunks), and ``final_term [B, NT, H, K]`` (per chunk:
-    its sequence's) on every token."""
-    b, t, h, dk = d_gamma.shape
-    nt, c = lay.num_chunks, lay.chunk
-    within = d_gamma.reshape(b, nt, c, h, dk)
-    totals = within[:, :, 0]
-    later = jnp.concatenate([totals[:, 1:], jnp.zeros_like(totals[:, :1])], axis=1)
-    last = jnp.broadcast_to(lay.last[None, :, None, None], later.shape)
-    start = jnp.zeros_like(later) if final_term is None else final_term
-    u = jnp.where(last, start, later)  # S_n = u_n + (last_n ? 0 : S_{n+1})
-
-    def combine(a: Any, b_: Any) -> Any:
-        (av, af), (bv, bf) = a, b_
-        return jnp.where(bf, bv, av + bv), af | bf
-
-    suffix, _ = jax.lax.associative_scan(combine, (jnp.flip(u, 1), jnp.flip(last, 1)), axis=1)
-    return (within + jnp.flip(suffix, 1)[:, :, None]).reshape(b, t, h, dk)
