@@ -58,7 +58,14 @@ from ejkernel_triton.ops.gla_config import (
 )
 from ejkernel_triton.ops.gla_layout import Layout
 
-__all__ = ["GlaConfig", "config_space", "gla_triton", "heuristic", "supports"]
+__all__ = ["MIN_LOG_DECAY", "GlaConfig", "config_space", "gla_triton", "heuristic", "supports"]
+
+#: Gates are clamped from below here: ``exp(-200)`` is 0 in float32, so the recurrence is the
+#: same (a gate of −inf still zeroes the state: a reset), while cumulative sums stay finite
+#: (with −inf, every later difference inside the chunk would be NaN).
+MIN_LOG_DECAY = -200.0
+
+_ARRAY_NAMES = ("query", "key", "value", "g", "initial_state", "cu_seqlens")
 
 
 # -- the op ---------------------------------------------------------------------------------
@@ -99,13 +106,6 @@ def _gla_bwd(
 
 
 defvjp(gla_triton, _gla_fwd, _gla_bwd)
-
-#: Gates are clamped from below here: ``exp(-200)`` is 0 in float32, so the recurrence is the
-#: same (a gate of −inf still zeroes the state: a reset), while cumulative sums stay finite
-#: (with −inf, every later difference inside the chunk would be NaN).
-MIN_LOG_DECAY = -200.0
-
-_ARRAY_NAMES = ("query", "key", "value", "g", "initial_state", "cu_seqlens")
 
 
 @attrs.frozen
