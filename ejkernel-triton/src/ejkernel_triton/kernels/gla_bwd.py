@@ -187,10 +187,10 @@ def gla_bwd_intra_kernel(
     BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(cdiv(K, BK), NT · C / BC, B·H)``: the intra-chunk dq and dk (float32
+    """Grid ``(NT · C / BC, cdiv(K, BK), B·H)``: the intra-chunk dq and dk (float32
     ``[B, T, H, K]``) of one sub-chunk's rows."""
     NC: tl.constexpr = C // BC
-    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_i = i_c // NC, i_c % NC
     i_b, i_h = i_bh // H, i_bh % H
     o_k = i_k * BK + tl.arange(0, BK)

@@ -423,7 +423,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             nt,
             h,
             out_shape=[tokens, tokens],
-            grid=(_cdiv(dk, st.block_k), nt * (c // SUB_CHUNK), b * h),
+            grid=(nt * (c // SUB_CHUNK), _cdiv(dk, st.block_k), b * h),
             K=dk,
             C=c,
             BC=SUB_CHUNK,
