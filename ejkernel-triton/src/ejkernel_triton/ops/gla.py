@@ -11,21 +11,23 @@ at each sequence) is :mod:`ejkernel_triton.ops.gla_layout`; the kernels are
 :mod:`ejkernel_triton.kernels.gla_fwd` and :mod:`ejkernel_triton.kernels.gla_bwd`.
 
 Forward (4 kernels): the chunk-local cumulative gates ``G``; chunk-start states and final
-states; ``A``; the output. The custom-VJP
-forward keeps the chunk-start states and ``A`` for the backward.
+states; ``A``; the output. The custom-VJP forward keeps ``G``, the chunk-start states and ``A``
+for the backward.
 
 Backward (5 kernels): ``dh``, the gradient of each chunk's end state, walked from the last chunk
 (starting from the final state's cotangent; what reaches a sequence's start is the initial
 state's gradient); ``dA = scale · do vᵀ`` (lower triangle); ``dv = Aᵀ do + (k ⊙ exp(G_last −
-G)) dh``; the intra-chunk ``dq``, ``dk`` from ``dA`` (sub-chunk split as in the forward's ``A``);
-the inter-chunk ``dq = scale · exp(G) ⊙ do hᵀ`` and ``dk = exp(G_last − G) ⊙ v dhᵀ`` added, and
-the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``. With ``Γ`` the cumulative log gate of the whole sequence, every
-output depends on the gates only through ``q ⊙ exp(Γ)``, ``k ⊙ exp(−Γ)`` and the final state's
+G)) dh``; the intra-chunk ``dq``, ``dk`` from ``dA`` (sub-chunk split as in the forward's
+``A``); then the inter-chunk ``dq = scale · exp(G) ⊙ do hᵀ`` and ``dk = exp(G_last − G) ⊙
+v dhᵀ`` added, and the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``.
+
+The gate gradient: with ``Γ`` the cumulative log gate of the whole sequence, every output
+depends on the gates only through ``q ⊙ exp(Γ)``, ``k ⊙ exp(−Γ)`` and the final state's
 ``exp(Γ_last)``, so ``∂/∂Γ_t = q_t ⊙ dq_t − k_t ⊙ dk_t`` (plus ``Σ_v h_T ⊙ dh_T`` at the last
-token) and the gate gradient is its reverse cumulative sum within each sequence: within the
-chunk in the kernel; what the sequence's later tokens (and its final state) add is the gradient
-through the chunk's end state, ``Σ_v h_end ⊙ dh_end``, exact and free of long cancelling sums
-(flash-linear-attention's ``chunk_gla`` does the same).
+token), and the gate gradient is its reverse cumulative sum within each sequence: inside the
+chunk, the kernel's cumsum; what the sequence's later tokens and its final state add is the
+gradient through the chunk's end state, ``Σ_v h_end ⊙ dh_end`` (from the ``dh`` kernel), exact
+and free of long cancelling sums (flash-linear-attention's ``chunk_gla`` does the same).
 
 Every OPS.md argument of gla is served (``softmax_scale``, ``initial_state`` with its gradient,
 ``return_state``, ``cu_seqlens`` with empty and length-1 sequences, any S). :func:`supports`
