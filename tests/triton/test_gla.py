@@ -119,8 +119,9 @@ def test_initial_state_final_state_and_softmax_scale(interpret) -> None:
     check(arrays, C32, softmax_scale=0.3, return_state=True)
 
 
-def test_bfloat16_within_a_bfloat16_tolerance(interpret) -> None:
-    q, k, v, g = inputs(2, 37, 2, 16, 32, dtype=jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_half_precision_within_a_half_precision_tolerance(interpret, dtype) -> None:
+    q, k, v, g = inputs(2, 37, 2, 16, 32, dtype=dtype)
     check({"query": q, "key": k, "value": v, "g": g}, C32, tol=1e-2)
 
 
