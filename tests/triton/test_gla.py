@@ -137,6 +137,18 @@ def test_a_log_gate_of_minus_inf_resets_the_state(interpret) -> None:
     check({"query": q, "key": k, "value": v, "g": g}, C32, return_state=True)
 
 
+def test_a_nan_input_stays_in_its_causal_future(interpret) -> None:
+    q, k, v, g = inputs(2, 45, 2, 16, 16)
+    q = q.at[1, 10, 0, 4].set(jnp.nan)
+    k = k.at[0, 20, 0, 3].set(jnp.nan)
+    v = v.at[1, 40, 1, 5].set(jnp.nan)
+    g = g.at[0, 38, 1, 2].set(jnp.nan)
+    ours = triton_gla(C32)(q, k, v, g)
+    want = gla_reference(q, k, v, g)
+    assert jnp.array_equal(jnp.isnan(ours), jnp.isnan(want))
+    assert_close(ours, want, name="out")
+
+
 def test_packed_sequences_with_empty_and_length_one_sequences(interpret) -> None:
     # sequences of 1, 0, 39, 30 and 1 tokens; tokens 71.. belong to none (zero output)
     q, k, v, g = inputs(1, 75, 2, 16, 32)

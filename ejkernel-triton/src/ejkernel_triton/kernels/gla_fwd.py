@@ -21,6 +21,10 @@ Three kernels:
   exp ever sees the (positive) difference of a later and an earlier cumulative decay, so gates
   down to any log decay give no Inf or NaN (flash-linear-attention's ``chunk_gla`` scheme).
 - :func:`gla_fwd_o_kernel`: ``o = scale · (q ⊙ exp(G)) h_chunk + A v``.
+
+A NaN in an input stays in its causal future, as in the recurrence: the masked entries of
+``A`` are selected away (never multiplied by 0), and a NaN value is kept out of ``A v``'s
+earlier rows (its column is NaN from its row on).
 """
 
 from __future__ import annotations
@@ -160,8 +164,10 @@ def gla_fwd_a_kernel(
             row_j = row0 + (t_i + j) * H
             b_k = tl.load(k_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_gk = tl.load(g_ptr + row_j * K + o_k, mask=m_k, other=0.0)
-            b_d = tl.where(o_r[:, None] >= j, b_gq - b_gk[None, :], float("-inf"))
-            b_col = tl.sum(b_q * b_k[None, :] * tl.exp(b_d), axis=1)
+            causal = o_r[:, None] >= j
+            b_d = tl.where(causal, b_gq - b_gk[None, :], float("-inf"))
+            # the product is masked too: a NaN key stays out of earlier rows
+            b_col = tl.sum(tl.where(causal, b_q * b_k[None, :] * tl.exp(b_d), 0.0), axis=1)
             b_a = tl.where(o_r[None, :] == j, b_a + b_col[:, None], b_a)
     tl.store(p_a + i_i * BC, b_a * scale)
 
@@ -194,6 +200,11 @@ def gla_fwd_o_kernel(
     p_h = h_ptr + (i_bh.to(tl.int64) * NT + i_n) * K * V
     b_v = tl.load(v_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
     dt = b_v.dtype
+    # A v multiplies the zeros above A's diagonal too: NaN values enter it as zeros, and each
+    # NaN value's column is NaN from its row on (as the recurrence's state column would be)
+    nan_v = b_v != b_v
+    b_v = tl.where(nan_v, 0.0, b_v).to(dt)
+    poisoned = tl.cumsum(nan_v.to(tl.int32), axis=0) > 0
     b_o = tl.zeros([C, BV], dtype=tl.float32)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
@@ -207,6 +218,7 @@ def gla_fwd_o_kernel(
         b_o += tl.dot(b_qg, b_h.to(dt), input_precision=DOT_PRECISION)
     b_a = tl.load(a_ptr + rows[:, None] * C + o_c[None, :])
     b_o += tl.dot(b_a.to(dt), b_v, input_precision=DOT_PRECISION)
+    b_o = tl.where(poisoned, float("nan"), b_o)
     tl.store(
         o_ptr + rows[:, None] * V + o_v[None, :], b_o.to(o_ptr.dtype.element_ty), mask=m_v[None, :]
     )

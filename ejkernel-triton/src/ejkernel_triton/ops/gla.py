@@ -34,8 +34,8 @@ Every OPS.md argument of gla is served (``softmax_scale``, ``initial_state`` wit
 declines dtypes other than bf16/f16/f32, mixed q/k/v dtypes and K or V over 256. Gates are
 log decays: where a chunk's gates grow (g > 0) the exps are of positive sums, as in the
 recurrence itself. A gate of −inf is a state reset, as in the recurrence (gates are clamped at
-:data:`MIN_LOG_DECAY`, whose exp is already 0 in float32); a NaN stays in its causal future
-in the forward.
+:data:`MIN_LOG_DECAY`, whose exp is already 0 in float32); a NaN input stays in its causal
+future in the output (the gradients of a call with NaN inputs are not held to that).
 """
 
 from __future__ import annotations
