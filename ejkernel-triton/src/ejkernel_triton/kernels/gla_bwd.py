@@ -1,0 +1,306 @@
+"""Triton chunked gated linear attention, backward (the layout and flags of
+:mod:`ejkernel_triton.kernels.gla_fwd`; signatures in jax-triton's order).
+
+- :func:`gla_bwd_dh_kernel` walks the chunks from the last, carrying ``dh [K, V]`` in float32,
+  the gradient of the state at the end of the current chunk: it restarts from the final state's
+  cotangent where a sequence ends, stores ``dh`` per chunk, then
+  ``dh ← dh · exp(G_last)[:, None] + (scale · q ⊙ exp(G))ᵀ do``; what reaches a sequence's first
+  chunk is the initial state's gradient. It also writes ``Σ_v h_end ⊙ dh`` per chunk: the
+  part of the gate gradient that reaches the chunk's tokens through its end state.
+- :func:`gla_bwd_da_kernel`: ``dA = scale · do vᵀ`` on and below the diagonal.
+- :func:`gla_bwd_dv_kernel`: ``dv = Aᵀ do + (k ⊙ exp(G_last − G)) dh``.
+- :func:`gla_bwd_intra_kernel`: the intra-chunk ``dq_i = Σ_{j≤i} dA_ij k_j ⊙ exp(G_i − G_j)``
+  and ``dk_j = Σ_{i≥j} dA_ij q_i ⊙ exp(G_i − G_j)`` per sub-chunk, split between sub-chunks at a
+  row of the sub-chunk itself (first row for dq, last for dk) so both exponents are ≤ 0 for
+  decaying gates; entry by entry, masked before the exp, inside it.
+- :func:`gla_bwd_dqk_kernel`: adds the inter-chunk ``scale · exp(G) ⊙ do hᵀ`` to dq and
+  ``exp(G_last − G) ⊙ v dhᵀ`` to dk, and writes the reverse cumulative sum of
+  ``q ⊙ dq − k ⊙ dk`` within the chunk (float32): the gate gradient but for what arrives
+  through the chunk's end state.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gla_bwd_dh_kernel(
+    q_ptr,
+    g_ptr,
+    do_ptr,
+    h_ptr,
+    final_ptr,
+    dfinal_ptr,
+    flags_ptr,
+    scale,
+    NT,
+    H,
+    R,
+    dh_ptr,
+    dinit_ptr,
+    dgs_ptr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(K, BK), cdiv(V, BV), B·H)``: chunk-end state gradients
+    ``dh [B, H, NT, K, V]``, initial-state gradients ``[B·R, H, K, V]`` (float32), and
+    ``Σ_v h_end ⊙ dh`` per chunk and V block, ``[B, H, NT, cdiv(V, BV), K]`` (float32): the
+    gate gradient that reaches a chunk through its end state (``h_end`` the next chunk's start
+    state, or the final state at a sequence's last chunk)."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = tl.num_programs(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    p_dh = dh_ptr + i_bh.to(tl.int64) * NT * K * V
+    p_h = h_ptr + i_bh.to(tl.int64) * NT * K * V
+    p_dgs = dgs_ptr + (i_bh.to(tl.int64) * NT * NV + i_v) * K + o_k
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_m in range(NT):
+        i_n = NT - 1 - i_m
+        flags = tl.load(flags_ptr + i_n)
+        first, last = (flags & 1) != 0, (flags & 2) != 0
+        state = ((i_b * R + (flags >> 2)).to(tl.int64) * H + i_h) * K * V
+        b_dfinal = tl.load(dfinal_ptr + state + o_kv, mask=m_kv & last, other=0.0)
+        b_dh = tl.where(last, b_dfinal, b_dh)
+        tl.store(p_dh + i_n * K * V + o_kv, b_dh.to(dh_ptr.dtype.element_ty), mask=m_kv)
+        b_final = tl.load(final_ptr + state + o_kv, mask=m_kv & last, other=0.0)
+        m_next = m_kv & ((flags & 2) == 0) & (i_n + 1 < NT)
+        b_next = tl.load(p_h + (i_n + 1) * K * V + o_kv, mask=m_next, other=0.0)
+        b_end = tl.where(last, b_final, b_next.to(tl.float32))
+        tl.store(p_dgs + i_n * NV * K, tl.sum(b_end * b_dh, axis=1), mask=m_k)
+        rows = row0 + (i_n * C + o_c) * H
+        b_q = tl.load(q_ptr + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_g = tl.load(g_ptr + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_do = tl.load(do_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        b_glast = tl.load(g_ptr + (row0 + (i_n * C + C - 1) * H) * K + o_k, mask=m_k, other=0.0)
+        b_qg = (b_q * tl.exp(b_g) * scale).to(b_do.dtype)
+        b_dh = b_dh * tl.exp(b_glast)[:, None] + tl.dot(
+            tl.trans(b_qg), b_do, input_precision=DOT_PRECISION
+        )
+        tl.store(dinit_ptr + state + o_kv, b_dh, mask=m_kv & first)
+
+
+@triton.jit
+def gla_bwd_da_kernel(
+    v_ptr,
+    do_ptr,
+    scale,
+    NT,
+    H,
+    da_ptr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NT, B·H)``: ``dA [C, C]`` of one chunk (float32 ``[B, T, H, C]``, zero above
+    the diagonal)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
+    b_da = tl.zeros([C, C], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        b_do = tl.load(do_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        b_v = tl.load(v_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        b_da += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+    b_da = tl.where(o_c[:, None] >= o_c[None, :], b_da * scale, 0.0)
+    tl.store(da_ptr + rows[:, None] * C + o_c[None, :], b_da)
+
+
+@triton.jit
+def gla_bwd_dv_kernel(
+    k_ptr,
+    g_ptr,
+    a_ptr,
+    do_ptr,
+    dh_ptr,
+    NT,
+    H,
+    dv_ptr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), NT, B·H)``: ``dv = Aᵀ do + (k ⊙ exp(G_last − G)) dh``."""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_v = o_v < V
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    rows = row0 + (i_n * C + o_c) * H
+    row_last = row0 + (i_n * C + C - 1) * H
+    p_dh = dh_ptr + (i_bh.to(tl.int64) * NT + i_n) * K * V
+    b_do = tl.load(do_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+    dt = b_do.dtype
+    b_a = tl.load(a_ptr + rows[:, None] * C + o_c[None, :])
+    b_dv = tl.dot(tl.trans(b_a).to(dt), b_do, input_precision=DOT_PRECISION)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = tl.load(k_ptr + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_g = tl.load(g_ptr + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_glast = tl.load(g_ptr + row_last * K + o_k, mask=m_k, other=0.0)
+        b_dh = tl.load(
+            p_dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0
+        )
+        b_kd = (b_k * tl.exp(b_glast[None, :] - b_g)).to(dt)
+        b_dv += tl.dot(b_kd, b_dh.to(dt), input_precision=DOT_PRECISION)
+    tl.store(
+        dv_ptr + rows[:, None] * V + o_v[None, :],
+        b_dv.to(dv_ptr.dtype.element_ty),
+        mask=m_v[None, :],
+    )
+
+
+@triton.jit
+def gla_bwd_intra_kernel(
+    q_ptr,
+    k_ptr,
+    g_ptr,
+    da_ptr,
+    NT,
+    H,
+    dq_ptr,
+    dk_ptr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NT · C / BC, cdiv(K, BK), B·H)``: the intra-chunk dq and dk (float32
+    ``[B, T, H, K]``) of one sub-chunk's rows."""
+    NC: tl.constexpr = C // BC
+    i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_i = i_c // NC, i_c % NC
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_r = tl.arange(0, BC)
+    m_k = o_k < K
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    t_i = i_n * C + i_i * BC
+    rows_i = row0 + (t_i + o_r) * H
+    p_i = rows_i[:, None] * K + o_k[None, :]
+    b_g = tl.load(g_ptr + p_i, mask=m_k[None, :], other=0.0)
+    dt = q_ptr.dtype.element_ty
+    # dq from earlier sub-chunks, split at this sub-chunk's first row
+    b_gr = tl.load(g_ptr + (row0 + t_i * H) * K + o_k, mask=m_k, other=0.0)
+    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+    for i_j in range(0, i_i):
+        rows_j = row0 + (i_n * C + i_j * BC + o_r) * H
+        p_j = rows_j[:, None] * K + o_k[None, :]
+        b_da = tl.load(da_ptr + rows_i[:, None] * C + i_j * BC + o_r[None, :])
+        b_k = tl.load(k_ptr + p_j, mask=m_k[None, :], other=0.0)
+        b_gk = tl.load(g_ptr + p_j, mask=m_k[None, :], other=0.0)
+        b_kg = (b_k * tl.exp(b_gr[None, :] - b_gk)).to(dt)
+        b_dq += tl.dot(b_da.to(dt), b_kg, input_precision=DOT_PRECISION)
+    b_dq = b_dq * tl.exp(b_g - b_gr[None, :])
+    # dk from later sub-chunks, split at this sub-chunk's last row
+    b_ge = tl.load(g_ptr + (row0 + (t_i + BC - 1) * H) * K + o_k, mask=m_k, other=0.0)
+    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+    for i_j in range(i_i + 1, NC):
+        rows_j = row0 + (i_n * C + i_j * BC + o_r) * H
+        p_j = rows_j[:, None] * K + o_k[None, :]
+        b_da = tl.load(da_ptr + rows_j[:, None] * C + i_i * BC + o_r[None, :])
+        b_q = tl.load(q_ptr + p_j, mask=m_k[None, :], other=0.0)
+        b_gq = tl.load(g_ptr + p_j, mask=m_k[None, :], other=0.0)
+        b_qg = (b_q * tl.exp(b_gq - b_ge[None, :])).to(dt)
+        b_dk += tl.dot(tl.trans(b_da).to(dt), b_qg, input_precision=DOT_PRECISION)
+    b_dk = b_dk * tl.exp(b_ge[None, :] - b_g)
+    # the diagonal sub-chunk, one token j at a time
+    for j in range(0, BC):
+        row_j = row0 + (t_i + j) * H
+        b_kj = tl.load(k_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_qj = tl.load(q_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_gj = tl.load(g_ptr + row_j * K + o_k, mask=m_k, other=0.0)
+        b_da_col = tl.load(da_ptr + rows_i * C + i_i * BC + j)  # dA[r, j]
+        b_da_row = tl.load(da_ptr + row_j * C + i_i * BC + o_r)  # dA[j, r]
+        after = o_r[:, None] >= j
+        b_eq = tl.exp(tl.where(after, b_g - b_gj[None, :], float("-inf")))
+        b_ek = tl.exp(tl.where(o_r[:, None] <= j, b_gj[None, :] - b_g, float("-inf")))
+        b_dq += b_da_col[:, None] * b_kj[None, :] * b_eq
+        b_dk += b_da_row[:, None] * b_qj[None, :] * b_ek
+    tl.store(dq_ptr + p_i, b_dq, mask=m_k[None, :])
+    tl.store(dk_ptr + p_i, b_dk, mask=m_k[None, :])
+
+
+@triton.jit
+def gla_bwd_dqk_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    h_ptr,
+    dh_ptr,
+    do_ptr,
+    dqi_ptr,
+    dki_ptr,
+    scale,
+    NT,
+    H,
+    dq_ptr,
+    dk_ptr,
+    dg_ptr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(K, BK), NT, B·H)``: dq, dk (input dtype) and the in-chunk reverse cumsum of
+    ``q ⊙ dq − k ⊙ dk`` (float32) of one chunk."""
+    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_c = tl.arange(0, C)
+    m_k = o_k < K
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    rows = row0 + (i_n * C + o_c) * H
+    state = (i_bh.to(tl.int64) * NT + i_n) * K * V
+    dt = q_ptr.dtype.element_ty
+    b_dq = tl.zeros([C, BK], dtype=tl.float32)
+    b_dk = tl.zeros([C, BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        o_kv = o_k[:, None] * V + o_v[None, :]
+        b_do = tl.load(do_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        b_v = tl.load(v_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        b_h = tl.load(h_ptr + state + o_kv, mask=m_kv, other=0.0)
+        b_dh = tl.load(dh_ptr + state + o_kv, mask=m_kv, other=0.0)
+        b_dq += tl.dot(b_do, tl.trans(b_h).to(dt), input_precision=DOT_PRECISION)
+        b_dk += tl.dot(b_v, tl.trans(b_dh).to(dt), input_precision=DOT_PRECISION)
+    p = rows[:, None] * K + o_k[None, :]
+    b_g = tl.load(g_ptr + p, mask=m_k[None, :], other=0.0)
+    b_glast = tl.load(g_ptr + (row0 + (i_n * C + C - 1) * H) * K + o_k, mask=m_k, other=0.0)
+    b_q = tl.load(q_ptr + p, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_k = tl.load(k_ptr + p, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_dq = tl.load(dqi_ptr + p, mask=m_k[None, :], other=0.0) + b_dq * tl.exp(b_g) * scale
+    b_dk = tl.load(dki_ptr + p, mask=m_k[None, :], other=0.0) + b_dk * tl.exp(
+        b_glast[None, :] - b_g
+    )
+    tl.store(dq_ptr + p, b_dq.to(dq_ptr.dtype.element_ty), mask=m_k[None, :])
+    tl.store(dk_ptr + p, b_dk.to(dk_ptr.dtype.element_ty), mask=m_k[None, :])
+    b_dg = tl.cumsum(b_q * b_dq - b_k * b_dk, axis=0, reverse=True)
+    tl.store(dg_ptr + p, b_dg, mask=m_k[None, :])

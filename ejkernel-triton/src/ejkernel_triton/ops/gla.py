@@ -1,0 +1,464 @@
+"""gla in Triton: chunked gated linear attention (Yang et al., 2024, Sec. 4), forward and
+backward through the executor's custom VJP.
+
+Per chunk of ``C`` tokens (:class:`~ejkernel_triton.ops.gla_config.GlaConfig`), with ``G`` the
+float32 cumulative log gate from the chunk start and ``h`` the float32 state at the chunk start:
+``o = scale · (q ⊙ exp(G)) h + A v`` with the intra-chunk matrix
+``A[i, j] = scale · Σ_k q_ik k_jk exp(G_ik − G_jk)`` (j ≤ i), and
+``h ← h · exp(G_last) + (k ⊙ exp(G_last − G))ᵀ v`` across chunks. The layout (padding to whole
+chunks; packed sequences chunk-aligned, so ``cu_seqlens`` may be traced and the state restarts
+at each sequence) is :mod:`ejkernel_triton.ops.gla_layout`; the kernels are
+:mod:`ejkernel_triton.kernels.gla_fwd` and :mod:`ejkernel_triton.kernels.gla_bwd`.
+
+Forward (4 kernels): the chunk-local cumulative gates ``G``; chunk-start states and final
+states; ``A``; the output. The custom-VJP forward keeps ``G``, the chunk-start states and ``A``
+for the backward.
+
+Backward (5 kernels): ``dh``, the gradient of each chunk's end state, walked from the last chunk
+(starting from the final state's cotangent; what reaches a sequence's start is the initial
+state's gradient); ``dA = scale · do vᵀ`` (lower triangle); ``dv = Aᵀ do + (k ⊙ exp(G_last −
+G)) dh``; the intra-chunk ``dq``, ``dk`` from ``dA`` (sub-chunk split as in the forward's
+``A``); then the inter-chunk ``dq = scale · exp(G) ⊙ do hᵀ`` and ``dk = exp(G_last − G) ⊙
+v dhᵀ`` added, and the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``.
+
+The gate gradient: with ``Γ`` the cumulative log gate of the whole sequence, every output
+depends on the gates only through ``q ⊙ exp(Γ)``, ``k ⊙ exp(−Γ)`` and the final state's
+``exp(Γ_last)``, so ``∂/∂Γ_t = q_t ⊙ dq_t − k_t ⊙ dk_t`` (plus ``Σ_v h_T ⊙ dh_T`` at the last
+token), and the gate gradient is its reverse cumulative sum within each sequence: inside the
+chunk, the kernel's cumsum; what the sequence's later tokens and its final state add is the
+gradient through the chunk's end state, ``Σ_v h_end ⊙ dh_end`` (from the ``dh`` kernel), exact
+and free of long cancelling sums (flash-linear-attention's ``chunk_gla`` does the same).
+
+Every OPS.md argument of gla is served (``softmax_scale``, ``initial_state`` with its gradient,
+``return_state``, ``cu_seqlens`` with empty and length-1 sequences, any S). :func:`supports`
+declines dtypes other than bf16/f16/f32, mixed q/k/v dtypes and K or V over 256. Gates are
+log decays: where a chunk's gates grow (g > 0) the exps are of positive sums, as in the
+recurrence itself. A gate of −inf is a state reset, as in the recurrence (gates are clamped at
+:data:`MIN_LOG_DECAY`, whose exp is already 0 in float32); a NaN input stays in its causal
+future in the output (the gradients of a call with NaN inputs are not held to that).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.plugins import defvjp
+from ejkernel_triton import _launch
+from ejkernel_triton._launch import BATCH, OTHER
+from ejkernel_triton.ops.gla_config import (
+    SUB_CHUNK,
+    GlaConfig,
+    config_space,
+    heuristic,
+    supports,
+)
+from ejkernel_triton.ops.gla_layout import Layout
+
+__all__ = ["MIN_LOG_DECAY", "GlaConfig", "config_space", "gla_triton", "heuristic", "supports"]
+
+#: Gates are clamped from below here: ``exp(-200)`` is 0 in float32, so the recurrence is the
+#: same (a gate of −inf still zeroes the state: a reset), while cumulative sums stay finite
+#: (with −inf, every later difference inside the chunk would be NaN).
+MIN_LOG_DECAY = -200.0
+
+_ARRAY_NAMES = ("query", "key", "value", "g", "initial_state", "cu_seqlens")
+
+
+# -- the op ---------------------------------------------------------------------------------
+
+
+def gla_triton(*, cfg: GlaConfig | None = None, **args: Any) -> Any:
+    """Gated linear attention through the Triton kernels.
+
+    Args:
+        **args: the arguments of :func:`ejkernel.specs.gla.gla`, by name, as the core spec
+            validated them.
+        cfg: chunk size, blocks, warps and stages; ``None`` takes the heuristic's.
+
+    Returns:
+        ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
+        when ``return_state``.
+    """
+    return _gla_fwd(cfg=cfg, **args)[0]
+
+
+def _gla_fwd(*, cfg: GlaConfig | None = None, **args: Any) -> tuple[Any, dict[str, Any]]:
+    """Forward: ``(out or (out, final_state), residuals)``."""
+    st = _Statics.of(args, cfg)
+    arrays = {n: args.get(n) for n in _ARRAY_NAMES}
+    out, final, res = _forward(arrays, st)
+    return ((out, final) if st.return_state else out), res
+
+
+def _gla_bwd(
+    residuals: dict[str, Any], d_out: Any, *, cfg: GlaConfig | None = None, **statics: Any
+) -> dict[str, jax.Array | None]:
+    """Backward: gradients of query, key, value, g and initial_state."""
+    lay: Layout = residuals["layout"]
+    st = _Statics.of({**statics, "query": residuals["q"], "value": residuals["v"]}, cfg)
+    st = attrs.evolve(st, chunk=lay.chunk)
+    d_o, d_final = d_out if st.return_state else (d_out, None)
+    return _backward(residuals, d_o, d_final, st)
+
+
+defvjp(gla_triton, _gla_fwd, _gla_bwd)
+
+
+@attrs.frozen
+class _Statics:
+    """The call's static facts and the config, resolved for the launches."""
+
+    scale: float
+    return_state: bool
+    chunk: int
+    block_k: int
+    block_v: int
+    num_warps: int
+    num_stages: int
+    precision: str
+
+    @classmethod
+    def of(cls, args: dict[str, Any], cfg: GlaConfig | None) -> _Statics:
+        q, v = args["query"], args["value"]
+        if cfg is None:
+            cfg = heuristic(_Inv(args))
+        dk, dv = q.shape[-1], v.shape[-1]
+        scale = args.get("softmax_scale")
+        bk, bv = cfg.blocks(dk, dv)
+        return cls(
+            scale=float(dk**-0.5 if scale is None else scale),
+            return_state=bool(args.get("return_state")),
+            chunk=cfg.chunk_size,
+            block_k=bk,
+            block_v=bv,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            precision="ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32",
+        )
+
+
+@attrs.frozen
+class _Inv:
+    kwargs: dict[str, Any]
+
+
+# -- forward --------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+    query, value, init = a["query"], a["value"], a["initial_state"]
+    b, s, h, dk = query.shape
+    dv = value.shape[-1]
+    lay = Layout.of(s, st.chunk, a["cu_seqlens"])
+    q, k, v, gates = (lay.to_chunks(a[n]) for n in ("query", "key", "value", "g"))
+    init_rows = lay.state_rows(init, (b, h, dk, dv))
+    run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks), _modes(lay, 6))
+    g, hs, final_rows, amat, o = run(q, k, v, gates, init_rows, lay.flags)
+    out = lay.from_chunks(o)
+    empty = init_rows[: final_rows.shape[0] - (1 if lay.packed else 0)]
+    final = lay.op_states(final_rows, empty)
+    res = {
+        "layout": lay,
+        "q": q,
+        "k": k,
+        "v": v,
+        "g": g,
+        "h": hs,
+        "a": amat,
+        "final_rows": final_rows,
+    }
+    res["dtypes"] = {"g": jnp.zeros((0,), a["g"].dtype)}  # the gradients' dtypes
+    if init is not None:  # the key's presence says the initial state has a gradient
+        res["init_rows"] = init_rows
+        res["dtypes"]["initial_state"] = jnp.zeros((0,), init.dtype)
+    return out, final, res
+
+
+def _forward_kernels(st: _Statics, nt: int) -> Any:
+    """``run(q, k, v, gates, init_rows, flags) -> (G, h, final_rows, A, o)``: the forward's
+    launches on the chunk layout."""
+    from ejkernel_triton.kernels.gla_fwd import (
+        gla_fwd_a_kernel,
+        gla_fwd_cumsum_kernel,
+        gla_fwd_h_kernel,
+        gla_fwd_o_kernel,
+    )
+
+    def run(q, k, v, gates, init_rows, flags):
+        b, t, h, dk = q.shape
+        dv = v.shape[-1]
+        c = st.chunk
+        common = _common(st)
+        (g,) = _launch.launch(
+            gla_fwd_cumsum_kernel,
+            gates,
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)],
+            grid=(_cdiv(dk, st.block_k), nt, b * h),
+            K=dk,
+            C=c,
+            BK=st.block_k,
+            MIN_LOG_DECAY=MIN_LOG_DECAY,
+            num_warps=st.num_warps,
+            num_stages=1,
+        )
+        hs, final_rows = _launch.launch(
+            gla_fwd_h_kernel,
+            k,
+            v,
+            g,
+            init_rows,
+            flags,
+            nt,
+            h,
+            init_rows.shape[0] // b,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
+                jax.ShapeDtypeStruct(init_rows.shape, jnp.float32),
+            ],
+            grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        (amat,) = _launch.launch(
+            gla_fwd_a_kernel,
+            q,
+            k,
+            g,
+            np.float32(st.scale),
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
+            grid=(nt * (c // SUB_CHUNK), b * h),
+            K=dk,
+            C=c,
+            BC=SUB_CHUNK,
+            BK=st.block_k,
+            **common,
+        )
+        (o,) = _launch.launch(
+            gla_fwd_o_kernel,
+            q,
+            v,
+            g,
+            hs,
+            amat,
+            np.float32(st.scale),
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype)],
+            grid=(_cdiv(dv, st.block_v), nt, b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        return g, hs, final_rows, amat, o
+
+    return run
+
+
+def _modes(lay: Layout, arrays: int) -> tuple[str, ...]:
+    """How :func:`~ejkernel_triton._launch.fold_vmap` folds a launch function's arguments
+    (the flags last): dense, a vmapped axis folds into the batch (state rows are one per batch
+    row); packed, the state rows are the sequences', so a vmapped call runs once per index."""
+    if lay.packed:
+        return (OTHER,) * arrays
+    return (BATCH,) * (arrays - 1) + (OTHER,)
+
+
+def _common(st: _Statics) -> dict[str, Any]:
+    return {
+        "num_warps": st.num_warps,
+        "num_stages": st.num_stages,
+        "DOT_PRECISION": st.precision,
+    }
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- backward -------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _backward(
+    res: dict[str, Any], d_o: jax.Array, d_final: jax.Array | None, st: _Statics
+) -> dict[str, jax.Array | None]:
+    lay: Layout = res["layout"]
+    q, v = res["q"], res["v"]
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    do = lay.to_chunks(d_o.astype(q.dtype))
+    dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
+    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), _modes(lay, 10))
+    dinit_rows, d_q, d_k, d_v, d_gamma, d_end = run(
+        q,
+        res["k"],
+        v,
+        res["g"],
+        res["h"],
+        res["a"],
+        res["final_rows"],
+        do,
+        dfinal_rows,
+        lay.flags,
+    )
+    # in-chunk reverse cumsums, plus what reaches each chunk through its end state
+    through_end = jnp.sum(d_end, axis=3).transpose(0, 2, 1, 3)  # [B, NT, H, K]
+    d_g = (d_gamma.reshape(b, lay.num_chunks, lay.chunk, h, dk) + through_end[:, :, None]).reshape(
+        d_gamma.shape
+    )
+    grads: dict[str, jax.Array | None] = {
+        "query": lay.from_chunks(d_q),
+        "key": lay.from_chunks(d_k),
+        "value": lay.from_chunks(d_v),
+        "g": lay.from_chunks(d_g).astype(res["dtypes"]["g"].dtype),
+    }
+    if "init_rows" in res:
+        empty = dfinal_rows[: dinit_rows.shape[0] - (1 if lay.packed else 0)]
+        d_init = lay.op_states(dinit_rows, empty)
+        grads["initial_state"] = d_init.astype(res["dtypes"]["initial_state"].dtype)
+    return grads
+
+
+def _backward_kernels(st: _Statics, nt: int) -> Any:
+    """``run(q, k, v, g, h, A, final_rows, do, dfinal_rows, flags) -> (dinit_rows, dq, dk, dv,
+    d_gamma, d_end)`` (``d_gamma``: the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``;
+    ``d_end [B, H, NT, NV, K]``: ``Σ_v h_end ⊙ dh`` per V block): the backward's launches on
+    the chunk layout."""
+    from ejkernel_triton.kernels.gla_bwd import (
+        gla_bwd_da_kernel,
+        gla_bwd_dh_kernel,
+        gla_bwd_dqk_kernel,
+        gla_bwd_dv_kernel,
+        gla_bwd_intra_kernel,
+    )
+
+    def run(q, k, v, g, hs, amat, final_rows, do, dfinal_rows, flags):
+        b, t, h, dk = q.shape
+        dv = v.shape[-1]
+        c = st.chunk
+        common = _common(st)
+        scale = np.float32(st.scale)
+        tokens = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
+        nv = _cdiv(dv, st.block_v)
+        dh, dinit_rows, d_end = _launch.launch(
+            gla_bwd_dh_kernel,
+            q,
+            g,
+            do,
+            hs,
+            final_rows,
+            dfinal_rows,
+            flags,
+            scale,
+            nt,
+            h,
+            dfinal_rows.shape[0] // b,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
+                jax.ShapeDtypeStruct(dfinal_rows.shape, jnp.float32),
+                jax.ShapeDtypeStruct((b, h, nt, nv, dk), jnp.float32),
+            ],
+            grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        (da,) = _launch.launch(
+            gla_bwd_da_kernel,
+            v,
+            do,
+            scale,
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
+            grid=(nt, b * h),
+            V=dv,
+            C=c,
+            BV=st.block_v,
+            **common,
+        )
+        (d_v,) = _launch.launch(
+            gla_bwd_dv_kernel,
+            k,
+            g,
+            amat,
+            do,
+            dh,
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            grid=(_cdiv(dv, st.block_v), nt, b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        dq_intra, dk_intra = _launch.launch(
+            gla_bwd_intra_kernel,
+            q,
+            k,
+            g,
+            da,
+            nt,
+            h,
+            out_shape=[tokens, tokens],
+            grid=(nt * (c // SUB_CHUNK), _cdiv(dk, st.block_k), b * h),
+            K=dk,
+            C=c,
+            BC=SUB_CHUNK,
+            BK=st.block_k,
+            **common,
+        )
+        d_q, d_k, d_gamma = _launch.launch(
+            gla_bwd_dqk_kernel,
+            q,
+            k,
+            v,
+            g,
+            hs,
+            dh,
+            do,
+            dq_intra,
+            dk_intra,
+            scale,
+            nt,
+            h,
+            out_shape=[
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                tokens,
+            ],
+            grid=(_cdiv(dk, st.block_k), nt, b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            **common,
+        )
+        return dinit_rows, d_q, d_k, d_v, d_gamma, d_end
+
+    return run

@@ -1,0 +1,118 @@
+"""gla (Triton): the config, the heuristic, the config space and what is served.
+
+The chunked kernels (:mod:`ejkernel_triton.kernels.gla_fwd`, ``gla_bwd``) take a chunk size
+``C`` (tokens per chunk: the length of the sequential state walk is ``T / C``), the sub-chunk
+``BC`` (16 rows: the intra-chunk matrix is built in 16 x 16 tiles), block sizes over the key
+dim ``K`` and the value dim ``V`` (the state kernels hold a ``[block_k, block_v]`` float32
+tile), warps and pipeline stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import jax.numpy as jnp
+
+from ejkernel_triton import _launch
+
+__all__ = ["SUB_CHUNK", "GlaConfig", "config_space", "heuristic", "supports"]
+
+#: Rows of a sub-chunk: the tile of the intra-chunk matrix (Triton's smallest ``tl.dot``).
+SUB_CHUNK = 16
+_CHUNKS = (16, 32, 64)
+_MAX_DIM = 256
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+@attrs.frozen(kw_only=True)
+class GlaConfig:
+    """Tunables of the Triton gla.
+
+    Attributes:
+        chunk_size: tokens per chunk, 16, 32 or 64 (a multiple of :data:`SUB_CHUNK`).
+        block_k: key-dim block of the state kernels and of the loops over K (a power of two
+            ≥ 16; clamped to K rounded up to one).
+        block_v: value-dim block, likewise.
+        num_warps: warps per program.
+        num_stages: software-pipelining stages.
+    """
+
+    chunk_size: int = attrs.field(default=64, validator=attrs.validators.in_(_CHUNKS))
+    block_k: int = attrs.field(default=64, validator=lambda *a: _power_of_two(*a))
+    block_v: int = attrs.field(default=64, validator=lambda *a: _power_of_two(*a))
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def blocks(self, dk: int, dv: int) -> tuple[int, int]:
+        """``(block_k, block_v)`` clamped to the call's dims rounded up to powers of two."""
+        return min(self.block_k, _pow2(dk)), min(self.block_v, _pow2(dv))
+
+
+def _power_of_two(config: Any, attribute: Any, value: int) -> None:
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"GlaConfig.{attribute.name} must be a power of two ≥ 16; got {value}")
+
+
+def supports(inv: Any) -> bool | str:
+    """True, or why not: dtypes other than bf16/f16/f32, mixed dtypes, K or V over 256."""
+    a = inv.kwargs
+    for name in ("query", "key", "value", "g"):
+        x = a[name]
+        if x.dtype not in _DTYPES:
+            return f"{name} dtype {x.dtype} (the Triton kernels take bfloat16, float16, float32)"
+    if len({a["query"].dtype, a["key"].dtype, a["value"].dtype}) != 1:
+        return "query, key and value dtypes differ"
+    dk, dv = a["query"].shape[-1], a["value"].shape[-1]
+    if max(dk, dv) > _MAX_DIM:
+        return f"K {dk} / V {dv}: the kernels hold K, V ≤ {_MAX_DIM}"
+    return True
+
+
+def heuristic(inv: Any) -> GlaConfig:
+    """Chunks of 64 with 64 x 64 state tiles; smaller chunks for short sequences (packed: by
+    their mean length, since each is padded to whole chunks), and in the interpreter (whose cost is per program and per loop step) whole-dim blocks."""
+    a = inv.kwargs
+    s, dk, dv = a["query"].shape[1], a["query"].shape[-1], a["value"].shape[-1]
+    cu = a.get("cu_seqlens")
+    length = s if cu is None else s / max(1, cu.shape[0] - 1)  # mean packed length
+    chunk = 64 if length > 32 else 32 if length > 16 else 16
+    if _launch.interpreting():
+        return GlaConfig(
+            chunk_size=min(chunk, 32), block_k=_pow2(dk), block_v=_pow2(dv), num_stages=1
+        )
+    dtype = jnp.dtype(a["query"].dtype)
+    return GlaConfig(
+        chunk_size=chunk,
+        block_k=min(64, _pow2(dk)),
+        block_v=min(64, _pow2(dv)),
+        num_warps=4,
+        num_stages=2 if dtype.itemsize == 2 else 1,
+    )
+
+
+def config_space(inv: Any) -> list[GlaConfig]:
+    """The heuristic, then chunks of 32 and 64 with 32/64-wide blocks and 4 or 8 warps."""
+    base = heuristic(inv)
+    if _launch.interpreting():
+        return [base]
+    a = inv.kwargs
+    dk, dv = a["query"].shape[-1], a["value"].shape[-1]
+    out = [base]
+    for chunk in (32, 64):
+        for bk, bv in ((64, 64), (32, 64), (64, 32)):
+            for warps in (4, 8):
+                cfg = attrs.evolve(
+                    base,
+                    chunk_size=min(chunk, base.chunk_size),
+                    block_k=min(bk, _pow2(dk)),
+                    block_v=min(bv, _pow2(dv)),
+                    num_warps=warps,
+                )
+                if cfg not in out:
+                    out.append(cfg)
+    return out
