@@ -32,10 +32,10 @@ JAX's TPU serving work:
   pairs of one item in a step simply add up). The rescale of an item's old ``l`` and ``acc``
   by ``alpha = exp(m_old - m_new)`` rides on the same scatter: the first pair of each item
   (pairs are sorted by item) adds ``state · (alpha - 1)``, so a step costs O(its pairs),
-  never O(all items). Masked entries are zeroed explicitly, and the values of keys outside
-  ``[kv_lo, kv_len)`` are zeroed and the rest pass through ``finite_or_zero`` before the
-  product, so NaN in unused cache slots, or at positions the causal mask or the window hides
-  from some rows, never leaks.
+  never O(all items). Hidden scores and probabilities are selected away
+  (``attention_semantics.mask_scores``/``hide``) and values pass through ``finite_or_zero``
+  before the product, so NaN or Inf in unused cache slots, past a sequence's length, or at
+  positions the causal mask or the window hides from some rows never leaks.
 - Scaled caches. With ``k_scale``/``v_scale`` the fetch gathers the pages in the cache's own
   dtype (``float8_e4m3fn``: half the bytes of bf16) and dequantises only the gathered block,
   ``block.astype(float32) · scale`` per KV head (``attention_semantics.dequantize_kv``); the
@@ -606,17 +606,15 @@ def attend(
         if slopes is not None:
             s = s + slopes * (kp - qp).astype(jnp.float32)[:, None, :, None, :]
         vis = visible[:, None, :, None, :]  # [W, 1, bq, 1, bk]
-        s = jnp.where(vis, s, MASK_VALUE)
+        s = semantics.mask_scores(s, vis)
         dest = jnp.where(ok, item, n)  # pairs past the end scatter nowhere
         m_old = m[item]
         m = m.at[dest].max(jnp.max(s, axis=-1), mode="drop")
         m_item = m[item]
-        p = jnp.where(vis, jnp.exp(s - m_item[..., None]), 0.0)
-        # Keys outside [kv_lo, kv_hi) may be garbage (even NaN), and a value hidden from some
-        # rows by the causal mask or the window may be NaN or Inf: p = 0 times either is NaN,
-        # so neither reaches p @ V (``finite_or_zero``: a value a row sees reads as 0 if not
-        # finite, as in the references).
-        values = jnp.where(key_ok[:, :, None, None], values, jnp.zeros((), values.dtype))
+        p = semantics.hide(jnp.exp(s - m_item[..., None]), vis)
+        # A hidden key's probability is an exact 0, but 0 times a NaN or Inf value (a stale slot
+        # past kv_len, a value the causal mask or the window hides from this row) is NaN: values
+        # enter p @ V through finite_or_zero (attention_semantics), as in the references.
         values = semantics.finite_or_zero(values)
         v = values.transpose(0, 2, 1, 3).reshape(w * hkv, bk, dv)
         p_flat = p.reshape(w * hkv, bq * group, bk).astype(v.dtype)
