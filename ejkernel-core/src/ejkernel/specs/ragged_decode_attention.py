@@ -98,8 +98,9 @@ def validate_ragged_decode_attention(a: dict[str, Any]) -> dict[str, Any]:
         check_floating(OP, (("query", q),))
         check_cache_dtype(OP, "query", q.dtype, k.dtype, pair="`key`/`value`")
     else:
+        if hasattr(k, "dtype"):
+            check_cache_dtype(OP, "key", k.dtype)  # a float8 other than e4m3fn, named as such
         check_qkv(OP, q, k, v, letters=letters, query_ndim=3)
-        check_cache_dtype(OP, "key", k.dtype)
     b, hq, d = (int(n) for n in q.shape)
     if (
         int(k.shape[0]) != b
