@@ -253,6 +253,7 @@ BAD_SCALES = {
     "k_scale-zero": ("k_scale", lambda h: 0.0, ValueError, "zero"),
     "v_scale-nan": ("v_scale", lambda h: math.nan, ValueError, "zero"),
     "k_scale-negative": ("k_scale", lambda h: -1.0, ValueError, "zero"),
+    "v_scale-past-float32": ("v_scale", lambda h: 1e40, ValueError, "zero"),
 }
 
 

@@ -180,7 +180,8 @@ def check_kv_scales(
         if isinstance(scale, (bool, np.bool_)):
             raise TypeError(f"{expected}; got {scale!r}")
         if isinstance(scale, (int, float, np.integer, np.floating)):
-            value = np.float32(scale)
+            with np.errstate(over="ignore"):  # a float past float32's range is refused below
+                value = np.float32(scale)
             if not (np.isfinite(value) and value > 0):
                 raise ValueError(f"{op}: `{scale_name}` must be finite and > 0; got {scale!r}")
             a[scale_name] = np.asarray(value, np.float32)
