@@ -7,7 +7,9 @@ implementation of ``PLATFORMS`` must give the same output and gradients as on cl
 finite; a row that sees nothing returns exact zeros with zero gradient. The dense visibility
 must equal the elementwise predicate (and a plain-Python reading of OPS.md), and the
 geometry's block helpers must agree with it. The paged serving ops get NaN/Inf inside a
-sequence's own pages, at tokens the causal mask or the window hides from some of its queries.
+sequence's own pages, at tokens the causal mask or the window hides from some of its queries
+and just past its length; the dense decode, around each row's range and window (float8
+caches too).
 
 A platform joins by adding its name to ``PLATFORMS`` (calls go through ``ejkernel.<op>(...,
 platform=p)``).
