@@ -7,7 +7,9 @@ implementation of ``PLATFORMS`` must give the same output and gradients as on cl
 finite; a row that sees nothing returns exact zeros with zero gradient. The dense visibility
 must equal the elementwise predicate (and a plain-Python reading of OPS.md), and the
 geometry's block helpers must agree with it. The paged serving ops get NaN/Inf inside a
-sequence's own pages, at tokens the causal mask or the window hides from some of its queries.
+sequence's own pages, at tokens the causal mask or the window hides from some of its queries
+and just past its length; the dense decode, around each row's range and window (float8
+caches too).
 
 A platform joins by adding its name to ``PLATFORMS`` (calls go through ``ejkernel.<op>(...,
 platform=p)``).
@@ -569,47 +571,102 @@ def test_interpreted_mosaic_gpu_kernels_keep_hidden_nan_out() -> None:
 
 #: Serving ops over a paged cache (forward only), with their argument layout.
 PAGED_OPS = {
+    "page_attention": "decode",
     "ragged_page_attention": "packed",
     "unified_attention": "packed",
     "prefill_page_attention": "prefill",
 }
+FP8 = "float8_e4m3fn"
+#: Cache scales of the float8 cases: per KV head (Hkv = 2) and per tensor.
+FP8_SCALES = {"k_scale": np.array([0.5, 2.0], np.float32), "v_scale": 0.75}
+CACHES = [(None, "float32"), (3, "float32"), (3, FP8)]
+
+
+def put(cache: np.ndarray, page: int, slot: int, value: float) -> None:
+    """``cache[page, slot] = value`` (float8 has no Inf: it stores NaN)."""
+    cache[page, slot] = np.asarray(value, np.float32).astype(cache.dtype)
 
 
 @pytest.mark.parametrize("platform", [None, *PLATFORMS], ids=lambda p: p or "reference")
-@pytest.mark.parametrize("window", [None, 3], ids=["causal", "window-3"])
+@pytest.mark.parametrize(("window", "cache"), CACHES, ids=["causal", "window-3", "window-3-fp8"])
 @pytest.mark.parametrize("op", sorted(PAGED_OPS))
 def test_paged_hidden_nan_stays_out_of_the_rows_that_cannot_see_it(
-    op: str, window: int | None, platform: str | None
+    op: str, window: int | None, cache: str, platform: str | None
 ) -> None:
     """Inside a sequence's own pages: NaN keys and +Inf values at its last token (seen by its
-    last query only) and, with a window, at the token just left of the first query's window
-    (seen by no query). Every other row equals its clean output. (Slots no sequence owns hold
-    NaN in every paged example already.)"""
+    last query only; planted where it has more than one query), with a window at the token
+    just left of its first query's window (seen by no query), and -Inf keys and NaN values
+    just past its length in its last page (no one's token). Every row that cannot see a
+    planted entry equals its clean output. (Slots no sequence owns hold NaN in every paged
+    example already.)"""
     from ejkernel.testing.cases._paged import PagedBatch
 
     layout = PAGED_OPS[op]
     spec = importlib.import_module(f"ejkernel.specs.{op}").SPEC
     kv_lens, q_lens = ((37,), (6,)) if layout == "prefill" else ((37, 21), (6, 3))
     batch = PagedBatch(
-        kv_lens=kv_lens, q_lens=q_lens, hq=4, hkv=2, d=32, page_size=8, max_pages=6, num_pages=16
+        kv_lens=kv_lens,
+        q_lens=None if layout == "decode" else q_lens,
+        hq=4,
+        hkv=2,
+        d=32,
+        page_size=8,
+        max_pages=6,
+        num_pages=16,
     )
+    q_lens = (1,) * len(kv_lens) if layout == "decode" else q_lens
     num_seqs = len(kv_lens) if "num_seqs" in spec.arg_names else None
-    example = batch.example(layout, num_seqs=num_seqs)
+    example = batch.example(layout, num_seqs=num_seqs, cache_dtype=cache)
     clean = {k: np.asarray(v) for k, v in example.build(spec, "float32").items()}
-    kw = {} if window is None else {"sliding_window": (window, 0)}
+    kw: dict[str, Any] = {} if window is None else {"sliding_window": (window, 0)}
+    kw |= FP8_SCALES if cache == FP8 else {}
     fn = spec.reference if platform is None else op_fn(op, platform)
     tables = clean["page_indices"][None] if layout == "prefill" else clean["block_tables"]
     poisoned = {k: v.copy() for k, v in clean.items()}
     seen_by_last_query = []
     for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):
-        planted = [kv_len - 1] + ([] if window is None else [kv_len - q_len - window - 1])
-        for pos in planted:
+        planted = [(kv_len - 1, np.nan, np.inf)] if q_len > 1 else []
+        if window is not None:
+            planted.append((kv_len - q_len - window - 1, np.nan, np.inf))
+        planted.append((kv_len, -np.inf, np.nan))  # past the length, inside the last live page
+        for pos, key, value in planted:
             page, slot = tables[s, pos // batch.page_size], pos % batch.page_size
-            poisoned["key_cache"][page, slot] = np.nan
-            poisoned["value_cache"][page, slot] = np.inf
-        seen_by_last_query.append(sum(q_lens[: s + 1]) - 1)
+            put(poisoned["key_cache"], page, slot, key)
+            put(poisoned["value_cache"], page, slot, value)
+        if q_len > 1:
+            seen_by_last_query.append(sum(q_lens[: s + 1]) - 1)
     want = np.asarray(fn(**{k: jnp.asarray(v) for k, v in clean.items()}, **kw))
     got = np.asarray(fn(**{k: jnp.asarray(v) for k, v in poisoned.items()}, **kw))
     rows = np.setdiff1d(np.arange(got.shape[0]), seen_by_last_query)
     assert np.isfinite(got[rows]).all(), "a row that cannot see a planted entry is not finite"
     np.testing.assert_allclose(got[rows], want[rows], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("platform", [None, *PLATFORMS], ids=lambda p: p or "reference")
+@pytest.mark.parametrize("cache", ["float32", FP8])
+def test_dense_decode_hidden_nan_stays_out_of_every_row(cache: str, platform: str | None) -> None:
+    """``ragged_decode_attention``: NaN keys and +Inf values just left of a row's window
+    (inside its valid range), -Inf keys and NaN values just before its start and at its end.
+    No row sees them: every row equals its clean output. (Entries outside a row's range hold
+    NaN in its examples already.)"""
+    from ejkernel.specs.ragged_decode_attention import SPEC
+    from ejkernel.testing.cases.ragged_decode_attention import rows_example
+
+    starts, ends, window = (0, 3, 10), (37, 30, 20), 4
+    example = rows_example(starts, ends, sk=37, hq=4, hkv=2, d=16, cache_dtype=cache)
+    clean = {k: np.asarray(v) for k, v in example.build(SPEC, "float32").items()}
+    kw: dict[str, Any] = {"sliding_window": (window, 0), "logits_soft_cap": 5.0}
+    kw |= FP8_SCALES if cache == FP8 else {}
+    fn = SPEC.reference if platform is None else op_fn("ragged_decode_attention", platform)
+    poisoned = {k: v.copy() for k, v in clean.items()}
+    for b, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        planted = [(end - 2 - window, np.nan, np.inf), (start - 1, -np.inf, np.nan)]
+        planted.append((end, -np.inf, np.nan))
+        for pos, key, value in planted:
+            if 0 <= pos < 37:
+                put(poisoned["key"], b, pos, key)
+                put(poisoned["value"], b, pos, value)
+    want = np.asarray(fn(**{k: jnp.asarray(v) for k, v in clean.items()}, **kw))
+    got = np.asarray(fn(**{k: jnp.asarray(v) for k, v in poisoned.items()}, **kw))
+    assert np.isfinite(got).all(), "a planted entry no row can see reached the output"
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

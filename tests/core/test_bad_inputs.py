@@ -234,3 +234,77 @@ def test_batch_zero_still_checks_platform_and_cfg() -> None:
     with pytest.raises(ValueError, match="`cfg` must be a config"):
         ejkernel.flash_attention(**args, cfg="big blocks")
     assert ejkernel.flash_attention(**args, platform="xla").shape[0] == 0
+
+
+#: Serving ops: their key and value caches (a dense cache for ``ragged_decode_attention``).
+SERVING = {
+    op: ("key", "value") if op == "ragged_decode_attention" else ("key_cache", "value_cache")
+    for op in builtin_ops()
+    if "k_scale" in builtin_spec(op).arg_names
+}
+#: A bad scale (``hkv`` -> value), the error and its message after the argument's name.
+BAD_SCALES = {
+    "k_scale-Hkv+1": ("k_scale", lambda h: np.ones((h + 1,), np.float32), ValueError, "shape"),
+    "v_scale-2d": ("v_scale", lambda h: np.ones((h, 1), np.float32), ValueError, "shape"),
+    "k_scale-bfloat16": ("k_scale", lambda h: jnp.ones((h,), jnp.bfloat16), TypeError, "dtype"),
+    "v_scale-int32": ("v_scale", lambda h: np.ones((h,), np.int32), TypeError, "dtype"),
+    "k_scale-str": ("k_scale", lambda h: "0.5", TypeError, "str"),
+    "v_scale-bool": ("v_scale", lambda h: True, TypeError, "True"),
+    "k_scale-zero": ("k_scale", lambda h: 0.0, ValueError, "zero"),
+    "v_scale-nan": ("v_scale", lambda h: math.nan, ValueError, "zero"),
+    "k_scale-negative": ("k_scale", lambda h: -1.0, ValueError, "zero"),
+    "v_scale-past-float32": ("v_scale", lambda h: 1e40, ValueError, "zero"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SCALES))
+@pytest.mark.parametrize("op", sorted(SERVING))
+def test_a_bad_cache_scale_is_refused_naming_it(op: str, case: str) -> None:
+    name, make, error, kind = BAD_SCALES[case]
+    args = first_example(op)
+    hkv = int(args[SERVING[op][0]].shape[2])
+    expected = rf"`{name}` must be a float or a float32 array \[Hkv\] with Hkv={hkv}; got "
+    message = {
+        "shape": expected + rf"{name}\.shape=",
+        "dtype": expected + "dtype ",
+        "str": expected + "str",
+        "True": expected + "True",
+        "zero": rf"`{name}` must be finite and > 0; got ",
+    }[kind]
+    with pytest.raises(error, match=rf"^{op}: {message}"):
+        call(op, {**args, name: make(hkv)})
+
+
+def float8_caches(op: str, args: dict[str, Any], dtype: Any = jnp.float8_e4m3fn) -> dict[str, Any]:
+    return {**args, **{name: args[name].astype(dtype) for name in SERVING[op]}}
+
+
+@pytest.mark.parametrize("missing", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("op", sorted(SERVING))
+def test_a_float8_cache_needs_its_scale(op: str, missing: str) -> None:
+    args = float8_caches(op, first_example(op))
+    given = {"v_scale" if missing == "k_scale" else "k_scale": 0.5}
+    cache = SERVING[op][0 if missing == "k_scale" else 1]
+    with pytest.raises(ValueError, match=rf"^{op}: `{missing}` must be .* when `{cache}` is float8_e4m3fn; got None"):  # fmt: skip
+        call(op, {**args, **given})
+
+
+@pytest.mark.parametrize("op", sorted(SERVING))
+def test_float8_queries_and_other_float8_caches_are_refused(op: str) -> None:
+    args = first_example(op)
+    scales = {"k_scale": 0.5, "v_scale": 0.5}
+    query = "queries" if "queries" in args else "query"
+    fp8 = float8_caches(op, args)
+    with pytest.raises(TypeError, match=rf"^{op}: `{query}` and .* must share one dtype, or the"):
+        call(op, {**fp8, query: args[query].astype(jnp.float8_e4m3fn), **scales})
+    e5m2 = float8_caches(op, args, jnp.float8_e5m2)
+    cache = SERVING[op][0]
+    with pytest.raises(TypeError, match=rf"^{op}: `{cache}` must be float8_e4m3fn .*float8_e5m2"):
+        call(op, {**e5m2, **scales})
+
+
+def test_v3_new_tokens_come_in_the_queries_dtype_beside_a_float8_cache() -> None:
+    args = float8_caches("ragged_page_attention_v3", first_example("ragged_page_attention_v3"))
+    args |= {"k_scale": 0.5, "v_scale": 0.5, "keys": args["keys"].astype(jnp.bfloat16)}
+    with pytest.raises(TypeError, match=r"`keys` must share the queries' dtype float32; got dtype"):
+        call("ragged_page_attention_v3", args)

@@ -21,6 +21,7 @@ _FLASH = (
 )
 _MASKING = "attention_mask[] q_segment_ids[] kv_segment_ids[]"
 _STATICS = "softmax_scale logits_soft_cap sliding_window"
+_KV_SCALES = "k_scale[] v_scale[]"
 
 PINNED: dict[str, tuple[bool, str]] = {
     "attention": (True, _FLASH),
@@ -62,25 +63,26 @@ PINNED: dict[str, tuple[bool, str]] = {
     ),
     "page_attention": (
         False,
-        f"query![] key_cache![] value_cache![] kv_lens![] block_tables![] {_STATICS}",
+        f"query![] key_cache![] value_cache![] kv_lens![] block_tables![] {_STATICS} {_KV_SCALES}",
     ),
     "prefill_page_attention": (
         False,
-        f"query![] key_cache![] value_cache![] kv_len![] page_indices![] {_STATICS}",
+        f"query![] key_cache![] value_cache![] kv_len![] page_indices![] {_STATICS} {_KV_SCALES}",
     ),
     "ragged_decode_attention": (
         False,
-        f"query![] key![] value![] sequence_start![] sequence_end![] {_STATICS} softmax_aux[]",
+        f"query![] key![] value![] sequence_start![] sequence_end![] {_STATICS} softmax_aux[] "
+        f"{_KV_SCALES}",
     ),
     "ragged_page_attention": (
         False,
         "queries![] key_cache![] value_cache![] kv_lens![] block_tables![] query_start_loc![] "
-        f"num_seqs![] {_STATICS} softmax_aux[]",
+        f"num_seqs![] {_STATICS} softmax_aux[] {_KV_SCALES}",
     ),
     "ragged_page_attention_v3": (
         False,
         "queries![] keys![] values![] key_cache![] value_cache![] kv_lens![] block_tables![] "
-        f"query_start_loc![] num_seqs![] {_STATICS} softmax_aux[]",
+        f"query_start_loc![] num_seqs![] {_STATICS} softmax_aux[] {_KV_SCALES}",
     ),
     "recurrent": (
         True,
@@ -106,7 +108,8 @@ PINNED: dict[str, tuple[bool, str]] = {
     "unified_attention": (
         False,
         "queries![] key_cache![] value_cache![] kv_lens![] block_tables![] query_start_loc![] "
-        "alibi_slopes[] softmax_aux[] softmax_scale causal=True sliding_window logits_soft_cap",
+        "alibi_slopes[] softmax_aux[] softmax_scale causal=True sliding_window logits_soft_cap "
+        f"{_KV_SCALES}",
     ),
 }
 

@@ -203,6 +203,21 @@ def test_native_decode_declines_shapes_the_kernel_lacks(fake_gpu: None) -> None:
     assert "Dv == D" in record.rejected["cuda"]
 
 
+def test_native_decode_declines_scaled_caches(fake_gpu: None, monkeypatch) -> None:
+    """float8 caches, and any cache read with k_scale/v_scale, go to XLA with a reason."""
+    monkeypatch.setattr(_build, "native_status", lambda: True)
+    q, k, v, lens, tables = paged_args()
+    fp8 = (k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn))
+    for caches, scales in (((k, v), {"v_scale": 0.5}), (fp8, {"k_scale": 0.5, "v_scale": 2.0})):
+        record = ejkernel.explain("page_attention", q, *caches, lens, tables, **scales)
+        assert record.platform == "xla" and "k_scale/v_scale" in record.rejected["cuda"]
+    dense = (jnp.zeros((2, 40, 2, 64), jnp.float8_e4m3fn),) * 2
+    n = jnp.zeros((2,), jnp.int32)
+    scales = {"k_scale": jnp.ones((2,), jnp.float32), "v_scale": 0.5}
+    record = ejkernel.explain("ragged_decode_attention", q[:2, :, :64], *dense, n, n, **scales)
+    assert record.platform == "xla" and "k_scale/v_scale" in record.rejected["cuda"]
+
+
 def test_native_route_is_chosen_once_built(fake_gpu: None, monkeypatch) -> None:
     monkeypatch.setattr(_build, "native_status", lambda: True)
     record = ejkernel.explain("page_attention", *paged_args())

@@ -58,6 +58,14 @@ traced scalars (answers are JAX scalars), so one record serves XLA loops and Pal
 padded to whole blocks (``sq_pad = nq · bq``, ``sk_pad = nk · bk``); a padded key is one that
 does not exist (``kv_valid``).
 
+**Scaled caches.** The serving ops take ``k_scale``/``v_scale`` (a float, or float32
+``[Hkv]``): their key and value caches, ``float8_e4m3fn`` or any floating dtype, are read as
+``cache.astype(float32) · scale`` (per KV head, the cache's axis ``-2``, when ``[Hkv]``;
+:func:`dequantize_kv`), and the new keys and values ``ragged_page_attention_v3`` writes are
+stored as ``x / scale`` rounded to nearest (ties to even) and saturated at the cache dtype's
+largest finite magnitude, ±448 for ``float8_e4m3fn`` (:func:`quantize_kv`; NaN stays NaN).
+A kernel dequantises the tiles it reads, so the cache is read in its own (narrow) dtype.
+
 Dropout is defined beside this, in :func:`ejkernel.specs.flash_attention.dropout_keep`.
 """
 
@@ -78,9 +86,11 @@ __all__ = [
     "Tiling",
     "bias_grad",
     "dense_visibility",
+    "dequantize_kv",
     "finite_or_zero",
     "hide",
     "mask_scores",
+    "quantize_kv",
     "sink_grad",
     "sink_probabilities",
     "soft_cap",
@@ -403,6 +413,39 @@ def finite_or_zero(x: jax.Array) -> jax.Array:
     """``x`` with NaN and ±Inf entries read as 0: how keys and values enter the products of
     probabilities, so ``0 · NaN`` never reaches a row that cannot see the entry."""
     return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def _per_head(scale: Any) -> jax.Array:
+    """A cache scale as float32, shaped to broadcast against ``[..., Hkv, D]``."""
+    scale = jnp.asarray(scale, jnp.float32)
+    return scale[:, None] if scale.ndim == 1 else scale
+
+
+def dequantize_kv(cache: jax.Array, scale: Any) -> jax.Array:
+    """How a serving op reads a key or value cache: ``cache.astype(float32) · scale``.
+
+    Args:
+        cache: ``[..., Hkv, D]`` (a paged cache, a dense one, or a gathered tile), in
+            ``float8_e4m3fn`` or any floating dtype.
+        scale: ``None`` (the cache is read as it is), a float or float32 scalar (per tensor),
+            or float32 ``[Hkv]`` (per KV head).
+    """
+    if scale is None:
+        return cache
+    return cache.astype(jnp.float32) * _per_head(scale)
+
+
+def quantize_kv(x: jax.Array, scale: Any, dtype: Any) -> jax.Array:
+    """How new keys or values ``x [..., Hkv, D]`` are stored in a cache of ``dtype`` read with
+    ``scale`` (:func:`dequantize_kv`'s inverse up to rounding): ``x / scale`` in float32,
+    saturated at ``dtype``'s largest finite magnitude (±448 for ``float8_e4m3fn``; an Inf
+    saturates too), then rounded to nearest, ties to even. NaN stays NaN. Without a scale,
+    ``x`` is cast to ``dtype``."""
+    if scale is None:
+        return x.astype(dtype)
+    largest = float(jnp.finfo(dtype).max)
+    y = x.astype(jnp.float32) / _per_head(scale)
+    return jnp.clip(y, -largest, largest).astype(dtype)
 
 
 def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:

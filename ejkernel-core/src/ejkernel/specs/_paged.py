@@ -7,6 +7,12 @@ order, so its key at position ``p`` lives in page ``block_tables[s, p // page_si
 ``p % page_size``. Table entries past the live pages are never read: they may hold any value
 (``-1``, ``10**6``). Sequences may share pages (a common prefix).
 
+Scaled caches (OPS.md): every serving op takes ``k_scale=None, v_scale=None``, each a float
+or float32 ``[Hkv]``; with them the caches may be ``float8_e4m3fn`` (the queries then keep a
+wider floating dtype) and are read as ``cache.astype(float32) · scale``, per KV head for
+``[Hkv]`` (:func:`ejkernel.attention_semantics.dequantize_kv`). A ``float8_e4m3fn`` cache
+without its scale is an error; a wider cache with scales is read by the same formula.
+
 Every check raises ValueError/TypeError starting with the op, naming the argument and the
 expected shape in OPS.md letters.
 """
@@ -21,7 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.attention_semantics import soft_cap, visible
+from ejkernel.attention_semantics import (
+    dequantize_kv,
+    finite_or_zero,
+    hide,
+    mask_scores,
+    soft_cap,
+    visible,
+)
 from ejkernel.specs._base import (
     check_array,
     check_floating,
@@ -31,11 +44,14 @@ from ejkernel.specs._base import (
 )
 
 __all__ = [
+    "FP8",
     "PagedCache",
     "attend_rows",
     "check_block_tables",
+    "check_cache_dtype",
     "check_counted_vector",
     "check_index_vector",
+    "check_kv_scales",
     "check_paged_cache",
     "check_queries",
     "check_scalar_index",
@@ -47,10 +63,13 @@ __all__ = [
     "ragged_tokens",
     "synthetic_paged_batch",
     "synthetic_paged_inputs",
+    "synthetic_scales",
     "window_mask",
 ]
 
 _CACHE_LETTERS = "[num_pages, page_size, Hkv, D]"
+#: The narrow cache dtype the serving ops read with ``k_scale``/``v_scale``.
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 @attrs.frozen(kw_only=True)
@@ -80,6 +99,7 @@ def check_paged_cache(op: str, key_cache: Any, value_cache: Any) -> PagedCache:
             f"{tuple(value_cache.shape)} {value_cache.dtype}, key_cache "
             f"{tuple(key_cache.shape)} {key_cache.dtype}"
         )
+    check_cache_dtype(op, "key_cache", key_cache.dtype)
     if min(key_cache.shape) == 0:
         raise ValueError(
             f"{op}: `key_cache` {_CACHE_LETTERS} must have no empty axis; got "
@@ -93,11 +113,7 @@ def check_queries(op: str, name: str, x: Any, *, letters: str, cache: PagedCache
     """Check a query array whose last two axes are ``[Hq, D]`` against the cache; return Hq."""
     check_array(op, name, x, ndim=len(letters.split(",")), letters=letters)
     check_floating(op, ((name, x),))
-    if x.dtype != cache.dtype:
-        raise TypeError(
-            f"{op}: `{name}` and the key/value cache must share one dtype; got {x.dtype} and "
-            f"{cache.dtype}"
-        )
+    check_cache_dtype(op, name, x.dtype, cache.dtype, pair="the key/value cache")
     hq = int(x.shape[-2])
     if int(x.shape[-1]) != cache.d or hq == 0 or hq % cache.hkv != 0:
         raise ValueError(
@@ -109,6 +125,73 @@ def check_queries(op: str, name: str, x: Any, *, letters: str, cache: PagedCache
             f"{op}: `{name}` must have non-empty Hq and D; got {name}.shape={tuple(x.shape)}"
         )
     return hq
+
+
+def _is_8bit_float(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and jnp.dtype(dtype).itemsize == 1
+
+
+def check_cache_dtype(
+    op: str, name: str, dtype: Any, cache_dtype: Any = None, *, pair: str = ""
+) -> None:
+    """A cache dtype is floating and ``float8_e4m3fn`` if 8-bit; with ``cache_dtype``, ``name``
+    is the query (``pair`` names the cache in the message): it shares the cache dtype, or the
+    cache is ``float8_e4m3fn`` and the query is a wider floating dtype. Raises TypeError."""
+    if cache_dtype is None:
+        if _is_8bit_float(dtype) and jnp.dtype(dtype) != FP8:
+            raise TypeError(
+                f"{op}: `{name}` must be float8_e4m3fn (read with k_scale/v_scale) or a wider "
+                f"floating dtype; got dtype {dtype}"
+            )
+        return
+    if dtype == cache_dtype and not _is_8bit_float(dtype):
+        return
+    if jnp.dtype(cache_dtype) == FP8 and not _is_8bit_float(dtype):
+        return
+    raise TypeError(
+        f"{op}: `{name}` and {pair} must share one dtype, or the cache be float8_e4m3fn (read "
+        f"with k_scale/v_scale) and `{name}` a wider floating dtype; got {dtype} and "
+        f"{cache_dtype}"
+    )
+
+
+def check_kv_scales(
+    op: str,
+    a: dict[str, Any],
+    *,
+    hkv: int,
+    cache_dtype: Any,
+    caches: tuple[str, str] = ("key_cache", "value_cache"),
+) -> None:
+    """``k_scale``/``v_scale`` of ``a``: None, a float, or float32 ``[Hkv]`` (a float32 scalar
+    array is a per-tensor scale too: it may be traced); a ``float8_e4m3fn`` cache needs both.
+
+    A Python number must be finite and > 0 (an array may be traced, so its values are not
+    checked); it becomes a float32 scalar array, so the scale's value never enters a cache key.
+    ``caches`` name the key and value caches in messages.
+    """
+    for scale_name, cache_name in zip(("k_scale", "v_scale"), caches, strict=True):
+        scale = a.get(scale_name)
+        expected = f"{op}: `{scale_name}` must be a float or a float32 array [Hkv] with Hkv={hkv}"
+        if scale is None:
+            if jnp.dtype(cache_dtype) == FP8:
+                raise ValueError(f"{expected} when `{cache_name}` is float8_e4m3fn; got None")
+            continue
+        if isinstance(scale, (bool, np.bool_)):
+            raise TypeError(f"{expected}; got {scale!r}")
+        if isinstance(scale, (int, float, np.integer, np.floating)):
+            with np.errstate(over="ignore"):  # a float past float32's range is refused below
+                value = np.float32(scale)
+            if not (np.isfinite(value) and value > 0):
+                raise ValueError(f"{op}: `{scale_name}` must be finite and > 0; got {scale!r}")
+            a[scale_name] = np.asarray(value, np.float32)
+            continue
+        if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
+            raise TypeError(f"{expected}; got {type(scale).__name__}")
+        if scale.dtype != np.float32:
+            raise TypeError(f"{expected}; got dtype {scale.dtype}")
+        if tuple(scale.shape) not in ((), (hkv,)):
+            raise ValueError(f"{expected}; got {scale_name}.shape={tuple(scale.shape)}")
 
 
 def check_index_vector(op: str, name: str, x: Any, *, letters: str, length: int) -> None:
@@ -261,20 +344,20 @@ def attend_rows(
     """
     hq, hkv = q.shape[1], k.shape[2]
     k = jnp.repeat(k.astype(jnp.float32), hq // hkv, axis=2)
-    # Values of invisible keys are zeroed, so garbage (even NaN) in unused slots never leaks in.
-    v = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
-    v = jnp.repeat(v, hq // hkv, axis=2)
+    # A value enters p @ V through finite_or_zero and a hidden key's probability is an exact
+    # 0 (attention_semantics), so garbage (even NaN) in a slot a row cannot see never leaks in.
+    v = jnp.repeat(finite_or_zero(v.astype(jnp.float32)), hq // hkv, axis=2)
+    vis = visible[:, None, :]
     logits = jnp.einsum("rhd,rkhd->rhk", q.astype(jnp.float32), k) * softmax_scale
     logits = soft_cap(logits, logits_soft_cap)
     if bias is not None:
         logits = logits + bias
-    logits = jnp.where(visible[:, None, :], logits, -jnp.inf)
+    logits = mask_scores(logits, vis)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     if softmax_aux is not None:
         aux = softmax_aux.astype(jnp.float32).reshape(hq, -1)
         row_max = jnp.maximum(row_max, jnp.max(aux, axis=-1)[None, :, None])
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.exp(logits - row_max)
+    p = hide(jnp.exp(logits - row_max), vis)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     if softmax_aux is not None:
         denom = denom + jnp.sum(jnp.exp(aux[None] - row_max), axis=-1, keepdims=True)
@@ -297,6 +380,8 @@ def paged_reference(
     sliding_window: Any = None,
     softmax_aux: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> jax.Array:
     """The reference of every paged op: each query row attends over its sequence's pages.
 
@@ -311,12 +396,14 @@ def paged_reference(
         softmax_scale: multiplies the logits; None means D ** -0.5.
         logits_soft_cap, sliding_window, softmax_aux: as OPS.md defines them.
         alibi_slopes: [Hq]; adds ``slope · (key_pos - query_pos)`` after the soft cap.
+        k_scale, v_scale: the caches are read as ``cache.astype(float32) · scale``
+            (:func:`ejkernel.attention_semantics.dequantize_kv`), or as they are when None.
     """
     if softmax_scale is None:
         softmax_scale = queries.shape[-1] ** -0.5
     seq, q_pos, live = tokens
-    keys = gather_sequence_pages(key_cache, block_tables)  # [S, capacity, Hkv, D]
-    values = gather_sequence_pages(value_cache, block_tables)
+    keys = dequantize_kv(gather_sequence_pages(key_cache, block_tables), k_scale)
+    values = dequantize_kv(gather_sequence_pages(value_cache, block_tables), v_scale)
     k_pos = jnp.arange(keys.shape[1])[None, :]
     kv_len = kv_lens.astype(jnp.int32)[seq][:, None]
     visible = (
@@ -359,6 +446,8 @@ def packed_paged_reference(args: Mapping[str, Any], *, causal: bool = True) -> j
         sliding_window=args.get("sliding_window"),
         softmax_aux=args.get("softmax_aux"),
         alibi_slopes=args.get("alibi_slopes"),
+        k_scale=args.get("k_scale"),
+        v_scale=args.get("v_scale"),
     )
 
 
@@ -435,6 +524,16 @@ def synthetic_paged_batch(
     }
 
 
+def synthetic_scales(abstract: Mapping[str, Any], out: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``out`` with array ``k_scale``/``v_scale`` drawn in ``[0.5, 1.5)`` (scales are > 0)."""
+    rng = np.random.default_rng(seed + 1)
+    for name in ("k_scale", "v_scale"):
+        a = abstract.get(name)
+        if isinstance(a, jax.ShapeDtypeStruct):
+            out[name] = rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
+    return out
+
+
 def synthetic_paged_inputs(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     """Valid inputs of any paged-cache op from abstract shapes (the spec's ``synthetic``).
 
@@ -443,7 +542,7 @@ def synthetic_paged_inputs(abstract: Mapping[str, Any], seed: int = 0) -> dict[s
     sequence live), one decode query per sequence (``query`` and ``block_tables``) or one
     sequence's chunk (``query`` and ``page_indices``, ``kv_len``).
     """
-    out = default_synthetic(abstract, seed)
+    out = synthetic_scales(abstract, default_synthetic(abstract, seed), seed)
     num_pages, page_size = abstract["key_cache"].shape[:2]
     single = "page_indices" in abstract
     if single:

@@ -7,6 +7,8 @@ page_size)]`` (later table slots are never read and may hold any value), restric
 ``[p - left, p]`` by ``sliding_window``. ``logits_soft_cap`` applies ``cap · tanh(x / cap)``
 before masking. A sequence with ``kv_lens[s] == 0`` returns zeros. GQA: query head ``h`` reads
 KV head ``h // (Hq // Hkv)``. Accumulation is float32; the output keeps the query dtype.
+With ``k_scale``/``v_scale`` (a float, or float32 ``[Hkv]``) the caches, then possibly
+``float8_e4m3fn``, are read as ``cache.astype(float32) · scale``, per KV head for ``[Hkv]``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
     check_block_tables,
     check_index_vector,
+    check_kv_scales,
     check_paged_cache,
     check_queries,
     paged_reference,
@@ -62,6 +65,7 @@ def validate_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults. Raises ValueError/TypeError."""
     cache = check_paged_cache(OP, a["key_cache"], a["value_cache"])
     check_queries(OP, "query", a["query"], letters="[S, Hq, D]", cache=cache)
+    check_kv_scales(OP, a, hkv=cache.hkv, cache_dtype=cache.dtype)
     s = int(a["query"].shape[0])
     check_index_vector(OP, "kv_lens", a["kv_lens"], letters="[S]", length=s)
     check_block_tables(OP, "block_tables", a["block_tables"], num_seqs=s)
@@ -79,6 +83,8 @@ def page_attention(
     softmax_scale: float | None = None,
     logits_soft_cap: float | None = None,
     sliding_window: int | tuple[int, int] | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     platform: str | None = None,
     cfg: Any = None,
 ) -> jax.Array:
@@ -95,6 +101,10 @@ def page_attention(
         logits_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking.
         sliding_window: ``(left, right)`` or ``w``; the query sees keys in
             ``[kv_len - 1 - left, kv_len - 1]``.
+        k_scale: ``None``, a float, or float32 [Hkv]: ``key_cache`` is read as
+            ``key_cache.astype(float32) * k_scale`` (per KV head for [Hkv]); required when the
+            cache is float8_e4m3fn (the query keeps its own, wider floating dtype).
+        v_scale: the same for ``value_cache``.
         platform: force an installed platform (``"xla"``, ...).
         cfg: a config for the selected implementation (this call only).
 

@@ -9,6 +9,8 @@ zeros), restricted to ``[p - left, p]`` by ``sliding_window``. ``logits_soft_cap
 ``cap · tanh(x / cap)`` before masking. ``kv_len`` is a Python int or an integer array of
 shape ``()`` or ``(1,)`` (it may be traced). GQA: query head ``h`` reads KV head
 ``h // (Hq // Hkv)``. Accumulation is float32; the output keeps the query dtype.
+With ``k_scale``/``v_scale`` (a float, or float32 ``[Hkv]``) the caches, then possibly
+``float8_e4m3fn``, are read as ``cache.astype(float32) · scale``, per KV head for ``[Hkv]``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
     check_counted_vector,
+    check_kv_scales,
     check_paged_cache,
     check_queries,
     check_scalar_index,
@@ -70,6 +73,7 @@ def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults; ``kv_len`` becomes an int32 scalar array."""
     cache = check_paged_cache(OP, a["key_cache"], a["value_cache"])
     check_queries(OP, "query", a["query"], letters="[C, Hq, D]", cache=cache)
+    check_kv_scales(OP, a, hkv=cache.hkv, cache_dtype=cache.dtype)
     num_pages = check_counted_vector(OP, "page_indices", a["page_indices"], count="P")
     a["kv_len"] = check_scalar_index(OP, "kv_len", a["kv_len"], upper=num_pages * cache.page_size)
     attention_statics(OP, a, d=cache.d)
@@ -86,6 +90,8 @@ def prefill_page_attention(
     softmax_scale: float | None = None,
     logits_soft_cap: float | None = None,
     sliding_window: int | tuple[int, int] | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     platform: str | None = None,
     cfg: Any = None,
 ) -> jax.Array:
@@ -103,6 +109,10 @@ def prefill_page_attention(
         logits_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking.
         sliding_window: ``(left, right)`` or ``w``; a query at position p sees keys in
             ``[p - left, p]``.
+        k_scale: ``None``, a float, or float32 [Hkv]: ``key_cache`` is read as
+            ``key_cache.astype(float32) * k_scale`` (per KV head for [Hkv]); required when the
+            cache is float8_e4m3fn (the query keeps its own, wider floating dtype).
+        v_scale: the same for ``value_cache``.
         platform: force an installed platform (``"xla"``, ...).
         cfg: a config for the selected implementation (this call only).
 

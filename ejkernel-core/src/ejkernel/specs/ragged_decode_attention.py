@@ -8,6 +8,8 @@ nothing lies past ``p``). Logits are ``softmax_scale · q·kᵀ``, then ``cap ·
 when ``logits_soft_cap`` is set; ``softmax_aux`` sink logits ``[Hq]`` or ``[Hq, n]`` join the
 denominator only. An empty range (``end <= start``) returns zeros. GQA: query head ``h`` reads
 KV head ``h // (Hq // Hkv)``. Accumulation is float32; the output keeps the query dtype.
+With ``k_scale``/``v_scale`` (a float, or float32 ``[Hkv]``) ``key``/``value``, then possibly
+``float8_e4m3fn``, are read as ``cache.astype(float32) · scale``, per KV head for ``[Hkv]``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_qkv, default_synthetic
+from ejkernel.attention_semantics import dequantize_kv
+from ejkernel.specs._base import (
+    OpSpec,
+    call_op,
+    check_array,
+    check_floating,
+    check_qkv,
+    default_synthetic,
+)
 from ejkernel.specs._paged import (
+    FP8,
     attend_rows,
+    check_cache_dtype,
     check_index_vector,
+    check_kv_scales,
     check_sinks,
+    synthetic_scales,
     window_mask,
 )
 from ejkernel.specs.flash_attention import attention_statics
@@ -49,8 +63,11 @@ def ragged_decode_attention_reference(
     logits_soft_cap: float | None = None,
     sliding_window: int | tuple[int, int] | None = None,
     softmax_aux: jax.Array | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> jax.Array:
-    """Plain-JAX oracle: one masked softmax per row over its whole dense cache."""
+    """Plain-JAX oracle: one masked softmax per row over its whole dense cache (read through
+    :func:`ejkernel.attention_semantics.dequantize_kv`)."""
     sk = key.shape[1]
     if softmax_scale is None:
         softmax_scale = query.shape[-1] ** -0.5
@@ -61,8 +78,8 @@ def ragged_decode_attention_reference(
     visible &= window_mask(k_pos, end - 1, causal=True, sliding_window=sliding_window)
     return attend_rows(
         query,
-        key,
-        value,
+        dequantize_kv(key, k_scale),
+        dequantize_kv(value, v_scale),
         visible,
         softmax_scale=softmax_scale,
         logits_soft_cap=logits_soft_cap,
@@ -74,7 +91,16 @@ def validate_ragged_decode_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults. Raises ValueError/TypeError."""
     q, k, v = a["query"], a["key"], a["value"]
     letters = ("[B, Hq, D]", "[B, Sk, Hkv, D]", "[B, Sk, Hkv, Dv]")
-    check_qkv(OP, q, k, v, letters=letters, query_ndim=3)
+    if getattr(k, "dtype", None) == FP8 and getattr(v, "dtype", None) == FP8:
+        # A float8_e4m3fn cache is read with k_scale/v_scale beside a wider query.
+        for name, x, spelled, ndim in zip(("query", "key", "value"), (q, k, v), letters, (3, 4, 4)):
+            check_array(OP, name, x, ndim=ndim, letters=spelled)
+        check_floating(OP, (("query", q),))
+        check_cache_dtype(OP, "query", q.dtype, k.dtype, pair="`key`/`value`")
+    else:
+        if hasattr(k, "dtype"):
+            check_cache_dtype(OP, "key", k.dtype)  # a float8 other than e4m3fn, named as such
+        check_qkv(OP, q, k, v, letters=letters, query_ndim=3)
     b, hq, d = (int(n) for n in q.shape)
     if (
         int(k.shape[0]) != b
@@ -97,12 +123,13 @@ def validate_ragged_decode_attention(a: dict[str, Any]) -> dict[str, Any]:
     for name in ("sequence_start", "sequence_end"):
         check_index_vector(OP, name, a[name], letters="[B]", length=b)
     check_sinks(OP, a.get("softmax_aux"), hq)
+    check_kv_scales(OP, a, hkv=int(k.shape[2]), cache_dtype=k.dtype, caches=("key", "value"))
     attention_statics(OP, a, d=d)
     return a
 
 
 def _synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
-    out = default_synthetic(abstract, seed)
+    out = synthetic_scales(abstract, default_synthetic(abstract, seed), seed)
     rng = np.random.default_rng(seed)
     b, sk = abstract["key"].shape[:2]
     end = rng.integers(1, sk + 1, size=b)
@@ -124,6 +151,8 @@ def ragged_decode_attention(
     logits_soft_cap: float | None = None,
     sliding_window: int | tuple[int, int] | None = None,
     softmax_aux: jax.Array | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     platform: str | None = None,
     cfg: Any = None,
 ) -> jax.Array:
@@ -140,6 +169,10 @@ def ragged_decode_attention(
         sliding_window: ``(left, right)`` or ``w``; the query sees keys in
             ``[end - 1 - left, end - 1]``.
         softmax_aux: [Hq] or [Hq, n] attention-sink logits (denominator only).
+        k_scale: ``None``, a float, or float32 [Hkv]: ``key`` is read as
+            ``key.astype(float32) * k_scale`` (per KV head for [Hkv]); required when the
+            cache is float8_e4m3fn (the query keeps its own, wider floating dtype).
+        v_scale: the same for ``value``.
         platform: force an installed platform (``"xla"``, ...).
         cfg: a config for the selected implementation (this call only).
 

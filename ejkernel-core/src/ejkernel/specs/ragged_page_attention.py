@@ -20,6 +20,9 @@ Semantics every implementation follows (OPS.md vocabulary):
   p + right]``; ``right`` is moot under causality); ``softmax_aux`` ``[Hq]`` or ``[Hq, n]``
   sink logits join the softmax denominator only. GQA: query head ``h`` reads KV head
   ``h // (Hq // Hkv)``. Accumulation is float32; the output keeps the query dtype.
+- ``k_scale``/``v_scale`` (a float, or float32 ``[Hkv]``): the caches, then possibly
+  ``float8_e4m3fn``, are read as ``cache.astype(float32) · scale``, per KV head for ``[Hkv]``
+  (:func:`ejkernel.attention_semantics.dequantize_kv`); a float8 cache needs both.
 
 Index values are never validated (they may be traced): lengths beyond a sequence's capacity
 ``max_pages · page_size`` are clamped to it, and malformed offsets give unspecified (but finite,
@@ -37,6 +40,7 @@ from ejkernel.specs._paged import (
     check_block_tables,
     check_counted_vector,
     check_index_vector,
+    check_kv_scales,
     check_paged_cache,
     check_queries,
     check_scalar_index,
@@ -60,6 +64,7 @@ def validate_ragged_page_attention(a: dict[str, Any], *, op: str = OP) -> dict[s
     """Check every argument; fill defaults; ``num_seqs`` becomes an int32 scalar array."""
     cache = check_paged_cache(op, a["key_cache"], a["value_cache"])
     hq = check_queries(op, "queries", a["queries"], letters="[T, Hq, D]", cache=cache)
+    check_kv_scales(op, a, hkv=cache.hkv, cache_dtype=cache.dtype)
     num_seqs = check_counted_vector(
         op, "kv_lens", a["kv_lens"], count="num_seqs", allow_empty=a["queries"].shape[0] == 0
     )
@@ -87,6 +92,8 @@ def ragged_page_attention_reference(
     logits_soft_cap: float | None = None,
     sliding_window: int | tuple[int, int] | None = None,
     softmax_aux: jax.Array | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> jax.Array:
     """Plain-JAX oracle: gather each sequence's pages, then one masked softmax per token."""
     return packed_paged_reference(locals())
@@ -105,6 +112,8 @@ def ragged_page_attention(
     logits_soft_cap: float | None = None,
     sliding_window: int | tuple[int, int] | None = None,
     softmax_aux: jax.Array | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     platform: str | None = None,
     cfg: Any = None,
 ) -> jax.Array:
@@ -127,6 +136,10 @@ def ragged_page_attention(
         sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``; with causality a query at
             position p sees keys in ``[p - left, p]``.
         softmax_aux: [Hq] or [Hq, n] attention-sink logits (denominator only).
+        k_scale: ``None``, a float, or float32 [Hkv]: ``key_cache`` is read as
+            ``key_cache.astype(float32) * k_scale`` (per KV head for [Hkv]); required when the
+            cache is float8_e4m3fn (the queries keeps its own, wider floating dtype).
+        v_scale: the same for ``value_cache``.
         platform: force an installed platform (``"xla"``, ...).
         cfg: a config for the selected implementation (this call only).
 

@@ -10,6 +10,13 @@ written. Then every query attends, causally, to its sequence's ``kv_lens[s]`` ke
 just written included. Two tokens writing one slot (sequences whose *new* tokens share a page
 slot) leave an unspecified one of them; sharing read-only prefix pages is fine.
 
+With ``k_scale``/``v_scale`` (a float, or float32 ``[Hkv]``) the caches, then possibly
+``float8_e4m3fn``, are read as ``cache.astype(float32) · scale`` (per KV head for ``[Hkv]``),
+and the new keys/values are stored quantised with the same scales: ``x / scale`` rounded to
+nearest and saturated at the cache dtype's largest magnitude (±448 for ``float8_e4m3fn``;
+:func:`ejkernel.attention_semantics.quantize_kv`). ``keys``/``values`` share the queries'
+dtype.
+
 Returns ``(out [T, Hq, D], key_cache, value_cache)``, the caches updated. The update is a
 functional scatter (``cache.at[page, slot].set``): under ``jax.jit`` with the caches donated
 (``donate_argnums``), XLA aliases each updated cache to its input buffer and writes only the
@@ -23,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ejkernel.attention_semantics import quantize_kv
 from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
 from ejkernel.specs._paged import (
     packed_paged_reference,
@@ -49,8 +57,11 @@ def write_new_tokens(
     block_tables: jax.Array,
     query_start_loc: jax.Array,
     num_seqs: Any,
+    scale: Any = None,
 ) -> jax.Array:
-    """``cache`` with each live token's row of ``new [T, Hkv, D]`` written at its position."""
+    """``cache`` with each live token's row of ``new [T, Hkv, D]`` written at its position,
+    quantised with the cache's ``scale`` (:func:`ejkernel.attention_semantics.quantize_kv`;
+    ``None``: cast)."""
     num_pages, page_size = cache.shape[:2]
     max_pages = block_tables.shape[1]
     seq, position, live = ragged_tokens(query_start_loc, kv_lens, num_seqs, new.shape[0])
@@ -60,7 +71,8 @@ def write_new_tokens(
     live &= (page >= 0) & (page < num_pages)
     # Tokens that must not be written go to page `num_pages`: out of range, dropped.
     page = jnp.where(live, page, num_pages)
-    return cache.at[page, position % page_size].set(new.astype(cache.dtype), mode="drop")
+    stored = quantize_kv(new, scale, cache.dtype)
+    return cache.at[page, position % page_size].set(stored, mode="drop")
 
 
 def ragged_page_attention_v3_reference(
@@ -78,11 +90,13 @@ def ragged_page_attention_v3_reference(
     logits_soft_cap: float | None = None,
     sliding_window: int | tuple[int, int] | None = None,
     softmax_aux: jax.Array | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Plain-JAX oracle: write the new keys/values, then the ragged reference."""
     tables = (kv_lens, block_tables, query_start_loc, num_seqs)
-    key_cache = write_new_tokens(key_cache, keys, *tables)
-    value_cache = write_new_tokens(value_cache, values, *tables)
+    key_cache = write_new_tokens(key_cache, keys, *tables, k_scale)
+    value_cache = write_new_tokens(value_cache, values, *tables, v_scale)
     out = packed_paged_reference(locals())  # over the updated caches
     return out, key_cache, value_cache
 
@@ -92,12 +106,16 @@ def validate_ragged_page_attention_v3(a: dict[str, Any]) -> dict[str, Any]:
     validate_ragged_page_attention(a, op=OP)
     t = int(a["queries"].shape[0])
     _, _, hkv, d = a["key_cache"].shape
+    # New tokens come in the queries' dtype: the cache's, unless the cache is float8 (scaled).
+    dtype, which = a["queries"].dtype, "queries'"
+    if dtype == a["key_cache"].dtype:
+        which = "cache"
     for name in ("keys", "values"):
         x = a[name]
         check_array(OP, name, x, ndim=3, letters="[T, Hkv, D]")
-        if not is_floating(x) or x.dtype != a["key_cache"].dtype:
+        if not is_floating(x) or x.dtype != dtype:
             raise TypeError(
-                f"{OP}: `{name}` must share the cache dtype {a['key_cache'].dtype}; got dtype {x.dtype}"
+                f"{OP}: `{name}` must share the {which} dtype {dtype}; got dtype {x.dtype}"
             )
         if tuple(x.shape) != (t, hkv, d):
             raise ValueError(
@@ -121,6 +139,8 @@ def ragged_page_attention_v3(
     logits_soft_cap: float | None = None,
     sliding_window: int | tuple[int, int] | None = None,
     softmax_aux: jax.Array | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     platform: str | None = None,
     cfg: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -153,6 +173,10 @@ def ragged_page_attention_v3(
         sliding_window: ``(left, right)`` or ``w``; a query at position p sees keys in
             ``[p - left, p]``.
         softmax_aux: [Hq] or [Hq, n] attention-sink logits (denominator only).
+        k_scale: ``None``, a float, or float32 [Hkv]: ``key_cache`` is read as
+            ``key_cache.astype(float32) * k_scale`` (per KV head for [Hkv]); required when the
+            cache is float8_e4m3fn (the queries keeps its own, wider floating dtype).
+        v_scale: the same for ``value_cache``.
         platform: force an installed platform (``"xla"``, ...).
         cfg: a config for the selected implementation (this call only).
 

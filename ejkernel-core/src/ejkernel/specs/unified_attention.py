@@ -10,7 +10,9 @@ with distance for positive slopes), then masking: keys ``< kv_lens[s]``; ``causa
 keys ``<= p``; ``sliding_window=(left, right)`` keys in ``[p - left, p + right]``.
 ``softmax_aux`` sink logits ``[Hq]`` or ``[Hq, n]`` join the denominator only. Rows that see
 no key return zeros. GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``. Accumulation
-is float32; the output keeps the query dtype.
+is float32; the output keeps the query dtype. With ``k_scale``/``v_scale`` (a float, or
+float32 ``[Hkv]``) the caches, then possibly ``float8_e4m3fn``, are read as
+``cache.astype(float32) · scale``, per KV head for ``[Hkv]``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def unified_attention_reference(
     causal: bool = True,
     sliding_window: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> jax.Array:
     """Plain-JAX oracle: gather each sequence's pages, then one masked softmax per token."""
     return packed_paged_reference(locals(), causal=causal)
@@ -80,6 +84,8 @@ def unified_attention(
     causal: bool = True,
     sliding_window: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     platform: str | None = None,
     cfg: Any = None,
 ) -> jax.Array:
@@ -100,6 +106,10 @@ def unified_attention(
         causal: a query sees keys at positions <= its own (default True).
         sliding_window: ``(left, right)`` or ``w``: keys in ``[p - left, p + right]``.
         logits_soft_cap: logits become ``cap * tanh(logits / cap)`` before ALiBi and masking.
+        k_scale: ``None``, a float, or float32 [Hkv]: ``key_cache`` is read as
+            ``key_cache.astype(float32) * k_scale`` (per KV head for [Hkv]); required when the
+            cache is float8_e4m3fn (the queries keeps its own, wider floating dtype).
+        v_scale: the same for ``value_cache``.
         platform: force an installed platform (``"xla"``, ...).
         cfg: a config for the selected implementation (this call only).
 

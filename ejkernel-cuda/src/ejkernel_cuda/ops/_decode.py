@@ -104,8 +104,11 @@ def decode_tuning(
     return heuristic, config_space
 
 
-def decode_supports(query: Any, value: Any) -> bool | str:
-    """Shape and dtype limits of the kernel, then whether it is built (first use builds)."""
+def decode_supports(query: Any, value: Any, k_scale: Any = None, v_scale: Any = None) -> bool | str:
+    """Scaled caches, shape and dtype limits of the kernel, then whether it is built (first use
+    builds)."""
+    if k_scale is not None or v_scale is not None:
+        return "the CUDA decode kernel reads no scaled caches (k_scale/v_scale, float8_e4m3fn)"
     declined = declined_dtype_or_head_dims(
         "the CUDA decode kernel", DTYPES, MAX_HEAD_DIM, query, value
     )

@@ -8,9 +8,10 @@ and value rows; a second kernel merges the splits. Sequence ``s`` reads only pos
 ``[max(0, kv_len - 1 - left), min(kv_len, capacity))``: table slots past its live pages are
 never read, and page ids are clamped to ``[0, num_pages)`` as JAX's gather would.
 
-``supports()`` declines: dtypes other than bfloat16/float16/float32, head dims that are not a
-multiple of 8 or exceed 256, and, when nvcc is missing or the build failed, every call (the
-reason carries the compiler's message). The op is forward-only.
+``supports()`` declines: scaled caches (``k_scale``/``v_scale``, float8: the XLA plugin
+serves them), dtypes other than bfloat16/float16/float32, head dims that are not a multiple of
+8 or exceed 256, and, when nvcc is missing or the build failed, every call (the reason carries
+the compiler's message). The op is forward-only.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ heuristic, config_space = decode_tuning(_dims, PageAttentionConfig)
 
 def supports(inv: Any) -> bool | str:
     kw = inv.kwargs
-    return decode_supports(kw["query"], kw["value_cache"])
+    return decode_supports(kw["query"], kw["value_cache"], kw.get("k_scale"), kw.get("v_scale"))
 
 
 def page_attention_cuda(*, cfg: PageAttentionConfig | None = None, **args: Any) -> jax.Array:

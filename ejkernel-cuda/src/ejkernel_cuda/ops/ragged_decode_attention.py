@@ -8,10 +8,11 @@ layout with one page per row, so this op and ``page_attention`` share the kernel
 (:mod:`ejkernel_cuda.ops._decode`). Row ``b`` reads only ``[max(start, end - 1 - left), end)``:
 the clamping and the sliding window are folded into that range before the launch.
 
-``supports()`` declines: dtypes other than bfloat16/float16/float32, ``Dv != D``, head dims
-that are not a multiple of 8 or exceed 256, and, when nvcc is missing or the build failed,
-every call (the reason carries the compiler's message). The op is forward-only (its spec is
-not differentiable).
+``supports()`` declines: scaled caches (``k_scale``/``v_scale``, float8: the XLA plugin
+serves them), dtypes other than bfloat16/float16/float32, ``Dv != D``, head dims that are not
+a multiple of 8 or exceed 256, and, when nvcc is missing or the build failed, every call (the
+reason carries the compiler's message). The op is forward-only (its spec is not
+differentiable).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ heuristic, config_space = decode_tuning(_dims, RaggedDecodeAttentionConfig)
 
 def supports(inv: Any) -> bool | str:
     kw = inv.kwargs
-    return decode_supports(kw["query"], kw["value"])
+    return decode_supports(kw["query"], kw["value"], kw.get("k_scale"), kw.get("v_scale"))
 
 
 def ragged_decode_attention_cuda(

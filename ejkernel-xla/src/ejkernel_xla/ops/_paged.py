@@ -32,10 +32,14 @@ JAX's TPU serving work:
   pairs of one item in a step simply add up). The rescale of an item's old ``l`` and ``acc``
   by ``alpha = exp(m_old - m_new)`` rides on the same scatter: the first pair of each item
   (pairs are sorted by item) adds ``state · (alpha - 1)``, so a step costs O(its pairs),
-  never O(all items). Masked entries are zeroed explicitly, and the values of keys outside
-  ``[kv_lo, kv_len)`` are zeroed and the rest pass through ``finite_or_zero`` before the
-  product, so NaN in unused cache slots, or at positions the causal mask or the window hides
-  from some rows, never leaks.
+  never O(all items). Hidden scores and probabilities are selected away
+  (``attention_semantics.mask_scores``/``hide``) and values pass through ``finite_or_zero``
+  before the product, so NaN or Inf in unused cache slots, past a sequence's length, or at
+  positions the causal mask or the window hides from some rows never leaks.
+- Scaled caches. With ``k_scale``/``v_scale`` the fetch gathers the pages in the cache's own
+  dtype (``float8_e4m3fn``: half the bytes of bf16) and dequantises only the gathered block,
+  ``block.astype(float32) · scale`` per KV head (``attention_semantics.dequantize_kv``); the
+  block's products then run in float32.
 - Finish. Sinks (``softmax_aux``) join the maximum and the denominator; rows that saw no key
   (``l == 0``) become zeros; items scatter back to their tokens.
 
@@ -60,7 +64,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel import attention_semantics as semantics
-from ejkernel.attention_semantics import MASK_VALUE
+from ejkernel.attention_semantics import MASK_VALUE, dequantize_kv
 from ejkernel.plugins import FwdParams
 from ejkernel.specs import OpSpec
 from ejkernel_xla.ops import _tuning
@@ -342,7 +346,15 @@ def packed_forward(a: dict[str, Any], st: Statics) -> jax.Array:
     num_seqs = num_seqs if num_seqs is not None else block_tables.shape[0]
     capacity = block_tables.shape[1] * key_cache.shape[1]
     seqs = paged_sequences(a["kv_lens"], a["query_start_loc"], num_seqs, queries.shape[0], capacity)
-    fetch = paged_fetch(key_cache, a["value_cache"], block_tables, seqs.kv_hi, st.kv_block)
+    fetch = paged_fetch(
+        key_cache,
+        a["value_cache"],
+        block_tables,
+        seqs.kv_hi,
+        st.kv_block,
+        k_scale=a.get("k_scale"),
+        v_scale=a.get("v_scale"),
+    )
     return attend(
         queries,
         seqs,
@@ -398,11 +410,15 @@ def paged_fetch(
     block_tables: jax.Array,
     kv_hi: jax.Array,
     kv_block: int,
+    *,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> Fetch:
     """Fetch key block ``b`` of sequence ``s``: its pages ``block_tables[s, b·n : (b+1)·n]``.
 
     Table slots past the live pages (and past the table) are replaced by page 0 before the
-    gather: their ids are never used, whatever they hold.
+    gather: their ids are never used, whatever they hold. With a scale, the gathered block is
+    dequantised (float32); without, it keeps the cache dtype.
     """
     num_pages, page_size = key_cache.shape[:2]
     max_pages = block_tables.shape[1]
@@ -418,16 +434,25 @@ def paged_fetch(
         w = seq.shape[0]
         keys = key_cache[ids].reshape(w, kv_block, *key_cache.shape[2:])
         values = value_cache[ids].reshape(w, kv_block, *value_cache.shape[2:])
+        keys, values = dequantize_kv(keys, k_scale), dequantize_kv(values, v_scale)
         return keys, values, block[:, None] * kv_block + offsets
 
     return fetch
 
 
-def dense_fetch(key: jax.Array, value: jax.Array, kv_block: int) -> Fetch:
+def dense_fetch(
+    key: jax.Array,
+    value: jax.Array,
+    kv_block: int,
+    *,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> Fetch:
     """Fetch key block ``b`` of batch row ``s`` of a dense ``[B, Sk, Hkv, D]`` cache.
 
     The last block is shifted left to end at ``Sk`` (``kv_block <= Sk``); the positions it
-    re-reads from the previous block are masked by the caller.
+    re-reads from the previous block are masked by the caller. With a scale, the gathered
+    block is dequantised (float32).
     """
     sk = key.shape[1]
     offsets = jnp.arange(kv_block)
@@ -435,7 +460,9 @@ def dense_fetch(key: jax.Array, value: jax.Array, kv_block: int) -> Fetch:
     def fetch(seq: jax.Array, block: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         start = jnp.minimum(block * kv_block, sk - kv_block)
         positions = start[:, None] + offsets
-        return key[seq[:, None], positions], value[seq[:, None], positions], positions
+        keys = dequantize_kv(key[seq[:, None], positions], k_scale)
+        values = dequantize_kv(value[seq[:, None], positions], v_scale)
+        return keys, values, positions
 
     return fetch
 
@@ -568,7 +595,8 @@ def attend(
         kp, qp = k_pos[:, None, :], q_pos[:, :, None]
         visible &= semantics.visible(qp, kp, causal=st.causal, window=st.sliding_window)
         tok = jnp.clip(tok0[:, None] + rows, 0, t - 1)
-        q = queries[tok].reshape(w, bq, hkv, group, d).transpose(0, 2, 1, 3, 4)
+        # A dequantised (float32) block takes float32 queries; else both keep their dtype.
+        q = queries[tok].astype(keys.dtype).reshape(w, bq, hkv, group, d).transpose(0, 2, 1, 3, 4)
         k = keys.transpose(0, 2, 1, 3).reshape(w * hkv, bk, d)
         s = lax.dot_general(
             q.reshape(w * hkv, bq * group, d), k, contract_d, preferred_element_type=jnp.float32
@@ -578,17 +606,15 @@ def attend(
         if slopes is not None:
             s = s + slopes * (kp - qp).astype(jnp.float32)[:, None, :, None, :]
         vis = visible[:, None, :, None, :]  # [W, 1, bq, 1, bk]
-        s = jnp.where(vis, s, MASK_VALUE)
+        s = semantics.mask_scores(s, vis)
         dest = jnp.where(ok, item, n)  # pairs past the end scatter nowhere
         m_old = m[item]
         m = m.at[dest].max(jnp.max(s, axis=-1), mode="drop")
         m_item = m[item]
-        p = jnp.where(vis, jnp.exp(s - m_item[..., None]), 0.0)
-        # Keys outside [kv_lo, kv_hi) may be garbage (even NaN), and a value hidden from some
-        # rows by the causal mask or the window may be NaN or Inf: p = 0 times either is NaN,
-        # so neither reaches p @ V (``finite_or_zero``: a value a row sees reads as 0 if not
-        # finite, as in the references).
-        values = jnp.where(key_ok[:, :, None, None], values, jnp.zeros((), values.dtype))
+        p = semantics.hide(jnp.exp(s - m_item[..., None]), vis)
+        # A hidden key's probability is an exact 0, but 0 times a NaN or Inf value (a stale slot
+        # past kv_len, a value the causal mask or the window hides from this row) is NaN: values
+        # enter p @ V through finite_or_zero (attention_semantics), as in the references.
         values = semantics.finite_or_zero(values)
         v = values.transpose(0, 2, 1, 3).reshape(w * hkv, bk, dv)
         p_flat = p.reshape(w * hkv, bq * group, bk).astype(v.dtype)

@@ -2,11 +2,13 @@
 
 The update is two scatters, ``cache.at[page, slot].set(new, mode="drop")``, of the ``T`` new
 rows only (tokens that must not be written aim at page ``num_pages``, out of range, and are
-dropped), followed by the work-list attention of :mod:`ejkernel_xla.ops._paged`
-on the updated caches, in one jitted computation. Called under ``jax.jit`` with the caches
-donated, XLA aliases the returned caches to the donated buffers and the update happens in
-place (O(T) writes); the attention then gathers only the live pages, so the whole step never
-touches memory in proportion to ``num_pages``.
+dropped; with ``k_scale``/``v_scale`` the rows are first quantised to the cache dtype by
+``attention_semantics.quantize_kv``: round to nearest, saturating), followed by the
+work-list attention of :mod:`ejkernel_xla.ops._paged` on the updated caches, in one jitted
+computation. Called under ``jax.jit`` with the caches donated, XLA aliases the returned
+caches to the donated buffers and the update happens in place (O(T) writes); the attention
+then gathers only the live pages, so the whole step never touches memory in proportion to
+``num_pages``.
 
 It declines nothing (no ``supports``): this backend serves every valid call on every backend.
 """
@@ -20,6 +22,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel.attention_semantics import quantize_kv
 from ejkernel.specs.ragged_page_attention_v3 import SPEC
 from ejkernel_xla.ops import _paged as engine
 
@@ -66,9 +69,20 @@ def _forward(a: dict[str, Any], st: engine.Statics) -> tuple[jax.Array, jax.Arra
     capacity = block_tables.shape[1] * key_cache.shape[1]
     seqs = engine.paged_sequences(a["kv_lens"], a["query_start_loc"], a["num_seqs"], t, capacity)
     page, slot = _destinations(seqs, block_tables, key_cache.shape[0], key_cache.shape[1], t)
-    key_cache = key_cache.at[page, slot].set(a["keys"].astype(key_cache.dtype), mode="drop")
-    value_cache = value_cache.at[page, slot].set(a["values"].astype(value_cache.dtype), mode="drop")
-    fetch = engine.paged_fetch(key_cache, value_cache, block_tables, seqs.kv_hi, st.kv_block)
+    k_scale, v_scale = a["k_scale"], a["v_scale"]
+    new_keys = quantize_kv(a["keys"], k_scale, key_cache.dtype)
+    new_values = quantize_kv(a["values"], v_scale, value_cache.dtype)
+    key_cache = key_cache.at[page, slot].set(new_keys, mode="drop")
+    value_cache = value_cache.at[page, slot].set(new_values, mode="drop")
+    fetch = engine.paged_fetch(
+        key_cache,
+        value_cache,
+        block_tables,
+        seqs.kv_hi,
+        st.kv_block,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     out = engine.attend(queries, seqs, fetch, st, softmax_aux=a["softmax_aux"])
     return out, key_cache, value_cache
 

@@ -1,6 +1,7 @@
 """Builders shared by the examples (and tests) of the paged-cache ops: hostile page tables
 (pages in shuffled order, garbage ids past the live pages) and NaN in every cache slot no
-sequence owns, so an implementation that reads what it must not fails loudly."""
+sequence owns, so an implementation that reads what it must not fails loudly; float8 caches
+read with ``k_scale``/``v_scale``, and the scale arguments every serving op must reject."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.specs._paged import paged_block_tables
-from ejkernel.testing._examples import FLOAT, Example
+from ejkernel.testing._examples import FLOAT, Example, Invalid
 
-__all__ = ["GARBAGE", "PagedBatch", "paged_fill"]
+__all__ = ["FP8", "GARBAGE", "PagedBatch", "invalid_scales", "paged_fill"]
+
+#: The scaled cache dtype of the serving ops (``k_scale``/``v_scale``).
+FP8 = "float8_e4m3fn"
 
 #: Table entries past a sequence's live pages: never read, so any value must be harmless.
 GARBAGE = (10**6, -1)
@@ -70,6 +75,7 @@ class PagedBatch:
         new_tokens: bool = False,
         unused: int | Sequence[int] = GARBAGE,
         extra: dict[str, tuple[tuple[int, ...], str]] | None = None,
+        cache_dtype: str = FLOAT,
         **options: Any,
     ) -> Example:
         """The batch as an example of an op taking ``layout`` (one of :data:`LAYOUTS`).
@@ -82,20 +88,25 @@ class PagedBatch:
             new_tokens: ``keys``/``values [T, Hkv, D]`` of the new tokens too (their cache
                 slots hold NaN: the op must write them before attending).
             unused: table entries past the live pages.
-            extra: more arrays, name -> ``(shape, dtype)``.
-            options: static arguments of the op.
+            extra: more arrays, name -> ``(shape, dtype)`` (``k_scale``: ``((Hkv,),
+                "float32")``).
+            cache_dtype: the caches' dtype (:data:`FP8` with ``k_scale``/``v_scale``); default
+                the case's.
+            options: static arguments of the op (a float ``k_scale``/``v_scale`` too).
         """
         if layout not in LAYOUTS:
             raise ValueError(f"PagedBatch.example: layout must be one of {LAYOUTS}; got {layout!r}")
         s, t = len(self.kv_lens), self.tokens
         cache = (self.num_pages, self.page_size, self.hkv, self.d)
+        if cache_dtype != FLOAT:
+            tags = "-".join(t for t in (tags, "fp8" if cache_dtype == FP8 else cache_dtype) if t)
         if layout == "prefill":
             name = f"C{t}-kv{self.kv_lens[0]}-Hq{self.hq}-Hkv{self.hkv}-D{self.d}"
             name += f"-page{self.page_size}x{self.max_pages}"
             arrays = {
                 "query": ((t, self.hq, self.d), FLOAT),
-                "key_cache": (cache, FLOAT),
-                "value_cache": (cache, FLOAT),
+                "key_cache": (cache, cache_dtype),
+                "value_cache": (cache, cache_dtype),
                 "kv_len": ((), "int32"),
                 "page_indices": ((self.max_pages,), "int32"),
             }
@@ -107,8 +118,8 @@ class PagedBatch:
                 arrays |= {"keys": ((t, self.hkv, self.d), FLOAT)}
                 arrays |= {"values": ((t, self.hkv, self.d), FLOAT)}
             arrays |= {
-                "key_cache": (cache, FLOAT),
-                "value_cache": (cache, FLOAT),
+                "key_cache": (cache, cache_dtype),
+                "value_cache": (cache, cache_dtype),
                 "kv_lens": ((s,), "int32"),
                 "block_tables": ((s, self.max_pages), "int32"),
             }
@@ -130,6 +141,27 @@ class PagedBatch:
                 shared_pages=self.shared_pages,
             ),
         )
+
+
+def invalid_scales(caches: tuple[str, str] = ("key_cache", "value_cache")) -> list[Invalid]:
+    """Scale arguments every serving op rejects: ``k_scale`` ``[Hkv + 1]``, a bfloat16
+    ``v_scale``, a negative float, and float8 caches (named by ``caches``) without scales."""
+    key, value = caches
+
+    def hkv(a: dict[str, Any]) -> int:
+        return int(a[key].shape[2])
+
+    return [
+        Invalid.replace(
+            "k_scale-wrong-shape", k_scale=lambda a: np.ones((hkv(a) + 1,), np.float32)
+        ),
+        Invalid.replace("v_scale-bfloat16", v_scale=lambda a: jnp.ones((hkv(a),), jnp.bfloat16)),
+        Invalid.replace("k_scale-negative", k_scale=-0.5),
+        Invalid.replace(
+            "fp8-cache-without-scales",
+            **{key: lambda a: a[key].astype(FP8), value: lambda a: a[value].astype(FP8)},
+        ),
+    ]
 
 
 def paged_fill(

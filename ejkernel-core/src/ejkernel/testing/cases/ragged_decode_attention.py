@@ -1,6 +1,7 @@
 """Conformance examples of ``ragged_decode_attention``: empty and one-token ranges, ranges
 that do not start at 0 or run past the cache, GQA/MQA, D ≠ Dv, sinks, soft cap and sliding
-window. Every cache entry outside a row's valid range is NaN, so reading it fails loudly."""
+window, float8 caches. Every cache entry outside a row's valid range is NaN, so reading it
+fails loudly."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from ejkernel.testing._examples import FLOAT, Example, Invalid
 from ejkernel.testing.cases._common import heads_id, tagged
+from ejkernel.testing.cases._paged import FP8, invalid_scales
 
 __all__ = ["examples", "rows_example"]
 
@@ -26,16 +28,18 @@ def rows_example(
     dv: int | None = None,
     tags: str = "",
     extra: dict[str, tuple[tuple[int, ...], str]] | None = None,
+    cache_dtype: str = FLOAT,
     **options: Any,
 ) -> Example:
-    """One decode query per row over ``[start, end)`` of a dense ``[B, Sk, Hkv, ·]`` cache."""
+    """One decode query per row over ``[start, end)`` of a dense ``[B, Sk, Hkv, ·]`` cache
+    (in ``cache_dtype``: :data:`~ejkernel.testing.cases._paged.FP8` with scales)."""
     b, dv = len(starts), d if dv is None else dv
     return Example(
         name=tagged(f"B{b}-Sk{sk}-" + heads_id(hq, hkv, d, dv), tags),
         arrays={
             "query": ((b, hq, d), FLOAT),
-            "key": ((b, sk, hkv, d), FLOAT),
-            "value": ((b, sk, hkv, dv), FLOAT),
+            "key": ((b, sk, hkv, d), cache_dtype),
+            "value": ((b, sk, hkv, dv), cache_dtype),
             "sequence_start": ((b,), "int32"),
             "sequence_end": ((b,), "int32"),
             **(extra or {}),
@@ -81,6 +85,20 @@ def examples() -> list[Example | Invalid]:
             logits_soft_cap=10.0,
             sliding_window=(11, 0),
         ),
+        rows_example(
+            (0, 5, 20),
+            (37, 30, 37),
+            sk=37,
+            hq=8,
+            hkv=2,
+            d=80,
+            tags="fp8-head-k_scale-window",
+            extra={"k_scale": ((2,), "float32")},
+            cache_dtype=FP8,
+            v_scale=0.75,
+            sliding_window=(11, 0),
+        ),
         Invalid.extra_axis("query"),
         Invalid.replace("sequence_end-wrong-length", sequence_end=lambda a: a["sequence_end"][1:]),
+        *invalid_scales(("key", "value")),
     ]

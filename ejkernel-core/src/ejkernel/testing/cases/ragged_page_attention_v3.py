@@ -1,11 +1,12 @@
 """Conformance examples of ``ragged_page_attention_v3``: the new tokens written into their
 pages (their slots hold NaN before; the updated caches are compared too), then ragged paged
-attention."""
+attention; float8 caches (the new tokens written quantised)."""
 
 from __future__ import annotations
 
 from ejkernel.testing._examples import FLOAT, Example, Invalid
-from ejkernel.testing.cases.ragged_page_attention import MIXED, MQA, invalid_packed
+from ejkernel.testing.cases._paged import FP8
+from ejkernel.testing.cases.ragged_page_attention import MIXED, MQA, SCALES, invalid_packed
 
 __all__ = ["examples"]
 
@@ -20,6 +21,14 @@ def examples() -> list[Example | Invalid]:
             extra={"softmax_aux": ((4, 2), FLOAT)},
             logits_soft_cap=10.0,
             sliding_window=(6, 0),
+        ),
+        MIXED.example(
+            tags="head-k_scale",
+            num_seqs=7,
+            new_tokens=True,
+            cache_dtype=FP8,
+            extra=SCALES,
+            v_scale=0.75,
         ),
         *invalid_packed(),
         Invalid.replace("keys-wrong-tokens", keys=lambda a: a["keys"][1:]),
