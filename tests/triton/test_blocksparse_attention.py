@@ -253,6 +253,47 @@ def test_config_space_prunes_by_shared_memory(monkeypatch: pytest.MonkeyPatch) -
         assert max(config.kernel_smem(inv.kwargs, cfg).values()) <= 100000
 
 
+# -- what a GPU would run, compiled for sm_90 on any machine ---------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernels_compile_for_sm90_with_pipelined_tile_loads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, head_dim: int
+) -> None:
+    """The heuristic's three kernels at 128 × 128 blocks compile for Hopper, stream their
+    tiles by 16-byte ``cp.async`` copies into the shared memory the config space counts, and
+    multiply by ``wgmma``."""
+    import types
+
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import blocksparse_attention as op
+    from ejkernel_triton.ops.blocksparse_attention_config import heuristic, kernel_smem
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "232448")
+    x = jnp.ones((1, 512, 2, head_dim), jnp.bfloat16)
+    call = {"query": x, "key": x, "value": x, "block_size": (128, 128), "causal": True}
+    mask = jnp.ones((1, 1, 4, 4), bool)
+    with _codegen.recorded_launches() as launches:
+        out, res = op._blocksparse_fwd(**call, block_mask=mask)
+        op._blocksparse_bwd(res, out, block_size=(128, 128), causal=True)
+    needs = kernel_smem(call, heuristic(types.SimpleNamespace(kwargs=call)))
+    names = {
+        "blocksparse_attention_fwd_kernel": "fwd",
+        "blocksparse_attention_bwd_dq_kernel": "dq",
+        "blocksparse_attention_bwd_dkdv_kernel": "dkdv",
+    }
+    assert [launch.kernel.fn.__name__ for launch in launches] == list(names)
+    for launch in launches:
+        compiled = _codegen.compile_launch(launch)
+        mix = _codegen.instruction_mix(compiled.ptx)
+        name = launch.kernel.fn.__name__
+        assert mix.get("cp.async.cg.shared.global", 0) > 0, (name, mix)
+        assert any(m.startswith("wgmma") for m in mix), (name, mix)
+        assert 0 <= needs[names[name]] - compiled.shared <= 512, (name, compiled.shared)
+
+
 # -- GPU: realistic shapes against the XLA platform -------------------------------------------
 
 
