@@ -153,7 +153,7 @@ def test_empty_mask_rows_give_zeros_and_zero_gradients(interpret: None) -> None:
     assert float(jnp.abs(dv[0, 32:, 1]).max()) == 0.0
 
 
-def test_sliding_window_soft_cap_and_a_broadcast_mask(interpret: None) -> None:
+def test_sliding_window_soft_cap_and_broadcast_mask_and_bias(interpret: None) -> None:
     q, k, v = qkv(2, 37, 45, 2, 1, 16)
     mask = random_mask((1, 1, 3, 3), 0.8, seed=5)
     compare(
@@ -165,7 +165,17 @@ def test_sliding_window_soft_cap_and_a_broadcast_mask(interpret: None) -> None:
         sliding_window=(9, 4),
         logits_soft_cap=2.5,
     )
-    compare(q, k, v, block_mask=mask, block_size=(16, 16), causal=True, sliding_window=(5, 0))
+    bias = normal(jax.random.PRNGKey(7), (2, 1, 1, 45))  # per batch and key: summed gradient
+    compare(
+        q,
+        k,
+        v,
+        block_mask=mask,
+        block_size=(16, 16),
+        causal=True,
+        sliding_window=(5, 0),
+        bias=bias,
+    )
 
 
 def test_bias_attention_mask_and_segment_ids(interpret: None) -> None:
