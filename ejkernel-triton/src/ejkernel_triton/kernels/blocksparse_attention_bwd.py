@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.kernels.blocksparse_attention_fwd import _listed
+from ejkernel_triton.kernels.blocksparse_attention_fwd import _listed, _tile_order
 from ejkernel_triton.kernels.flash_attention_common import (
     EMPTY_LSE,
     MASK_VALUE,
@@ -276,14 +276,15 @@ def blocksparse_attention_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh = _aligned(stride_dob, stride_dos, stride_doh, ALIGN)
     SUB_Q: tl.constexpr = (BQ + BLOCK_M - 1) // BLOCK_M
     SUB_K: tl.constexpr = (BK + BLOCK_N - 1) // BLOCK_N
-    block_q = tl.program_id(0) // SUB_Q
+    tile = _tile_order(CAUSAL)
+    block_q = tile // SUB_Q
     off_bh = tl.program_id(1)
     off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
     q_pos_offset = seqlen_k - seqlen_q
     q_end = tl.minimum(block_q * BQ + BQ, seqlen_q)
     features = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)
 
-    offs_m = block_q * BQ + (tl.program_id(0) % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = block_q * BQ + (tile % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(

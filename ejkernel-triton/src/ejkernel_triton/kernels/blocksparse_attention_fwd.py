@@ -50,6 +50,17 @@ def _listed(counts, part: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
+def _tile_order(CAUSAL: tl.constexpr):
+    """The query tile of a program of a grid ``(tiles, B·H)``: under a causal mask the last
+    tiles, whose rows see the most keys, start first (the GPU starts programs in order), so
+    the short ones fill the end."""
+    tile = tl.program_id(0)
+    if CAUSAL:
+        tile = tl.num_programs(0) - 1 - tile
+    return tile
+
+
+@triton.jit
 def blocksparse_attention_fwd_kernel(
     Q,
     K,
@@ -127,14 +138,15 @@ def blocksparse_attention_fwd_kernel(
     stride_ob, stride_os, stride_oh = _aligned(stride_ob, stride_os, stride_oh, ALIGN)
     SUB_Q: tl.constexpr = (BQ + BLOCK_M - 1) // BLOCK_M
     SUB_K: tl.constexpr = (BK + BLOCK_N - 1) // BLOCK_N
-    block_q = tl.program_id(0) // SUB_Q
+    tile = _tile_order(CAUSAL)
+    block_q = tile // SUB_Q
     off_bh = tl.program_id(1)
     off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
     q_pos_offset = seqlen_k - seqlen_q
     q_end = tl.minimum(block_q * BQ + BQ, seqlen_q)
     features = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)
 
-    offs_m = block_q * BQ + (tl.program_id(0) % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = block_q * BQ + (tile % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = (
