@@ -16,6 +16,16 @@ wall time and this process's CPU time are both reported (the latter stays meanin
 shared machine). Ratios are against the dense row.
 
 Run: ``python benchmarks/bench_blocksparse.py [--seq 5120] [--heads 8] [--block 128]``
+
+GPU (``--gpu``): the Triton kernels against our dense flash attention in the same run, bf16,
+(1, 8192, 16, 128), 128 × 128 blocks, masks with every block live and with 50 % and 90 % of
+each query block's key blocks dead (the diagonal block always live). Per row: forward and
+forward+backward ms, TFLOP/s counted on the computed blocks only (BENCHMARKS.md's convention:
+``4·B·H·D·bq·bk`` a live block forward, 3.5× that forward+backward), the ratio of that to the
+dense flash attention's TFLOP/s (the default call's kernels, and the usual Triton kernels'),
+and the time against the all-live mask (the claim: time ∝ computed blocks). The output is
+checked against the XLA platform's block-sparse attention in the same run.
+``python benchmarks/bench_blocksparse.py --gpu [--seq 8192] [--heads 16] [--dim 128]``
 """
 
 from __future__ import annotations
@@ -66,16 +76,97 @@ def masks(b: int, h: int, n: int, fraction: float, seed: int = 0) -> dict[str, n
     }
 
 
+def balanced_mask(b: int, h: int, n: int, live: float, seed: int = 0) -> np.ndarray:
+    """Each query block keeps ``round(live · n)`` key blocks: its diagonal and random others."""
+    rng = np.random.default_rng(seed)
+    per_row = max(1, round(live * n))
+    mask = np.zeros((b, h, n, n), bool)
+    for idx in np.ndindex(b, h, n):
+        others = rng.choice(np.delete(np.arange(n), idx[2]), per_row - 1, replace=False)
+        mask[idx][[idx[2], *others]] = True
+    return mask
+
+
+def gpu(b: int, s: int, h: int, d: int, blk: int) -> None:
+    """The Triton kernels against dense flash attention (see the module docstring)."""
+    from ejkernel_triton.ops.flash_attention import FlashAttentionConfig
+
+    n = -(-s // blk)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, ejkernel {ejkernel.__version__}")
+    print(f"(B, S, H, D) = ({b}, {s}, {h}, {d}) bf16, blocks ({blk}, {blk}), {n} x {n} a head")
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, do = (jax.random.normal(key, (b, s, h, d), jnp.bfloat16) for key in keys)
+    dense_flops = 4 * b * h * s * s * d
+
+    def fwd_bwd(attn: Callable[..., Any]) -> Callable[..., Any]:
+        def f(q: Any, k: Any, v: Any, do: Any) -> Any:
+            out, vjp = jax.vjp(attn, q, k, v)
+            return out, vjp(do)
+
+        return jax.jit(f)
+
+    def ms(fn: Callable[..., Any], *args: Any) -> float:
+        return timed(fn, *args, iters=10, repeats=5)[0]
+
+    anchors = {}
+    usual = FlashAttentionConfig()
+    for name, cfg in (("flash (default)", None), ("flash (usual kernels)", usual)):
+        attn = lambda q, k, v, cfg=cfg: ejkernel.flash_attention(
+            q, k, v, platform="triton", cfg=cfg
+        )
+        fwd = ms(jax.jit(attn), q, k, v)
+        both = ms(fwd_bwd(attn), q, k, v, do)
+        anchors[name] = (dense_flops / fwd / 1e9, 3.5 * dense_flops / both / 1e9)
+        print(
+            f"{name}: fwd {fwd:.2f} ms ({anchors[name][0]:.0f} TFLOP/s), fwd+bwd {both:.2f} ms "
+            f"({anchors[name][1]:.0f} TFLOP/s)"
+        )
+    print(
+        "| live blocks | fwd ms | fwd TFLOP/s | vs flash default / usual | fwd+bwd ms "
+        "| fwd+bwd TFLOP/s | vs flash default / usual | time vs all live (fwd / fwd+bwd) "
+        "| rel err vs xla |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = None
+    for live in (1.0, 0.5, 0.1):
+        mask = jnp.asarray(balanced_mask(b, h, n, live))
+        flops = 4 * b * h * d * blk * blk * int(mask.sum())
+
+        def attn(q: Any, k: Any, v: Any, mask: Any = mask, platform: str = "triton") -> Any:
+            return ejkernel.blocksparse_attention(
+                q, k, v, block_mask=mask, block_size=blk, platform=platform
+            )
+
+        fwd, both = ms(jax.jit(attn), q, k, v), ms(fwd_bwd(attn), q, k, v, do)
+        base = base or (fwd, both)
+        got = jax.jit(attn)(q, k, v).astype(jnp.float32)
+        want = jax.jit(lambda q, k, v: attn(q, k, v, platform="xla"))(q, k, v)
+        err = float(jnp.linalg.norm(got - want.astype(jnp.float32)) / jnp.linalg.norm(want))
+        tf = (flops / fwd / 1e9, 3.5 * flops / both / 1e9)
+        vs = [" / ".join(f"{tf[i] / a[i]:.2f}" for a in anchors.values()) for i in range(2)]
+        print(
+            f"| {float(mask.mean()):.0%} | {fwd:.2f} | {tf[0]:.0f} | {vs[0]} | {both:.2f} "
+            f"| {tf[1]:.0f} | {vs[1]} | {fwd / base[0]:.3f} / {both / base[1]:.3f} | {err:.1e} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--gpu", action="store_true", help="Triton vs dense flash (bf16)")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=5120)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=None, help="default 5120 (CPU), 8192 (GPU)")
+    parser.add_argument("--heads", type=int, default=None, help="default 8 (CPU), 16 (GPU)")
+    parser.add_argument("--dim", type=int, default=None, help="default 64 (CPU), 128 (GPU)")
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--fraction", type=float, default=0.1)
     args = parser.parse_args()
-    b, s, h, d, blk = args.batch, args.seq, args.heads, args.dim, args.block
+    defaults = (8192, 16, 128) if args.gpu else (5120, 8, 64)
+    s, h, d = (x or y for x, y in zip((args.seq, args.heads, args.dim), defaults, strict=True))
+    b, blk = args.batch, args.block
+    if args.gpu:
+        gpu(b, s, h, d, blk)
+        return
     n = -(-s // blk)
     print(f"jax {jax.__version__}, devices {jax.devices()}, ejkernel {ejkernel.__version__}")
     print(f"(B, S, H, D) = ({b}, {s}, {h}, {d}) f32, block ({blk}, {blk}), {n} x {n} blocks/head")

@@ -393,8 +393,20 @@ def test_block_tiling_covers_each_sequence_with_whole_blocks(
 # -- ops with their own arguments --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("platform", [None, *PLATFORMS], ids=lambda p: p or "reference")
-def test_blocksparse_hidden_nan_never_reaches_a_row(platform: str | None) -> None:
+#: Interpreted platforms with a block-sparse kernel (run with EJKERNEL_INTERPRET=1).
+INTERPRETED_BLOCKSPARSE = ["triton"]
+
+
+@pytest.mark.parametrize(
+    "platform", [None, *PLATFORMS, *INTERPRETED_BLOCKSPARSE], ids=lambda p: p or "reference"
+)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # see NUMPY_NAN
+def test_blocksparse_hidden_nan_never_reaches_a_row(
+    platform: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if platform in INTERPRETED_BLOCKSPARSE:
+        pytest.importorskip(f"ejkernel_{platform}")
+        monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
     case = Case(
         b=2, sq=37, sk=24, hq=4, hkv=2, d=8, causal=True, window=None,
         segments=True, mask=False, soft_cap=None, sinks=False,

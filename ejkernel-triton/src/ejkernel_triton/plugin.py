@@ -1,4 +1,4 @@
-"""Entry point of the Triton plugin: registers flash attention and gla; imports nothing heavy.
+"""Entry point of the Triton plugin: registers its ops (:data:`OPS`); imports nothing heavy.
 
 ``ejkernel_triton.ops.flash_attention`` is registered with ``registry.register_module`` (core
 finds ``flash_attention_triton``, ``FlashAttentionConfig``, ``heuristic``, ``config_space`` and
@@ -24,7 +24,7 @@ from ejkernel.plugins import hookimpl
 PRIORITY = 20
 
 #: Every op this plugin implements, each in ``ejkernel_triton.ops.<op>``.
-OPS: tuple[str, ...] = ("flash_attention", "gla")
+OPS: tuple[str, ...] = ("flash_attention", "gla", "blocksparse_attention", "mean_pooling")
 
 
 def available(backend: str) -> bool | str:

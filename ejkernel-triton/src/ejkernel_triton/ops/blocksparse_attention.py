@@ -1,0 +1,422 @@
+"""blocksparse_attention in Triton: the registered entry, its VJP, the block lists and the
+launches; the config and its choice are in
+:mod:`ejkernel_triton.ops.blocksparse_attention_config`.
+
+Only the blocks ``block_mask`` allows are computed. Before the kernels run, JAX turns the mask
+into lists (:func:`block_lists`): per (batch, query head, query block) the live key blocks,
+the ones every row sees whole by position first, and their counts; the backward's dK/dV kernel
+takes the transposed lists (per key block, the live query blocks). A block is live when the
+mask allows it and causality and the window leave some row of it a key
+(:meth:`ejkernel.attention_semantics.Geometry.block_may_see`); it is whole when every row sees
+every key by position and both blocks lie inside their sequences
+(:meth:`~ejkernel.attention_semantics.Geometry.block_fully_visible`): the kernels then skip the
+positional mask. The mask may be traced (``jit``); broadcast batch and head axes stay of size 1
+(stride 0 in the kernels).
+
+The kernels (:mod:`ejkernel_triton.kernels.blocksparse_attention_fwd`,
+:mod:`ejkernel_triton.kernels.blocksparse_attention_bwd`) are flash attention's usual kernels
+walking the lists; the argument layout, the bias and mask handling and the NaN rule are flash
+attention's (:mod:`ejkernel_triton.ops.flash_attention`). Everything of the op is served
+(``bias``, ``attention_mask``, segment ids, causal, sliding window, soft cap, GQA), in bfloat16,
+float16 and float32 with head dims up to 256; ``jit``, ``grad`` and ``vmap`` compose with it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.attention_semantics import Geometry
+from ejkernel.plugins import defvjp
+from ejkernel_triton import _launch
+from ejkernel_triton._launch import BATCH, BROADCAST
+from ejkernel_triton.ops.blocksparse_attention_config import (
+    BlocksparseAttentionConfig,
+    config_space,
+    heuristic,
+    kernel_blocks,
+    supports,
+)
+from ejkernel_triton.ops.flash_attention import (
+    _Arrays,
+    _broadcast_strides,
+    _pow2_factor,
+    _strides,
+)
+from ejkernel_triton.ops.flash_attention_config import bwd_smem, fit_stages, fwd_smem, pow2
+
+__all__ = [
+    "BlocksparseAttentionConfig",
+    "block_lists",
+    "blocksparse_attention_triton",
+    "config_space",
+    "heuristic",
+    "supports",
+]
+
+
+def blocksparse_attention_triton(
+    *, cfg: BlocksparseAttentionConfig | None = None, **args: Any
+) -> jax.Array:
+    """Block-sparse attention through the Triton kernels.
+
+    Args:
+        **args: the arguments of :func:`ejkernel.specs.blocksparse_attention.
+            blocksparse_attention`, by name, as the core spec validated them.
+        cfg: the kernels' tiles, warps and stages; ``None`` takes the heuristic's.
+
+    Returns:
+        [B, Sq, Hq, Dv] in the query dtype; rows with no visible key are zeros.
+    """
+    out, _ = _blocksparse_fwd(cfg=cfg, **args)
+    return out
+
+
+def _blocksparse_fwd(
+    *, cfg: BlocksparseAttentionConfig | None = None, **args: Any
+) -> tuple[jax.Array, dict[str, Any]]:
+    """Forward: ``(out, residuals)``; residuals are the inputs, the mask, the output and lse."""
+    arrays = _Arrays.of(args)
+    st = _Statics.of(arrays, cfg, **_static_args(args))
+    mask = args["block_mask"]
+    out, lse = _forward_call(st, (*arrays.modes(), BROADCAST))(*arrays.launch_args(), mask)
+    return out, {"arrays": arrays, "block_mask": mask, "out": out, "lse": lse}
+
+
+def _blocksparse_bwd(
+    residuals: dict[str, Any],
+    d_out: jax.Array,
+    *,
+    cfg: BlocksparseAttentionConfig | None = None,
+    **statics: Any,
+) -> dict[str, jax.Array | None]:
+    """Backward: gradients of query, key, value and bias (in its own shape)."""
+    arrays: _Arrays = residuals["arrays"]
+    out, lse = residuals["out"], residuals["lse"]
+    # A row that sees a NaN or Inf key has a NaN lse (the forward cleans only V): as +inf its
+    # probabilities are all 0, never NaN at its hidden entries, whose keys other rows may own.
+    lse = jnp.where(jnp.isnan(lse), jnp.inf, lse)
+    st = _Statics.of(arrays, cfg, **_static_args(statics))
+    modes = (*arrays.modes(), BROADCAST, BATCH, BATCH, BATCH)
+    call = _backward_call(st, modes)
+    dq, dk, dv, dbias = call(*arrays.launch_args(), residuals["block_mask"], d_out, lse, out)
+    return {"query": dq, "key": dk, "value": dv, "bias": arrays.bias_gradient(dbias)}
+
+
+defvjp(blocksparse_attention_triton, _blocksparse_fwd, _blocksparse_bwd)
+
+
+def _static_args(args: dict[str, Any]) -> dict[str, Any]:
+    """The call's options the kernels take as scalars and constexprs (spec defaults filled)."""
+    return {
+        "block_size": tuple(args["block_size"]),
+        "softmax_scale": args.get("softmax_scale"),
+        "causal": bool(args.get("causal", False)),
+        "sliding_window": args.get("sliding_window"),
+        "logits_soft_cap": args.get("logits_soft_cap"),
+    }
+
+
+@attrs.frozen
+class _Statics:
+    """What the kernels take as scalars and constexprs: the call's options, the mask's blocks
+    and the config's tiles (as :func:`kernel_blocks` fits them to the blocks)."""
+
+    block_size: tuple[int, int]
+    sm_scale: float
+    soft_cap: float | None
+    causal: bool
+    window: tuple[int, int] | None
+    precision: str
+    cfg: BlocksparseAttentionConfig
+
+    @classmethod
+    def of(
+        cls,
+        arrays: _Arrays,
+        cfg: BlocksparseAttentionConfig | None,
+        *,
+        block_size: tuple[int, int],
+        softmax_scale: float | None,
+        causal: bool,
+        sliding_window: tuple[int, int] | None,
+        logits_soft_cap: float | None,
+    ) -> _Statics:
+        query = arrays.query
+        if cfg is None:
+            kwargs = {"query": query, "key": arrays.key, "value": arrays.value}
+            kwargs.update(block_size=block_size, bias=arrays.bias, attention_mask=arrays.mask)
+            cfg = heuristic(_Inv(kwargs))
+        scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        return cls(
+            block_size=(int(block_size[0]), int(block_size[1])),
+            sm_scale=scale,
+            soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+            causal=causal,
+            window=None if sliding_window is None else tuple(int(w) for w in sliding_window),
+            precision="ieee" if query.dtype == jnp.float32 else "tf32",
+            cfg=cfg,
+        )
+
+
+@attrs.frozen
+class _Inv:
+    """The heuristic's view of a call (``kwargs`` by name), as an invocation gives it."""
+
+    kwargs: dict[str, Any]
+
+
+# -- the block lists ------------------------------------------------------------------------
+
+
+def block_lists(
+    block_mask: jax.Array,
+    block_size: tuple[int, int],
+    geometry: Geometry,
+    *,
+    by_key: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """The live blocks of each query block (``by_key``: of each key block), for the kernels.
+
+    Args:
+        block_mask: bool ``[B|1, Hq|1, nq, nk]``.
+        block_size: ``(bq, bk)``.
+        geometry: the call's :class:`~ejkernel.attention_semantics.Geometry`.
+        by_key: list, per key block, its live query blocks (the dK/dV kernel's lists).
+
+    Returns:
+        ``(index, counts)``: ``index [B|1, Hq|1, n, m]`` int32 holds each row's live blocks in
+        ascending order, those every row sees whole by position first; ``counts [B|1, Hq|1, n,
+        2]`` int32 is ``(whole, live)``. The entries past a row's live count are its dead
+        blocks, never read.
+    """
+    bq, bk = block_size
+    _, _, nq, nk = block_mask.shape
+    i = jnp.arange(nq)[:, None]
+    j = jnp.arange(nk)[None, :]
+    live = block_mask.astype(bool) & geometry.block_may_see(i, j, bq, bk)
+    whole = live & geometry.block_fully_visible(i, j, bq, bk) & ((i + 1) * bq <= geometry.sq)
+    if by_key:
+        live, whole = jnp.swapaxes(live, -1, -2), jnp.swapaxes(whole, -1, -2)
+    m = live.shape[-1]
+    rank = jnp.where(whole, 0, jnp.where(live, 1, 2)) * m + jnp.arange(m)
+    index = jnp.argsort(rank, axis=-1).astype(jnp.int32)
+    counts = jnp.stack(
+        [jnp.sum(whole, -1, dtype=jnp.int32), jnp.sum(live, -1, dtype=jnp.int32)], axis=-1
+    )
+    return index, counts
+
+
+def _list_strides(index: jax.Array, counts: jax.Array) -> list[int]:
+    """Batch and head strides of the lists and the counts, 0 where the mask broadcasts."""
+    b1, h1, n, m = index.shape
+    return [
+        n * m * h1 if b1 > 1 else 0,
+        n * m if h1 > 1 else 0,
+        n * 2 * h1 if b1 > 1 else 0,
+        n * 2 if h1 > 1 else 0,
+    ]
+
+
+# -- launches -------------------------------------------------------------------------------
+
+
+def _common(
+    st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, qseg: Any
+) -> tuple[list[Any], dict[str, Any]]:
+    """Scalars shared by the kernels (before ``num_blocks``) and their constexprs."""
+    _, sq, hq, d = q.shape
+    _, sk, hkv, dv = v.shape
+    left, right = st.window or (0, 0)
+    scalars = [np.float32(st.sm_scale), np.float32(st.soft_cap or 1.0), sq, sk, hq, hkv]
+    scalars += [left, right]
+    constexprs = {
+        "HEAD_DIM": d,
+        "HEAD_DIM_V": dv,
+        "BLOCK_D": pow2(d),
+        "BLOCK_DV": pow2(dv),
+        "BQ": st.block_size[0],
+        "BK": st.block_size[1],
+        "CAUSAL": st.causal,
+        "WINDOW": st.window is not None,
+        "SOFT_CAP": st.soft_cap is not None,
+        "HAS_BIAS": bias.ndim == 4,
+        "HAS_MASK": mask.ndim == 4,
+        "HAS_SEG": qseg.ndim == 2,
+        "DOT_PRECISION": st.precision,
+        "ALIGN": _pow2_factor(math.gcd(d, dv), 16),
+    }
+    return scalars, constexprs
+
+
+def _geometry(st: _Statics, q: jax.Array, k: jax.Array) -> Geometry:
+    return Geometry.of(q, k, causal=st.causal, window=st.window)
+
+
+def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
+    """``run(arrays..., block_mask) -> (out, lse)``."""
+
+    def run(q, k, v, bias, mask, qseg, kseg, aux, block_mask):
+        from ejkernel_triton.kernels.blocksparse_attention_fwd import (
+            blocksparse_attention_fwd_kernel,
+        )
+
+        del aux
+        b, sq, hq, _ = q.shape
+        dv = v.shape[-1]
+        align = _pow2_factor(math.gcd(q.shape[-1], dv), 16)
+        scalars, constexprs = _common(st, q, k, v, bias, mask, qseg)
+        index, counts = block_lists(block_mask, st.block_size, _geometry(st, q, k))
+        bm, bn = kernel_blocks(st.cfg.fwd_params, st.block_size, 64, 64)
+        plain = not any(constexprs[f] for f in ("SOFT_CAP", "HAS_BIAS", "HAS_MASK", "HAS_SEG"))
+        p = st.cfg.fwd_params
+        out, lse = _launch.launch(
+            blocksparse_attention_fwd_kernel,
+            q,
+            k,
+            v,
+            bias,
+            mask,
+            qseg,
+            kseg,
+            index,
+            counts,
+            *scalars,
+            index.shape[-1],
+            *_list_strides(index, counts),
+            *_strides(q.shape, align),
+            *_strides(k.shape, align),
+            *_strides(v.shape, align),
+            *_strides((b, sq, hq, dv), align),
+            *_broadcast_strides(bias),
+            *_broadcast_strides(mask),
+            out_shape=[
+                jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
+                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+            ],
+            grid=(index.shape[2] * _cdiv(st.block_size[0], bm), b * hq),
+            num_warps=p.num_warps or 4,
+            num_stages=fit_stages(
+                p.num_stages or 2,
+                lambda n: fwd_smem(bm, bn, n, pow2(q.shape[-1]), pow2(dv), q.dtype.itemsize),
+                bm * bn,
+                bias,
+                mask,
+            ),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            PLAIN_SCALE=st.cfg.scale_in_exponent and plain and st.sm_scale >= 0,
+            **constexprs,
+        )
+        return out, lse
+
+    return _launch.fold_vmap(run, modes)
+
+
+def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
+    """``run(arrays..., block_mask, dO, lse, out) -> (dQ, dK, dV, dBias)``."""
+
+    def run(q, k, v, bias, mask, qseg, kseg, aux, block_mask, do, lse, out):
+        from ejkernel_triton.kernels.blocksparse_attention_bwd import (
+            blocksparse_attention_bwd_dkdv_kernel,
+            blocksparse_attention_bwd_dq_kernel,
+        )
+
+        del aux
+        do = do.astype(q.dtype)
+        b, sq, hq, _ = q.shape
+        _, sk, hkv, _ = k.shape
+        d_pow2, dv_pow2 = pow2(q.shape[-1]), pow2(v.shape[-1])
+        align = _pow2_factor(math.gcd(q.shape[-1], v.shape[-1]), 16)
+        scalars, constexprs = _common(st, q, k, v, bias, mask, qseg)
+        geometry = _geometry(st, q, k)
+
+        def launch(kernel, lists, rows, params, blocks, step, own, out_shape, grid, **extra):
+            index, counts = lists
+            vectors = 2 if kernel is blocksparse_attention_bwd_dkdv_kernel else 0
+            return _launch.launch(
+                kernel,
+                q,
+                k,
+                v,
+                bias,
+                mask,
+                qseg,
+                kseg,
+                index,
+                counts,
+                do,
+                lse,
+                rows,
+                *scalars,
+                index.shape[-1],
+                *_list_strides(index, counts),
+                *_strides(q.shape, align),
+                *_strides(k.shape, align),
+                *_strides(v.shape, align),
+                *_strides(do.shape, align),
+                *_broadcast_strides(bias),
+                *_broadcast_strides(mask),
+                out_shape=out_shape,
+                grid=grid,
+                num_warps=params.num_warps or 4,
+                num_stages=fit_stages(
+                    params.num_stages or 2,
+                    lambda n: bwd_smem(
+                        step, own, n, d_pow2, dv_pow2, q.dtype.itemsize, step_vectors=vectors
+                    ),
+                    step * own,
+                    bias,
+                    mask,
+                ),
+                BLOCK_M=blocks[0],
+                BLOCK_N=blocks[1],
+                **extra,
+                **constexprs,
+            )
+
+        bq, bk = st.block_size
+        dq_params = st.cfg.dq_params
+        qb, kb = kernel_blocks(dq_params, st.block_size, 64, 32)
+        has_bias = bias.ndim == 4
+        dq, dbias, delta = launch(
+            blocksparse_attention_bwd_dq_kernel,
+            block_lists(block_mask, st.block_size, geometry),
+            out,
+            dq_params,
+            (qb, kb),
+            kb,
+            qb,
+            [
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, hq, sq, sk) if has_bias else (1,), jnp.float32),
+                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+            ],
+            (_cdiv(sq, bq) * _cdiv(bq, qb), b * hq),
+            zeroed_outputs=(1,),
+        )
+        bwd = st.cfg.bwd_params
+        mb, nb = kernel_blocks(bwd, st.block_size, 32, 64)
+        dk, dv = launch(
+            blocksparse_attention_bwd_dkdv_kernel,
+            block_lists(block_mask, st.block_size, geometry, by_key=True),
+            delta,
+            bwd,
+            (mb, nb),
+            mb,
+            nb,
+            [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            (_cdiv(sk, bk) * _cdiv(bk, nb), b * hkv),
+        )
+        return dq, dk, dv, dbias
+
+    return _launch.fold_vmap(run, modes)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
