@@ -49,7 +49,7 @@ from ejkernel_triton.kernels.flash_attention_common import (
 def _sequence_of(QStart, num_live, block, BLOCK_Q: tl.constexpr):
     """The sequence owning query block ``block``: the last ``s < num_live`` with
     ``query_start_loc[s] // BLOCK_Q + s <= block`` (-1 when none)."""
-    lo = 0
+    lo = tl.full([], 0, tl.int32)  # a tensor from the start: the loop carries it
     hi = num_live
     while lo < hi:
         mid = (lo + hi) // 2
