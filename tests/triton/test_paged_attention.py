@@ -394,12 +394,13 @@ def _triton_cache_in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None
 @pytest.mark.parametrize(
     ("tokens", "rows", "max_pages", "kw"),
     [
+        (32, 32, 512, {"decode": True}),
         (32, 32, 512, {}),
         (2060, 16, 256, {}),
         (4, 4, 64, {"d": 80, "hq": 8, "hkv": 2, "sinks": True, "alibi": True}),
         (8, 8, 64, {"page_size": 64, "logits_soft_cap": 3.0, "sliding_window": (100, 0)}),
     ],
-    ids=["decode-b32-8k", "mixed", "d80-sinks-alibi", "page64-cap-window"],
+    ids=["decode-b32-8k", "packed-b32-8k", "mixed", "d80-sinks-alibi", "page64-cap-window"],
 )
 def test_kernel_compiles_for_hopper(
     _triton_cache_in_tmp: None, tokens: int, rows: int, max_pages: int, kw: dict[str, Any]

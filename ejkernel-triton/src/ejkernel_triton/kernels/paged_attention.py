@@ -12,6 +12,8 @@ Layout (OPS.md): packed ``queries [T, Hq, D]``; ``key_cache``/``value_cache``
   and never repeated in memory. Grid ``(T // BLOCK_Q + rows, Hkv, NUM_SPLITS)``: sequence ``s``
   owns the query blocks from ``query_start_loc[s] // BLOCK_Q + s`` on (a bound on the blocks of
   the sequences before it), found by a binary search; blocks past a sequence's queries exit.
+  A decode batch of one query per sequence (``DECODE``) takes grid ``(rows, Hkv, NUM_SPLITS)``
+  and no search.
 - Keys are gathered per tile through the block table (one page id per tile when a tile lies
   within a page, else one per key), page ids clamped to ``[0, num_pages)``; table slots past a
   sequence's live pages are never read (their loads are masked).
@@ -142,12 +144,15 @@ def unified_attention_kernel(
     HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ALIGN: tl.constexpr,
+    DECODE: tl.constexpr = False,
 ):
     """One program: ``BLOCK_Q`` query tokens of one sequence × the query heads of KV head
     ``program_id(1)``, over split ``program_id(2)`` of their keys. Strides (``stride_qt`` the
     token stride of Q and Out; the cache's page and slot strides) come in units of ``ALIGN``
     elements; a head's stride is ``HEAD_DIM``. ``NumSeqs``: the live sequences (int32 ``[1]``).
-    ``BLOCK_M = BLOCK_Q · GROUP_PAD`` rows.
+    ``BLOCK_M = BLOCK_Q · GROUP_PAD`` rows. ``DECODE``: one query per sequence, token ``s``
+    of sequence ``s`` (``page_attention``): the grid's first axis is the sequences, every one
+    live, and ``QStart`` is not read.
     """
     stride_qt = stride_qt * ALIGN
     stride_cp = stride_cp * ALIGN
@@ -156,14 +161,20 @@ def unified_attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _sequence_of(QStart, tl.load(NumSeqs), block, BLOCK_Q)
-    if seq < 0:
-        return
-    q_start = tl.load(QStart + seq)
-    q_len = tl.load(QStart + seq + 1) - q_start
-    m_lo = (block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if m_lo >= q_len:
-        return
+    if DECODE:  # token s is sequence s's one query: no search
+        seq = block
+        q_start = block
+        q_len = block * 0 + 1
+        m_lo = block * 0
+    else:
+        seq = _sequence_of(QStart, tl.load(NumSeqs), block, BLOCK_Q)
+        if seq < 0:
+            return
+        q_start = tl.load(QStart + seq)
+        q_len = tl.load(QStart + seq + 1) - q_start
+        m_lo = (block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        if m_lo >= q_len:
+            return
     kv_len = tl.load(KvLens + seq)
     kv_hi = tl.minimum(tl.maximum(kv_len, 0), max_pages * PAGE_SIZE)
     geo = (kv_len - q_len, q_len, kv_hi, window_left, window_right)

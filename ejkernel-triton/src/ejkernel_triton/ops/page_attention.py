@@ -2,7 +2,8 @@
 
 Sequence ``s`` is a packed batch's sequence of one token (``query_start_loc = arange(S + 1)``,
 every row live), at position ``kv_lens[s] - 1``: :func:`ejkernel_triton.ops.unified_attention.
-paged_attention` runs it, split-K where the batch does not fill the GPU. The CUDA plugin's
+paged_attention` runs it in its decode mode (one program per sequence and KV head, no search
+for the sequence), split-K where the batch does not fill the GPU. The CUDA plugin's
 decode kernel ranks above this on NVIDIA GPUs; this serves where it declines or is absent.
 """
 
@@ -68,4 +69,5 @@ def page_attention_triton(*, cfg: PageAttentionConfig | None = None, **args: Any
         softmax_scale=args.get("softmax_scale"),
         sliding_window=args.get("sliding_window"),
         logits_soft_cap=args.get("logits_soft_cap"),
+        decode=True,
     )

@@ -60,6 +60,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     softmax_aux: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
+    decode: bool = False,
 ) -> jax.Array:
     """Packed paged attention (``unified_attention``'s semantics) through the Triton kernel.
 
@@ -72,6 +73,8 @@ def paged_attention(
             array of shape () or (1,), may be traced.
         softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, alibi_slopes:
             as ``ejkernel.unified_attention`` (validated: the window a pair or ``None``).
+        decode: the caller promises token ``s`` is sequence ``s``'s one query and every row
+            is live (``page_attention``): one program per sequence and KV head, no search.
 
     Returns:
         [T, Hq, D] in the query dtype; tokens of no live sequence and rows that see no key
@@ -134,7 +137,7 @@ def paged_attention(
         problem.page_size * problem.hkv * d // align,
         problem.hkv * d // align,
         out_shape=out_shape,
-        grid=(t // r["block_q"] + rows, problem.hkv, splits),
+        grid=(rows if decode else t // r["block_q"] + rows, problem.hkv, splits),
         num_warps=r["num_warps"],
         num_stages=fit_stages(problem, r["block_m"], r["block_n"], r["num_stages"]),
         zeroed_outputs=(0, 1),
@@ -155,6 +158,7 @@ def paged_attention(
         HAS_ALIBI=alibi_slopes is not None,
         DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32",
         ALIGN=align,
+        DECODE=bool(decode),
     )
     if splits == 1:
         return out
