@@ -307,6 +307,21 @@ def test_heuristic_splits_decode_not_prefill(monkeypatch: pytest.MonkeyPatch) ->
     assert len(space) >= 3
 
 
+def test_config_space_drops_tiles_over_the_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An sm_86-sized limit at D 256: the large tiles go, the heuristic's stays, and every
+    kept candidate fits."""
+    from ejkernel_triton.ops.unified_attention_config import smem_need
+
+    monkeypatch.delenv("EJKERNEL_INTERPRET", raising=False)
+    problem = _problem(64, 64, 8192, head_dim=256)
+    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "none")
+    everything = config_space_of(problem, UnifiedAttentionConfig)
+    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "101376")
+    kept = config_space_of(problem, UnifiedAttentionConfig)
+    assert kept[0] == everything[0] and len(kept) < len(everything)
+    assert all(smem_need(problem, cfg) <= 101376 for cfg in kept[1:])
+
+
 def test_supports_declines_quantised_caches_and_wide_heads() -> None:
     cache = jax.ShapeDtypeStruct((4, 16, 2, 64), jnp.bfloat16)
     q = jax.ShapeDtypeStruct((3, 4, 64), jnp.bfloat16)
