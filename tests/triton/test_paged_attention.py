@@ -450,3 +450,24 @@ def test_kernel_compiles_for_hopper(
     assert mix.get("cp.async.cg.shared.global", 0) > 0, mix
     assert any(k.startswith(("wgmma", "mma")) for k in mix), mix
     assert compiled.shared <= 232448
+
+
+@pytest.mark.gpu
+def test_gpu_unified_features_serving_shape() -> None:
+    """Sinks, a window, a soft cap and ALiBi on a mixed batch (8 decodes, 2 chunks of 256 over
+    1k-4k contexts), against XLA."""
+    rng = np.random.default_rng(2)
+    kv_lens = [int(n) for n in rng.integers(1024, 4097, 10)]
+    b = _serving_batch(kv_lens, [1] * 8 + [256] * 2, seed=2)
+    opts = {
+        "softmax_aux": jax.random.normal(jax.random.PRNGKey(5), (32,)),
+        "alibi_slopes": 2.0 ** -jnp.linspace(1, 8, 32),
+        "sliding_window": (512, 0),
+        "logits_soft_cap": 30.0,
+    }
+    run = jax.jit(
+        lambda a, o, p: ejkernel.unified_attention(**a, **o, platform=p), static_argnums=2
+    )
+    ours, ref = run(b, opts, "triton"), run(b, opts, "xla")
+    assert bool(jnp.all(jnp.isfinite(ours)))
+    assert _rel(ours, ref) < 1e-2
