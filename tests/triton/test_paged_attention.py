@@ -459,15 +459,15 @@ def test_gpu_unified_features_serving_shape() -> None:
     rng = np.random.default_rng(2)
     kv_lens = [int(n) for n in rng.integers(1024, 4097, 10)]
     b = _serving_batch(kv_lens, [1] * 8 + [256] * 2, seed=2)
-    opts = {
+    arrays = {
         "softmax_aux": jax.random.normal(jax.random.PRNGKey(5), (32,)),
         "alibi_slopes": 2.0 ** -jnp.linspace(1, 8, 32),
-        "sliding_window": (512, 0),
-        "logits_soft_cap": 30.0,
     }
+    statics = {"sliding_window": (512, 0), "logits_soft_cap": 30.0}
     run = jax.jit(
-        lambda a, o, p: ejkernel.unified_attention(**a, **o, platform=p), static_argnums=2
+        lambda a, o, p: ejkernel.unified_attention(**a, **o, **statics, platform=p),
+        static_argnums=2,
     )
-    ours, ref = run(b, opts, "triton"), run(b, opts, "xla")
+    ours, ref = run(b, arrays, "triton"), run(b, arrays, "xla")
     assert bool(jnp.all(jnp.isfinite(ours)))
     assert _rel(ours, ref) < 1e-2
