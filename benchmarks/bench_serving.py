@@ -12,6 +12,13 @@ For ``page_attention`` (decode), ``ragged_page_attention`` (a mixed prefill + de
 
 Run: ``python benchmarks/bench_serving.py [--dtype bfloat16] [--seqs 32] [--quick]``.
 Prints markdown tables (median ms of jitted calls after a compile call).
+
+``--serving xla,triton[,cuda]`` instead times the issue's serving shapes (32/8 heads, D 128,
+page 16, bfloat16) on each platform named, with the K/V read rate: decode B 32 and 128 over
+8k contexts (``page_attention``), decode B 1 over 128k, a mixed batch of 12 decodes and 4
+prefill chunks of 512 over 2k–4k contexts and a vLLM-like step of 64 decodes and 2 chunks
+of 2048 over 1k–16k (``ragged_page_attention``); a platform that cannot serve a case says
+why in its cell.
 """
 
 from __future__ import annotations
@@ -130,12 +137,77 @@ def mixed_lengths(seqs: int, decode_len: int) -> tuple[list[int], list[int]]:
     return kv_lens, q_lens
 
 
+def serving_cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
+    """The serving shapes as ``(name, kv_lens, q_lens)``; ``quick``: contexts and chunks / 8."""
+    rng = np.random.default_rng(0)
+    scale = 8 if quick else 1
+    mixed = [int(n) for n in rng.integers(2048, 4097, 16) // scale]
+    vllm = [int(n) for n in rng.integers(1024, 16385, 66) // scale]
+    return [
+        ("decode B32 8k", [8192 // scale] * 32, [1] * 32),
+        ("decode B128 8k", [8192 // scale] * 128, [1] * 128),
+        ("decode B1 128k", [131072 // scale], [1]),
+        ("mixed 12 dec + 4x512", mixed, [1] * 12 + [512 // scale] * 4),
+        ("vllm-like 64 dec + 2x2048", vllm, [1] * 64 + [2048 // scale] * 2),
+    ]
+
+
+def serving(platforms: list[str], quick: bool) -> None:
+    """Each serving shape on each platform: median ms and the K/V read rate (GB/s)."""
+    page, hq, hkv, d = 16, 32, 8, 128
+    print(f"device: {jax.devices()[0].device_kind}; Hq={hq}, Hkv={hkv}, D={d}, page {page}, bf16")
+    print("\n| case | " + " | ".join(f"{p} ms (GB/s)" for p in platforms) + " |")
+    print("|---|" + "---|" * len(platforms))
+    for name, kv_lens, q_lens in serving_cases(quick):
+        rng = np.random.default_rng(1)
+        max_pages = max(-(-n // page) for n in kv_lens)
+        num_pages = sum(-(-n // page) for n in kv_lens) + 8
+        tables = paged_block_tables(
+            rng, kv_lens, num_pages=num_pages, page_size=page, max_pages=max_pages, unused=-1
+        )
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        q = jax.random.normal(keys[0], (sum(q_lens), hq, d), jnp.bfloat16)
+        kc = jax.random.normal(keys[1], (num_pages, page, hkv, d), jnp.bfloat16)
+        vc = jax.random.normal(keys[2], (num_pages, page, hkv, d), jnp.bfloat16)
+        lens, table = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables)
+        qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        kv_bytes = sum(kv_lens) * hkv * d * 2 * 2
+        cells = []
+        for platform in platforms:
+            if all(n == 1 for n in q_lens):
+                fn = jax.jit(
+                    lambda q, kc, vc, n, t, p=platform: ejkernel.page_attention(
+                        q, kc, vc, n, t, platform=p
+                    )
+                )
+                call = (q, kc, vc, lens, table)
+            else:
+                fn = jax.jit(
+                    lambda q, kc, vc, n, t, s, p=platform: ejkernel.ragged_page_attention(
+                        q, kc, vc, n, t, s, n.shape[0], platform=p
+                    )
+                )
+                call = (q, kc, vc, lens, table, qsl)
+            try:
+                ms = timed(fn, *call)
+                cells.append(f"{ms:.3f} ({kv_bytes / ms / 1e6:.0f})")
+            except Exception as err:  # a platform that cannot serve the case says why
+                cells.append(f"n/a: {type(err).__name__}: {str(err).splitlines()[0][:60]}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
+    parser.add_argument(
+        "--serving", default="", help="time the serving shapes on these platforms (xla,triton)"
+    )
     args = parser.parse_args()
+    if args.serving:
+        serving(args.serving.split(","), args.quick)
+        return
     dtype = jnp.dtype(args.dtype)
     s = args.seqs
     lengths = [128, 256, 512] if args.quick else [256, 512, 1024, 2048]

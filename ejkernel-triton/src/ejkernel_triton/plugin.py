@@ -3,7 +3,10 @@
 ``ejkernel_triton.ops.flash_attention`` is registered with ``registry.register_module`` (core
 finds ``flash_attention_triton``, ``FlashAttentionConfig``, ``heuristic``, ``config_space`` and
 ``supports`` there by name on first use); it also serves ``scaled_dot_product_attention``
-(core's ``served_by``).
+(core's ``served_by``). The serving ops (``unified_attention``, ``ragged_page_attention``,
+``page_attention``, ``prefill_page_attention``) share one kernel
+(``ejkernel_triton.ops.unified_attention``); each op's module maps its arguments onto it. On
+an NVIDIA GPU the CUDA plugin's decode (priority 200) stays first for ``page_attention``.
 
 The platform is available on a CUDA or ROCm GPU when jax-triton imports, and on a CPU when
 ``EJKERNEL_INTERPRET=1`` asks for Triton's interpreter; otherwise ``ejkernel info`` and every
@@ -24,7 +27,16 @@ from ejkernel.plugins import hookimpl
 PRIORITY = 20
 
 #: Every op this plugin implements, each in ``ejkernel_triton.ops.<op>``.
-OPS: tuple[str, ...] = ("flash_attention", "gla", "blocksparse_attention", "mean_pooling")
+OPS: tuple[str, ...] = (
+    "flash_attention",
+    "gla",
+    "blocksparse_attention",
+    "mean_pooling",
+    "unified_attention",
+    "ragged_page_attention",
+    "page_attention",
+    "prefill_page_attention",
+)
 
 
 def available(backend: str) -> bool | str:

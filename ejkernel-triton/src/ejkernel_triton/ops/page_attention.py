@@ -1,0 +1,73 @@
+"""page_attention in Triton: one decode query per sequence, through the unified kernel.
+
+Sequence ``s`` is a packed batch's sequence of one token (``query_start_loc = arange(S + 1)``,
+every row live), at position ``kv_lens[s] - 1``: :func:`ejkernel_triton.ops.unified_attention.
+paged_attention` runs it in its decode mode (one program per sequence and KV head, no search
+for the sequence), split-K where the batch does not fill the GPU. The CUDA plugin's
+decode kernel ranks above this on NVIDIA GPUs; this serves where it declines or is absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+
+from ejkernel_triton.ops.unified_attention import paged_attention
+from ejkernel_triton.ops.unified_attention_config import (
+    Problem,
+    UnifiedAttentionConfig,
+    serving_supports,
+    tuning,
+)
+
+__all__ = ["PageAttentionConfig", "config_space", "heuristic", "page_attention_triton", "supports"]
+
+
+@attrs.frozen(kw_only=True)
+class PageAttentionConfig(UnifiedAttentionConfig):
+    """Tunables of the Triton page attention (:class:`UnifiedAttentionConfig`'s)."""
+
+
+def _problem(kw: Mapping[str, Any]) -> Problem:
+    tables = kw["block_tables"]
+    return Problem.of(kw["query"], kw["key_cache"], tables.shape[0], tables.shape[1])
+
+
+heuristic, config_space = tuning(PageAttentionConfig, _problem)
+
+
+def supports(inv: Any) -> bool | str:
+    """True, or why not (quantised caches, dtypes, head dims over 256)."""
+    return serving_supports(inv.kwargs, "query")
+
+
+def page_attention_triton(*, cfg: PageAttentionConfig | None = None, **args: Any) -> jax.Array:
+    """Decode attention over a paged cache.
+
+    Args:
+        cfg: blocks, warps, stages, splits; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.page_attention`'s arguments by name, as its spec validated
+            them.
+
+    Returns:
+        [S, Hq, D] in the query dtype; sequences with ``kv_len == 0`` give zeros.
+    """
+    s = args["query"].shape[0]
+    return paged_attention(
+        cfg,
+        queries=args["query"],
+        key_cache=args["key_cache"],
+        value_cache=args["value_cache"],
+        kv_lens=args["kv_lens"],
+        block_tables=args["block_tables"],
+        query_start_loc=jnp.arange(s + 1, dtype=jnp.int32),
+        num_seqs=s,
+        softmax_scale=args.get("softmax_scale"),
+        sliding_window=args.get("sliding_window"),
+        logits_soft_cap=args.get("logits_soft_cap"),
+        decode=True,
+    )

@@ -1,0 +1,226 @@
+"""unified_attention in Triton, and the launch every serving op shares (forward only).
+
+:func:`paged_attention` launches :func:`ejkernel_triton.kernels.paged_attention.
+unified_attention_kernel` on a packed batch (queries ``[T, Hq, D]``, a paged cache, the
+table, ``query_start_loc`` and the live ``num_seqs``) and, with split-K, merges the splits'
+float32 partial outputs by their log2-sum-exp in JAX. ``page_attention``,
+``ragged_page_attention`` and ``prefill_page_attention`` map their arguments onto it in
+their own modules (:mod:`ejkernel_triton.ops.page_attention`, ...). The config, heuristic and
+config space are in :mod:`ejkernel_triton.ops.unified_attention_config`.
+
+Every valid call is served except quantised (fp8) caches, head dims over 256 and dtypes
+other than bfloat16/float16/float32, which :func:`supports` declines. Under ``jit`` one
+compiled kernel serves every ``kv_lens``, ``query_start_loc`` and ``num_seqs``: the grid
+depends only on the static shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel_triton import _launch
+from ejkernel_triton.ops.flash_attention_config import pow2
+from ejkernel_triton.ops.unified_attention_config import (
+    Problem,
+    UnifiedAttentionConfig,
+    fit_stages,
+    resolve,
+    serving_supports,
+    tuning,
+)
+
+__all__ = [
+    "UnifiedAttentionConfig",
+    "config_space",
+    "heuristic",
+    "paged_attention",
+    "supports",
+    "unified_attention_triton",
+]
+
+
+def paged_attention(
+    cfg: Any,
+    *,
+    queries: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: Any,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    sliding_window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    softmax_aux: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
+    decode: bool = False,
+) -> jax.Array:
+    """Packed paged attention (``unified_attention``'s semantics) through the Triton kernel.
+
+    Args:
+        cfg: a :class:`UnifiedAttentionConfig` (or a subclass), or ``None`` for the heuristic.
+        queries: [T, Hq, D]; key_cache, value_cache: [num_pages, page_size, Hkv, D].
+        kv_lens: [rows] int; block_tables: [rows, max_pages] int; query_start_loc:
+            [rows + 1] int.
+        num_seqs: the live sequences (the first ``num_seqs`` rows): an int or an integer
+            array of shape () or (1,), may be traced.
+        softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, alibi_slopes:
+            as ``ejkernel.unified_attention`` (validated: the window a pair or ``None``).
+        decode: the caller promises token ``s`` is sequence ``s``'s one query and every row
+            is live (``page_attention``): one program per sequence and KV head, no search.
+
+    Returns:
+        [T, Hq, D] in the query dtype; tokens of no live sequence and rows that see no key
+        are zeros.
+    """
+    t, hq, d = (int(n) for n in queries.shape)
+    rows, max_pages = (int(n) for n in block_tables.shape)
+    if t == 0 or rows == 0:
+        return jnp.zeros(queries.shape, queries.dtype)
+    problem = Problem.of(queries, key_cache, rows, max_pages)
+    r = resolve(problem, cfg)
+    splits = r["num_splits"]
+    group = hq // problem.hkv
+    align = min(d & -d, 16)
+    left, right = (int(w) for w in sliding_window) if sliding_window is not None else (0, 0)
+    aux = (
+        jnp.zeros((1,), jnp.float32)
+        if softmax_aux is None
+        else softmax_aux.astype(jnp.float32).reshape(hq, -1)
+    )
+    slopes = (
+        jnp.zeros((1,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    )
+    live = jnp.clip(jnp.asarray(num_seqs, jnp.int32).reshape(1), 0, rows)
+    if splits == 1:
+        out_shape = [
+            jax.ShapeDtypeStruct((t, hq, d), queries.dtype),
+            jax.ShapeDtypeStruct((1,), jnp.float32),
+        ]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, t, hq, d), jnp.float32),
+            jax.ShapeDtypeStruct((splits, t, hq), jnp.float32),
+        ]
+    from ejkernel_triton.kernels.paged_attention import unified_attention_kernel
+
+    num_aux = int(aux.shape[1]) if softmax_aux is not None else 1
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = _launch.launch(
+        unified_attention_kernel,
+        queries,
+        key_cache,
+        value_cache,
+        kv_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        live,
+        aux,
+        slopes,
+        np.float32(scale),
+        np.float32(logits_soft_cap or 1.0),
+        left,
+        right,
+        num_aux,
+        t,
+        hq,
+        problem.num_pages,
+        max_pages,
+        hq * d // align,
+        problem.page_size * problem.hkv * d // align,
+        problem.hkv * d // align,
+        out_shape=out_shape,
+        grid=(rows if decode else t // r["block_q"] + rows, problem.hkv, splits),
+        num_warps=r["num_warps"],
+        num_stages=fit_stages(problem, r["block_m"], r["block_n"], r["num_stages"]),
+        zeroed_outputs=(0, 1),
+        HEAD_DIM=d,
+        BLOCK_D=pow2(d),
+        PAGE_SIZE=problem.page_size,
+        GROUP=group,
+        GROUP_PAD=problem.group_pad,
+        BLOCK_Q=r["block_q"],
+        BLOCK_M=r["block_m"],
+        BLOCK_N=r["block_n"],
+        NUM_SPLITS=splits,
+        CAUSAL=bool(causal),
+        WINDOW=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
+        HAS_AUX=softmax_aux is not None,
+        BLOCK_AUX=pow2(num_aux),
+        HAS_ALIBI=alibi_slopes is not None,
+        DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32",
+        ALIGN=align,
+        DECODE=bool(decode),
+    )
+    if splits == 1:
+        return out
+    return merge_splits(out, lse).astype(queries.dtype)
+
+
+def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
+    """The attention over every split's keys from each split's normalised output
+    ``[n, T, Hq, D]`` and log2-sum-exp ``[n, T, Hq]`` (a split that saw nothing has weight 0
+    unless none saw anything, when every output is 0)."""
+    top = jnp.max(lse, axis=0)
+    w = jnp.exp2(lse - top)
+    return jnp.sum(w[..., None] * out, axis=0) / jnp.sum(w, axis=0)[..., None]
+
+
+# -- the registered op ----------------------------------------------------------------------
+
+
+def _problem(kw: Mapping[str, Any]) -> Problem:
+    tables = kw["block_tables"]
+    return Problem.of(kw["queries"], kw["key_cache"], tables.shape[0], tables.shape[1])
+
+
+heuristic, config_space = tuning(UnifiedAttentionConfig, _problem)
+
+
+def supports(inv: Any) -> bool | str:
+    """True, or why not (:func:`~ejkernel_triton.ops.unified_attention_config.serving_supports`)."""
+    return serving_supports(inv.kwargs, "queries")
+
+
+def unified_attention_triton(
+    *, cfg: UnifiedAttentionConfig | None = None, **args: Any
+) -> jax.Array:
+    """vLLM-style unified attention through the Triton kernel.
+
+    Args:
+        cfg: blocks, warps, stages, splits; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.unified_attention`'s arguments by name, as its spec validated
+            them.
+
+    Returns:
+        [T, Hq, D] in the query dtype.
+    """
+    return paged_attention(
+        cfg,
+        num_seqs=args["kv_lens"].shape[0],
+        **{k: args.get(k) for k in _UNIFIED if k in args},
+    )
+
+
+_UNIFIED = (
+    "queries",
+    "key_cache",
+    "value_cache",
+    "kv_lens",
+    "block_tables",
+    "query_start_loc",
+    "softmax_scale",
+    "causal",
+    "sliding_window",
+    "logits_soft_cap",
+    "softmax_aux",
+    "alibi_slopes",
+)
