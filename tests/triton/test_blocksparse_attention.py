@@ -236,13 +236,19 @@ def test_jit_and_vmap_with_a_traced_mask(interpret: None) -> None:
     assert_close(g, jax.vmap(jax.grad(loss(r)))(qs, masks), name="vmap grad")
 
 
-def test_the_default_config_is_selected_above_xla(interpret: None) -> None:
+def test_it_runs_only_when_asked_for_until_its_gpu_tests_pass(interpret: None) -> None:
+    from ejkernel_triton import plugin
+
     q, k, v = qkv(1, 37, 37, 2, 1, 16)
     mask = random_mask((1, 1, 3, 3), 0.7, seed=9)
     info = ejkernel.explain("blocksparse_attention", q, k, v, block_mask=mask, block_size=16)
+    assert "blocksparse_attention" in plugin.OPT_IN
+    assert info.platform == "xla"
+    args = {"block_mask": mask, "block_size": 16}
+    info = ejkernel.explain("blocksparse_attention", q, k, v, platform="triton", **args)
     assert info.platform == "triton"
-    out = ejkernel.blocksparse_attention(q, k, v, block_mask=mask, block_size=16)
-    assert_close(out, blocksparse_attention_reference(q, k, v, block_mask=mask, block_size=16))
+    out = ejkernel.blocksparse_attention(q, k, v, platform="triton", **args)
+    assert_close(out, blocksparse_attention_reference(q, k, v, **args))
 
 
 def test_config_space_prunes_by_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
