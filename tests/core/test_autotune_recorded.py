@@ -326,7 +326,7 @@ class Sleepy(Flaky):
 
 def test_compiles_run_on_several_threads_and_timings_one_at_a_time(toy, monkeypatch):
     spans: list[tuple[str, float, float]] = []
-    timed = _batch_tune.benchmark
+    timed = _batch_tune.time_candidate
 
     def recording_benchmark(*args, **kwargs):
         start = time.perf_counter()
@@ -335,7 +335,7 @@ def test_compiles_run_on_several_threads_and_timings_one_at_a_time(toy, monkeypa
         finally:
             spans.append((threading.current_thread().name, start, time.perf_counter()))
 
-    monkeypatch.setattr(_batch_tune, "benchmark", recording_benchmark)
+    monkeypatch.setattr(_batch_tune, "time_candidate", recording_benchmark)
     Sleepy.threads = []
     kernels = [Sleepy(f"sleepy{i}", ("a", "b", "c")) for i in range(2)]
     invocations = [Invocation(kernel=k, args=(jnp.ones((4, 4)),)) for k in kernels]

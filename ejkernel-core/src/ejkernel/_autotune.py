@@ -97,6 +97,26 @@ def benchmark(
     return statistics.median(samples)
 
 
+#: A candidate runs for at least this long (ms) before it is timed, so the GPU's clocks have
+#: left idle and its caches hold the inputs, whatever ran (or compiled) before it.
+WARM_MS = 25.0
+
+
+def time_candidate(
+    fn: Callable[..., Any], *args: Any, num_iters: int = 5, num_warmup: int = 1
+) -> float:
+    """Milliseconds per call of ``fn(*args)`` as the autotuners compare candidates: at least
+    ``num_warmup`` untimed calls and :data:`WARM_MS` of them (at most 64), then the median of
+    three batches of ``num_iters`` calls, each batch waited for once (no host round trip
+    between a batch's calls)."""
+    t0 = time.perf_counter()
+    for i in range(64):
+        _block(fn(*args))
+        if i + 1 >= num_warmup and (time.perf_counter() - t0) * 1e3 >= WARM_MS:
+            break
+    return benchmark(fn, *args, num_iters=num_iters, num_warmup=0, repeats=3)
+
+
 def _agrees(out: Any, ref: Any) -> bool:
     """Whether every leaf of ``out`` is close to ``ref``'s (NaN where ``ref`` has NaN).
 
@@ -140,7 +160,7 @@ def tune_candidates(
         name: what is tuned (``flash_attention/xla``), for messages.
         configs: candidates; the first one is the reference for the correctness check.
         make_runner: ``cfg -> zero-argument function`` computing the outputs (jitted inside).
-        num_warmup: untimed calls (the first compiles).
+        num_warmup: at least this many untimed calls (see :func:`time_candidate`).
         num_iters: timed calls.
     """
 
@@ -161,7 +181,7 @@ def tune_candidates(
                     baseline = out
                 elif not _agrees(out, baseline):
                     raise ValueError("wrong result: disagrees with the first candidate")
-                ms = benchmark(runner, num_iters=num_iters, num_warmup=max(num_warmup - 1, 0))
+                ms = time_candidate(runner, num_iters=num_iters, num_warmup=num_warmup)
             except Exception as err:
                 errors.append((cfg, err))
                 warn_once(

@@ -27,7 +27,7 @@ import attrs
 import jax
 import numpy as np
 
-from ejkernel._autotune import _agrees, benchmark, on_device, progress_logger
+from ejkernel._autotune import _agrees, on_device, progress_logger, time_candidate
 from ejkernel._chain import _dedupe
 from ejkernel._executor import Executor, default_executor
 from ejkernel._invocation import Invocation, abstract_value, current_backend
@@ -355,9 +355,7 @@ def _time_target(
             continue
         del out
         try:
-            timings[i] = benchmark(
-                compiled, *feed, num_iters=num_iters, num_warmup=max(num_warmup - 1, 0)
-            )
+            timings[i] = time_candidate(compiled, *feed, num_iters=num_iters, num_warmup=num_warmup)
         except Exception as err:
             _fail(failures, t, label, "run", err)
     return timings
