@@ -90,6 +90,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel_xla.ops._chunk_numerics import floor_gates
 from ejkernel_xla.ops._chunked_intra import (
     FACTORED_RANGE,
     chunk_output,
@@ -378,7 +379,7 @@ def factorable_call(a: dict[str, Any], st: LinearStatics, gates: Gates) -> jax.A
     consecutive tokens of the packed axis, so every window of C tokens is checked (a bound,
     never an underestimate).
     """
-    gk, gv = gates(a)
+    gk, gv = floor_gates(gates(a))
     if gv is None and (gk is None or gk.shape[-1] == 1):
         return None
     c = st.chunk

@@ -52,6 +52,7 @@ from jax import lax
 
 from ejkernel.plugins import defvjp
 from ejkernel_xla.ops import _state_space as ssm
+from ejkernel_xla.ops._chunk_numerics import finite_part, poison
 from ejkernel_xla.ops._chunked import (
     LinearStatics,
     linear_attention_backward,
@@ -188,7 +189,7 @@ def _as_linear(a: dict[str, Any], st: _Statics) -> dict[str, Any]:
         "query": per_head(a["C"]),
         "key": per_head(a["B"]),
         "value": d[..., None] * x,
-        "g": d * a["A"].astype(jnp.float32),
+        "g": ssm.log_decay(d, a["A"]),
         "initial_state": None if init is None else jnp.swapaxes(init.astype(jnp.float32), -1, -2),
     }
 
@@ -247,32 +248,41 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
     c = st.linear.chunk
     m = -(-s // c)
     d = ssm.delta(a["dt"], a["dt_bias"], st.dt_softplus)
+    # Δ A floored (A = -inf resets the state) and Δ x; a token whose Δ A is NaN enters with
+    # both zeroed, a non-finite Δ x entry alone is zeroed, and the outputs from there on are
+    # NaN (the triangular products below would carry it into earlier rows: _chunk_numerics).
+    la = ssm.log_decay(d, a["A"])
+    ok = jnp.isfinite(la)
+    la = jnp.where(ok, la, 0.0)
+    xdt = jnp.where(ok[..., None], d[..., None] * f32(x), jnp.nan)  # Δ_s x_s
 
     def chunks(v: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, M, C, ...], zero padded
         v = jnp.pad(f32(v), [(0, 0), (0, m * c - s)] + [(0, 0)] * (v.ndim - 2))
         return v.reshape(b, m, c, *v.shape[2:])
 
-    xc = chunks(x).reshape(b, m, c, g, r, p)
-    dc = chunks(d).reshape(b, m, c, g, r)  # padded steps: Δ = 0
+    # Padded steps: Δ A = 0 and Δ x = 0 (the state passes through).
+    xdt, first = finite_part(chunks(xdt).reshape(b, m, c, g, r, p), axis=2)
     bc, cc = chunks(a["B"]), chunks(a["C"])  # [B, M, C, G, N]
 
     t = jnp.arange(c)
     causal = t[:, None] >= t[None, :]
     # Cumulative log decay inside each chunk, as a matmul with a triangle of ones (XLA on CPU
     # would fuse a cumsum into each consumer and redo it per element).
-    cum = _dot("ts,bmsgr->bmtgr", causal.astype(jnp.float32), dc * f32(a["A"]).reshape(g, r))
-    xdt = xc * dc[..., None]  # Δ_s x_s
+    cum = _dot("ts,bmsgr->bmtgr", causal.astype(jnp.float32), chunks(la).reshape(b, m, c, g, r))
 
-    # 1. intra-chunk: Y_diag[t] = Σ_{s ≤ t} (C_t · B_s) exp(L_t - L_s) Δ_s x_s
-    segment = jnp.where(
-        causal[:, :, None, None], cum[:, :, :, None] - cum[:, :, None, :], -jnp.inf
-    )  # [B, M, t, s, G, R]
+    # 1. intra-chunk: Y_diag[t] = Σ_{s ≤ t} (C_t · B_s) exp(L_t - L_s) Δ_s x_s (selected after
+    # the product: a later token's NaN in B times exp(-inf) = 0 is NaN)
+    mask = causal[:, :, None, None]
+    segment = jnp.where(mask, cum[:, :, :, None] - cum[:, :, None, :], -jnp.inf)
     scores = _dot("bmtgn,bmsgn->bmtsg", cc, bc)[..., None] * jnp.exp(segment)
+    scores = jnp.where(mask, scores, 0.0)  # [B, M, t, s, G, R]
     y = _dot("bmtsgr,bmsgrp->bmtgrp", scores, xdt)
 
-    # 2. each chunk's own contribution to the state at its end
+    # 2. each chunk's own contribution to the state at its end (NaN in the channels a
+    # non-finite input spoilt)
     to_end = jnp.exp(cum[:, :, -1:] - cum)  # [B, M, C, G, R]
     local = _dot("bmsgn,bmsgrp->bmgrpn", bc, xdt * to_end[..., None])  # [B, M, G, R, P, N]
+    local = jnp.where((first < c)[..., None], jnp.nan, local)
 
     # 3. state passing between chunks
     chunk_decay = jnp.exp(cum[:, :, -1])[..., None, None]  # [B, M, G, R, 1, 1]
@@ -292,6 +302,7 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
 
     # 4. Y_off[t] = exp(L_t) h_c C_t
     y = y + jnp.exp(cum)[..., None] * _dot("bmtgn,bmgrpn->bmtgrp", cc, states)
+    y = poison(y, first, axis=2)
 
     return y.reshape(b, m * c, h, p)[:, :s], final.reshape(b, h, p, n), states
 
