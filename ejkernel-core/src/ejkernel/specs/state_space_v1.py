@@ -15,8 +15,9 @@ Selective State Spaces", 2023, Alg. 2 with the zero-order-hold of A and the Eule
 entry ``A = -inf`` keeps no memory: its decay is 0 wherever ``Δ > 0`` (with zero gradients,
 not ``0 · inf``) and 1 where ``Δ = 0`` (no time passes); see :func:`decay_rate`. The state
 starts from ``initial_state`` ``[B, I, N]`` (zeros when not given); ``return_state=True``
-returns ``(out, final_state)`` with the state in float32. ``out`` keeps the dtype of ``x``;
-accumulation is float32.
+returns ``(out, final_state)`` with the state in float32. A NaN or inf at token t reaches only
+the outputs of token t and the tokens after it. ``out`` keeps the dtype of ``x``; accumulation
+is float32.
 """
 
 from __future__ import annotations

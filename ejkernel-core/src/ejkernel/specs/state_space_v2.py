@@ -17,8 +17,9 @@ reset at every token, with zero gradients) and 1 where ``Δ = 0``, as in ``state
 ``chunk_size`` is a tuning hint for chunked implementations (it wins over their config); the
 result does not depend on it. ``A`` is usually negative (``-exp(A_log)``). The state starts
 from ``initial_state`` ``[B, H, P, N]`` (zeros when not given); ``return_state=True`` returns
-``(out, final_state)`` with the state in float32. ``out`` keeps the dtype of ``x``;
-accumulation is float32.
+``(out, final_state)`` with the state in float32. A NaN or inf at token t reaches only the
+outputs of token t and the tokens after it. ``out`` keeps the dtype of ``x``; accumulation is
+float32.
 """
 
 from __future__ import annotations

@@ -75,6 +75,12 @@ recurrent across chunks.
   which gives the q, k, v and gate gradients; the chunk layout, gate cumulation and gate
   combination are differentiated the same way.
 
+- Numerics (:mod:`ejkernel_xla.ops._chunk_numerics`). Log gates are floored at -110 before
+  they are summed: a gate of -inf (a state reset) then decays by exactly 0 like the
+  recurrence, without ``-inf - -inf``. Inside a chunk the values enter the triangular products
+  with non-finite entries zeroed and the outputs from a non-finite value on are NaN, and
+  masked products select before multiplying, so a NaN reaches only its causal future.
+
 Accumulation is float32 (inputs are cast once); the output keeps the query dtype and the final
 state is float32.
 """

@@ -21,7 +21,10 @@ Sec. 6, the SSD algorithm). The sequence is cut into chunks of C tokens and, wit
    and the final state leaves);
 4. state to output (all chunks at once): ``Y_off = exp(L_t) · h_c C_t``.
 
-``y = Y_diag + Y_off + D x``, then the gate. Groups: head h reads ``B``/``C`` group
+``y = Y_diag + Y_off + D x``, then the gate. ``Δ A`` is floored at -110
+(``_state_space.log_decay``: ``A = -inf`` is a reset at every token, padding passes the state
+through); a token with a non-finite ``Δ A`` or ``Δ x`` enters with it zeroed and its outputs
+from there on are NaN, so a NaN reaches only its causal future (``_chunk_numerics``). Groups: head h reads ``B``/``C`` group
 ``h // (H / G)``; the products are taken per group and broadcast over its heads, never
 materialising per-head copies of ``B`` or ``C``. A sequence that is not a chunk multiple is
 padded with ``Δ = 0`` tokens (decay 1, no input: the state passes through). On CPU this
