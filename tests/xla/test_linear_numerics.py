@@ -271,6 +271,35 @@ def test_a_minus_inf_gate_on_some_channels_or_tokens_matches_the_recurrence(op: 
     op.check({**arrays, "g": g}, return_state=True)
 
 
+@pytest.mark.parametrize("op", OPS, ids=OP_IDS)
+def test_a_reset_in_bfloat16_keeps_the_dtype_and_stays_finite(op: Op) -> None:
+    arrays = reset_at(op, inputs(op), T)
+    low = {
+        n: x.astype(jnp.bfloat16) if n != "initial_state" and x.dtype == jnp.float32 else x
+        for n, x in arrays.items()
+    }
+    out = op.fn(**low, cfg=op.cfg, **op.statics)
+    assert out.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert_close(out, op.reference(**low, **op.statics))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [op for op in OPS if op.id in ("gla", "recurrent-g-gk-gv", "kda-vector")],
+    ids=lambda op: op.id,
+)
+def test_jit_of_vmap_of_the_gradient_through_a_reset_matches_the_reference(op: Op) -> None:
+    # Under vmap the chunk forms' conditionals become selects: both forms run, and the one
+    # a reset rules out (factored) must not leak NaN into the other's gradients.
+    arrays = reset_at(op, inputs(op), T)
+    lc.check_jit_vmap_grad(
+        lambda **a: op.fn(**a, cfg=op.cfg, **op.statics),
+        lambda **a: op.reference(**a, **op.statics),
+        arrays,
+    )
+
+
 def test_lightning_attention_with_an_infinite_slope_forgets_at_every_token() -> None:
     op = next(op for op in OPS if op.id == "lightning")
     arrays = inputs(op, init=False)
