@@ -43,11 +43,14 @@ def floor_gates(gates: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(floor_gate(g) for g in gates)
 
 
-def finite_part(v: jax.Array, axis: int = -2) -> tuple[jax.Array, jax.Array]:
+def finite_part(
+    v: jax.Array, axis: int = -2, also: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """``(v with non-finite entries zeroed, first)``: ``first`` is, per channel, the position
     along ``axis`` (the tokens of a chunk) of the first non-finite entry, or the axis length
-    when there is none (``axis`` removed from the shape)."""
-    ok = jnp.isfinite(v)
+    when there is none (``axis`` removed from the shape). ``also`` (broadcast to ``v``): where
+    False an entry counts as non-finite too (a token whose other inputs are)."""
+    ok = jnp.isfinite(v) if also is None else jnp.isfinite(v) & also
     n = v.shape[axis]
     pos = jax.lax.broadcasted_iota(jnp.int32, v.shape, axis % v.ndim)
     first = jnp.min(jnp.where(ok, n, pos), axis=axis)

@@ -104,7 +104,7 @@ def _finite_tokens(ch: Chunk) -> tuple[jax.Array, ...]:
     k = jnp.where(ok[..., None], k, 0.0)
     beta = jnp.where(ok, beta, 0.0)
     g = jnp.where(ok[..., None] if vector else ok, g, 0.0)
-    v, first = finite_part(jnp.where(ok[..., None], v, jnp.nan))
+    v, first = finite_part(v, also=ok[..., None])
     return q, k, v, beta, g, first
 
 

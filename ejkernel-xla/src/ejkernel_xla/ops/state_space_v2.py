@@ -257,14 +257,15 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
     la = ssm.log_decay(d, a["A"])
     ok = jnp.isfinite(la)
     la = jnp.where(ok, la, 0.0)
-    xdt = jnp.where(ok[..., None], d[..., None] * f32(x), jnp.nan)  # Δ_s x_s
 
     def chunks(v: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, M, C, ...], zero padded
         v = jnp.pad(f32(v), [(0, 0), (0, m * c - s)] + [(0, 0)] * (v.ndim - 2))
         return v.reshape(b, m, c, *v.shape[2:])
 
     # Padded steps: Δ A = 0 and Δ x = 0 (the state passes through).
-    xdt, first = finite_part(chunks(xdt).reshape(b, m, c, g, r, p), axis=2)
+    xdt = chunks(d[..., None] * f32(x)).reshape(b, m, c, g, r, p)  # Δ_s x_s
+    bad = chunks(~ok).reshape(b, m, c, g, r, 1) > 0  # padding: not bad
+    xdt, first = finite_part(xdt, axis=2, also=~bad)
     bc, cc = chunks(a["B"]), chunks(a["C"])  # [B, M, C, G, N]
 
     t = jnp.arange(c)
