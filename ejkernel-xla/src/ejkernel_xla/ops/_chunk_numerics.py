@@ -9,9 +9,9 @@ answer for a log gate of -inf and for non-finite inputs.
   so for gates ≤ 0 every decay across a floored token is still exactly 0, while the cumulative
   sums stay finite. They lose some digits: after a floor the running sum inside its chunk is
   at least 110 in magnitude, so each later addition rounds by up to half its ulp (4e-6 below
-  128; n floors in one chunk, about n · 3e-6), which is the error of the decays between the
-  tokens after it (measured: 1e-6 to 4e-6 relative on the outputs with one to three resets in
-  a chunk). Below the floor the gradient is 0, as the recurrence's is there (``exp(g) · …`` is 0).
+  128; n floors in one chunk, about n · 3e-6), the relative error of the decays between the
+  tokens after it. Below the floor the gradient is 0, as the recurrence's is there
+  (``exp(g) · …`` is 0).
 - A non-finite value stays in its causal future. A product over the tokens of a chunk with a
   causal (triangular) left factor multiplies every later token's value by an exact 0, and
   ``0 · NaN`` is NaN: one NaN value would reach the outputs before it. So those products take
