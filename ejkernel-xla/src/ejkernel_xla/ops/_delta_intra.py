@@ -144,9 +144,11 @@ def recurrence(p: Prepared, state: jax.Array) -> tuple[jax.Array, jax.Array]:
     non-finite input on (per value channel, the next state's too)."""
     u = p.u - dot("...ck,...kv->...cv", p.w, state)
     out = dot("...ck,...kv->...cv", p.q_decayed, state) + dot("...tj,...jv->...tv", p.qk, u)
+    # From the first non-finite input on, the outputs and the rows of U that enter the next
+    # state are NaN (a NaN row turns its state columns NaN, as the recurrence's would be).
+    u = poison(u, p.first)
     new = p.decay[..., None] * state + dot("...ck,...cv->...kv", p.k_to_end, u)
-    spoilt = (p.first < p.qk.shape[-1])[..., None, :]  # a non-finite input: NaN columns
-    return poison(out, p.first), jnp.where(spoilt, jnp.nan, new)
+    return poison(out, p.first), new
 
 
 @jax.custom_vjp

@@ -251,11 +251,13 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
     c = st.linear.chunk
     m = -(-s // c)
     d = ssm.delta(a["dt"], a["dt_bias"], st.dt_softplus)
-    # Δ A floored (A = -inf resets the state) and Δ x; a token whose Δ A is NaN enters with
-    # both zeroed, a non-finite Δ x entry alone is zeroed, and the outputs from there on are
-    # NaN (the triangular products below would carry it into earlier rows: _chunk_numerics).
+    # Δ A floored (A = -inf resets the state); a token whose Δ A or B is not finite enters
+    # with them and Δ x zeroed, a non-finite Δ x entry alone is zeroed, and the outputs from
+    # there on are NaN (the triangular products below would carry it into earlier rows:
+    # _chunk_numerics).
     la = ssm.log_decay(d, a["A"])
-    ok = jnp.isfinite(la)
+    b_ok = jnp.all(jnp.isfinite(a["B"]), axis=-1)  # [B, S, G]
+    ok = jnp.isfinite(la) & jnp.repeat(b_ok, r, axis=2)
     la = jnp.where(ok, la, 0.0)
 
     def chunks(v: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, M, C, ...], zero padded
@@ -263,10 +265,11 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
         return v.reshape(b, m, c, *v.shape[2:])
 
     # Padded steps: Δ A = 0 and Δ x = 0 (the state passes through).
-    xdt = chunks(d[..., None] * f32(x)).reshape(b, m, c, g, r, p)  # Δ_s x_s
+    xdt_raw = chunks(d[..., None] * f32(x)).reshape(b, m, c, g, r, p)  # Δ_s x_s
     bad = chunks(~ok).reshape(b, m, c, g, r, 1) > 0  # padding: not bad
-    xdt, first = finite_part(xdt, axis=2, also=~bad)
-    bc, cc = chunks(a["B"]), chunks(a["C"])  # [B, M, C, G, N]
+    xdt, first = finite_part(xdt_raw, axis=2, also=~bad)
+    bc_raw, cc = chunks(a["B"]), chunks(a["C"])  # [B, M, C, G, N]
+    bc = jnp.where(chunks(b_ok)[..., None] > 0, bc_raw, 0.0)
 
     t = jnp.arange(c)
     causal = t[:, None] >= t[None, :]
@@ -274,19 +277,17 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
     # would fuse a cumsum into each consumer and redo it per element).
     cum = _dot("ts,bmsgr->bmtgr", causal.astype(jnp.float32), chunks(la).reshape(b, m, c, g, r))
 
-    # 1. intra-chunk: Y_diag[t] = Σ_{s ≤ t} (C_t · B_s) exp(L_t - L_s) Δ_s x_s (selected after
-    # the product: a later token's NaN in B times exp(-inf) = 0 is NaN)
-    mask = causal[:, :, None, None]
-    segment = jnp.where(mask, cum[:, :, :, None] - cum[:, :, None, :], -jnp.inf)
+    # 1. intra-chunk: Y_diag[t] = Σ_{s ≤ t} (C_t · B_s) exp(L_t - L_s) Δ_s x_s
+    segment = jnp.where(
+        causal[:, :, None, None], cum[:, :, :, None] - cum[:, :, None, :], -jnp.inf
+    )  # [B, M, t, s, G, R]
     scores = _dot("bmtgn,bmsgn->bmtsg", cc, bc)[..., None] * jnp.exp(segment)
-    scores = jnp.where(mask, scores, 0.0)  # [B, M, t, s, G, R]
     y = _dot("bmtsgr,bmsgrp->bmtgrp", scores, xdt)
 
-    # 2. each chunk's own contribution to the state at its end (NaN in the channels a
-    # non-finite input spoilt)
+    # 2. each chunk's own contribution to the state at its end, from the inputs as given: a
+    # non-finite one makes the state non-finite where the recurrence's would be
     to_end = jnp.exp(cum[:, :, -1:] - cum)  # [B, M, C, G, R]
-    local = _dot("bmsgn,bmsgrp->bmgrpn", bc, xdt * to_end[..., None])  # [B, M, G, R, P, N]
-    local = jnp.where((first < c)[..., None], jnp.nan, local)
+    local = _dot("bmsgn,bmsgrp->bmgrpn", bc_raw, xdt_raw * to_end[..., None])  # [B, M, G, R, P, N]
 
     # 3. state passing between chunks
     chunk_decay = jnp.exp(cum[:, :, -1])[..., None, None]  # [B, M, G, R, 1, 1]
