@@ -5,7 +5,9 @@ for each head ``h_t = h_{t-1} ⊙ exp(g_t)[:, None] + k_tᵀ v_t`` and
 ``o_t = softmax_scale · q_t h_t`` (``g`` is a log-space decay of the state's K axis;
 ``softmax_scale`` scales the query, default ``K ** -0.5``). ``initial_state``, ``cu_seqlens``
 and ``return_state`` are as in :mod:`ejkernel.specs.recurrent` (states reset at packed sequence
-boundaries; tokens outside every sequence give zeros; the final state is float32).
+boundaries; tokens outside every sequence give zeros; the final state is float32), and so
+are its numerics: a gate of ``-inf`` resets the state, a NaN at token t reaches only token t
+and the tokens after it.
 
 Accumulation is float32; the output keeps the query dtype. Differentiable in query, key,
 value, ``g`` and ``initial_state``.

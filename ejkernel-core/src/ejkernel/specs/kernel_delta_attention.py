@@ -12,6 +12,10 @@ Semantics every implementation follows (OPS.md vocabulary; ``H`` heads, ``K`` ke
 - ``g`` is a log-space decay: ``[B, S, H, K]`` decays each key channel (Kimi Delta Attention),
   ``[B, S, H]`` one scalar per head and token (Gated DeltaNet). ``g ≤ 0`` keeps the state
   bounded; ``beta`` ``[B, S, H]`` is the delta-rule step size (usually a sigmoid, in (0, 1)).
+  A decay of ``-inf`` zeroes its key channel (every channel: a state reset) before the
+  token's update, with finite gradients; decays are accumulated in float32.
+- A NaN or inf at token t (in any input) reaches only the outputs of token t and the tokens
+  after it in its sequence, as the recurrence carries it in its state.
 - ``cu_seqlens`` ``[N + 1]`` packs ``N`` sequences along the token axis of a batch of one
   (flash-linear-attention's varlen convention): sequence ``n`` owns tokens
   ``[cu_seqlens[n], cu_seqlens[n + 1])``, its state starts from ``initial_state[n]`` (zeros

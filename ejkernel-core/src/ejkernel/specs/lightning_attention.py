@@ -6,7 +6,8 @@ i.e. :func:`ejkernel.recurrent` with the scalar log gate ``g = -slopes[h]`` at e
 ``softmax_scale`` scales the query, default ``K ** -0.5`` as for every linear-attention op
 (MiniMax-01's own layer applies no scale: pass ``softmax_scale=1.0`` to match it).
 ``initial_state``, ``cu_seqlens`` and ``return_state`` are as in
-:mod:`ejkernel.specs.recurrent`.
+:mod:`ejkernel.specs.recurrent`, and so are its numerics (an infinite slope forgets the state
+at every token; a NaN at token t reaches only token t and the tokens after it).
 
 Slopes: given as ``slopes [H]``, or built from ``(layer_idx, num_layers)`` as MiniMax-01 publishes
 (``MiniMaxLightningAttention.get_slope_rate`` in the MiniMax-Text-01 modelling code, also in

@@ -6,6 +6,13 @@ Semantics every implementation follows (OPS.md vocabulary), for each head:
   ``h [K, V]``, and ``o_t = softmax_scale · q_t h_t``. Gates are log-space decays (a gate of 0
   keeps the state); an absent gate is 0. ``softmax_scale`` scales the query (no softmax is
   taken); default ``K ** -0.5``.
+- A gate of ``-inf`` is a state reset: its decay is exactly 0 (``exp(-inf)``), so the state
+  after that token is ``k_tᵀ v_t`` alone, and gradients stay finite (0 through the reset
+  gate). Gates are accumulated in float32; log decays as strong as -20 per step over long
+  sequences stay finite.
+- A NaN or inf at token t (in any input) reaches only the outputs of token t and the tokens
+  after it in its sequence (before it with ``reverse``), as the recurrence carries it in its
+  state; no output before it depends on it.
 - ``reverse=True`` runs the same recurrence from the last token to the first (each packed
   sequence on its own), as flash-linear-attention's ``fused_recurrent`` does: token t then sees
   tokens ≥ t, and the final state is the one after token 0.

@@ -11,10 +11,13 @@ Selective State Spaces", 2023, Alg. 2 with the zero-order-hold of A and the Eule
 - ``y_t[i] = Σ_n C_t[n] h_t[i, n] + D[i] x_t[i]``, then ``y_t *= silu(gate_t)`` when a
   ``gate`` (Mamba's ``z``) is given.
 
-``A`` is usually negative (``-exp(A_log)``) and ``Δ`` positive, so ``exp(Δ A) ≤ 1``. The state
+``A`` is usually negative (``-exp(A_log)``) and ``Δ`` positive, so ``exp(Δ A) ≤ 1``. An
+entry ``A = -inf`` keeps no memory: its decay is 0 wherever ``Δ > 0`` (with zero gradients,
+not ``0 · inf``) and 1 where ``Δ = 0`` (no time passes); see :func:`decay_rate`. The state
 starts from ``initial_state`` ``[B, I, N]`` (zeros when not given); ``return_state=True``
-returns ``(out, final_state)`` with the state in float32. ``out`` keeps the dtype of ``x``;
-accumulation is float32.
+returns ``(out, final_state)`` with the state in float32. A NaN or inf at token t reaches only
+the outputs of token t and the tokens after it. ``out`` keeps the dtype of ``x``; accumulation
+is float32.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ejkernel.specs._base import (
 __all__ = [
     "SPEC",
     "check_state_space_arrays",
+    "decay_rate",
     "gated_output",
     "state_space_v1",
     "state_space_v1_reference",
@@ -68,7 +72,7 @@ def state_space_v1_reference(
     if dt_softplus:
         delta = jax.nn.softplus(delta)
     h0 = jnp.zeros((b, i, n), jnp.float32) if initial_state is None else f32(initial_state)
-    a = f32(A)
+    a = decay_rate(A)
 
     def step(h: jax.Array, xs: Any) -> tuple[jax.Array, jax.Array]:
         x_t, d_t, b_t, c_t = xs  # [B, I], [B, I], [B, N], [B, N]
@@ -79,6 +83,18 @@ def state_space_v1_reference(
     final, y = jax.lax.scan(step, h0, tuple(map(time_major, (x, delta, B, C))))
     y = jnp.moveaxis(y, 0, 1) + f32(D) * f32(x)
     return gated_output(y, gate, x.dtype, final if return_state else None)
+
+
+#: Stands in for ``A = -inf`` in ``Δ A``: ``exp(Δ · -1e30)`` is 0 for any ``Δ > 1e-28`` and
+#: 1 for ``Δ = 0``, and the product's gradients stay finite.
+_NO_MEMORY = -1e30
+
+
+def decay_rate(A: jax.Array) -> jax.Array:
+    """``A`` in float32 as the references multiply it by ``Δ``: ``-inf`` entries (a state that
+    keeps no memory) replaced by -1e30, so ``exp(Δ A)`` is 0 for ``Δ > 0`` and 1 for ``Δ = 0``
+    (not ``exp(0 · -inf)`` = NaN) and every gradient through it is finite."""
+    return jnp.maximum(A.astype(jnp.float32), _NO_MEMORY)
 
 
 def gated_output(y: jax.Array, gate: Any, dtype: Any, final: Any) -> Any:

@@ -12,11 +12,14 @@ Efficient Algorithms Through Structured State Space Duality", ICML 2024, Sec. 6)
   ``y_t = h_t C_t + D_h x_t``, then ``y_t *= silu(gate_t)`` when a ``gate`` (Mamba's z,
   ``[B, S, H, P]``) is given.
 
+``A_h = -inf`` makes head h keep no memory: its decay is 0 wherever ``Δ > 0`` (a state
+reset at every token, with zero gradients) and 1 where ``Δ = 0``, as in ``state_space_v1``.
 ``chunk_size`` is a tuning hint for chunked implementations (it wins over their config); the
 result does not depend on it. ``A`` is usually negative (``-exp(A_log)``). The state starts
 from ``initial_state`` ``[B, H, P, N]`` (zeros when not given); ``return_state=True`` returns
-``(out, final_state)`` with the state in float32. ``out`` keeps the dtype of ``x``;
-accumulation is float32.
+``(out, final_state)`` with the state in float32. A NaN or inf at token t reaches only the
+outputs of token t and the tokens after it. ``out`` keeps the dtype of ``x``; accumulation is
+float32.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 from ejkernel.specs._base import OpSpec, call_op, check_array
 from ejkernel.specs.state_space_v1 import (
     check_state_space_arrays,
+    decay_rate,
     gated_output,
     synthetic_state_space,
 )
@@ -69,7 +73,7 @@ def state_space_v2_reference(
         delta = jax.nn.softplus(delta)
     per_head = lambda v: jnp.repeat(f32(v), h // g, axis=2)  # [B, S, G, N] -> [B, S, H, N]
     h0 = jnp.zeros((b, h, p, n), jnp.float32) if initial_state is None else f32(initial_state)
-    a = f32(A)
+    a = decay_rate(A)  # A = -inf: no memory (decay 0 for Δ > 0), finite gradients
 
     def step(state: jax.Array, xs: Any) -> tuple[jax.Array, jax.Array]:
         x_t, d_t, b_t, c_t = xs  # [B, H, P], [B, H], [B, H, N], [B, H, N]

@@ -75,6 +75,12 @@ recurrent across chunks.
   which gives the q, k, v and gate gradients; the chunk layout, gate cumulation and gate
   combination are differentiated the same way.
 
+- Numerics (:mod:`ejkernel_xla.ops._chunk_numerics`). Log gates are floored at -110 before
+  they are summed: a gate of -inf (a state reset) then decays by exactly 0 like the
+  recurrence, without ``-inf - -inf``. Inside a chunk the values enter the triangular products
+  with non-finite entries zeroed and the outputs from a non-finite value on are NaN, and
+  masked products select before multiplying, so a NaN reaches only its causal future.
+
 Accumulation is float32 (inputs are cast once); the output keeps the query dtype and the final
 state is float32.
 """
@@ -90,6 +96,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel_xla.ops._chunk_numerics import floor_gates
 from ejkernel_xla.ops._chunked_intra import (
     FACTORED_RANGE,
     chunk_output,
@@ -378,7 +385,7 @@ def factorable_call(a: dict[str, Any], st: LinearStatics, gates: Gates) -> jax.A
     consecutive tokens of the packed axis, so every window of C tokens is checked (a bound,
     never an underestimate).
     """
-    gk, gv = gates(a)
+    gk, gv = floor_gates(gates(a))
     if gv is None and (gk is None or gk.shape[-1] == 1):
         return None
     c = st.chunk

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel_xla.ops._chunk_numerics import finite_part, poison
 from ejkernel_xla.ops._chunked_layout import pad_axis
 
 if TYPE_CHECKING:
@@ -119,6 +120,10 @@ def chunk_output(
 ) -> jax.Array:
     """Every chunk's output [M, C, V]: from the carried state, plus inside the chunk.
 
+    The products inside the chunk take the values with non-finite entries zeroed, and the
+    outputs from a chunk's first non-finite value on are NaN (per channel), so a NaN or inf
+    reaches only its causal future (:mod:`ejkernel_xla.ops._chunk_numerics`).
+
     ``mode="factored"`` (every chunk's gates within :data:`FACTORED_RANGE`) splits each pair's
     decay at the chunk start, ``exp(b_t - b_s) = exp(b_t) · exp(-b_s)``, and reuses the local
     terms: the chunk is two matmuls. ``mode="exact"`` takes the two-level form, safe for any
@@ -128,18 +133,22 @@ def chunk_output(
     inter = dot("mck,mkv->mcv", q_in, h_start)
     gate_v = None if bv is None else jnp.exp(bv)
     if bv is None and (bk is None or bk.shape[-1] == 1):
-        out = inter + _intra_scalar(q, k, v, bk)
+        v_in, first = finite_part(v)
+        out = inter + _intra_scalar(q, k, v_in, bk)
     elif mode == "factored":
+        # Within the factored range v_out = v ⊙ exp(b^v_last - b^v) is finite exactly where v is.
         k_f = k_out if bk is None else k_out * jnp.exp(-bk[:, -1:])
-        v_f = v_out if bv is None else v_out * jnp.exp(-bv[:, -1:])
+        v_f, first = finite_part(v_out)
+        v_f = v_f if bv is None else v_f * jnp.exp(-bv[:, -1:])
         scores = jnp.where(causal(q.shape[1]), dot("mck,msk->mcs", q_in, k_f), 0.0)
         out = inter + dot("mcs,msv->mcv", scores, v_f)
         if gate_v is not None:
             out = out * gate_v
     else:
+        v_in, first = finite_part(v)
         out = inter if gate_v is None else inter * gate_v
-        out = out + _intra_exact(_Rows(q, k, v, bk, bv), st.sub_chunk)
-    return st.scale * out
+        out = out + _intra_exact(_Rows(q, k, v_in, bk, bv), st.sub_chunk)
+    return poison(st.scale * out, first)
 
 
 def causal(c: int) -> jax.Array:
@@ -153,12 +162,14 @@ def _intra_scalar(q: jax.Array, k: jax.Array, v: jax.Array, bk: jax.Array | None
 
 def _scalar_scores(q: jax.Array, k: jax.Array, bk: jax.Array | None, mask: jax.Array) -> jax.Array:
     """``(q kᵀ) ⊙ exp(b_t - b_s)`` where ``mask`` holds, else 0, for no key gate or a per-head
-    scalar one (``bk`` [M, C, 1]); the exponent is masked before ``exp``."""
+    scalar one (``bk`` [M, C, 1]). The exponent is masked before ``exp`` (no overflow, no NaN
+    gradient) and the product selected after it (a NaN key of a later token stays out)."""
     scores = dot("mck,msk->mcs", q, k)
     if bk is None:
         return jnp.where(mask, scores, 0.0)
     b = bk[..., 0]
-    return scores * jnp.exp(jnp.where(mask, b[:, :, None] - b[:, None, :], -jnp.inf))
+    decay = jnp.exp(jnp.where(mask, b[:, :, None] - b[:, None, :], -jnp.inf))
+    return jnp.where(mask, scores * decay, 0.0)
 
 
 class _Rows(NamedTuple):
@@ -208,6 +219,7 @@ def _intra_subchunks(x: _Rows, sub: int) -> jax.Array:
     else:
         ek = jnp.where(tril[:, :, None], bk2[:, :, None, :] - bk2[:, None, :, :], -jnp.inf)
         diag = jnp.sum(q2[:, :, None, :] * k2[:, None, :, :] * jnp.exp(ek), axis=-1)
+        diag = jnp.where(tril, diag, 0.0)  # a later token's NaN key times exp(-inf) = 0 is NaN
     if bv2 is None:
         out_diag = dot("mcs,msv->mcv", diag, v2)
     else:
@@ -235,6 +247,7 @@ def _intra_off_diagonal(x: _Rows, sub: int) -> jax.Array:
         r = split(bk)[:, :, :1]  # [M, n, 1, K]
         q_i = split(q) * jnp.exp(split(bk) - r)
         k_i = k[:, None] * jnp.exp(jnp.where(before, r - bk[:, None], -jnp.inf))  # [M, n, C, K]
+        k_i = jnp.where(before, k_i, 0.0)  # a later token's NaN key times 0 is NaN
     scores = dot("mick,misk->mics", q_i, k_i)  # [M, n, c, C]
     if bv is None:
         return dot("mics,msv->micv", scores, v)

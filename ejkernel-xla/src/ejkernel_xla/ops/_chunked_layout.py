@@ -12,6 +12,8 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel_xla.ops._chunk_numerics import floor_gates
+
 if TYPE_CHECKING:
     from ejkernel_xla.ops._chunked import Gates, LinearStatics
 
@@ -161,10 +163,11 @@ class Plan:
 
 
 def layout(a: dict[str, Any], st: LinearStatics, gates: Gates, plan: Plan) -> dict[str, Any]:
-    """Float32 chunked q, k, v [N, B, H, C, F], log gates and initial-state rows."""
+    """Float32 chunked q, k, v [N, B, H, C, F], log gates (floored: a gate of -inf is a state
+    reset, see :mod:`ejkernel_xla.ops._chunk_numerics`) and initial-state rows."""
     del st
     q, k, v = (a[n].astype(jnp.float32) for n in ("query", "key", "value"))
-    gk, gv = gates(a)
+    gk, gv = floor_gates(gates(a))
     if gk is not None:
         gk = jnp.broadcast_to(gk, (*q.shape[:3], gk.shape[-1]))
     b, _, h, dk = q.shape

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel_xla.ops._chunk_numerics import finite_part, floor_gate, poison
 from ejkernel_xla.ops._chunked_intra import (
     causal,
     chunk_output,
@@ -55,7 +56,7 @@ def stream_forward(
     Returns ``(out [B, S, H, V], final states [B, H, K, V] or None, start states or None)``.
     """
     q, k, v = (a[n].astype(jnp.float32) for n in ("query", "key", "value"))
-    gk, _ = gates(a)
+    gk, _ = gates(a)  # floored per chunk, in the step (no extra pass over the gates)
     if gk is not None:
         gk = jnp.broadcast_to(gk, (*q.shape[:3], gk.shape[-1]))
     if st.reverse:
@@ -119,7 +120,7 @@ def _stream_chunk(
     """
     heads = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
     q, k, v, g = heads(q), heads(k), heads(v), heads(g)
-    bk = cumulate(g)
+    bk = cumulate(floor_gate(g))
 
     def exact() -> tuple[jax.Array, jax.Array]:
         local = local_terms(q, k, v, bk, None)
@@ -131,12 +132,15 @@ def _stream_chunk(
         # exp(±80)); scores q̃ k̃ᵀ carry exp(b_t - b_s); the next state is
         # exp(b_last) ⊙ (S + k̃ᵀ v). Outside that range the factors overflow; the
         # conditional below then discards them.
+        # Non-finite values enter the scores' product zeroed and come back as NaN from their
+        # token on (a later token's exact 0 in ``scores`` times NaN would reach earlier rows).
         e = jnp.exp(bk)
         q_in, k_f = q * e, k / e
+        v_in, first = finite_part(v)
         scores = jnp.where(causal(q.shape[1]), dot("mck,msk->mcs", q_in, k_f), 0.0)
-        out = dot("mck,mkv->mcv", q_in, state) + dot("mcs,msv->mcv", scores, v)
+        out = dot("mck,mkv->mcv", q_in, state) + dot("mcs,msv->mcv", scores, v_in)
         new = (state + dot("mck,mcv->mkv", k_f, v)) * e[:, -1, :, None]
-        return st.scale * out, new
+        return poison(st.scale * out, first), new
 
     mode_ok = factorable(bk, None)
     if mode_ok is None:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.specs.kernel_delta_attention import L2NORM_EPS
+from ejkernel_xla.ops._chunk_numerics import floor_gate
 from ejkernel_xla.ops._chunked_layout import pad_axis
 from ejkernel_xla.ops._delta_intra import Chunk, Prepared, dot, recurrence, ut_transform
 
@@ -156,6 +157,7 @@ def _streamed(
         q, k = f32(q), f32(k)
         if st.l2norm:
             q, k = _l2_normalize(q), _l2_normalize(k)
+        g = floor_gate(g)  # -inf (a state reset) floored here, not in a pass of its own
         chunk = Chunk(
             q=heads(q * st.scale), k=heads(k), v=heads(f32(v)), beta=heads(beta), g=heads(g)
         )
@@ -237,7 +239,7 @@ def _prepare(arrays: dict[str, Any], st: Statics, packed: _Packed | None) -> Chu
     q = q * st.scale
     to = lambda x: _to_chunks(x, st.chunk, packed)
     beta = to(f32(arrays["beta"])[..., None])[..., 0]
-    g = f32(arrays["g"])
+    g = floor_gate(f32(arrays["g"]))  # -inf (a state reset) floored: see _chunk_numerics
     g = to(g) if g.ndim == 4 else to(g[..., None])[..., 0]
     return Chunk(q=to(q), k=to(k), v=to(f32(arrays["value"])), beta=beta, g=g)
 

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel_xla.ops._chunk_numerics import finite_part, poison
+
 if TYPE_CHECKING:
     from ejkernel_xla.ops._delta_chunked import Statics
 
@@ -38,6 +40,7 @@ class Prepared(NamedTuple):
     decay: jax.Array  # [..., K]  γ_C
     qk: jax.Array  # [..., C, C]  Σ_k q_t k_j exp(G_t - G_j), masked to j ≤ t
     q_decayed: jax.Array  # [..., C, K]  Q ⊙ Γ
+    first: jax.Array  # [..., V] int32  first token with a non-finite input per channel, or C
 
 
 def ut_transform(ch: Chunk, st: Statics, factor: bool = False) -> Prepared:
@@ -47,8 +50,14 @@ def ut_transform(ch: Chunk, st: Statics, factor: bool = False) -> Prepared:
     decays take the factored products ``(x ⊙ Γ)(k ⊙ Γ⁻¹)ᵀ`` (two matmuls) whenever the
     chunk's cumulative decays stay within ±:data:`_FACTORED_RANGE` (a ``lax.cond`` on the
     chunk), else the hierarchical products; without it always the hierarchical ones.
+
+    Tokens with a non-finite key, ``beta`` or decay enter with those and their value zeroed,
+    non-finite value entries alone are zeroed, and :func:`recurrence` sets the outputs from
+    such a token on to NaN (per value channel): the triangular products and inverse below
+    would otherwise carry a later token's NaN into earlier rows (``0 · NaN``); see
+    :mod:`ejkernel_xla.ops._chunk_numerics`.
     """
-    q, k, v, beta, g = ch
+    q, k, v, beta, g, first = _finite_tokens(ch)
     c = q.shape[-2]
     t = jnp.arange(c)
     # Cumulative sums as a matmul with a triangle of ones: XLA on CPU would otherwise fuse the
@@ -80,7 +89,23 @@ def ut_transform(ch: Chunk, st: Statics, factor: bool = False) -> Prepared:
         decay=jnp.broadcast_to(gamma[..., -1, :], (*k.shape[:-2], dk)),
         qk=qk,
         q_decayed=q * gamma,
+        first=first,
     )
+
+
+def _finite_tokens(ch: Chunk) -> tuple[jax.Array, ...]:
+    """``(q, k, v, beta, g, first)``: a token whose key, ``beta`` or decay has a non-finite
+    entry gets them all and its value zeroed, a non-finite value entry alone is zeroed;
+    ``first`` [..., V] is the first such token per value channel (C when none)."""
+    q, k, v, beta, g = ch
+    per_token = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
+    vector = g.ndim > beta.ndim
+    ok = per_token(k) & jnp.isfinite(beta) & (per_token(g) if vector else jnp.isfinite(g))
+    k = jnp.where(ok[..., None], k, 0.0)
+    beta = jnp.where(ok, beta, 0.0)
+    g = jnp.where(ok[..., None] if vector else ok, g, 0.0)
+    v, first = finite_part(v, also=ok[..., None])
+    return q, k, v, beta, g, first
 
 
 #: Largest spread of a chunk's cumulative log decays (chunk start included) for which the
@@ -115,10 +140,15 @@ def _channel_products(
 
 def recurrence(p: Prepared, state: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One chunk given its incoming state: ``U = Ũ - W S₀``, ``O = (Q ⊙ Γ) S₀ + P U`` and
-    ``S_C = diag(γ_C) S₀ + (K ⊙ exp(G_C - G))ᵀ U``."""
+    ``S_C = diag(γ_C) S₀ + (K ⊙ exp(G_C - G))ᵀ U``; NaN from the first token with a
+    non-finite input on (per value channel, the next state's too)."""
     u = p.u - dot("...ck,...kv->...cv", p.w, state)
     out = dot("...ck,...kv->...cv", p.q_decayed, state) + dot("...tj,...jv->...tv", p.qk, u)
-    return out, p.decay[..., None] * state + dot("...ck,...cv->...kv", p.k_to_end, u)
+    # From the first non-finite input on, the outputs and the rows of U that enter the next
+    # state are NaN (a NaN row turns its state columns NaN, as the recurrence's would be).
+    u = poison(u, p.first)
+    new = p.decay[..., None] * state + dot("...ck,...cv->...kv", p.k_to_end, u)
+    return poison(out, p.first), new
 
 
 @jax.custom_vjp

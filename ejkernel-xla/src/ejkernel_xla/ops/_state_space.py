@@ -9,9 +9,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ejkernel_xla.ops._chunk_numerics import floor_gate
 from ejkernel_xla.ops._tuning import fit_chunk
 
-__all__ = ["ARRAYS", "arrays", "delta", "fitted", "pull_skip_and_gate", "skip_and_gate"]
+__all__ = [
+    "ARRAYS",
+    "arrays",
+    "delta",
+    "fitted",
+    "log_decay",
+    "pull_skip_and_gate",
+    "skip_and_gate",
+]
 
 #: The ops' array arguments (the passes read them by name; ``None`` when absent).
 ARRAYS = ("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state")
@@ -33,6 +42,18 @@ def delta(dt: jax.Array, dt_bias: jax.Array | None, softplus: bool) -> jax.Array
     if dt_bias is not None:
         out = out + dt_bias.astype(jnp.float32)
     return jax.nn.softplus(out) if softplus else out
+
+
+#: Stands in for ``A = -inf`` inside ``Δ A``, so that the product is a number: 0 for ``Δ = 0``,
+#: below the gate floor for any ``Δ > 1e-28``.
+_A_FLOOR = 1e30
+
+
+def log_decay(delta: jax.Array, a: jax.Array) -> jax.Array:
+    """The log decay ``Δ A`` (float32), floored (:func:`floor_gate`): ``A = -inf`` is a state
+    reset for ``Δ > 0`` while ``Δ = 0`` (padding) still passes the state through, and the
+    gradients stay finite (0 wherever the floor holds, as the recurrence's ``exp(Δ A) · …``)."""
+    return floor_gate(delta * jnp.maximum(a.astype(jnp.float32), -_A_FLOOR))
 
 
 def skip_and_gate(y: jax.Array, x: jax.Array, skip: jax.Array, gate: jax.Array | None) -> jax.Array:

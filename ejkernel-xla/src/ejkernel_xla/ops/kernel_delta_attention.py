@@ -78,6 +78,11 @@ and ``[S, H, C + K + V]`` chunk factors), so memory stays linear in S. This is c
 of the whole chunked forward, not a fully hand-derived backward (as flash-linear-attention's
 kernels have): it costs one extra forward.
 
+Numerics (:mod:`ejkernel_xla.ops._chunk_numerics`): decays are floored at -110 before they
+are summed, so a decay of -inf (a state reset) gives exactly 0 like the recurrence; a token
+with a non-finite key, ``beta``, decay or value enters the chunk algebra with them zeroed and
+the outputs (and the state) from it on are NaN, so a NaN reaches only its causal future.
+
 Everything is float32 inside (the triangular inverse needs it); outputs keep the query dtype,
 the final state is float32. Config: ``chunk_size`` (C). It declines nothing (no ``supports``): every
 valid call runs here, on every backend.

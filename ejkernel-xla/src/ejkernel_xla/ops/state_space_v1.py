@@ -24,7 +24,8 @@ carrying the state; the forward keeps each chunk's incoming state (``[S / C, I, 
   the parallel scan makes log₂ C passes over ``[C, I, N]`` temporaries.
 
 A sequence that is not a chunk multiple is padded with ``Δ = 0`` tokens (the state passes
-through).
+through). The log decay ``Δ A`` is taken by ``_state_space.log_decay``: ``A = -inf`` forgets
+the state (decay 0, zero gradients) wherever ``Δ > 0`` and padding still passes it through.
 
 Backward (custom VJP). ``out = (y + D x) silu(gate)`` is pulled back directly (``y`` saved);
 then a reverse ``lax.scan`` over chunks recomputes one chunk from its saved incoming state and
@@ -295,7 +296,7 @@ def _unchunk(y: jax.Array, s: int) -> jax.Array:
 
 def _chunk_associative(h: jax.Array, ch: _Chunks, rate: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One chunk by a parallel scan: ``(y [B, C, I], state after it [B, I, N])``."""
-    decay = jnp.exp(ch.delta[..., None] * rate)  # [B, C, I, N], ≤ 1 for A ≤ 0
+    decay = jnp.exp(ssm.log_decay(ch.delta[..., None], rate))  # [B, C, I, N], ≤ 1 for A ≤ 0
     drive = (ch.delta * ch.x)[..., None] * ch.b[:, :, None, :]
     decay, drive = lax.associative_scan(_combine, (decay, drive), axis=1)
     states = decay * h[:, None] + drive  # h_t for every t of the chunk
@@ -317,7 +318,8 @@ def _chunk_sequential(h: jax.Array, ch: _Chunks, rate: jax.Array) -> tuple[jax.A
 
     def step(h: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         x_t, d_t, b_t, c_t = xs
-        h = jnp.exp(d_t[..., None] * rate) * h + (d_t * x_t)[..., None] * b_t[:, None, :]
+        decay = jnp.exp(ssm.log_decay(d_t[..., None], rate))
+        h = decay * h + (d_t * x_t)[..., None] * b_t[:, None, :]
         return h, jnp.einsum("bin,bn->bi", h, c_t, preferred_element_type=jnp.float32)
 
     time_major = lambda v: jnp.moveaxis(v, 1, 0)

@@ -21,7 +21,10 @@ Sec. 6, the SSD algorithm). The sequence is cut into chunks of C tokens and, wit
    and the final state leaves);
 4. state to output (all chunks at once): ``Y_off = exp(L_t) · h_c C_t``.
 
-``y = Y_diag + Y_off + D x``, then the gate. Groups: head h reads ``B``/``C`` group
+``y = Y_diag + Y_off + D x``, then the gate. ``Δ A`` is floored at -110
+(``_state_space.log_decay``: ``A = -inf`` is a reset at every token, padding passes the state
+through); a token with a non-finite ``Δ A`` or ``Δ x`` enters with it zeroed and its outputs
+from there on are NaN, so a NaN reaches only its causal future (``_chunk_numerics``). Groups: head h reads ``B``/``C`` group
 ``h // (H / G)``; the products are taken per group and broadcast over its heads, never
 materialising per-head copies of ``B`` or ``C``. A sequence that is not a chunk multiple is
 padded with ``Δ = 0`` tokens (decay 1, no input: the state passes through). On CPU this
@@ -52,6 +55,7 @@ from jax import lax
 
 from ejkernel.plugins import defvjp
 from ejkernel_xla.ops import _state_space as ssm
+from ejkernel_xla.ops._chunk_numerics import finite_part, poison
 from ejkernel_xla.ops._chunked import (
     LinearStatics,
     linear_attention_backward,
@@ -188,7 +192,7 @@ def _as_linear(a: dict[str, Any], st: _Statics) -> dict[str, Any]:
         "query": per_head(a["C"]),
         "key": per_head(a["B"]),
         "value": d[..., None] * x,
-        "g": d * a["A"].astype(jnp.float32),
+        "g": ssm.log_decay(d, a["A"]),
         "initial_state": None if init is None else jnp.swapaxes(init.astype(jnp.float32), -1, -2),
     }
 
@@ -247,21 +251,31 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
     c = st.linear.chunk
     m = -(-s // c)
     d = ssm.delta(a["dt"], a["dt_bias"], st.dt_softplus)
+    # Δ A floored (A = -inf resets the state); a token whose Δ A or B is not finite enters
+    # with them and Δ x zeroed, a non-finite Δ x entry alone is zeroed, and the outputs from
+    # there on are NaN (the triangular products below would carry it into earlier rows:
+    # _chunk_numerics).
+    la = ssm.log_decay(d, a["A"])
+    b_ok = jnp.all(jnp.isfinite(a["B"]), axis=-1)  # [B, S, G]
+    ok = jnp.isfinite(la) & jnp.repeat(b_ok, r, axis=2)
+    la = jnp.where(ok, la, 0.0)
 
     def chunks(v: jax.Array) -> jax.Array:  # [B, S, ...] -> [B, M, C, ...], zero padded
         v = jnp.pad(f32(v), [(0, 0), (0, m * c - s)] + [(0, 0)] * (v.ndim - 2))
         return v.reshape(b, m, c, *v.shape[2:])
 
-    xc = chunks(x).reshape(b, m, c, g, r, p)
-    dc = chunks(d).reshape(b, m, c, g, r)  # padded steps: Δ = 0
-    bc, cc = chunks(a["B"]), chunks(a["C"])  # [B, M, C, G, N]
+    # Padded steps: Δ A = 0 and Δ x = 0 (the state passes through).
+    xdt_raw = chunks(d[..., None] * f32(x)).reshape(b, m, c, g, r, p)  # Δ_s x_s
+    bad = chunks(~ok).reshape(b, m, c, g, r, 1) > 0  # padding: not bad
+    xdt, first = finite_part(xdt_raw, axis=2, also=~bad)
+    bc_raw, cc = chunks(a["B"]), chunks(a["C"])  # [B, M, C, G, N]
+    bc = jnp.where(chunks(b_ok)[..., None] > 0, bc_raw, 0.0)
 
     t = jnp.arange(c)
     causal = t[:, None] >= t[None, :]
     # Cumulative log decay inside each chunk, as a matmul with a triangle of ones (XLA on CPU
     # would fuse a cumsum into each consumer and redo it per element).
-    cum = _dot("ts,bmsgr->bmtgr", causal.astype(jnp.float32), dc * f32(a["A"]).reshape(g, r))
-    xdt = xc * dc[..., None]  # Δ_s x_s
+    cum = _dot("ts,bmsgr->bmtgr", causal.astype(jnp.float32), chunks(la).reshape(b, m, c, g, r))
 
     # 1. intra-chunk: Y_diag[t] = Σ_{s ≤ t} (C_t · B_s) exp(L_t - L_s) Δ_s x_s
     segment = jnp.where(
@@ -270,9 +284,10 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
     scores = _dot("bmtgn,bmsgn->bmtsg", cc, bc)[..., None] * jnp.exp(segment)
     y = _dot("bmtsgr,bmsgrp->bmtgrp", scores, xdt)
 
-    # 2. each chunk's own contribution to the state at its end
+    # 2. each chunk's own contribution to the state at its end, from the inputs as given: a
+    # non-finite one makes the state non-finite where the recurrence's would be
     to_end = jnp.exp(cum[:, :, -1:] - cum)  # [B, M, C, G, R]
-    local = _dot("bmsgn,bmsgrp->bmgrpn", bc, xdt * to_end[..., None])  # [B, M, G, R, P, N]
+    local = _dot("bmsgn,bmsgrp->bmgrpn", bc_raw, xdt_raw * to_end[..., None])  # [B, M, G, R, P, N]
 
     # 3. state passing between chunks
     chunk_decay = jnp.exp(cum[:, :, -1])[..., None, None]  # [B, M, G, R, 1, 1]
@@ -292,6 +307,7 @@ def _ssd(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, jax.Arr
 
     # 4. Y_off[t] = exp(L_t) h_c C_t
     y = y + jnp.exp(cum)[..., None] * _dot("bmtgn,bmgrpn->bmtgrp", cc, states)
+    y = poison(y, first, axis=2)
 
     return y.reshape(b, m * c, h, p)[:, :s], final.reshape(b, h, p, n), states
 

@@ -1,10 +1,12 @@
 """Conformance examples of ``kernel_delta_attention``: per-channel and per-head decays, with
-and without the L2 norm, states, packed sequences."""
+and without the L2 norm, states, packed sequences, numerics (resets, a NaN, strong decays,
+empty sequences)."""
 
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
 from ejkernel.testing.cases._linear import invalid_linear, linear_example, packed_example
+from ejkernel.testing.cases._numerics import linear_numerics
 
 __all__ = ["examples"]
 
@@ -30,6 +32,8 @@ def examples() -> list[Example | Invalid]:
             options={"use_qk_l2norm": False, "softmax_scale": 0.1},
             thorough=True,
         ),
+        *linear_numerics(extra={"beta": "[B, S, H]", "g": "[B, S, H, K]"}, gates=("g",)),
+        linear_numerics(extra=HEAD_DECAY, gates=("g",), prefix="head-decay-")[0],
         *invalid_linear(),
         Invalid.replace("beta-wrong-shape", beta=lambda a: a["beta"][..., None]),
     ]
