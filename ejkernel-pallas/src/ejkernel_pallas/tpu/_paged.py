@@ -144,6 +144,7 @@ class Launch:
         window: ``(left, right)`` or ``None``.
         sinks: whether ``softmax_aux`` joins the softmax.
         dtype: the cache (and query) dtype.
+        interpret: run in Pallas's TPU interpret mode (:func:`interpreting`).
     """
 
     num_pages: int
@@ -159,6 +160,7 @@ class Launch:
     window: tuple[int, int] | None
     sinks: bool
     dtype: Any
+    interpret: bool = attrs.field(factory=lambda: interpreting())
 
     @property
     def block_keys(self) -> int:
@@ -170,12 +172,11 @@ class Launch:
         """Most keys a sequence can hold, ``max_pages · page_size``."""
         return self.max_pages * self.page_size
 
-    @property
-    def interpret(self) -> Any:
-        """TPU interpret parameters off a TPU (reachable only with ``EJKERNEL_INTERPRET=1``)."""
-        if jax.default_backend() == "tpu" and not env.interpret():
-            return False
-        return _compat.tpu_interpret_params()
+
+def interpreting() -> bool:
+    """Whether launches run in TPU interpret mode: off a TPU (reachable only with
+    ``EJKERNEL_INTERPRET=1``, see the plugin's availability), or on one when it is set."""
+    return jax.default_backend() != "tpu" or env.interpret()
 
 
 def vmem_bytes(lp: Launch) -> int:
@@ -280,7 +281,7 @@ def pallas_call(
             dimension_semantics=("parallel",) * len(grid),
             vmem_limit_bytes=vmem_budget(),
         ),
-        interpret=lp.interpret,
+        interpret=_compat.tpu_interpret_params() if lp.interpret else False,
         name=name,
     )
     return jax.custom_batching.sequential_vmap(call) if lp.interpret else call
@@ -331,18 +332,21 @@ def seq_kv_len(refs: Refs, seq: Any, lp: Launch) -> Any:
 
 def kv_block_span(p_lo: Any, p_hi: Any, kv_len: Any, lp: Launch) -> tuple[Any, Any]:
     """Kv blocks ``[lo, hi)`` holding a key visible to some query at positions ``[p_lo,
-    p_hi]`` (causal, the window, ``kv_len``); ``hi <= lo`` when none is."""
+    p_hi]`` (causal, the window, ``kv_len``); ``hi <= lo`` when none is.
+
+    In-kernel integer division is ``lax.div``/``lax.rem`` on non-negative operands (truncation
+    is floor there): ``//`` adds sign corrections whose TPU lowering asks for the chip."""
     n = lp.block_keys
     right = 0 if lp.window is None else min(lp.window[1], 0)
     first = 0 if lp.window is None else jnp.maximum(p_lo - lp.window[0], 0)
     end = jnp.minimum(kv_len, p_hi + right + 1)
-    return first // n, jnp.maximum(end + n - 1, 0) // n
+    return lax.div(first, n), lax.div(jnp.maximum(end + n - 1, 0), n)
 
 
 def _copies(refs: Refs, lp: Launch, seq: Any, kv_len: Any, block: Any, slot: Any) -> list[Any]:
     """The DMAs of kv block ``block`` of ``seq`` (K and V pages) into buffer ``slot``."""
     pltpu = _compat.pltpu()
-    live = (kv_len + lp.page_size - 1) // lp.page_size
+    live = lax.div(kv_len + lp.page_size - 1, lp.page_size)
     copies = []
     for i in range(lp.pages_per_block):
         slot_in_table = jnp.minimum(block * lp.pages_per_block + i, live - 1)
@@ -390,7 +394,7 @@ def attend_sequence(
     right = 0 if lp.window is None else min(lp.window[1], 0)
 
     def body(block: Any, carry: Any) -> Any:
-        slot = (block - lo) % 2
+        slot = lax.rem(block - lo, 2)
 
         @when(block + 1 < hi)
         def _prefetch() -> None:

@@ -289,7 +289,7 @@ def _ragged_page_attention_kernel(
     blk_start = block * bq
     blk_end = blk_start + bq
     num_seqs = num_seqs_ref[0]
-    token = blk_start + lax.broadcasted_iota(jnp.int32, (lp.rows, 1), 0) // lp.group
+    token = blk_start + lax.div(lax.broadcasted_iota(jnp.int32, (lp.rows, 1), 0), lp.group)
     _paged.init_state(refs)
 
     def owns_tokens_here(seq: Any) -> Any:
