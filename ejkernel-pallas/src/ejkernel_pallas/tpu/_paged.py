@@ -55,7 +55,9 @@ from ejkernel.attention_semantics import (
     soft_cap,
     visible,
 )
-from ejkernel_pallas import _compat
+
+# Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
+from ejkernel_pallas import _compat as compat
 
 LANES = 128
 SUBLANES = 8
@@ -257,17 +259,17 @@ def pallas_call(
 ) -> Any:
     """``pl.pallas_call`` of ``kernel`` with scalar prefetch, the K/V page buffers, their DMA
     semaphores and the softmax state as scratch, a "parallel" grid and the VMEM limit."""
-    pltpu = _compat.pltpu()
+    pltpu = compat.pltpu()
     pages = (2, lp.pages_per_block, lp.page_size, lp.hkv, lp.d)
     scratch = [
-        _compat.vmem(pages, lp.dtype),  # K blocks, two slots
-        _compat.vmem(pages, lp.dtype),  # V blocks, two slots
+        compat.vmem(pages, lp.dtype),  # K blocks, two slots
+        compat.vmem(pages, lp.dtype),  # V blocks, two slots
         pltpu.SemaphoreType.DMA((2, 2)),  # (slot, K or V)
-        _compat.vmem((lp.hkv, lp.rows, LANES), jnp.float32),  # running max
-        _compat.vmem((lp.hkv, lp.rows, LANES), jnp.float32),  # running denominator
-        _compat.vmem((lp.hkv, lp.rows, lp.d), jnp.float32),  # output accumulator
+        compat.vmem((lp.hkv, lp.rows, LANES), jnp.float32),  # running max
+        compat.vmem((lp.hkv, lp.rows, LANES), jnp.float32),  # running denominator
+        compat.vmem((lp.hkv, lp.rows, lp.d), jnp.float32),  # output accumulator
     ]
-    call = _compat.pl.pallas_call(
+    call = compat.pl.pallas_call(
         functools.partial(kernel, lp=lp),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_scalar_prefetch,
@@ -277,11 +279,11 @@ def pallas_call(
             scratch_shapes=scratch,
         ),
         out_shape=out_shape,
-        compiler_params=_compat.tpu_compiler_params(
+        compiler_params=compat.tpu_compiler_params(
             dimension_semantics=("parallel",) * len(grid),
             vmem_limit_bytes=vmem_budget(),
         ),
-        interpret=_compat.tpu_interpret_params() if lp.interpret else False,
+        interpret=compat.tpu_interpret_params() if lp.interpret else False,
         name=name,
     )
     return jax.custom_batching.sequential_vmap(call) if lp.interpret else call
@@ -314,7 +316,7 @@ def when(cond: Any) -> Callable[[Callable[[], None]], None]:
         if cond is True:
             fn()
         elif cond is not False:
-            _compat.pl.when(cond)(fn)
+            compat.pl.when(cond)(fn)
 
     return run
 
@@ -345,7 +347,7 @@ def kv_block_span(p_lo: Any, p_hi: Any, kv_len: Any, lp: Launch) -> tuple[Any, A
 
 def _copies(refs: Refs, lp: Launch, seq: Any, kv_len: Any, block: Any, slot: Any) -> list[Any]:
     """The DMAs of kv block ``block`` of ``seq`` (K and V pages) into buffer ``slot``."""
-    pltpu = _compat.pltpu()
+    pltpu = compat.pltpu()
     live = lax.div(kv_len + lp.page_size - 1, lp.page_size)
     copies = []
     for i in range(lp.pages_per_block):

@@ -32,7 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.plugins import FwdParams
-from ejkernel_pallas import _compat
+
+# Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
+from ejkernel_pallas import _compat as compat
 from ejkernel_pallas.tpu import _paged
 from ejkernel_pallas.tpu._paged import Launch, Refs
 
@@ -176,8 +178,8 @@ def _forward(
 ) -> jax.Array:
     s, hq, d = query.shape
     q = query.reshape(s, lp.hkv, lp.group, d)
-    rows = _compat.pl.BlockSpec((None, lp.hkv, lp.group, d), lambda i, *_: (i, 0, 0, 0))
-    any_space = _compat.pl.BlockSpec(memory_space=_compat.pl.ANY)
+    rows = compat.pl.BlockSpec((None, lp.hkv, lp.group, d), lambda i, *_: (i, 0, 0, 0))
+    any_space = compat.pl.BlockSpec(memory_space=compat.pl.ANY)
     out = _paged.pallas_call(
         _page_attention_kernel,
         lp,
@@ -214,7 +216,7 @@ def _page_attention_kernel(
     lp: Launch,
 ) -> None:
     refs = Refs(kv_lens_ref, tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, m_sc, l_sc, acc_sc)
-    seq = _compat.pl.program_id(0)
+    seq = compat.pl.program_id(0)
     _paged.init_state(refs)
     kv_len = _paged.seq_kv_len(refs, seq, lp)
     position = kv_len - 1  # the decode token is the newest one

@@ -39,7 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.plugins import FwdParams
-from ejkernel_pallas import _compat
+
+# Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
+from ejkernel_pallas import _compat as compat
 from ejkernel_pallas.tpu import _paged
 from ejkernel_pallas.tpu._paged import SUBLANES, Launch, Refs
 
@@ -237,13 +239,13 @@ def _forward(
     # The first live sequence ending after each block's first token (dead ones never match).
     ends = jnp.where(jnp.arange(seqs) < num_seqs, qsl[1:], jnp.iinfo(jnp.int32).max)
     first = jnp.searchsorted(ends, jnp.arange(blocks) * bq, side="right").astype(jnp.int32)
-    rows = _compat.pl.BlockSpec((lp.hkv, lp.rows, d), lambda i, *_: (0, i, 0))
-    any_space = _compat.pl.BlockSpec(memory_space=_compat.pl.ANY)
+    rows = compat.pl.BlockSpec((lp.hkv, lp.rows, d), lambda i, *_: (0, i, 0))
+    any_space = compat.pl.BlockSpec(memory_space=compat.pl.ANY)
     in_specs = [rows, any_space, any_space]
     extra = []
     aux = _paged.sink_rows(softmax_aux, lp.hkv, bq)
     if aux is not None:
-        in_specs.append(_compat.pl.BlockSpec(aux.shape, lambda i, *_: (0, 0, 0)))
+        in_specs.append(compat.pl.BlockSpec(aux.shape, lambda i, *_: (0, 0, 0)))
         extra.append(aux)
     out = _paged.pallas_call(
         _ragged_page_attention_kernel,
@@ -284,7 +286,7 @@ def _ragged_page_attention_kernel(
     aux_ref = rest[0] if lp.sinks else None
     o_ref, k_buf, v_buf, sems, m_sc, l_sc, acc_sc = rest[lp.sinks :]
     refs = Refs(kv_lens_ref, tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, m_sc, l_sc, acc_sc)
-    block = _compat.pl.program_id(0)
+    block = compat.pl.program_id(0)
     bq = _q_block(lp)
     blk_start = block * bq
     blk_end = blk_start + bq
