@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.pallas._mosaic_tpu import mosaic_ops
 
 import ejkernel
 from ejkernel.ops import FwdParams, Invocation
@@ -165,3 +166,8 @@ def test_the_kernel_lowers_to_a_mosaic_module_for_the_tpu() -> None:
     lowered = module._forward.trace(*arrays, lp=lp).lower(lowering_platforms=("tpu",))
     text = lowered.as_text()
     assert "tpu_custom_call" in text and "ejkernel_page_attention_fwd" in text
+    # Pages come by DMA (started, then waited), the logits and P·V on the MXU, the kv blocks
+    # in a loop of run-time length.
+    ops = mosaic_ops(text)
+    assert {"tpu.enqueue_dma", "tpu.matmul", "scf.for"} <= ops, sorted(ops)
+    assert any(op.startswith("tpu.wait_dma") for op in ops), sorted(ops)
