@@ -159,8 +159,9 @@ def test_supports_declines_scales_odd_page_tiles_on_tpu_and_huge_tables() -> Non
     assert "SMEM" in supports(inv(block_tables=huge))
 
 
-def test_the_kernel_lowers_to_a_mosaic_module_for_the_tpu() -> None:
-    args = inputs(ODD, logits_soft_cap=3.0, sliding_window=(9, 0))
+@pytest.mark.parametrize(("batch", "dtype"), [(ODD, "float32"), (MQA, "bfloat16")], ids=str)
+def test_the_kernel_lowers_to_a_mosaic_module_for_the_tpu(batch: PagedBatch, dtype: str) -> None:
+    args = inputs(batch, dtype, logits_soft_cap=3.0, sliding_window=(9, 0))
     lp = attrs.evolve(module._launch(args, TWO_PAGES), interpret=False)
     arrays = [args[n] for n in ("query", "key_cache", "value_cache", "kv_lens", "block_tables")]
     lowered = module._forward.trace(*arrays, lp=lp).lower(lowering_platforms=("tpu",))

@@ -195,9 +195,10 @@ def test_supports_declines_scales_and_tables_that_overflow_smem() -> None:
     assert "SMEM" in supports(inv(block_tables=huge))
 
 
-def test_the_kernel_lowers_to_a_mosaic_module_for_the_tpu() -> None:
-    aux = jnp.ones((MIXED.hq,), jnp.float32)
-    args = inputs(MIXED, sliding_window=(6, 0), logits_soft_cap=3.0, softmax_aux=aux)
+@pytest.mark.parametrize(("batch", "dtype"), [(MIXED, "float32"), (MQA, "bfloat16")], ids=str)
+def test_the_kernel_lowers_to_a_mosaic_module_for_the_tpu(batch: PagedBatch, dtype: str) -> None:
+    aux = jnp.ones((batch.hq,), jnp.float32)
+    args = inputs(batch, dtype, sliding_window=(6, 0), logits_soft_cap=3.0, softmax_aux=aux)
     lp = attrs.evolve(module._launch(args, 8, 16), interpret=False)
     names = ("queries", "key_cache", "value_cache", "kv_lens", "block_tables", "query_start_loc")
     arrays = [args[n] for n in names] + [args["num_seqs"], aux]
