@@ -6,7 +6,9 @@ kernels never copy or transpose the caches. The caches stay in HBM (``pl.ANY``);
 lengths and offsets are scalar-prefetched into SMEM (``PrefetchScalarGridSpec``), and a kernel
 copies whole pages ``[page_size, Hkv, D]`` (every KV head at once, so a page crosses HBM once)
 into a double-buffered VMEM block of ``pages_per_block`` pages, starting the DMA of the next
-block before computing on the current one. Only live table slots are read: slot ``j`` of a
+block before computing on the current one (a sequence's first block is not prefetched across
+grid steps, which keeps every step independent: "parallel" grids split over megacores). Only
+live table slots are read: slot ``j`` of a
 sequence with ``live = ceil(kv_len / page_size)`` pages fetches page ``table[min(j, live - 1)]``
 (clipped to ``[0, num_pages)``), so garbage such as ``-1`` or ``10**6`` past the live pages is
 never dereferenced.
@@ -21,7 +23,8 @@ one logits tile ``[R, N]`` (``R = tokens · G``), so K and V are never repeated 
 (its queries are its last tokens), causal, ``sliding_window`` ``(left, right)``, keys past
 ``kv_len`` invalid; scores of hidden keys are selected to ``MASK_VALUE``, their probabilities to
 exact zeros, and on every block where some key is hidden from some row, the V tile is cleaned
-by ``finite_or_zero`` before ``P·V`` (K needs no cleaning: its scores are selected away), so a
+by ``finite_or_zero`` (in float32: Mosaic tests finiteness of 32-bit floats only) before ``P·V``
+(K needs no cleaning: its scores are selected away), so a
 NaN or Inf in a stale slot, outside the window or causally after a query reaches no row. Rows of
 a query block that belong to another sequence keep their state by a select. Sinks
 (``softmax_aux``) join the maximum and the denominator when the rows are finished.
