@@ -24,6 +24,8 @@ from ejkernel.plugins import hookimpl
 #: op -> the families (``tpu``, ``gpu``) with a module ``ejkernel_pallas.<family>.<op>``.
 OPS: dict[str, tuple[str, ...]] = {
     "flash_attention": ("tpu", "gpu"),
+    "page_attention": ("tpu",),
+    "ragged_page_attention": ("tpu",),
 }
 #: family -> (backends it is registered for, priority). On a TPU the
 #: Mosaic kernels beat the XLA fallback (0). On a GPU the Mosaic GPU kernels rank above the

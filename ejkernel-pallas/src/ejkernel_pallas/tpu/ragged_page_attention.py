@@ -1,0 +1,325 @@
+"""ragged_page_attention as a Pallas Mosaic-TPU kernel: mixed prefill and decode over a paged KV
+cache (forward only).
+
+Algorithm: FlashAttention-2's online softmax (Dao, 2023, Alg. 1) over packed query blocks, in the
+manner of JAX's ``pallas.ops.tpu.ragged_paged_attention`` (a query block of ``bq`` packed tokens
+may hold the tail of one sequence, several whole ones and the head of another), on the OPS.md
+cache layout ``[num_pages, page_size, Hkv, D]`` with separate K and V caches. Grid ``(T_pad /
+bq,)``, "parallel": the first sequence of every block is found before the launch (a search of
+``query_start_loc``, scalar-prefetched), so blocks are independent. A step walks the live
+sequences that own tokens of its block; for each it runs the online softmax over the kv blocks
+its rows there can see (bottom-right causal: its queries are its last tokens; a sliding window
+skips the blocks before it), updating only that sequence's rows, and finally normalises every
+row (sinks join here). Queries go to ``[Hkv, T_pad · G, D]`` so a KV head's ``G`` query heads of
+``bq`` tokens are the ``bq · G`` rows of one logits tile (GQA without repeating K/V). Tokens of
+no live sequence, and rows that see no key, are zeros. Paging, masking, sinks and the VMEM/SMEM
+rules: :mod:`._paged`.
+
+Declined in ``supports()`` (the XLA plugin serves them): ``k_scale``/``v_scale`` (fp8 caches);
+cache dtypes other than float32/bfloat16/float16; a call whose smallest blocks overflow the VMEM
+budget or whose block tables overflow SMEM; on a TPU, a ``page_size`` that is not a multiple of
+the sublane tiling (8 rows of 32-bit data, 16 of 16-bit).
+
+Verified without a TPU: ``tests/pallas/test_tpu_ragged_page_attention.py`` runs the kernel in
+Pallas's TPU interpret mode against ``ragged_page_attention_reference`` and JAX's own
+``ragged_paged_attention``, and lowers it to a Mosaic module for the TPU (Pallas's lowering
+rules); Mosaic's own passes (vector layouts, the strided head loads, DMA legality) run only on a
+TPU and have not run.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ejkernel.plugins import FwdParams
+
+# Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
+from ejkernel_pallas import _compat as compat
+from ejkernel_pallas.tpu import _paged
+from ejkernel_pallas.tpu._paged import SUBLANES, Launch, Refs
+
+__all__ = [
+    "RaggedPageAttentionConfig",
+    "config_space",
+    "heuristic",
+    "ragged_page_attention_pallas",
+    "supports",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+#: Logits rows (``bq · G``) per KV head the heuristic aims at, and the query blocks offered.
+ROWS_TARGET = 128
+Q_BLOCKS = (8, 16, 32, 64, 128)
+
+
+@attrs.frozen(kw_only=True)
+class RaggedPageAttentionConfig:
+    """Tunables of the Pallas TPU ragged page attention.
+
+    Attributes:
+        fwd_params: ``q_blocksize`` is the packed query tokens per grid step (rounded up to a
+            multiple of 8); ``kv_blocksize`` the keys per kv block, rounded down to whole pages
+            (at least one) and clamped to the table's width. ``None`` takes the heuristic's.
+    """
+
+    fwd_params: FwdParams = attrs.field(factory=FwdParams)
+
+
+def _launch(kw: Mapping[str, Any], q_block: int | None, kv_blocksize: int | None) -> Launch:
+    """The launch of validated arguments (arrays or their abstract shapes)."""
+    num_pages, page_size, hkv, d = kw["key_cache"].shape
+    tokens, hq, _ = kw["queries"].shape
+    max_pages = kw["block_tables"].shape[1]
+    group = hq // hkv
+    if q_block is None:
+        q_block = max(SUBLANES, ROWS_TARGET // group // SUBLANES * SUBLANES)
+    q_block = min(
+        _paged.round_up(int(q_block), SUBLANES), _paged.round_up(max(tokens, 1), SUBLANES)
+    )
+    scale, cap, window = _paged.statics_of(kw, d)
+    return Launch(
+        num_pages=num_pages,
+        page_size=page_size,
+        hkv=hkv,
+        d=d,
+        max_pages=max_pages,
+        group=group,
+        rows=q_block * group,
+        pages_per_block=_paged.pages_per_block(kv_blocksize, page_size, max_pages),
+        scale=scale,
+        cap=cap,
+        window=window,
+        sinks=kw.get("softmax_aux") is not None,
+        dtype=jnp.dtype(kw["key_cache"].dtype),
+    )
+
+
+def _q_block(lp: Launch) -> int:
+    return lp.rows // lp.group
+
+
+def _config(lp: Launch) -> RaggedPageAttentionConfig:
+    return RaggedPageAttentionConfig(
+        fwd_params=FwdParams(q_blocksize=_q_block(lp), kv_blocksize=lp.block_keys)
+    )
+
+
+def _fits(lp: Launch) -> bool:
+    return _paged.vmem_bytes(lp) <= _paged.vmem_budget()
+
+
+def _heuristic_launch(kw: Mapping[str, Any]) -> Launch:
+    lp = _launch(kw, None, None)
+    while not _fits(lp):
+        if lp.pages_per_block > 1:
+            lp = attrs.evolve(lp, pages_per_block=lp.pages_per_block // 2)
+        elif _q_block(lp) > SUBLANES:
+            lp = attrs.evolve(lp, rows=_q_block(lp) // 2 * lp.group)
+        else:
+            break
+    return lp
+
+
+def heuristic(inv: Any) -> RaggedPageAttentionConfig:
+    """~128 logits rows per KV head (``bq · G``, ``bq`` a multiple of 8, at most the padded
+    tokens) and kv blocks of ~512 keys (whole pages); kv blocks halve first, then query blocks,
+    until a grid step fits the VMEM budget."""
+    return _config(_heuristic_launch(inv.kwargs))
+
+
+def config_space(inv: Any) -> list[RaggedPageAttentionConfig]:
+    """The heuristic's config, then query blocks of 8 to 128 tokens with kv blocks of 128 to
+    2048 keys, those that fit the VMEM budget (duplicates after clamping once)."""
+    kw = inv.kwargs
+    base = _launch(kw, None, None)
+    space = [heuristic(inv)]
+    for q_block in Q_BLOCKS:
+        for pages in _paged.kv_block_choices(base.page_size, base.max_pages):
+            cand = _launch(kw, q_block, pages * base.page_size)
+            if _fits(cand) and _config(cand) not in space:
+                space.append(_config(cand))
+    return space
+
+
+def supports(inv: Any) -> bool | str:
+    """True, or why this kernel cannot serve the call (see the module docstring)."""
+    kw = inv.kwargs
+    for name in ("k_scale", "v_scale"):
+        if kw.get(name) is not None:
+            return (
+                f"the Pallas TPU ragged_page_attention does not implement {name} (fp8 caches); "
+                "the XLA plugin serves it"
+            )
+    dtype = jnp.dtype(kw["key_cache"].dtype).name
+    if dtype not in DTYPES:
+        return f"the Pallas TPU ragged_page_attention takes {'/'.join(DTYPES)} caches; got {dtype}"
+    lp = _launch(kw, SUBLANES, 1)
+    reason = _paged.page_layout_reason(lp.page_size, lp.dtype, jax.default_backend())
+    if reason:
+        return reason
+    if not _fits(lp):
+        return (
+            f"the Pallas TPU ragged_page_attention needs {_paged.vmem_bytes(lp)} bytes of VMEM "
+            f"for its smallest blocks; the budget is {_paged.vmem_budget()}"
+        )
+    seqs = kw["kv_lens"].shape[0]
+    blocks = -(-kw["queries"].shape[0] // SUBLANES)
+    smem = _paged.smem_bytes(seqs, seqs * lp.max_pages, seqs + 1, blocks, 1)
+    if smem > _paged.smem_budget():
+        return (
+            f"the Pallas TPU ragged_page_attention prefetches the lengths, offsets and block "
+            f"tables into SMEM: {smem} bytes exceed the budget of {_paged.smem_budget()}"
+        )
+    return True
+
+
+def ragged_page_attention_pallas(
+    *, cfg: RaggedPageAttentionConfig | None = None, **args: Any
+) -> jax.Array:
+    """Ragged paged attention on Mosaic TPU.
+
+    Args:
+        cfg: query and kv blocks; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.ragged_page_attention`'s arguments by name, as its spec
+            validated them (``queries [T, Hq, D]``, the caches, ``kv_lens [num_seqs]``,
+            ``block_tables``, ``query_start_loc [num_seqs + 1]``, ``num_seqs``, the statics,
+            ``softmax_aux``).
+
+    Returns:
+        [T, Hq, D] in the query dtype.
+    """
+    if cfg is None:
+        lp = _heuristic_launch(args)
+    else:
+        lp = _launch(args, cfg.fwd_params.q_blocksize, cfg.fwd_params.kv_blocksize)
+    num_seqs = args.get("num_seqs")
+    if num_seqs is None:
+        num_seqs = args["kv_lens"].shape[0]
+    return _forward(
+        args["queries"],
+        args["key_cache"],
+        args["value_cache"],
+        args["kv_lens"],
+        args["block_tables"],
+        args["query_start_loc"],
+        jnp.asarray(num_seqs, jnp.int32).reshape(()),
+        args.get("softmax_aux"),
+        lp,
+    )
+
+
+@functools.partial(jax.jit, static_argnames="lp")
+def _forward(
+    queries: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    softmax_aux: jax.Array | None,
+    lp: Launch,
+) -> jax.Array:
+    tokens, hq, d = queries.shape
+    seqs = kv_lens.shape[0]
+    bq = _q_block(lp)
+    blocks = max(1, -(-tokens // bq))
+    t_pad = blocks * bq
+    q = jnp.pad(queries, ((0, t_pad - tokens), (0, 0), (0, 0)))
+    q = q.reshape(t_pad, lp.hkv, lp.group, d).transpose(1, 0, 2, 3).reshape(lp.hkv, -1, d)
+    num_seqs = jnp.clip(num_seqs, 0, seqs)
+    qsl = query_start_loc.astype(jnp.int32)
+    # The first live sequence ending after each block's first token (dead ones never match).
+    ends = jnp.where(jnp.arange(seqs) < num_seqs, qsl[1:], jnp.iinfo(jnp.int32).max)
+    first = jnp.searchsorted(ends, jnp.arange(blocks) * bq, side="right").astype(jnp.int32)
+    rows = compat.pl.BlockSpec((lp.hkv, lp.rows, d), lambda i, *_: (0, i, 0))
+    any_space = compat.pl.BlockSpec(memory_space=compat.pl.ANY)
+    in_specs = [rows, any_space, any_space]
+    extra = []
+    aux = _paged.sink_rows(softmax_aux, lp.hkv, bq)
+    if aux is not None:
+        in_specs.append(compat.pl.BlockSpec(aux.shape, lambda i, *_: (0, 0, 0)))
+        extra.append(aux)
+    out = _paged.pallas_call(
+        _ragged_page_attention_kernel,
+        lp,
+        name="ejkernel_ragged_page_attention_fwd",
+        grid=(blocks,),
+        num_scalar_prefetch=5,
+        in_specs=in_specs,
+        out_specs=rows,
+        out_shape=jax.ShapeDtypeStruct(q.shape, queries.dtype),
+    )(
+        kv_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32).reshape(-1),
+        qsl,
+        first,
+        num_seqs.reshape(1),
+        q,
+        key_cache,
+        value_cache,
+        *extra,
+    )
+    out = out.reshape(lp.hkv, t_pad, lp.group, d).transpose(1, 0, 2, 3)
+    return out.reshape(t_pad, hq, d)[:tokens]
+
+
+def _ragged_page_attention_kernel(
+    kv_lens_ref: Any,
+    tables_ref: Any,
+    qsl_ref: Any,
+    first_ref: Any,
+    num_seqs_ref: Any,
+    q_ref: Any,
+    k_hbm: Any,
+    v_hbm: Any,
+    *rest: Any,
+    lp: Launch,
+) -> None:
+    aux_ref = rest[0] if lp.sinks else None
+    o_ref, k_buf, v_buf, sems, m_sc, l_sc, acc_sc = rest[lp.sinks :]
+    refs = Refs(kv_lens_ref, tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, m_sc, l_sc, acc_sc)
+    block = compat.pl.program_id(0)
+    bq = _q_block(lp)
+    blk_start = block * bq
+    blk_end = blk_start + bq
+    num_seqs = num_seqs_ref[0]
+    token = blk_start + lax.div(lax.broadcasted_iota(jnp.int32, (lp.rows, 1), 0), lp.group)
+    _paged.init_state(refs)
+
+    def owns_tokens_here(seq: Any) -> Any:
+        return jnp.logical_and(seq < num_seqs, qsl_ref[seq] < blk_end)
+
+    def attend(seq: Any) -> Any:
+        q_start, q_end = qsl_ref[seq], qsl_ref[seq + 1]
+        kv_len = _paged.seq_kv_len(refs, seq, lp)
+        offset = kv_len - (q_end - q_start) - q_start  # position = token + offset
+        t_lo = jnp.maximum(q_start, blk_start)
+        t_hi = jnp.minimum(q_end, blk_end) - 1
+
+        @_paged.when(t_hi >= t_lo)
+        def _rows() -> None:
+            _paged.attend_sequence(
+                refs,
+                lp,
+                seq=seq,
+                kv_len=kv_len,
+                q_tile=lambda h: q_ref[h],
+                q_pos=token + offset,
+                rows_in_seq=jnp.logical_and(token >= q_start, token < q_end),
+                p_lo=t_lo + offset,
+                p_hi=t_hi + offset,
+            )
+
+        return seq + 1
+
+    lax.while_loop(owns_tokens_here, attend, first_ref[block])
+    for h in range(lp.hkv):
+        o_ref[h] = _paged.finish(refs, lp, aux_ref, h).astype(o_ref.dtype)
