@@ -52,7 +52,6 @@ from jax import lax
 from ejkernel import env
 from ejkernel.attention_semantics import (
     MASK_VALUE,
-    finite_or_zero,
     hide,
     mask_scores,
     soft_cap,
@@ -61,6 +60,7 @@ from ejkernel.attention_semantics import (
 
 # Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
 from ejkernel_pallas import _compat as compat
+from ejkernel_pallas.tpu._numerics import finite_or_zero
 
 LANES = 128
 SUBLANES = 8
@@ -363,14 +363,6 @@ def _copies(refs: Refs, lp: Launch, seq: Any, kv_len: Any, block: Any, slot: Any
     return copies
 
 
-def _finite_or_zero(x: Any) -> Any:
-    """:func:`~ejkernel.attention_semantics.finite_or_zero` taken in float32 (exact for 16-bit
-    data): Mosaic tests finiteness of 32-bit floats only."""
-    if jnp.dtype(x.dtype) == jnp.float32:
-        return finite_or_zero(x)
-    return finite_or_zero(x.astype(jnp.float32)).astype(x.dtype)
-
-
 def _head_tile(buf: Any, slot: Any, h: int, lp: Launch) -> Any:
     """KV head ``h`` of the block in ``slot``: ``[pages_per_block · page_size, D]``."""
     return buf[slot, :, :, h, :].reshape(lp.block_keys, lp.d)
@@ -423,7 +415,7 @@ def attend_sequence(
 
         @when(jnp.logical_not(full))
         def _clean() -> None:  # a hidden value must not reach a row as 0 · NaN
-            refs.v_buf[slot] = _finite_or_zero(refs.v_buf[slot])
+            refs.v_buf[slot] = finite_or_zero(refs.v_buf[slot])
 
         k_pos = k_lo + lax.broadcasted_iota(jnp.int32, (1, n), 1)
         vis = visible(q_pos, k_pos, causal=True, window=lp.window, kv_valid=k_pos < kv_len)

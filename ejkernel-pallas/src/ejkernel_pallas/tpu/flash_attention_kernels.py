@@ -14,13 +14,13 @@ from jax import lax
 from ejkernel.attention_semantics import (
     EMPTY_ROW_LSE,
     MASK_VALUE,
-    finite_or_zero,
     hide,
     mask_scores,
     visible,
 )
 from ejkernel_pallas import _compat
 from ejkernel_pallas._attention import kv_block_span, q_block_span
+from ejkernel_pallas.tpu._numerics import finite_or_zero
 from ejkernel_pallas.tpu._problem import LANES, SUBLANES, Problem
 
 __all__ = ["dkv_call", "dq_call", "fwd_call"]
