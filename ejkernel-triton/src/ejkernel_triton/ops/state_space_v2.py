@@ -160,9 +160,7 @@ def _ssd_bwd(
     d_o, d_final = d_out if rs else (d_out, None)
 
     outer = {n: a[n] for n in ("x", "D", "gate") if a[n] is not None}
-    _, pull_outer = jax.vjp(
-        lambda o, y: _skip_and_gate(y, o["x"], o["D"], o.get("gate")), outer, y
-    )
+    _, pull_outer = jax.vjp(lambda o, y: _skip_and_gate(y, o["x"], o["D"], o.get("gate")), outer, y)
     d_outer, d_y = pull_outer(d_o.astype(jnp.float32))
 
     gla_cfg = _config(cfg, {**statics, "x": a["x"], "B": a["B"]})

@@ -1,0 +1,197 @@
+"""The Triton state_space_v2 (Mamba-2 SSD on the gla kernels) against the sequential
+``lax.scan`` reference (``state_space_v2_reference``).
+
+Through Triton's interpreter on the CPU: tiny odd shapes (grouped B/C, S not a chunk
+multiple), float32 unless said. Marked ``gpu`` (compiled, on the GPU): B 2, T 8192, H 32,
+P 64, N 128, G 1 in bfloat16 against the XLA platform in float32.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ejkernel
+from ejkernel.specs.state_space_v2 import state_space_v2_reference
+from ejkernel.testing import random_normal as normal
+
+pytest.importorskip("triton")
+
+from ejkernel_triton.ops.state_space_v2 import (
+    StateSpaceV2Config,
+    config_space,
+    heuristic,
+    supports,
+)
+
+C16 = StateSpaceV2Config(chunk_size=16, block_k=16, block_v=16, num_stages=1)
+NAMES = ("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state")
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    if jax.default_backend() != "cpu":
+        pytest.skip("the interpreter runs where the default device is a CPU")
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+
+
+def inputs(
+    b: int, s: int, h: int, p: int, g: int, n: int, dtype: Any = jnp.float32
+) -> dict[str, jax.Array]:
+    """Every array argument, random (``A < 0``; ``dt`` around 0, for ``dt_softplus``)."""
+    ks = jax.random.split(jax.random.PRNGKey(s + 3 * h + p), 9)
+    return {
+        "x": normal(ks[0], (b, s, h, p), dtype),
+        "A": -jnp.exp(0.5 * normal(ks[1], (h,), jnp.float32)),
+        "B": normal(ks[2], (b, s, g, n), dtype),
+        "C": normal(ks[3], (b, s, g, n), dtype),
+        "D": normal(ks[4], (h,), jnp.float32),
+        "dt": normal(ks[5], (b, s, h), jnp.float32) - 1.0,
+        "gate": normal(ks[6], (b, s, h, p), dtype),
+        "dt_bias": 0.5 * normal(ks[7], (h,), jnp.float32),
+        "initial_state": normal(ks[8], (b, h, p, n), jnp.float32),
+    }
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def run(fn: Any, arrays: dict[str, jax.Array], **statics: Any) -> tuple[Any, dict[str, Any]]:
+    """``fn``'s output and the gradients of every array under a fixed cotangent (of the
+    output and, with ``return_state``, of the final state)."""
+
+    def loss(arrays: dict[str, jax.Array]) -> Any:
+        out = fn(**arrays, **statics)
+        o, final = out if statics.get("return_state") else (out, None)
+        total = jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]) * 0.7))
+        if final is not None:
+            total += jnp.sum(final * jnp.sin(jnp.arange(final.shape[-1]) * 0.3))
+        return total, out
+
+    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
+    return out, grads
+
+
+def triton_ssd(cfg: Any = C16) -> Any:
+    return lambda **kw: ejkernel.state_space_v2(**kw, platform="triton", cfg=cfg)
+
+
+def compare(got: Any, want: Any, tol: float) -> None:
+    (out, grads), (ref_out, ref_grads) = got, want
+    for a, e in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
+        assert rel(a, e) < tol, ("out", rel(a, e))
+    for name in ref_grads:
+        assert rel(grads[name], ref_grads[name]) < tol, (name, rel(grads[name], ref_grads[name]))
+
+
+def test_every_argument_and_gradient_matches_the_sequential_reference(interpret) -> None:
+    """Grouped B/C (H 4, G 2), gate, dt_bias, softplus, both states, S 37 over chunks of 16."""
+    arrays = inputs(2, 37, 4, 8, 2, 6)
+    statics = {"dt_softplus": True, "return_state": True}
+    compare(
+        run(triton_ssd(), arrays, **statics),
+        run(state_space_v2_reference, arrays, **statics),
+        1e-4,
+    )
+
+
+def test_core_arguments_alone_with_the_op_chunk_size(interpret) -> None:
+    """No optional arrays (S 21, one group); the op's ``chunk_size`` 20 runs chunks of 16."""
+    arrays = {n: v for n, v in inputs(1, 21, 2, 5, 1, 3).items() if n in NAMES[:6]}
+    arrays["dt"] = jax.nn.softplus(arrays["dt"])
+    ours = lambda **kw: ejkernel.state_space_v2(**kw, platform="triton", chunk_size=20)
+    compare(run(ours, arrays), run(state_space_v2_reference, arrays), 1e-4)
+
+
+def test_bf16_within_a_half_precision_tolerance(interpret) -> None:
+    arrays = inputs(1, 19, 2, 8, 1, 4, jnp.bfloat16)
+    up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
+    statics = {"dt_softplus": True, "return_state": True}
+    compare(
+        run(triton_ssd(), arrays, **statics),
+        run(state_space_v2_reference, up, **statics),
+        2e-2,
+    )
+
+
+def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
+    arrays = inputs(1, 30, 2, 4, 1, 4)
+    del arrays["gate"]
+    ssd = triton_ssd()
+    whole, final = ssd(**arrays, dt_softplus=True, return_state=True)
+    first = {n: v[:, :13] if n in ("x", "B", "C", "dt") else v for n, v in arrays.items()}
+    second = {n: v[:, 13:] if n in ("x", "B", "C", "dt") else v for n, v in arrays.items()}
+    o1, h1 = ssd(**first, dt_softplus=True, return_state=True)
+    o2, h2 = ssd(**{**second, "initial_state": h1}, dt_softplus=True, return_state=True)
+    assert rel(jnp.concatenate([o1, o2], axis=1), whole) < 1e-5
+    assert rel(h2, final) < 1e-5
+
+
+def test_a_of_minus_inf_keeps_no_memory_and_zero_steps_pass_the_state(interpret) -> None:
+    """Head 1 has ``A = -inf`` (decay 0 where ``Δ > 0``, 1 where ``Δ = 0``); some ``Δ`` are 0."""
+    arrays = {n: v for n, v in inputs(1, 20, 2, 4, 1, 4).items() if n in NAMES[:6]}
+    arrays["A"] = arrays["A"].at[1].set(-jnp.inf)
+    arrays["dt"] = jax.nn.softplus(arrays["dt"]).at[:, 5:9].set(0.0)
+    got = run(triton_ssd(), arrays)
+    want = run(state_space_v2_reference, arrays)
+    for leaf in jax.tree.leaves(got):
+        assert bool(jnp.isfinite(leaf).all())
+    # d/dΔ at Δ = 0 on the A = -inf head is the reset's edge (A · …, about 1e29 in both):
+    # compared apart, relative to itself
+    edge = (slice(None), slice(5, 9), 1)
+    assert rel(got[1]["dt"][edge] * 1e-29, want[1]["dt"][edge] * 1e-29) < 1e-4
+    for _, grads in (got, want):
+        grads["dt"] = grads["dt"].at[edge].set(0.0)
+    compare(got, want, 1e-4)
+
+
+def test_supports_heuristic_and_config_space() -> None:
+    def call(n: int, dtype: Any = jnp.float32, chunk: int | None = None) -> Any:
+        x = jax.ShapeDtypeStruct((1, 100, 2, 16), dtype)
+        b = jax.ShapeDtypeStruct((1, 100, 1, n), dtype)
+        return types.SimpleNamespace(kwargs={"x": x, "B": b, "C": b, "chunk_size": chunk})
+
+    assert supports(call(128)) is True
+    assert "256" in supports(call(512))
+    assert "dtype" in supports(call(16, jnp.int8))
+    assert heuristic(call(16, chunk=256)).chunk_size == 64
+    assert heuristic(call(16, chunk=8)).chunk_size == 16
+    space = config_space(call(16))
+    assert space[0] == heuristic(call(16)) and len(space) == len(set(space))
+
+
+def test_it_is_opt_in_in_the_triton_plugin() -> None:
+    from ejkernel_triton import plugin
+
+    assert "state_space_v2" in plugin.OPS and "state_space_v2" in plugin.OPT_IN
+
+
+# -- GPU, realistic shapes ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("return_state", [False, True], ids=["out", "state"])
+def test_gpu_bf16_forward_and_gradients_match_the_xla_path(return_state: bool) -> None:
+    arrays = inputs(2, 8192, 32, 64, 1, 128, jnp.bfloat16)
+    if not return_state:
+        del arrays["initial_state"]
+    statics = {"dt_softplus": True, "return_state": return_state}
+    ours = jax.jit(lambda a: run(triton_ssd(None), a, **statics))
+    xla = jax.jit(
+        lambda a: run(lambda **kw: ejkernel.state_space_v2(**kw, platform="xla"), a, **statics)
+    )
+    out, got = ours(arrays)
+    up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
+    with jax.default_matmul_precision("highest"):
+        want, exp = xla(up)
+    for name, a, e in [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))] + [
+        (f"d{n}", got[n], exp[n]) for n in got
+    ]:
+        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
+        assert rel(a, e) < 2e-2, (name, rel(a, e))
