@@ -296,17 +296,23 @@ def _cdiv(a: int, b: int) -> int:
 # -- backward -------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("st",))
+@functools.partial(jax.jit, static_argnames=("st", "split_diagonal"))
 def _backward(
-    res: dict[str, Any], d_o: jax.Array, d_final: jax.Array | None, st: _Statics
+    res: dict[str, Any],
+    d_o: jax.Array,
+    d_final: jax.Array | None,
+    st: _Statics,
+    split_diagonal: bool = False,
 ) -> dict[str, jax.Array | None]:
+    """The gradients; ``split_diagonal``: see :func:`_backward_kernels`."""
     lay: Layout = res["layout"]
     q, v = res["q"], res["v"]
     b, _, h, dk = q.shape
     dv = v.shape[-1]
     do = lay.to_chunks(d_o.astype(q.dtype))
     dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
-    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), _modes(lay, 10))
+    kernels = _backward_kernels(st, lay.num_chunks, split_diagonal)
+    run = _launch.fold_vmap(kernels, _modes(lay, 10))
     dinit_rows, d_q, d_k, d_v, d_gamma, d_end = run(
         q,
         res["k"],
@@ -337,11 +343,17 @@ def _backward(
     return grads
 
 
-def _backward_kernels(st: _Statics, nt: int) -> Any:
+def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> Any:
     """``run(q, k, v, g, h, A, final_rows, do, dfinal_rows, flags) -> (dinit_rows, dq, dk, dv,
     d_gamma, d_end)`` (``d_gamma``: the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``;
     ``d_end [B, H, NT, NV, K]``: ``Σ_v h_end ⊙ dh`` per V block): the backward's launches on
-    the chunk layout."""
+    the chunk layout.
+
+    ``split_diagonal``: the intra-chunk kernel gets ``dA`` without its diagonal, whose terms
+    (``dA_tt k_t`` in ``dq_t``, ``dA_tt q_t`` in ``dk_t``) are added afterwards in float32. They
+    cancel in ``q ⊙ dq − k ⊙ dk``, so the gate gradient is then free of their rounding: for a
+    gate shared by every key channel (state_space_v2's scalar decay) summed over the channels
+    and tokens, under strong decays that rounding would dominate."""
     from ejkernel_triton.kernels.gla_bwd import (
         gla_bwd_da_kernel,
         gla_bwd_dh_kernel,
@@ -416,6 +428,10 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             BV=st.block_v,
             **common,
         )
+        if split_diagonal:
+            eye = jnp.arange(t)[:, None] % c == jnp.arange(c)[None, :]  # [T, C]
+            diagonal = jnp.sum(jnp.where(eye[:, None], da, 0.0), axis=-1)  # [B, T, H]
+            da = jnp.where(eye[:, None], 0.0, da)
         dq_intra, dk_intra = _launch.launch(
             gla_bwd_intra_kernel,
             q,
@@ -459,6 +475,10 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             BV=st.block_v,
             **common,
         )
+        if split_diagonal:
+            f32 = lambda a: a.astype(jnp.float32)
+            d_q = (f32(d_q) + diagonal[..., None] * f32(k)).astype(q.dtype)
+            d_k = (f32(d_k) + diagonal[..., None] * f32(q)).astype(k.dtype)
         return dinit_rows, d_q, d_k, d_v, d_gamma, d_end
 
     return run

@@ -163,14 +163,14 @@ def _ssd_bwd(
     _, pull_outer = jax.vjp(lambda o, y: _skip_and_gate(y, o["x"], o["D"], o.get("gate")), outer, y)
     d_outer, d_y = pull_outer(d_o.astype(jnp.float32))
 
-    gla_cfg = _config(cfg, {**statics, "x": a["x"], "B": a["B"]})
-    d_gla_out: Any = d_y
-    if rs:
-        d_state = None if d_final is None else jnp.swapaxes(d_final.astype(jnp.float32), -1, -2)
-        d_gla_out = (d_y, d_state)
-    d_lin = gla._gla_bwd(
-        residuals["gla"], d_gla_out, cfg=gla_cfg, softmax_scale=1.0, return_state=rs
-    )
+    d_state = None
+    if rs and d_final is not None:
+        d_state = jnp.swapaxes(d_final.astype(jnp.float32), -1, -2)
+    res = residuals["gla"]
+    kernel_cfg = _config(cfg, {**statics, "x": a["x"], "B": a["B"]})
+    st = gla._Statics.of({"query": res["q"], "value": res["v"], "softmax_scale": 1.0}, kernel_cfg)
+    st = attrs.evolve(st, return_state=rs, chunk=res["layout"].chunk)
+    d_lin = gla._backward(res, d_y.astype(res["q"].dtype), d_state, st, split_diagonal=True)
 
     diff = {n: a[n] for n in ARRAYS if a[n] is not None}
     softplus = bool(statics.get("dt_softplus"))
