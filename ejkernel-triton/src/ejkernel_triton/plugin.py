@@ -36,12 +36,13 @@ OPS: tuple[str, ...] = (
     "ragged_page_attention",
     "page_attention",
     "prefill_page_attention",
+    "state_space_v1",
     "state_space_v2",
 )
 
 #: Ops whose kernels have not passed their ``gpu``-marked tests on a GPU yet: registered below
 #: the XLA fallback, so they run only where asked for (``platform="triton"``).
-OPT_IN: frozenset[str] = frozenset({"blocksparse_attention", "state_space_v2"})
+OPT_IN: frozenset[str] = frozenset({"blocksparse_attention", "state_space_v1", "state_space_v2"})
 
 #: Below the XLA fallback (0).
 OPT_IN_PRIORITY = -10

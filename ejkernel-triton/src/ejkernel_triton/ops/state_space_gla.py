@@ -1,0 +1,203 @@
+"""What the Triton state-space ops (``state_space_v1``, ``state_space_v2``) share: both run on
+the gla kernels (:mod:`ejkernel_triton.ops.gla`), with an op-specific mapping in JAX around
+them, and a backward that pulls the cotangent through the output's skip and gate, through
+gla's backward kernels, then through the mapping (JAX autodiff of its elementwise ops).
+
+A :class:`Mapping` says how one op's arrays become gla's (``as_linear``), how gla's output
+becomes the op's (``finish``: the skip ``D x`` and the gate), and how the state is laid out
+(``state``: gla's final state to the op's, and back for its cotangent). gla's backward runs
+with ``split_diagonal`` (its gate gradient free of the intra-chunk diagonal's rounding): the
+ops' gates are shared by gla's key channels or summed over many tokens, where that rounding
+would dominate the decay gradients under strong decays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+
+from ejkernel.specs.state_space_v1 import decay_rate
+from ejkernel_triton.ops import gla
+from ejkernel_triton.ops.gla_config import GlaConfig
+from ejkernel_triton.ops.gla_config import heuristic as gla_heuristic
+
+__all__ = [
+    "ARRAYS",
+    "Mapping",
+    "backward",
+    "config_space",
+    "delta",
+    "forward",
+    "heuristic",
+    "log_decay",
+    "silu_gate",
+    "supports",
+]
+
+#: The ops' array arguments (``None`` when absent).
+ARRAYS = ("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state")
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_MAX_DIM = 256
+_CHUNKS = (16, 32, 64)
+
+
+@attrs.frozen
+class Mapping:
+    """One op on the gla kernels.
+
+    Attributes:
+        shapes: ``kwargs -> (query [B, S, H, K], value [B, S, H, V])`` shapes of gla's call.
+        as_linear: ``(arrays, dt_softplus) -> gla's arrays`` (``cu_seqlens`` included).
+        finish: ``(y, arrays) -> out`` float32: gla's output to the op's, skip and gate.
+        state: ``state -> state``: gla's final state to the op's, and the op's state cotangent
+            back to gla's (a transpose or reshape, its own inverse in that sense).
+        state_back: the inverse of ``state``.
+    """
+
+    shapes: Callable[[dict[str, Any]], tuple[tuple[int, ...], tuple[int, ...]]]
+    as_linear: Callable[[dict[str, Any], bool], dict[str, Any]]
+    finish: Callable[[jax.Array, dict[str, Any]], jax.Array]
+    state: Callable[[jax.Array], jax.Array]
+    state_back: Callable[[jax.Array], jax.Array]
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+def supports(inv: Any, m: Mapping) -> bool | str:
+    """True, or why not: an ``x`` dtype other than bf16/f16/f32, gla's K or V over 256."""
+    x = inv.kwargs["x"]
+    if x.dtype not in _DTYPES:
+        return f"x dtype {x.dtype} (the Triton kernels take bfloat16, float16, float32)"
+    (*_, k), (*_, v) = m.shapes(inv.kwargs)
+    if max(k, v) > _MAX_DIM:
+        return f"state {k} x {v} per head: the kernels hold each ≤ {_MAX_DIM}"
+    return True
+
+
+def heuristic(inv: Any, m: Mapping, cls: type[GlaConfig]) -> Any:
+    """gla's heuristic at the equivalent shape; the op's ``chunk_size``, when given, sets the
+    chunk (the largest of gla's chunks not above it)."""
+    base = gla_heuristic(_Inv(_gla_shapes(inv.kwargs, m)))
+    return _with_chunk(cls(**attrs.asdict(base)), inv.kwargs.get("chunk_size"))
+
+
+def config_space(inv: Any, m: Mapping, cls: type[GlaConfig]) -> list[Any]:
+    """The heuristic, then gla's config space at the equivalent shape."""
+    out = [heuristic(inv, m, cls)]
+    for cfg in gla.config_space(_Inv(_gla_shapes(inv.kwargs, m))):
+        mine = _with_chunk(cls(**attrs.asdict(cfg)), inv.kwargs.get("chunk_size"))
+        if mine not in out:
+            out.append(mine)
+    return out
+
+
+def _gla_shapes(kwargs: dict[str, Any], m: Mapping) -> dict[str, Any]:
+    q, v = m.shapes(kwargs)
+    dtype = kwargs["x"].dtype
+    return {"query": jax.ShapeDtypeStruct(q, dtype), "value": jax.ShapeDtypeStruct(v, dtype)}
+
+
+def _with_chunk(cfg: Any, chunk: int | None) -> Any:
+    if chunk is None:
+        return cfg
+    return attrs.evolve(cfg, chunk_size=max([c for c in _CHUNKS if c <= chunk], default=16))
+
+
+@attrs.frozen
+class _Inv:
+    kwargs: dict[str, Any]
+
+
+def _config(cfg: Any, args: dict[str, Any], m: Mapping, cls: type[GlaConfig]) -> Any:
+    if cfg is None:
+        return heuristic(_Inv(args), m, cls)
+    return _with_chunk(cfg, args.get("chunk_size"))
+
+
+# -- forward and backward -------------------------------------------------------------------
+
+
+def forward(
+    m: Mapping, cls: type[GlaConfig], cfg: Any, args: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """``(out or (out, final_state), residuals)``: the array inputs, gla's residuals and gla's
+    output ``y``."""
+    a = {n: args.get(n) for n in ARRAYS}
+    rs = bool(args.get("return_state"))
+    lin = m.as_linear(a, bool(args.get("dt_softplus")))
+    out, res = gla._gla_fwd(
+        cfg=_config(cfg, args, m, cls), **lin, softmax_scale=1.0, return_state=rs
+    )
+    y, final = out if rs else (out, None)
+    o = m.finish(y, a).astype(a["x"].dtype)
+    if rs:
+        o = (o, m.state(final))
+    return o, {"arrays": a, "gla": res, "y": y}
+
+
+def backward(
+    m: Mapping,
+    cls: type[GlaConfig],
+    cfg: Any,
+    residuals: dict[str, Any],
+    d_out: Any,
+    statics: dict[str, Any],
+) -> dict[str, jax.Array | None]:
+    """The gradient of every given array, in its dtype (``None`` for absent ones)."""
+    a, y = residuals["arrays"], residuals["y"]
+    rs = bool(statics.get("return_state"))
+    d_o, d_final = d_out if rs else (d_out, None)
+
+    outer = {n: a[n] for n in ("x", "D", "gate") if a[n] is not None}
+    _, pull_outer = jax.vjp(lambda o, y: m.finish(y, {**a, **o}), outer, y)
+    d_outer, d_y = pull_outer(d_o.astype(jnp.float32))
+
+    d_state = None
+    if rs and d_final is not None:
+        d_state = m.state_back(d_final.astype(jnp.float32))
+    res = residuals["gla"]
+    kernel_cfg = _config(cfg, {**statics, **a}, m, cls)
+    st = gla._Statics.of({"query": res["q"], "value": res["v"], "softmax_scale": 1.0}, kernel_cfg)
+    st = attrs.evolve(st, return_state=rs, chunk=res["layout"].chunk)
+    d_lin = gla._backward(res, d_y, d_state, st, split_diagonal=True)
+
+    diff = {n: a[n] for n in ARRAYS if a[n] is not None}
+    softplus = bool(statics.get("dt_softplus"))
+    lin, pull_lin = jax.vjp(lambda d: m.as_linear({**a, **d}, softplus), diff)
+    cot = {
+        n: None if v is None else d_lin.get(n, jnp.zeros_like(v)).astype(v.dtype)
+        for n, v in lin.items()
+    }
+    (grads,) = pull_lin(cot)
+    grads = {n: g + d_outer[n] if n in d_outer else g for n, g in grads.items()}
+    return {n: None if a[n] is None else grads[n].astype(a[n].dtype) for n in ARRAYS}
+
+
+# -- shared pieces of the mappings ----------------------------------------------------------
+
+
+def delta(a: dict[str, Any], softplus: bool) -> jax.Array:
+    """``Δ = dt + dt_bias``, then ``softplus(Δ)`` when asked; float32."""
+    d = a["dt"].astype(jnp.float32)
+    if a["dt_bias"] is not None:
+        d = d + a["dt_bias"].astype(jnp.float32)
+    return jax.nn.softplus(d) if softplus else d
+
+
+def log_decay(d: jax.Array, A: jax.Array) -> jax.Array:
+    """``Δ A`` floored at gla's :data:`~ejkernel_triton.ops.gla.MIN_LOG_DECAY` (float32):
+    ``A = -inf`` is a reset where ``Δ > 0`` and passes the state where ``Δ = 0``; below the
+    floor (whose exp is 0 in float32) the gradient is 0."""
+    return jnp.maximum(d * decay_rate(A), gla.MIN_LOG_DECAY)
+
+
+def silu_gate(out: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """``out ⊙ silu(gate)`` (float32) when a gate is given."""
+    if gate is None:
+        return out
+    return out * jax.nn.silu(gate.astype(jnp.float32))
