@@ -1,0 +1,150 @@
+"""The Triton state_space_v1 (the Mamba-1 selective scan on the gla kernels) against the
+sequential ``lax.scan`` reference (``state_space_v1_reference``).
+
+Through Triton's interpreter on the CPU: tiny odd shapes, float32 unless said. Marked ``gpu``
+(compiled, on the GPU): B 2, T 2048, I 512, N 16 in bfloat16 against the XLA platform in
+float32.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ejkernel
+from ejkernel.specs.state_space_v1 import state_space_v1_reference
+from ejkernel.testing import random_normal as normal
+
+pytest.importorskip("triton")
+
+from ejkernel_triton.ops.state_space_v1 import StateSpaceV1Config, heuristic, supports
+
+C16 = StateSpaceV1Config(chunk_size=16, block_k=16, block_v=16, num_stages=1)
+CORE = ("x", "A", "B", "C", "D", "dt")
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    if jax.default_backend() != "cpu":
+        pytest.skip("the interpreter runs where the default device is a CPU")
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+
+
+def inputs(b: int, s: int, i: int, n: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+    """Every array argument, random (``A < 0``; ``dt`` around 0, for ``dt_softplus``)."""
+    ks = jax.random.split(jax.random.PRNGKey(s + 3 * i + n), 9)
+    return {
+        "x": normal(ks[0], (b, s, i), dtype),
+        "A": -jnp.exp(0.5 * normal(ks[1], (i, n), jnp.float32)),
+        "B": normal(ks[2], (b, s, n), dtype),
+        "C": normal(ks[3], (b, s, n), dtype),
+        "D": normal(ks[4], (i,), jnp.float32),
+        "dt": normal(ks[5], (b, s, i), jnp.float32) - 1.0,
+        "gate": normal(ks[6], (b, s, i), dtype),
+        "dt_bias": 0.5 * normal(ks[7], (i,), jnp.float32),
+        "initial_state": normal(ks[8], (b, i, n), jnp.float32),
+    }
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def run(fn: Any, arrays: dict[str, jax.Array], **statics: Any) -> tuple[Any, dict[str, Any]]:
+    """``fn``'s output and the gradients of every array under a fixed cotangent."""
+
+    def loss(arrays: dict[str, jax.Array]) -> Any:
+        out = fn(**arrays, **statics)
+        o, final = out if statics.get("return_state") else (out, None)
+        total = jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]) * 0.7))
+        if final is not None:
+            total += jnp.sum(final * jnp.sin(jnp.arange(final.shape[-1]) * 0.3))
+        return total, out
+
+    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
+    return out, grads
+
+
+def triton_scan(cfg: Any = C16) -> Any:
+    return lambda **kw: ejkernel.state_space_v1(**kw, platform="triton", cfg=cfg)
+
+
+def compare(got: Any, want: Any, tol: float) -> None:
+    (out, grads), (ref_out, ref_grads) = got, want
+    for a, e in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
+        assert rel(a, e) < tol, ("out", rel(a, e))
+    for name in ref_grads:
+        assert rel(grads[name], ref_grads[name]) < tol, (name, rel(grads[name], ref_grads[name]))
+
+
+def test_every_argument_and_gradient_matches_the_sequential_reference(interpret) -> None:
+    """Gate, dt_bias, softplus, both states; S 37 over chunks of 16."""
+    arrays = inputs(2, 37, 5, 6)
+    statics = {"dt_softplus": True, "return_state": True}
+    compare(
+        run(triton_scan(), arrays, **statics),
+        run(state_space_v1_reference, arrays, **statics),
+        1e-4,
+    )
+
+
+def test_bf16_and_the_heuristic_config(interpret) -> None:
+    arrays = {n: v for n, v in inputs(1, 19, 3, 4, jnp.bfloat16).items() if n in CORE}
+    arrays["dt"] = jax.nn.softplus(arrays["dt"])
+    up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
+    compare(run(triton_scan(None), arrays), run(state_space_v1_reference, up), 2e-2)
+
+
+def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
+    arrays = inputs(1, 30, 3, 4)
+    scan = triton_scan()
+    whole, final = scan(**arrays, dt_softplus=True, return_state=True)
+    timed = ("x", "B", "C", "dt", "gate")
+    first = {n: v[:, :13] if n in timed else v for n, v in arrays.items()}
+    second = {n: v[:, 13:] if n in timed else v for n, v in arrays.items()}
+    o1, h1 = scan(**first, dt_softplus=True, return_state=True)
+    o2, h2 = scan(**{**second, "initial_state": h1}, dt_softplus=True, return_state=True)
+    assert rel(jnp.concatenate([o1, o2], axis=1), whole) < 1e-5
+    assert rel(h2, final) < 1e-5
+
+
+def test_supports_and_opt_in() -> None:
+    from ejkernel_triton import plugin
+
+    def call(n: int, dtype: Any = jnp.float32) -> Any:
+        x = jax.ShapeDtypeStruct((1, 100, 8), dtype)
+        a = jax.ShapeDtypeStruct((8, n), jnp.float32)
+        return types.SimpleNamespace(kwargs={"x": x, "A": a})
+
+    assert supports(call(16)) is True
+    assert "256" in supports(call(512))
+    assert "dtype" in supports(call(16, jnp.int8))
+    assert heuristic(call(16)).block_k == 16
+    assert "state_space_v1" in plugin.OPS and "state_space_v1" in plugin.OPT_IN
+
+
+# -- GPU, realistic shapes ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_forward_and_gradients_match_the_xla_path() -> None:
+    arrays = inputs(2, 2048, 512, 16, jnp.bfloat16)
+    statics = {"dt_softplus": True, "return_state": True}
+    ours = jax.jit(lambda a: run(triton_scan(None), a, **statics))
+    xla = jax.jit(
+        lambda a: run(lambda **kw: ejkernel.state_space_v1(**kw, platform="xla"), a, **statics)
+    )
+    out, got = ours(arrays)
+    up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
+    with jax.default_matmul_precision("highest"):
+        want, exp = xla(up)
+    for name, a, e in [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))] + [
+        (f"d{n}", got[n], exp[n]) for n in got
+    ]:
+        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
+        assert rel(a, e) < 2e-2, (name, rel(a, e))
