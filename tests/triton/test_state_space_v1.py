@@ -148,3 +148,23 @@ def test_gpu_bf16_forward_and_gradients_match_the_xla_path() -> None:
     ]:
         assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
         assert rel(a, e) < 2e-2, (name, rel(a, e))
+
+
+def test_kernels_compile_for_hopper_with_a_one_wide_value(monkeypatch, tmp_path) -> None:
+    """The heuristic's gla launches at the selective scan's shape (bf16, N 16, V 1), forward
+    and backward, compiled for sm_90 on any machine."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import state_space_v1 as ssm
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    arrays = {n: v for n, v in inputs(1, 256, 4, 16, jnp.bfloat16).items() if n in CORE}
+    cfg = heuristic(types.SimpleNamespace(kwargs=arrays))
+    jax.clear_caches()  # the forward and backward are jitted: trace them under the recorder
+    with _codegen.recorded_launches() as record:
+        out, res = ssm._fwd(cfg=cfg, **arrays)
+        ssm._bwd(res, out, cfg=cfg)
+    assert len(record) == 9
+    for launch in record:
+        compiled = _codegen.compile_launch(launch, capability=90)
+        assert compiled.shared <= 232448, launch.kernel.fn.__name__

@@ -172,6 +172,27 @@ def test_it_is_opt_in_in_the_triton_plugin() -> None:
     assert "state_space_v2" in plugin.OPS and "state_space_v2" in plugin.OPT_IN
 
 
+def test_kernels_compile_for_hopper_at_the_mamba2_head_size(monkeypatch, tmp_path) -> None:
+    """The heuristic's gla launches at SSD's shape (bf16, P 64, N 128, G 1), forward and
+    backward, compiled for sm_90 on any machine."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import state_space_v2 as ssm
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    arrays = {n: v for n, v in inputs(1, 256, 2, 64, 1, 128, jnp.bfloat16).items()}
+    arrays = {n: v for n, v in arrays.items() if n in NAMES[:6]}
+    cfg = heuristic(types.SimpleNamespace(kwargs=arrays))
+    jax.clear_caches()  # the forward and backward are jitted: trace them under the recorder
+    with _codegen.recorded_launches() as record:
+        out, res = ssm._fwd(cfg=cfg, dt_softplus=True, **arrays)
+        ssm._bwd(res, out, cfg=cfg, dt_softplus=True)
+    assert len(record) == 9
+    for launch in record:
+        compiled = _codegen.compile_launch(launch, capability=90)
+        assert compiled.shared <= 232448, launch.kernel.fn.__name__
+
+
 # -- GPU, realistic shapes ------------------------------------------------------------------
 
 
