@@ -8,8 +8,10 @@ float32 partial outputs by their log2-sum-exp in JAX. ``page_attention``,
 their own modules (:mod:`ejkernel_triton.ops.page_attention`, ...). The config, heuristic and
 config space are in :mod:`ejkernel_triton.ops.unified_attention_config`.
 
-Every valid call is served except quantised (fp8) caches, head dims over 256 and dtypes
-other than bfloat16/float16/float32, which :func:`supports` declines. Under ``jit`` one
+Every valid call is served except head dims over 256, query dtypes other than
+bfloat16/float16/float32 and cache dtypes other than those or ``float8_e4m3fn`` (with
+``k_scale``/``v_scale``, dequantised in the kernel's registers), which :func:`supports`
+declines. Under ``jit`` one
 compiled kernel serves every ``kv_lens``, ``query_start_loc`` and ``num_seqs``: the grid
 depends only on the static shapes.
 """
@@ -60,7 +62,10 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     softmax_aux: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
     decode: bool = False,
+    kv_starts: jax.Array | None = None,
 ) -> jax.Array:
     """Packed paged attention (``unified_attention``'s semantics) through the Triton kernel.
 
@@ -73,8 +78,13 @@ def paged_attention(
             array of shape () or (1,), may be traced.
         softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, alibi_slopes:
             as ``ejkernel.unified_attention`` (validated: the window a pair or ``None``).
+        k_scale, v_scale: ``None``, or a float32 scalar or ``[Hkv]``: the caches (then
+            possibly ``float8_e4m3fn``) are read as ``cache.astype(float32) · scale``; both or
+            neither.
         decode: the caller promises token ``s`` is sequence ``s``'s one query and every row
             is live (``page_attention``): one program per sequence and KV head, no search.
+        kv_starts: [rows] int, each sequence's first visible key (``ragged_decode_attention``'s
+            ``sequence_start``), or ``None`` (0).
 
     Returns:
         [T, Hq, D] in the query dtype; tokens of no live sequence and rows that see no key
@@ -99,6 +109,9 @@ def paged_attention(
         jnp.zeros((1,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     )
     live = jnp.clip(jnp.asarray(num_seqs, jnp.int32).reshape(1), 0, rows)
+    scaled = k_scale is not None or v_scale is not None
+    k_scales, v_scales = (_per_head(x, problem.hkv) for x in (k_scale, v_scale))
+    starts = jnp.zeros((1,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
     if splits == 1:
         out_shape = [
             jax.ShapeDtypeStruct((t, hq, d), queries.dtype),
@@ -124,6 +137,9 @@ def paged_attention(
         live,
         aux,
         slopes,
+        starts,
+        k_scales,
+        v_scales,
         np.float32(scale),
         np.float32(logits_soft_cap or 1.0),
         left,
@@ -159,10 +175,20 @@ def paged_attention(
         DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32",
         ALIGN=align,
         DECODE=bool(decode),
+        HAS_START=kv_starts is not None,
+        ONE_PAGE=max_pages == 1,
+        SCALED=scaled,
     )
     if splits == 1:
         return out
     return merge_splits(out, lse).astype(queries.dtype)
+
+
+def _per_head(scale: Any, hkv: int) -> jax.Array:
+    """A cache scale as float32 ``[Hkv]`` (ones for ``None``)."""
+    if scale is None:
+        return jnp.ones((hkv,), jnp.float32)
+    return jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(-1), (hkv,))
 
 
 def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
@@ -223,4 +249,6 @@ _UNIFIED = (
     "logits_soft_cap",
     "softmax_aux",
     "alibi_slopes",
+    "k_scale",
+    "v_scale",
 )
