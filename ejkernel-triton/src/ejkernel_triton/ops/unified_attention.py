@@ -11,9 +11,8 @@ config space are in :mod:`ejkernel_triton.ops.unified_attention_config`.
 Every valid call is served except head dims over 256, query dtypes other than
 bfloat16/float16/float32 and cache dtypes other than those or ``float8_e4m3fn`` (with
 ``k_scale``/``v_scale``, dequantised in the kernel's registers), which :func:`supports`
-declines. Under ``jit`` one
-compiled kernel serves every ``kv_lens``, ``query_start_loc`` and ``num_seqs``: the grid
-depends only on the static shapes.
+declines. Under ``jit`` one compiled kernel serves every ``kv_lens``, ``query_start_loc`` and
+``num_seqs``: the grid depends only on the static shapes.
 """
 
 from __future__ import annotations
