@@ -171,6 +171,7 @@ def dense(
     hq: int = 4,
     hkv: int = 2,
     d: int = 64,
+    dv: int | None = None,
     dtype: Any = jnp.float32,
     cache_dtype: Any = None,
     seed: int = 0,
@@ -179,7 +180,7 @@ def dense(
     rng = np.random.default_rng(seed)
     b = len(starts)
     k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32) * 2
-    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32) * 2
+    v = rng.standard_normal((b, sk, hkv, dv or d)).astype(np.float32) * 2
     pos = np.arange(sk)
     outside = (pos < np.clip(starts, 0, sk)[:, None]) | (pos >= np.clip(ends, 0, sk)[:, None])
     k[outside], v[outside] = np.nan, np.nan
@@ -198,6 +199,7 @@ def dense(
 DECODE_CASES = {
     "ranges": ([0, 5, 20, 10, 36], [37, 5, 30, 11, 40], {}, {}, small()),
     "gqa-split-k": ([0, 3, 30], [37, 30, 31], {"hq": 8, "hkv": 2}, {}, small(splits=3)),
+    "dv48": ([0, 3], [37, 30], {"dv": 48}, {}, small(splits=2)),
     "mqa-d80-heuristic": ([2, 0], [33, 1], {"hq": 4, "hkv": 1, "d": 80, "sk": 33}, {}, None),
     "sinks-cap-window": (
         [0, 3, 17],

@@ -174,10 +174,15 @@ def unified_attention_kernel(
     stride_qt,
     stride_cp,
     stride_cs,
+    stride_vp,
+    stride_vs,
+    stride_ot,
     Out,
     Lse,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -199,9 +204,10 @@ def unified_attention_kernel(
     SCALED: tl.constexpr = False,
 ):
     """One program: ``BLOCK_Q`` query tokens of one sequence × the query heads of KV head
-    ``program_id(1)``, over split ``program_id(2)`` of their keys. Strides (``stride_qt`` the
-    token stride of Q and Out; the cache's page and slot strides) come in units of ``ALIGN``
-    elements; a head's stride is ``HEAD_DIM``. ``NumSeqs``: the live sequences (int32 ``[1]``).
+    ``program_id(1)``, over split ``program_id(2)`` of their keys. Strides (``stride_qt`` and
+    ``stride_ot`` the token strides of Q and Out; the K and V caches' page and slot strides)
+    come in units of ``ALIGN`` elements; a head's stride is ``HEAD_DIM`` (``HEAD_DV`` in the V
+    cache and Out). ``NumSeqs``: the live sequences (int32 ``[1]``).
     ``BLOCK_M = BLOCK_Q · GROUP_PAD`` rows. ``DECODE``: one query per sequence, token ``s``
     of sequence ``s`` (``page_attention``): the grid's first axis is the sequences, every one
     live, and ``QStart`` is not read. ``KvStarts`` (int32 ``[rows]``, read with
@@ -211,6 +217,9 @@ def unified_attention_kernel(
     stride_qt = stride_qt * ALIGN
     stride_cp = stride_cp * ALIGN
     stride_cs = stride_cs * ALIGN
+    stride_vp = stride_vp * ALIGN
+    stride_vs = stride_vs * ALIGN
+    stride_ot = stride_ot * ALIGN
     block = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -272,7 +281,8 @@ def unified_attention_kernel(
     head_off = kvh * HEAD_DIM
     m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)
     for part in tl.static_range(3):  # cut tiles, whole tiles, cut tiles
         MASKED = part != 1
         lo = tl.maximum(ranges[part], split_lo)
@@ -298,8 +308,8 @@ def unified_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             v = _kv_tile(
-                VCache, table_row, cols, start_n, kv_hi, num_pages, head_off, stride_cp,
-                stride_cs, offs_d, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MASKED, ONE_PAGE,
+                VCache, table_row, cols, start_n, kv_hi, num_pages, kvh * HEAD_DV, stride_vp,
+                stride_vs, offs_dv, HEAD_DV, BLOCK_DV, PAGE_SIZE, BLOCK_N, MASKED, ONE_PAGE,
             )  # fmt: skip
             if SCALED:
                 v = v.to(q.dtype)
@@ -322,13 +332,14 @@ def unified_attention_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = tl.where(empty[:, None], 0.0, acc * (v_scale / l_safe)[:, None])
 
-    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    o_rows = token.to(tl.int64) * stride_qt + head * HEAD_DIM
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
+    o_rows = token.to(tl.int64) * stride_ot + head * HEAD_DV
     if NUM_SPLITS == 1:
-        tl.store(Out + o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
+        o_ptrs = Out + o_rows[:, None] + offs_dv[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     else:
         plane = split.to(tl.int64) * num_tokens
-        o_ptrs = Out + plane * stride_qt + o_rows[:, None] + offs_d[None, :]
+        o_ptrs = Out + plane * stride_ot + o_rows[:, None] + offs_dv[None, :]
         tl.store(o_ptrs, out, mask=o_mask)
         lse = tl.where(empty, MASK_VALUE, m_i + tl.log2(l_safe))
         tl.store(Lse + (plane + token) * num_heads + head, lse, mask=row_ok)

@@ -48,7 +48,7 @@ heuristic, config_space = tuning(RaggedDecodeAttentionConfig, _problem)
 
 
 def supports(inv: Any) -> bool | str:
-    """True, or why not (dtypes, head dims over 256, a value head dim other than the key's)."""
+    """True, or why not (dtypes, head dims over 256)."""
     return serving_supports(inv.kwargs, "query", caches=("key", "value"))
 
 
@@ -63,7 +63,7 @@ def ragged_decode_attention_triton(
             validated them.
 
     Returns:
-        [B, Hq, D] in the query dtype; empty ranges give zeros.
+        [B, Hq, Dv] in the query dtype; empty ranges give zeros.
     """
     query, key = args["query"], args["key"]
     b, sk = int(key.shape[0]), int(key.shape[1])

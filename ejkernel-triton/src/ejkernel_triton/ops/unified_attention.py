@@ -70,7 +70,8 @@ def paged_attention(
 
     Args:
         cfg: a :class:`UnifiedAttentionConfig` (or a subclass), or ``None`` for the heuristic.
-        queries: [T, Hq, D]; key_cache, value_cache: [num_pages, page_size, Hkv, D].
+        queries: [T, Hq, D]; key_cache: [num_pages, page_size, Hkv, D]; value_cache:
+            [num_pages, page_size, Hkv, Dv].
         kv_lens: [rows] int; block_tables: [rows, max_pages] int; query_start_loc:
             [rows + 1] int.
         num_seqs: the live sequences (the first ``num_seqs`` rows): an int or an integer
@@ -86,18 +87,19 @@ def paged_attention(
             ``sequence_start``), or ``None`` (0).
 
     Returns:
-        [T, Hq, D] in the query dtype; tokens of no live sequence and rows that see no key
+        [T, Hq, Dv] in the query dtype; tokens of no live sequence and rows that see no key
         are zeros.
     """
     t, hq, d = (int(n) for n in queries.shape)
+    dv = int(value_cache.shape[-1])
     rows, max_pages = (int(n) for n in block_tables.shape)
     if t == 0 or rows == 0:
-        return jnp.zeros(queries.shape, queries.dtype)
+        return jnp.zeros((t, hq, dv), queries.dtype)
     problem = Problem.of(queries, key_cache, rows, max_pages)
     r = resolve(problem, cfg)
     splits = r["num_splits"]
     group = hq // problem.hkv
-    align = min(d & -d, 16)
+    align = min(d & -d, dv & -dv, 16)
     left, right = (int(w) for w in sliding_window) if sliding_window is not None else (0, 0)
     aux = (
         jnp.zeros((1,), jnp.float32)
@@ -113,12 +115,12 @@ def paged_attention(
     starts = jnp.zeros((1,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
     if splits == 1:
         out_shape = [
-            jax.ShapeDtypeStruct((t, hq, d), queries.dtype),
+            jax.ShapeDtypeStruct((t, hq, dv), queries.dtype),
             jax.ShapeDtypeStruct((1,), jnp.float32),
         ]
     else:
         out_shape = [
-            jax.ShapeDtypeStruct((splits, t, hq, d), jnp.float32),
+            jax.ShapeDtypeStruct((splits, t, hq, dv), jnp.float32),
             jax.ShapeDtypeStruct((splits, t, hq), jnp.float32),
         ]
     from ejkernel_triton.kernels.paged_attention import unified_attention_kernel
@@ -151,6 +153,9 @@ def paged_attention(
         hq * d // align,
         problem.page_size * problem.hkv * d // align,
         problem.hkv * d // align,
+        problem.page_size * problem.hkv * dv // align,
+        problem.hkv * dv // align,
+        hq * dv // align,
         out_shape=out_shape,
         grid=(rows if decode else t // r["block_q"] + rows, problem.hkv, splits),
         num_warps=r["num_warps"],
@@ -158,6 +163,8 @@ def paged_attention(
         zeroed_outputs=(0, 1),
         HEAD_DIM=d,
         BLOCK_D=pow2(d),
+        HEAD_DV=dv,
+        BLOCK_DV=pow2(dv),
         PAGE_SIZE=problem.page_size,
         GROUP=group,
         GROUP_PAD=problem.group_pad,
