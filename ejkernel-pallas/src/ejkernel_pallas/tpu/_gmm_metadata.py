@@ -59,9 +59,7 @@ def _offsets(group_sizes: jax.Array, m: int, m_padded: int) -> jax.Array:
     return jnp.concatenate([zero, ends, jnp.full((1,), m_padded, jnp.int32)])
 
 
-def _plan(
-    group_sizes: jax.Array, *, m: int, block_m: int, tail: bool, visit_empty: bool
-) -> Plan:
+def _plan(group_sizes: jax.Array, *, m: int, block_m: int, tail: bool, visit_empty: bool) -> Plan:
     num_tiles = -(-m // block_m)
     m_padded = num_tiles * block_m
     num_groups = group_sizes.shape[0]

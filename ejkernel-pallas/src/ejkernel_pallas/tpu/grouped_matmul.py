@@ -211,9 +211,9 @@ def config_space(inv: Any) -> list[GroupedMatmulConfig]:
             for bn in (b for b in BLOCKS if b <= _paged.round_up(n, LANES)):
                 lp = attrs.evolve(base, block_m=bm, block_k=bk, block_n=bn)
                 fits = _fits(lp, kw["lhs"].dtype)
-                if fits and smem_bytes(lp, m, num_groups) <= _paged.smem_budget():
-                    if _config(lp) not in space:
-                        space.append(_config(lp))
+                fits = fits and smem_bytes(lp, m, num_groups) <= _paged.smem_budget()
+                if fits and _config(lp) not in space:
+                    space.append(_config(lp))
     return space
 
 
@@ -321,10 +321,8 @@ def _backward(
     mp = _paged.round_up(m, lp.block_m)
     kp, np_ = _paged.round_up(k, lp.block_k), _paged.round_up(n, lp.block_n)
     x, dy = _pad(lhs, mp, kp), _pad(d_out.astype(lhs.dtype), mp, np_)
-    if lp.transpose_rhs:
-        w = _pad(rhs, num_groups, np_, kp)  # [G, N, K]: d_lhs contracts its N, dim 1
-    else:
-        w = _pad(rhs, num_groups, kp, np_)  # [G, K, N]: d_lhs contracts its N, dim 2
+    # rhs[g] is [K, N] (d_lhs contracts its N, dim 1) or, transposed, [N, K] (dim 0).
+    w = _pad(rhs, num_groups, np_, kp) if lp.transpose_rhs else _pad(rhs, num_groups, kp, np_)
     rows = metadata.row_plan(group_sizes, m=m, block_m=lp.block_m)
     d_lhs = _gmm(
         dy, w, rows, lp, block_c=lp.block_n, block_f=lp.block_k,
