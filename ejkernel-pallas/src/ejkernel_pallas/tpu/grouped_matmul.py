@@ -136,12 +136,15 @@ def _default_block_m(m: int, num_groups: int) -> int:
 
 
 def _default_block(dim: int) -> int:
-    """The block of :data:`BLOCKS` (at most :data:`BLOCK_KN`) padding ``dim`` least, larger on
-    ties; one block when ``dim`` fits in it."""
+    """One block when ``dim`` fits in :data:`BLOCK_KN`; else the largest of :data:`BLOCKS` (at
+    most :data:`BLOCK_KN`) padding ``dim`` by at most an eighth, 128 when none does."""
     whole = _paged.round_up(dim, LANES)
     if whole <= BLOCK_KN:
         return whole
-    return min((b for b in BLOCKS if b <= BLOCK_KN), key=lambda b: (_paged.round_up(dim, b), -b))
+    for block in sorted((b for b in BLOCKS if b <= BLOCK_KN), reverse=True):
+        if _paged.round_up(dim, block) - dim <= dim // 8:
+            return block
+    return LANES
 
 
 def _launch(kw: Any, cfg: GroupedMatmulConfig | None) -> _Launch:
@@ -195,7 +198,8 @@ def _config(lp: _Launch) -> GroupedMatmulConfig:
 
 def heuristic(inv: Any) -> GroupedMatmulConfig:
     """Row tiles of up to 512 (halved while straddling tiles waste more than M / 2), K and N
-    blocks of up to 512 padding least, halved until a grid step fits the VMEM budget."""
+    blocks of up to 512 padding their dim by at most an eighth, halved until a grid step fits
+    the VMEM budget."""
     return _config(_launch(inv.kwargs, None))
 
 
@@ -279,7 +283,8 @@ def _grouped_matmul_bwd(
     """``d_lhs = gmm(d_out, rhsᵀ)`` and ``d_rhs = tgmm(lhsᵀ, d_out)``, in the inputs' dtypes."""
     kw = {**residuals, "preferred_element_type": preferred_element_type}
     lp = _launch({**kw, "transpose_rhs": transpose_rhs}, cfg)
-    return dict(zip(("lhs", "rhs"), _backward(*residuals.values(), d_out, lp=lp), strict=True))
+    arrays = (residuals[n] for n in ("lhs", "rhs", "group_sizes"))
+    return dict(zip(("lhs", "rhs"), _backward(*arrays, d_out, lp=lp), strict=True))
 
 
 defvjp(grouped_matmul_pallas, _grouped_matmul_fwd, _grouped_matmul_bwd)
