@@ -43,6 +43,12 @@ def _finite(x):
 
 
 @triton.jit
+def _gate_ok(g):
+    """A gate may be -inf (a reset); NaN and +inf are not finite inputs."""
+    return (g == g) & (g != float("inf"))
+
+
+@triton.jit
 def kda_fwd_prep_kernel(
     q_ptr,
     k_ptr,
@@ -89,12 +95,12 @@ def kda_fwd_prep_kernel(
     bad = bad | ~_finite(b_beta)
     if GK == 1:
         b_g = tl.load(g_ptr + rows).to(tl.float32)
-        bad = bad | ~_finite(b_g)
+        bad = bad | ~_gate_ok(b_g)
         b_g = tl.where(bad, 0.0, b_g)
         b_g = tl.where(b_g < -GATE_FLOOR, -GATE_FLOOR, b_g)
     else:
         b_g = tl.load(g_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
-        bad = bad | (tl.sum((~_finite(b_g)).to(tl.int32), axis=1) > 0)
+        bad = bad | (tl.sum((~_gate_ok(b_g)).to(tl.int32), axis=1) > 0)
         b_g = tl.where(bad[:, None], 0.0, b_g)
         b_g = tl.where(b_g < -GATE_FLOOR, -GATE_FLOOR, b_g)
     b_k = tl.where(bad[:, None], 0.0, b_k)
