@@ -306,3 +306,21 @@ def test_gpu_packed_sequences_match_the_xla_path() -> None:
     arrays["g"] = arrays["g"].astype(jnp.float32) / 16
     cu = jnp.array([0, 1, 1, 1000, 4097, 8000, 8192], jnp.int32)
     _against_xla(arrays, grads=False, cu_seqlens=cu, return_state=True)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_vmap_equals_one_call_per_index(interpret, packed: bool) -> None:
+    a = inputs(2, 21, 2, 16, 16, vector=False)
+    cu = jnp.array([0, 9, 21], jnp.int32) if packed else None
+    ours = triton_kda(C16)
+
+    def f(q, k, v, beta, g):
+        out = ours(
+            query=q[None], key=k[None], value=v[None], beta=beta[None], g=g[None], cu_seqlens=cu
+        )
+        return out[0]
+
+    args = tuple(a[n] for n in ("query", "key", "value", "beta", "g"))
+    mapped = jax.vmap(f)(*args)
+    for i in range(2):
+        assert_close(mapped[i], f(*(x[i] for x in args)), name="out")
