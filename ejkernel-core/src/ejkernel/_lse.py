@@ -5,8 +5,8 @@ on part of the keys, the output *and* the per-row log-sum-exp, and later the gra
 call given the output and log-sum-exp of the *whole* softmax it was part of. A
 ``flash_attention`` implementation offers both through :func:`deflse`; a caller asks for them
 through :func:`flash_attention_lse_step`, which runs the usual selection (``platform=``,
-cached and shipped choices, priority) and falls back to the XLA implementation's step when the
-selected platform does not offer them. The contract, for plugin authors (docs/writing-a-plugin.md):
+cached and shipped choices, priority); when the selected platform does not offer them, the
+highest-priority runnable implementation that does serves (else XLA's). The contract, for plugin authors (docs/writing-a-plugin.md):
 
 - ``fwd(**op_args, cfg=cfg) -> (out, lse)``: ``out`` as the op returns it, ``lse``
   ``[B, Sq, Hq]`` float32, the natural log of each row's softmax denominator over the logits
@@ -82,10 +82,12 @@ def flash_attention_lse_step(**args: Any) -> FlashLseStep:
 
     Selection runs as for ``ejkernel.flash_attention(**args)`` (arrays may be tracers or
     ``jax.ShapeDtypeStruct``; nothing is run, tuned or stored); a platform whose implementation
-    has no :func:`deflse` passes gives way to the XLA implementation's.
+    has no :func:`deflse` passes gives way to the highest-priority runnable implementation
+    that has them (else XLA's).
 
     Args:
-        **args: :func:`ejkernel.flash_attention`'s arguments by name (``platform=`` included).
+        **args: :func:`ejkernel.flash_attention`'s arguments by name (``platform=`` and
+            ``cfg=``, a config for both passes, included).
 
     Returns:
         A :class:`FlashLseStep`.
@@ -95,22 +97,23 @@ def flash_attention_lse_step(**args: Any) -> FlashLseStep:
 
     registry = get_registry()
     spec = registry.spec("flash_attention")
-    platform = args.pop("platform", None)
+    platform, cfg = args.pop("platform", None), args.pop("cfg", None)
     executor = default_executor()
     selections = {}
     for grad in (False, True):
         selections[grad] = executor.explain_op(
-            spec, spec.bind((), dict(args)), platform=platform, grad=grad
+            spec, spec.bind((), dict(args)), platform=platform, cfg=cfg, grad=grad
         )
     impl = _implementation(registry, selections[False].platform)
     if impl is None or getattr(impl.fn, "lse_fwd", None) is None:
+        fallback = _fallback_platform(registry, spec, args)
         selections = {
             grad: executor.explain_op(
-                spec, spec.bind((), dict(args)), platform=FALLBACK_PLATFORM, grad=grad
+                spec, spec.bind((), dict(args)), platform=fallback, cfg=cfg, grad=grad
             )
             for grad in (False, True)
         }
-        impl = _implementation(registry, FALLBACK_PLATFORM)
+        impl = _implementation(registry, fallback)
     if impl is None or getattr(impl.fn, "lse_fwd", None) is None:
         raise RuntimeError(
             "flash_attention: no installed implementation offers its log-sum-exp "
@@ -123,6 +126,19 @@ def flash_attention_lse_step(**args: Any) -> FlashLseStep:
         fwd=impl.fn.lse_fwd,
         bwd=impl.fn.lse_bwd,
     )
+
+
+def _fallback_platform(registry: Any, spec: Any, args: dict[str, Any]) -> str:
+    """The highest-priority runnable platform whose implementation has the step, else XLA."""
+    from ejkernel._invocation import Invocation, current_backend
+    from ejkernel._selection import runnable
+
+    inv = Invocation(kernel=spec.name, kwargs=spec.validate(spec.bind((), dict(args))))
+    candidates, _ = runnable(registry, spec, inv, current_backend())
+    for impl in candidates:
+        if getattr(impl.fn, "lse_fwd", None) is not None:
+            return str(impl.platform)
+    return FALLBACK_PLATFORM
 
 
 def _implementation(registry: Any, platform: str) -> Any:

@@ -1,9 +1,8 @@
 """Ring attention whose per-device step is the selected flash-attention kernel.
 
 The ring of Ring Attention (Liu, Zaharia and Abbeel, 2023, Sec. 3) with each step one call of
-the flash-attention implementation the usual selection picks for the step's shapes (Triton,
-Pallas or cuDNN on a GPU, XLA elsewhere), through its (out, lse) contract
-(:func:`ejkernel.plugins.flash_attention_lse_step`):
+the flash-attention implementation the usual selection picks for the step's shapes, among
+those offering the (out, lse) contract (:func:`ejkernel.plugins.flash_attention_lse_step`):
 
 - Forward. At step t device r holds the key/value shard of device ``s = (r - t) mod n``
   (with its ``kv_segment_ids``). The next rotation (``lax.ppermute`` r -> r + 1) is issued
