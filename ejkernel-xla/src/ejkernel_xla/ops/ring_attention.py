@@ -143,7 +143,9 @@ def ring_attention_xla(
     """Ring attention (arrays are the device's local shards).
 
     Args:
-        cfg: block sizes inside the shard; ``None`` takes the defaults.
+        cfg: block sizes inside the shard for the blockwise ring; ``None`` takes the defaults.
+            A call on flash-attention steps takes each step's config from flash attention's
+            own config chain, on the step's shapes.
         axis_name: the ``shard_map`` axis the sequence is split over; ``None``: flash attention.
         **args: the rest of :func:`ejkernel.ring_attention`'s arguments by name, as its spec
             validated them (absent ones take their defaults): ``query [B, Sq, Hq, D]`` holds
