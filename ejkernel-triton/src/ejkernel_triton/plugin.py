@@ -31,6 +31,7 @@ PRIORITY = 20
 OPS: tuple[str, ...] = (
     "flash_attention",
     "gla",
+    "kernel_delta_attention",
     "blocksparse_attention",
     "mean_pooling",
     "unified_attention",
@@ -44,7 +45,12 @@ OPS: tuple[str, ...] = (
 #: Ops whose kernels have not passed their ``gpu``-marked tests on a GPU yet: registered below
 #: the XLA fallback, so they run only where asked for (``platform="triton"``).
 OPT_IN: frozenset[str] = frozenset(
-    {"blocksparse_attention", "ragged_decode_attention", "ragged_page_attention_v3"}
+    {
+        "blocksparse_attention",
+        "kernel_delta_attention",
+        "ragged_decode_attention",
+        "ragged_page_attention_v3",
+    }
 )
 
 #: Below the XLA fallback (0).
