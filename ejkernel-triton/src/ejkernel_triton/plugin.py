@@ -30,6 +30,8 @@ PRIORITY = 20
 OPS: tuple[str, ...] = (
     "flash_attention",
     "gla",
+    "recurrent",
+    "lightning_attention",
     "blocksparse_attention",
     "mean_pooling",
     "unified_attention",
@@ -40,7 +42,7 @@ OPS: tuple[str, ...] = (
 
 #: Ops whose kernels have not passed their ``gpu``-marked tests on a GPU yet: registered below
 #: the XLA fallback, so they run only where asked for (``platform="triton"``).
-OPT_IN: frozenset[str] = frozenset({"blocksparse_attention"})
+OPT_IN: frozenset[str] = frozenset({"blocksparse_attention", "recurrent", "lightning_attention"})
 
 #: Below the XLA fallback (0).
 OPT_IN_PRIORITY = -10

@@ -83,7 +83,7 @@ def _run(
     bk = max(16, 1 << (dk - 1).bit_length())
     bv = min(block_v, max(16, 1 << (dv - 1).bit_length()))
 
-    def run(q, k, v, g, init, cu):  # noqa: ANN001, ANN202
+    def run(q, k, v, g, init, cu):
         b, s, h, _ = q.shape
         n = init.shape[0]
         return tuple(
