@@ -168,3 +168,22 @@ def test_gpu_decoding_matches_the_xla_path(s: int) -> None:
         want = ejkernel.recurrent(**up, return_state=True, platform="xla")
     close(got[1], want[1], tol=2e-2)
     close(got[0].astype(jnp.float32), want[0], tol=2e-2)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_the_kernel_compiles_for_hopper(monkeypatch, tmp_path, packed: bool) -> None:
+    """The heuristic's launch (bf16, K = V = 128) compiled for sm_90 on any machine."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops.recurrent import recurrent_triton
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    q = jnp.ones((1 if packed else 4, 8, 2, 128), jnp.bfloat16)
+    cu = jnp.array([0, 3, 8], jnp.int32) if packed else None
+    jax.clear_caches()  # the launch is jitted: trace it under the recorder
+    with _codegen.recorded_launches() as record:
+        recurrent_triton(query=q, key=q, value=q, gk=q, cu_seqlens=cu, return_state=True)
+    (launch,) = record
+    compiled = _codegen.compile_launch(launch, capability=90)
+    assert launch.kernel.fn.__name__ == "recurrent_fused_fwd_kernel"
+    assert compiled.shared <= 232448  # the H100's shared memory per block
