@@ -32,6 +32,8 @@ OPS: tuple[str, ...] = (
     "flash_attention",
     "gla",
     "kernel_delta_attention",
+    "recurrent",
+    "lightning_attention",
     "blocksparse_attention",
     "mean_pooling",
     "unified_attention",
@@ -48,8 +50,10 @@ OPT_IN: frozenset[str] = frozenset(
     {
         "blocksparse_attention",
         "kernel_delta_attention",
+        "lightning_attention",
         "ragged_decode_attention",
         "ragged_page_attention_v3",
+        "recurrent",
     }
 )
 
