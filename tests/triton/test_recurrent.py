@@ -147,7 +147,11 @@ def test_supports_declines_the_value_gate_and_what_gla_declines() -> None:
     assert "256" in supports(types.SimpleNamespace(kwargs={**call, "query": big, "key": big}))
 
 
-def test_the_heuristic_takes_the_fused_path_for_a_few_tokens_only() -> None:
+def test_the_heuristic_takes_the_fused_path_for_a_few_tokens_only(monkeypatch) -> None:
+    from ejkernel_triton.ops import gla_config
+
+    monkeypatch.setattr(gla_config, "FUSED_ON_GPU", True)
+
     def cfg(s: int) -> Any:
         q = jax.ShapeDtypeStruct((1, s, 2, 16), jnp.float32)
         return heuristic(types.SimpleNamespace(kwargs={"query": q, "value": q}))

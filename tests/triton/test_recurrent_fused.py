@@ -174,8 +174,10 @@ def test_gpu_decoding_matches_the_xla_path(s: int) -> None:
 def test_the_kernel_compiles_for_hopper(monkeypatch, tmp_path, packed: bool) -> None:
     """The heuristic's launch (bf16, K = V = 128) compiled for sm_90 on any machine."""
     from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import gla_config
     from ejkernel_triton.ops.recurrent import recurrent_triton
 
+    monkeypatch.setattr(gla_config, "FUSED_ON_GPU", True)
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     q = jnp.ones((1 if packed else 4, 8, 2, 128), jnp.bfloat16)
