@@ -89,7 +89,10 @@ PINNED: dict[str, tuple[bool, str]] = {
         "query![]~ key![]~ value![]~ g[]~ gk[]~ gv[]~ initial_state[]~ softmax_scale "
         "reverse=False cu_seqlens[] return_state=False",
     ),
-    "ring_attention": (True, _FLASH.replace("value![]~ ", "value![]~ axis_name ")),
+    "ring_attention": (
+        True,
+        _FLASH.replace("value![]~ ", "value![]~ axis_name ") + " layout='contiguous'",
+    ),
     "scaled_dot_product_attention": (
         True,
         f"query![]~ key![]~ value![]~ bias[]~ {_MASKING} softmax_scale causal=False "

@@ -15,22 +15,22 @@ from typing import Any
 import pytest
 
 
-def mosaic_ops(lowered_text: str) -> set[str]:
-    """The ``tpu.``, ``scf.``, ``vector.`` and ``memref.`` operations of the (first) Mosaic
-    kernel in a lowered module's text; skips the test where this jax's internals moved."""
+def mosaic_ops(lowered_text: str, index: int = 0) -> set[str]:
+    """The ``tpu.``, ``scf.``, ``vector.`` and ``memref.`` operations of the ``index``-th
+    Mosaic kernel in a lowered module's text; skips the test where this jax's internals moved."""
     try:
         from jax._src.interpreters import mlir
         from jax._src.lib.mlir import ir, passmanager
         from jax._src.tpu_custom_call import tpu
     except ImportError as err:  # pragma: no cover - another jax
         pytest.skip(f"cannot decode Mosaic modules with this jax: {err}")
-    match = re.search(r"body\\22: \\22([A-Za-z0-9+/=]+)", lowered_text)
-    assert match, "no Mosaic kernel in the lowered module"
+    bodies = re.findall(r"body\\22: \\22([A-Za-z0-9+/=]+)", lowered_text)
+    assert len(bodies) > index, f"no Mosaic kernel number {index} in the lowered module"
     ctx: Any = mlir.make_ir_context()
     tpu.register_dialect(ctx)
     with ctx, ir.Location.unknown():
         ctx.allow_unregistered_dialects = True
-        module = ir.Module.parse(base64.b64decode(match.group(1)))
+        module = ir.Module.parse(base64.b64decode(bodies[index]))
         passmanager.PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(
             module.operation
         )

@@ -322,14 +322,16 @@ def test_config_space_drops_tiles_over_the_shared_memory(monkeypatch: pytest.Mon
     assert all(smem_need(problem, cfg) <= 101376 for cfg in kept[1:])
 
 
-def test_supports_declines_quantised_caches_and_wide_heads() -> None:
+def test_supports_takes_fp8_caches_declines_wide_heads(interpret: None) -> None:
     cache = jax.ShapeDtypeStruct((4, 16, 2, 64), jnp.bfloat16)
     q = jax.ShapeDtypeStruct((3, 4, 64), jnp.bfloat16)
     kw = {"queries": q, "key_cache": cache, "value_cache": cache}
     assert serving_supports(kw, "queries") is True
-    assert "k_scale" in serving_supports({**kw, "k_scale": 0.5}, "queries")
+    assert serving_supports({**kw, "k_scale": 0.5, "v_scale": 0.5}, "queries") is True
     fp8 = jax.ShapeDtypeStruct((4, 16, 2, 64), jnp.float8_e4m3fn)
-    assert "key_cache" in serving_supports({**kw, "key_cache": fp8}, "queries")
+    assert serving_supports({**kw, "key_cache": fp8, "value_cache": fp8}, "queries") is True
+    e5 = jax.ShapeDtypeStruct((4, 16, 2, 64), jnp.float8_e5m2)
+    assert "key_cache" in serving_supports({**kw, "key_cache": e5}, "queries")
     wide = jax.ShapeDtypeStruct((4, 16, 2, 512), jnp.bfloat16)
     why = serving_supports({**kw, "key_cache": wide, "value_cache": wide}, "queries")
     assert "head dim" in why

@@ -133,12 +133,23 @@ class _ImplementationFailed(Exception):
 
 # -- running ops ----------------------------------------------------------------------------
 
+#: Keyword arguments of ``Executor.__call__`` that go to ``jax.shard_map`` with
+#: ``method="shard_map"``.
+_SHARD_MAP_OPTIONS = ("mesh", "in_specs", "out_specs", "check_vma", "axis_names")
+
 
 class Executor:
     """Runs kernels and ops: selection, the config chain, custom VJPs.
 
     Called as ``executor(kernel, *args, cfg=None, **kwargs)`` where ``kernel`` is an op kernel
     (``ejkernel.modules.FlashAttention()``) or a user :class:`ejkernel.ops.Kernel`.
+
+    With ``method="shard_map"`` (and ``mesh=``, ``in_specs=``, ``out_specs=``, optionally
+    ``check_vma=``) the call runs inside ``jax.shard_map``: ``args`` are the global arrays,
+    split by ``in_specs`` (one spec per positional argument, or one for all), and each device
+    runs the kernel on its shard, so selection and tuning see the per-shard shapes (a config is
+    chosen, or tuned, once per shard shape). Keyword arguments are static or replicated; pass
+    arrays that must be split positionally.
 
     Args:
         selector: the config chain (default: memory + persistent caches, autotune allowed).
@@ -149,9 +160,18 @@ class Executor:
         self._tunables: Memo[Tunable] = Memo()
         self._eager: Memo[tuple[Implementation, Any]] = Memo()
 
-    def __call__(self, kernel: Any, *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
+    def __call__(
+        self,
+        kernel: Any,
+        *args: Any,
+        cfg: Any = None,
+        method: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
         if "_cfg" in kwargs:  # the seeds' spelling
             cfg = kwargs.pop("_cfg") if cfg is None else cfg
+        if method is not None:
+            return self._call_sharded(kernel, args, cfg, method, kwargs)
         if isinstance(kernel, OpKernel):
             platform = kwargs.pop("platform", None)
             return self.run_op(
@@ -160,6 +180,23 @@ class Executor:
         if isinstance(kernel, Kernel):
             return run_kernel(self.selector, kernel, args, kwargs, cfg)
         raise TypeError(f"executor: expected an ejkernel.ops.Kernel; got {type(kernel).__name__}")
+
+    def _call_sharded(
+        self, kernel: Any, args: tuple[Any, ...], cfg: Any, method: str, kwargs: dict[str, Any]
+    ) -> Any:
+        """``executor(kernel, *args, method="shard_map", mesh=, in_specs=, out_specs=, ...)``."""
+        options = {n: kwargs.pop(n) for n in _SHARD_MAP_OPTIONS if n in kwargs}
+        if method != "shard_map":
+            raise ValueError(f"executor: `method` must be 'shard_map' or None; got {method!r}")
+        if "out_specs" not in options:
+            raise TypeError(
+                "executor: method='shard_map' needs `out_specs` (and `in_specs`, `mesh`)"
+            )
+
+        def per_shard(*shards: Any) -> Any:
+            return self(kernel, *shards, cfg=cfg, **kwargs)
+
+        return jax.shard_map(per_shard, **options)(*args)
 
     # -- ops --------------------------------------------------------------------------------
     def _prepare(

@@ -2,7 +2,8 @@
 
 What a plugin imports from core, all public: :data:`hookimpl` (hooks are specified in
 :mod:`ejkernel.hookspecs`, with ``API_VERSION``), :func:`defvjp` (a forward/backward pair for an
-implementation), :class:`FwdParams` and :class:`BwdParams` (the tunables configs share),
+implementation), :func:`deflse` and :func:`flash_attention_lse_step` (flash
+attention's (out, lse) step, for ring attention), :class:`FwdParams` and :class:`BwdParams` (the tunables configs share),
 :class:`Registry` (what ``ejkernel_register`` receives: :meth:`Registry.register`,
 :meth:`Registry.register_module` with :func:`conventional_names`, :meth:`Registry.add_op`,
 :meth:`Registry.add_platform`), the op contract in :mod:`ejkernel.specs`, the environment in
@@ -29,6 +30,7 @@ import attrs
 import pluggy
 
 from ejkernel import _env, hookspecs
+from ejkernel._lse import FlashLseStep, deflse, flash_attention_lse_step
 from ejkernel._params import BwdParams, FwdParams
 from ejkernel._registry import Registry, conventional_names
 from ejkernel.errors import PluginWarning, warn_once
@@ -37,11 +39,14 @@ from ejkernel.specs import builtin_ops, builtin_spec
 __all__ = [
     "ENTRY_POINT_GROUP",
     "BwdParams",
+    "FlashLseStep",
     "FwdParams",
     "PluginInfo",
     "Registry",
     "conventional_names",
+    "deflse",
     "defvjp",
+    "flash_attention_lse_step",
     "get_registry",
     "hookimpl",
     "plugin_infos",

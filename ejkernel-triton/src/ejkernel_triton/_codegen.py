@@ -44,6 +44,7 @@ _POINTER_TYPES = {
     jnp.dtype(jnp.bfloat16): "*bf16",
     jnp.dtype(jnp.float16): "*fp16",
     jnp.dtype(jnp.float32): "*fp32",
+    jnp.dtype(jnp.float8_e4m3fn): "*fp8e4nv",
     jnp.dtype(jnp.int32): "*i32",
     jnp.dtype(jnp.int8): "*i8",
     jnp.dtype(jnp.bool_): "*i1",
@@ -62,6 +63,7 @@ class Launch:
     constexprs: dict[str, Any]
     grid: tuple[int, ...] = ()
     zeroed_outputs: tuple[int, ...] = ()
+    input_output_aliases: tuple[tuple[int, int], ...] = ()
 
 
 @contextlib.contextmanager
@@ -71,7 +73,17 @@ def recorded_launches() -> Iterator[list[Launch]]:
 
     record: list[Launch] = []
 
-    def fake(kernel, *args, out_shape, grid, num_warps, num_stages, zeroed_outputs=(), **cx):
+    def fake(
+        kernel,
+        *args,
+        out_shape,
+        grid,
+        num_warps,
+        num_stages,
+        zeroed_outputs=(),
+        input_output_aliases=None,
+        **cx,
+    ):
         record.append(
             Launch(
                 kernel,
@@ -82,6 +94,7 @@ def recorded_launches() -> Iterator[list[Launch]]:
                 cx,
                 grid,
                 tuple(zeroed_outputs),
+                tuple(sorted((input_output_aliases or {}).items())),
             )
         )
         return [jnp.zeros(s.shape, s.dtype) for s in out_shape]

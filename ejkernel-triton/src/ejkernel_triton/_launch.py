@@ -20,7 +20,7 @@ import contextlib
 import importlib.util
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -48,6 +48,7 @@ def launch(
     num_warps: int,
     num_stages: int,
     zeroed_outputs: Sequence[int] = (),
+    input_output_aliases: Mapping[int, int] | None = None,
     **constexprs: Any,
 ) -> list[jax.Array]:
     """Run ``kernel`` over ``grid``; return its outputs (a list, one per ``out_shape``).
@@ -62,11 +63,16 @@ def launch(
         num_stages: software-pipelining stages.
         zeroed_outputs: indices of outputs set to zero before the launch (others start
             undefined; the interpreter fills them with NaN or -1 so unwritten parts show).
+        input_output_aliases: ``{array input index: output index}`` (inputs counted among
+            the array arguments only, as jax-triton counts them): the output is the input's
+            buffer, which the kernel updates in place (XLA copies the input first unless it
+            is donated). The interpreter starts such an output as a copy of the input.
         **constexprs: the kernel's ``tl.constexpr`` arguments.
     """
     out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
     if interpreting():
-        return _interpret(kernel, args, out_shape, grid, tuple(zeroed_outputs), constexprs)
+        aliases = dict(input_output_aliases or {})
+        return _interpret(kernel, args, out_shape, grid, tuple(zeroed_outputs), constexprs, aliases)
     import jax_triton
 
     from ejkernel_triton import _kernel_cache
@@ -80,6 +86,7 @@ def launch(
         num_warps=num_warps,
         num_stages=num_stages,
         zeroed_outputs=tuple(zeroed_outputs),
+        input_output_aliases=dict(input_output_aliases or {}),
         **constexprs,
     )
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
@@ -253,6 +260,7 @@ def _interpret(
     grid: tuple[int, ...],
     zeroed: tuple[int, ...],
     constexprs: dict[str, Any],
+    aliases: dict[int, int],
 ) -> list[jax.Array]:
     is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in args]
     # Triton's interpreter multiplies bfloat16 tiles as their raw 16-bit patterns: hand it
@@ -269,6 +277,8 @@ def _interpret(
             for a, arr in zip(args, is_array, strict=True)
         ]
         outs = [_poisoned(s, i in zeroed) for i, s in enumerate(out_shape)]
+        for source, target in aliases.items():
+            outs[target] = np.array(buffers[source], dtype=out_shape[target].dtype, copy=True)
         # the interpreter keeps global state (the grid position, patched language modules)
         # and XLA may run independent callbacks at once: one interpreted launch at a time
         with _interpret_lock:

@@ -4,7 +4,8 @@
 finds ``flash_attention_triton``, ``FlashAttentionConfig``, ``heuristic``, ``config_space`` and
 ``supports`` there by name on first use); it also serves ``scaled_dot_product_attention``
 (core's ``served_by``). The serving ops (``unified_attention``, ``ragged_page_attention``,
-``page_attention``, ``prefill_page_attention``) share one kernel
+``page_attention``, ``prefill_page_attention``, ``ragged_decode_attention``,
+``ragged_page_attention_v3``) share one kernel
 (``ejkernel_triton.ops.unified_attention``); each op's module maps its arguments onto it. On
 an NVIDIA GPU the CUDA plugin's decode (priority 200) stays first for ``page_attention``.
 
@@ -30,19 +31,35 @@ PRIORITY = 20
 OPS: tuple[str, ...] = (
     "flash_attention",
     "gla",
+    "kernel_delta_attention",
+    "recurrent",
+    "lightning_attention",
     "blocksparse_attention",
     "mean_pooling",
     "unified_attention",
     "ragged_page_attention",
     "page_attention",
     "prefill_page_attention",
+    "ragged_decode_attention",
+    "ragged_page_attention_v3",
     "state_space_v1",
     "state_space_v2",
 )
 
 #: Ops whose kernels have not passed their ``gpu``-marked tests on a GPU yet: registered below
 #: the XLA fallback, so they run only where asked for (``platform="triton"``).
-OPT_IN: frozenset[str] = frozenset({"blocksparse_attention", "state_space_v1", "state_space_v2"})
+OPT_IN: frozenset[str] = frozenset(
+    {
+        "blocksparse_attention",
+        "kernel_delta_attention",
+        "lightning_attention",
+        "ragged_decode_attention",
+        "ragged_page_attention_v3",
+        "recurrent",
+        "state_space_v1",
+        "state_space_v2",
+    }
+)
 
 #: Below the XLA fallback (0).
 OPT_IN_PRIORITY = -10

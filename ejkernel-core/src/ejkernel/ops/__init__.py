@@ -29,6 +29,7 @@ from ejkernel._labels import (
     label,
     labels_to_configs,
 )
+from ejkernel._lse import FlashLseStep, flash_attention_lse_step
 from ejkernel._params import BwdParams, FwdParams
 from ejkernel._policy import AutotunePolicy, forward_autotune_only
 from ejkernel._recording import (
@@ -49,6 +50,7 @@ from ejkernel._shipped import (
 )
 from ejkernel._tune_result import AutotuneResult, PlatformChoice, TunedConfig, TuneFailure
 from ejkernel._tuning import autotune, autotune_platforms, pmap_with_config, vmap_with_config
+from ejkernel.specs.ring_attention import undo_zigzag_layout, zigzag_layout
 
 __all__ = [
     "ArraySpec",
@@ -61,6 +63,7 @@ __all__ = [
     "ConfigCache",
     "ConfigSelectorChain",
     "Executor",
+    "FlashLseStep",
     "FwdParams",
     "Invocation",
     "InvocationRecorder",
@@ -86,6 +89,7 @@ __all__ = [
     "device_kind",
     "extract_labels_from_hlo_text",
     "find_labels_in_lowered",
+    "flash_attention_lse_step",
     "forward_autotune_only",
     "from_json",
     "get_device_platform",
@@ -106,6 +110,8 @@ __all__ = [
     "shipped_tables",
     "stable_json",
     "to_json",
+    "undo_zigzag_layout",
     "vmap_with_config",
     "write_shipped_table",
+    "zigzag_layout",
 ]

@@ -18,6 +18,13 @@ Semantics every implementation follows (OPS.md vocabulary; see also
 - Dropout hashes ``(dropout_seed, batch, head, global query row, global key row)``, so it drops
   the entries the unsharded call drops when batch and heads are not split over other mesh axes
   (their indices are the device-local ones).
+- ``layout`` says which global rows a device holds. ``"contiguous"``: device r holds rows
+  ``[r·S, (r+1)·S)`` as above. ``"zigzag"`` (load-balanced causal work): the global sequence is
+  cut into ``2n`` chunks of ``S/2`` rows and device r holds chunks ``r`` and ``2n - 1 - r``, in
+  that order; :func:`zigzag_layout` puts a global array into that order (shard it contiguously
+  afterwards) and :func:`undo_zigzag_layout` restores the order. Under causal masking every
+  device then does the same work at every ring step. It needs ``Sq == Sk`` (even) locally and
+  takes no ``bias`` or ``attention_mask`` (their key columns would follow another order).
 - Replicated differentiable inputs (``softmax_aux``, a ``bias`` the same on every device) get
   the gradient summed over the ring, as ``shard_map`` expects.
 """
@@ -41,9 +48,61 @@ from ejkernel.specs.flash_attention import (
     validate_flash_attention,
 )
 
-__all__ = ["SPEC", "ring_attention", "ring_attention_reference", "validate_ring_attention"]
+__all__ = [
+    "LAYOUTS",
+    "SPEC",
+    "ring_attention",
+    "ring_attention_reference",
+    "undo_zigzag_layout",
+    "validate_ring_attention",
+    "zigzag_layout",
+]
 
 OP = "ring_attention"
+#: The sequence layouts of the ring (``layout=``).
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _zigzag_order(n: int) -> list[int]:
+    """Chunk order of the zigzag layout: device r's two chunks, r and 2n - 1 - r, in turn."""
+    return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+
+
+def _reorder(x: jax.Array, order: list[int], axis: int) -> jax.Array:
+    size = x.shape[axis]
+    if size % len(order):
+        raise ValueError(
+            f"{OP}: the zigzag layout cuts axis {axis} into {len(order)} chunks (2·n); "
+            f"got length {size}"
+        )
+    chunks = jax.numpy.split(x, len(order), axis=axis)
+    return jax.numpy.concatenate([chunks[c] for c in order], axis=axis)
+
+
+def zigzag_layout(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+    """Reorder a global sequence axis into ring attention's zigzag layout over ``n`` devices.
+
+    The axis is cut into ``2n`` equal chunks and device r's pair ``(r, 2n - 1 - r)`` is laid
+    out in turn, so sharding the result contiguously over the ring gives each device its pair.
+    Apply it to query, key, value and the segment ids alike.
+
+    Args:
+        x: an array whose ``axis`` (the sequence; 1 for ``[B, S, ...]``) has a length divisible
+            by ``2n``.
+        n: the ring size.
+        axis: the sequence axis.
+
+    Returns:
+        ``x`` with its chunks reordered; :func:`undo_zigzag_layout` is the inverse.
+    """
+    return _reorder(x, _zigzag_order(n), axis)
+
+
+def undo_zigzag_layout(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+    """The inverse of :func:`zigzag_layout`: the sequence back in its natural order."""
+    order = _zigzag_order(n)
+    inverse = [order.index(c) for c in range(2 * n)]
+    return _reorder(x, inverse, axis)
 
 
 def ring_axis_size(axis_name: Any) -> int | None:
@@ -64,12 +123,15 @@ def ring_attention_reference(
     attention_mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    layout: str = "contiguous",
     **options: Any,
 ) -> jax.Array:
     """The oracle: gather the global arrays, run the flash attention reference, keep my rows.
 
     ``options`` are the other keyword arguments of :func:`ring_attention` (sinks, scale,
-    causal, window, soft cap, dropout): they need no gathering."""
+    causal, window, soft cap, dropout): they need no gathering. In the zigzag layout the
+    gathered sequences are put back in their natural order first, and the result into the
+    layout again."""
     if axis_name is None:
         return flash_attention_reference(
             query,
@@ -82,8 +144,12 @@ def ring_attention_reference(
             **options,
         )
 
+    n = ring_axis_size(axis_name) or 1
+    zigzag = layout == "zigzag"
+
     def gather(x: jax.Array, axis: int) -> jax.Array:
-        return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+        x = lax.all_gather(x, axis_name, axis=axis, tiled=True)
+        return undo_zigzag_layout(x, n, axis) if zigzag and axis == 1 else x
 
     def gather_ids(x: jax.Array | None) -> jax.Array | None:
         return None if x is None else gather(x, 1)
@@ -105,6 +171,8 @@ def ring_attention_reference(
         kv_segment_ids=gather_ids(kv_segment_ids),
         **options,
     )
+    if zigzag:
+        out = zigzag_layout(out, n)
     sq = query.shape[1]
     return lax.dynamic_slice_in_dim(out, lax.axis_index(axis_name) * sq, sq, axis=1)
 
@@ -127,9 +195,26 @@ def validate_ring_attention(a: dict[str, Any]) -> dict[str, Any]:
                 f"inside jax.shard_map over a mesh with that axis (or pass axis_name=None)"
             )
         ring = size
+    layout = a.get("layout", "contiguous")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{OP}: `layout` must be one of {LAYOUTS}; got {layout!r}")
     dense = {name: a.pop(name, None) for name in ("bias", "attention_mask")}
     a = validate_flash_attention(a, op=OP)
     b, sq, hq, _ = a["query"].shape
+    if layout == "zigzag":
+        sk = a["key"].shape[1]
+        if sq != sk or sq % 2:
+            raise ValueError(
+                f"{OP}: `layout`='zigzag' needs query and key shards of one even length "
+                f"(Sq == Sk, two chunks each); got query.shape={tuple(a['query'].shape)}, "
+                f"key.shape={tuple(a['key'].shape)}"
+            )
+        given = [name for name, x in dense.items() if x is not None]
+        if given:
+            raise ValueError(
+                f"{OP}: `layout`='zigzag' takes no `{given[0]}` (its key columns would follow "
+                f"the contiguous order); use layout='contiguous'"
+            )
     target = (b, hq, sq, ring * a["key"].shape[1])
     letters = "[B, Hq, Sq, n·Sk] (n the ring size, Sk the local key rows)"
     for name, x in dense.items():
@@ -168,6 +253,7 @@ def ring_attention(
     logits_soft_cap: float | None = None,
     dropout_prob: float = 0.0,
     dropout_seed: int | jax.Array | None = None,
+    layout: str = "contiguous",
     platform: str | None = None,
     cfg: Any = None,
 ) -> jax.Array:
@@ -196,6 +282,9 @@ def ring_attention(
         dropout_prob: dropout on attention probabilities.
         dropout_seed: int or integer scalar array; default 0. Entries are dropped by a hash of
             (seed, batch, head, global query row, global key row).
+        layout: which global rows each device holds: ``"contiguous"`` (device r: rows
+            ``[r·S, (r+1)·S)``) or ``"zigzag"`` (chunks r and 2n-1-r of 2n; see
+            :func:`zigzag_layout`), which balances causal work across the ring.
         platform: force an installed platform.
         cfg: a config for the selected implementation (this call only, never cached).
 

@@ -22,6 +22,14 @@ Layout (OPS.md): packed ``queries [T, Hq, D]``; ``key_cache``/``value_cache``
   window or the sequence end masked (``MASKED``), whole tiles unmasked; V tiles of masked
   steps go through ``finite_or_zero``, so a NaN/Inf in a slot past the length, outside the
   window or causally after a query reaches no row that cannot see it.
+- A dense cache (``ragged_decode_attention``'s ``[B, Sk, Hkv, D]``) is a paged cache of ``B``
+  pages of ``Sk`` slots, one per sequence (``ONE_PAGE``: the table's one column is read once);
+  ``KvStarts`` (``HAS_START``) bounds each sequence's keys from below as ``kv_lens`` does from
+  above.
+- Quantised caches (``SCALED``): K/V tiles load in the cache dtype (``float8_e4m3fn``: half
+  the bytes of bfloat16) and are cast to the query dtype in registers; the program's KV head
+  scale ``k_scale[h]`` joins the score scale and ``v_scale[h]`` the final normalisation, so
+  ``cache · scale`` is never formed (scales come as float32 ``[Hkv]``).
 - ALiBi adds ``slope[h] · (key_pos - query_pos)`` after the soft cap; sinks
   (``softmax_aux [Hq, n]``) join the maximum and denominator once, after the walk.
 - Split-K (``NUM_SPLITS > 1``): split ``k`` walks the ``k``-th of ``NUM_SPLITS`` equal runs of
@@ -39,8 +47,8 @@ import triton.language as tl
 from ejkernel_triton.kernels.flash_attention_common import (
     LOG2E,
     MASK_VALUE,
+    _block_ranges,
     _finite_or_zero_if,
-    _key_ranges,
     _load_tile,
     _scores,
     _visible,
@@ -64,6 +72,38 @@ def _sequence_of(QStart, num_live, block, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _paged_key_ranges(
+    m_lo,
+    geo,
+    kv_lo,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """``(start, full_start, full_end, end)`` of the query block at ``m_lo``
+    (:func:`~ejkernel_triton.kernels.flash_attention_common._key_ranges`), keys from ``kv_lo``
+    on."""
+    q_pos_offset, seqlen_q, seqlen_k, window_left, window_right = geo
+    m_hi = tl.minimum(m_lo + BLOCK_Q, seqlen_q)
+    p_first = m_lo + q_pos_offset
+    p_last = m_hi - 1 + q_pos_offset
+    lo = kv_lo
+    hi = seqlen_k
+    full_lo = kv_lo
+    full_hi = seqlen_k
+    if CAUSAL:
+        hi = tl.minimum(hi, p_last + 1)
+        full_hi = tl.minimum(full_hi, p_first + 1)
+    if WINDOW:
+        lo = tl.maximum(lo, p_first - window_left)
+        hi = tl.minimum(hi, p_last + window_right + 1)
+        full_lo = tl.maximum(full_lo, p_last - window_left)
+        full_hi = tl.minimum(full_hi, p_first + window_right + 1)
+    return _block_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
 def _kv_tile(
     Cache,
     table_row,
@@ -80,11 +120,17 @@ def _kv_tile(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    ONE_PAGE: tl.constexpr,
 ):
     """The K or V tile ``[BLOCK_N, BLOCK_D]`` of key positions ``cols`` (one sequence, one KV
     head at ``head_off``), through the sequence's table row; zeros past ``kv_hi`` on a masked
-    step."""
-    if PAGE_SIZE % BLOCK_N == 0:  # the tile lies within one page: one page id
+    step. ``ONE_PAGE``: the sequence's keys all lie on its one page."""
+    if ONE_PAGE:
+        page = tl.load(table_row)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        base = Cache + page * stride_cp + head_off
+        rows = cols * stride_cs
+    elif PAGE_SIZE % BLOCK_N == 0:  # the tile lies within one page: one page id
         page = tl.load(table_row + start_n // PAGE_SIZE)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
         base = Cache + page * stride_cp + head_off
@@ -113,6 +159,9 @@ def unified_attention_kernel(
     NumSeqs,
     Aux,
     Slopes,
+    KvStarts,
+    KScale,
+    VScale,
     sm_scale,
     soft_cap,
     window_left,
@@ -125,10 +174,15 @@ def unified_attention_kernel(
     stride_qt,
     stride_cp,
     stride_cs,
+    stride_vp,
+    stride_vs,
+    stride_ot,
     Out,
     Lse,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -145,18 +199,27 @@ def unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     ALIGN: tl.constexpr,
     DECODE: tl.constexpr = False,
+    HAS_START: tl.constexpr = False,
+    ONE_PAGE: tl.constexpr = False,
+    SCALED: tl.constexpr = False,
 ):
     """One program: ``BLOCK_Q`` query tokens of one sequence × the query heads of KV head
-    ``program_id(1)``, over split ``program_id(2)`` of their keys. Strides (``stride_qt`` the
-    token stride of Q and Out; the cache's page and slot strides) come in units of ``ALIGN``
-    elements; a head's stride is ``HEAD_DIM``. ``NumSeqs``: the live sequences (int32 ``[1]``).
+    ``program_id(1)``, over split ``program_id(2)`` of their keys. Strides (``stride_qt`` and
+    ``stride_ot`` the token strides of Q and Out; the K and V caches' page and slot strides)
+    come in units of ``ALIGN`` elements; a head's stride is ``HEAD_DIM`` (``HEAD_DV`` in the V
+    cache and Out). ``NumSeqs``: the live sequences (int32 ``[1]``).
     ``BLOCK_M = BLOCK_Q · GROUP_PAD`` rows. ``DECODE``: one query per sequence, token ``s``
     of sequence ``s`` (``page_attention``): the grid's first axis is the sequences, every one
-    live, and ``QStart`` is not read.
+    live, and ``QStart`` is not read. ``KvStarts`` (int32 ``[rows]``, read with
+    ``HAS_START``): each sequence's first key; ``KScale``/``VScale`` (float32 ``[Hkv]``, read
+    when ``SCALED``): the caches' scales.
     """
     stride_qt = stride_qt * ALIGN
     stride_cp = stride_cp * ALIGN
     stride_cs = stride_cs * ALIGN
+    stride_vp = stride_vp * ALIGN
+    stride_vs = stride_vs * ALIGN
+    stride_ot = stride_ot * ALIGN
     block = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -177,6 +240,14 @@ def unified_attention_kernel(
             return
     kv_len = tl.load(KvLens + seq)
     kv_hi = tl.minimum(tl.maximum(kv_len, 0), max_pages * PAGE_SIZE)
+    kv_lo = 0
+    if HAS_START:
+        kv_lo = tl.minimum(tl.maximum(tl.load(KvStarts + seq), 0), kv_hi)
+    qk_scale = sm_scale
+    v_scale = 1.0
+    if SCALED:
+        qk_scale = sm_scale * tl.load(KScale + kvh)
+        v_scale = tl.load(VScale + kvh)
     geo = (kv_len - q_len, q_len, kv_hi, window_left, window_right)
     features = (CAUSAL, WINDOW, False, False, False)
     masks = ((Q, 0, 0), (Q, 0, 0), (Q, Q))  # no bias, mask or segment ids
@@ -195,7 +266,9 @@ def unified_attention_kernel(
     if HAS_ALIBI:
         slope = tl.load(Slopes + head, mask=g < GROUP, other=0.0).to(tl.float32) * LOG2E
 
-    start, full_start, full_end, end = _key_ranges(m_lo, geo, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW)
+    start, full_start, full_end, end = _paged_key_ranges(
+        m_lo, geo, kv_lo, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW
+    )
     ranges = (start, full_start, full_end, end)
     split_lo = start
     split_hi = end
@@ -208,7 +281,8 @@ def unified_attention_kernel(
     head_off = kvh * HEAD_DIM
     m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)
     for part in tl.static_range(3):  # cut tiles, whole tiles, cut tiles
         MASKED = part != 1
         lo = tl.maximum(ranges[part], split_lo)
@@ -217,22 +291,28 @@ def unified_attention_kernel(
             cols = start_n + tl.arange(0, BLOCK_N)
             k = _kv_tile(
                 KCache, table_row, cols, start_n, kv_hi, num_pages, head_off, stride_cp,
-                stride_cs, offs_d, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MASKED,
+                stride_cs, offs_d, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MASKED, ONE_PAGE,
             )  # fmt: skip
+            if SCALED:  # dequantised in registers; the scale joined qk_scale
+                k = k.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
+            s, _ = _scores(qk, qk_scale, soft_cap, SOFT_CAP)
             if HAS_ALIBI:
                 s = s + slope[:, None] * (cols[None, :] - q_pos[:, None]).to(tl.float32)
             s = _visible(s, tok[:, None], cols[None, :], geo, masks, MASKED, features)
+            if HAS_START and MASKED:
+                s = tl.where(cols[None, :] >= kv_lo, s, MASK_VALUE)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             v = _kv_tile(
-                VCache, table_row, cols, start_n, kv_hi, num_pages, head_off, stride_cp,
-                stride_cs, offs_d, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MASKED,
+                VCache, table_row, cols, start_n, kv_hi, num_pages, kvh * HEAD_DV, stride_vp,
+                stride_vs, offs_dv, HEAD_DV, BLOCK_DV, PAGE_SIZE, BLOCK_N, MASKED, ONE_PAGE,
             )  # fmt: skip
+            if SCALED:
+                v = v.to(q.dtype)
             v = _finite_or_zero_if(v, MASKED)
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
             m_i = m_new
@@ -250,15 +330,16 @@ def unified_attention_kernel(
         m_i = m_f
         empty = m_i <= MASK_VALUE * 0.5
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    out = tl.where(empty[:, None], 0.0, acc * (v_scale / l_safe)[:, None])
 
-    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    o_rows = token.to(tl.int64) * stride_qt + head * HEAD_DIM
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
+    o_rows = token.to(tl.int64) * stride_ot + head * HEAD_DV
     if NUM_SPLITS == 1:
-        tl.store(Out + o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
+        o_ptrs = Out + o_rows[:, None] + offs_dv[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     else:
         plane = split.to(tl.int64) * num_tokens
-        o_ptrs = Out + plane * stride_qt + o_rows[:, None] + offs_d[None, :]
+        o_ptrs = Out + plane * stride_ot + o_rows[:, None] + offs_dv[None, :]
         tl.store(o_ptrs, out, mask=o_mask)
         lse = tl.where(empty, MASK_VALUE, m_i + tl.log2(l_safe))
         tl.store(Lse + (plane + token) * num_heads + head, lse, mask=row_ok)

@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel.attention_semantics import EMPTY_ROW_LSE
 from ejkernel.ops import FwdParams
-from ejkernel.plugins import defvjp
+from ejkernel.plugins import deflse, defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, BROADCAST, OTHER
 from ejkernel_triton.ops import flash_attention_specialized as specialized
@@ -70,6 +71,9 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
+#: The kernels' log2-sum-exp of a row with no visible key (``EMPTY_LSE`` of
+#: :mod:`ejkernel_triton.kernels.flash_attention_common`).
+_EMPTY_LSE2 = 3.0e38
 
 
 # -- the op ---------------------------------------------------------------------------------
@@ -138,6 +142,35 @@ def _flash_attention_bwd(
 
 
 defvjp(flash_attention_triton, _flash_attention_fwd, _flash_attention_bwd)
+
+
+def _flash_attention_lse_fwd(
+    *, cfg: FlashAttentionConfig | None = None, **args: Any
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse [B, Sq, Hq])``, the lse in natural log (the kernels keep log2 ``[B, Hq, Sq]``);
+    an empty row's is ``EMPTY_ROW_LSE``."""
+    out, residuals = _flash_attention_fwd(cfg=cfg, **args)
+    lse2 = residuals["lse"]
+    lse = jnp.where(lse2 >= _EMPTY_LSE2, EMPTY_ROW_LSE, lse2 / _LOG2E)
+    return out, lse.transpose(0, 2, 1)
+
+
+def _flash_attention_lse_bwd(
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    *,
+    cfg: FlashAttentionConfig | None = None,
+    **args: Any,
+) -> dict[str, jax.Array | None]:
+    """Gradients from the softmax statistics ``out`` and ``lse`` [B, Sq, Hq] given by the caller."""
+    lse = lse.astype(jnp.float32).transpose(0, 2, 1)
+    lse2 = jnp.where(lse >= EMPTY_ROW_LSE, _EMPTY_LSE2, lse * _LOG2E)
+    residuals = {"arrays": _Arrays.of(args), "out": out, "lse": lse2}
+    return _flash_attention_bwd(residuals, d_out, cfg=cfg, **_static_args(args))
+
+
+deflse(flash_attention_triton, _flash_attention_lse_fwd, _flash_attention_lse_bwd)
 
 
 # -- argument layout ------------------------------------------------------------------------

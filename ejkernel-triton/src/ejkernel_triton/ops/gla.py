@@ -59,8 +59,17 @@ from ejkernel_triton.ops.gla_config import (
     supports,
 )
 from ejkernel_triton.ops.gla_layout import Layout
+from ejkernel_triton.ops.recurrent_fused import fused_forward
 
-__all__ = ["MIN_LOG_DECAY", "GlaConfig", "config_space", "gla_triton", "heuristic", "supports"]
+__all__ = [
+    "MIN_LOG_DECAY",
+    "GlaConfig",
+    "config_space",
+    "fused_gla",
+    "gla_triton",
+    "heuristic",
+    "supports",
+]
 
 #: Gates are clamped from below here: ``exp(-200)`` is 0 in float32, so the recurrence is the
 #: same (a gate of −inf still zeroes the state: a reset), while cumulative sums stay finite
@@ -85,7 +94,30 @@ def gla_triton(*, cfg: GlaConfig | None = None, **args: Any) -> Any:
         ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
         when ``return_state``.
     """
+    if cfg is None:
+        cfg = heuristic(_Inv(args))
+    if cfg.fused:
+        return fused_gla(args, cfg, args["g"])
     return _gla_fwd(cfg=cfg, **args)[0]
+
+
+def fused_gla(args: dict[str, Any], cfg: GlaConfig, g: jax.Array) -> Any:
+    """The call's forward through the fused recurrent kernel with the key gate ``g``
+    ``[B, S, H, K]`` (the other arguments gla's, by name, in ``args``)."""
+    dk = args["query"].shape[-1]
+    scale = args.get("softmax_scale")
+    return fused_forward(
+        args["query"],
+        args["key"],
+        args["value"],
+        g,
+        initial_state=args.get("initial_state"),
+        cu_seqlens=args.get("cu_seqlens"),
+        scale=float(dk**-0.5 if scale is None else scale),
+        block_v=cfg.block_v,
+        num_warps=cfg.num_warps,
+        return_state=bool(args.get("return_state")),
+    )
 
 
 def _gla_fwd(*, cfg: GlaConfig | None = None, **args: Any) -> tuple[Any, dict[str, Any]]:

@@ -15,6 +15,7 @@ import attrs
 import jax.numpy as jnp
 
 from ejkernel_triton import _launch
+from ejkernel_triton.ops.recurrent_fused import FUSED_MAX_TOKENS
 
 __all__ = ["SUB_CHUNK", "GlaConfig", "config_space", "heuristic", "supports"]
 
@@ -40,6 +41,9 @@ class GlaConfig:
         block_v: value-dim block, likewise.
         num_warps: warps per program.
         num_stages: software-pipelining stages.
+        fused: run an undifferentiated call through the fused recurrent kernel (one token at
+            a time, :mod:`ejkernel_triton.ops.recurrent_fused`; for decoding a few tokens), with
+            ``block_v`` its value block; a differentiated call always runs the chunked kernels.
     """
 
     chunk_size: int = attrs.field(default=64, validator=attrs.validators.in_(_CHUNKS))
@@ -47,6 +51,7 @@ class GlaConfig:
     block_v: int = attrs.field(default=64, validator=lambda *a: _power_of_two(*a))
     num_warps: int = 4
     num_stages: int = 2
+    fused: bool = False
 
     def blocks(self, dk: int, dv: int) -> tuple[int, int]:
         """``(block_k, block_v)`` clamped to the call's dims rounded up to powers of two."""
@@ -73,25 +78,41 @@ def supports(inv: Any) -> bool | str:
     return True
 
 
+#: Whether the heuristic picks the fused kernel on a GPU: only once its ``gpu``-marked tests
+#: (tests/triton/test_recurrent_fused.py) have passed on one; ``cfg=GlaConfig(fused=True)``
+#: asks for it meanwhile.
+FUSED_ON_GPU = False
+
+
 def heuristic(inv: Any) -> GlaConfig:
     """Chunks of 64 with 64 x 64 state tiles; smaller chunks for short sequences (packed: by
-    their mean length, since each is padded to whole chunks), and in the interpreter (whose cost is per program and per loop step) whole-dim blocks."""
+    their mean length, since each is padded to whole chunks), and in the interpreter (whose
+    cost is per program and per loop step) whole-dim blocks. Calls of at most
+    :data:`FUSED_MAX_TOKENS` tokens (decoding) take the fused recurrent kernel, with 32-wide
+    value blocks on the GPU (more programs over a state that is read and written once)."""
     a = inv.kwargs
     s, dk, dv = a["query"].shape[1], a["query"].shape[-1], a["value"].shape[-1]
     cu = a.get("cu_seqlens")
     length = s if cu is None else s / max(1, cu.shape[0] - 1)  # mean packed length
     chunk = 64 if length > 32 else 32 if length > 16 else 16
+    fused = s <= FUSED_MAX_TOKENS
     if _launch.interpreting():
         return GlaConfig(
-            chunk_size=min(chunk, 32), block_k=_pow2(dk), block_v=_pow2(dv), num_stages=1
+            chunk_size=min(chunk, 32),
+            block_k=_pow2(dk),
+            block_v=_pow2(dv),
+            num_stages=1,
+            fused=fused,
         )
     dtype = jnp.dtype(a["query"].dtype)
+    fused = fused and FUSED_ON_GPU
     return GlaConfig(
         chunk_size=chunk,
         block_k=min(64, _pow2(dk)),
-        block_v=min(64, _pow2(dv)),
+        block_v=min(32 if fused else 64, _pow2(dv)),
         num_warps=4,
         num_stages=2 if dtype.itemsize == 2 else 1,
+        fused=fused,
     )
 
 
@@ -115,4 +136,9 @@ def config_space(inv: Any) -> list[GlaConfig]:
                 )
                 if cfg not in out:
                     out.append(cfg)
+    if base.fused:  # decoding: the fused kernel's value blocks
+        for bv in (16, 32, 64):
+            cfg = attrs.evolve(base, block_v=min(bv, _pow2(dv)), num_warps=4)
+            if cfg not in out:
+                out.append(cfg)
     return out

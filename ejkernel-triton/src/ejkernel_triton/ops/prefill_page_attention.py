@@ -44,7 +44,7 @@ heuristic, config_space = tuning(PrefillPageAttentionConfig, _problem)
 
 
 def supports(inv: Any) -> bool | str:
-    """True, or why not (quantised caches, dtypes, head dims over 256)."""
+    """True, or why not (dtypes, head dims over 256)."""
     return serving_supports(inv.kwargs, "query")
 
 
@@ -74,4 +74,6 @@ def prefill_page_attention_triton(
         softmax_scale=args.get("softmax_scale"),
         sliding_window=args.get("sliding_window"),
         logits_soft_cap=args.get("logits_soft_cap"),
+        k_scale=args.get("k_scale"),
+        v_scale=args.get("v_scale"),
     )

@@ -8,10 +8,11 @@ float32 partial outputs by their log2-sum-exp in JAX. ``page_attention``,
 their own modules (:mod:`ejkernel_triton.ops.page_attention`, ...). The config, heuristic and
 config space are in :mod:`ejkernel_triton.ops.unified_attention_config`.
 
-Every valid call is served except quantised (fp8) caches, head dims over 256 and dtypes
-other than bfloat16/float16/float32, which :func:`supports` declines. Under ``jit`` one
-compiled kernel serves every ``kv_lens``, ``query_start_loc`` and ``num_seqs``: the grid
-depends only on the static shapes.
+Every valid call is served except head dims over 256, query dtypes other than
+bfloat16/float16/float32 and cache dtypes other than those or ``float8_e4m3fn`` (with
+``k_scale``/``v_scale``, dequantised in the kernel's registers), which :func:`supports`
+declines. Under ``jit`` one compiled kernel serves every ``kv_lens``, ``query_start_loc`` and
+``num_seqs``: the grid depends only on the static shapes.
 """
 
 from __future__ import annotations
@@ -60,35 +61,45 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     softmax_aux: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
     decode: bool = False,
+    kv_starts: jax.Array | None = None,
 ) -> jax.Array:
     """Packed paged attention (``unified_attention``'s semantics) through the Triton kernel.
 
     Args:
         cfg: a :class:`UnifiedAttentionConfig` (or a subclass), or ``None`` for the heuristic.
-        queries: [T, Hq, D]; key_cache, value_cache: [num_pages, page_size, Hkv, D].
+        queries: [T, Hq, D]; key_cache: [num_pages, page_size, Hkv, D]; value_cache:
+            [num_pages, page_size, Hkv, Dv].
         kv_lens: [rows] int; block_tables: [rows, max_pages] int; query_start_loc:
             [rows + 1] int.
         num_seqs: the live sequences (the first ``num_seqs`` rows): an int or an integer
             array of shape () or (1,), may be traced.
         softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, alibi_slopes:
             as ``ejkernel.unified_attention`` (validated: the window a pair or ``None``).
+        k_scale, v_scale: ``None``, or a float32 scalar or ``[Hkv]``: the caches (then
+            possibly ``float8_e4m3fn``) are read as ``cache.astype(float32) · scale``; both or
+            neither.
         decode: the caller promises token ``s`` is sequence ``s``'s one query and every row
             is live (``page_attention``): one program per sequence and KV head, no search.
+        kv_starts: [rows] int, each sequence's first visible key (``ragged_decode_attention``'s
+            ``sequence_start``), or ``None`` (0).
 
     Returns:
-        [T, Hq, D] in the query dtype; tokens of no live sequence and rows that see no key
+        [T, Hq, Dv] in the query dtype; tokens of no live sequence and rows that see no key
         are zeros.
     """
     t, hq, d = (int(n) for n in queries.shape)
+    dv = int(value_cache.shape[-1])
     rows, max_pages = (int(n) for n in block_tables.shape)
     if t == 0 or rows == 0:
-        return jnp.zeros(queries.shape, queries.dtype)
+        return jnp.zeros((t, hq, dv), queries.dtype)
     problem = Problem.of(queries, key_cache, rows, max_pages)
     r = resolve(problem, cfg)
     splits = r["num_splits"]
     group = hq // problem.hkv
-    align = min(d & -d, 16)
+    align = min(d & -d, dv & -dv, 16)
     left, right = (int(w) for w in sliding_window) if sliding_window is not None else (0, 0)
     aux = (
         jnp.zeros((1,), jnp.float32)
@@ -99,14 +110,17 @@ def paged_attention(
         jnp.zeros((1,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     )
     live = jnp.clip(jnp.asarray(num_seqs, jnp.int32).reshape(1), 0, rows)
+    scaled = k_scale is not None or v_scale is not None
+    k_scales, v_scales = (_per_head(x, problem.hkv) for x in (k_scale, v_scale))
+    starts = jnp.zeros((1,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
     if splits == 1:
         out_shape = [
-            jax.ShapeDtypeStruct((t, hq, d), queries.dtype),
+            jax.ShapeDtypeStruct((t, hq, dv), queries.dtype),
             jax.ShapeDtypeStruct((1,), jnp.float32),
         ]
     else:
         out_shape = [
-            jax.ShapeDtypeStruct((splits, t, hq, d), jnp.float32),
+            jax.ShapeDtypeStruct((splits, t, hq, dv), jnp.float32),
             jax.ShapeDtypeStruct((splits, t, hq), jnp.float32),
         ]
     from ejkernel_triton.kernels.paged_attention import unified_attention_kernel
@@ -124,6 +138,9 @@ def paged_attention(
         live,
         aux,
         slopes,
+        starts,
+        k_scales,
+        v_scales,
         np.float32(scale),
         np.float32(logits_soft_cap or 1.0),
         left,
@@ -136,6 +153,9 @@ def paged_attention(
         hq * d // align,
         problem.page_size * problem.hkv * d // align,
         problem.hkv * d // align,
+        problem.page_size * problem.hkv * dv // align,
+        problem.hkv * dv // align,
+        hq * dv // align,
         out_shape=out_shape,
         grid=(rows if decode else t // r["block_q"] + rows, problem.hkv, splits),
         num_warps=r["num_warps"],
@@ -143,6 +163,8 @@ def paged_attention(
         zeroed_outputs=(0, 1),
         HEAD_DIM=d,
         BLOCK_D=pow2(d),
+        HEAD_DV=dv,
+        BLOCK_DV=pow2(dv),
         PAGE_SIZE=problem.page_size,
         GROUP=group,
         GROUP_PAD=problem.group_pad,
@@ -159,10 +181,20 @@ def paged_attention(
         DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32",
         ALIGN=align,
         DECODE=bool(decode),
+        HAS_START=kv_starts is not None,
+        ONE_PAGE=max_pages == 1,
+        SCALED=scaled,
     )
     if splits == 1:
         return out
     return merge_splits(out, lse).astype(queries.dtype)
+
+
+def _per_head(scale: Any, hkv: int) -> jax.Array:
+    """A cache scale as float32 ``[Hkv]`` (ones for ``None``)."""
+    if scale is None:
+        return jnp.ones((hkv,), jnp.float32)
+    return jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(-1), (hkv,))
 
 
 def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
@@ -223,4 +255,6 @@ _UNIFIED = (
     "logits_soft_cap",
     "softmax_aux",
     "alibi_slopes",
+    "k_scale",
+    "v_scale",
 )

@@ -28,7 +28,12 @@ import jax.numpy as jnp
 
 from ejkernel.ops import FwdParams, prune_by_shared_memory
 from ejkernel_triton import _launch, _smem
-from ejkernel_triton.ops.flash_attention_config import _sm_count, fwd_smem, pow2
+from ejkernel_triton.ops.flash_attention_config import (
+    _compute_capability,
+    _sm_count,
+    fwd_smem,
+    pow2,
+)
 
 __all__ = [
     "MAX_SPLITS",
@@ -51,6 +56,7 @@ MIN_SPLIT_KEYS = 256
 _PROGRAMS_PER_SM = 4
 _MAX_HEAD_DIM = 256
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 @attrs.frozen(kw_only=True)
@@ -252,17 +258,29 @@ def tuning(
     return heuristic, config_space
 
 
-def serving_supports(kw: Mapping[str, Any], query: str) -> bool | str:
-    """True, or why not: quantised caches (``k_scale``/``v_scale``), dtypes other than
-    bfloat16/float16/float32, head dims over 256."""
-    for name in ("k_scale", "v_scale"):
-        if kw.get(name) is not None:
-            return f"{name}: quantised (fp8) caches are not implemented in the Triton kernels"
-    for name in (query, "key_cache", "value_cache"):
+def serving_supports(
+    kw: Mapping[str, Any], query: str, caches: tuple[str, str] = ("key_cache", "value_cache")
+) -> bool | str:
+    """True, or why not: query dtypes other than bfloat16/float16/float32, cache dtypes other
+    than those and ``float8_e4m3fn``, float8 caches on a GPU without float8 conversions
+    (before sm_89), head dims over 256."""
+    x = kw[query]
+    if jnp.dtype(x.dtype) not in _DTYPES:
+        return f"{query} dtype {x.dtype} (Triton kernels take bfloat16, float16, float32)"
+    for name in caches:
         x = kw[name]
-        if jnp.dtype(x.dtype) not in _DTYPES:
-            return f"{name} dtype {x.dtype} (Triton kernels take bfloat16, float16, float32)"
-    d = int(kw["key_cache"].shape[-1])
+        if jnp.dtype(x.dtype) == _FP8:
+            if not _launch.interpreting() and _compute_capability() < (8, 9):
+                return f"{name}: float8_e4m3fn caches need sm_89 or later"
+        elif jnp.dtype(x.dtype) not in _DTYPES:
+            return (
+                f"{name} dtype {x.dtype} (Triton kernels take bfloat16, float16, float32, "
+                "float8_e4m3fn)"
+            )
+    d = int(kw[caches[0]].shape[-1])
     if d > _MAX_HEAD_DIM:
         return f"head dim {d} > {_MAX_HEAD_DIM}"
+    dv = int(kw[caches[1]].shape[-1])
+    if dv > _MAX_HEAD_DIM:
+        return f"value head dim {dv} > {_MAX_HEAD_DIM}"
     return True

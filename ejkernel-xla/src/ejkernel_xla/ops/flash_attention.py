@@ -53,7 +53,7 @@ from ejkernel.attention_semantics import (
     sink_grad,
     soft_cap_grad,
 )
-from ejkernel.plugins import defvjp
+from ejkernel.plugins import deflse, defvjp
 from ejkernel.specs.flash_attention import SPEC, dropout_keep
 from ejkernel_xla.ops._adapter import (
     BlockConfig,
@@ -355,6 +355,32 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: Blocked) -> dict[str, jax
 _PASSES = Passes(spec=SPEC, statics=_statics, forward=_forward, backward=_backward)
 defvjp(flash_attention_xla, _PASSES.fwd, _PASSES.bwd)
 defvjp(scaled_dot_product_attention_xla, _PASSES.fwd, _scaled_dot_product_attention_bwd)
+
+
+def _flash_attention_lse_fwd(*, cfg: Any = None, **args: Any) -> tuple[jax.Array, jax.Array]:
+    """``(out, logsumexp [B, Sq, Hq] float32)``: the (out, lse) step of ring attention."""
+    out, residuals = _PASSES.fwd(cfg=cfg, **args)
+    return out, residuals["logsumexp"]
+
+
+def _flash_attention_lse_bwd(
+    out: jax.Array, lse: jax.Array, d_out: jax.Array, *, cfg: Any = None, **args: Any
+) -> dict[str, jax.Array | None]:
+    """Gradients from the softmax statistics ``out`` and ``lse`` given by the caller."""
+    bound = SPEC.bind((), args)
+    arrays = {a.name: bound[a.name] for a in SPEC.args if a.array}
+    static = {k: v for k, v in bound.items() if k not in arrays}
+    seed = arrays["dropout_seed"]
+    arrays["dropout_seed"] = (
+        jnp.asarray(0 if seed is None else seed).astype(jnp.uint32)
+        if static.get("dropout_prob")
+        else None
+    )
+    residuals = {**arrays, "out": out, "logsumexp": lse}
+    return _PASSES.bwd(residuals, d_out, cfg=cfg, **static)
+
+
+deflse(flash_attention_xla, _flash_attention_lse_fwd, _flash_attention_lse_bwd)
 
 
 # --------------------------------------------------------------------------------------------

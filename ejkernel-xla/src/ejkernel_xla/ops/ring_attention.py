@@ -30,8 +30,11 @@ Context", Sec. 3), each device's work being FlashAttention-2 (Dao, 2023, Alg. 1 
   ring) are summed over the ring (``psum``) when ``shard_map`` tracks replication
   (``check_vma=True``); without that tracking ``shard_map``'s own transpose sums them.
 
-Accumulation is float32; matmul inputs keep the input dtype. It declines nothing (no ``supports``):
-every masking argument of flash attention is served on the ring too. A ring call is never
+Calls without bias, attention mask, dropout, sinks or sliding window (and, when causal, with
+``Sq == Sk`` locally) run instead on the selected flash-attention kernel per ring step
+(:mod:`ejkernel_xla.ops._ring_flash`), as does the zigzag layout, which ``supports`` declines
+with a sliding window, dropout or sinks. Accumulation is float32; matmul inputs keep the input
+dtype; every masking argument of flash attention is served on the ring in the contiguous layout. A ring call is never
 autotuned (its config space is the heuristic alone): the tuner times candidates on synthetic
 inputs outside the caller's trace, where the ``shard_map`` axis is unbound.
 
@@ -52,6 +55,7 @@ from jax import lax
 from ejkernel.attention_semantics import EMPTY_ROW_LSE, sink_grad, soft_cap_grad
 from ejkernel.plugins import defvjp
 from ejkernel.specs.ring_attention import SPEC
+from ejkernel_xla.ops import _ring_flash
 from ejkernel_xla.ops._adapter import BlockConfig, Passes, pass_blocks
 from ejkernel_xla.ops._blockwise import (
     backend,
@@ -94,6 +98,7 @@ __all__ = [
     "config_space",
     "heuristic",
     "ring_attention_xla",
+    "supports",
 ]
 
 #: Default ((fwd q, fwd kv), (bwd q, bwd kv)) block sizes inside one device's shard, as flash
@@ -138,7 +143,9 @@ def ring_attention_xla(
     """Ring attention (arrays are the device's local shards).
 
     Args:
-        cfg: block sizes inside the shard; ``None`` takes the defaults.
+        cfg: block sizes inside the shard for the blockwise ring; ``None`` takes the defaults.
+            A call on flash-attention steps takes each step's config from flash attention's
+            own config chain, on the step's shapes.
         axis_name: the ``shard_map`` axis the sequence is split over; ``None``: flash attention.
         **args: the rest of :func:`ejkernel.ring_attention`'s arguments by name, as its spec
             validated them (absent ones take their defaults): ``query [B, Sq, Hq, D]`` holds
@@ -150,7 +157,10 @@ def ring_attention_xla(
         [B, Sq, Hq, Dv] in the query dtype (my rows); rows with no visible key are zeros.
     """
     if axis_name is None:
+        args.pop("layout", None)
         return flash_attention_xla(cfg=_to_flash(cfg), **args)
+    if _on_flash_steps(args):
+        return _ring_flash.forward(_flash_args(args), axis_name)[0]
     return _PASSES.primal({**args, "axis_name": axis_name}, cfg)
 
 
@@ -160,7 +170,10 @@ def _ring_attention_fwd(
     """Forward of :func:`ring_attention_xla`: ``(out, residuals)``, flash attention's without
     a ring axis."""
     if axis_name is None:
+        args.pop("layout", None)
         return flash_attention_xla.fwd(cfg=_to_flash(cfg), **args)  # type: ignore[attr-defined]
+    if _on_flash_steps(args):
+        return _ring_flash.forward(_flash_args(args), axis_name)
     return _PASSES.fwd(cfg=cfg, axis_name=axis_name, **args)
 
 
@@ -174,9 +187,41 @@ def _ring_attention_bwd(
 ) -> dict[str, jax.Array | None]:
     """Backward of :func:`ring_attention_xla` (flash attention's without a ring axis)."""
     if axis_name is None:
+        static.pop("layout", None)
         bwd = flash_attention_xla.bwd  # type: ignore[attr-defined]
         return bwd(residuals, d_out, cfg=_to_flash(cfg), **static)
+    if _on_flash_steps({**residuals, **static}):
+        return _ring_flash.backward(residuals, d_out, _flash_args(static, residuals), axis_name)
     return _PASSES.bwd(residuals, d_out, cfg=cfg, axis_name=axis_name, **static)
+
+
+def supports(inv: Any) -> bool | str:
+    """The zigzag layout runs on flash-attention steps only, which take no sliding window,
+    dropout or sinks (a step would need global positions, or sinks counted once)."""
+    a = inv.kwargs
+    if a.get("axis_name") is None or a.get("layout") != "zigzag":
+        return True
+    if a.get("sliding_window") is not None:
+        return "layout='zigzag' with sliding_window: not on XLA (use layout='contiguous')"
+    if a.get("dropout_prob"):
+        return "layout='zigzag' with dropout: not on XLA (use layout='contiguous')"
+    if a.get("softmax_aux") is not None:
+        return "layout='zigzag' with softmax_aux (sinks): not on XLA (use layout='contiguous')"
+    return True
+
+
+def _on_flash_steps(a: dict[str, Any]) -> bool:
+    """Whether a ring call runs on flash-attention steps (:mod:`._ring_flash`)."""
+    return a.get("layout") == "zigzag" or _ring_flash.serves(a)
+
+
+def _flash_args(a: dict[str, Any], arrays: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The arguments the flash-step ring reads, the scale filled in."""
+    a = {**(arrays or {}), **a}
+    scale = a.get("softmax_scale")
+    if scale is None:
+        scale = a["query"].shape[-1] ** -0.5
+    return {**a, "softmax_scale": float(scale)}
 
 
 # --------------------------------------------------------------------------------------------

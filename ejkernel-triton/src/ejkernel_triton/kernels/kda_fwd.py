@@ -1,0 +1,233 @@
+"""Triton chunked gated delta rule, forward (Kimi Delta Attention; Gated DeltaNet for a scalar
+gate), in the WY/UT form (Yang et al., NeurIPS 2024, Sec. 3; Yang, Kautz, Hatamizadeh, ICLR
+2025, Sec. 3.3).
+
+Kernel signatures follow jax-triton's order: inputs (arrays, then scalars), outputs, constexprs.
+Both kernels read the chunk layout of :mod:`ejkernel_triton.ops.gla_layout`: tokens
+``[B, T, H, F]`` with ``T = NT · C`` (packed sequences start on chunk boundaries, padding slots
+hold zeros: ``β = 0`` and ``g = 0`` pass the state through), one int32 flag word per chunk
+(``sid << 2 | last << 1 | first``). A gate is ``[B, T, H, GK]``: ``GK = K`` decays each key
+channel, ``GK = 1`` one decay per head.
+
+- :func:`kda_fwd_prep_kernel`, one program per (chunk, batch row, head), holds the whole chunk
+  (``C`` tokens, all of K and V): the L2 norm of q and k (``use_qk_l2norm``), the query scale,
+  the float32 cumulative log gate ``G`` inside the chunk (gates floored at ``-GATE_FLOOR``,
+  whose exp is 0 in float32: −inf is a reset and the sums stay finite), the relative decays
+  ``exp(G_t − G_j)`` for ``j ≤ t`` only (never a growth), and from them
+  ``P_tj = Σ_κ q_tκ k_jκ exp(G_tκ − G_jκ)`` (``j ≤ t``),
+  ``A_tj = β_t Σ_κ k_tκ k_jκ exp(G_tκ − G_jκ)`` (``j < t``), ``T = (I + A)⁻¹`` by forward
+  substitution, ``W = T diag(β) (K ⊙ exp(G))`` and ``U = T diag(β) V``; it also writes
+  ``q ⊙ exp(G)``, ``k ⊙ exp(G_C − G)`` and the chunk's decay ``exp(G_C)``.
+- :func:`kda_fwd_ho_kernel` walks the chunks of one (V block, batch row, head) in order with
+  the float32 state ``S [K, BV]``: ``V' = U − W S``, ``o = (q ⊙ exp(G)) S + P V'``,
+  ``S ← diag(exp(G_C)) S + (k ⊙ exp(G_C − G))ᵀ V'``; it restarts from the initial state where
+  a sequence begins and writes each sequence's final state.
+
+Non-finite inputs stay in their causal future (as :mod:`ejkernel_xla.ops._chunk_numerics`
+has it): a token whose key, ``β`` or gate is not finite enters the chunk algebra with them and
+its value zeroed, a non-finite value entry alone is zeroed, and the rows of ``U`` from the
+first such token on are NaN (per value channel), so the state turns NaN there; the output
+kernel keeps NaN rows of ``V'`` out of ``P V'``'s earlier rows and sets the outputs from the
+first NaN row on to NaN.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _finite(x):
+    return (x == x) & (tl.abs(x) != float("inf"))
+
+
+@triton.jit
+def _gate_ok(g):
+    """A gate may be -inf (a reset); NaN and +inf are not finite inputs."""
+    return (g == g) & (g != float("inf"))
+
+
+@triton.jit
+def kda_fwd_prep_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    scale,
+    NT,
+    H,
+    qg_ptr,
+    kg_ptr,
+    w_ptr,
+    u_ptr,
+    p_ptr,
+    decay_ptr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    GK: tl.constexpr,
+    L2NORM: tl.constexpr,
+    GATE_FLOOR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NT, B·H)``: one chunk's ``q ⊙ exp(G)`` and ``k ⊙ exp(G_C − G)`` ([B, T, H, K],
+    the input dtype), ``W`` [B, T, H, K], ``U`` [B, T, H, V] (input dtype), ``P`` [B, T, H, C]
+    and the decay ``exp(G_C)`` [B, NT, H, GK] (float32)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
+    p_k = rows[:, None] * K + o_k[None, :]
+    p_v = rows[:, None] * V + o_v[None, :]
+    b_q = tl.load(q_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_k = tl.load(k_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_v = tl.load(v_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + rows).to(tl.float32)
+    # a token with a non-finite key, beta or gate enters zeroed; its value is then NaN-marked
+    bad = tl.sum((~_finite(b_k)).to(tl.int32), axis=1) > 0
+    bad = bad | ~_finite(b_beta)
+    if GK == 1:
+        b_g = tl.load(g_ptr + rows).to(tl.float32)
+        bad = bad | ~_gate_ok(b_g)
+        b_g = tl.where(bad, 0.0, b_g)
+        b_g = tl.where(b_g < -GATE_FLOOR, -GATE_FLOOR, b_g)
+    else:
+        b_g = tl.load(g_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+        bad = bad | (tl.sum((~_gate_ok(b_g)).to(tl.int32), axis=1) > 0)
+        b_g = tl.where(bad[:, None], 0.0, b_g)
+        b_g = tl.where(b_g < -GATE_FLOOR, -GATE_FLOOR, b_g)
+    b_k = tl.where(bad[:, None], 0.0, b_k)
+    b_beta = tl.where(bad, 0.0, b_beta)
+    ok_v = _finite(b_v) & ~bad[:, None]
+    b_v = tl.where(ok_v, b_v, 0.0)
+    first = tl.min(tl.where(ok_v, C, o_c[:, None]), axis=0)  # [BV]: first non-finite token
+    if L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    b_q = b_q * scale
+    b_gc = tl.cumsum(b_g, axis=0)
+    causal = o_c[:, None] >= o_c[None, :]
+    if GK == 1:
+        b_pair = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        b_p = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+        b_p = tl.where(causal, b_p * b_pair, 0.0)
+        b_kk = tl.where(causal, b_kk * b_pair, 0.0)
+        b_glast = tl.sum(tl.where(o_c == C - 1, b_gc, 0.0), axis=0)
+        b_gamma = tl.exp(b_gc)[:, None]
+        b_to_end = tl.exp(b_glast - b_gc)[:, None]
+        tl.store(decay_ptr + (i_b.to(tl.int64) * NT + i_n) * H + i_h, tl.exp(b_glast))
+    else:
+        # column by column: exp(G_t - G_j) only for t ≥ j, masked before the exp
+        b_p = tl.zeros([C, C], dtype=tl.float32)
+        b_kk = tl.zeros([C, C], dtype=tl.float32)
+        for j in range(0, C):
+            row_j = o_c[:, None] == j
+            b_kj = tl.sum(tl.where(row_j, b_k, 0.0), axis=0)
+            b_gj = tl.sum(tl.where(row_j, b_gc, 0.0), axis=0)
+            below = o_c[:, None] >= j
+            b_e = tl.exp(tl.where(below, b_gc - b_gj[None, :], float("-inf")))
+            b_ke = b_kj[None, :] * b_e
+            col_p = tl.sum(tl.where(below, b_q * b_ke, 0.0), axis=1)
+            col_k = tl.sum(tl.where(below, b_k * b_ke, 0.0), axis=1)
+            b_p = tl.where(o_c[None, :] == j, col_p[:, None], b_p)
+            b_kk = tl.where(o_c[None, :] == j, col_k[:, None], b_kk)
+        b_glast = tl.sum(tl.where(o_c[:, None] == C - 1, b_gc, 0.0), axis=0)
+        b_gamma = tl.exp(b_gc)
+        b_to_end = tl.exp(b_glast[None, :] - b_gc)
+        p_d = decay_ptr + ((i_b.to(tl.int64) * NT + i_n) * H + i_h) * K + o_k
+        tl.store(p_d, tl.exp(b_glast), mask=m_k)
+    # T = (I + A)⁻¹, A strictly lower: row i of T is e_i − Σ_{j<i} A_ij T_j
+    b_a = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_kk, 0.0)
+    b_t = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        b_ai = tl.sum(tl.where(o_c[:, None] == i, b_a, 0.0), axis=0)
+        b_r = tl.sum(b_ai[:, None] * b_t, axis=0)
+        b_t = tl.where(o_c[:, None] == i, b_t - b_r[None, :], b_t)
+    b_w = tl.dot(b_t, b_beta[:, None] * b_k * b_gamma, input_precision=DOT_PRECISION)
+    b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
+    b_u = tl.where(o_c[:, None] >= first[None, :], float("nan"), b_u)
+    dt = qg_ptr.dtype.element_ty
+    tl.store(qg_ptr + p_k, (b_q * b_gamma).to(dt), mask=m_k[None, :])
+    tl.store(kg_ptr + p_k, (b_k * b_to_end).to(dt), mask=m_k[None, :])
+    tl.store(w_ptr + p_k, b_w.to(dt), mask=m_k[None, :])
+    tl.store(u_ptr + p_v, b_u.to(dt), mask=m_v[None, :])
+    tl.store(p_ptr + rows[:, None] * C + o_c[None, :], b_p)
+
+
+@triton.jit
+def kda_fwd_ho_kernel(
+    qg_ptr,
+    kg_ptr,
+    w_ptr,
+    u_ptr,
+    p_ptr,
+    decay_ptr,
+    init_ptr,
+    flags_ptr,
+    NT,
+    H,
+    R,
+    o_ptr,
+    final_ptr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    GK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), B·H)``: the outputs ``o [B, T, H, V]`` and the final states
+    ``[B·R, H, K, V]`` (float32) of one (V block, batch row, head)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_n in range(NT):
+        flags = tl.load(flags_ptr + i_n)
+        first, last = (flags & 1) != 0, (flags & 2) != 0
+        state = ((i_b * R + (flags >> 2)).to(tl.int64) * H + i_h) * K * V
+        b_init = tl.load(init_ptr + state + o_kv, mask=m_kv & first, other=0.0)
+        b_h = tl.where(first, b_init, b_h)
+        rows = row0 + (i_n * C + o_c) * H
+        p_k = rows[:, None] * K + o_k[None, :]
+        b_w = tl.load(w_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_qg = tl.load(qg_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_kg = tl.load(kg_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_u = tl.load(u_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        b_p = tl.load(p_ptr + rows[:, None] * C + o_c[None, :])
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_h, input_precision=DOT_PRECISION)
+        # P V' multiplies the zeros above P's diagonal too: NaN rows enter it as zeros, and
+        # each channel's outputs are NaN from its first NaN row on
+        nan_v = b_vn != b_vn
+        poisoned = tl.cumsum(nan_v.to(tl.int32), axis=0) > 0
+        b_o = tl.dot(b_qg, b_h, input_precision=DOT_PRECISION)
+        b_o += tl.dot(b_p, tl.where(nan_v, 0.0, b_vn), input_precision=DOT_PRECISION)
+        b_o = tl.where(poisoned, float("nan"), b_o)
+        tl.store(
+            o_ptr + rows[:, None] * V + o_v[None, :],
+            b_o.to(o_ptr.dtype.element_ty),
+            mask=m_v[None, :],
+        )
+        d_row = (i_b.to(tl.int64) * NT + i_n) * H + i_h
+        if GK == 1:
+            b_h = b_h * tl.load(decay_ptr + d_row)
+        else:
+            b_h = b_h * tl.load(decay_ptr + d_row * K + o_k, mask=m_k, other=0.0)[:, None]
+        b_h += tl.dot(tl.trans(b_kg), b_vn, input_precision=DOT_PRECISION)
+        b_h = tl.where(m_k[:, None], b_h, 0.0)  # padding rows stay 0 (a NaN row: 0 · NaN)
+        tl.store(final_ptr + state + o_kv, b_h, mask=m_kv & last)

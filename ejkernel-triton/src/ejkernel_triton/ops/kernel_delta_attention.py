@@ -1,0 +1,349 @@
+"""kernel_delta_attention in Triton: the chunked gated delta rule (Kimi Delta Attention; a
+scalar gate is Gated DeltaNet) in the WY/UT form.
+
+Per chunk of ``C`` tokens (:class:`KernelDeltaAttentionConfig`), with ``G`` the float32
+cumulative log gate from the chunk start and ``S`` the float32 state at the chunk start:
+``T = (I + A)⁻¹`` with ``A_tj = β_t Σ_κ k_tκ k_jκ exp(G_tκ − G_jκ)`` (``j < t``),
+``W = T diag(β) (K ⊙ exp(G))``, ``U = T diag(β) V``; then ``V' = U − W S``,
+``o = (q ⊙ exp(G)) S + P V'`` with ``P_tj = Σ_κ q_tκ k_jκ exp(G_tκ − G_jκ)`` (``j ≤ t``), and
+``S ← diag(exp(G_C)) S + (K ⊙ exp(G_C − G))ᵀ V'``. The kernels are
+:mod:`ejkernel_triton.kernels.kda_fwd` (one state-independent kernel per chunk, which also
+fuses the L2 norm of q and k; one sequential kernel per state block); the layout (padding to
+whole chunks; packed sequences chunk-aligned, so ``cu_seqlens`` may be traced) is gla's,
+:mod:`ejkernel_triton.ops.gla_layout`.
+
+Every OPS.md argument is served: both gate forms, ``use_qk_l2norm``, ``beta``,
+``softmax_scale``, ``initial_state``, ``return_state``, ``cu_seqlens`` (empty and length-1
+sequences), any S. Numerics as the XLA path's (``ejkernel_xla.ops._chunk_numerics``): gates
+floored at ``-GATE_FLOOR`` (``-inf`` is a reset, finite sums), relative decays inside a chunk
+only (exps of differences ≤ 0 for decaying gates), a non-finite input stays in its causal
+future.
+
+The backward is not a Triton kernel: the custom VJP keeps the inputs and pulls the cotangents
+back through the XLA platform's chunked implementation (``platform="xla"``, itself a
+recomputation of the chunked forward), so a differentiated call is served with the XLA
+backward's cost. :func:`supports` declines dtypes other than bf16/f16/f32, mixed q/k/v dtypes
+and K or V over 256 (the per-chunk kernel holds whole K and V rows).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.plugins import defvjp
+from ejkernel_triton import _launch
+from ejkernel_triton._launch import BATCH, OTHER
+from ejkernel_triton.ops.gla_layout import Layout
+
+__all__ = [
+    "GATE_FLOOR",
+    "KernelDeltaAttentionConfig",
+    "config_space",
+    "heuristic",
+    "kernel_delta_attention_triton",
+    "supports",
+]
+
+#: Log gates below ``-GATE_FLOOR`` (-inf included) are taken as ``-GATE_FLOOR``, whose exp
+#: is 0 in float32 (a reset either way) while the chunk's cumulative sums stay finite and
+#: keep their digits (the XLA path's floor).
+GATE_FLOOR = 110.0
+
+_CHUNKS = (16, 32, 64)
+_MAX_DIM = 256
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_ARRAY_NAMES = ("query", "key", "value", "beta", "g", "initial_state", "cu_seqlens")
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def _power_of_two(config: Any, attribute: Any, value: int) -> None:
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(
+            f"KernelDeltaAttentionConfig.{attribute.name} must be a power of two ≥ 16; got {value}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class KernelDeltaAttentionConfig:
+    """Tunables of the Triton gated delta rule.
+
+    Attributes:
+        chunk_size: tokens per chunk, 16, 32 or 64 (the sequential walk has ``T / C`` steps;
+            the per-chunk kernel holds ``[C, K]``, ``[C, V]`` and ``[C, C]`` float32 tiles).
+        block_v: value-dim block of the sequential kernel (its state tile is ``[K, block_v]``
+            float32; a power of two ≥ 16, clamped to V rounded up to one).
+        num_warps: warps per program.
+        num_stages: software-pipelining stages.
+    """
+
+    chunk_size: int = attrs.field(default=32, validator=attrs.validators.in_(_CHUNKS))
+    block_v: int = attrs.field(default=64, validator=_power_of_two)
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def supports(inv: Any) -> bool | str:
+    """True, or why not: dtypes other than bf16/f16/f32, mixed dtypes, K or V over 256."""
+    a = inv.kwargs
+    for name in ("query", "key", "value", "beta", "g"):
+        x = a[name]
+        if x.dtype not in _DTYPES:
+            return f"{name} dtype {x.dtype} (the Triton kernels take bfloat16, float16, float32)"
+    if len({a["query"].dtype, a["key"].dtype, a["value"].dtype}) != 1:
+        return "query, key and value dtypes differ"
+    dk, dv = a["query"].shape[-1], a["value"].shape[-1]
+    if max(dk, dv) > _MAX_DIM:
+        return f"K {dk} / V {dv}: the kernels hold K, V ≤ {_MAX_DIM}"
+    return True
+
+
+def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
+    """Chunks of 32 (16 for short packed sequences) and 64-wide V blocks; in the interpreter
+    (whose cost is per program and per loop step) chunks of 16 and whole-V blocks."""
+    a = inv.kwargs
+    s, dv = a["query"].shape[1], a["value"].shape[-1]
+    cu = a.get("cu_seqlens")
+    length = s if cu is None else s / max(1, cu.shape[0] - 1)  # mean packed length
+    chunk = 32 if length > 16 else 16
+    if _launch.interpreting():
+        return KernelDeltaAttentionConfig(chunk_size=16, block_v=_pow2(dv))
+    return KernelDeltaAttentionConfig(chunk_size=chunk, block_v=min(64, _pow2(dv)))
+
+
+def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
+    """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps."""
+    base = heuristic(inv)
+    if _launch.interpreting():
+        return [base]
+    dv = inv.kwargs["value"].shape[-1]
+    out = [base]
+    for chunk in _CHUNKS:
+        for bv in (32, 64):
+            for warps in (4, 8):
+                cfg = attrs.evolve(
+                    base, chunk_size=chunk, block_v=min(bv, _pow2(dv)), num_warps=warps
+                )
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+# -- the op ---------------------------------------------------------------------------------
+
+
+def kernel_delta_attention_triton(
+    *, cfg: KernelDeltaAttentionConfig | None = None, **args: Any
+) -> Any:
+    """The gated delta rule through the Triton kernels.
+
+    Args:
+        **args: the arguments of
+            :func:`ejkernel.specs.kernel_delta_attention.kernel_delta_attention`, by name, as
+            the core spec validated them.
+        cfg: chunk size, V block, warps and stages; ``None`` takes the heuristic's.
+
+    Returns:
+        ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
+        when ``return_state``.
+    """
+    return _kda_fwd(cfg=cfg, **args)[0]
+
+
+def _kda_fwd(
+    *, cfg: KernelDeltaAttentionConfig | None = None, **args: Any
+) -> tuple[Any, dict[str, Any]]:
+    """Forward: ``(out or (out, final_state), residuals)``; the residuals are the inputs."""
+    st = _Statics.of(args, cfg)
+    arrays = {n: args.get(n) for n in _ARRAY_NAMES}
+    out, final = _forward(arrays, st)
+    return ((out, final) if st.return_state else out), arrays
+
+
+def _kda_bwd(
+    residuals: dict[str, Any],
+    d_out: Any,
+    *,
+    cfg: KernelDeltaAttentionConfig | None = None,
+    softmax_scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    return_state: bool = False,
+    **unused: Any,
+) -> dict[str, jax.Array | None]:
+    """Backward: the XLA platform's VJP of the same call (gradients of query, key, value,
+    beta, g and initial_state)."""
+    from ejkernel.specs.kernel_delta_attention import kernel_delta_attention
+
+    del cfg, unused
+    names = ("query", "key", "value", "beta", "g", "initial_state")
+    diff = {n: residuals[n] for n in names if residuals.get(n) is not None}
+    fixed = {n: v for n, v in residuals.items() if n not in diff}
+
+    def run(x: dict[str, Any]) -> Any:
+        return kernel_delta_attention(
+            **x,
+            **fixed,
+            softmax_scale=softmax_scale,
+            use_qk_l2norm=use_qk_l2norm,
+            return_state=return_state,
+            platform="xla",
+        )
+
+    _, pull = jax.vjp(run, diff)
+    (grads,) = pull(d_out)
+    return dict(grads)
+
+
+defvjp(kernel_delta_attention_triton, _kda_fwd, _kda_bwd)
+
+
+@attrs.frozen
+class _Statics:
+    """The call's static facts and the config, resolved for the launches."""
+
+    scale: float
+    l2norm: bool
+    return_state: bool
+    chunk: int
+    block_k: int
+    block_v: int
+    block_v_prep: int
+    num_warps: int
+    num_stages: int
+    precision: str
+
+    @classmethod
+    def of(cls, args: dict[str, Any], cfg: KernelDeltaAttentionConfig | None) -> _Statics:
+        q, v = args["query"], args["value"]
+        if cfg is None:
+            cfg = heuristic(_Inv(args))
+        dk, dv = q.shape[-1], v.shape[-1]
+        scale = args.get("softmax_scale")
+        return cls(
+            scale=float(dk**-0.5 if scale is None else scale),
+            l2norm=bool(args.get("use_qk_l2norm", True)),
+            return_state=bool(args.get("return_state")),
+            chunk=cfg.chunk_size,
+            block_k=_pow2(dk),
+            block_v=min(cfg.block_v, _pow2(dv)),
+            block_v_prep=_pow2(dv),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            precision="ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32",
+        )
+
+
+@attrs.frozen
+class _Inv:
+    kwargs: dict[str, Any]
+
+
+# -- forward --------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
+    query, value, init = a["query"], a["value"], a["initial_state"]
+    b, s, h, dk = query.shape
+    dv = value.shape[-1]
+    lay = Layout.of(s, st.chunk, a["cu_seqlens"])
+    g = a["g"] if a["g"].ndim == 4 else a["g"][..., None]
+    q, k, v, beta, gates = (
+        lay.to_chunks(x) for x in (query, a["key"], value, a["beta"][..., None], g)
+    )
+    init_rows = lay.state_rows(init, (b, h, dk, dv))
+    run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks), _modes(lay, 7))
+    o, final_rows = run(q, k, v, beta, gates, init_rows, lay.flags)
+    out = lay.from_chunks(o)
+    empty = init_rows[: final_rows.shape[0] - (1 if lay.packed else 0)]
+    return out, lay.op_states(final_rows, empty)
+
+
+def _forward_kernels(st: _Statics, nt: int) -> Any:
+    """``run(q, k, v, beta, gates, init_rows, flags) -> (o, final_rows)``: the forward's
+    launches on the chunk layout."""
+    from ejkernel_triton.kernels.kda_fwd import kda_fwd_ho_kernel, kda_fwd_prep_kernel
+
+    def run(q, k, v, beta, gates, init_rows, flags):
+        b, t, h, dk = q.shape
+        dv, gk = v.shape[-1], gates.shape[-1]
+        c = st.chunk
+        common = {"num_warps": st.num_warps, "DOT_PRECISION": st.precision}
+        tokens_k = jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)
+        qg, kg, w, u, p, decay = _launch.launch(
+            kda_fwd_prep_kernel,
+            q,
+            k,
+            v,
+            beta,
+            gates,
+            np.float32(st.scale),
+            nt,
+            h,
+            out_shape=[
+                tokens_k,
+                tokens_k,
+                tokens_k,
+                jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
+                jax.ShapeDtypeStruct((b, t, h, c), jnp.float32),
+                jax.ShapeDtypeStruct((b, nt, h, gk), jnp.float32),
+            ],
+            grid=(nt, b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v_prep,
+            GK=gk,
+            L2NORM=st.l2norm,
+            GATE_FLOOR=GATE_FLOOR,
+            num_stages=1,
+            **common,
+        )
+        o, final_rows = _launch.launch(
+            kda_fwd_ho_kernel,
+            qg,
+            kg,
+            w,
+            u,
+            p,
+            decay,
+            init_rows,
+            flags,
+            nt,
+            h,
+            init_rows.shape[0] // b,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
+                jax.ShapeDtypeStruct(init_rows.shape, jnp.float32),
+            ],
+            grid=(-(-dv // st.block_v), b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            GK=gk,
+            num_stages=st.num_stages,
+            **common,
+        )
+        return o, final_rows
+
+    return run
+
+
+def _modes(lay: Layout, arrays: int) -> tuple[str, ...]:
+    """How :func:`~ejkernel_triton._launch.fold_vmap` folds the launch function's arguments
+    (the flags last): dense, a vmapped axis folds into the batch (state rows are one per batch
+    row); packed, the state rows are the sequences', so a vmapped call runs once per index."""
+    if lay.packed:
+        return (OTHER,) * arrays
+    return (BATCH,) * (arrays - 1) + (OTHER,)

@@ -1,0 +1,178 @@
+"""ragged_page_attention_v3 in Triton: write the new tokens into their pages in place, then
+ragged paged attention through the unified kernel.
+
+The update is one small Triton kernel
+(:func:`ejkernel_triton.kernels.paged_cache_update.write_tokens_kernel`) whose outputs alias
+the caches (jax-triton's ``input_output_aliases``): it writes the ``T`` new rows and nothing
+else. Under ``jax.jit`` with the caches donated the whole step holds one copy of each cache;
+without donation XLA copies each cache once before the kernel (the caller's stay valid). With
+``k_scale``/``v_scale`` the new rows are stored quantised
+(:func:`ejkernel.attention_semantics.quantize_kv`, the ``[T, Hkv, D]`` rows only). The
+attention is :mod:`ejkernel_triton.ops.ragged_page_attention`'s on the updated caches.
+
+On the CPU interpreter the kernel runs in a host callback, which returns fresh buffers: the
+aliasing, and so the in-place update, is the GPU path's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+
+from ejkernel.attention_semantics import quantize_kv
+from ejkernel_triton import _launch
+from ejkernel_triton.ops.flash_attention_config import pow2
+from ejkernel_triton.ops.unified_attention import paged_attention
+from ejkernel_triton.ops.unified_attention_config import (
+    Problem,
+    UnifiedAttentionConfig,
+    serving_supports,
+    tuning,
+)
+
+__all__ = [
+    "RaggedPageAttentionV3Config",
+    "config_space",
+    "destinations",
+    "heuristic",
+    "ragged_page_attention_v3_triton",
+    "supports",
+    "write_tokens",
+]
+
+#: Elements one program of the update copies.
+_UPDATE_BLOCK = 1024
+
+
+@attrs.frozen(kw_only=True)
+class RaggedPageAttentionV3Config(UnifiedAttentionConfig):
+    """Tunables of the Triton ragged page attention v3's attention
+    (:class:`UnifiedAttentionConfig`'s; the update has none)."""
+
+
+def _problem(kw: Mapping[str, Any]) -> Problem:
+    tables = kw["block_tables"]
+    return Problem.of(kw["queries"], kw["key_cache"], tables.shape[0], tables.shape[1])
+
+
+heuristic, config_space = tuning(RaggedPageAttentionV3Config, _problem)
+
+
+def supports(inv: Any) -> bool | str:
+    """True, or why not (dtypes, head dims over 256)."""
+    return serving_supports(inv.kwargs, "queries")
+
+
+def destinations(
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: Any,
+    num_tokens: int,
+    num_pages: int,
+    page_size: int,
+) -> jax.Array:
+    """int32 ``[T]``: each packed token's cache row ``page · page_size + slot``, or ``-1``
+    for a token of no live sequence, at a negative position, past the table or on a page out
+    of range (the spec's ``write_new_tokens``)."""
+    rows, max_pages = block_tables.shape
+    if rows == 0:
+        return jnp.full((num_tokens,), -1, jnp.int32)
+    qsl = query_start_loc.astype(jnp.int32)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32)
+    s = jnp.minimum(seq, rows - 1)
+    live = (seq < jnp.asarray(num_seqs, jnp.int32).reshape(())) & (t >= qsl[s])
+    position = kv_lens.astype(jnp.int32)[s] - (qsl[s + 1] - qsl[s]) + (t - qsl[s])
+    column = position // page_size
+    live &= (position >= 0) & (column < max_pages)
+    page = block_tables.astype(jnp.int32)[s, jnp.clip(column, 0, max_pages - 1)]
+    live &= (page >= 0) & (page < num_pages)
+    return jnp.where(live, page * page_size + position % page_size, -1)
+
+
+def write_tokens(
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    dest: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The caches with row ``t`` of ``keys``/``values`` (``[T, Hkv, D]``, in the cache dtype)
+    written at cache row ``dest[t]`` (skipped where ``-1``), the caches aliased to the
+    outputs."""
+    from ejkernel_triton.kernels.paged_cache_update import write_tokens_kernel
+
+    t, hkv, d = (int(n) for n in keys.shape)
+    if t == 0:
+        return key_cache, value_cache
+    row = hkv * d
+    block = min(pow2(row), _UPDATE_BLOCK)
+    key_cache, value_cache = _launch.launch(
+        write_tokens_kernel,
+        keys,
+        values,
+        key_cache,
+        value_cache,
+        dest.astype(jnp.int32),
+        out_shape=[
+            jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
+            jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype),
+        ],
+        grid=(t, -(-row // block), 1),
+        num_warps=4,
+        num_stages=1,
+        input_output_aliases={2: 0, 3: 1},
+        ROW=row,
+        BLOCK=block,
+    )
+    return key_cache, value_cache
+
+
+def ragged_page_attention_v3_triton(
+    *, cfg: RaggedPageAttentionV3Config | None = None, **args: Any
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write the new keys/values into their pages (in place), then ragged paged attention.
+
+    Args:
+        cfg: blocks, warps, stages, splits of the attention; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.ragged_page_attention_v3`'s arguments by name, as its spec
+            validated them; donate ``key_cache`` and ``value_cache``
+            (``jax.jit(..., donate_argnums=...)``) for an update without a copy.
+
+    Returns:
+        ``(out [T, Hq, D], key_cache, value_cache)``.
+    """
+    key_cache, value_cache = args["key_cache"], args["value_cache"]
+    k_scale, v_scale = args.get("k_scale"), args.get("v_scale")
+    num_pages, page_size = (int(n) for n in key_cache.shape[:2])
+    tables = (args["kv_lens"], args["block_tables"], args["query_start_loc"], args["num_seqs"])
+    dest = destinations(*tables, args["queries"].shape[0], num_pages, page_size)
+    key_cache, value_cache = write_tokens(
+        key_cache,
+        value_cache,
+        quantize_kv(args["keys"], k_scale, key_cache.dtype),
+        quantize_kv(args["values"], v_scale, value_cache.dtype),
+        dest,
+    )
+    out = paged_attention(
+        cfg,
+        queries=args["queries"],
+        key_cache=key_cache,
+        value_cache=value_cache,
+        kv_lens=args["kv_lens"],
+        block_tables=args["block_tables"],
+        query_start_loc=args["query_start_loc"],
+        num_seqs=args["num_seqs"],
+        softmax_scale=args.get("softmax_scale"),
+        sliding_window=args.get("sliding_window"),
+        logits_soft_cap=args.get("logits_soft_cap"),
+        softmax_aux=args.get("softmax_aux"),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    return out, key_cache, value_cache

@@ -1,0 +1,118 @@
+"""The fused recurrent (one token at a time) forward of gla-form linear attention, for decoding.
+
+:func:`fused_forward` serves ``gla``, ``recurrent`` and ``lightning_attention`` (each maps its
+gates onto the key gate ``g [B, S, H, K]``) when their config says ``fused``: the heuristic
+picks it for a few tokens (``S ≤`` :data:`FUSED_MAX_TOKENS`) with a carried state. It is the
+primal only: a differentiated call runs the chunked forward, whose residuals the backward
+reads. The kernel is :mod:`ejkernel_triton.kernels.recurrent_fused`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel_triton import _launch
+from ejkernel_triton._launch import BATCH, OTHER
+
+__all__ = ["FUSED_MAX_TOKENS", "fused_forward"]
+
+#: The heuristic's longest call (tokens per row, or in all when packed) for the fused path.
+FUSED_MAX_TOKENS = 16
+
+
+def fused_forward(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    g: jax.Array,
+    *,
+    initial_state: jax.Array | None,
+    cu_seqlens: jax.Array | None,
+    scale: float,
+    block_v: int,
+    num_warps: int,
+    return_state: bool,
+) -> Any:
+    """``out [B, S, H, V]`` (query dtype), or ``(out, final_state [N, H, K, V] float32)``."""
+    b, _, h, dk = query.shape
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    init = (
+        jnp.zeros((n, h, dk, value.shape[-1]), jnp.float32)
+        if initial_state is None
+        else initial_state.astype(jnp.float32)
+    )
+    cu = jnp.zeros((2,), jnp.int32) if cu_seqlens is None else cu_seqlens.astype(jnp.int32)
+    out, final = _run(
+        query,
+        key,
+        value,
+        g.astype(jnp.float32),
+        init,
+        cu,
+        scale=float(scale),
+        block_v=block_v,
+        num_warps=num_warps,
+        packed=cu_seqlens is not None,
+    )
+    return (out, final) if return_state else out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_v", "num_warps", "packed"))
+def _run(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    init: jax.Array,
+    cu: jax.Array,
+    *,
+    scale: float,
+    block_v: int,
+    num_warps: int,
+    packed: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """One launch (vmappable: dense calls fold a mapped axis into the batch)."""
+    from ejkernel_triton.kernels.recurrent_fused import recurrent_fused_fwd_kernel
+
+    dk, dv = q.shape[-1], v.shape[-1]
+    bk = max(16, 1 << (dk - 1).bit_length())
+    bv = min(block_v, max(16, 1 << (dv - 1).bit_length()))
+
+    def run(q, k, v, g, init, cu):
+        b, s, h, _ = q.shape
+        n = init.shape[0]
+        return tuple(
+            _launch.launch(
+                recurrent_fused_fwd_kernel,
+                q,
+                k,
+                v,
+                g,
+                init,
+                cu,
+                np.float32(scale),
+                s,
+                h,
+                out_shape=[
+                    jax.ShapeDtypeStruct((b, s, h, dv), q.dtype),
+                    jax.ShapeDtypeStruct(init.shape, jnp.float32),
+                ],
+                grid=(-(-dv // bv), n, h),
+                zeroed_outputs=(0,) if packed else (),
+                K=dk,
+                V=dv,
+                BK=bk,
+                BV=bv,
+                PACKED=packed,
+                num_warps=num_warps,
+                num_stages=1,
+            )
+        )
+
+    modes = (OTHER,) * 6 if packed else (BATCH,) * 5 + (OTHER,)
+    return _launch.fold_vmap(run, modes)(q, k, v, g, init, cu)

@@ -1,0 +1,326 @@
+"""The Triton kernel_delta_attention against the sequential ``lax.scan`` reference
+(``kernel_delta_attention_reference``) and a plain NumPy loop over tokens.
+
+Through Triton's interpreter on the CPU: tiny odd shapes (T 37, K 16, V 32, H 2), float32
+unless said, several chunks and V blocks through small configs, both gate forms (per key
+channel: Kimi Delta Attention; per head: Gated DeltaNet). Gradients go through the XLA
+platform's VJP (the custom VJP's backward). Marked ``gpu`` (compiled, on the GPU): B 2,
+T 8192, H 16, K = V = 128 in bfloat16 against the XLA platform in float32.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkernel
+from ejkernel.specs.kernel_delta_attention import kernel_delta_attention_reference as reference
+from ejkernel.testing import assert_close
+from ejkernel.testing import random_normal as normal
+
+pytest.importorskip("triton")
+
+from ejkernel_triton.ops.kernel_delta_attention import (
+    KernelDeltaAttentionConfig,
+    config_space,
+    heuristic,
+    supports,
+)
+
+#: one chunk of 16 with two V blocks; chunks of 32 with one.
+C16 = KernelDeltaAttentionConfig(chunk_size=16, block_v=16)
+C32 = KernelDeltaAttentionConfig(chunk_size=32, block_v=32)
+SHAPE = (2, 37, 2, 16, 32)
+GPU_SHAPE = (2, 8192, 16, 128, 128)
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    if jax.default_backend() != "cpu":
+        pytest.skip("the interpreter runs where the default device is a CPU")
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+
+
+def inputs(
+    b: int,
+    s: int,
+    h: int,
+    dk: int,
+    dv: int,
+    *,
+    vector: bool = True,
+    dtype: Any = jnp.float32,
+    decay: float = 1.0,
+) -> dict[str, jax.Array]:
+    """q, k, v, ``beta`` in (0, 1) and log-sigmoid gates (times ``decay``), per key channel
+    (``vector``) or per head, from a fixed key."""
+    ks = jax.random.split(jax.random.PRNGKey(s * 7 + dk + dv), 5)
+    gshape = (b, s, h, dk) if vector else (b, s, h)
+    return {
+        "query": normal(ks[0], (b, s, h, dk), dtype),
+        "key": normal(ks[1], (b, s, h, dk), dtype),
+        "value": normal(ks[2], (b, s, h, dv), dtype),
+        "beta": jax.nn.sigmoid(normal(ks[3], (b, s, h), jnp.float32)).astype(dtype),
+        "g": (decay * jax.nn.log_sigmoid(normal(ks[4], gshape, jnp.float32))).astype(dtype),
+    }
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def triton_kda(cfg: Any) -> Any:
+    return lambda **kw: ejkernel.kernel_delta_attention(**kw, platform="triton", cfg=cfg)
+
+
+def check(arrays: dict[str, jax.Array], cfg: Any, *, tol: float = 1e-4, **statics: Any) -> None:
+    """Output (and final state) against the reference: ``assert_close`` in float32, by norm
+    (``tol``) in any dtype."""
+    out, want = triton_kda(cfg)(**arrays, **statics), reference(**arrays, **statics)
+    for name, a, e in zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want)):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
+        assert rel(a, e) <= tol, (name, rel(a, e))
+        if arrays["query"].dtype == jnp.float32:
+            assert_close(a, e, name=name)
+
+
+def numpy_scan(a: dict[str, Any], scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule token by token in float64 NumPy (L2-normalised q and k)."""
+    q, k, v, beta, g = (
+        np.asarray(a[n], np.float64) for n in ("query", "key", "value", "beta", "g")
+    )
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) * scale
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    g = g if g.ndim == 4 else np.broadcast_to(g[..., None], k.shape)
+    b, s, h, dk = q.shape
+    state = np.zeros((b, h, dk, v.shape[-1]))
+    out = np.zeros(v.shape)
+    for t in range(s):
+        state = state * np.exp(g[:, t])[..., None]
+        err = v[:, t] - np.einsum("bhk,bhkv->bhv", k[:, t], state)
+        state = state + k[:, t][..., None] * (beta[:, t][..., None] * err)[..., None, :]
+        out[:, t] = np.einsum("bhk,bhkv->bhv", q[:, t], state)
+    return out, state
+
+
+# -- interpreter ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+def test_both_gate_forms_match_a_numpy_token_loop(interpret, vector: bool) -> None:
+    arrays = inputs(*SHAPE, vector=vector)
+    out, final = triton_kda(C16)(**arrays, return_state=True)
+    want, state = numpy_scan(arrays, SHAPE[3] ** -0.5)
+    assert rel(out, want) < 1e-5 and rel(final, state) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("cfg", "vector"), [(C16, True), (C32, False)], ids=["C16-channel-gate", "C32-head-gate"]
+)
+def test_state_and_scale_match_the_reference(interpret, cfg: Any, vector: bool) -> None:
+    arrays = inputs(*SHAPE, vector=vector)
+    arrays["initial_state"] = normal(jax.random.PRNGKey(9), (2, 2, 16, 32), jnp.float32)
+    check(arrays, cfg, softmax_scale=0.3, return_state=True)
+
+
+def test_without_the_l2_norm(interpret) -> None:
+    arrays = inputs(1, 37, 2, 16, 16)
+    arrays["query"] = arrays["query"] * 0.3
+    arrays["key"] = arrays["key"] * 0.3
+    check(arrays, C16, use_qk_l2norm=False, softmax_scale=0.2, return_state=True)
+
+
+def test_half_precision_within_a_half_precision_tolerance(interpret) -> None:
+    check(inputs(*SHAPE, dtype=jnp.bfloat16), C16, tol=1e-2, return_state=True)
+
+
+def test_log_decays_down_to_minus_20_per_step_stay_finite_and_right(interpret) -> None:
+    arrays = inputs(1, 40, 2, 16, 16)
+    arrays["g"] = -20.0 * jax.random.uniform(jax.random.PRNGKey(5), arrays["key"].shape)
+    check(arrays, C32, return_state=True)
+
+
+def test_a_log_gate_of_minus_inf_resets_the_state(interpret) -> None:
+    arrays = inputs(1, 37, 2, 16, 16)
+    arrays["g"] = arrays["g"].at[0, 5].set(-jnp.inf).at[0, 20, 1, :7].set(-jnp.inf)
+    check(arrays, C16, return_state=True)
+
+
+def test_a_nan_input_stays_in_its_causal_future(interpret) -> None:
+    arrays = inputs(2, 37, 2, 16, 16)
+    arrays["query"] = arrays["query"].at[1, 10, 0, 4].set(jnp.nan)
+    arrays["key"] = arrays["key"].at[0, 20, 0, 3].set(jnp.nan)
+    arrays["value"] = arrays["value"].at[1, 30, 1, 5].set(jnp.nan)
+    arrays["beta"] = arrays["beta"].at[0, 33, 1].set(jnp.nan)
+    ours, want = triton_kda(C16)(**arrays), reference(**arrays)
+    assert jnp.array_equal(jnp.isnan(ours), jnp.isnan(want))
+    assert_close(ours, want, name="out")
+
+
+def test_packed_sequences_with_empty_and_length_one_sequences(interpret) -> None:
+    # sequences of 1, 0, 22, 13 and 1 tokens; tokens 37.. belong to none (zero output)
+    arrays = inputs(1, 40, 2, 16, 32, vector=False)
+    cu = jnp.array([0, 1, 1, 23, 36, 37], jnp.int32)
+    arrays["initial_state"] = normal(jax.random.PRNGKey(4), (5, 2, 16, 32), jnp.float32)
+    check(arrays, C16, cu_seqlens=cu, return_state=True)
+    out = triton_kda(C16)(**arrays, cu_seqlens=cu)
+    assert not jnp.any(out[:, 37:])
+
+
+def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
+    a = inputs(2, 37, 2, 16, 16)
+    ours = triton_kda(C16)
+    whole, final = ours(**a, return_state=True)
+    head = {n: x[:, :19] for n, x in a.items()}
+    tail = {n: x[:, 19:] for n, x in a.items()}
+    first, mid = ours(**head, return_state=True)
+    second, end = ours(**tail, initial_state=mid, return_state=True)
+    assert_close(jnp.concatenate([first, second], axis=1), whole, name="out")
+    assert_close(end, final, name="final")
+
+
+def test_gradients_through_the_custom_vjp_match_the_reference(interpret) -> None:
+    arrays = inputs(1, 37, 2, 16, 16, vector=False)
+    arrays["initial_state"] = normal(jax.random.PRNGKey(3), (1, 2, 16, 16), jnp.float32)
+
+    def loss(fn: Any, a: dict[str, jax.Array]) -> jax.Array:
+        out, final = fn(**a, return_state=True)
+        return jnp.sum(out * jnp.cos(jnp.arange(16) * 0.7)) + jnp.sum(final * 0.3)
+
+    got = jax.grad(lambda a: loss(triton_kda(C16), a))(arrays)
+    want = jax.grad(lambda a: loss(reference, a))(arrays)
+    for n in arrays:
+        assert_close(got[n], want[n], name=f"d{n}")
+
+
+def test_registered_opt_in_below_the_xla_fallback() -> None:
+    from ejkernel_triton import plugin
+
+    assert "kernel_delta_attention" in plugin.OPS
+    assert "kernel_delta_attention" in plugin.OPT_IN
+
+
+def test_supports_declines_what_the_kernels_do_not_hold() -> None:
+    def call(dk: int, dtype: Any = jnp.float32, vdtype: Any = None) -> Any:
+        q = jax.ShapeDtypeStruct((1, 8, 1, dk), dtype)
+        v = jax.ShapeDtypeStruct((1, 8, 1, 16), vdtype or dtype)
+        beta = jax.ShapeDtypeStruct((1, 8, 1), dtype)
+        return types.SimpleNamespace(
+            kwargs={"query": q, "key": q, "value": v, "beta": beta, "g": beta}
+        )
+
+    assert supports(call(128)) is True
+    assert "256" in supports(call(512))
+    assert "differ" in supports(call(16, jnp.float32, jnp.bfloat16))
+    assert "dtype" in supports(call(16, jnp.float64))
+
+
+def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkeypatch) -> None:
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # the GPU's space (one config interpreted)
+    with pytest.raises(ValueError, match="chunk_size"):
+        KernelDeltaAttentionConfig(chunk_size=48)
+    with pytest.raises(ValueError, match="block_v"):
+        KernelDeltaAttentionConfig(block_v=48)
+    q = jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16)
+    inv = types.SimpleNamespace(kwargs={"query": q, "key": q, "value": q})
+    space = config_space(inv)
+    assert space[0] == heuristic(inv) and len(space) == len(set(space)) > 1
+
+
+def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_path) -> None:
+    """The heuristic's launches (bf16, K = V = 128, per-channel gates) compiled for sm_90 on
+    any machine."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import kernel_delta_attention as kda
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    call = inputs(1, 64, 2, 128, 128, dtype=jnp.bfloat16)
+    cfg = heuristic(types.SimpleNamespace(kwargs=call))
+    jax.clear_caches()  # the forward is jitted: trace it under the recorder
+    with _codegen.recorded_launches() as record:
+        kda._kda_fwd(cfg=cfg, **call)
+    assert len(record) == 2
+    for launch in record:
+        compiled = _codegen.compile_launch(launch, capability=90)
+        mix = _codegen.instruction_mix(compiled.ptx)
+        name = launch.kernel.fn.__name__
+        assert any(k.startswith(("wgmma", "mma")) for k in mix), name
+        assert compiled.shared <= 232448, name  # the H100's shared memory per block
+
+
+# -- GPU, realistic shapes ------------------------------------------------------------------
+
+
+def _against_xla(arrays: dict[str, jax.Array], grads: bool, **statics: Any) -> None:
+    def run(fn: Any, a: dict[str, jax.Array]) -> Any:
+        def loss(a: dict[str, jax.Array]) -> Any:
+            out = fn(**a, **statics)
+            o = out[0] if statics.get("return_state") else out
+            return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]) * 0.7)), out
+
+        if not grads:
+            return fn(**a, **statics), {}
+        (_, out), g = jax.value_and_grad(loss, has_aux=True)(a)
+        return out, g
+
+    out, got = jax.jit(lambda a: run(triton_kda(None), a))(arrays)
+    up = jax.tree.map(lambda x: x.astype(jnp.float32), arrays)
+    xla = lambda **kw: ejkernel.kernel_delta_attention(**kw, platform="xla")
+    with jax.default_matmul_precision("highest"):
+        want, exp = jax.jit(lambda a: run(xla, a))(up)
+    pairs = [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))]
+    for name, a, e in pairs + [(f"d{n}", got[n], exp[n]) for n in got]:
+        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
+        assert rel(a, e) < 2e-2, (name, rel(a, e))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+def test_gpu_bf16_forward_matches_the_xla_path(vector: bool) -> None:
+    b, s, h, dk, dv = GPU_SHAPE
+    arrays = inputs(b, s, h, dk, dv, vector=vector, dtype=jnp.bfloat16)
+    arrays["g"] = arrays["g"].astype(jnp.float32) / 16
+    arrays["initial_state"] = normal(jax.random.PRNGKey(2), (b, h, dk, dv), jnp.float32)
+    _against_xla(arrays, grads=False, return_state=True)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_gradients_match_the_xla_path() -> None:
+    b, s, h, dk, dv = GPU_SHAPE
+    arrays = inputs(b, s, h, dk, dv, vector=False, dtype=jnp.bfloat16)
+    arrays["g"] = arrays["g"].astype(jnp.float32) / 16
+    _against_xla(arrays, grads=True)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_sequences_match_the_xla_path() -> None:
+    arrays = inputs(1, 8192, 16, 128, 128, dtype=jnp.bfloat16)
+    arrays["g"] = arrays["g"].astype(jnp.float32) / 16
+    cu = jnp.array([0, 1, 1, 1000, 4097, 8000, 8192], jnp.int32)
+    _against_xla(arrays, grads=False, cu_seqlens=cu, return_state=True)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_vmap_equals_one_call_per_index(interpret, packed: bool) -> None:
+    a = inputs(2, 21, 2, 16, 16, vector=False)
+    cu = jnp.array([0, 9, 21], jnp.int32) if packed else None
+    ours = triton_kda(C16)
+
+    def f(q, k, v, beta, g):
+        out = ours(
+            query=q[None], key=k[None], value=v[None], beta=beta[None], g=g[None], cu_seqlens=cu
+        )
+        return out[0]
+
+    args = tuple(a[n] for n in ("query", "key", "value", "beta", "g"))
+    mapped = jax.vmap(f)(*args)
+    for i in range(2):
+        assert_close(mapped[i], f(*(x[i] for x in args)), name="out")

@@ -1,0 +1,144 @@
+"""The Triton lightning_attention (on the gla kernels) against the sequential reference.
+
+Through Triton's interpreter on the CPU: tiny odd shapes, float32 unless said, the chunked
+kernels through a small config. Marked ``gpu``: B 2, T 4096, H 16, K = V = 128 in bfloat16
+against the XLA platform in float32.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ejkernel
+from ejkernel.specs.lightning_attention import lightning_attention_reference
+from ejkernel.testing import assert_close
+from ejkernel.testing import random_normal as normal
+
+pytest.importorskip("triton")
+
+from ejkernel_triton.ops.lightning_attention import LightningAttentionConfig, supports
+
+C16 = LightningAttentionConfig(chunk_size=16, block_k=16, block_v=16, num_stages=1)
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    if jax.default_backend() != "cpu":
+        pytest.skip("the interpreter runs where the default device is a CPU")
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+
+
+def inputs(b: int, s: int, h: int, dk: int, dv: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """q, k, v and positive slopes, from a fixed key."""
+    ks = jax.random.split(jax.random.PRNGKey(s * 3 + dk + dv), 4)
+    return {
+        "query": normal(ks[0], (b, s, h, dk), dtype),
+        "key": normal(ks[1], (b, s, h, dk), dtype),
+        "value": normal(ks[2], (b, s, h, dv), dtype),
+        "slopes": jnp.abs(normal(ks[3], (h,), jnp.float32)) + 0.01,
+    }
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def run(fn: Any, arrays: dict[str, jax.Array], **statics: Any) -> tuple[Any, dict[str, Any]]:
+    """``fn``'s output and the gradients of every array under a fixed cotangent."""
+
+    def loss(arrays: dict[str, jax.Array]) -> Any:
+        out = fn(**arrays, **statics)
+        o, final = out if statics.get("return_state") else (out, None)
+        total = jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]) * 0.7))
+        if final is not None:
+            total += jnp.sum(final * jnp.sin(jnp.arange(final.shape[-1]) * 0.3))
+        return total, out
+
+    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
+    return out, grads
+
+
+def triton_lightning(cfg: Any) -> Any:
+    return lambda **kw: ejkernel.lightning_attention(platform="triton", cfg=cfg, **kw)
+
+
+def check(arrays: dict[str, jax.Array], cfg: Any, *, tol: float = 1e-4, **statics: Any) -> None:
+    """Output, final state and every gradient (the slopes' included) against the reference."""
+    (out, got), (want, exp) = (
+        run(triton_lightning(cfg), arrays, **statics),
+        run(lightning_attention_reference, arrays, **statics),
+    )
+    pairs = [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))]
+    for name, a, e in pairs + [(f"d{n}", got[n], exp[n]) for n in got]:
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
+        assert rel(a, e) <= tol, (name, rel(a, e))
+        if a.dtype == jnp.float32:
+            assert_close(a, e, name=name)
+
+
+# -- interpreter ----------------------------------------------------------------------------
+
+
+def test_output_state_and_gradients_match_the_sequential_reference(interpret) -> None:
+    a = inputs(2, 37, 3, 16, 24)
+    a["initial_state"] = normal(jax.random.PRNGKey(9), (2, 3, 16, 24), jnp.float32)
+    check(a, C16, return_state=True, softmax_scale=1.0)
+
+
+def test_packed_sequences_with_empty_and_length_one_sequences(interpret) -> None:
+    # sequences of 1, 0, 20 and 13 tokens; tokens 34.. belong to none (zero output)
+    a = inputs(1, 37, 2, 16, 16)
+    cu = jnp.array([0, 1, 1, 21, 34], jnp.int32)
+    a["initial_state"] = normal(jax.random.PRNGKey(4), (4, 2, 16, 16), jnp.float32)
+    check(a, C16, cu_seqlens=cu, return_state=True)
+
+
+def test_minimax_slopes_from_the_layer_index(interpret) -> None:
+    a = inputs(1, 33, 4, 16, 16, dtype=jnp.bfloat16)
+    del a["slopes"]
+    ours = triton_lightning(C16)(**a, layer_idx=1, num_layers=4)
+    want = lightning_attention_reference(**a, layer_idx=1, num_layers=4)
+    assert ours.dtype == jnp.bfloat16 and rel(ours, want) < 1e-2
+
+
+def test_an_infinite_slope_forgets_the_state_at_every_token(interpret) -> None:
+    a = inputs(1, 20, 2, 16, 16)
+    a["slopes"] = a["slopes"].at[1].set(jnp.inf)
+    ours = triton_lightning(C16)(**a)
+    want = lightning_attention_reference(**a)
+    assert bool(jnp.isfinite(ours).all())
+    assert_close(ours, want, name="out")
+
+
+def test_supports_declines_what_gla_declines() -> None:
+    q = jax.ShapeDtypeStruct((1, 40, 2, 16), jnp.float32)
+    call = {"query": q, "key": q, "value": q, "slopes": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    assert supports(types.SimpleNamespace(kwargs=call)) is True
+    big = jax.ShapeDtypeStruct((1, 40, 2, 512), jnp.float32)
+    assert "256" in supports(types.SimpleNamespace(kwargs={**call, "query": big, "key": big}))
+
+
+# -- GPU, realistic shapes ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_forward_and_gradients_match_the_xla_path() -> None:
+    a = inputs(2, 4096, 16, 128, 128, dtype=jnp.bfloat16)
+    a["slopes"] = a["slopes"] / 16
+    a["initial_state"] = normal(jax.random.PRNGKey(2), (2, 16, 128, 128), jnp.float32)
+    out, got = jax.jit(lambda x: run(triton_lightning(None), x, return_state=True))(a)
+    up = jax.tree.map(lambda x: x.astype(jnp.float32), a)
+    xla = lambda **kw: ejkernel.lightning_attention(**kw, platform="xla")
+    with jax.default_matmul_precision("highest"):
+        want, exp = jax.jit(lambda x: run(xla, x, return_state=True))(up)
+    pairs = [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))]
+    for name, x, e in pairs + [(f"d{n}", got[n], exp[n]) for n in got]:
+        assert bool(jnp.isfinite(jnp.asarray(x, jnp.float32)).all()), name
+        assert rel(x, e) < 2e-2, (name, rel(x, e))

@@ -1,0 +1,463 @@
+"""The Triton serving kernels' float8 caches, ``ragged_decode_attention`` and
+``ragged_page_attention_v3`` (the in-place cache update) against each op's reference.
+
+In Triton's interpreter on the CPU at tiny shapes, with small tiles so batches cross several
+tiles, pages and splits; cache slots no sequence owns hold NaN, table slots past the live
+pages hold garbage ids. Float8 caches are compared with the reference on the same float8
+caches (which reads them dequantised). ``gpu``-marked tests check the aliasing of the
+compiled update and serving shapes against XLA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkernel
+from ejkernel.ops import FwdParams
+from ejkernel.specs._paged import paged_block_tables
+from ejkernel.specs.page_attention import page_attention_reference
+from ejkernel.specs.prefill_page_attention import prefill_page_attention_reference
+from ejkernel.specs.ragged_decode_attention import ragged_decode_attention_reference
+from ejkernel.specs.ragged_page_attention import ragged_page_attention_reference
+from ejkernel.specs.ragged_page_attention_v3 import ragged_page_attention_v3_reference
+from ejkernel.specs.unified_attention import unified_attention_reference
+from ejkernel.testing import assert_close
+
+pytest.importorskip("triton")
+
+from ejkernel_triton.ops.unified_attention import UnifiedAttentionConfig
+
+FP8 = jnp.float8_e4m3fn
+
+
+def small(rows: int = 16, keys: int = 16, splits: int = 1) -> UnifiedAttentionConfig:
+    params = FwdParams(q_blocksize=rows, kv_blocksize=keys, num_warps=4, num_stages=1)
+    return UnifiedAttentionConfig(fwd_params=params, num_splits=splits)
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    if jax.default_backend() != "cpu":
+        pytest.skip("the interpreter runs where the default device is a CPU")
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+
+
+def packed(
+    kv_lens: list[int],
+    q_lens: list[int],
+    *,
+    hq: int = 4,
+    hkv: int = 2,
+    d: int = 64,
+    page_size: int = 16,
+    extra_rows: int = 0,
+    pad_tokens: int = 0,
+    dtype: Any = jnp.float32,
+    cache_dtype: Any = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A packed batch: pages shuffled, garbage ids past the live pages, NaN in every slot no
+    sequence owns; ``extra_rows`` table rows past the live ones, ``pad_tokens`` tokens of no
+    sequence; new ``keys``/``values`` for ``ragged_page_attention_v3``."""
+    rng = np.random.default_rng(seed)
+    all_lens = list(kv_lens) + [page_size + 3] * extra_rows
+    max_pages = max(1, max(-(-n // page_size) for n in all_lens)) + 1
+    num_pages = sum(-(-n // page_size) for n in all_lens) + 3
+    tables = paged_block_tables(
+        rng, all_lens, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
+        unused=(10**6, -1),
+    )  # fmt: skip
+    shape = (num_pages, page_size, hkv, d)
+    kc = rng.standard_normal(shape).astype(np.float32) * 2
+    vc = rng.standard_normal(shape).astype(np.float32) * 2
+    owned = np.zeros((num_pages, page_size), bool)
+    for s, n in enumerate(kv_lens):
+        for p in range(n):
+            owned[tables[s, p // page_size], p % page_size] = True
+    kc[~owned], vc[~owned] = np.nan, np.nan
+    t = sum(q_lens) + pad_tokens
+    qsl = np.concatenate([[0], np.cumsum(q_lens + [0] * extra_rows)])
+    cache_dtype = cache_dtype or dtype
+    return {
+        "queries": jnp.asarray(rng.standard_normal((t, hq, d)), dtype),
+        "keys": jnp.asarray(rng.standard_normal((t, hkv, d)) * 2, dtype),
+        "values": jnp.asarray(rng.standard_normal((t, hkv, d)) * 2, dtype),
+        "key_cache": jnp.asarray(kc, cache_dtype),
+        "value_cache": jnp.asarray(vc, cache_dtype),
+        "kv_lens": jnp.asarray(all_lens, jnp.int32),
+        "block_tables": jnp.asarray(tables),
+        "query_start_loc": jnp.asarray(qsl, jnp.int32),
+    }
+
+
+def check(actual: Any, expected: Any, dtype: Any = jnp.float32) -> None:
+    assert bool(jnp.all(jnp.isfinite(actual))), "non-finite output"
+    assert_close(actual, expected, dtype=dtype)
+
+
+def _f32(x: Any) -> Any:
+    return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+
+
+def _attention_args(a: dict[str, Any]) -> dict[str, Any]:
+    return {n: x for n, x in a.items() if n not in ("keys", "values")}
+
+
+#: Per-tensor and per-KV-head scales.
+SCALES = {
+    "tensor": {"k_scale": 0.5, "v_scale": 1.5},
+    "head": {"k_scale": np.array([0.5, 1.25], np.float32), "v_scale": 0.75},
+}
+
+
+# -- float8 caches in the ops already served ------------------------------------------------
+
+
+@pytest.mark.parametrize("scales", list(SCALES))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_unified_attention_fp8(interpret: None, scales: str, splits: int) -> None:
+    a = _attention_args(packed([37, 1, 20, 0], [5, 1, 20, 0], cache_dtype=FP8))
+    opts = {**SCALES[scales], "softmax_aux": jnp.linspace(-1, 1, 4)}
+    out = ejkernel.unified_attention(**a, **opts, platform="triton", cfg=small(splits=splits))
+    check(out, unified_attention_reference(**a, **opts))
+
+
+def test_fp8_bf16_queries_every_paged_op(interpret: None) -> None:
+    """bfloat16 queries over float8 caches: ragged (``num_seqs`` below the rows) and page
+    attention; float32 queries in prefill attention."""
+    a = _attention_args(
+        packed([29, 0, 1, 18], [6, 0, 1, 3], extra_rows=1, dtype=jnp.bfloat16, cache_dtype=FP8)
+    )
+    opts = SCALES["head"]
+    out = ejkernel.ragged_page_attention(**a, num_seqs=3, **opts, platform="triton", cfg=small())
+    ref = ragged_page_attention_reference(
+        **{**a, "queries": _f32(a["queries"])}, num_seqs=3, **opts
+    )
+    check(out, ref, dtype=jnp.bfloat16)
+
+    d = packed([1, 47, 16], [1, 1, 1], hq=8, dtype=jnp.bfloat16, cache_dtype=FP8, seed=1)
+    names = ("key_cache", "value_cache", "kv_lens", "block_tables")
+    dargs = {"query": d["queries"], **{n: d[n] for n in names}}
+    out = ejkernel.page_attention(**dargs, **opts, platform="triton", cfg=small(splits=2))
+    ref = page_attention_reference(**{**dargs, "query": _f32(dargs["query"])}, **opts)
+    check(out, ref, dtype=jnp.bfloat16)
+
+    p = packed([45], [13], hq=2, hkv=1, d=32, cache_dtype=FP8, seed=2)
+    pargs = {
+        "query": p["queries"],
+        "key_cache": p["key_cache"],
+        "value_cache": p["value_cache"],
+        "kv_len": 45,
+        "page_indices": p["block_tables"][0],
+    }
+    opts = SCALES["tensor"]
+    out = ejkernel.prefill_page_attention(**pargs, **opts, platform="triton", cfg=small())
+    check(out, prefill_page_attention_reference(**pargs, **opts))
+
+
+# -- ragged_decode_attention ----------------------------------------------------------------
+
+
+def dense(
+    starts: list[int],
+    ends: list[int],
+    *,
+    sk: int = 37,
+    hq: int = 4,
+    hkv: int = 2,
+    d: int = 64,
+    dv: int | None = None,
+    dtype: Any = jnp.float32,
+    cache_dtype: Any = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A dense cache ``[B, Sk, Hkv, D]`` with NaN outside each row's ``[start, end)``."""
+    rng = np.random.default_rng(seed)
+    b = len(starts)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32) * 2
+    v = rng.standard_normal((b, sk, hkv, dv or d)).astype(np.float32) * 2
+    pos = np.arange(sk)
+    outside = (pos < np.clip(starts, 0, sk)[:, None]) | (pos >= np.clip(ends, 0, sk)[:, None])
+    k[outside], v[outside] = np.nan, np.nan
+    cache_dtype = cache_dtype or dtype
+    return {
+        "query": jnp.asarray(rng.standard_normal((b, hq, d)), dtype),
+        "key": jnp.asarray(k, cache_dtype),
+        "value": jnp.asarray(v, cache_dtype),
+        "sequence_start": jnp.asarray(starts, jnp.int32),
+        "sequence_end": jnp.asarray(ends, jnp.int32),
+    }
+
+
+#: (starts, ends, batch options, op options, config): empty and length-1 ranges, ranges not
+#: starting at 0, an end past the cache.
+DECODE_CASES = {
+    "ranges": ([0, 5, 20, 10, 36], [37, 5, 30, 11, 40], {}, {}, small()),
+    "gqa-split-k": ([0, 3, 30], [37, 30, 31], {"hq": 8, "hkv": 2}, {}, small(splits=3)),
+    "dv48": ([0, 3], [37, 30], {"dv": 48}, {}, small(splits=2)),
+    "mqa-d80-heuristic": ([2, 0], [33, 1], {"hq": 4, "hkv": 1, "d": 80, "sk": 33}, {}, None),
+    "sinks-cap-window": (
+        [0, 3, 17],
+        [37, 30, 20],
+        {},
+        {"sliding_window": (11, 0), "logits_soft_cap": 5.0, "softmax_aux": "sinks"},
+        small(keys=32, splits=2),
+    ),
+    "fp8-head": ([0, 5, 20], [37, 30, 37], {"cache_dtype": FP8}, SCALES["head"], small()),
+    "fp8-tensor-window": (
+        [1, 0],
+        [37, 9],
+        {"cache_dtype": FP8},
+        {**SCALES["tensor"], "sliding_window": 6},
+        small(splits=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_ragged_decode_attention(interpret: None, case: str) -> None:
+    starts, ends, batch, opts, cfg = DECODE_CASES[case]
+    args = dense(starts, ends, **batch)
+    if opts.get("softmax_aux") == "sinks":
+        opts = {**opts, "softmax_aux": jax.random.normal(jax.random.PRNGKey(3), (4, 2))}
+    out = ejkernel.ragged_decode_attention(**args, **opts, platform="triton", cfg=cfg)
+    check(out, ragged_decode_attention_reference(**args, **opts))
+    empty = np.asarray(ends) <= np.asarray(starts)
+    if empty.any() and "softmax_aux" not in opts:
+        assert not bool(jnp.any(out[empty])), "an empty range gives zeros"
+
+
+def test_ragged_decode_attention_bf16_jit(interpret: None) -> None:
+    args = dense([0, 4, 12], [37, 22, 13], hq=8, hkv=2, d=96, dtype=jnp.bfloat16)
+    run = jax.jit(lambda a: ejkernel.ragged_decode_attention(**a, platform="triton", cfg=small()))
+    ref = ragged_decode_attention_reference(**{n: _f32(x) for n, x in args.items()})
+    check(run(args), ref, dtype=jnp.bfloat16)
+
+
+def test_ragged_decode_attention_is_opt_in(interpret: None) -> None:
+    args = dense([0], [5])
+    assert ejkernel.explain("ragged_decode_attention", **args).platform == "xla"
+
+
+# -- ragged_page_attention_v3 ---------------------------------------------------------------
+
+
+def v3_call(a: dict[str, Any], num_seqs: Any) -> tuple[Any, ...]:
+    """``ragged_page_attention_v3``'s positional arguments."""
+    names = ("queries", "keys", "values", "key_cache", "value_cache", "kv_lens")
+    return (*(a[n] for n in names), a["block_tables"], a["query_start_loc"], num_seqs)
+
+
+def check_v3(out: tuple[Any, ...], ref: tuple[Any, ...], dtype: Any = jnp.float32) -> None:
+    check(out[0], ref[0], dtype)
+    for ours, theirs in zip(out[1:], ref[1:], strict=True):
+        assert ours.dtype == theirs.dtype
+        np.testing.assert_array_equal(
+            np.asarray(ours.astype(jnp.float32)), np.asarray(theirs.astype(jnp.float32))
+        )
+
+
+@pytest.mark.parametrize(
+    ("opts", "cfg"),
+    [
+        ({}, small()),
+        (
+            {"sliding_window": (6, 0), "logits_soft_cap": 10.0, "softmax_aux": "sinks"},
+            small(splits=2),
+        ),
+        ({}, None),
+    ],
+    ids=["plain", "window-cap-sinks-split", "heuristic"],
+)
+def test_ragged_page_attention_v3(interpret: None, opts: dict[str, Any], cfg: Any) -> None:
+    """``num_seqs`` (traced) below the rows, an empty sequence, a length-1 context, a last
+    page partly filled, pad tokens: the caches equal the reference's bit for bit (NaN where
+    no token was written), the outputs match."""
+    a = packed([29, 0, 1, 18, 33], [6, 0, 1, 3, 16], extra_rows=2, pad_tokens=3)
+    if opts.get("softmax_aux") == "sinks":
+        opts = {**opts, "softmax_aux": jax.random.normal(jax.random.PRNGKey(2), (4,))}
+
+    @jax.jit
+    def ours(a: dict[str, Any], num_seqs: jax.Array) -> tuple[Any, ...]:
+        return ejkernel.ragged_page_attention_v3(
+            *v3_call(a, num_seqs), **opts, platform="triton", cfg=cfg
+        )
+
+    for live in (5, 3) if cfg is None else (3,):
+        num_seqs = jnp.asarray(live, jnp.int32)
+        out = ours(a, num_seqs)
+        check_v3(out, ragged_page_attention_v3_reference(*v3_call(a, num_seqs), **opts))
+
+
+@pytest.mark.parametrize("scales", list(SCALES))
+def test_ragged_page_attention_v3_fp8(interpret: None, scales: str) -> None:
+    """New tokens stored quantised with the caches' scales, read back dequantised."""
+    a = packed([20, 1, 33], [4, 1, 3], dtype=jnp.bfloat16, cache_dtype=FP8, seed=4)
+    opts = SCALES[scales]
+    out = ejkernel.ragged_page_attention_v3(*v3_call(a, 3), **opts, platform="triton", cfg=small())
+    a32 = {**a, **{n: _f32(a[n]) for n in ("queries", "keys", "values")}}
+    ref = ragged_page_attention_v3_reference(*v3_call(a32, 3), **opts)
+    check_v3(out, ref, dtype=jnp.bfloat16)
+
+
+def test_ragged_page_attention_v3_bf16_donated(interpret: None) -> None:
+    """Under ``jit`` with the caches donated, as a server calls it."""
+    a = packed([40, 3, 17], [8, 1, 17], hq=8, hkv=2, dtype=jnp.bfloat16, seed=3)
+    ref = ragged_page_attention_v3_reference(
+        *v3_call({n: _f32(x) for n, x in a.items()}, 3), sliding_window=9
+    )
+    step = jax.jit(
+        lambda *xs: ejkernel.ragged_page_attention_v3(
+            *xs, sliding_window=9, platform="triton", cfg=small()
+        ),
+        donate_argnums=(3, 4),
+    )
+    out = step(*v3_call(a, 3))
+    check(out[0], ref[0], dtype=jnp.bfloat16)
+    for ours, theirs in zip(out[1:], ref[1:], strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(ours.astype(jnp.float32)),
+            np.asarray(theirs.astype(jnp.bfloat16).astype(jnp.float32)),
+        )
+
+
+def test_v3_update_aliases_the_caches() -> None:
+    """The update's launch hands jax-triton the caches as outputs' buffers (array inputs 2 and
+    3 alias outputs 0 and 1), shaped and typed as the caches; then the attention reads them."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops.ragged_page_attention_v3 import ragged_page_attention_v3_triton
+
+    a = packed([20, 1], [4, 1], cache_dtype=FP8)
+    with _codegen.recorded_launches() as record:
+        ragged_page_attention_v3_triton(
+            **{n: a[n] for n in a}, num_seqs=jnp.asarray(2), k_scale=0.5, v_scale=0.5
+        )
+    update, attention = record
+    assert update.kernel.fn.__name__ == "write_tokens_kernel"
+    assert update.input_output_aliases == ((2, 0), (3, 1))
+    assert [(s.shape, s.dtype) for s in update.out_shape] == [
+        (a["key_cache"].shape, FP8),
+        (a["value_cache"].shape, FP8),
+    ]
+    assert attention.kernel.fn.__name__ == "unified_attention_kernel"
+
+
+def test_fp8_kernel_compiles_for_hopper(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float8 decode compiles for sm_90 with 16-byte pipelined K/V copies (the tile of
+    float8 is half the bytes of bfloat16's) and matrix instructions."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops.unified_attention import paged_attention
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "232448")
+    rows, max_pages, hq, hkv, d = 32, 512, 32, 8, 128
+    cache = jnp.ones((rows * max_pages + 1, 16, hkv, d), FP8)
+    with _codegen.recorded_launches() as record:
+        paged_attention(
+            None,
+            queries=jnp.ones((rows, hq, d), jnp.bfloat16),
+            key_cache=cache,
+            value_cache=cache,
+            kv_lens=jnp.ones((rows,), jnp.int32),
+            block_tables=jnp.zeros((rows, max_pages), jnp.int32),
+            query_start_loc=jnp.arange(rows + 1, dtype=jnp.int32),
+            num_seqs=rows,
+            k_scale=jnp.ones((hkv,), jnp.float32),
+            v_scale=0.5,
+            decode=True,
+        )
+    (launch,) = record
+    compiled = _codegen.compile_launch(launch, capability=90)
+    mix = _codegen.instruction_mix(compiled.ptx)
+    assert mix.get("cp.async.cg.shared.global", 0) > 0, mix
+    assert any(k.startswith(("wgmma", "mma")) for k in mix), mix
+    assert not {k: n for k, n in mix.items() if k.endswith((".b16", ".u16", ".b8"))}, mix
+
+
+# -- GPU --------------------------------------------------------------------------------------
+
+
+def _rel(a: jax.Array, b: jax.Array) -> float:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.gpu
+def test_gpu_v3_update_in_place() -> None:
+    """With the caches donated the compiled step aliases both caches to its outputs (their
+    bytes are not allocated twice) and matches XLA's; 16 decodes + a chunk of 256, bf16."""
+    rng = np.random.default_rng(0)
+    kv_lens = [int(n) for n in rng.integers(256, 2049, 17)]
+    page, hkv, hq, d = 16, 8, 32, 128
+    max_pages = max(-(-n // page) for n in kv_lens)
+    num_pages = sum(-(-n // page) for n in kv_lens) + 8
+    tables = paged_block_tables(
+        rng, kv_lens, num_pages=num_pages, page_size=page, max_pages=max_pages
+    )
+    q_lens = [1] * 16 + [256]
+    t = sum(q_lens)
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    cache = (num_pages, page, hkv, d)
+    args = (
+        jax.random.normal(keys[0], (t, hq, d), jnp.bfloat16),
+        jax.random.normal(keys[1], (t, hkv, d), jnp.bfloat16),
+        jax.random.normal(keys[2], (t, hkv, d), jnp.bfloat16),
+        jax.random.normal(keys[3], cache, jnp.bfloat16),
+        jax.random.normal(keys[4], cache, jnp.bfloat16),
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(tables),
+        jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+        jnp.asarray(17, jnp.int32),
+    )
+
+    def step(platform: str) -> Any:
+        return jax.jit(
+            lambda *xs: ejkernel.ragged_page_attention_v3(*xs, platform=platform),
+            donate_argnums=(3, 4),
+        )
+
+    compiled = step("triton").lower(*args).compile()
+    cache_bytes = 2 * int(np.prod(cache)) * 2
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= cache_bytes, memory
+    assert memory.temp_size_in_bytes < cache_bytes // 2, memory
+    expected = step("xla")(*(jnp.copy(x) for x in args))
+    out = step("triton")(*args)
+    assert _rel(out[0], expected[0]) < 1e-2
+    for ours, theirs in zip(out[1:], expected[1:], strict=True):
+        assert bool(jnp.all(ours == theirs))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_and_ragged_decode_serving_shapes() -> None:
+    """fp8 page attention (B 32, 8k, per-head scales) and the dense ragged decode (B 32, 8k),
+    against XLA."""
+    b, sk, hq, hkv, d, page = 32, 8192, 32, 8, 128, 16
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    q = jax.random.normal(keys[0], (b, hq, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, sk, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, sk, hkv, d), jnp.bfloat16)
+    start = jax.random.randint(keys[3], (b,), 0, 1024)
+    end = jnp.full((b,), sk, jnp.int32) - start
+    run = jax.jit(
+        lambda *xs, p: ejkernel.ragged_decode_attention(*xs, platform=p), static_argnames="p"
+    )
+    assert _rel(run(q, k, v, start, end, p="triton"), run(q, k, v, start, end, p="xla")) < 1e-2
+    scale = jnp.linspace(0.5, 1.5, hkv, dtype=jnp.float32)
+    kc = (k.reshape(-1, page, hkv, d) / scale[:, None]).astype(FP8)
+    vc = (v.reshape(-1, page, hkv, d) / scale[:, None]).astype(FP8)
+    tables = jnp.arange(b * sk // page, dtype=jnp.int32).reshape(b, -1)
+    lens = jnp.full((b,), sk, jnp.int32)
+    paged = jax.jit(
+        lambda *xs, p: ejkernel.page_attention(*xs, k_scale=scale, v_scale=scale, platform=p),
+        static_argnames="p",
+    )
+    ours, ref = paged(q, kc, vc, lens, tables, p="triton"), paged(q, kc, vc, lens, tables, p="xla")
+    assert bool(jnp.all(jnp.isfinite(ours)))
+    assert _rel(ours, ref) < 1e-2
