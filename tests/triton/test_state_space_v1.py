@@ -113,6 +113,16 @@ def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
     assert rel(h2, final) < 1e-5
 
 
+def test_decoding_a_few_tokens_takes_the_fused_kernel(interpret) -> None:
+    arrays = inputs(2, 4, 3, 5)
+    statics = {"dt_softplus": True, "return_state": True}
+    assert heuristic(types.SimpleNamespace(kwargs=arrays)).fused
+    got = ejkernel.state_space_v1(**arrays, **statics, platform="triton")
+    want = state_space_v1_reference(**arrays, **statics)
+    for a, e in zip(got, want, strict=True):
+        assert rel(a, e) < 1e-5
+
+
 def test_supports_and_opt_in() -> None:
     from ejkernel_triton import plugin
 

@@ -151,6 +151,24 @@ def test_a_of_minus_inf_keeps_no_memory_and_zero_steps_pass_the_state(interpret)
     compare(got, want, 1e-4)
 
 
+def test_decoding_a_few_tokens_takes_the_fused_kernel(interpret) -> None:
+    """S 5 with a carried state: the heuristic's fused recurrent kernel, forward only; its
+    gradient goes through the chunked kernels."""
+    arrays = inputs(2, 5, 4, 8, 2, 6)
+    statics = {"dt_softplus": True, "return_state": True}
+    inv = types.SimpleNamespace(kwargs=arrays)
+    assert heuristic(inv).fused
+    got = ejkernel.state_space_v2(**arrays, **statics, platform="triton")
+    want = state_space_v2_reference(**arrays, **statics)
+    for a, e in zip(got, want, strict=True):
+        assert rel(a, e) < 1e-5
+    compare(
+        run(triton_ssd(None), arrays, **statics),
+        run(state_space_v2_reference, arrays, **statics),
+        1e-4,
+    )
+
+
 def test_supports_heuristic_and_config_space() -> None:
     def call(n: int, dtype: Any = jnp.float32, chunk: int | None = None) -> Any:
         x = jax.ShapeDtypeStruct((1, 100, 2, 16), dtype)

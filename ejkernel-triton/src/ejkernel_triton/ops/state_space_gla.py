@@ -8,7 +8,8 @@ becomes the op's (``finish``: the skip ``D x`` and the gate), and how the state 
 (``state``: gla's final state to the op's, and back for its cotangent). gla's backward runs
 with ``split_diagonal`` (its gate gradient free of the intra-chunk diagonal's rounding): the
 ops' gates are shared by gla's key channels or summed over many tokens, where that rounding
-would dominate the decay gradients under strong decays.
+would dominate the decay gradients under strong decays. An undifferentiated call whose
+config says ``fused`` runs gla's fused recurrent kernel instead (:func:`primal`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "forward",
     "heuristic",
     "log_decay",
+    "primal",
     "silu_gate",
     "supports",
 ]
@@ -122,17 +124,32 @@ def _config(cfg: Any, args: dict[str, Any], m: Mapping, cls: type[GlaConfig]) ->
 # -- forward and backward -------------------------------------------------------------------
 
 
+def primal(m: Mapping, cls: type[GlaConfig], cfg: Any, args: dict[str, Any]) -> Any:
+    """The undifferentiated call: through gla's fused recurrent kernel where the config says
+    ``fused`` (decoding a few tokens), else :func:`forward`'s output."""
+    cfg = _config(cfg, args, m, cls)
+    if not cfg.fused:
+        return forward(m, cls, cfg, args)[0]
+    a = {n: args.get(n) for n in ARRAYS}
+    rs = bool(args.get("return_state"))
+    lin = m.as_linear(a, bool(args.get("dt_softplus")))
+    out = gla.fused_gla({**lin, "softmax_scale": 1.0, "return_state": rs}, cfg, lin["g"])
+    y, final = out if rs else (out, None)
+    o = m.finish(y, a).astype(a["x"].dtype)
+    return (o, m.state(final)) if rs else o
+
+
 def forward(
     m: Mapping, cls: type[GlaConfig], cfg: Any, args: dict[str, Any]
 ) -> tuple[Any, dict[str, Any]]:
-    """``(out or (out, final_state), residuals)``: the array inputs, gla's residuals and gla's
+    """``(out or (out, final_state), residuals)`` through the chunked kernels (the fused
+    kernel has no backward): the residuals are the array inputs, gla's residuals and gla's
     output ``y``."""
     a = {n: args.get(n) for n in ARRAYS}
     rs = bool(args.get("return_state"))
     lin = m.as_linear(a, bool(args.get("dt_softplus")))
-    out, res = gla._gla_fwd(
-        cfg=_config(cfg, args, m, cls), **lin, softmax_scale=1.0, return_state=rs
-    )
+    kernel_cfg = attrs.evolve(_config(cfg, args, m, cls), fused=False)
+    out, res = gla._gla_fwd(cfg=kernel_cfg, **lin, softmax_scale=1.0, return_state=rs)
     y, final = out if rs else (out, None)
     o = m.finish(y, a).astype(a["x"].dtype)
     if rs:

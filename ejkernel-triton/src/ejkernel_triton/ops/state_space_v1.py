@@ -115,7 +115,7 @@ def state_space_v1_triton(*, cfg: StateSpaceV1Config | None = None, **args: Any)
         out [B, S, I] in the dtype of ``x``, or ``(out, final_state [B, I, N] float32)`` when
         ``return_state``.
     """
-    return _fwd(cfg=cfg, **args)[0]
+    return ssm.primal(MAPPING, StateSpaceV1Config, cfg, args)
 
 
 def _fwd(*, cfg: StateSpaceV1Config | None = None, **args: Any) -> tuple[Any, dict[str, Any]]:

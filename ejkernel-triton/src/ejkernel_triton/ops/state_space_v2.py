@@ -25,6 +25,9 @@ are repeated ``H / G`` times) and the scalar log gate broadcast over the ``N`` k
 (``[B, S, H, N]`` float32), since gla's kernels take per-head keys and a vector gate. A scalar
 gate path in the gla kernels would remove both copies.
 
+Decoding: an undifferentiated call whose config says ``fused`` (gla's heuristic, for a few
+tokens) runs gla's fused recurrent kernel on the same mapping.
+
 Config: :class:`StateSpaceV2Config` (gla's tunables). The op's ``chunk_size`` wins over the
 config's, taken as the largest of gla's chunks (16, 32, 64) not above it (16 below 16).
 :func:`supports` declines an ``x`` dtype other than bf16/f16/f32 and ``N`` or ``P`` over 256.
@@ -129,7 +132,7 @@ def state_space_v2_triton(*, cfg: StateSpaceV2Config | None = None, **args: Any)
         out [B, S, H, P] in the dtype of ``x``, or ``(out, final_state [B, H, P, N] float32)``
         when ``return_state``.
     """
-    return _fwd(cfg=cfg, **args)[0]
+    return ssm.primal(MAPPING, StateSpaceV2Config, cfg, args)
 
 
 def _fwd(*, cfg: StateSpaceV2Config | None = None, **args: Any) -> tuple[Any, dict[str, Any]]:
