@@ -43,13 +43,6 @@ def small(rows: int = 16, keys: int = 16, splits: int = 1) -> UnifiedAttentionCo
     return UnifiedAttentionConfig(fwd_params=params, num_splits=splits)
 
 
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
-
-
 def packed(
     kv_lens: list[int],
     q_lens: list[int],
