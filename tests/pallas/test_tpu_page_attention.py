@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tests.pallas._mosaic_tpu import mosaic_ops
+from tests.pallas._paged_helpers import check_output, validated
 
 import ejkernel
 from ejkernel.ops import FwdParams, Invocation
@@ -49,18 +50,13 @@ def inputs(
     batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE, **options: Any
 ) -> dict[str, Any]:
     """Validated arguments of a hostile batch, as the core hands them to an implementation."""
-    arrays = batch.example("decode", unused=unused).build(SPEC, dtype)
-    return SPEC.validate(SPEC.bind((), {**arrays, **options}))
+    return validated(SPEC, batch.example("decode", unused=unused).build(SPEC, dtype), **options)
 
 
 def check(batch: PagedBatch, dtype: str = "float32", cfg: Any = None, **options: Any) -> Any:
     args = inputs(batch, dtype, **options)
-    out = page_attention_pallas(**args, cfg=cfg)
-    ref = SPEC.reference(**args)
-    assert out.shape == args["query"].shape and out.dtype == jnp.dtype(dtype)
-    assert np.all(np.isfinite(np.asarray(out, np.float32))), "a hidden NaN reached a row"
-    assert_close(out, ref, name=str(batch))
-    return out, args
+    checks = {"query": "query", "dtype": dtype, "cfg": cfg, "name": str(batch)}
+    return check_output(page_attention_pallas, SPEC, args, **checks), args
 
 
 def test_gqa_odd_lengths_and_empty_sequences_match_the_reference_in_float32() -> None:

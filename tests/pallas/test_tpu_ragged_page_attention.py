@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tests.pallas._mosaic_tpu import mosaic_ops
+from tests.pallas._paged_helpers import check_output, validated
 
 import ejkernel
 from ejkernel.ops import FwdParams, Invocation
@@ -77,17 +78,13 @@ def inputs(
     """Validated arguments of a hostile batch, as the core hands them to an implementation."""
     live = len(batch.kv_lens) if num_seqs is None else num_seqs
     arrays = batch.example("packed", num_seqs=live, unused=unused).build(SPEC, dtype)
-    return SPEC.validate(SPEC.bind((), {**arrays, **options}))
+    return validated(SPEC, arrays, **options)
 
 
 def check(batch: PagedBatch, dtype: str = "float32", cfg: Any = None, **kw: Any) -> Any:
     args = inputs(batch, dtype, **kw)
-    out = ragged_page_attention_pallas(**args, cfg=cfg)
-    ref = SPEC.reference(**args)
-    assert out.shape == args["queries"].shape and out.dtype == jnp.dtype(dtype)
-    assert np.all(np.isfinite(np.asarray(out, np.float32))), "a hidden NaN reached a row"
-    assert_close(out, ref, name=str(batch))
-    return out, args
+    checks = {"query": "queries", "dtype": dtype, "cfg": cfg, "name": str(batch)}
+    return check_output(ragged_page_attention_pallas, SPEC, args, **checks), args
 
 
 def test_mixed_prefill_and_decode_match_the_reference_in_float32() -> None:

@@ -38,20 +38,6 @@ SMALL = FlashAttentionConfig(
     bwd_params=BwdParams(q_blocksize=16, kv_blocksize=32, num_warps=4, num_stages=1),
 )
 
-MODES = [
-    pytest.param("interpret", id="interpret"),
-    pytest.param("gpu", id="gpu", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=MODES)
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "interpret":
-        if jax.default_backend() != "cpu":
-            pytest.skip("the interpreter runs where the default device is a CPU")
-        monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
-    return request.param
-
 
 def shape_of(mode: str, interpret: tuple[int, ...], gpu: tuple[int, ...]) -> tuple[int, ...]:
     return interpret if mode == "interpret" else gpu

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.triton._linear_helpers import check_against, rel, run
 
 import ejkernel
 from ejkernel.specs.gla import gla_reference
@@ -32,13 +33,6 @@ SMALL = [pytest.param(C16, id="C16"), pytest.param(C32, id="C32")]
 GPU_SHAPE = (2, 8192, 16, 128, 128)
 
 
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
-
-
 def inputs(
     b: int, s: int, h: int, dk: int, dv: int, dtype: Any = jnp.float32, decay: float = 1.0
 ) -> tuple[jax.Array, ...]:
@@ -49,27 +43,6 @@ def inputs(
     v = normal(ks[2], (b, s, h, dv), dtype)
     g = decay * jax.nn.log_sigmoid(normal(ks[3], (b, s, h, dk), jnp.float32))
     return q, k, v, g.astype(dtype)
-
-
-def rel(a: Any, b: Any) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
-def run(fn: Any, arrays: dict[str, jax.Array], **statics: Any) -> tuple[Any, dict[str, Any]]:
-    """``fn``'s output and the gradients of every array of ``arrays`` under a fixed
-    cotangent (of the output and, with ``return_state``, of the final state)."""
-
-    def loss(arrays: dict[str, jax.Array]) -> Any:
-        out = fn(**arrays, **statics)
-        o, final = out if statics.get("return_state") else (out, None)
-        total = jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]) * 0.7))
-        if final is not None:
-            total += jnp.sum(final * jnp.sin(jnp.arange(final.shape[-1]) * 0.3))
-        return total, out
-
-    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
-    return out, grads
 
 
 def triton_gla(cfg: Any) -> Any:
@@ -83,19 +56,7 @@ def check(
 ) -> None:
     """Ours against the sequential reference: by ``assert_close`` in float32 and by norm
     (``tol``) in any dtype, output, final state and every gradient."""
-    ours, ref = triton_gla(cfg), gla_reference
-    if grads:
-        (out, got), (want, exp) = run(ours, arrays, **statics), run(ref, arrays, **statics)
-    else:
-        out, want, got, exp = ours(**arrays, **statics), ref(**arrays, **statics), {}, {}
-    for name, a, e in [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))] + [
-        (f"d{n}", got[n], exp[n]) for n in got
-    ]:
-        assert a.shape == e.shape and a.dtype == e.dtype, name
-        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
-        assert rel(a, e) <= tol, (name, rel(a, e))
-        if a.dtype == jnp.float32:
-            assert_close(a, e, name=name)
+    check_against(triton_gla(cfg), gla_reference, arrays, grads=grads, tol=tol, **statics)
 
 
 # -- interpreter ----------------------------------------------------------------------------

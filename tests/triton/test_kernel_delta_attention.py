@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.triton._linear_helpers import check_against, rel
 
 import ejkernel
 from ejkernel.specs.kernel_delta_attention import kernel_delta_attention_reference as reference
@@ -37,13 +38,6 @@ C16 = KernelDeltaAttentionConfig(chunk_size=16, block_v=16)
 C32 = KernelDeltaAttentionConfig(chunk_size=32, block_v=32)
 SHAPE = (2, 37, 2, 16, 32)
 GPU_SHAPE = (2, 8192, 16, 128, 128)
-
-
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
 
 
 def inputs(
@@ -70,11 +64,6 @@ def inputs(
     }
 
 
-def rel(a: Any, b: Any) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
 def triton_kda(cfg: Any) -> Any:
     return lambda **kw: ejkernel.kernel_delta_attention(**kw, platform="triton", cfg=cfg)
 
@@ -82,13 +71,10 @@ def triton_kda(cfg: Any) -> Any:
 def check(arrays: dict[str, jax.Array], cfg: Any, *, tol: float = 1e-4, **statics: Any) -> None:
     """Output (and final state) against the reference: ``assert_close`` in float32, by norm
     (``tol``) in any dtype."""
-    out, want = triton_kda(cfg)(**arrays, **statics), reference(**arrays, **statics)
-    for name, a, e in zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want)):
-        assert a.shape == e.shape and a.dtype == e.dtype, name
-        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
-        assert rel(a, e) <= tol, (name, rel(a, e))
-        if arrays["query"].dtype == jnp.float32:
-            assert_close(a, e, name=name)
+    strict = arrays["query"].dtype == jnp.float32
+    check_against(
+        triton_kda(cfg), reference, arrays, grads=False, tol=tol, strict=strict, **statics
+    )
 
 
 def numpy_scan(a: dict[str, Any], scale: float) -> tuple[np.ndarray, np.ndarray]:

@@ -23,13 +23,6 @@ from ejkernel_triton.ops.mean_pooling import MeanPoolingConfig
 SMALL = MeanPoolingConfig(block_t=16, block_d=32, split=2, num_stages=1)
 
 
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
-
-
 def compare(x: jax.Array, cu_seqlens: Any = None, cfg: Any = SMALL) -> jax.Array:
     """Output and gradient against the reference, at the dtype's tolerance."""
 

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 import ejkernel
-from ejkernel.ops import FwdParams
 from ejkernel.specs._paged import paged_block_tables
 from ejkernel.specs.page_attention import page_attention_reference
 from ejkernel.specs.prefill_page_attention import prefill_page_attention_reference
 from ejkernel.specs.ragged_page_attention import ragged_page_attention_reference
 from ejkernel.specs.unified_attention import unified_attention_reference
-from ejkernel.testing import assert_close
 
 pytest.importorskip("triton")
+
+from tests.triton._paged_helpers import check, packed_batch, small
 
 from ejkernel_triton.ops.unified_attention import UnifiedAttentionConfig
 from ejkernel_triton.ops.unified_attention_config import (
@@ -35,19 +35,6 @@ from ejkernel_triton.ops.unified_attention_config import (
     heuristic_config,
     serving_supports,
 )
-
-
-def small(rows: int = 16, keys: int = 16, splits: int = 1) -> UnifiedAttentionConfig:
-    """Tiles small enough that the interpreter's batches cross several of them."""
-    params = FwdParams(q_blocksize=rows, kv_blocksize=keys, num_warps=4, num_stages=1)
-    return UnifiedAttentionConfig(fwd_params=params, num_splits=splits)
-
-
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
 
 
 def packed(
@@ -64,40 +51,14 @@ def packed(
     dtype: Any = jnp.float32,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """A packed batch: pages shuffled, garbage past the live pages, NaN in every slot no
-    sequence owns; ``extra_rows`` table rows past the live sequences (with lengths and pages
-    of their own that must not be read), ``pad_tokens`` tokens of no sequence."""
-    rng = np.random.default_rng(seed)
-    all_lens = list(kv_lens) + [page_size + 3] * extra_rows
-    max_pages = max_pages or max(1, max(-(-n // page_size) for n in all_lens)) + 1
-    num_pages = sum(-(-n // page_size) for n in all_lens) + 3
-    tables = paged_block_tables(
-        rng, all_lens, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
-        unused=(10**6, -1),
+    """:func:`packed_batch` as the ops take it, queries and caches in ``dtype``."""
+    _, batch = packed_batch(
+        kv_lens, q_lens, hq=hq, hkv=hkv, d=d, page_size=page_size, max_pages=max_pages,
+        extra_rows=extra_rows, pad_tokens=pad_tokens, seed=seed,
     )  # fmt: skip
-    shape = (num_pages, page_size, hkv, d)
-    kc = rng.standard_normal(shape).astype(np.float32)
-    vc = rng.standard_normal(shape).astype(np.float32)
-    owned = np.zeros((num_pages, page_size), bool)
-    for s, n in enumerate(kv_lens):
-        for p in range(n):
-            owned[tables[s, p // page_size], p % page_size] = True
-    kc[~owned], vc[~owned] = np.nan, np.nan
-    t = sum(q_lens) + pad_tokens
-    qsl = np.concatenate([[0], np.cumsum(q_lens + [0] * extra_rows)])
-    return {
-        "queries": jnp.asarray(rng.standard_normal((t, hq, d)), dtype),
-        "key_cache": jnp.asarray(kc, dtype),
-        "value_cache": jnp.asarray(vc, dtype),
-        "kv_lens": jnp.asarray(all_lens, jnp.int32),
-        "block_tables": jnp.asarray(tables),
-        "query_start_loc": jnp.asarray(qsl, jnp.int32),
-    }
-
-
-def check(actual: Any, expected: Any, dtype: Any = jnp.float32) -> None:
-    assert bool(jnp.all(jnp.isfinite(actual))), "non-finite output"
-    assert_close(actual, expected, dtype=dtype)
+    dtypes = {"queries": dtype, "key_cache": dtype, "value_cache": dtype}
+    dtypes["query_start_loc"] = jnp.int32
+    return {n: jnp.asarray(x, dtypes.get(n)) for n, x in batch.items()}
 
 
 # -- unified_attention: features --------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.triton._linear_helpers import check_against, rel, run
 
 import ejkernel
 from ejkernel.specs.recurrent import recurrent_reference
@@ -29,13 +30,6 @@ C16 = RecurrentConfig(chunk_size=16, block_k=16, block_v=16, num_stages=1)
 C32 = RecurrentConfig(chunk_size=32, block_k=16, block_v=32, num_stages=1)
 
 
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
-
-
 def inputs(b: int, s: int, h: int, dk: int, dv: int, dtype: Any = jnp.float32) -> dict[str, Any]:
     """q, k, v, log-sigmoid gates ``g`` and ``gk``, from a fixed key."""
     ks = jax.random.split(jax.random.PRNGKey(s * 5 + dk + dv), 5)
@@ -48,26 +42,6 @@ def inputs(b: int, s: int, h: int, dk: int, dv: int, dtype: Any = jnp.float32) -
     }
 
 
-def rel(a: Any, b: Any) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
-def run(fn: Any, arrays: dict[str, jax.Array], **statics: Any) -> tuple[Any, dict[str, Any]]:
-    """``fn``'s output and the gradients of every array under a fixed cotangent."""
-
-    def loss(arrays: dict[str, jax.Array]) -> Any:
-        out = fn(**arrays, **statics)
-        o, final = out if statics.get("return_state") else (out, None)
-        total = jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]) * 0.7))
-        if final is not None:
-            total += jnp.sum(final * jnp.sin(jnp.arange(final.shape[-1]) * 0.3))
-        return total, out
-
-    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
-    return out, grads
-
-
 def triton_recurrent(cfg: Any) -> Any:
     return lambda **kw: ejkernel.recurrent(platform="triton", cfg=cfg, **kw)
 
@@ -75,17 +49,7 @@ def triton_recurrent(cfg: Any) -> Any:
 def check(arrays: dict[str, jax.Array], cfg: Any, *, tol: float = 1e-4, **statics: Any) -> None:
     """Output, final state and every gradient against the reference: by ``assert_close`` in
     float32 and by norm (``tol``) in any dtype."""
-    (out, got), (want, exp) = (
-        run(triton_recurrent(cfg), arrays, **statics),
-        run(recurrent_reference, arrays, **statics),
-    )
-    pairs = [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))]
-    for name, a, e in pairs + [(f"d{n}", got[n], exp[n]) for n in got]:
-        assert a.shape == e.shape and a.dtype == e.dtype, name
-        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
-        assert rel(a, e) <= tol, (name, rel(a, e))
-        if a.dtype == jnp.float32:
-            assert_close(a, e, name=name)
+    check_against(triton_recurrent(cfg), recurrent_reference, arrays, tol=tol, **statics)
 
 
 # -- interpreter ----------------------------------------------------------------------------

@@ -28,13 +28,6 @@ from ejkernel_triton.ops.gla import GlaConfig
 FUSED = GlaConfig(block_v=16, fused=True)
 
 
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
-
-
 def inputs(b: int, s: int, h: int, dk: int, dv: int, dtype: Any = jnp.float32) -> dict[str, Any]:
     """q, k, v, a log-sigmoid key gate ``gk`` and an initial state, from a fixed key."""
     ks = jax.random.split(jax.random.PRNGKey(s * 11 + dk + dv + b), 5)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import ejkernel
-from ejkernel.ops import FwdParams
 from ejkernel.specs._paged import paged_block_tables
 from ejkernel.specs.page_attention import page_attention_reference
 from ejkernel.specs.prefill_page_attention import prefill_page_attention_reference
@@ -26,25 +25,12 @@ from ejkernel.specs.ragged_decode_attention import ragged_decode_attention_refer
 from ejkernel.specs.ragged_page_attention import ragged_page_attention_reference
 from ejkernel.specs.ragged_page_attention_v3 import ragged_page_attention_v3_reference
 from ejkernel.specs.unified_attention import unified_attention_reference
-from ejkernel.testing import assert_close
 
 pytest.importorskip("triton")
 
-from ejkernel_triton.ops.unified_attention import UnifiedAttentionConfig
+from tests.triton._paged_helpers import check, packed_batch, small
 
 FP8 = jnp.float8_e4m3fn
-
-
-def small(rows: int = 16, keys: int = 16, splits: int = 1) -> UnifiedAttentionConfig:
-    params = FwdParams(q_blocksize=rows, kv_blocksize=keys, num_warps=4, num_stages=1)
-    return UnifiedAttentionConfig(fwd_params=params, num_splits=splits)
-
-
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
 
 
 def packed(
@@ -61,43 +47,24 @@ def packed(
     cache_dtype: Any = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """A packed batch: pages shuffled, garbage ids past the live pages, NaN in every slot no
-    sequence owns; ``extra_rows`` table rows past the live ones, ``pad_tokens`` tokens of no
-    sequence; new ``keys``/``values`` for ``ragged_page_attention_v3``."""
-    rng = np.random.default_rng(seed)
-    all_lens = list(kv_lens) + [page_size + 3] * extra_rows
-    max_pages = max(1, max(-(-n // page_size) for n in all_lens)) + 1
-    num_pages = sum(-(-n // page_size) for n in all_lens) + 3
-    tables = paged_block_tables(
-        rng, all_lens, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
-        unused=(10**6, -1),
+    """:func:`packed_batch` as the ops take it (caches drawn times 2, in ``cache_dtype``),
+    with new ``keys``/``values`` for ``ragged_page_attention_v3``."""
+    rng, batch = packed_batch(
+        kv_lens, q_lens, hq=hq, hkv=hkv, d=d, page_size=page_size, extra_rows=extra_rows,
+        pad_tokens=pad_tokens, cache_scale=2.0, seed=seed,
     )  # fmt: skip
-    shape = (num_pages, page_size, hkv, d)
-    kc = rng.standard_normal(shape).astype(np.float32) * 2
-    vc = rng.standard_normal(shape).astype(np.float32) * 2
-    owned = np.zeros((num_pages, page_size), bool)
-    for s, n in enumerate(kv_lens):
-        for p in range(n):
-            owned[tables[s, p // page_size], p % page_size] = True
-    kc[~owned], vc[~owned] = np.nan, np.nan
-    t = sum(q_lens) + pad_tokens
-    qsl = np.concatenate([[0], np.cumsum(q_lens + [0] * extra_rows)])
+    t = batch["queries"].shape[0]
     cache_dtype = cache_dtype or dtype
     return {
-        "queries": jnp.asarray(rng.standard_normal((t, hq, d)), dtype),
+        "queries": jnp.asarray(batch["queries"], dtype),
         "keys": jnp.asarray(rng.standard_normal((t, hkv, d)) * 2, dtype),
         "values": jnp.asarray(rng.standard_normal((t, hkv, d)) * 2, dtype),
-        "key_cache": jnp.asarray(kc, cache_dtype),
-        "value_cache": jnp.asarray(vc, cache_dtype),
-        "kv_lens": jnp.asarray(all_lens, jnp.int32),
-        "block_tables": jnp.asarray(tables),
-        "query_start_loc": jnp.asarray(qsl, jnp.int32),
+        "key_cache": jnp.asarray(batch["key_cache"], cache_dtype),
+        "value_cache": jnp.asarray(batch["value_cache"], cache_dtype),
+        "kv_lens": jnp.asarray(batch["kv_lens"]),
+        "block_tables": jnp.asarray(batch["block_tables"]),
+        "query_start_loc": jnp.asarray(batch["query_start_loc"], jnp.int32),
     }
-
-
-def check(actual: Any, expected: Any, dtype: Any = jnp.float32) -> None:
-    assert bool(jnp.all(jnp.isfinite(actual))), "non-finite output"
-    assert_close(actual, expected, dtype=dtype)
 
 
 def _f32(x: Any) -> Any:

@@ -43,6 +43,9 @@ T = 21
 CU_SEQLENS = (0, 0, 5, 5, 5, 20, 37, 37)
 
 
+LINEAR_TOKENS = ("query", "key", "value")
+
+
 @attrs.frozen(kw_only=True)
 class Op:
     """One op under test and how to build its inputs.
@@ -53,7 +56,7 @@ class Op:
         spec: its spec module (``SPEC``: the reference and the differentiable arguments).
         gates: the log-gate arguments and their trailing axis (``"K"``, ``"V"``, ``""`` for a
             per-head scalar); the state-space ops have none (their log decay is ``Δ A``).
-        per_token: the arguments with a token axis (axis 1).
+        per_token: the arguments with a token axis (axis 1); by default q, k, v and the gates.
         value: the argument whose entries are the values (``value``, ``x``).
         cfg: the implementation's config, 16-token chunks.
         statics: the op's other arguments.
@@ -63,7 +66,9 @@ class Op:
     fn: Callable[..., Any]
     spec: Any
     gates: dict[str, str] = attrs.field(factory=dict)
-    per_token: tuple[str, ...] = ("query", "key", "value")
+    per_token: tuple[str, ...] = attrs.field(
+        default=attrs.Factory(lambda op: (*LINEAR_TOKENS, *op.gates), takes_self=True)
+    )
     value: str = "value"
     cfg: Any = None
     statics: dict[str, Any] = attrs.field(factory=dict)
@@ -87,40 +92,24 @@ class Op:
         )
 
 
-LINEAR_TOKENS = ("query", "key", "value")
+RECURRENT = RecurrentConfig(chunk_size=16, sub_chunk_size=4)
+#: recurrent's gate forms: (id, gates, statics).
+RECURRENT_FORMS = [
+    ("recurrent-g", {"g": ""}, {}),
+    ("recurrent-gk-reverse", {"gk": "K"}, {"reverse": True}),
+    ("recurrent-g-gk-gv", {"g": "", "gk": "K", "gv": "V"}, {}),
+]
 OPS = [
     Op(
         id="gla",
         fn=ejkernel.gla,
         spec=gla_spec,
         gates={"g": "K"},
-        per_token=(*LINEAR_TOKENS, "g"),
         cfg=GlaConfig(chunk_size=16, sub_chunk_size=4),
     ),
-    Op(
-        id="recurrent-g",
-        fn=ejkernel.recurrent,
-        spec=recurrent_spec,
-        gates={"g": ""},
-        per_token=(*LINEAR_TOKENS, "g"),
-        cfg=RecurrentConfig(chunk_size=16, sub_chunk_size=4),
-    ),
-    Op(
-        id="recurrent-gk-reverse",
-        fn=ejkernel.recurrent,
-        spec=recurrent_spec,
-        gates={"gk": "K"},
-        per_token=(*LINEAR_TOKENS, "gk"),
-        cfg=RecurrentConfig(chunk_size=16, sub_chunk_size=4),
-        statics={"reverse": True},
-    ),
-    Op(
-        id="recurrent-g-gk-gv",
-        fn=ejkernel.recurrent,
-        spec=recurrent_spec,
-        gates={"g": "", "gk": "K", "gv": "V"},
-        per_token=(*LINEAR_TOKENS, "g", "gk", "gv"),
-        cfg=RecurrentConfig(chunk_size=16, sub_chunk_size=4),
+    *(
+        Op(id=i, fn=ejkernel.recurrent, spec=recurrent_spec, gates=g, cfg=RECURRENT, statics=st)
+        for i, g, st in RECURRENT_FORMS
     ),
     Op(
         id="lightning",
@@ -128,21 +117,16 @@ OPS = [
         spec=lightning_spec,
         cfg=LightningAttentionConfig(chunk_size=16),
     ),
-    Op(
-        id="kda-vector",
-        fn=ejkernel.kernel_delta_attention,
-        spec=kda_spec,
-        gates={"g": "K"},
-        per_token=(*LINEAR_TOKENS, "beta", "g"),
-        cfg=KernelDeltaAttentionConfig(chunk_size=16),
-    ),
-    Op(
-        id="kda-scalar",
-        fn=ejkernel.kernel_delta_attention,
-        spec=kda_spec,
-        gates={"g": ""},
-        per_token=(*LINEAR_TOKENS, "beta", "g"),
-        cfg=KernelDeltaAttentionConfig(chunk_size=16),
+    *(
+        Op(
+            id=f"kda-{form}",
+            fn=ejkernel.kernel_delta_attention,
+            spec=kda_spec,
+            gates={"g": axis},
+            per_token=(*LINEAR_TOKENS, "beta", "g"),
+            cfg=KernelDeltaAttentionConfig(chunk_size=16),
+        )
+        for form, axis in (("vector", "K"), ("scalar", ""))
     ),
     Op(
         id="ssd",

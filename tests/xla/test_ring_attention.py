@@ -9,9 +9,6 @@ the same ring kernel with a ring of one.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from tests.xla._host_devices import run_on_host_devices
 
 import ejkernel
 from ejkernel._params import BwdParams, FwdParams
@@ -162,17 +160,8 @@ def test_a_ring_of_one_device_in_bfloat16() -> None:
 
 @pytest.mark.parametrize("devices", [4, 8], ids=["4-devices", "8-devices"])
 def test_ring_on_host_devices_matches_flash_attention_on_the_global_arrays(devices: int) -> None:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, str(HELPER), str(devices)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == (2 if devices == 4 else 1), result.stdout
+    stdout = run_on_host_devices(HELPER, devices)
+    assert stdout.count("ok ") == (2 if devices == 4 else 1), stdout
 
 
 # -- selection, configs, errors ---------------------------------------------------------------

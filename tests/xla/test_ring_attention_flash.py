@@ -4,10 +4,7 @@ devices (``_ring_attention_flash_devices.py``)."""
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 from typing import Any
 
 import jax
@@ -15,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from tests.xla._host_devices import run_on_host_devices
 
 import ejkernel
 from ejkernel.errors import NoImplementationError
@@ -38,17 +36,8 @@ def inputs(b: int = 2, sq: int = 37, sk: int = 45, hq: int = 4, hkv: int = 2, d:
 
 @pytest.mark.parametrize("devices", [2, 4], ids=["2-devices", "4-devices"])
 def test_ring_on_flash_steps_matches_flash_attention_on_the_global_arrays(devices: int) -> None:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, str(HELPER), str(devices)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == (4 if devices == 2 else 2), result.stdout
+    stdout = run_on_host_devices(HELPER, devices)
+    assert stdout.count("ok ") == (4 if devices == 2 else 2), stdout
 
 
 # -- the zigzag layout --------------------------------------------------------------------------

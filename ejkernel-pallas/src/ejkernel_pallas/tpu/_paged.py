@@ -209,6 +209,30 @@ def kv_block_choices(page_size: int, max_pages: int) -> list[int]:
     return sorted({pages_per_block(k, page_size, max_pages) for k in keys})
 
 
+def fits(lp: Launch) -> bool:
+    """Whether a grid step of ``lp`` fits the VMEM budget."""
+    return vmem_bytes(lp) <= vmem_budget()
+
+
+#: The cache dtypes the serving kernels take.
+CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cache_reason(op: str, kw: Any, lp: Launch) -> str | None:
+    """Why ``op``'s kernel cannot read the call's caches (float8 scales, a dtype outside
+    :data:`CACHE_DTYPES`, a page layout the TPU cannot tile), or ``None``."""
+    for name in ("k_scale", "v_scale"):
+        if kw.get(name) is not None:
+            return (
+                f"the Pallas TPU {op} does not implement {name} (fp8 caches); "
+                "the XLA plugin serves it"
+            )
+    dtype = jnp.dtype(kw["key_cache"].dtype).name
+    if dtype not in CACHE_DTYPES:
+        return f"the Pallas TPU {op} takes {'/'.join(CACHE_DTYPES)} caches; got {dtype}"
+    return page_layout_reason(lp.page_size, lp.dtype, jax.default_backend())
+
+
 def smem_bytes(*lengths: int) -> int:
     """SMEM of int32 scalar-prefetch arrays of these lengths (each padded to 128 words)."""
     return sum(round_up(max(n, 1), LANES) * 4 for n in lengths)

@@ -46,8 +46,6 @@ __all__ = [
     "supports",
 ]
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 @attrs.frozen(kw_only=True)
 class PageAttentionConfig:
@@ -90,13 +88,9 @@ def _config(lp: Launch) -> PageAttentionConfig:
     return PageAttentionConfig(fwd_params=FwdParams(kv_blocksize=lp.block_keys))
 
 
-def _fits(lp: Launch) -> bool:
-    return _paged.vmem_bytes(lp) <= _paged.vmem_budget()
-
-
 def _heuristic_launch(kw: Mapping[str, Any]) -> Launch:
     lp = _launch(kw, None)
-    while lp.pages_per_block > 1 and not _fits(lp):
+    while lp.pages_per_block > 1 and not _paged.fits(lp):
         lp = attrs.evolve(lp, pages_per_block=lp.pages_per_block // 2)
     return lp
 
@@ -112,7 +106,7 @@ def config_space(inv: Any) -> list[PageAttentionConfig]:
     space = [heuristic(inv)]
     for pages in _paged.kv_block_choices(lp.page_size, lp.max_pages):
         cand = attrs.evolve(lp, pages_per_block=pages)
-        if _fits(cand) and _config(cand) not in space:
+        if _paged.fits(cand) and _config(cand) not in space:
             space.append(_config(cand))
     return space
 
@@ -120,21 +114,12 @@ def config_space(inv: Any) -> list[PageAttentionConfig]:
 def supports(inv: Any) -> bool | str:
     """True, or why this kernel cannot serve the call (see the module docstring)."""
     kw = inv.kwargs
-    for name in ("k_scale", "v_scale"):
-        if kw.get(name) is not None:
-            return (
-                f"the Pallas TPU page_attention does not implement {name} (fp8 caches); "
-                "the XLA plugin serves it"
-            )
-    dtype = jnp.dtype(kw["key_cache"].dtype).name
-    if dtype not in DTYPES:
-        return f"the Pallas TPU page_attention takes {'/'.join(DTYPES)} caches; got {dtype}"
     lp = _launch(kw, None)
-    reason = _paged.page_layout_reason(lp.page_size, lp.dtype, jax.default_backend())
+    reason = _paged.cache_reason("page_attention", kw, lp)
     if reason:
         return reason
     smallest = attrs.evolve(lp, pages_per_block=1)
-    if not _fits(smallest):
+    if not _paged.fits(smallest):
         return (
             f"the Pallas TPU page_attention needs {_paged.vmem_bytes(smallest)} bytes of VMEM "
             f"for one page per block; the budget is {_paged.vmem_budget()}"

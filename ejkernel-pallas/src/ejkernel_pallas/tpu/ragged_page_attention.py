@@ -53,7 +53,6 @@ __all__ = [
     "supports",
 ]
 
-DTYPES = ("float32", "bfloat16", "float16")
 #: Logits rows (``bq · G``) per KV head the heuristic aims at, and the query blocks offered.
 ROWS_TARGET = 128
 Q_BLOCKS = (8, 16, 32, 64, 128)
@@ -111,13 +110,9 @@ def _config(lp: Launch) -> RaggedPageAttentionConfig:
     )
 
 
-def _fits(lp: Launch) -> bool:
-    return _paged.vmem_bytes(lp) <= _paged.vmem_budget()
-
-
 def _heuristic_launch(kw: Mapping[str, Any]) -> Launch:
     lp = _launch(kw, None, None)
-    while not _fits(lp):
+    while not _paged.fits(lp):
         if lp.pages_per_block > 1:
             lp = attrs.evolve(lp, pages_per_block=lp.pages_per_block // 2)
         elif _q_block(lp) > SUBLANES:
@@ -143,7 +138,7 @@ def config_space(inv: Any) -> list[RaggedPageAttentionConfig]:
     for q_block in Q_BLOCKS:
         for pages in _paged.kv_block_choices(base.page_size, base.max_pages):
             cand = _launch(kw, q_block, pages * base.page_size)
-            if _fits(cand) and _config(cand) not in space:
+            if _paged.fits(cand) and _config(cand) not in space:
                 space.append(_config(cand))
     return space
 
@@ -151,20 +146,11 @@ def config_space(inv: Any) -> list[RaggedPageAttentionConfig]:
 def supports(inv: Any) -> bool | str:
     """True, or why this kernel cannot serve the call (see the module docstring)."""
     kw = inv.kwargs
-    for name in ("k_scale", "v_scale"):
-        if kw.get(name) is not None:
-            return (
-                f"the Pallas TPU ragged_page_attention does not implement {name} (fp8 caches); "
-                "the XLA plugin serves it"
-            )
-    dtype = jnp.dtype(kw["key_cache"].dtype).name
-    if dtype not in DTYPES:
-        return f"the Pallas TPU ragged_page_attention takes {'/'.join(DTYPES)} caches; got {dtype}"
     lp = _launch(kw, SUBLANES, 1)
-    reason = _paged.page_layout_reason(lp.page_size, lp.dtype, jax.default_backend())
+    reason = _paged.cache_reason("ragged_page_attention", kw, lp)
     if reason:
         return reason
-    if not _fits(lp):
+    if not _paged.fits(lp):
         return (
             f"the Pallas TPU ragged_page_attention needs {_paged.vmem_bytes(lp)} bytes of VMEM "
             f"for its smallest blocks; the budget is {_paged.vmem_budget()}"

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 
 from ejkernel.plugins import defvjp
-from ejkernel_triton.ops import gla
+from ejkernel_triton.ops import _on_gla, gla
 from ejkernel_triton.ops.gla_config import GlaConfig, config_space, heuristic
-from ejkernel_triton.ops.gla_config import supports as _gla_supports
 
 __all__ = [
     "LightningAttentionConfig",
@@ -34,26 +32,11 @@ __all__ = [
 #: The lightning_attention op's config is gla's.
 LightningAttentionConfig = GlaConfig
 
-_GLA_ARGS = (
-    "query",
-    "key",
-    "value",
-    "initial_state",
-    "cu_seqlens",
-    "softmax_scale",
-    "return_state",
-)
-
-
-@attrs.frozen
-class _Inv:
-    kwargs: dict[str, Any]
-
 
 def supports(inv: Any) -> bool | str:
     """gla's limits: dtypes bf16/f16/f32, one q/k/v dtype, K and V ≤ 256."""
     a = inv.kwargs
-    return _gla_supports(_Inv({**a, "g": a["query"]}))
+    return _on_gla.gla_supports(a)
 
 
 def lightning_attention_triton(*, cfg: GlaConfig | None = None, **args: Any) -> Any:
@@ -68,8 +51,7 @@ def lightning_attention_triton(*, cfg: GlaConfig | None = None, **args: Any) -> 
         ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
         when ``return_state``.
     """
-    if cfg is None:
-        cfg = heuristic(_Inv(args))
+    cfg = _on_gla.config(cfg, args)
     if not cfg.fused:
         return _lightning_fwd(cfg=cfg, **args)[0]
     a = gla_form(args)
@@ -98,4 +80,4 @@ def gla_form(args: dict[str, Any]) -> dict[str, Any]:
     """gla's arguments for the call: the key gate ``-slopes`` broadcast to ``[B, S, H, K]``."""
     q = args["query"]
     gate = jnp.broadcast_to(-args["slopes"].astype(jnp.float32)[:, None], q.shape)
-    return {**{n: args.get(n) for n in _GLA_ARGS}, "g": gate}
+    return _on_gla.gla_args(args, gate)

@@ -9,7 +9,6 @@ decode kernel ranks above this on NVIDIA GPUs; this serves where it declines or 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -18,9 +17,10 @@ import jax.numpy as jnp
 
 from ejkernel_triton.ops.unified_attention import paged_attention
 from ejkernel_triton.ops.unified_attention_config import (
-    Problem,
     UnifiedAttentionConfig,
+    passed_through,
     serving_supports,
+    table_problem,
     tuning,
 )
 
@@ -32,12 +32,7 @@ class PageAttentionConfig(UnifiedAttentionConfig):
     """Tunables of the Triton page attention (:class:`UnifiedAttentionConfig`'s)."""
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
-    tables = kw["block_tables"]
-    return Problem.of(kw["query"], kw["key_cache"], tables.shape[0], tables.shape[1])
-
-
-heuristic, config_space = tuning(PageAttentionConfig, _problem)
+heuristic, config_space = tuning(PageAttentionConfig, table_problem("query"))
 
 
 def supports(inv: Any) -> bool | str:
@@ -66,10 +61,6 @@ def page_attention_triton(*, cfg: PageAttentionConfig | None = None, **args: Any
         block_tables=args["block_tables"],
         query_start_loc=jnp.arange(s + 1, dtype=jnp.int32),
         num_seqs=s,
-        softmax_scale=args.get("softmax_scale"),
-        sliding_window=args.get("sliding_window"),
-        logits_soft_cap=args.get("logits_soft_cap"),
-        k_scale=args.get("k_scale"),
-        v_scale=args.get("v_scale"),
+        **passed_through(args),
         decode=True,
     )

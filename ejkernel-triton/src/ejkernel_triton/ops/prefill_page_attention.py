@@ -18,6 +18,7 @@ from ejkernel_triton.ops.unified_attention import paged_attention
 from ejkernel_triton.ops.unified_attention_config import (
     Problem,
     UnifiedAttentionConfig,
+    passed_through,
     serving_supports,
     tuning,
 )
@@ -71,9 +72,5 @@ def prefill_page_attention_triton(
         block_tables=args["page_indices"][None],
         query_start_loc=jnp.asarray([0, query.shape[0]], jnp.int32),
         num_seqs=1,
-        softmax_scale=args.get("softmax_scale"),
-        sliding_window=args.get("sliding_window"),
-        logits_soft_cap=args.get("logits_soft_cap"),
-        k_scale=args.get("k_scale"),
-        v_scale=args.get("v_scale"),
+        **passed_through(args),
     )

@@ -6,7 +6,6 @@ The op is :func:`ejkernel_triton.ops.unified_attention.paged_attention` with its
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -14,9 +13,10 @@ import jax
 
 from ejkernel_triton.ops.unified_attention import paged_attention
 from ejkernel_triton.ops.unified_attention_config import (
-    Problem,
     UnifiedAttentionConfig,
+    passed_through,
     serving_supports,
+    table_problem,
     tuning,
 )
 
@@ -34,12 +34,7 @@ class RaggedPageAttentionConfig(UnifiedAttentionConfig):
     """Tunables of the Triton ragged page attention (:class:`UnifiedAttentionConfig`'s)."""
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
-    tables = kw["block_tables"]
-    return Problem.of(kw["queries"], kw["key_cache"], tables.shape[0], tables.shape[1])
-
-
-heuristic, config_space = tuning(RaggedPageAttentionConfig, _problem)
+heuristic, config_space = tuning(RaggedPageAttentionConfig, table_problem("queries"))
 
 
 def supports(inv: Any) -> bool | str:
@@ -66,10 +61,6 @@ def ragged_page_attention_triton(
         **{n: args[n] for n in names},
         query_start_loc=args["query_start_loc"],
         num_seqs=args["num_seqs"],
-        softmax_scale=args.get("softmax_scale"),
-        sliding_window=args.get("sliding_window"),
-        logits_soft_cap=args.get("logits_soft_cap"),
-        k_scale=args.get("k_scale"),
-        v_scale=args.get("v_scale"),
+        **passed_through(args),
         softmax_aux=args.get("softmax_aux"),
     )

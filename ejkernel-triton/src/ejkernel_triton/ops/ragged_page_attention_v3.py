@@ -16,7 +16,6 @@ aliasing, and so the in-place update, is the GPU path's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -28,9 +27,9 @@ from ejkernel_triton import _launch
 from ejkernel_triton.ops.flash_attention_config import pow2
 from ejkernel_triton.ops.unified_attention import paged_attention
 from ejkernel_triton.ops.unified_attention_config import (
-    Problem,
     UnifiedAttentionConfig,
     serving_supports,
+    table_problem,
     tuning,
 )
 
@@ -54,12 +53,7 @@ class RaggedPageAttentionV3Config(UnifiedAttentionConfig):
     (:class:`UnifiedAttentionConfig`'s; the update has none)."""
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
-    tables = kw["block_tables"]
-    return Problem.of(kw["queries"], kw["key_cache"], tables.shape[0], tables.shape[1])
-
-
-heuristic, config_space = tuning(RaggedPageAttentionV3Config, _problem)
+heuristic, config_space = tuning(RaggedPageAttentionV3Config, table_problem("queries"))
 
 
 def supports(inv: Any) -> bool | str:

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 
 from ejkernel.plugins import defvjp
-from ejkernel_triton.ops import gla
+from ejkernel_triton.ops import _on_gla, gla
 from ejkernel_triton.ops.gla_config import GlaConfig, config_space, heuristic
-from ejkernel_triton.ops.gla_config import supports as _gla_supports
 
 __all__ = [
     "RecurrentConfig",
@@ -36,16 +34,6 @@ __all__ = [
 
 #: The recurrent op's config is gla's.
 RecurrentConfig = GlaConfig
-
-_GLA_ARGS = (
-    "query",
-    "key",
-    "value",
-    "initial_state",
-    "cu_seqlens",
-    "softmax_scale",
-    "return_state",
-)
 
 
 def supports(inv: Any) -> bool | str:
@@ -60,12 +48,7 @@ def supports(inv: Any) -> bool | str:
         x = a.get(name)
         if x is not None and x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
             return f"{name} dtype {x.dtype} (the Triton kernels take bfloat16, float16, float32)"
-    return _gla_supports(_Inv({**a, "g": a["query"]}))
-
-
-@attrs.frozen
-class _Inv:
-    kwargs: dict[str, Any]
+    return _on_gla.gla_supports(a)
 
 
 def recurrent_triton(*, cfg: GlaConfig | None = None, **args: Any) -> Any:
@@ -80,8 +63,7 @@ def recurrent_triton(*, cfg: GlaConfig | None = None, **args: Any) -> Any:
         ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
         when ``return_state``.
     """
-    if cfg is None:
-        cfg = heuristic(_Inv(args))
+    cfg = _on_gla.config(cfg, args)
     if not cfg.fused:
         return _recurrent_fwd(cfg=cfg, **args)[0]
     a, rev = gla_form(args), bool(args.get("reverse"))
@@ -136,7 +118,7 @@ def gla_form(args: dict[str, Any]) -> dict[str, Any]:
         gate = gate + args["g"].astype(jnp.float32)[..., None]
     if args.get("gk") is not None:
         gate = gate + args["gk"].astype(jnp.float32)
-    return {**{n: args.get(n) for n in _GLA_ARGS}, "g": gate}
+    return _on_gla.gla_args(args, gate)
 
 
 def flip_inputs(a: dict[str, Any]) -> dict[str, Any]:

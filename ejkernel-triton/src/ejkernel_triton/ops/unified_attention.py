@@ -17,7 +17,6 @@ declines. Under ``jit`` one compiled kernel serves every ``kv_lens``, ``query_st
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -32,6 +31,7 @@ from ejkernel_triton.ops.unified_attention_config import (
     fit_stages,
     resolve,
     serving_supports,
+    table_problem,
     tuning,
 )
 
@@ -209,12 +209,7 @@ def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
 # -- the registered op ----------------------------------------------------------------------
 
 
-def _problem(kw: Mapping[str, Any]) -> Problem:
-    tables = kw["block_tables"]
-    return Problem.of(kw["queries"], kw["key_cache"], tables.shape[0], tables.shape[1])
-
-
-heuristic, config_space = tuning(UnifiedAttentionConfig, _problem)
+heuristic, config_space = tuning(UnifiedAttentionConfig, table_problem("queries"))
 
 
 def supports(inv: Any) -> bool | str:

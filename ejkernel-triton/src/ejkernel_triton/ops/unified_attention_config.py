@@ -242,6 +242,26 @@ def config_space_of(problem: Problem, config: type[Any]) -> list[Any]:
     )
 
 
+def table_problem(query: str) -> Callable[[Mapping[str, Any]], Problem]:
+    """The :class:`Problem` of a call over ``block_tables [rows, max_pages]`` whose queries are
+    the argument ``query``."""
+
+    def problem(kw: Mapping[str, Any]) -> Problem:
+        tables = kw["block_tables"]
+        return Problem.of(kw[query], kw["key_cache"], tables.shape[0], tables.shape[1])
+
+    return problem
+
+
+#: The optional arguments the paged ops pass through to the unified kernel as given.
+PASSED_THROUGH = ("softmax_scale", "sliding_window", "logits_soft_cap", "k_scale", "v_scale")
+
+
+def passed_through(args: Mapping[str, Any]) -> dict[str, Any]:
+    """:data:`PASSED_THROUGH` of ``args`` (``None`` where absent)."""
+    return {n: args.get(n) for n in PASSED_THROUGH}
+
+
 def tuning(
     config: type[Any], problem: Callable[[Mapping[str, Any]], Problem]
 ) -> tuple[Callable[[Any], Any], Callable[[Any], list[Any]]]:

@@ -1,0 +1,45 @@
+"""What the ops that run on the gla kernels (recurrent, lightning_attention) share: gla's
+argument dict for a key gate, gla's limits, and the config a call runs with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import jax
+
+from ejkernel_triton.ops.gla_config import GlaConfig, heuristic
+from ejkernel_triton.ops.gla_config import supports as _gla_supports
+
+#: The arguments such an op passes through to gla unchanged (the key gate ``g`` is its own).
+GLA_ARGS = (
+    "query",
+    "key",
+    "value",
+    "initial_state",
+    "cu_seqlens",
+    "softmax_scale",
+    "return_state",
+)
+
+
+@attrs.frozen
+class Inv:
+    """An invocation's keyword arguments, as gla's ``supports`` and ``heuristic`` read them."""
+
+    kwargs: dict[str, Any]
+
+
+def gla_args(args: dict[str, Any], gate: jax.Array) -> dict[str, Any]:
+    """gla's arguments for the call: the pass-through ones of ``args`` and the key ``gate``."""
+    return {**{n: args.get(n) for n in GLA_ARGS}, "g": gate}
+
+
+def gla_supports(args: dict[str, Any]) -> bool | str:
+    """gla's limits (dtypes, K and V ≤ 256) on the call's query, key and value."""
+    return _gla_supports(Inv({**args, "g": args["query"]}))
+
+
+def config(cfg: GlaConfig | None, args: dict[str, Any]) -> GlaConfig:
+    """``cfg``, or gla's heuristic choice for the call when ``None``."""
+    return heuristic(Inv(args)) if cfg is None else cfg

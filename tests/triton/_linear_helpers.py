@@ -1,0 +1,63 @@
+"""What the Triton linear-attention tests (gla, recurrent, lightning_attention,
+kernel_delta_attention) share: a norm-relative error, outputs and gradients under a fixed
+cotangent, and the comparison of every output leaf and gradient against the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ejkernel.testing import assert_close
+
+
+def rel(a: Any, b: Any) -> float:
+    """``|a - b| / |b|`` in float32."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def run(fn: Callable[..., Any], arrays: dict[str, jax.Array], **statics: Any) -> tuple[Any, Any]:
+    """``fn``'s output and the gradients of every array of ``arrays`` under a fixed
+    cotangent (of the output and, with ``return_state``, of the final state)."""
+
+    def loss(arrays: dict[str, jax.Array]) -> Any:
+        out = fn(**arrays, **statics)
+        o, final = out if statics.get("return_state") else (out, None)
+        total = jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]) * 0.7))
+        if final is not None:
+            total += jnp.sum(final * jnp.sin(jnp.arange(final.shape[-1]) * 0.3))
+        return total, out
+
+    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
+    return out, grads
+
+
+def check_against(
+    ours: Callable[..., Any],
+    reference: Callable[..., Any],
+    arrays: dict[str, jax.Array],
+    *,
+    grads: bool = True,
+    tol: float = 1e-4,
+    strict: bool | None = None,
+    **statics: Any,
+) -> None:
+    """``ours`` against ``reference``: output, final state and (with ``grads``) every
+    gradient, of equal shape and dtype, finite, within ``tol`` by norm, and by
+    ``assert_close`` where ``strict`` (by default: where the leaf is float32)."""
+    if grads:
+        (out, got), (want, exp) = run(ours, arrays, **statics), run(reference, arrays, **statics)
+    else:
+        out, want, got, exp = ours(**arrays, **statics), reference(**arrays, **statics), {}, {}
+    outs, wants = jax.tree.leaves(out), jax.tree.leaves(want)
+    assert len(outs) == len(wants), (len(outs), len(wants))
+    leaves = [*zip(("out", "final"), outs, wants)]
+    for name, a, e in leaves + [(f"d{n}", got[n], exp[n]) for n in got]:
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
+        assert rel(a, e) <= tol, (name, rel(a, e))
+        if a.dtype == jnp.float32 if strict is None else strict:
+            assert_close(a, e, name=name)

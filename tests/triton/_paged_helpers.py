@@ -1,0 +1,74 @@
+"""What the Triton serving-attention tests share: small tiles, a packed paged batch with
+NaN in every cache slot no sequence owns, and the finite-and-close check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.ops import FwdParams
+from ejkernel.specs._paged import paged_block_tables
+from ejkernel.testing import assert_close
+from ejkernel_triton.ops.unified_attention import UnifiedAttentionConfig
+
+
+def small(rows: int = 16, keys: int = 16, splits: int = 1) -> UnifiedAttentionConfig:
+    """Tiles small enough that the interpreter's batches cross several of them."""
+    params = FwdParams(q_blocksize=rows, kv_blocksize=keys, num_warps=4, num_stages=1)
+    return UnifiedAttentionConfig(fwd_params=params, num_splits=splits)
+
+
+def packed_batch(
+    kv_lens: list[int],
+    q_lens: list[int],
+    *,
+    hq: int,
+    hkv: int,
+    d: int,
+    page_size: int,
+    max_pages: int | None = None,
+    extra_rows: int = 0,
+    pad_tokens: int = 0,
+    cache_scale: float = 1.0,
+    seed: int = 0,
+) -> tuple[np.random.Generator, dict[str, np.ndarray]]:
+    """A packed batch in NumPy float32 and the generator that drew it (for further draws).
+
+    Pages shuffled, garbage ids past the live pages, NaN in every cache slot no sequence owns
+    (caches drawn times ``cache_scale``); ``extra_rows`` table rows past the live sequences
+    (with lengths and pages of their own that must not be read), ``pad_tokens`` tokens of no
+    sequence."""
+    rng = np.random.default_rng(seed)
+    all_lens = list(kv_lens) + [page_size + 3] * extra_rows
+    max_pages = max_pages or max(1, max(-(-n // page_size) for n in all_lens)) + 1
+    num_pages = sum(-(-n // page_size) for n in all_lens) + 3
+    tables = paged_block_tables(
+        rng, all_lens, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
+        unused=(10**6, -1),
+    )  # fmt: skip
+    shape = (num_pages, page_size, hkv, d)
+    kc = rng.standard_normal(shape).astype(np.float32) * cache_scale
+    vc = rng.standard_normal(shape).astype(np.float32) * cache_scale
+    owned = np.zeros((num_pages, page_size), bool)
+    for s, n in enumerate(kv_lens):
+        for p in range(n):
+            owned[tables[s, p // page_size], p % page_size] = True
+    kc[~owned], vc[~owned] = np.nan, np.nan
+    t = sum(q_lens) + pad_tokens
+    qsl = np.concatenate([[0], np.cumsum(q_lens + [0] * extra_rows)])
+    return rng, {
+        "queries": rng.standard_normal((t, hq, d)),
+        "key_cache": kc,
+        "value_cache": vc,
+        "kv_lens": np.asarray(all_lens, np.int32),
+        "block_tables": tables,
+        "query_start_loc": qsl,
+    }
+
+
+def check(actual: Any, expected: Any, dtype: Any = jnp.float32) -> None:
+    """``actual`` finite and close to ``expected`` at ``dtype``'s tolerance."""
+    assert bool(jnp.all(jnp.isfinite(actual))), "non-finite output"
+    assert_close(actual, expected, dtype=dtype)

@@ -1,0 +1,32 @@
+"""Fixtures shared by the Triton tests."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+
+def _interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
+    if jax.default_backend() != "cpu":
+        pytest.skip("the interpreter runs where the default device is a CPU")
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the kernels through Triton's interpreter (only where the default device is a CPU)."""
+    _interpreting(monkeypatch)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("interpret", id="interpret"),
+        pytest.param("gpu", id="gpu", marks=pytest.mark.gpu),
+    ]
+)
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test twice: ``"interpret"`` (through :func:`interpret`'s interpreter) and ``"gpu"``
+    (compiled, marked ``gpu``)."""
+    if request.param == "interpret":
+        _interpreting(monkeypatch)
+    return request.param
