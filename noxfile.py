@@ -35,7 +35,9 @@ def _lint(session: nox.Session) -> None:
 def _tests(session: nox.Session, *args: str) -> None:
     """Every CPU test but the conformance kit's, which :func:`_conformance` runs with the
     interpreters on (a superset: without them the Triton and Pallas cases only skip)."""
-    session.run("pytest", "-m", "not gpu", "-n", "2", "--ignore=tests/conformance", *args)
+    session.run(
+        "pytest", "-m", "not gpu", "-n", "2", "--durations=20", "--ignore=tests/conformance", *args
+    )
 
 
 def _conformance(session: nox.Session, *args: str) -> None:
@@ -46,6 +48,7 @@ def _conformance(session: nox.Session, *args: str) -> None:
         "not gpu",
         "-n",
         "2",
+        "--durations=20",
         *args,
         env={"EJKERNEL_INTERPRET": "1"},
     )
