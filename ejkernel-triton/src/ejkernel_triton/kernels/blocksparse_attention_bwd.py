@@ -15,13 +15,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.kernels.blocksparse_attention_fwd import _listed, _listed_tile, _tile_order
+from ejkernel_triton.kernels.blocksparse_attention_fwd import (
+    _listed,
+    _listed_tile,
+    _query_tile,
+    _row_lists,
+)
 from ejkernel_triton.kernels.flash_attention_common import (
     EMPTY_LSE,
     _aligned,
     _dkdv_step,
     _dq_step,
-    _heads,
     _key_tile,
     _load_tile,
 )
@@ -128,6 +132,7 @@ def blocksparse_attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     seg = (QSeg + off_b * seqlen_q, KSeg + off_b * seqlen_k)
+    lists = (Index, Count, stride_ib, stride_ih, stride_cb, stride_ch)
     for g in range(0, group):
         off_h = off_hk * group + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
@@ -139,8 +144,7 @@ def blocksparse_attention_bwd_dkdv_kernel(
             (Mask + off_b * stride_maskb + off_h * stride_maskh, stride_maskq, stride_maskk),
             seg,
         )
-        index = Index + off_b * stride_ib + off_h * stride_ih + block_k * num_blocks
-        counts = Count + off_b * stride_cb + off_h * stride_ch + block_k * 2
+        index, counts = _row_lists(lists, off_b, off_h, block_k, num_blocks)
         for part in tl.static_range(2):  # whole blocks, then cut ones
             MASKED = part == 1 or BQ % BLOCK_M != 0
             HIDES = MASKED or HAS_MASK or HAS_SEG
@@ -263,17 +267,13 @@ def blocksparse_attention_bwd_dq_kernel(
     stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
     stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
     stride_dob, stride_dos, stride_doh = _aligned(stride_dob, stride_dos, stride_doh, ALIGN)
-    SUB_Q: tl.constexpr = (BQ + BLOCK_M - 1) // BLOCK_M
     SUB_K: tl.constexpr = (BK + BLOCK_N - 1) // BLOCK_N
-    tile = _tile_order(CAUSAL)
-    block_q = tile // SUB_Q
-    off_bh = tl.program_id(1)
-    off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
+    block_q, off_bh, off_b, off_h, off_hk, q_end, offs_m = _query_tile(
+        seqlen_q, num_heads_q, num_heads_k, BQ, BLOCK_M, CAUSAL
+    )
     q_pos_offset = seqlen_k - seqlen_q
-    q_end = tl.minimum(block_q * BQ + BQ, seqlen_q)
     features = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)
 
-    offs_m = block_q * BQ + (tile % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(
@@ -303,8 +303,8 @@ def blocksparse_attention_bwd_dq_kernel(
         (QSeg + off_b * seqlen_q, KSeg + off_b * seqlen_k),
     )
     dbias_ptr = DBias + off_bh.to(tl.int64) * seqlen_q * seqlen_k
-    index = Index + off_b * stride_ib + off_h * stride_ih + block_q * num_blocks
-    counts = Count + off_b * stride_cb + off_h * stride_ch + block_q * 2
+    lists = (Index, Count, stride_ib, stride_ih, stride_cb, stride_ch)
+    index, counts = _row_lists(lists, off_b, off_h, block_q, num_blocks)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for part in tl.static_range(2):  # whole blocks, then cut ones

@@ -57,6 +57,38 @@ def _listed_tile(index, t, seqlen, SUB: tl.constexpr, B: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
+def _query_tile(
+    seqlen_q,
+    num_heads_q,
+    num_heads_k,
+    BQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """A program of a grid ``(⌈Sq/BQ⌉ · ⌈BQ/BLOCK_M⌉, B·Hq)``: its query block, (batch·head,
+    batch, query head, key head), its rows and where its query block ends."""
+    SUB_Q: tl.constexpr = (BQ + BLOCK_M - 1) // BLOCK_M
+    tile = _tile_order(CAUSAL)
+    block_q = tile // SUB_Q
+    off_bh = tl.program_id(1)
+    off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
+    q_end = tl.minimum(block_q * BQ + BQ, seqlen_q)
+    offs_m = block_q * BQ + (tile % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return block_q, off_bh, off_b, off_h, off_hk, q_end, offs_m
+
+
+@triton.jit
+def _row_lists(lists, off_b, off_h, block, num_blocks):
+    """The list row of ``block`` at (batch, head): pointers to its live blocks and to its
+    ``(n_full, n_live)``; ``lists = (Index, Count, stride_ib, stride_ih, stride_cb,
+    stride_ch)``."""
+    Index, Count, stride_ib, stride_ih, stride_cb, stride_ch = lists
+    index = Index + off_b * stride_ib + off_h * stride_ih + block * num_blocks
+    counts = Count + off_b * stride_cb + off_h * stride_ch + block * 2
+    return index, counts
+
+
+@triton.jit
 def _tile_order(CAUSAL: tl.constexpr):
     """The query tile of a program of a grid ``(tiles, B·H)``: under a causal mask the last
     tiles, whose rows see the most keys, start first (the GPU starts programs in order), so
@@ -143,17 +175,13 @@ def blocksparse_attention_fwd_kernel(
     stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
     stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
     stride_ob, stride_os, stride_oh = _aligned(stride_ob, stride_os, stride_oh, ALIGN)
-    SUB_Q: tl.constexpr = (BQ + BLOCK_M - 1) // BLOCK_M
     SUB_K: tl.constexpr = (BK + BLOCK_N - 1) // BLOCK_N
-    tile = _tile_order(CAUSAL)
-    block_q = tile // SUB_Q
-    off_bh = tl.program_id(1)
-    off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
+    block_q, off_bh, off_b, off_h, off_hk, q_end, offs_m = _query_tile(
+        seqlen_q, num_heads_q, num_heads_k, BQ, BLOCK_M, CAUSAL
+    )
     q_pos_offset = seqlen_k - seqlen_q
-    q_end = tl.minimum(block_q * BQ + BQ, seqlen_q)
     features = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)
 
-    offs_m = block_q * BQ + (tile % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = (
@@ -167,8 +195,8 @@ def blocksparse_attention_fwd_kernel(
         (Mask + off_b * stride_maskb + off_h * stride_maskh, stride_maskq, stride_maskk),
         (QSeg + off_b * seqlen_q, KSeg + off_b * seqlen_k),
     )
-    index = Index + off_b * stride_ib + off_h * stride_ih + block_q * num_blocks
-    counts = Count + off_b * stride_cb + off_h * stride_ch + block_q * 2
+    lists = (Index, Count, stride_ib, stride_ih, stride_cb, stride_ch)
+    index, counts = _row_lists(lists, off_b, off_h, block_q, num_blocks)
 
     m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
