@@ -15,16 +15,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.kernels.blocksparse_attention_fwd import _listed, _tile_order
+from ejkernel_triton.kernels.blocksparse_attention_fwd import (
+    _listed,
+    _listed_tile,
+    _query_tile,
+    _row_lists,
+)
 from ejkernel_triton.kernels.flash_attention_common import (
     EMPTY_LSE,
-    MASK_VALUE,
     _aligned,
-    _heads,
+    _dkdv_step,
+    _dq_step,
     _key_tile,
     _load_tile,
-    _scores,
-    _visible,
 )
 
 
@@ -129,6 +132,7 @@ def blocksparse_attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     seg = (QSeg + off_b * seqlen_q, KSeg + off_b * seqlen_k)
+    lists = (Index, Count, stride_ib, stride_ih, stride_cb, stride_ch)
     for g in range(0, group):
         off_h = off_hk * group + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
@@ -140,42 +144,31 @@ def blocksparse_attention_bwd_dkdv_kernel(
             (Mask + off_b * stride_maskb + off_h * stride_maskh, stride_maskq, stride_maskk),
             seg,
         )
-        index = Index + off_b * stride_ib + off_h * stride_ih + block_k * num_blocks
-        counts = Count + off_b * stride_cb + off_h * stride_ch + block_k * 2
+        index, counts = _row_lists(lists, off_b, off_h, block_k, num_blocks)
         for part in tl.static_range(2):  # whole blocks, then cut ones
             MASKED = part == 1 or BQ % BLOCK_M != 0
             HIDES = MASKED or HAS_MASK or HAS_SEG
             lo, hi = _listed(counts, part, SUB_Q)
             for t in range(lo, hi):
-                block_q = tl.load(index + t // SUB_Q)
-                q_end = tl.minimum(block_q * BQ + BQ, seqlen_q)
-                rows = block_q * BQ + (t % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
+                rows, q_end = _listed_tile(index, t, seqlen_q, SUB_Q, BQ, BLOCK_M)
                 geo = (q_pos_offset, q_end, k_end, window_left, window_right)
-                q_ptrs = q_base + rows[:, None] * stride_qs + offs_d[None, :]
-                q = _load_tile(q_ptrs, rows, q_end, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-                do_ptrs = do_base + rows[:, None] * stride_dos + offs_dv[None, :]
-                do = _load_tile(do_ptrs, rows, q_end, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
-                if MASKED:
-                    lse = tl.load(lse_base + rows, mask=rows < q_end, other=EMPTY_LSE)
-                    delta = tl.load(delta_base + rows, mask=rows < q_end, other=0.0)
-                else:
-                    lse = tl.load(lse_base + rows)
-                    delta = tl.load(delta_base + rows)
-                # transposed scores, [BLOCK_N, BLOCK_M], as in flash attention's dK/dV kernel
-                qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-                s_t, t_t = _scores(qk_t, sm_scale, soft_cap, SOFT_CAP)
-                s_t = _visible(s_t, rows[None, :], offs_n[:, None], geo, masks, MASKED, features)
-                if MASKED:  # rows of the next query block (or none) share no step here
-                    s_t = tl.where(rows[None, :] < q_end, s_t, MASK_VALUE)
-                p_t = tl.exp2(s_t - lse[None, :])
-                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                ds_t = p_t * (dp_t - delta[None, :])
-                if SOFT_CAP:
-                    ds_t = ds_t * (1.0 - t_t * t_t)
-                if HIDES:  # hidden: p = 0 exactly, and dS 0 even where v or k is not finite
-                    ds_t = tl.where(p_t > 0.0, ds_t, 0.0)
-                dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+                dk, dv = _dkdv_step(
+                    k,
+                    v,
+                    offs_n,
+                    rows,
+                    (offs_d, offs_dv),
+                    (q_base, do_base, lse_base, delta_base, stride_qs, stride_dos),
+                    (dk, dv),
+                    q_end,
+                    (sm_scale, soft_cap),
+                    geo,
+                    masks,
+                    features,
+                    (HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV),
+                    (MASKED, HIDES, True, SOFT_CAP),
+                    DOT_PRECISION,
+                )
 
     dk = dk * sm_scale
     dk_ptrs = (
@@ -274,17 +267,13 @@ def blocksparse_attention_bwd_dq_kernel(
     stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
     stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
     stride_dob, stride_dos, stride_doh = _aligned(stride_dob, stride_dos, stride_doh, ALIGN)
-    SUB_Q: tl.constexpr = (BQ + BLOCK_M - 1) // BLOCK_M
     SUB_K: tl.constexpr = (BK + BLOCK_N - 1) // BLOCK_N
-    tile = _tile_order(CAUSAL)
-    block_q = tile // SUB_Q
-    off_bh = tl.program_id(1)
-    off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
+    block_q, off_bh, off_b, off_h, off_hk, q_end, offs_m = _query_tile(
+        seqlen_q, num_heads_q, num_heads_k, BQ, BLOCK_M, CAUSAL
+    )
     q_pos_offset = seqlen_k - seqlen_q
-    q_end = tl.minimum(block_q * BQ + BQ, seqlen_q)
     features = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)
 
-    offs_m = block_q * BQ + (tile % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(
@@ -314,8 +303,8 @@ def blocksparse_attention_bwd_dq_kernel(
         (QSeg + off_b * seqlen_q, KSeg + off_b * seqlen_k),
     )
     dbias_ptr = DBias + off_bh.to(tl.int64) * seqlen_q * seqlen_k
-    index = Index + off_b * stride_ib + off_h * stride_ih + block_q * num_blocks
-    counts = Count + off_b * stride_cb + off_h * stride_ch + block_q * 2
+    lists = (Index, Count, stride_ib, stride_ih, stride_cb, stride_ch)
+    index, counts = _row_lists(lists, off_b, off_h, block_q, num_blocks)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for part in tl.static_range(2):  # whole blocks, then cut ones
@@ -323,29 +312,27 @@ def blocksparse_attention_bwd_dq_kernel(
         HIDES = MASKED or HAS_MASK or HAS_SEG
         lo, hi = _listed(counts, part, SUB_K)
         for t in range(lo, hi):
-            block_k = tl.load(index + t // SUB_K)
-            k_end = tl.minimum(block_k * BK + BK, seqlen_k)
-            cols = block_k * BK + (t % SUB_K) * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols, k_end = _listed_tile(index, t, seqlen_k, SUB_K, BK, BLOCK_N)
             geo = (q_pos_offset, q_end, k_end, window_left, window_right)
-            k = _key_tile(k_base, cols, stride_ks, offs_d, k_end, HEAD_DIM, BLOCK_D, MASKED, HIDES)
-            v = _key_tile(
-                v_base, cols, stride_vs, offs_dv, k_end, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES
+            dq = _dq_step(
+                q,
+                do,
+                (lse, delta),
+                offs_m,
+                cols,
+                (offs_d, offs_dv),
+                (k_base, v_base, stride_ks, stride_vs),
+                dq,
+                (dbias_ptr, seqlen_k),
+                (q_end, k_end),
+                (sm_scale, soft_cap),
+                geo,
+                masks,
+                features,
+                (HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV),
+                (MASKED, HIDES, HAS_BIAS, SOFT_CAP),
+                DOT_PRECISION,
             )
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            s, t_cap = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-            s = _visible(s, offs_m[:, None], cols[None, :], geo, masks, MASKED, features)
-            p = tl.exp2(s - lse[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            if HAS_BIAS:
-                tl.store(
-                    dbias_ptr + offs_m[:, None] * seqlen_k + cols[None, :],
-                    ds,
-                    mask=(offs_m[:, None] < q_end) & (cols[None, :] < k_end),
-                )
-            if SOFT_CAP:
-                ds = ds * (1.0 - t_cap * t_cap)
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
     dq = dq * sm_scale
     dq_ptrs = (

@@ -24,14 +24,11 @@ import triton.language as tl
 
 from ejkernel_triton.kernels.flash_attention_common import (
     EMPTY_LSE,
-    LOG2E,
     MASK_VALUE,
     _aligned,
+    _fwd_step,
     _heads,
-    _key_tile,
     _load_tile,
-    _scores,
-    _visible,
 )
 
 
@@ -47,6 +44,48 @@ def _listed(counts, part: tl.constexpr, SUB: tl.constexpr):
         lo = n_full * SUB
         hi = tl.load(counts + 1) * SUB
     return lo, hi
+
+
+@triton.jit
+def _listed_tile(index, t, seqlen, SUB: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr):
+    """Step ``t`` of a flat (listed block, tile) loop over blocks of ``B`` positions walked in
+    ``BLOCK``-wide tiles (``SUB`` a block): the tile's positions and where its block ends."""
+    block = tl.load(index + t // SUB)
+    end = tl.minimum(block * B + B, seqlen)
+    offs = block * B + (t % SUB) * BLOCK + tl.arange(0, BLOCK)
+    return offs, end
+
+
+@triton.jit
+def _query_tile(
+    seqlen_q,
+    num_heads_q,
+    num_heads_k,
+    BQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """A program of a grid ``(⌈Sq/BQ⌉ · ⌈BQ/BLOCK_M⌉, B·Hq)``: its query block, (batch·head,
+    batch, query head, key head), its rows and where its query block ends."""
+    SUB_Q: tl.constexpr = (BQ + BLOCK_M - 1) // BLOCK_M
+    tile = _tile_order(CAUSAL)
+    block_q = tile // SUB_Q
+    off_bh = tl.program_id(1)
+    off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
+    q_end = tl.minimum(block_q * BQ + BQ, seqlen_q)
+    offs_m = block_q * BQ + (tile % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return block_q, off_bh, off_b, off_h, off_hk, q_end, offs_m
+
+
+@triton.jit
+def _row_lists(lists, off_b, off_h, block, num_blocks):
+    """The list row of ``block`` at (batch, head): pointers to its live blocks and to its
+    ``(n_full, n_live)``; ``lists = (Index, Count, stride_ib, stride_ih, stride_cb,
+    stride_ch)``."""
+    Index, Count, stride_ib, stride_ih, stride_cb, stride_ch = lists
+    index = Index + off_b * stride_ib + off_h * stride_ih + block * num_blocks
+    counts = Count + off_b * stride_cb + off_h * stride_ch + block * 2
+    return index, counts
 
 
 @triton.jit
@@ -136,17 +175,13 @@ def blocksparse_attention_fwd_kernel(
     stride_kb, stride_ks, stride_kh = _aligned(stride_kb, stride_ks, stride_kh, ALIGN)
     stride_vb, stride_vs, stride_vh = _aligned(stride_vb, stride_vs, stride_vh, ALIGN)
     stride_ob, stride_os, stride_oh = _aligned(stride_ob, stride_os, stride_oh, ALIGN)
-    SUB_Q: tl.constexpr = (BQ + BLOCK_M - 1) // BLOCK_M
     SUB_K: tl.constexpr = (BK + BLOCK_N - 1) // BLOCK_N
-    tile = _tile_order(CAUSAL)
-    block_q = tile // SUB_Q
-    off_bh = tl.program_id(1)
-    off_b, off_h, off_hk = _heads(off_bh, num_heads_q, num_heads_k)
+    block_q, off_bh, off_b, off_h, off_hk, q_end, offs_m = _query_tile(
+        seqlen_q, num_heads_q, num_heads_k, BQ, BLOCK_M, CAUSAL
+    )
     q_pos_offset = seqlen_k - seqlen_q
-    q_end = tl.minimum(block_q * BQ + BQ, seqlen_q)
     features = (CAUSAL, WINDOW, HAS_BIAS, HAS_MASK, HAS_SEG)
 
-    offs_m = block_q * BQ + (tile % SUB_Q) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = (
@@ -160,8 +195,8 @@ def blocksparse_attention_fwd_kernel(
         (Mask + off_b * stride_maskb + off_h * stride_maskh, stride_maskq, stride_maskk),
         (QSeg + off_b * seqlen_q, KSeg + off_b * seqlen_k),
     )
-    index = Index + off_b * stride_ib + off_h * stride_ih + block_q * num_blocks
-    counts = Count + off_b * stride_cb + off_h * stride_ch + block_q * 2
+    lists = (Index, Count, stride_ib, stride_ih, stride_cb, stride_ch)
+    index, counts = _row_lists(lists, off_b, off_h, block_q, num_blocks)
 
     m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -173,28 +208,24 @@ def blocksparse_attention_fwd_kernel(
         HIDES = MASKED or HAS_MASK or HAS_SEG
         lo, hi = _listed(counts, part, SUB_K)
         for t in range(lo, hi):
-            block_k = tl.load(index + t // SUB_K)
-            k_end = tl.minimum(block_k * BK + BK, seqlen_k)
-            cols = block_k * BK + (t % SUB_K) * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols, k_end = _listed_tile(index, t, seqlen_k, SUB_K, BK, BLOCK_N)
             geo = (q_pos_offset, q_end, k_end, window_left, window_right)
-            k = _key_tile(k_base, cols, stride_ks, offs_d, k_end, HEAD_DIM, BLOCK_D, MASKED, False)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if PLAIN_SCALE and not MASKED:  # the scale rides in the exponent's FFMA
-                m_new = tl.maximum(m_i, tl.max(qk, 1) * (sm_scale * LOG2E))
-                p = tl.exp2(qk * (sm_scale * LOG2E) - m_new[:, None])
-            else:
-                s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-                s = _visible(s, offs_m[:, None], cols[None, :], geo, masks, MASKED, features)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = _key_tile(
-                v_base, cols, stride_vs, offs_dv, k_end, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES
+            m_i, l_i, acc = _fwd_step(
+                q,
+                offs_m,
+                cols,
+                (offs_d, offs_dv),
+                (k_base, v_base, stride_ks, stride_vs),
+                (m_i, l_i, acc),
+                k_end,
+                (sm_scale, soft_cap),
+                geo,
+                masks,
+                features,
+                (HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV),
+                (MASKED, HIDES, PLAIN_SCALE and not MASKED, SOFT_CAP),
+                DOT_PRECISION,
             )
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
 
     empty = m_i <= MASK_VALUE * 0.5
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -18,6 +18,8 @@ from ejkernel_triton.kernels.flash_attention_common import (
     EMPTY_LSE,
     MASK_VALUE,
     _aligned,
+    _dkdv_step,
+    _dq_step,
     _head_rows,
     _heads,
     _key_ranges,
@@ -27,7 +29,6 @@ from ejkernel_triton.kernels.flash_attention_common import (
     _query_ranges,
     _row_stats,
     _scores,
-    _visible,
     _ws_mask,
 )
 
@@ -138,30 +139,23 @@ def flash_attention_bwd_dkdv_kernel(
             HIDES = MASKED or HAS_MASK or HAS_SEG
             for start_m in range(ranges[part], ranges[part + 1], BLOCK_M):
                 rows = start_m + tl.arange(0, BLOCK_M)
-                q_ptrs = q_base + rows[:, None] * stride_qs + offs_d[None, :]
-                q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-                do_ptrs = do_base + rows[:, None] * stride_dos + offs_dv[None, :]
-                do = _load_tile(do_ptrs, rows, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
-                if MASKED:
-                    lse = tl.load(lse_base + rows, mask=rows < seqlen_q, other=EMPTY_LSE)
-                    delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
-                else:
-                    lse = tl.load(lse_base + rows)
-                    delta = tl.load(delta_base + rows)
-                # transposed scores, [BLOCK_N, BLOCK_M]: p and ds then feed dV and dK as they
-                # are, with no transpose of a register tile (a trip through shared memory)
-                qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-                s_t, t_t = _scores(qk_t, sm_scale, soft_cap, SOFT_CAP)
-                s_t = _visible(s_t, rows[None, :], offs_n[:, None], geo, masks, MASKED, features)
-                p_t = tl.exp2(s_t - lse[None, :])
-                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                ds_t = p_t * (dp_t - delta[None, :])
-                if SOFT_CAP:
-                    ds_t = ds_t * (1.0 - t_t * t_t)
-                if HIDES:  # hidden: p = 0 exactly, and dS 0 even where v or k is not finite
-                    ds_t = tl.where(p_t > 0.0, ds_t, 0.0)
-                dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+                dk, dv = _dkdv_step(
+                    k,
+                    v,
+                    offs_n,
+                    rows,
+                    (offs_d, offs_dv),
+                    (q_base, do_base, lse_base, delta_base, stride_qs, stride_dos),
+                    (dk, dv),
+                    seqlen_q,
+                    (sm_scale, soft_cap),
+                    geo,
+                    masks,
+                    features,
+                    (HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV),
+                    (MASKED, HIDES, False, SOFT_CAP),
+                    DOT_PRECISION,
+                )
 
     dk = dk * sm_scale
     dk_ptrs = (
@@ -302,27 +296,25 @@ def flash_attention_bwd_dq_kernel(
         HIDES = MASKED or HAS_MASK or HAS_SEG
         for start_n in range(ranges[part], ranges[part + 1], BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
-            k = _key_tile(
-                k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED, HIDES
+            dq = _dq_step(
+                q,
+                do,
+                (lse, delta),
+                offs_m,
+                cols,
+                (offs_d, offs_dv),
+                (k_base, v_base, stride_ks, stride_vs),
+                dq,
+                (dbias_ptr, seqlen_k),
+                (seqlen_q, seqlen_k),
+                (sm_scale, soft_cap),
+                geo,
+                masks,
+                features,
+                (HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV),
+                (MASKED, HIDES, HAS_BIAS, SOFT_CAP),
+                DOT_PRECISION,
             )
-            v = _key_tile(
-                v_base, cols, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES
-            )
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-            s = _visible(s, offs_m[:, None], cols[None, :], geo, masks, MASKED, features)
-            p = tl.exp2(s - lse[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            if HAS_BIAS:
-                tl.store(
-                    dbias_ptr + offs_m[:, None] * seqlen_k + cols[None, :],
-                    ds,
-                    mask=(offs_m[:, None] < seqlen_q) & (cols[None, :] < seqlen_k),
-                )
-            if SOFT_CAP:
-                ds = ds * (1.0 - t * t)
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
     dq = dq * sm_scale
     dq_ptrs = (

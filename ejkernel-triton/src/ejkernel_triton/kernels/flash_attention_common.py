@@ -372,3 +372,167 @@ def _ws_tile(tile, num_m, heads, num_heads, num_kv_heads, CAUSAL: tl.constexpr):
     off_bh = tile % heads
     off_b, off_h, off_hk = _heads(off_bh, num_heads, num_kv_heads)
     return start_m, off_bh, off_b, off_h, off_hk
+
+
+# -- step bodies (one key tile of the forward or dQ, one query tile of dK/dV) ---------------
+
+
+# Their tuples: ``offs = (offs_d, offs_dv)`` (the K and V columns); ``kv = (k_base, v_base,
+# stride_ks, stride_vs)`` (this batch and key head's first key, and the key strides);
+# ``scale = (sm_scale, soft_cap)``; ``DIMS = (HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)``;
+# ``geo``, ``masks`` and ``features`` as in :func:`_visible`.
+
+
+@triton.jit
+def _fwd_step(
+    q,
+    offs_m,
+    cols,
+    offs,
+    kv,
+    state,
+    k_end,
+    scale,
+    geo,
+    masks,
+    features,
+    DIMS: tl.constexpr,
+    FLAGS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step of the forward over the keys ``cols`` (``k_end``: where the
+    keys end): ``state = (m_i, l_i, acc)`` in, the new one out. ``FLAGS = (MASKED, HIDES,
+    PLAIN_STEP, SOFT_CAP)``; ``PLAIN_STEP``: a step with nothing to mask or add and a scale
+    ≥ 0, where the scale rides in the exponent's FFMA."""
+    offs_d, offs_dv = offs
+    k_base, v_base, stride_ks, stride_vs = kv
+    m_i, l_i, acc = state
+    sm_scale, soft_cap = scale
+    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV = DIMS
+    MASKED, HIDES, PLAIN_STEP, SOFT_CAP = FLAGS
+    k = _key_tile(k_base, cols, stride_ks, offs_d, k_end, HEAD_DIM, BLOCK_D, MASKED, False)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if PLAIN_STEP:  # the scale rides in the exponent's FFMA
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * (sm_scale * LOG2E))
+        p = tl.exp2(qk * (sm_scale * LOG2E) - m_new[:, None])
+    else:
+        s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
+        s = _visible(s, offs_m[:, None], cols[None, :], geo, masks, MASKED, features)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = _key_tile(v_base, cols, stride_vs, offs_dv, k_end, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _dkdv_step(
+    k,
+    v,
+    offs_n,
+    rows,
+    offs,
+    bases,
+    grads,
+    q_end,
+    scale,
+    geo,
+    masks,
+    features,
+    DIMS: tl.constexpr,
+    FLAGS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One step of the dK/dV kernel over the query rows ``rows`` (``q_end``: where the rows
+    end): ``grads = (dk, dv)`` in, the new ones out. ``bases = (q_base, do_base, lse_base,
+    delta_base, stride_qs, stride_dos)``: this batch and query head's first row of each.
+    ``FLAGS = (MASKED, HIDES, HIDE_ROWS, SOFT_CAP)``; ``HIDE_ROWS``: on a cut step, rows at or
+    past ``q_end`` are hidden too (a block-sparse query block's end is not the sequence's)."""
+    offs_d, offs_dv = offs
+    q_base, do_base, lse_base, delta_base, stride_qs, stride_dos = bases
+    dk, dv = grads
+    sm_scale, soft_cap = scale
+    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV = DIMS
+    MASKED, HIDES, HIDE_ROWS, SOFT_CAP = FLAGS
+    q_ptrs = q_base + rows[:, None] * stride_qs + offs_d[None, :]
+    q = _load_tile(q_ptrs, rows, q_end, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    do_ptrs = do_base + rows[:, None] * stride_dos + offs_dv[None, :]
+    do = _load_tile(do_ptrs, rows, q_end, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
+    if MASKED:
+        lse = tl.load(lse_base + rows, mask=rows < q_end, other=EMPTY_LSE)
+        delta = tl.load(delta_base + rows, mask=rows < q_end, other=0.0)
+    else:
+        lse = tl.load(lse_base + rows)
+        delta = tl.load(delta_base + rows)
+    # transposed scores, [BLOCK_N, BLOCK_M]: p and ds then feed dV and dK as they
+    # are, with no transpose of a register tile (a trip through shared memory)
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    s_t, t_t = _scores(qk_t, sm_scale, soft_cap, SOFT_CAP)
+    s_t = _visible(s_t, rows[None, :], offs_n[:, None], geo, masks, MASKED, features)
+    if HIDE_ROWS and MASKED:  # rows of the next query block (or none) share no step here
+        s_t = tl.where(rows[None, :] < q_end, s_t, MASK_VALUE)
+    p_t = tl.exp2(s_t - lse[None, :])
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if SOFT_CAP:
+        ds_t = ds_t * (1.0 - t_t * t_t)
+    if HIDES:  # hidden: p = 0 exactly, and dS 0 even where v or k is not finite
+        ds_t = tl.where(p_t > 0.0, ds_t, 0.0)
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dq_step(
+    q,
+    do,
+    stats,
+    offs_m,
+    cols,
+    offs,
+    kv,
+    dq,
+    dbias,
+    ends,
+    scale,
+    geo,
+    masks,
+    features,
+    DIMS: tl.constexpr,
+    FLAGS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One step of the dQ kernel over the keys ``cols``: the new ``dq``. ``stats = (lse,
+    delta)`` of the rows; ``ends = (q_end, k_end)``: where the rows and keys end; ``dbias =
+    (dbias_ptr, seqlen_k)``: the row-major ``[Sq, seqlen_k]`` bias gradient. ``FLAGS =
+    (MASKED, HIDES, HAS_BIAS, SOFT_CAP)``."""
+    lse, delta = stats
+    offs_d, offs_dv = offs
+    k_base, v_base, stride_ks, stride_vs = kv
+    dbias_ptr, seqlen_k = dbias
+    q_end, k_end = ends
+    sm_scale, soft_cap = scale
+    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV = DIMS
+    MASKED, HIDES, HAS_BIAS, SOFT_CAP = FLAGS
+    k = _key_tile(k_base, cols, stride_ks, offs_d, k_end, HEAD_DIM, BLOCK_D, MASKED, HIDES)
+    v = _key_tile(v_base, cols, stride_vs, offs_dv, k_end, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s, t = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
+    s = _visible(s, offs_m[:, None], cols[None, :], geo, masks, MASKED, features)
+    p = tl.exp2(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    if HAS_BIAS:
+        tl.store(
+            dbias_ptr + offs_m[:, None] * seqlen_k + cols[None, :],
+            ds,
+            mask=(offs_m[:, None] < q_end) & (cols[None, :] < k_end),
+        )
+    if SOFT_CAP:
+        ds = ds * (1.0 - t * t)
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq

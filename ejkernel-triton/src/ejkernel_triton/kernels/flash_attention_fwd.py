@@ -17,14 +17,13 @@ from ejkernel_triton.kernels.flash_attention_common import (
     LOG2E,
     MASK_VALUE,
     _aligned,
+    _fwd_step,
     _head_rows,
     _heads,
     _key_ranges,
-    _key_tile,
     _load_tile,
     _program_tile,
     _scores,
-    _visible,
     _ws_mask,
     _ws_tile,
 )
@@ -134,26 +133,22 @@ def flash_attention_fwd_kernel(
         HIDES = MASKED or HAS_MASK or HAS_SEG
         for start_n in range(ranges[part], ranges[part + 1], BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
-            k = _key_tile(
-                k_base, cols, stride_ks, offs_d, seqlen_k, HEAD_DIM, BLOCK_D, MASKED, False
+            m_i, l_i, acc = _fwd_step(
+                q,
+                offs_m,
+                cols,
+                (offs_d, offs_dv),
+                (k_base, v_base, stride_ks, stride_vs),
+                (m_i, l_i, acc),
+                seqlen_k,
+                (sm_scale, soft_cap),
+                geo,
+                masks,
+                features,
+                (HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV),
+                (MASKED, HIDES, PLAIN_SCALE and part == 1, SOFT_CAP),
+                DOT_PRECISION,
             )
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if PLAIN_SCALE and part == 1:  # the scale rides in the exponent's FFMA
-                m_new = tl.maximum(m_i, tl.max(qk, 1) * (sm_scale * LOG2E))
-                p = tl.exp2(qk * (sm_scale * LOG2E) - m_new[:, None])
-            else:
-                s, _ = _scores(qk, sm_scale, soft_cap, SOFT_CAP)
-                s = _visible(s, offs_m[:, None], cols[None, :], geo, masks, MASKED, features)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = _key_tile(
-                v_base, cols, stride_vs, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED, HIDES
-            )
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
 
     empty = m_i <= MASK_VALUE * 0.5
     if HAS_AUX:

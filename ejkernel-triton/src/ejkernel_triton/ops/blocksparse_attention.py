@@ -48,7 +48,7 @@ from ejkernel_triton.ops.flash_attention import (
     _pow2_factor,
     _strides,
 )
-from ejkernel_triton.ops.flash_attention_config import bwd_smem, fit_stages, fwd_smem, pow2
+from ejkernel_triton.ops.flash_attention_config import bwd_launch_params, fit_stages, fwd_smem, pow2
 
 __all__ = [
     "BlocksparseAttentionConfig",
@@ -331,14 +331,13 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         do = do.astype(q.dtype)
         b, sq, hq, _ = q.shape
         _, sk, hkv, _ = k.shape
-        d_pow2, dv_pow2 = pow2(q.shape[-1]), pow2(v.shape[-1])
         align = _pow2_factor(math.gcd(q.shape[-1], v.shape[-1]), 16)
         scalars, constexprs = _common(st, q, k, v, bias, mask, qseg)
         geometry = _geometry(st, q, k)
 
         def launch(kernel, lists, rows, params, blocks, step, own, out_shape, grid, **extra):
             index, counts = lists
-            vectors = 2 if kernel is blocksparse_attention_bwd_dkdv_kernel else 0
+            dkdv = kernel is blocksparse_attention_bwd_dkdv_kernel
             return _launch.launch(
                 kernel,
                 q,
@@ -364,16 +363,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
                 *_broadcast_strides(mask),
                 out_shape=out_shape,
                 grid=grid,
-                num_warps=params.num_warps or 4,
-                num_stages=fit_stages(
-                    params.num_stages or 2,
-                    lambda n: bwd_smem(
-                        step, own, n, d_pow2, dv_pow2, q.dtype.itemsize, step_vectors=vectors
-                    ),
-                    step * own,
-                    bias,
-                    mask,
-                ),
+                **bwd_launch_params(params, step, own, q, v, bias, mask, dkdv=dkdv),
                 BLOCK_M=blocks[0],
                 BLOCK_N=blocks[1],
                 **extra,

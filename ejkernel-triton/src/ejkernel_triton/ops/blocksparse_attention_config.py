@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ejkernel.ops import BwdParams, FwdParams, prune_by_shared_memory
 from ejkernel_triton import _launch
-from ejkernel_triton.ops.flash_attention_config import bwd_smem, fwd_smem, pow2
+from ejkernel_triton.ops.flash_attention_config import bwd_smem, fwd_smem, pow2, qkv_supported
 
 __all__ = [
     "BlocksparseAttentionConfig",
@@ -28,9 +28,6 @@ __all__ = [
     "kernel_smem",
     "supports",
 ]
-
-_MAX_HEAD_DIM = 256
-_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 @attrs.frozen(kw_only=True)
@@ -74,16 +71,7 @@ def kernel_blocks(
 
 def supports(inv: Any) -> bool | str:
     """True, or why not: dtypes other than bf16/f16/f32, mixed dtypes, head dims over 256."""
-    a = inv.kwargs
-    q, k, v = a["query"], a["key"], a["value"]
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if x.dtype not in _DTYPES:
-            return f"{name} dtype {x.dtype} (Triton kernels take bfloat16, float16, float32)"
-    if len({q.dtype, k.dtype, v.dtype}) != 1:
-        return "query, key and value dtypes differ"
-    if max(q.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
-        return f"head dim {max(q.shape[-1], v.shape[-1])} > {_MAX_HEAD_DIM}"
-    return True
+    return qkv_supported(inv.kwargs)
 
 
 # -- configs --------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from ejkernel_triton.ops.flash_attention_config import (
     FWD_VARIANTS,
     Call,
     FlashAttentionConfig,
-    bwd_smem,
+    bwd_launch_params,
     check,
     clamp,
     config_space,
@@ -534,28 +534,16 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
                 *_broadcast_strides(mask),
             )
 
-        d_pow2, dv_pow2 = pow2(q.shape[-1]), pow2(v.shape[-1])
-
         def launch(kernel, rows, params, step, own, out_shape, grid, **extra):
             """One of the two kernels: ``rows`` (out or delta) after the shared arrays;
-            ``step`` rows of the other sequence a loop step, ``own`` of the program's (dK/dV
-            streams each step's logsumexp and delta too)."""
-            vectors = 2 if kernel is flash_attention_bwd_dkdv_kernel else 0
+            ``step`` rows of the other sequence a loop step, ``own`` of the program's."""
+            dkdv = kernel is flash_attention_bwd_dkdv_kernel
             return _launch.launch(
                 kernel,
                 *args(rows),
                 out_shape=out_shape,
                 grid=grid,
-                num_warps=params.num_warps or 4,
-                num_stages=fit_stages(
-                    params.num_stages or 2,
-                    lambda n: bwd_smem(
-                        step, own, n, d_pow2, dv_pow2, q.dtype.itemsize, step_vectors=vectors
-                    ),
-                    step * own,
-                    bias,
-                    mask,
-                ),
+                **bwd_launch_params(params, step, own, q, v, bias, mask, dkdv=dkdv),
                 **extra,
                 **constexprs,
             )

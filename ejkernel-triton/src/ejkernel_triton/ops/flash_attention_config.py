@@ -111,6 +111,13 @@ def supports(inv: Any) -> bool | str:
     a = inv.kwargs
     if a.get("dropout_prob", 0.0):
         return "dropout is not implemented in the Triton kernels (the xla platform serves it)"
+    return qkv_supported(a)
+
+
+def qkv_supported(a: Any) -> bool | str:
+    """True, or why not, for the ``query``/``key``/``value`` of the keyword arguments ``a``:
+    dtypes other than bf16/f16/f32, mixed dtypes, head dims over 256 (what every attention
+    kernel here takes)."""
     q, k, v = a["query"], a["key"], a["value"]
     for name, x in (("query", q), ("key", k), ("value", v)):
         if x.dtype not in _DTYPES:
@@ -519,6 +526,37 @@ def fit_stages(stages: int, smem_of: Any, tile: int, bias: jax.Array, mask: jax.
     while stages > 1 and smem_of(stages) + (stages - 1) * extra > limit:
         stages -= 1
     return stages
+
+
+def bwd_launch_params(
+    params: Any,
+    step: int,
+    own: int,
+    q: jax.Array,
+    v: jax.Array,
+    bias: jax.Array,
+    mask: jax.Array,
+    *,
+    dkdv: bool,
+) -> dict[str, int]:
+    """``num_warps`` and ``num_stages`` of a backward kernel's launch: ``step`` rows of the
+    other sequence a loop step, ``own`` of the program's; the dK/dV kernel (``dkdv``) streams
+    each step's logsumexp and delta too. The stages are the configured ones, fewer while they
+    do not fit shared memory."""
+    d_pow2, dv_pow2 = pow2(q.shape[-1]), pow2(v.shape[-1])
+    vectors = 2 if dkdv else 0
+    return {
+        "num_warps": params.num_warps or 4,
+        "num_stages": fit_stages(
+            params.num_stages or 2,
+            lambda n: bwd_smem(
+                step, own, n, d_pow2, dv_pow2, q.dtype.itemsize, step_vectors=vectors
+            ),
+            step * own,
+            bias,
+            mask,
+        ),
+    }
 
 
 @functools.cache
