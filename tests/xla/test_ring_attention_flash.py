@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 from tests.xla._host_devices import run_on_host_devices
 
 import ejkernel
-from ejkernel.errors import NoImplementationError
 from ejkernel.modules import FlashAttention
 from ejkernel.ops import Executor, flash_attention_lse_step, undo_zigzag_layout, zigzag_layout
 from ejkernel.plugins import get_registry
@@ -111,10 +110,15 @@ def one_device_ring(**options: Any) -> Any:
     return jax.shard_map(inner, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
 
 
-def test_zigzag_with_a_sliding_window_is_declined_with_its_reason() -> None:
+@pytest.mark.parametrize(
+    ("name", "value"), [("sliding_window", 4), ("dropout_prob", 0.1)], ids=["window", "dropout"]
+)
+def test_zigzag_with_a_window_or_dropout_is_refused_before_any_kernel(
+    name: str, value: Any
+) -> None:
     q, k, v = inputs(sq=36, sk=36)
-    with pytest.raises(NoImplementationError, match=r"layout='zigzag' with sliding_window"):
-        one_device_ring(layout="zigzag", causal=True, sliding_window=4)(q, k, v)
+    with pytest.raises(ValueError, match=rf"layout`='zigzag' takes no `{name}`"):
+        one_device_ring(layout="zigzag", causal=True, **{name: value})(q, k, v)
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,7 @@
 
 Op ``x`` lives in ``ejkernel_xla.ops.x``, registered with ``registry.register_module``: core
 finds ``x_xla``, its config class, ``heuristic`` and ``config_space`` there by name on first
-use. Only ring attention declines calls (``supports``: the zigzag layout with masks it cannot
-place). Flash attention's module
+use. It declines no valid call (it is every op's fallback). Flash attention's module
 also serves ``scaled_dot_product_attention`` (core's ``served_by``).
 """
 

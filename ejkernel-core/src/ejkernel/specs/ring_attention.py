@@ -215,6 +215,13 @@ def validate_ring_attention(a: dict[str, Any]) -> dict[str, Any]:
                 f"{OP}: `layout`='zigzag' takes no `{given[0]}` (its key columns would follow "
                 f"the contiguous order); use layout='contiguous'"
             )
+        # Its steps are flash attention on a pair of chunks: a window would need global
+        # positions, sinks would be counted once per step, dropout its global mask.
+        for name, unset in (("sliding_window", None), ("softmax_aux", None), ("dropout_prob", 0.0)):
+            if a.get(name) not in (unset, None):
+                raise ValueError(
+                    f"{OP}: `layout`='zigzag' takes no `{name}`; use layout='contiguous'"
+                )
     target = (b, hq, sq, ring * a["key"].shape[1])
     letters = "[B, Hq, Sq, n·Sk] (n the ring size, Sk the local key rows)"
     for name, x in dense.items():

@@ -32,8 +32,8 @@ Context", Sec. 3), each device's work being FlashAttention-2 (Dao, 2023, Alg. 1 
 
 Calls without bias, attention mask, dropout, sinks or sliding window (and, when causal, with
 ``Sq == Sk`` locally) run instead on the selected flash-attention kernel per ring step
-(:mod:`ejkernel_xla.ops._ring_flash`), as does the zigzag layout, which ``supports`` declines
-with a sliding window, dropout or sinks. Accumulation is float32; matmul inputs keep the input
+(:mod:`ejkernel_xla.ops._ring_flash`), as does the zigzag layout (which the spec refuses with
+a sliding window, dropout or sinks). Accumulation is float32; matmul inputs keep the input
 dtype; every masking argument of flash attention is served on the ring in the contiguous layout. A ring call is never
 autotuned (its config space is the heuristic alone): the tuner times candidates on synthetic
 inputs outside the caller's trace, where the ``shard_map`` axis is unbound.
@@ -98,7 +98,6 @@ __all__ = [
     "config_space",
     "heuristic",
     "ring_attention_xla",
-    "supports",
 ]
 
 #: Default ((fwd q, fwd kv), (bwd q, bwd kv)) block sizes inside one device's shard, as flash
@@ -193,21 +192,6 @@ def _ring_attention_bwd(
     if _on_flash_steps({**residuals, **static}):
         return _ring_flash.backward(residuals, d_out, _flash_args(static, residuals), axis_name)
     return _PASSES.bwd(residuals, d_out, cfg=cfg, axis_name=axis_name, **static)
-
-
-def supports(inv: Any) -> bool | str:
-    """The zigzag layout runs on flash-attention steps only, which take no sliding window,
-    dropout or sinks (a step would need global positions, or sinks counted once)."""
-    a = inv.kwargs
-    if a.get("axis_name") is None or a.get("layout") != "zigzag":
-        return True
-    if a.get("sliding_window") is not None:
-        return "layout='zigzag' with sliding_window: not on XLA (use layout='contiguous')"
-    if a.get("dropout_prob"):
-        return "layout='zigzag' with dropout: not on XLA (use layout='contiguous')"
-    if a.get("softmax_aux") is not None:
-        return "layout='zigzag' with softmax_aux (sinks): not on XLA (use layout='contiguous')"
-    return True
 
 
 def _on_flash_steps(a: dict[str, Any]) -> bool:
