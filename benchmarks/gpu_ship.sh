@@ -3,7 +3,8 @@
 # tunes the forward flash-attention records of benchmarks/shipped_shapes.py on triton, pallas and
 # cuda (ejkernel tune), ships them into the installed plugins (ejkernel cache ship; copies land in
 # $OUT as <platform>-$SLUG.json, to commit into ejkernel-<platform>/src/ejkernel_<platform>/shipped/),
-# then runs benchmarks/bench_shipped.py per main shape in a fresh process. SLUG: h100 or h200.
+# then runs benchmarks/bench_shipped.py per main shape in a fresh process (BENCH=0 skips it). SLUG:
+# h100 or h200.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -21,6 +22,7 @@ for p in triton pallas cuda; do
 done
 python3 -m ejkernel cache ship "$OUT/fa-fwd-$slug.json" --platform choice --out /tmp/site/ejkernel_xla/shipped/$slug.json
 cp /tmp/site/ejkernel_*/shipped/$slug.json "$OUT/" 2>/dev/null; for p in triton pallas cuda xla; do cp /tmp/site/ejkernel_$p/shipped/$slug.json "$OUT/$p-$slug.json"; done
+[ "${BENCH:-1}" = 0 ] && exit 0
 for shape in 4,4096,16,128 8,2048,16,64; do for c in "" --causal; do
   EJKERNEL_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/bench_shipped.py --shape $shape $c 2>&1 | grep -v cuda_timer | tail -5
 done; done

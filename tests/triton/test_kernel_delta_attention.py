@@ -186,11 +186,11 @@ def test_gradients_through_the_custom_vjp_match_the_reference(interpret) -> None
         assert_close(got[n], want[n], name=f"d{n}")
 
 
-def test_registered_opt_in_below_the_xla_fallback() -> None:
+def test_registered_at_the_plugins_priority_above_the_xla_fallback() -> None:
     from ejkernel_triton import plugin
 
     assert "kernel_delta_attention" in plugin.OPS
-    assert "kernel_delta_attention" in plugin.OPT_IN
+    assert "kernel_delta_attention" not in plugin.OPT_IN
 
 
 def test_supports_declines_what_the_kernels_do_not_hold() -> None:

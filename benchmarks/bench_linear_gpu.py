@@ -1,0 +1,319 @@
+"""Linear attention and state-space ops on the GPU: the Triton kernels against the XLA path and
+flash-linear-attention.
+
+For each op (``--op``, repeatable; default all): ``ejkernel.<op>`` with ``platform="triton"`` and
+``platform="xla"`` (heuristic configs, jitted), forward and forward+backward (``jax.vjp`` with a
+fixed cotangent, gradients of every floating input), and flash-linear-attention's kernel for the
+same recurrence on torch where it has one and ``fla`` imports (its refusal, if it raises, is
+printed instead of a time). Each ejkernel row shows its relative error against the XLA path run
+in float32 (output, and the largest of the gradients'), so a fast wrong kernel never counts.
+
+Ops and default shapes (bfloat16; gates ``log_sigmoid(x) / 16`` as GLA's):
+- ``gla`` B 2, T 8192, H 16, K = V = 128, per-channel gate; anchor ``fla.ops.gla.chunk_gla``.
+- ``kda`` ``kernel_delta_attention`` with a per-channel gate and ``use_qk_l2norm``, same shape;
+  anchor ``fla.ops.kda.chunk_kda``.
+- ``gdn`` ``kernel_delta_attention`` with a per-head gate (Gated DeltaNet); anchor
+  ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
+- ``lightning`` ``lightning_attention`` (layer 0 of 24); anchor
+  ``fla.ops.lightning_attn.chunk_lightning_attn``.
+- ``recurrent`` with a per-head ``g`` and a per-channel ``gk``; no anchor.
+- ``ssd`` ``state_space_v2`` (Mamba-2: B 2, T 8192, H 32, P 64, G 1, N 128); no anchor.
+- ``ssm`` ``state_space_v1`` (Mamba-1: B 2, T 4096, I 2048, N 16); no anchor.
+
+Timing: median of ``--repeats`` batches of ``--iters`` calls after a warm-up
+(:func:`benchmarks._common.timed`; torch the same with ``torch.cuda.synchronize``). Configs come
+from the heuristics (``EJKERNEL_AUTOTUNE_POLICY=heuristics`` unless set).
+
+``--anchors no`` then ``--anchors only`` times ejkernel and the anchors in separate processes (torch's
+Triton autotuning and jax-triton in one process can stall).
+
+Run: ``python benchmarks/bench_linear_gpu.py [--op gla ...] [--seq 8192] [--iters 10]
+[--repeats 5] [--anchors yes|no|only]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from _common import timed
+
+import ejkernel
+
+os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
+
+BF16 = jnp.bfloat16
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op: its inputs, its ejkernel call and, where one exists, its torch anchor."""
+
+    shape: str
+    inputs: Callable[[int], dict[str, jax.Array]]
+    call: Callable[..., Any]
+    anchor: str | None = None
+    anchor_call: Callable[..., Any] | None = None
+
+
+def _normal(i: int, shape: tuple[int, ...], dtype: Any = BF16) -> jax.Array:
+    return jax.random.normal(jax.random.PRNGKey(i), shape, dtype)
+
+
+def _gate(i: int, shape: tuple[int, ...]) -> jax.Array:
+    return jax.nn.log_sigmoid(_normal(i, shape, jnp.float32)) / 16
+
+
+def _qkv(t: int, b: int = 2, h: int = 16, d: int = 128) -> dict[str, jax.Array]:
+    return {n: _normal(i, (b, t, h, d)) for i, n in enumerate(("query", "key", "value"))}
+
+
+def _gla_inputs(t: int) -> dict[str, jax.Array]:
+    return {**_qkv(t), "g": _gate(3, (2, t, 16, 128))}
+
+
+def _kda_inputs(t: int, per_channel: bool = True) -> dict[str, jax.Array]:
+    beta = jax.nn.sigmoid(_normal(4, (2, t, 16), jnp.float32))
+    return {**_qkv(t), "beta": beta, "g": _gate(3, (2, t, 16) + ((128,) if per_channel else ()))}
+
+
+def _recurrent_inputs(t: int) -> dict[str, jax.Array]:
+    return {**_qkv(t), "g": _gate(5, (2, t, 16)), "gk": _gate(3, (2, t, 16, 128))}
+
+
+def _ssd_inputs(t: int) -> dict[str, jax.Array]:
+    b, h, p, g, n = 2, 32, 64, 1, 128
+    return {
+        "x": _normal(0, (b, t, h, p)),
+        "A": -jnp.exp(_normal(1, (h,), jnp.float32)),
+        "B": _normal(2, (b, t, g, n)),
+        "C": _normal(3, (b, t, g, n)),
+        "D": _normal(4, (h,), jnp.float32),
+        "dt": jax.nn.softplus(_normal(5, (b, t, h), jnp.float32) - 3),
+    }
+
+
+def _ssm_inputs(t: int) -> dict[str, jax.Array]:
+    b, i, n = 2, 2048, 16
+    return {
+        "x": _normal(0, (b, t // 2, i)),
+        "A": -jnp.exp(_normal(1, (i, n), jnp.float32)),
+        "B": _normal(2, (b, t // 2, n)),
+        "C": _normal(3, (b, t // 2, n)),
+        "D": _normal(4, (i,), jnp.float32),
+        "dt": jax.nn.softplus(_normal(5, (b, t // 2, i), jnp.float32) - 3),
+    }
+
+
+def _kda(per_channel: bool) -> Callable[..., Any]:
+    def call(query, key, value, beta, g, platform):
+        return ejkernel.kernel_delta_attention(
+            query, key, value, beta, g, use_qk_l2norm=True, platform=platform
+        )
+
+    return call
+
+
+def _fla_kda(q, k, v, beta, g):
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+def _fla_gdn(q, k, v, beta, g):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+def _fla_gla(q, k, v, g):
+    from fla.ops.gla import chunk_gla
+
+    return chunk_gla(q, k, v, g)[0]
+
+
+def _fla_lightning(q, k, v):
+    from fla.ops.lightning_attn import chunk_lightning_attn
+
+    return chunk_lightning_attn(q, k, v, layer_idx=0, num_layers=24)[0]
+
+
+CASES: dict[str, Case] = {
+    "gla": Case(
+        "B 2, T {t}, H 16, K = V = 128",
+        _gla_inputs,
+        lambda query, key, value, g, platform: ejkernel.gla(
+            query, key, value, g, platform=platform
+        ),
+        "fla chunk_gla",
+        _fla_gla,
+    ),
+    "kda": Case(
+        "B 2, T {t}, H 16, K = V = 128, per-channel gate",
+        _kda_inputs,
+        _kda(True),
+        "fla chunk_kda",
+        _fla_kda,
+    ),
+    "gdn": Case(
+        "B 2, T {t}, H 16, K = V = 128, per-head gate",
+        lambda t: _kda_inputs(t, per_channel=False),
+        _kda(False),
+        "fla chunk_gated_delta_rule",
+        _fla_gdn,
+    ),
+    "lightning": Case(
+        "B 2, T {t}, H 16, K = V = 128, layer 0 of 24",
+        _qkv,
+        lambda query, key, value, platform: ejkernel.lightning_attention(
+            query, key, value, layer_idx=0, num_layers=24, platform=platform
+        ),
+        "fla chunk_lightning_attn",
+        _fla_lightning,
+    ),
+    "recurrent": Case(
+        "B 2, T {t}, H 16, K = V = 128, g and gk",
+        _recurrent_inputs,
+        lambda query, key, value, g, gk, platform: ejkernel.recurrent(
+            query, key, value, g=g, gk=gk, platform=platform
+        ),
+    ),
+    "ssd": Case(
+        "B 2, T {t}, H 32, P 64, G 1, N 128",
+        _ssd_inputs,
+        lambda x, A, B, C, D, dt, platform: ejkernel.state_space_v2(
+            x, A, B, C, D, dt, platform=platform
+        ),
+    ),
+    "ssm": Case(
+        "B 2, T {t}/2, I 2048, N 16",
+        _ssm_inputs,
+        lambda x, A, B, C, D, dt, platform: ejkernel.state_space_v1(
+            x, A, B, C, D, dt, platform=platform
+        ),
+    ),
+}
+
+
+def ejkernel_fns(case: Case, names: tuple[str, ...], platform: str) -> tuple[Any, Any]:
+    def fwd(*args: Any) -> Any:
+        return case.call(**dict(zip(names, args, strict=True)), platform=platform)
+
+    def fwd_bwd(*args: Any) -> Any:
+        *xs, d_out = args
+        out, vjp = jax.vjp(fwd, *xs)
+        return out, vjp(d_out.astype(out.dtype))
+
+    return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def anchor_times(case: Case, x: dict[str, jax.Array], iters: int, repeats: int) -> tuple[str, str]:
+    """The torch anchor's forward and forward+backward (ms), or why not."""
+    try:
+        import numpy as np
+        import torch
+    except Exception as err:  # not installed on this machine
+        return (f"n/a ({type(err).__name__})",) * 2
+    # jax-triton empties TRITON_CACHE_DIR in this process; torch's Triton kernels need one.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-torch-triton-")
+
+    def tensor(a: Any, grad: bool = False) -> Any:
+        t = torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda()
+        return t.to(torch.bfloat16 if a.dtype == BF16 else torch.float32).requires_grad_(grad)
+
+    names = [n for n in x if n != "d_out"]
+    args = [tensor(x[n], True) for n in names]
+    d_out = tensor(x["d_out"])
+
+    def fwd() -> Any:
+        with torch.no_grad():
+            return case.anchor_call(*args)
+
+    def fwd_bwd() -> Any:
+        out = case.anchor_call(*args)
+        out.backward(d_out.to(out.dtype))
+        return out
+
+    def median_ms(fn: Any) -> str:
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as err:  # e.g. fla refusing a gated backward on this Triton
+            return f"raises {type(err).__name__}: {str(err)[:80]}"
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            runs.append((time.perf_counter() - t0) * 1e3 / iters)
+        return f"{statistics.median(runs):.3f}"
+
+    return median_ms(fwd), median_ms(fwd_bwd)
+
+
+def bench(op: str, t: int, iters: int, repeats: int, anchors: str) -> None:
+    case = CASES[op]
+    x = case.inputs(t)
+    names = tuple(x)
+    args = tuple(x.values())
+    up = tuple(a.astype(jnp.float32) for a in args)
+    with jax.default_matmul_precision("highest"):
+        _, ref_bwd = ejkernel_fns(case, names, "xla")
+        want_out = jax.eval_shape(lambda: ejkernel_fns(case, names, "xla")[0](*up))
+        d_out = _normal(9, want_out.shape)
+        want, want_grads = ref_bwd(*up, d_out.astype(jnp.float32))
+    x = {**x, "d_out": d_out}
+    print(f"\n### {op}: {case.shape.format(t=t)}, bf16 ({jax.devices()[0].device_kind})")
+    print("| contender | fwd ms | fwd+bwd ms | rel err out | max rel err grads |")
+    print("|---|---|---|---|---|")
+    for platform in () if anchors == "only" else ("triton", "xla"):
+        try:
+            fwd, fwd_bwd = ejkernel_fns(case, names, platform)
+            t_f = timed(fwd, *args, iters=iters, repeats=repeats, warm_s=1.0)
+            t_fb = timed(fwd_bwd, *args, d_out, iters=iters, repeats=repeats)
+            out, grads = fwd_bwd(*args, d_out)
+        except Exception as err:  # a platform that declines or fails is reported, not fatal
+            print(f"| ejkernel {platform} | raises {type(err).__name__}: {str(err)[:100]} | | | |")
+            continue
+        err = max(rel(a, b) for a, b in zip(grads, want_grads, strict=True))
+        print(
+            f"| ejkernel {platform} | {t_f:.3f} | {t_fb:.3f} | {rel(out, want):.1e} | {err:.1e} |"
+        )
+    if case.anchor is not None and anchors != "no":
+        f, fb = anchor_times(case, x, iters, repeats)
+        print(f"| {case.anchor} | {f} | {fb} | | |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--op", action="append", choices=sorted(CASES), help="(repeatable)")
+    parser.add_argument("--seq", type=int, default=8192, help="T")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--anchors",
+        choices=("yes", "no", "only"),
+        default="yes",
+        help="time the torch anchors too, not at all, or alone (a process without jax-triton)",
+    )
+    a = parser.parse_args()
+    for op in a.op or list(CASES):
+        bench(op, a.seq, a.iters, a.repeats, a.anchors)
+
+
+if __name__ == "__main__":
+    main()
