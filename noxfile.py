@@ -36,7 +36,16 @@ def _tests(session: nox.Session, *args: str) -> None:
     """Every CPU test but the conformance kit's, which :func:`_conformance` runs with the
     interpreters on (a superset: without them the Triton and Pallas cases only skip)."""
     session.run(
-        "pytest", "-m", "not gpu", "-n", "2", "--durations=20", "--ignore=tests/conformance", *args
+        "pytest",
+        "-m",
+        "not gpu",
+        "-n",
+        "2",
+        "--dist",
+        "worksteal",
+        "--durations=20",
+        "--ignore=tests/conformance",
+        *args,
     )
 
 
@@ -48,6 +57,8 @@ def _conformance(session: nox.Session, *args: str) -> None:
         "not gpu",
         "-n",
         "2",
+        "--dist",
+        "worksteal",
         "--durations=20",
         *args,
         env={"EJKERNEL_INTERPRET": "1"},

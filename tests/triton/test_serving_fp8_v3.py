@@ -206,9 +206,15 @@ def test_ragged_decode_attention_bf16_jit(interpret: None) -> None:
     check(run(args), ref, dtype=jnp.bfloat16)
 
 
-def test_ragged_decode_attention_is_opt_in(interpret: None) -> None:
+def test_ragged_decode_attention_runs_the_kernel_by_default_where_triton_runs(
+    interpret: None,
+) -> None:
+    from ejkernel_triton import plugin
+
     args = dense([0], [5])
-    assert ejkernel.explain("ragged_decode_attention", **args).platform == "xla"
+    assert "ragged_decode_attention" not in plugin.OPT_IN
+    assert "ragged_page_attention_v3" not in plugin.OPT_IN
+    assert ejkernel.explain("ragged_decode_attention", **args).platform == "triton"
 
 
 # -- ragged_page_attention_v3 ---------------------------------------------------------------

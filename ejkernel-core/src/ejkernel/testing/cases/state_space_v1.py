@@ -9,7 +9,7 @@ from ejkernel.testing.cases._state_space import state_space_examples
 
 __all__ = ["examples"]
 
-SIZES = {"B": 2, "S": 37, "I": 24, "N": 12}
+SIZES = {"B": 2, "S": 37, "I": 6, "N": 5}
 CORE = {
     "x": "[B, S, I]",
     "A": "[I, N]",
