@@ -24,6 +24,11 @@ Timing: median of ``--repeats`` batches of ``--iters`` calls after a warm-up
 (:func:`benchmarks._common.timed`; torch the same with ``torch.cuda.synchronize``). Configs come
 from the heuristics (``EJKERNEL_AUTOTUNE_POLICY=heuristics`` unless set).
 
+``--decode``: instead, decoding with ``gla`` (B 32, H 16, K = V = 128, bf16, a carried
+float32 state, ``return_state``) for T = 1, 4 and 16 tokens a call: the fused recurrent kernel
+(``GlaConfig(fused=True)``, 16/32/64-wide value blocks) against the chunked kernels (the
+heuristic's chunked config) and the XLA platform, forward only.
+
 ``--anchors no`` then ``--anchors only`` times ejkernel and the anchors in separate processes (torch's
 Triton autotuning and jax-triton in one process can stall).
 
@@ -298,6 +303,41 @@ def bench(op: str, t: int, iters: int, repeats: int, anchors: str) -> None:
         print(f"| {case.anchor} | {f} | {fb} | | |")
 
 
+def decode(iters: int, repeats: int) -> None:
+    """The fused recurrent kernel against the chunked kernels for a few tokens a call."""
+    import attrs
+
+    from ejkernel_triton.ops.gla import GlaConfig
+
+    b, h, d = 32, 16, 128
+    print(f"\n### gla decoding: B {b}, H {h}, K = V = {d}, bf16 ({jax.devices()[0].device_kind})")
+    print("| T | chunked ms | fused bv16 | fused bv32 | fused bv64 | XLA ms | rel err fused |")
+    print("|---|---|---|---|---|---|---|")
+    for t in (1, 4, 16):
+        x = {**_qkv(t, b, h, d), "g": _gate(3, (b, t, h, d))}
+        state = _normal(7, (b, h, d, d), jnp.float32)
+        chunked = GlaConfig(chunk_size=16, block_k=64, block_v=64, fused=False)
+
+        def run(cfg: Any, platform: str = "triton") -> Any:
+            def f(q, k, v, g, s):
+                return ejkernel.gla(
+                    q, k, v, g, initial_state=s, return_state=True, cfg=cfg, platform=platform
+                )
+
+            return jax.jit(f)
+
+        args = (*x.values(), state)
+        cells = [timed(run(chunked), *args, iters=iters, repeats=repeats, warm_s=0.3)]
+        for bv in (16, 32, 64):
+            cfg = attrs.evolve(chunked, fused=True, block_v=bv)
+            cells.append(timed(run(cfg), *args, iters=iters, repeats=repeats, warm_s=0.3))
+        cells.append(timed(run(None, "xla"), *args, iters=iters, repeats=repeats, warm_s=0.3))
+        got = run(attrs.evolve(chunked, fused=True, block_v=32))(*args)
+        want = run(chunked)(*args)
+        err = max(rel(a, e) for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+        print(f"| {t} | " + " | ".join(f"{c:.4f}" for c in cells) + f" | {err:.1e} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", action="append", choices=sorted(CASES), help="(repeatable)")
@@ -310,7 +350,11 @@ def main() -> None:
         default="yes",
         help="time the torch anchors too, not at all, or alone (a process without jax-triton)",
     )
+    parser.add_argument("--decode", action="store_true", help="fused against chunked, T ≤ 16")
     a = parser.parse_args()
+    if a.decode:
+        decode(a.iters, a.repeats)
+        return
     for op in a.op or list(CASES):
         bench(op, a.seq, a.iters, a.repeats, a.anchors)
 

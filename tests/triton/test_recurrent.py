@@ -114,13 +114,15 @@ def test_supports_declines_the_value_gate_and_what_gla_declines() -> None:
 def test_the_heuristic_takes_the_fused_path_for_a_few_tokens_only(monkeypatch) -> None:
     from ejkernel_triton.ops import gla_config
 
-    monkeypatch.setattr(gla_config, "FUSED_ON_GPU", True)
+    monkeypatch.setattr(gla_config._launch, "interpreting", lambda: False)
 
     def cfg(s: int) -> Any:
         q = jax.ShapeDtypeStruct((1, s, 2, 16), jnp.float32)
         return heuristic(types.SimpleNamespace(kwargs={"query": q, "value": q}))
 
-    assert cfg(1).fused and cfg(16).fused and not cfg(17).fused
+    limit = gla_config.FUSED_GPU_MAX_TOKENS
+    assert cfg(1).fused and cfg(limit).fused and not cfg(limit + 1).fused
+    assert cfg(1).block_v == 16
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------

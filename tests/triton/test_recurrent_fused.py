@@ -170,11 +170,11 @@ def test_the_kernel_compiles_for_hopper(monkeypatch, tmp_path, packed: bool) -> 
     from ejkernel_triton.ops import gla_config
     from ejkernel_triton.ops.recurrent import recurrent_triton
 
-    monkeypatch.setattr(gla_config, "FUSED_ON_GPU", True)
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    q = jnp.ones((1 if packed else 4, 8, 2, 128), jnp.bfloat16)
-    cu = jnp.array([0, 3, 8], jnp.int32) if packed else None
+    t = gla_config.FUSED_GPU_MAX_TOKENS
+    q = jnp.ones((1 if packed else 4, t, 2, 128), jnp.bfloat16)
+    cu = jnp.array([0, 1, t], jnp.int32) if packed else None
     jax.clear_caches()  # the launch is jitted: trace it under the recorder
     with _codegen.recorded_launches() as record:
         recurrent_triton(query=q, key=q, value=q, gk=q, cu_seqlens=cu, return_state=True)

@@ -78,18 +78,20 @@ def supports(inv: Any) -> bool | str:
     return True
 
 
-#: Whether the heuristic picks the fused kernel on a GPU: only once its ``gpu``-marked tests
-#: (tests/triton/test_recurrent_fused.py) have passed on one; ``cfg=GlaConfig(fused=True)``
-#: asks for it meanwhile.
-FUSED_ON_GPU = False
+#: The longest call (tokens per row) for which the heuristic picks the fused kernel on a GPU.
+#: On an H100 (B 32, H 16, K = V = 128, bf16, a carried state) the fused kernel with 16-wide
+#: value blocks takes 0.36x the chunked kernels' time at 1 token and 0.43x at 4; at 16 its
+#: best value block takes 1.04x (benchmarks/RESULTS.md). Longer calls run the chunked kernels.
+FUSED_GPU_MAX_TOKENS = 4
 
 
 def heuristic(inv: Any) -> GlaConfig:
     """Chunks of 64 with 64 x 64 state tiles; smaller chunks for short sequences (packed: by
     their mean length, since each is padded to whole chunks), and in the interpreter (whose
-    cost is per program and per loop step) whole-dim blocks. Calls of at most
-    :data:`FUSED_MAX_TOKENS` tokens (decoding) take the fused recurrent kernel, with 32-wide
-    value blocks on the GPU (more programs over a state that is read and written once)."""
+    cost is per program and per loop step) whole-dim blocks. Decoding calls take the fused
+    recurrent kernel: of at most :data:`FUSED_GPU_MAX_TOKENS` tokens on a GPU, with 16-wide value
+    blocks (more programs over a state that is read and written once), and of at most
+    :data:`FUSED_MAX_TOKENS` in the interpreter."""
     a = inv.kwargs
     s, dk, dv = a["query"].shape[1], a["query"].shape[-1], a["value"].shape[-1]
     cu = a.get("cu_seqlens")
@@ -105,11 +107,11 @@ def heuristic(inv: Any) -> GlaConfig:
             fused=fused,
         )
     dtype = jnp.dtype(a["query"].dtype)
-    fused = fused and FUSED_ON_GPU
+    fused = s <= FUSED_GPU_MAX_TOKENS
     return GlaConfig(
         chunk_size=chunk,
         block_k=min(64, _pow2(dk)),
-        block_v=min(32 if fused else 64, _pow2(dv)),
+        block_v=min(16 if fused else 64, _pow2(dv)),
         num_warps=4,
         num_stages=2 if dtype.itemsize == 2 else 1,
         fused=fused,

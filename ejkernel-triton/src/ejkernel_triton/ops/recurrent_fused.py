@@ -2,7 +2,9 @@
 
 :func:`fused_forward` serves ``gla``, ``recurrent`` and ``lightning_attention`` (each maps its
 gates onto the key gate ``g [B, S, H, K]``) when their config says ``fused``: the heuristic
-picks it for a few tokens (``S ≤`` :data:`FUSED_MAX_TOKENS`) with a carried state. It is the
+picks it for a few tokens with a carried state (``S ≤``
+:data:`ejkernel_triton.ops.gla_config.FUSED_GPU_MAX_TOKENS` on a GPU, :data:`FUSED_MAX_TOKENS`
+in the interpreter). It is the
 primal only: a differentiated call runs the chunked forward, whose residuals the backward
 reads. The kernel is :mod:`ejkernel_triton.kernels.recurrent_fused`.
 """
@@ -21,7 +23,8 @@ from ejkernel_triton._launch import BATCH, OTHER
 
 __all__ = ["FUSED_MAX_TOKENS", "fused_forward"]
 
-#: The heuristic's longest call (tokens per row, or in all when packed) for the fused path.
+#: The heuristic's longest call (tokens per row, or in all when packed) for the fused path in
+#: the interpreter (on a GPU: ``gla_config.FUSED_GPU_MAX_TOKENS``).
 FUSED_MAX_TOKENS = 16
 
 
