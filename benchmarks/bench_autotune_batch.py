@@ -46,7 +46,7 @@ SMALL_SHAPES = [
 
 
 def records(shapes: list[tuple[int, ...]], dtype: str, grad: bool) -> list[object]:
-    from ejkernel._records import ArraySpec, RecordedInvocation
+    from ejkernel.ops import ArraySpec, RecordedInvocation
 
     out = []
     for b, s, hq, hkv, d, causal in shapes:

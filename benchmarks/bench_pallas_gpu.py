@@ -130,7 +130,7 @@ def sweep_case(b: int, s: int, h: int, d: int, causal: bool, iters: int, reps: i
     """Forward and forward+backward TFLOP/s of each (bq, bk, stages) of the tuning list, with
     cuDNN timed in the same process."""
     import ejkernel
-    from ejkernel._params import BwdParams, FwdParams
+    from ejkernel.ops import BwdParams, FwdParams
     from ejkernel_pallas.gpu.flash_attention import TUNING, FlashAttentionConfig
 
     print(f"\n== sweep B{b} S{s} H{h} D{d} {'causal' if causal else 'full'} ==", flush=True)

@@ -77,7 +77,7 @@ def decode_calls() -> dict[str, list[dict[str, Any]]]:
 
 def records() -> dict[str, list[Any]]:
     """Records files by name: ``flash_attention`` and ``decode``."""
-    from ejkernel._records import RecordedInvocation
+    from ejkernel.ops import RecordedInvocation
     from ejkernel.plugins import get_registry
 
     def record(op: str, args: dict[str, Any], grad: bool) -> RecordedInvocation:
