@@ -1,6 +1,7 @@
 """Numerics of the XLA linear-attention and state-space ops against the sequential recurrence:
-a log gate of -inf is a state reset, a NaN at token t stays in token t's causal future, log
-decays of -20 per step over 301 steps stay finite and exact, zero-length packed sequences.
+a log gate of -inf is a state reset, a NaN at token t stays in token t's causal future,
+zero-length packed sequences keep their states (log decays of -20 per step over 301 steps: the
+conformance kit's ``decay-20`` examples hold every platform to them).
 
 Ops: gla, recurrent (scalar ``g``, vector ``gk``, ``gv``, ``reverse``), lightning_attention,
 kernel_delta_attention (vector and scalar decay), state_space_v2 (grouped B/C) and
@@ -347,29 +348,9 @@ def test_a_nan_at_token_t_reaches_only_its_causal_future(op: Op, form: str, targ
 
 
 # --------------------------------------------------------------------------------------------
-# Strong decay over long sequences, zero-length packed sequences
+# Zero-length packed sequences (strong decays over 301 steps: the conformance kit's
+# ``decay-20`` examples, on every platform)
 # --------------------------------------------------------------------------------------------
-
-
-def strong_decay(op: Op, arrays: dict[str, Any], log_decay: float) -> dict[str, Any]:
-    """Every log gate at ``log_decay`` per step (state space: Δ = 1, A = ``log_decay``)."""
-    if not op.linear:
-        dt = jnp.full_like(arrays["dt"], 1.0)
-        return {**arrays, "A": jnp.full_like(arrays["A"], log_decay), "dt": dt}
-    if op.spec is lightning_spec:
-        return {**arrays, "slopes": jnp.full_like(arrays["slopes"], -log_decay)}
-    return {**arrays, **{n: jnp.full_like(arrays[n], log_decay) for n in op.gates}}
-
-
-@pytest.mark.parametrize("op", OPS, ids=OP_IDS)
-def test_log_decay_minus_20_per_step_over_301_steps_is_finite_and_exact(op: Op) -> None:
-    arrays = strong_decay(op, inputs(op, b=1, s=301, seed=2), -20.0)
-    statics = {"dt_softplus": False} if not op.linear else {}
-    # Δ = 1 exactly: no softplus for the state-space ops (their decay is then exp(-20)).
-    fixed = attrs.evolve(op, statics={**op.statics, **statics})
-    (out, final), grads = fixed.check(arrays, return_state=True)
-    for x in (out, final, *grads.values()):
-        assert np.all(np.isfinite(np.asarray(x)))
 
 
 @pytest.mark.parametrize("op", LINEAR, ids=lambda op: op.id)
