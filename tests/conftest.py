@@ -34,48 +34,19 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
     _labels.forget_stamps()
 
 
-#: The folder of XLA's compilation cache for this run, shared by the xdist workers (they
-#: inherit the variable) and removed by the process that made it.
-_XLA_CACHE = "EJKERNEL_TESTS_XLA_CACHE"
-
-
 def pytest_configure(config):
     """On a CPU, compile without XLA's and LLVM's expensive optimisations
     (``jax_disable_most_optimizations``): these tests spend most of their time compiling small
     programs, which then run on inputs of a few kilobytes. GPU runs keep the usual compiler.
 
-    On a CPU, XLA's persistent compilation cache is on, in a temporary folder of this run: tests
-    compile the same programs again and again (each test builds a fresh registry, so jitted
-    functions are new objects), and the cache finds them by their HLO across tests and workers.
-
     CPU dispatch is synchronous (``jax_cpu_enable_async_dispatch`` off): the interpreted kernels
     run through host callbacks, and XLA's asynchronous CPU dispatch can wedge with callbacks in
     flight (jax-ml/jax#25861: every thread idle, the main one waiting for an execution slot)."""
-    import os
-    import tempfile
-
     import jax
 
-    if jax.default_backend() != "cpu":
-        return
-    jax.config.update("jax_disable_most_optimizations", True)
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
-    if _XLA_CACHE not in os.environ:
-        os.environ[_XLA_CACHE] = tempfile.mkdtemp(prefix="ejkernel-tests-xla-")
-        config._ejkernel_xla_cache = os.environ[_XLA_CACHE]
-    jax.config.update("jax_compilation_cache_dir", os.environ[_XLA_CACHE])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def pytest_unconfigure(config):
-    import os
-    import shutil
-
-    made = getattr(config, "_ejkernel_xla_cache", None)
-    if made:
-        shutil.rmtree(made, ignore_errors=True)
-        os.environ.pop(_XLA_CACHE, None)
+    if jax.default_backend() == "cpu":
+        jax.config.update("jax_disable_most_optimizations", True)
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 def pytest_collection_modifyitems(config, items):
