@@ -1,8 +1,8 @@
 """Task runner: `nox -s ci` is what CI runs (`.ci/run`); `nox -s demo` is the quick start.
 
-`ci` installs once and runs in that one environment what the sessions `lint`, `tests`,
-`conformance`, `docs` and `example-plugin` run each in their own; the commands are shared
-(`_lint`, `_tests`, ...), so the two ways run the same checks.
+`ci` installs once and runs in that one environment what the sessions `lint`, `tests` (the
+tests and the conformance kit, in one pytest run), `docs` and `example-plugin` run each in their
+own; the commands are shared (`_lint`, `_tests`, ...), so the two ways run the same checks.
 """
 
 from __future__ import annotations
@@ -32,37 +32,25 @@ def _lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-def _tests(session: nox.Session, *args: str) -> None:
-    """Every CPU test but the conformance kit's, which :func:`_conformance` runs with the
-    interpreters on (a superset: without them the Triton and Pallas cases only skip)."""
+def _tests(session: nox.Session, *args: str, marks: str = "not gpu") -> None:
+    """The CPU tests and the conformance kit over every in-tree plugin, in one run on two
+    workers (the kit's own conftest turns the Triton and Pallas interpreters on for its tests).
+    ``marks``: the marker expression (CI adds ``not slow``: tests/slow.txt)."""
     session.run(
         "pytest",
         "-m",
-        "not gpu",
+        marks,
         "-n",
         "2",
         "--dist",
         "worksteal",
         "--durations=20",
-        "--ignore=tests/conformance",
         *args,
     )
 
 
 def _conformance(session: nox.Session, *args: str) -> None:
-    session.run(
-        "pytest",
-        "tests/conformance",
-        "-m",
-        "not gpu",
-        "-n",
-        "2",
-        "--dist",
-        "worksteal",
-        "--durations=20",
-        *args,
-        env={"EJKERNEL_INTERPRET": "1"},
-    )
+    session.run("pytest", "tests/conformance", "-m", "not gpu", "-n", "2", *args)
 
 
 def _docs(session: nox.Session) -> None:
@@ -75,13 +63,12 @@ def _example_plugin(session: nox.Session, *args: str) -> None:
 
 @nox.session
 def ci(session: nox.Session) -> None:
-    """What CI runs, in one install: lint, the tests, the conformance kit over every in-tree
-    plugin, the docs build, then the example plugin (installed last: the docs' support matrix
+    """What CI runs, in one install: lint, the tests and the conformance kit over every in-tree
+    plugin (without the `slow` ones: tests/slow.txt; `nox -s tests` runs them), the docs build, then the example plugin (installed last: the docs' support matrix
     and the tests see the in-tree plugins only)."""
     session.install(*PACKAGES, *TEST_DEPS, *DOCS_DEPS, RUFF)
     _lint(session)
-    _tests(session)
-    _conformance(session)
+    _tests(session, marks="not gpu and not slow")
     _docs(session)
     session.install("--no-deps", EXAMPLE_PLUGIN)
     _example_plugin(session)
@@ -90,14 +77,13 @@ def ci(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Install every distribution and run every CPU test (GPU tests are deselected), the
-    conformance kit with the Triton and Pallas interpreters on. Arguments go to pytest in
+    `slow` ones and the conformance kit (Triton and Pallas through their interpreters) included. Arguments go to pytest in
     place of that selection: `nox -s tests -- tests/xla -x`."""
     session.install(*PACKAGES, *TEST_DEPS)
     if session.posargs:
         session.run("pytest", "-m", "not gpu", *session.posargs)
         return
     _tests(session)
-    _conformance(session)
 
 
 #: Session ``tests-<name>``: the CPU tests of some folders, with what they cover.

@@ -49,9 +49,19 @@ def pytest_configure(config):
         jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run only where JAX's default backend is a GPU."""
+    """Tests marked `gpu` run only where JAX's default backend is a GPU; the tests listed in
+    ``tests/slow.txt`` are marked `slow` (the CI run deselects them)."""
+    import pathlib
+
     import jax
+
+    listed = pathlib.Path(__file__).with_name("slow.txt").read_text().splitlines()
+    slow = {line.strip() for line in listed if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
 
     if jax.default_backend() == "gpu":
         return

@@ -122,9 +122,10 @@ def state_space_numerics(
     """The numerics examples of a state-space op of ``sizes`` (``core`` arrays by their
     letters): ``A = -inf`` on one head or channel (no memory there), a NaN entry of ``x`` at
     :data:`TOKEN` (no gradients), and ``Δ = 1``, ``A = -20`` (a log decay of -20 per step)
-    over 301 tokens."""
+    over 301 tokens (one batch row)."""
     arrays = arrays_of(sizes, **core)
-    long = arrays_of({**sizes, "S": 301}, **core)
+    long_sizes = {**sizes, "B": 1, "S": 301}
+    long = arrays_of(long_sizes, **core)
 
     def no_memory(values: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
         del rng
@@ -148,7 +149,7 @@ def state_space_numerics(
             grad=False,
         ),
         Example(
-            name=f"{sizes_id({**sizes, 'S': 301})}-decay-20",
+            name=f"{sizes_id(long_sizes)}-decay-20",
             arrays=long,
             fill=strong,
             dtypes=("float32",),
