@@ -1,6 +1,7 @@
 """The conformance kit over every installed implementation (xla; triton and pallas through
-their interpreters when installed and EJKERNEL_INTERPRET=1): what
-``pytest --pyargs ejkernel.testing.conformance`` runs, narrowed by ``--ejkernel-platform``."""
+their interpreters, which this folder's conftest turns on): what
+``EJKERNEL_INTERPRET=1 pytest --pyargs ejkernel.testing.conformance`` runs, narrowed by
+``--ejkernel-platform``."""
 
 from __future__ import annotations
 
