@@ -99,12 +99,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder for <name>.json")
     args = parser.parse_args()
-    from ejkernel._records import dumps
+    from ejkernel.ops import save_invocations
 
     folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
     for name, recs in records().items():
-        (folder / f"{name}.json").write_text(dumps(recs))
+        save_invocations(folder / f"{name}.json", recs)
         print(f"{folder / name}.json: {len(recs)} invocations")
 
 
