@@ -167,20 +167,31 @@ def test_tuning_never_runs_a_dropped_candidate(monkeypatch):
 )
 def test_every_candidate_the_autotuner_gets_compiles_and_runs_on_the_gpu(hq, hkv, d, causal):
     # The issue: on an H200 two candidates failed for shared memory at tuning. Now none does.
+    # A candidate's shared memory follows its tiles and head dim, not B or S: the space is that
+    # of the (4, 4096) shape, the runs are of a (1, 1024) one, compiled on 8 threads.
+    from concurrent.futures import ThreadPoolExecutor
+
     import ejkernel
     from ejkernel_pallas.gpu.flash_attention import config_space
 
-    b, s = 4, 4096
-    q = jnp.ones((b, s, hq, d), jnp.bfloat16)
-    kv = jnp.ones((b, s, hkv, d), jnp.bfloat16)
+    def arrays(b: int, s: int) -> tuple[Any, Any]:
+        return jnp.ones((b, s, hq, d), jnp.bfloat16), jnp.ones((b, s, hkv, d), jnp.bfloat16)
+
+    big_q, big_kv = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays(4, 4096))
     inv = types.SimpleNamespace(
-        kwargs={"query": q, "key": kv, "value": kv, "causal": causal}, grad=True
+        kwargs={"query": big_q, "key": big_kv, "value": big_kv, "causal": causal}, grad=True
     )
+    q, kv = arrays(1, 1024)
 
     def loss(q, k, v, cfg):
         out = ejkernel.flash_attention(q, k, v, causal=causal, platform="pallas", cfg=cfg)
         return out.astype(jnp.float32).sum()
 
-    for cfg in config_space(inv):
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, kv, kv, cfg)
-        jax.block_until_ready(grads)
+    def compiled(cfg: Any) -> Any:
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+        return grad.lower(q, kv, kv, cfg).compile()
+
+    space = config_space(inv)
+    with ThreadPoolExecutor(8) as pool:
+        for fn in pool.map(compiled, space):
+            jax.block_until_ready(fn(q, kv, kv))
