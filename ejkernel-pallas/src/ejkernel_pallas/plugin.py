@@ -24,7 +24,7 @@ from ejkernel.plugins import hookimpl
 #: op -> the families (``tpu``, ``gpu``) with a module ``ejkernel_pallas.<family>.<op>``.
 OPS: dict[str, tuple[str, ...]] = {
     "flash_attention": ("tpu", "gpu"),
-    "grouped_matmul": ("tpu",),
+    "grouped_matmul": ("tpu", "gpu"),
     "page_attention": ("tpu",),
     "ragged_page_attention": ("tpu",),
 }

@@ -1,0 +1,689 @@
+"""grouped_matmul as Pallas Mosaic-GPU kernels for Hopper: the grouped matmul (forward and
+``d_lhs``) and the transposed grouped matmul (``tgmm``, ``d_rhs``).
+
+**Tiles start where groups start.** A metadata pass in XLA (:func:`work_list`, on the traced
+``group_sizes``) cuts every group into row tiles of ``block_m`` beginning at the group's first
+row, so no tile straddles two groups and each tile is one plain matmul ``lhs[tile] ·
+rhs[g]``; only a group's last tile is short. Rows past ``sum(group_sizes)`` form a tail
+segment whose tiles store zeros without a matmul. There are at most ``ceil(M / block_m) + G + 1``
+tiles whatever the routing.
+
+**gmm** (forward, and ``d_lhs = d_out · rhs[g]ᵀ``): persistent, one CTA per SM walking the
+(tile, column block) items; three warpgroups, as in a Hopper dense matmul: a producer streams
+``[block_m, block_k]`` slices of the tile and ``[block_k, 2·block_n]`` slices of ``rhs[g]`` (or
+``[2·block_n, block_k]`` of the transposed layout) through a ring of ``stages`` shared-memory
+slots with TMA (``emit_pipeline_warp_specialized``); two consumers each own ``block_n`` output
+columns and accumulate with ``wgmma`` in float32. A tile's rows are stored as a binary ladder
+of TMA stores (``rows = Σ 2^i``: one store per set bit, ``block_m`` rows at once for a full
+tile), so a short tile writes exactly its rows and never touches the next group's.
+
+**tgmm** (``d_rhs[g] = lhs_gᵀ · d_out_g``): persistent over (group, row block of the output,
+column block) items; the producer streams the group's rows in chunks of ``block_k``
+(a dynamic trip count, from the group's first row), the consumers run ``wgmma`` with the
+``lhs`` chunk transposed in shared memory. In the group's last chunk the rows past its end are
+zeroed in both operands before the matmul (they belong to the next group, or lie past M where
+TMA reads zeros); an empty group stores zeros.
+
+Out-of-range reads rely on TMA's zero fill: K and N need not be multiples of the blocks, and
+the last tile of a group may reach past M. K and N must be multiples of 8 (TMA's 16-byte
+strides). bf16 and f16 inputs (``wgmma`` reads transposed 16-bit operands only), any floating
+output dtype; everything else is declined (the XLA plugin serves it).
+
+**Interpret mode** (CPU, tests): the same kernels in Mosaic GPU's interpreter, which models the
+warpgroups, TMA copies, barriers and ``wgmma``; ``lhs``/``d_out`` get zero rows and K, N zero
+columns appended first, standing in for the TMA zero fill the interpreter does not model.
+
+The backward is the executor's custom VJP (``defvjp``), each gradient in its input's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ejkernel import env
+from ejkernel.ops import prune_by_shared_memory
+from ejkernel.plugins import defvjp
+
+# Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
+from ejkernel_pallas import _compat as compat
+from ejkernel_pallas.gpu import _smem
+
+__all__ = [
+    "GroupedMatmulConfig",
+    "config_space",
+    "grouped_matmul_pallas",
+    "heuristic",
+    "smem_need",
+    "supports",
+    "work_list",
+]
+
+DTYPES = ("bfloat16", "float16")
+#: K and N must be multiples of this (TMA strides are multiples of 16 bytes).
+ALIGN = 8
+#: (block_m, block_n per consumer, block_k) the config space offers; stages are added per
+#: shared-memory budget.
+BLOCKS = ((128, 128, 64), (64, 128, 64), (128, 64, 64), (64, 64, 64))
+MAX_STAGES = 4
+#: Registers the producer warpgroup keeps (the consumers get the rest).
+PRODUCER_REGISTERS = 40
+#: Opt-in shared memory per block of an H100/H200 (bytes).
+HOPPER_SMEM = 232_448
+#: SMs the interpreter pretends to have.
+INTERPRET_SMS = 2
+
+
+@attrs.frozen(kw_only=True)
+class GroupedMatmulConfig:
+    """Tunables of the Mosaic GPU grouped matmul (the same for all three products).
+
+    Attributes:
+        block_m: rows of ``lhs`` per tile (64 or 128); in ``tgmm`` the rows of a ``d_rhs`` tile.
+        block_n: output columns of each of the two consumer warpgroups (64 or 128); a CTA
+            covers ``2 · block_n``.
+        block_k: contraction per pipeline step (64); in ``tgmm`` the rows of a chunk.
+        stages: shared-memory ring slots of the producer (2-4).
+
+    ``None`` takes :func:`heuristic`'s choice.
+    """
+
+    block_m: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_((64, 128)))
+    )
+    block_n: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_((64, 128)))
+    )
+    block_k: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_((32, 64)))
+    )
+    stages: int | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.in_(tuple(range(2, MAX_STAGES + 1)))),
+    )
+
+
+@attrs.frozen(kw_only=True)
+class _Launch:
+    """Static parameters of one product (hashable: a jit static)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    interpret: bool
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+def _shapes(kw: Any) -> tuple[int, int, int, int]:
+    """``(M, K, N, G)`` of validated arguments (arrays or abstract shapes)."""
+    m, k = kw["lhs"].shape
+    rhs = kw["rhs"].shape
+    n = rhs[1] if kw.get("transpose_rhs") else rhs[2]
+    return int(m), int(k), int(n), int(rhs[0])
+
+
+def _kernel_smem(blocks: tuple[int, int, int, int], in_dtype: Any, out_dtype: Any) -> int:
+    """Shared memory of either kernel at ``(block_m, block_n, block_k, stages)``: the ring
+    (an ``lhs`` slice and a ``2·block_n``-wide ``rhs`` slice a slot, or in ``tgmm`` the two
+    chunks), the consumers' output tiles and the ring's barriers."""
+    bm, bn, bk, stages = blocks
+    ring = [_smem.Buffer((stages, bm, bk), in_dtype), _smem.Buffer((stages, bk, 2 * bn), in_dtype)]
+    out = _smem.Buffer((2, bm, bn), out_dtype, tiled=False)
+    return _smem.nbytes([*ring, out, _smem.Barriers(4 * stages)])
+
+
+def smem_need(kw: Any, cfg: GroupedMatmulConfig, *, grad: bool = True) -> int:
+    """Bytes of shared memory the largest kernel of ``cfg`` allocates for the call ``kw``."""
+    dtype = kw["lhs"].dtype
+    out_dtype = kw.get("preferred_element_type") or dtype
+    blocks = _blocks(kw, cfg)
+    need = _kernel_smem(blocks, dtype, out_dtype)
+    if grad:
+        need = max(need, _kernel_smem(blocks, dtype, dtype))
+    return need
+
+
+def _stages_that_fit(blocks: tuple[int, int, int], dtype: Any, out_dtype: Any) -> int:
+    limit = _smem_limit()
+    for stages in range(MAX_STAGES, 1, -1):
+        need = max(_kernel_smem((*blocks, stages), dtype, o) for o in (out_dtype, dtype))
+        if need <= limit:
+            return stages
+    return 2
+
+
+def _smem_limit() -> int:
+    """The device's shared memory per block; a Hopper's where the device does not say (the
+    CPU in interpret mode), so one call gets one config everywhere."""
+    from ejkernel.ops import shared_memory_limit
+
+    return shared_memory_limit() or HOPPER_SMEM
+
+
+def _blocks(kw: Any, cfg: GroupedMatmulConfig | None) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, block_k, stages)``: the config's, the heuristic's where ``None``."""
+    m, _, n, g = _shapes(kw)
+    bm = cfg.block_m if cfg is not None and cfg.block_m is not None else None
+    bn = cfg.block_n if cfg is not None and cfg.block_n is not None else None
+    bk = cfg.block_k if cfg is not None and cfg.block_k is not None else 64
+    if bm is None:
+        # Short tiles (one per group) waste up to (G + 1)·block_m rows of work: halve the tile
+        # when that is over an eighth of M.
+        bm = 128 if (g + 1) * 128 <= max(m, 1) / 8 else 64
+    if bn is None:
+        bn = 128 if n > 64 * 2 else 64
+    stages = cfg.stages if cfg is not None and cfg.stages is not None else None
+    if stages is None:
+        dtype = kw["lhs"].dtype
+        stages = _stages_that_fit((bm, bn, bk), dtype, kw.get("preferred_element_type") or dtype)
+    return bm, bn, bk, stages
+
+
+def heuristic(inv: Any) -> GroupedMatmulConfig:
+    """128-row tiles unless the short tiles of G groups would waste over an eighth of M (then
+    64), 2 × 128 output columns a CTA (2 × 64 when N ≤ 128), steps of 64, and as many ring
+    slots (up to 4) as shared memory holds."""
+    bm, bn, bk, stages = _blocks(inv.kwargs, None)
+    return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=stages)
+
+
+def config_space(inv: Any) -> list[GroupedMatmulConfig]:
+    """The heuristic's config, then every block triple of :data:`BLOCKS` at 2-4 stages, minus
+    those over the device's shared memory."""
+    base = heuristic(inv)
+    candidates = [base]
+    for bm, bn, bk in BLOCKS:
+        for stages in range(2, MAX_STAGES + 1):
+            cfg = GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=stages)
+            if cfg not in candidates:
+                candidates.append(cfg)
+    return prune_by_shared_memory(
+        candidates,
+        functools.partial(smem_need, inv.kwargs, grad=getattr(inv, "grad", True)),
+        keep=(base,),
+        what="grouped_matmul (pallas gpu)",
+    )
+
+
+def supports(inv: Any) -> bool | str:
+    """True, or why these kernels cannot serve the call (see the module docstring)."""
+    kw = inv.kwargs
+    dtype = jnp.dtype(kw["lhs"].dtype).name
+    if dtype not in DTYPES:
+        return f"the Pallas Mosaic GPU grouped matmul takes {'/'.join(DTYPES)}; got {dtype}"
+    _, k, n, _ = _shapes(kw)
+    if k % ALIGN or n % ALIGN:
+        return (
+            f"the Pallas Mosaic GPU grouped matmul takes K and N multiples of {ALIGN} (TMA "
+            f"strides); got K={k}, N={n}"
+        )
+    if not env.interpret():
+        cc = _compute_capability()
+        if cc is not None and cc < (9, 0):
+            return (
+                "the Pallas Mosaic GPU grouped matmul needs Hopper (sm_90+); this GPU is "
+                f"sm_{cc[0]}{cc[1]}"
+            )
+    return True
+
+
+def _compute_capability() -> tuple[int, int] | None:
+    try:
+        major, minor = str(jax.devices()[0].compute_capability).split(".")
+        return int(major), int(minor)
+    except Exception:  # not a CUDA device (interpret mode, ROCm): say nothing
+        return None
+
+
+def _launch(kw: Any, cfg: GroupedMatmulConfig | None) -> _Launch:
+    bm, bn, bk, stages = _blocks(kw, cfg)
+    return _Launch(
+        block_m=bm,
+        block_n=bn,
+        block_k=bk,
+        stages=stages,
+        interpret=jax.default_backend() == "cpu",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The op and its VJP
+# --------------------------------------------------------------------------------------------
+
+
+def grouped_matmul_pallas(*, cfg: GroupedMatmulConfig | None = None, **args: Any) -> jax.Array:
+    """Grouped matmul on Mosaic GPU: the op's arguments
+    (:func:`ejkernel.specs.grouped_matmul.grouped_matmul`, validated by the core) as keywords.
+
+    Returns:
+        [M, N] in ``preferred_element_type``; rows past ``sum(group_sizes)`` are zeros.
+    """
+    lhs, rhs = args["lhs"], args["rhs"]
+    out_dtype = jnp.dtype(args.get("preferred_element_type") or lhs.dtype).name
+    return _gmm(
+        lhs,
+        rhs,
+        args["group_sizes"],
+        lp=_launch(args, cfg),
+        transpose_w=bool(args.get("transpose_rhs")),
+        out_dtype=out_dtype,
+    )
+
+
+def _grouped_matmul_fwd(**args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Forward: ``(out, residuals)``; residuals are the arrays."""
+    residuals = {n: args[n] for n in ("lhs", "rhs", "group_sizes")}
+    return grouped_matmul_pallas(**args), residuals
+
+
+def _grouped_matmul_bwd(
+    residuals: dict[str, jax.Array],
+    d_out: jax.Array,
+    *,
+    cfg: GroupedMatmulConfig | None = None,
+    preferred_element_type: Any = None,
+    transpose_rhs: bool = False,
+) -> dict[str, jax.Array]:
+    """Backward: ``d_lhs = gmm(d_out, rhsᵀ)``, ``d_rhs = tgmm(lhs, d_out)`` (``tgmm(d_out,
+    lhs)`` in the transposed layout), each in its input's dtype."""
+    lhs, rhs, sizes = residuals["lhs"], residuals["rhs"], residuals["group_sizes"]
+    kw = {
+        "lhs": lhs,
+        "rhs": rhs,
+        "transpose_rhs": transpose_rhs,
+        "preferred_element_type": preferred_element_type,
+    }
+    lp = _launch(kw, cfg)
+    d_out = d_out.astype(lhs.dtype)
+    dtype = jnp.dtype(lhs.dtype).name
+    d_lhs = _gmm(d_out, rhs, sizes, lp=lp, transpose_w=not transpose_rhs, out_dtype=dtype)
+    a, b = (d_out, lhs) if transpose_rhs else (lhs, d_out)
+    d_rhs = _tgmm(a, b, sizes, lp=lp, out_dtype=dtype)
+    return {"lhs": d_lhs, "rhs": d_rhs}
+
+
+defvjp(grouped_matmul_pallas, _grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Metadata
+# --------------------------------------------------------------------------------------------
+
+
+def _segments(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """First row and length of each group, clipped to M (``[G]`` int32 each)."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.clip(jnp.cumsum(sizes), 0, m)
+    starts = jnp.clip(jnp.cumsum(sizes) - sizes, 0, m)
+    return starts, jnp.maximum(ends - starts, 0)
+
+
+def work_list(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """The row tiles of the gmm kernel: ``[3, W]`` int32 rows (segment, first row, rows) with
+    ``W = ceil(M / block_m) + G + 1``.
+
+    Segment ``g < G`` is group g, cut into tiles of ``block_m`` rows from its first row; segment
+    G is the tail (rows past ``sum(group_sizes)``, zeros). Entries past the last tile have 0
+    rows. Empty groups have no tile.
+    """
+    starts, lengths = _segments(group_sizes, m)
+    tail_start = starts[-1] + lengths[-1]
+    seg_start = jnp.concatenate([starts, tail_start[None]])
+    seg_len = jnp.concatenate([lengths, (m - tail_start)[None]])
+    tiles = (seg_len + block_m - 1) // block_m
+    tiles_end = jnp.cumsum(tiles)
+    num_groups = group_sizes.shape[0]
+    w = jnp.arange(-(-m // block_m) + num_groups + 1, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), num_groups).astype(jnp.int32)
+    j = w - (tiles_end - tiles)[seg]
+    rows = jnp.clip(seg_len[seg] - j * block_m, 0, block_m)
+    rows = jnp.where(w < tiles_end[-1], rows, 0)
+    return jnp.stack([seg, seg_start[seg] + j * block_m, rows]).astype(jnp.int32)
+
+
+def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
+    if x.shape[axis] >= size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def _extent(size: int, block: int, lp: _Launch) -> int:
+    """Size of a dimension the kernels read in blocks of ``block``: at least one block (a TMA
+    box never exceeds its array); in interpret mode whole blocks, the zeros TMA would read."""
+    if lp.interpret:
+        return -(-size // block) * block
+    return max(size, block)
+
+
+def _transforms(dtype: Any, minor: int) -> tuple[Any, ...]:
+    """Tiling and swizzle of a shared-memory slice whose minor dimension has ``minor`` entries."""
+    plgpu = compat.plgpu()
+    swizzle = plgpu.find_swizzle(
+        min(minor, 128 // jnp.dtype(dtype).itemsize) * jnp.dtype(dtype).itemsize * 8
+    )
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _num_sms(lp: _Launch) -> int:
+    return INTERPRET_SMS if lp.interpret else int(jax.devices()[0].core_count)
+
+
+def _kernel(body: Any, *, out: Any, lp: _Launch, name: str) -> Any:
+    plgpu = compat.plgpu()
+    kwargs: dict[str, Any] = {}
+    if lp.interpret:
+        kwargs["interpret"] = compat.gpu_interpret_params()
+    return compat.gpu_kernel(
+        body,
+        out=out,
+        scratch=(),
+        grid=(_num_sms(lp),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=compat.gpu_compiler_params(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+        name=name,
+        **kwargs,
+    )
+
+
+def _accumulate(lp: _Launch, shape: tuple[int, int], store: Any) -> Any:
+    """The pipeline's ``compute_context``: run it with a float32 ``shape`` accumulator (a
+    ``wgmma`` accumulator, or in interpret mode a plain array carried through the steps), then
+    ``store`` the result."""
+
+    def context(run_pipeline: Any) -> None:
+        if lp.interpret:
+            store(run_pipeline(jnp.zeros(shape, jnp.float32)))
+            return
+
+        @functools.partial(compat.pl.run_scoped, acc=compat.gpu_accumulator(shape, jnp.float32))
+        def _(acc: Any) -> None:
+            run_pipeline(acc)
+            store(acc[...])
+
+    return context
+
+
+def _mma(lp: _Launch, acc: Any, a: Any, b: Any, *, transpose_a: bool, transpose_b: bool) -> Any:
+    """``acc + a · b`` (either shared-memory operand transposed) with ``wgmma`` into the
+    accumulator ref; in interpret mode a ``jnp.dot`` of the loaded tiles added to the carried
+    array (the interpreter's ``wgmma`` takes no transposed operand)."""
+    plgpu = compat.plgpu()
+    if lp.interpret:
+        x, y = a[...], b[...]
+        x, y = (x.T if transpose_a else x), (y.T if transpose_b else y)
+        return acc + jnp.dot(x, y, preferred_element_type=jnp.float32)
+    a = plgpu.transpose_ref(a, (1, 0)) if transpose_a else a
+    b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    plgpu.wgmma(acc, a, b)
+    plgpu.wgmma_wait(0)
+    return acc
+
+
+def _store_rows(src: Any, dst: Any, first: Any, rows: Any, block_m: int) -> None:
+    """Copy rows ``[0, rows)`` of the shared-memory tile ``src`` to rows ``[first, first +
+    rows)`` of ``dst``, one TMA store per set bit of ``rows`` (TMA boxes have static sizes)."""
+    plgpu = compat.plgpu()
+    offset = jnp.int32(0)
+    size = block_m
+    while size >= 1:
+        part = lax.bitwise_and(rows, jnp.int32(size))
+
+        @compat.pl.when(part != 0)
+        def _(offset=offset, size=size) -> None:
+            plgpu.copy_smem_to_gmem(
+                src.at[compat.pl.ds(offset, size)], dst.at[compat.pl.ds(first + offset, size)]
+            )
+
+        offset = offset + part
+        size //= 2
+
+
+# --------------------------------------------------------------------------------------------
+# gmm: out[rows of g] = x[rows of g] · w[g]
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("lp", "transpose_w", "out_dtype"))
+def _gmm(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lp: _Launch,
+    transpose_w: bool,
+    out_dtype: str,
+) -> jax.Array:
+    """``[M, K] × [G, K, N]`` (``[G, N, K]`` with ``transpose_w``) -> ``[M, N]``."""
+    m, k = x.shape
+    n = w.shape[1] if transpose_w else w.shape[2]
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    bm, bn, bk = lp.block_m, lp.block_n, lp.block_k
+    work = work_list(group_sizes, m, bm)
+    # A group's last tile may read up to bm rows past M.
+    x = _pad_to(x, 0, m + bm if lp.interpret else bm)
+    k_pad, n_pad = _extent(k, bk, lp), _extent(n, 2 * bn, lp)
+    x = _pad_to(x, 1, k_pad)
+    w = _pad_to(_pad_to(w, 2 if transpose_w else 1, k_pad), 1 if transpose_w else 2, n_pad)
+    out = _kernel(
+        functools.partial(_gmm_kernel, lp=lp, transpose_w=transpose_w, m=m),
+        out=jax.ShapeDtypeStruct((x.shape[0], n_pad), out_dtype),
+        lp=lp,
+        name="ejkernel_grouped_matmul",
+    )(work, x, w)
+    return out[:m, :n]
+
+
+def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: bool, m: int):
+    pl, plgpu = compat.pl, compat.plgpu()
+    bm, bn, bk = lp.block_m, lp.block_n, lp.block_k
+    cta_n = 2 * bn
+    k = x_gmem.shape[1]
+    n = out_gmem.shape[1]
+    num_groups = w_gmem.shape[0]
+    col_blocks = -(-n // cta_n)
+    dtype = x_gmem.dtype
+    if transpose_w:
+        w_spec = plgpu.BlockSpec((cta_n, bk), lambda s: (0, s), transforms=_transforms(dtype, bk))
+    else:
+        w_spec = plgpu.BlockSpec(
+            (bk, cta_n), lambda s: (s, 0), transforms=_transforms(dtype, cta_n)
+        )
+    x_spec = plgpu.BlockSpec((bm, bk), lambda s: (0, s), transforms=_transforms(dtype, bk))
+
+    def pipeline(step: Any, context: Any) -> Any:
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(-(-k // bk),),
+            memory_registers=PRODUCER_REGISTERS,
+            in_specs=[x_spec, w_spec],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=lp.stages,
+            compute_context=context,
+        )
+
+    def ignore(*_: Any, **__: Any) -> None:
+        return None
+
+    w_slice = w_gmem.at[0]
+    w_slice = w_slice.at[pl.ds(0, cta_n)] if transpose_w else w_slice.at[:, pl.ds(0, cta_n)]
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(x_gmem.at[pl.ds(0, bm)], w_slice),
+        out_smem=plgpu.SMEM((2, bm, bn), out_gmem.dtype),
+        collective_axes="wg",
+    )
+    def _(allocations: Any, out_smem: Any) -> None:
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((work.shape[1] * col_blocks,), collective_axes="sm")
+        def _(loop: Any) -> None:
+            (item,) = loop.index
+            tile, col = lax.div(item, col_blocks), lax.rem(item, col_blocks)
+            group, first, rows = work[0, tile], work[1, tile], work[2, tile]
+            out_cols = out_gmem.at[:, pl.ds(col * cta_n + wg * bn, bn)]
+
+            def store(value: Any) -> None:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read
+                out_smem[wg] = value.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                _store_rows(out_smem.at[wg], out_cols, first, rows, bm)
+
+            context = _accumulate(lp, (bm, bn), store)
+
+            def step(_: Any, x_smem: Any, w_smem: Any, acc: Any) -> Any:
+                half = pl.ds(wg * bn, bn)
+                b = w_smem.at[half] if transpose_w else w_smem.at[:, half]
+                return _mma(lp, acc, x_smem, b, transpose_a=False, transpose_b=transpose_w)
+
+            @pl.when((rows > 0) & (group < num_groups))
+            def _() -> None:
+                w_g = w_gmem.at[group]
+                cols = pl.ds(col * cta_n, cta_n)
+                w_g = w_g.at[cols] if transpose_w else w_g.at[:, cols]
+                pipeline(step, context)(x_gmem.at[pl.ds(first, bm)], w_g, allocations=allocations)
+
+            @pl.when((rows > 0) & (group == num_groups) & (wg < 2))
+            def _() -> None:
+                store(jnp.zeros((bm, bn), jnp.float32))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+# --------------------------------------------------------------------------------------------
+# tgmm: out[g] = a[rows of g]ᵀ · b[rows of g]
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("lp", "out_dtype"))
+def _tgmm(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, lp: _Launch, out_dtype: str):
+    """``[M, P]ᵀ × [M, Q]`` per group -> ``[G, P, Q]`` (zeros for an empty group)."""
+    m, p = a.shape
+    q = b.shape[1]
+    num_groups = group_sizes.shape[0]
+    if m == 0:
+        return jnp.zeros((num_groups, p, q), out_dtype)
+    bm, bn, bk = lp.block_m, lp.block_n, lp.block_k
+    starts, lengths = _segments(group_sizes, m)
+    # A group's chunks are read from its first row through a window of `span` rows; they end
+    # at most bk rows past M.
+    span = _extent(m, bk, lp)
+    a = _pad_to(_pad_to(a, 0, m + span if lp.interpret else span), 1, _extent(p, bm, lp))
+    b = _pad_to(_pad_to(b, 0, a.shape[0]), 1, _extent(q, 2 * bn, lp))
+    out = _kernel(
+        functools.partial(_tgmm_kernel, lp=lp, span=span),
+        out=jax.ShapeDtypeStruct((num_groups, a.shape[1], b.shape[1]), out_dtype),
+        lp=lp,
+        name="ejkernel_grouped_matmul_tgmm",
+    )(jnp.stack([starts, lengths]), a, b)
+    return out[:, :p, :q]
+
+
+def _tgmm_kernel(segments, a_gmem, b_gmem, out_gmem, *, lp: _Launch, span: int):
+    pl, plgpu = compat.pl, compat.plgpu()
+    bm, bn, bk = lp.block_m, lp.block_n, lp.block_k
+    cta_n = 2 * bn
+    num_groups, p, q = out_gmem.shape
+    row_blocks, col_blocks = -(-p // bm), -(-q // cta_n)
+    dtype = a_gmem.dtype
+    specs = [
+        plgpu.BlockSpec((bk, bm), lambda s: (s, 0), transforms=_transforms(dtype, bm)),
+        plgpu.BlockSpec((bk, cta_n), lambda s: (s, 0), transforms=_transforms(dtype, cta_n)),
+    ]
+
+    def pipeline(chunks: Any, step: Any, context: Any) -> Any:
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(chunks,),
+            memory_registers=PRODUCER_REGISTERS,
+            in_specs=specs,
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=lp.stages,
+            compute_context=context,
+        )
+
+    def ignore(*_: Any, **__: Any) -> None:
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(jnp.int32(1), ignore, ignore).get_allocations(
+            a_gmem.at[:, pl.ds(0, bm)], b_gmem.at[:, pl.ds(0, cta_n)]
+        ),
+        out_smem=plgpu.SMEM((2, bm, bn), out_gmem.dtype),
+        collective_axes="wg",
+    )
+    def _(allocations: Any, out_smem: Any) -> None:
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((num_groups * row_blocks * col_blocks,), collective_axes="sm")
+        def _(loop: Any) -> None:
+            (item,) = loop.index
+            group = lax.div(item, row_blocks * col_blocks)
+            rest = lax.rem(item, row_blocks * col_blocks)
+            row, col = lax.div(rest, col_blocks), lax.rem(rest, col_blocks)
+            first, length = segments[0, group], segments[1, group]
+            chunks = lax.div(length + (bk - 1), bk)
+            # Rows of the last chunk inside the group (bk when the group fills it).
+            last_rows = length - (chunks - 1) * bk
+            out_tile = out_gmem.at[group, pl.ds(row * bm, bm), pl.ds(col * cta_n + wg * bn, bn)]
+
+            def store(value: Any) -> None:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out_smem[wg] = value.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
+
+            context = _accumulate(lp, (bm, bn), store)
+
+            def zero_rows_past(ref: Any, valid: Any) -> None:
+                value = ref[...]
+                index = lax.broadcasted_iota(jnp.int32, value.shape, 0)
+                ref[...] = jnp.where(index < valid, value, jnp.zeros((), value.dtype))
+
+            def step(indices: Any, a_smem: Any, b_smem: Any, acc: Any) -> Any:
+                b_half = b_smem.at[:, pl.ds(wg * bn, bn)]
+
+                @pl.when((indices[0] == chunks - 1) & (last_rows < bk))
+                def _() -> None:
+                    # Both consumers rewrite the shared lhs chunk with the same values.
+                    zero_rows_past(a_smem, last_rows)
+                    zero_rows_past(b_half, last_rows)
+                    plgpu.commit_smem()
+
+                return _mma(lp, acc, a_smem, b_half, transpose_a=True, transpose_b=False)
+
+            @pl.when(length > 0)
+            def _() -> None:
+                rows = pl.ds(first, span)
+                pipeline(chunks, step, context)(
+                    a_gmem.at[rows, pl.ds(row * bm, bm)],
+                    b_gmem.at[rows, pl.ds(col * cta_n, cta_n)],
+                    allocations=allocations,
+                )
+
+            @pl.when((length == 0) & (wg < 2))
+            def _() -> None:
+                store(jnp.zeros((bm, bn), jnp.float32))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)

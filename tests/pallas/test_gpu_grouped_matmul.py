@@ -1,0 +1,238 @@
+"""The Pallas Mosaic-GPU grouped matmul: its work list, config rules, and the kernels on a
+Hopper GPU (``gpu`` marker) and in Mosaic GPU's interpret mode on the CPU.
+
+The same checks run in both modes: ``gpu`` through the public op (``platform="pallas"``) under
+``jax.jit``, gradients through the executor's VJP; ``interpret`` calls the module's entry and
+VJP halves directly (the GPU family is not registered for the CPU). Routings are hostile: empty
+groups first, in the middle and last, one-row groups, rows past ``sum(group_sizes)``, a total
+past M, K and N not multiples of the blocks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkernel
+from ejkernel.ops import Invocation
+from ejkernel.specs.grouped_matmul import SPEC
+from ejkernel.testing import assert_close
+from ejkernel_pallas.gpu import grouped_matmul as module
+from ejkernel_pallas.gpu.grouped_matmul import GroupedMatmulConfig, work_list
+
+HAS_ABSL = importlib.util.find_spec("absl") is not None
+SMALL = GroupedMatmulConfig(block_m=64, block_n=64, block_k=64, stages=2)
+
+GPU = pytest.mark.gpu
+INTERPRET = pytest.mark.skipif(not HAS_ABSL, reason="Mosaic GPU interpret mode needs absl-py")
+
+
+def inputs(
+    m: int, k: int, n: int, sizes: Any, dtype: str = "bfloat16", seed: int = 0, **options: Any
+) -> dict[str, Any]:
+    """Validated arguments with normal ``lhs``/``rhs``, as the core hands them over."""
+    rng = np.random.default_rng(seed)
+    g = len(sizes)
+    rhs_shape = (g, n, k) if options.get("transpose_rhs") else (g, k, n)
+    args = {
+        "lhs": jnp.asarray(rng.normal(size=(m, k)), dtype),
+        "rhs": jnp.asarray(rng.normal(size=rhs_shape), dtype),
+        "group_sizes": jnp.asarray(sizes, jnp.int32),
+        **options,
+    }
+    return SPEC.validate(SPEC.bind((), args))
+
+
+def run(mode: str, args: dict[str, Any], d_out: jax.Array, cfg: Any) -> Any:
+    """``(out, (d_lhs, d_rhs))`` of the kernels in ``mode``."""
+    static = {n: args[n] for n in ("transpose_rhs", "preferred_element_type")}
+    if mode == "gpu":
+        if jax.default_backend() != "gpu":
+            pytest.skip("needs a GPU")
+
+        def f(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+            return ejkernel.grouped_matmul(
+                lhs, rhs, args["group_sizes"], **static, platform="pallas", cfg=cfg
+            )
+
+        out, vjp = jax.jit(lambda lhs, rhs: jax.vjp(f, lhs, rhs))(args["lhs"], args["rhs"])
+        return out, vjp(d_out)
+    if jax.default_backend() != "cpu":
+        pytest.skip("interpret mode is exercised on the CPU")
+    out = module.grouped_matmul_pallas(**args, cfg=cfg)
+    _, residuals = module._grouped_matmul_fwd(**args, cfg=cfg)
+    grads = module._grouped_matmul_bwd(residuals, d_out, cfg=cfg, **static)
+    return out, (grads["lhs"], grads["rhs"])
+
+
+def check(mode: str, args: dict[str, Any], cfg: Any = SMALL) -> jax.Array:
+    """Output and both gradients against the float32 reference."""
+    rhs = args["rhs"].shape
+    n = rhs[1] if args["transpose_rhs"] else rhs[2]
+    out_dtype = jnp.dtype(args["preferred_element_type"])
+    d_out = jnp.asarray(np.random.default_rng(1).normal(size=(args["lhs"].shape[0], n)), out_dtype)
+    out, (d_lhs, d_rhs) = run(mode, args, d_out, cfg)
+    f32 = {
+        **args,
+        "lhs": args["lhs"].astype(jnp.float32),
+        "rhs": args["rhs"].astype(jnp.float32),
+        "preferred_element_type": "float32",
+    }
+    ref, vjp = jax.vjp(
+        lambda a, b: SPEC.reference(**{**f32, "lhs": a, "rhs": b}), f32["lhs"], f32["rhs"]
+    )
+    ref_lhs, ref_rhs = vjp(d_out.astype(jnp.float32))
+    assert out.shape == ref.shape and out.dtype == out_dtype
+    assert d_lhs.dtype == args["lhs"].dtype and d_rhs.dtype == args["rhs"].dtype
+    dtype = args["lhs"].dtype
+    assert_close(out, ref, dtype=dtype, name="out")
+    assert_close(d_lhs, ref_lhs, dtype=dtype, name="d_lhs")
+    assert_close(d_rhs, ref_rhs, dtype=dtype, name="d_rhs")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The work list
+# --------------------------------------------------------------------------------------------
+
+ROUTINGS = [(0, 7, 0, 13, 9, 5, 0), (300,), (0, 0, 0), (128, 0, 128), (64, 500, 9), (1,) * 12]
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_work_list_covers_every_row_once_within_its_bound(block_m: int) -> None:
+    m = 300
+    for sizes in ROUTINGS:
+        seg, first, rows = np.asarray(work_list(jnp.asarray(sizes, jnp.int32), m, block_m))
+        assert seg.shape == (-(-m // block_m) + len(sizes) + 1,)
+        owner = np.full(m, -1)
+        for s, f, r in zip(seg, first, rows, strict=True):
+            assert 0 <= r <= block_m
+            if r:
+                assert np.all(owner[f : f + r] == -1), (sizes, s, f, r)
+                owner[f : f + r] = s
+        ends = np.minimum(np.cumsum(sizes), m)
+        expected = np.searchsorted(ends, np.arange(m), side="right")  # the tail is G
+        np.testing.assert_array_equal(owner, expected, err_msg=str(sizes))
+        live = rows > 0
+        assert np.all(live[: live.sum()])  # the filler comes last
+
+
+# --------------------------------------------------------------------------------------------
+# Config rules
+# --------------------------------------------------------------------------------------------
+
+
+def _inv(m: int, k: int, n: int, g: int, dtype: str = "bfloat16", **kw: Any) -> Invocation:
+    args = {
+        "lhs": jax.ShapeDtypeStruct((m, k), dtype),
+        "rhs": jax.ShapeDtypeStruct((g, k, n), dtype),
+        "group_sizes": jax.ShapeDtypeStruct((g,), jnp.int32),
+        "transpose_rhs": False,
+        "preferred_element_type": kw.pop("out", dtype),
+    }
+    return Invocation(kernel="grouped_matmul", kwargs=args)
+
+
+def test_supports_declines_what_the_kernels_cannot_run() -> None:
+    assert module.supports(_inv(256, 512, 512, 8)) is True
+    assert "bfloat16/float16" in module.supports(_inv(256, 512, 512, 8, "float32"))
+    assert "multiples of 8" in module.supports(_inv(256, 500, 512, 8))
+    assert "multiples of 8" in module.supports(_inv(256, 512, 36, 8))
+
+
+def test_heuristic_halves_the_tile_for_many_groups_and_fits_shared_memory() -> None:
+    many = module.heuristic(_inv(4096, 1024, 1024, 64))
+    few = module.heuristic(_inv(16384, 4096, 4096, 8))
+    assert many.block_m == 64 and few.block_m == 128 and few.block_n == 128
+    limit = 232_448  # an H100's opt-in shared memory per block
+    for cfg in (many, few):
+        assert module.smem_need(_inv(4096, 1024, 1024, 8).kwargs, cfg) <= limit
+    f32_out = _inv(4096, 1024, 1024, 8, out="float32")
+    cfg = module.heuristic(f32_out)
+    assert module.smem_need(f32_out.kwargs, cfg) <= limit or cfg.stages == 2
+
+
+def test_config_space_starts_with_the_heuristic_and_names_distinct_configs() -> None:
+    inv = _inv(4096, 1024, 1024, 8)
+    space = module.config_space(inv)
+    assert space[0] == module.heuristic(inv)
+    assert len(space) == len(set(space)) > 4
+
+
+def test_config_fields_take_only_what_the_kernels_tile() -> None:
+    with pytest.raises(ValueError):
+        GroupedMatmulConfig(block_m=96)
+    with pytest.raises(ValueError):
+        GroupedMatmulConfig(stages=9)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels
+# --------------------------------------------------------------------------------------------
+
+
+@INTERPRET
+def test_interpret_empty_groups_rows_past_the_total_and_odd_k_n() -> None:
+    # M 150, K 72, N 136: rows 130..149 belong to no group (zeros, zero d_lhs).
+    out = check("interpret", inputs(150, 72, 136, (0, 40, 1, 0, 70, 19, 0)))
+    assert not np.any(np.asarray(out[130:]))
+
+
+@pytest.mark.slow
+@INTERPRET
+def test_interpret_transposed_rhs_float16_with_a_float32_output() -> None:
+    args = inputs(
+        129,
+        64,
+        80,
+        (60, 0, 40, 29),
+        "float16",
+        transpose_rhs=True,
+        preferred_element_type="float32",
+    )
+    assert check("interpret", args).dtype == jnp.float32
+
+
+@pytest.mark.slow
+@INTERPRET
+def test_interpret_a_total_past_m_truncates_the_last_groups() -> None:
+    check("interpret", inputs(100, 64, 64, (30, 90, 9)))
+
+
+@GPU
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("cfg", [None, SMALL], ids=["heuristic", "small"])
+def test_gpu_hostile_routing(transpose_rhs: bool, cfg: Any) -> None:
+    sizes = (0, 300, 1, 0, 1000, 77, 129, 0, 500, 3)  # 2010 of 2100 rows
+    out = check("gpu", inputs(2100, 200, 264, sizes, transpose_rhs=transpose_rhs), cfg)
+    assert not np.any(np.asarray(out[2010:]))
+
+
+@GPU
+def test_gpu_float16_float32_output_and_a_total_past_m() -> None:
+    args = inputs(777, 136, 96, (500, 400, 9), "float16", preferred_element_type="float32")
+    check("gpu", args)
+
+
+@GPU
+def test_gpu_zipf_routing_over_64_experts_at_scale() -> None:
+    rng = np.random.default_rng(3)
+    weights = 1.0 / np.arange(1, 65) ** 1.2
+    rng.shuffle(weights)
+    weights[:4] = 0.0
+    sizes = np.floor(weights / weights.sum() * 8192).astype(np.int32)
+    check("gpu", inputs(8192, 512, 352, sizes))
+
+
+@GPU
+def test_gpu_default_call_picks_the_pallas_kernel() -> None:
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    args = inputs(1024, 256, 256, (500, 0, 524))
+    sel = ejkernel.explain(ejkernel.grouped_matmul, args["lhs"], args["rhs"], args["group_sizes"])
+    assert sel.implementation.startswith("ejkernel_pallas.gpu."), sel
