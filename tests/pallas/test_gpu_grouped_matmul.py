@@ -104,16 +104,18 @@ ROUTINGS = [(0, 7, 0, 13, 9, 5, 0), (300,), (0, 0, 0), (128, 0, 128), (64, 500, 
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_work_list_covers_every_row_once_within_its_bound(block_m: int) -> None:
+def test_work_list_covers_every_row_once_from_aligned_windows(block_m: int) -> None:
     m = 300
     for sizes in ROUTINGS:
-        seg, first, rows = np.asarray(work_list(jnp.asarray(sizes, jnp.int32), m, block_m))
+        seg, window, lead, rows = np.asarray(work_list(jnp.asarray(sizes, jnp.int32), m, block_m))
         assert seg.shape == (-(-m // block_m) + len(sizes) + 1,)
+        assert np.all(window % module.ROW_ALIGN == 0)
         owner = np.full(m, -1)
-        for s, f, r in zip(seg, first, rows, strict=True):
-            assert 0 <= r <= block_m
+        for s, w, d, r in zip(seg, window, lead, rows, strict=True):
+            assert 0 <= r and 0 <= d < module.ROW_ALIGN and d + r <= block_m
             if r:
-                assert np.all(owner[f : f + r] == -1), (sizes, s, f, r)
+                f = w + d
+                assert np.all(owner[f : f + r] == -1), (sizes, s, w, d, r)
                 owner[f : f + r] = s
         ends = np.minimum(np.cumsum(sizes), m)
         expected = np.searchsorted(ends, np.arange(m), side="right")  # the tail is G

@@ -73,6 +73,9 @@ BLOCKS = ((128, 128, 64), (64, 128, 64), (128, 64, 64), (64, 64, 64))
 MAX_STAGES = 4
 #: Registers the producer warpgroup keeps (the consumers get the rest).
 PRODUCER_REGISTERS = 40
+#: Row offsets of TMA windows are multiples of this (the 8-row tiling of the swizzled
+#: shared-memory layout), so windows start up to 7 rows before their group.
+ROW_ALIGN = 8
 #: Opt-in shared memory per block of an H100/H200 (bytes).
 HOPPER_SMEM = 232_448
 #: SMs the interpreter pretends to have.
@@ -329,26 +332,30 @@ def _segments(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
 
 
 def work_list(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
-    """The row tiles of the gmm kernel: ``[3, W]`` int32 rows (segment, first row, rows) with
+    """The row tiles of the gmm kernel: ``[4, W]`` int32 rows (segment, window, lead, rows) with
     ``W = ceil(M / block_m) + G + 1``.
 
-    Segment ``g < G`` is group g, cut into tiles of ``block_m`` rows from its first row; segment
-    G is the tail (rows past ``sum(group_sizes)``, zeros). Entries past the last tile have 0
-    rows. Empty groups have no tile.
+    Segment ``g < G`` is group g; segment G is the tail (rows past ``sum(group_sizes)``, zeros).
+    A segment starting at row S is cut into windows of ``block_m`` rows from ``S`` rounded down
+    to a multiple of :data:`ROW_ALIGN`; a window's ``rows`` rows from its row ``lead`` on are the
+    segment's (``lead`` > 0 only in its first window). Entries past the last window have 0 rows;
+    empty groups have none.
     """
     starts, lengths = _segments(group_sizes, m)
     tail_start = starts[-1] + lengths[-1]
     seg_start = jnp.concatenate([starts, tail_start[None]])
-    seg_len = jnp.concatenate([lengths, (m - tail_start)[None]])
-    tiles = (seg_len + block_m - 1) // block_m
+    seg_end = seg_start + jnp.concatenate([lengths, (m - tail_start)[None]])
+    seg_base = seg_start - seg_start % ROW_ALIGN
+    tiles = jnp.where(seg_end > seg_start, (seg_end - seg_base + block_m - 1) // block_m, 0)
     tiles_end = jnp.cumsum(tiles)
     num_groups = group_sizes.shape[0]
     w = jnp.arange(-(-m // block_m) + num_groups + 1, dtype=jnp.int32)
     seg = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), num_groups).astype(jnp.int32)
-    j = w - (tiles_end - tiles)[seg]
-    rows = jnp.clip(seg_len[seg] - j * block_m, 0, block_m)
+    window = seg_base[seg] + (w - (tiles_end - tiles)[seg]) * block_m
+    first = jnp.maximum(seg_start[seg], window)
+    rows = jnp.clip(jnp.minimum(seg_end[seg], window + block_m) - first, 0, block_m)
     rows = jnp.where(w < tiles_end[-1], rows, 0)
-    return jnp.stack([seg, seg_start[seg] + j * block_m, rows]).astype(jnp.int32)
+    return jnp.stack([seg, window, first - window, rows]).astype(jnp.int32)
 
 
 def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -436,11 +443,19 @@ def _mma(lp: _Launch, acc: Any, a: Any, b: Any, *, transpose_a: bool, transpose_
     return acc
 
 
-def _store_rows(src: Any, dst: Any, first: Any, rows: Any, block_m: int) -> None:
-    """Copy rows ``[0, rows)`` of the shared-memory tile ``src`` to rows ``[first, first +
-    rows)`` of ``dst``, one TMA store per set bit of ``rows`` (TMA boxes have static sizes)."""
+def _per_consumer(wg: Any, body: Any) -> None:
+    """``body(i)`` on consumer warpgroup ``i`` with ``i`` static: shared-memory slices a
+    register load or store touches need offsets Mosaic GPU's layout inference can prove."""
+    for i in range(2):
+        compat.pl.when(wg == i)(functools.partial(body, i))
+
+
+def _store_rows(src: Any, dst: Any, window: Any, lead: Any, rows: Any, block_m: int) -> None:
+    """Copy rows ``[lead, lead + rows)`` of the shared-memory tile ``src`` to the same rows of
+    the window of ``dst`` starting at row ``window``: one TMA store per set bit of ``rows``
+    (TMA boxes have static sizes)."""
     plgpu = compat.plgpu()
-    offset = jnp.int32(0)
+    offset = lead
     size = block_m
     while size >= 1:
         part = lax.bitwise_and(rows, jnp.int32(size))
@@ -448,7 +463,7 @@ def _store_rows(src: Any, dst: Any, first: Any, rows: Any, block_m: int) -> None
         @compat.pl.when(part != 0)
         def _(offset=offset, size=size) -> None:
             plgpu.copy_smem_to_gmem(
-                src.at[compat.pl.ds(offset, size)], dst.at[compat.pl.ds(first + offset, size)]
+                src.at[compat.pl.ds(offset, size)], dst.at[compat.pl.ds(window + offset, size)]
             )
 
         offset = offset + part
@@ -539,14 +554,18 @@ def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: boo
         def _(loop: Any) -> None:
             (item,) = loop.index
             tile, col = lax.div(item, col_blocks), lax.rem(item, col_blocks)
-            group, first, rows = work[0, tile], work[1, tile], work[2, tile]
-            out_cols = out_gmem.at[:, pl.ds(col * cta_n + wg * bn, bn)]
+            group, rows = work[0, tile], work[3, tile]
+            window, lead = pl.multiple_of(work[1, tile], ROW_ALIGN), work[2, tile]
 
             def store(value: Any) -> None:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read
-                out_smem[wg] = value.astype(out_smem.dtype)
-                plgpu.commit_smem()
-                _store_rows(out_smem.at[wg], out_cols, first, rows, bm)
+                def mine(i: int) -> None:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores
+                    out_smem[i] = value.astype(out_smem.dtype)
+                    plgpu.commit_smem()
+                    out_cols = out_gmem.at[:, pl.ds(col * cta_n + i * bn, bn)]
+                    _store_rows(out_smem.at[i], out_cols, window, lead, rows, bm)
+
+                _per_consumer(wg, mine)
 
             context = _accumulate(lp, (bm, bn), store)
 
@@ -560,7 +579,7 @@ def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: boo
                 w_g = w_gmem.at[group]
                 cols = pl.ds(col * cta_n, cta_n)
                 w_g = w_g.at[cols] if transpose_w else w_g.at[:, cols]
-                pipeline(step, context)(x_gmem.at[pl.ds(first, bm)], w_g, allocations=allocations)
+                pipeline(step, context)(x_gmem.at[pl.ds(window, bm)], w_g, allocations=allocations)
 
             @pl.when((rows > 0) & (group == num_groups) & (wg < 2))
             def _() -> None:
@@ -643,39 +662,52 @@ def _tgmm_kernel(segments, a_gmem, b_gmem, out_gmem, *, lp: _Launch, span: int):
             rest = lax.rem(item, row_blocks * col_blocks)
             row, col = lax.div(rest, col_blocks), lax.rem(rest, col_blocks)
             first, length = segments[0, group], segments[1, group]
-            chunks = lax.div(length + (bk - 1), bk)
-            # Rows of the last chunk inside the group (bk when the group fills it).
-            last_rows = length - (chunks - 1) * bk
-            out_tile = out_gmem.at[group, pl.ds(row * bm, bm), pl.ds(col * cta_n + wg * bn, bn)]
+            # Chunks of bk rows from the group's first row rounded down to ROW_ALIGN; rows of
+            # a chunk outside [lo, hi) belong to other groups.
+            lead = lax.rem(first, ROW_ALIGN)
+            base = pl.multiple_of(first - lead, ROW_ALIGN)
+            chunks = lax.div(lead + length + (bk - 1), bk)
 
             def store(value: Any) -> None:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_smem[wg] = value.astype(out_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
+                def mine(i: int) -> None:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    out_smem[i] = value.astype(out_smem.dtype)
+                    plgpu.commit_smem()
+                    cols = pl.ds(col * cta_n + i * bn, bn)
+                    plgpu.copy_smem_to_gmem(
+                        out_smem.at[i], out_gmem.at[group, pl.ds(row * bm, bm), cols]
+                    )
+
+                _per_consumer(wg, mine)
 
             context = _accumulate(lp, (bm, bn), store)
 
-            def zero_rows_past(ref: Any, valid: Any) -> None:
+            def zero_rows_outside(ref: Any, lo: Any, hi: Any) -> None:
                 value = ref[...]
                 index = lax.broadcasted_iota(jnp.int32, value.shape, 0)
-                ref[...] = jnp.where(index < valid, value, jnp.zeros((), value.dtype))
+                inside = (index >= lo) & (index < hi)
+                ref[...] = jnp.where(inside, value, jnp.zeros((), value.dtype))
 
             def step(indices: Any, a_smem: Any, b_smem: Any, acc: Any) -> Any:
-                b_half = b_smem.at[:, pl.ds(wg * bn, bn)]
+                lo = lead - indices[0] * bk
+                hi = lead + length - indices[0] * bk
 
-                @pl.when((indices[0] == chunks - 1) & (last_rows < bk))
+                @pl.when((lo > 0) | (hi < bk))
                 def _() -> None:
-                    # Both consumers rewrite the shared lhs chunk with the same values.
-                    zero_rows_past(a_smem, last_rows)
-                    zero_rows_past(b_half, last_rows)
-                    plgpu.commit_smem()
+                    def mine(i: int) -> None:
+                        # Both consumers rewrite the shared lhs chunk with the same values.
+                        zero_rows_outside(a_smem, lo, hi)
+                        zero_rows_outside(b_smem.at[:, pl.ds(i * bn, bn)], lo, hi)
+                        plgpu.commit_smem()
 
+                    _per_consumer(wg, mine)
+
+                b_half = b_smem.at[:, pl.ds(wg * bn, bn)]
                 return _mma(lp, acc, a_smem, b_half, transpose_a=True, transpose_b=False)
 
             @pl.when(length > 0)
             def _() -> None:
-                rows = pl.ds(first, span)
+                rows = pl.ds(base, span)
                 pipeline(chunks, step, context)(
                     a_gmem.at[rows, pl.ds(row * bm, bm)],
                     b_gmem.at[rows, pl.ds(col * cta_n, cta_n)],
