@@ -93,30 +93,6 @@ def run(shapes: list[tuple[int, int, int, int]], dtype: Any) -> None:
             print(f"| {m}, {k}, {n}, {g} | {name} | {row} |", flush=True)
 
 
-def xla_direct(block_m: int) -> Callable[..., jax.Array]:
-    """The XLA implementation with a fixed tile, its fwd/bwd wired as the executor wires them."""
-    from ejkernel_xla.ops.grouped_matmul import GroupedMatmulConfig, grouped_matmul_xla
-
-    cfg = GroupedMatmulConfig(block_m=block_m)
-    impl: Any = grouped_matmul_xla
-
-    @jax.custom_vjp
-    def gmm(lhs, rhs, sizes):
-        return impl(lhs=lhs, rhs=rhs, group_sizes=sizes, cfg=cfg)
-
-    def fwd(lhs, rhs, sizes):
-        return impl.fwd(lhs=lhs, rhs=rhs, group_sizes=sizes, cfg=cfg)
-
-    def bwd(residuals, d_out):
-        grads = impl.bwd(
-            residuals, d_out, cfg=cfg, preferred_element_type=None, transpose_rhs=False
-        )
-        return grads["lhs"], grads["rhs"], None
-
-    gmm.defvjp(fwd, bwd)
-    return gmm
-
-
 def routing(m: int, g: int, kind: str, seed: int = 0) -> np.ndarray:
     """``even``: M / G rows each; ``zipf``: expert i gets rows ∝ 1 / (i + 1)^1.2 in a random
     order, a sixteenth of the experts none, every row routed."""
@@ -146,7 +122,17 @@ MGPU_CONFIGS = (
 )
 
 
-def gpu(shapes: list[tuple[int, int, int, int, str]], blocks: list[int]) -> None:
+def pallas_config(text: str) -> Any:
+    """``"bm,bn,stages"`` -> the Pallas Mosaic GPU kernels' config (block_k 64)."""
+    from ejkernel_pallas.gpu.grouped_matmul import GroupedMatmulConfig
+
+    bm, bn, stages = (int(v) for v in text.split(","))
+    return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=64, stages=stages)
+
+
+def gpu(
+    shapes: list[tuple[int, int, int, int, str]], configs: list[str], anchors: bool = True
+) -> None:
     """TFLOP/s (useful flops) forward and forward+backward against a dense matmul of the same
     size, ``lax.ragged_dot``, JAX's ``ragged_dot_mgpu`` and tokamax where they run; the error
     of each against the XLA platform run in float32."""
@@ -180,19 +166,30 @@ def gpu(shapes: list[tuple[int, int, int, int, str]], blocks: list[int]) -> None
                 lambda x, w, s: ejkernel.grouped_matmul(x, w, s, platform="pallas"),
                 True,
             ),
-            "ejkernel xla": (xla, True),
-            "lax.ragged_dot": (ragged, True),
         }
-        for config in MGPU_CONFIGS:
+        for text in configs:
+            cfg = pallas_config(text)
+            impls[f"ejkernel pallas {text}"] = (
+                lambda x, w, s, cfg=cfg: ejkernel.grouped_matmul(
+                    x, w, s, platform="pallas", cfg=cfg
+                ),
+                True,
+            )
+        if anchors:
+            impls.update({"ejkernel xla": (xla, True), "lax.ragged_dot": (ragged, True)})
+        for config in MGPU_CONFIGS if anchors else ():
             anchor = mgpu_anchor(config)
             if anchor is not None:
                 impls[f"jax ragged_dot_mgpu bm {config['block_m']}"] = (anchor, False)
         try:
+            if not anchors:
+                raise ImportError
             import tokamax
 
             impls["tokamax ragged_dot"] = (lambda x, w, s: tokamax.ragged_dot(x, w, s), True)
         except ImportError:
-            print(f"| {label} | tokamax ragged_dot | not installed | | | | | | |")
+            if anchors:
+                print(f"| {label} | tokamax ragged_dot | not installed | | | | | | |")
         for name, (gmm, differentiable) in impls.items():
             try:
                 out = jax.jit(gmm)(lhs, rhs, sizes)
@@ -222,7 +219,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=None, help="M,K,N,G")
     parser.add_argument("--dtype", default="float32", help="cpu")
     parser.add_argument("--routing", default="even", choices=("even", "zipf"), help="gpu")
-    parser.add_argument("--blocks", nargs="*", type=int, default=[128, 256, 512, 1024], help="gpu")
+    parser.add_argument(
+        "--configs", nargs="*", default=[], help="gpu: Pallas configs bm,bn,stages to time too"
+    )
+    parser.add_argument("--no-anchors", action="store_true", help="gpu: ejkernel pallas only")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
     print(f"jax {jax.__version__}, devices {jax.devices()}, ejkernel {ejkernel.__version__}")
@@ -230,7 +230,7 @@ def main() -> None:
     if args.gpu:
         default = [(16384, 4096, 4096, 8, "even"), (32768, 2048, 1408, 64, "zipf")]
         gpu_shapes = [(*s[:4], args.routing) for s in shapes] if shapes else default
-        gpu(gpu_shapes, args.blocks)  # type: ignore[arg-type]
+        gpu(gpu_shapes, args.configs, anchors=not args.no_anchors)  # type: ignore[arg-type]
     else:
         default = [(1024, 512, 512, 8), (1024, 512, 512, 32)]
         with ejkernel.ops.policy_override(autotune=False):  # the heuristic's tile, as shipped

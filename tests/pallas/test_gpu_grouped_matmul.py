@@ -112,7 +112,7 @@ def test_work_list_covers_every_row_once_from_aligned_windows(block_m: int) -> N
         assert np.all(window % module.ROW_ALIGN == 0)
         owner = np.full(m, -1)
         for s, w, d, r in zip(seg, window, lead, rows, strict=True):
-            assert 0 <= r and 0 <= d < module.ROW_ALIGN and d + r <= block_m
+            assert r >= 0 and 0 <= d < module.ROW_ALIGN and d + r <= block_m
             if r:
                 f = w + d
                 assert np.all(owner[f : f + r] == -1), (sizes, s, w, d, r)

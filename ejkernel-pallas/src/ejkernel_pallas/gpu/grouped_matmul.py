@@ -76,6 +76,9 @@ PRODUCER_REGISTERS = 40
 #: Row offsets of TMA windows are multiples of this (the 8-row tiling of the swizzled
 #: shared-memory layout), so windows start up to 7 rows before their group.
 ROW_ALIGN = 8
+#: Columns of the arrays the kernels read are padded to multiples of this (the 128-byte
+#: swizzle's tile of 16-bit entries); the shapes of MoE layers are, so nothing is copied there.
+COL_ALIGN = 64
 #: Opt-in shared memory per block of an H100/H200 (bytes).
 HOPPER_SMEM = 232_448
 #: SMs the interpreter pretends to have.
@@ -366,12 +369,15 @@ def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(x, pad)
 
 
-def _extent(size: int, block: int, lp: _Launch) -> int:
-    """Size of a dimension the kernels read in blocks of ``block``: at least one block (a TMA
-    box never exceeds its array); in interpret mode whole blocks, the zeros TMA would read."""
+def _extent(size: int, block: int, lp: _Launch, align: int) -> int:
+    """Size a dimension read in blocks of ``block`` is padded to. On the GPU: at least one
+    block (a TMA box never exceeds its array), a multiple of ``align`` (Mosaic GPU's TMA wants
+    the dimensions of a swizzled copy to be multiples of its tiling: 8 rows, 64 columns), and
+    no more: reads past the end are TMA's zeros. In interpret mode whole blocks, standing in
+    for those zeros."""
     if lp.interpret:
         return -(-size // block) * block
-    return max(size, block)
+    return -(-max(size, block) // align) * align
 
 
 def _transforms(dtype: Any, minor: int) -> tuple[Any, ...]:
@@ -436,8 +442,8 @@ def _mma(lp: _Launch, acc: Any, a: Any, b: Any, *, transpose_a: bool, transpose_
         x, y = a[...], b[...]
         x, y = (x.T if transpose_a else x), (y.T if transpose_b else y)
         return acc + jnp.dot(x, y, preferred_element_type=jnp.float32)
-    a = plgpu.transpose_ref(a, (1, 0)) if transpose_a else a
-    b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    a = compat.transpose_ref(a, (1, 0)) if transpose_a else a
+    b = compat.transpose_ref(b, (1, 0)) if transpose_b else b
     plgpu.wgmma(acc, a, b)
     plgpu.wgmma_wait(0)
     return acc
@@ -493,8 +499,8 @@ def _gmm(
     bm, bn, bk = lp.block_m, lp.block_n, lp.block_k
     work = work_list(group_sizes, m, bm)
     # A group's last tile may read up to bm rows past M.
-    x = _pad_to(x, 0, m + bm if lp.interpret else bm)
-    k_pad, n_pad = _extent(k, bk, lp), _extent(n, 2 * bn, lp)
+    x = _pad_to(x, 0, m + bm if lp.interpret else _extent(m, bm, lp, ROW_ALIGN))
+    k_pad, n_pad = _extent(k, bk, lp, COL_ALIGN), _extent(n, 2 * bn, lp, COL_ALIGN)
     x = _pad_to(x, 1, k_pad)
     w = _pad_to(_pad_to(w, 2 if transpose_w else 1, k_pad), 1 if transpose_w else 2, n_pad)
     out = _kernel(
@@ -605,9 +611,10 @@ def _tgmm(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, lp: _Launch, ou
     starts, lengths = _segments(group_sizes, m)
     # A group's chunks are read from its first row through a window of `span` rows; they end
     # at most bk rows past M.
-    span = _extent(m, bk, lp)
-    a = _pad_to(_pad_to(a, 0, m + span if lp.interpret else span), 1, _extent(p, bm, lp))
-    b = _pad_to(_pad_to(b, 0, a.shape[0]), 1, _extent(q, 2 * bn, lp))
+    span = _extent(m, bk, lp, ROW_ALIGN)
+    a = _pad_to(a, 0, m + span if lp.interpret else span)
+    a = _pad_to(a, 1, _extent(p, bm, lp, COL_ALIGN))
+    b = _pad_to(_pad_to(b, 0, a.shape[0]), 1, _extent(q, 2 * bn, lp, COL_ALIGN))
     out = _kernel(
         functools.partial(_tgmm_kernel, lp=lp, span=span),
         out=jax.ShapeDtypeStruct((num_groups, a.shape[1], b.shape[1]), out_dtype),
