@@ -117,17 +117,21 @@ def mgpu_anchor(config: dict[str, int]) -> Callable[..., jax.Array] | None:
 
 
 MGPU_CONFIGS = (
+    {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 5, "grid_block_n": 4},
     {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
     {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 2},
 )
 
 
 def pallas_config(text: str) -> Any:
-    """``"bm,bn,stages"`` -> the Pallas Mosaic GPU kernels' config (block_k 64)."""
+    """``"bm,bn,stages[,in_flight]"`` -> the Pallas Mosaic GPU kernels' config (block_k 64)."""
     from ejkernel_pallas.gpu.grouped_matmul import GroupedMatmulConfig
 
-    bm, bn, stages = (int(v) for v in text.split(","))
-    return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=64, stages=stages)
+    bm, bn, stages, *rest = (int(v) for v in text.split(","))
+    in_flight = rest[0] if rest else None
+    return GroupedMatmulConfig(
+        block_m=bm, block_n=bn, block_k=64, stages=stages, in_flight=in_flight
+    )
 
 
 def gpu(
@@ -180,7 +184,12 @@ def gpu(
         for config in MGPU_CONFIGS if anchors else ():
             anchor = mgpu_anchor(config)
             if anchor is not None:
-                impls[f"jax ragged_dot_mgpu bm {config['block_m']}"] = (anchor, False)
+                c = config
+                label_c = (
+                    f"{c['block_m']}x{c['block_n']}, {c['max_concurrent_steps']} stages, "
+                    f"grid_block_n {c['grid_block_n']}"
+                )
+                impls[f"jax ragged_dot_mgpu {label_c}"] = (anchor, False)
         try:
             if not anchors:
                 raise ImportError
