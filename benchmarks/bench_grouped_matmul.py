@@ -124,14 +124,11 @@ MGPU_CONFIGS = (
 
 
 def pallas_config(text: str) -> Any:
-    """``"bm,bn,stages[,in_flight]"`` -> the Pallas Mosaic GPU kernels' config (block_k 64)."""
+    """``"bm,bn,stages"`` -> the Pallas Mosaic GPU kernels' config (block_k 64)."""
     from ejkernel_pallas.gpu.grouped_matmul import GroupedMatmulConfig
 
-    bm, bn, stages, *rest = (int(v) for v in text.split(","))
-    in_flight = rest[0] if rest else None
-    return GroupedMatmulConfig(
-        block_m=bm, block_n=bn, block_k=64, stages=stages, in_flight=in_flight
-    )
+    bm, bn, stages = (int(v) for v in text.split(","))
+    return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=64, stages=stages)
 
 
 def gpu(

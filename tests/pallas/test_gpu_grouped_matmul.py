@@ -148,7 +148,7 @@ def test_supports_declines_what_the_kernels_cannot_run() -> None:
 
 
 def test_heuristic_halves_the_tile_for_many_groups_and_fits_shared_memory() -> None:
-    many = module.heuristic(_inv(4096, 1024, 1024, 64))  # 64 rows a group
+    many = module.heuristic(_inv(4096, 1024, 1024, 64))
     few = module.heuristic(_inv(16384, 4096, 4096, 8))
     assert many.block_m == 64 and few.block_m == 128 and few.block_n == 128
     limit = 232_448  # an H100's opt-in shared memory per block
@@ -208,11 +208,7 @@ def test_interpret_a_total_past_m_truncates_the_last_groups() -> None:
 
 @GPU
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize(
-    "cfg",
-    [None, SMALL, GroupedMatmulConfig(block_m=128, block_n=128, block_k=64, stages=3, in_flight=1)],
-    ids=["heuristic", "small", "in-flight"],
-)
+@pytest.mark.parametrize("cfg", [None, SMALL], ids=["heuristic", "small"])
 def test_gpu_hostile_routing(transpose_rhs: bool, cfg: Any) -> None:
     sizes = (0, 300, 1, 0, 1000, 77, 129, 0, 500, 3)  # 2010 of 2100 rows
     out = check("gpu", inputs(2100, 200, 264, sizes, transpose_rhs=transpose_rhs), cfg)

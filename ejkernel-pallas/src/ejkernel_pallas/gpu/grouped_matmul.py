@@ -71,8 +71,6 @@ ALIGN = 8
 #: shared-memory budget.
 BLOCKS = ((128, 128, 64), (64, 128, 64), (128, 64, 64), (64, 64, 64))
 MAX_STAGES = 4
-#: ``GroupedMatmulConfig.in_flight`` unless the config says.
-IN_FLIGHT = 0
 #: Registers the producer warpgroup keeps (the consumers get the rest).
 PRODUCER_REGISTERS = 40
 #: Row offsets of TMA windows are multiples of this (the 8-row tiling of the swizzled
@@ -97,9 +95,6 @@ class GroupedMatmulConfig:
             covers ``2 · block_n``.
         block_k: contraction per pipeline step (64); in ``tgmm`` the rows of a chunk.
         stages: shared-memory ring slots of the producer (2-4).
-        in_flight: ``wgmma`` groups a consumer leaves running when it moves to the next step
-            (0 or 1); with 1 a step's ring slot is released one step later, so the next
-            step's matmul is issued while the last one still reads its slot.
 
     ``None`` takes :func:`heuristic`'s choice.
     """
@@ -117,9 +112,6 @@ class GroupedMatmulConfig:
         default=None,
         validator=attrs.validators.optional(attrs.validators.in_(tuple(range(2, MAX_STAGES + 1)))),
     )
-    in_flight: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.in_((0, 1)))
-    )
 
 
 @attrs.frozen(kw_only=True)
@@ -130,7 +122,6 @@ class _Launch:
     block_n: int
     block_k: int
     stages: int
-    in_flight: int
     interpret: bool
 
 
@@ -192,10 +183,9 @@ def _blocks(kw: Any, cfg: GroupedMatmulConfig | None) -> tuple[int, int, int, in
     bn = cfg.block_n if cfg is not None and cfg.block_n is not None else None
     bk = cfg.block_k if cfg is not None and cfg.block_k is not None else 64
     if bm is None:
-        # Short tiles (one per group) waste up to (G + 1)·block_m rows of work; 64-row tiles
-        # run at about half the rate of 128-row ones, so they pay only for groups of a few
-        # dozen rows (decoding-size batches).
-        bm = 128 if (g + 1) * 128 <= max(m, 1) else 64
+        # Short tiles (one per group) waste up to (G + 1)·block_m rows of work: halve the tile
+        # when that is over an eighth of M.
+        bm = 128 if (g + 1) * 128 <= max(m, 1) / 8 else 64
     if bn is None:
         bn = 128 if n > 64 * 2 else 64
     stages = cfg.stages if cfg is not None and cfg.stages is not None else None
@@ -206,7 +196,8 @@ def _blocks(kw: Any, cfg: GroupedMatmulConfig | None) -> tuple[int, int, int, in
 
 
 def heuristic(inv: Any) -> GroupedMatmulConfig:
-    """128-row tiles unless the short tiles of G groups would waste as much as M (then 64), 2 × 128 output columns a CTA (2 × 64 when N ≤ 128), steps of 64, and as many ring
+    """128-row tiles unless the short tiles of G groups would waste over an eighth of M (then
+    64), 2 × 128 output columns a CTA (2 × 64 when N ≤ 128), steps of 64, and as many ring
     slots (up to 4) as shared memory holds."""
     bm, bn, bk, stages = _blocks(inv.kwargs, None)
     return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=stages)
@@ -267,7 +258,6 @@ def _launch(kw: Any, cfg: GroupedMatmulConfig | None) -> _Launch:
         block_n=bn,
         block_k=bk,
         stages=stages,
-        in_flight=cfg.in_flight if cfg is not None and cfg.in_flight is not None else IN_FLIGHT,
         interpret=jax.default_backend() == "cpu",
     )
 
@@ -455,7 +445,7 @@ def _mma(lp: _Launch, acc: Any, a: Any, b: Any, *, transpose_a: bool, transpose_
     a = compat.transpose_ref(a, (1, 0)) if transpose_a else a
     b = compat.transpose_ref(b, (1, 0)) if transpose_b else b
     plgpu.wgmma(acc, a, b)
-    plgpu.wgmma_wait(lp.in_flight)
+    plgpu.wgmma_wait(0)
     return acc
 
 
@@ -531,12 +521,13 @@ def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: boo
     num_groups = w_gmem.shape[0]
     col_blocks = -(-n // cta_n)
     dtype = x_gmem.dtype
-    spec = functools.partial(plgpu.BlockSpec, delay_release=lp.in_flight)
     if transpose_w:
-        w_spec = spec((cta_n, bk), lambda s: (0, s), transforms=_transforms(dtype, bk))
+        w_spec = plgpu.BlockSpec((cta_n, bk), lambda s: (0, s), transforms=_transforms(dtype, bk))
     else:
-        w_spec = spec((bk, cta_n), lambda s: (s, 0), transforms=_transforms(dtype, cta_n))
-    x_spec = spec((bm, bk), lambda s: (0, s), transforms=_transforms(dtype, bk))
+        w_spec = plgpu.BlockSpec(
+            (bk, cta_n), lambda s: (s, 0), transforms=_transforms(dtype, cta_n)
+        )
+    x_spec = plgpu.BlockSpec((bm, bk), lambda s: (0, s), transforms=_transforms(dtype, bk))
 
     def pipeline(step: Any, context: Any) -> Any:
         return plgpu.emit_pipeline_warp_specialized(
@@ -641,18 +632,8 @@ def _tgmm_kernel(segments, a_gmem, b_gmem, out_gmem, *, lp: _Launch, span: int):
     row_blocks, col_blocks = -(-p // bm), -(-q // cta_n)
     dtype = a_gmem.dtype
     specs = [
-        plgpu.BlockSpec(
-            (bk, bm),
-            lambda s: (s, 0),
-            transforms=_transforms(dtype, bm),
-            delay_release=lp.in_flight,
-        ),
-        plgpu.BlockSpec(
-            (bk, cta_n),
-            lambda s: (s, 0),
-            transforms=_transforms(dtype, cta_n),
-            delay_release=lp.in_flight,
-        ),
+        plgpu.BlockSpec((bk, bm), lambda s: (s, 0), transforms=_transforms(dtype, bm)),
+        plgpu.BlockSpec((bk, cta_n), lambda s: (s, 0), transforms=_transforms(dtype, cta_n)),
     ]
 
     def pipeline(chunks: Any, step: Any, context: Any) -> Any:
