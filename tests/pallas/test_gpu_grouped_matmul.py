@@ -107,7 +107,8 @@ ROUTINGS = [(0, 7, 0, 13, 9, 5, 0), (300,), (0, 0, 0), (128, 0, 128), (64, 500, 
 def test_work_list_covers_every_row_once_from_aligned_windows(block_m: int) -> None:
     m = 300
     for sizes in ROUTINGS:
-        seg, window, lead, rows = np.asarray(work_list(jnp.asarray(sizes, jnp.int32), m, block_m))
+        plan = jax.jit(work_list, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), m, block_m)
+        seg, window, lead, rows = np.asarray(plan)
         assert seg.shape == (-(-m // block_m) + len(sizes) + 1,)
         assert np.all(window % module.ROW_ALIGN == 0)
         owner = np.full(m, -1)
@@ -178,6 +179,14 @@ def test_config_fields_take_only_what_the_kernels_tile() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@INTERPRET
+def test_interpret_small_with_an_empty_group_a_one_row_group_and_unrouted_rows() -> None:
+    # M 60, K 72 (two steps, the second mostly padding), N 40; rows 51..59 in no group.
+    out = check("interpret", inputs(60, 72, 40, (0, 20, 1, 30)))
+    assert not np.any(np.asarray(out[51:]))
+
+
+@pytest.mark.slow
 @INTERPRET
 def test_interpret_empty_groups_rows_past_the_total_and_odd_k_n() -> None:
     # M 150, K 72, N 136: rows 130..149 belong to no group (zeros, zero d_lhs).
