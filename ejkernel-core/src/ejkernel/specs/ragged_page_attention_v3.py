@@ -41,6 +41,7 @@ from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
 
 __all__ = [
     "SPEC",
+    "cache_destinations",
     "ragged_page_attention_v3",
     "ragged_page_attention_v3_reference",
     "validate_ragged_page_attention_v3",
@@ -48,6 +49,32 @@ __all__ = [
 ]
 
 OP = "ragged_page_attention_v3"
+
+
+def cache_destinations(
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: Any,
+    num_tokens: int,
+    num_pages: int,
+    page_size: int,
+) -> jax.Array:
+    """int32 ``[T]``: each packed token's cache row ``page · page_size + slot`` (the caches seen
+    as ``[num_pages · page_size, Hkv, D]``), or ``-1`` for a token that is not written: of no
+    live sequence, at a negative position, past its table row, or on a page out of range.
+
+    The one definition of where v3 writes: the reference and every platform's update use it.
+    """
+    max_pages = block_tables.shape[1]
+    if block_tables.shape[0] == 0 or max_pages == 0:
+        return jnp.full((num_tokens,), -1, jnp.int32)
+    seq, position, live = ragged_tokens(query_start_loc, kv_lens, num_seqs, num_tokens)
+    column = position // page_size
+    live &= (position >= 0) & (column < max_pages)
+    page = block_tables.astype(jnp.int32)[seq, jnp.clip(column, 0, max_pages - 1)]
+    live &= (page >= 0) & (page < num_pages)
+    return jnp.where(live, page * page_size + position % page_size, -1).astype(jnp.int32)
 
 
 def write_new_tokens(
@@ -59,20 +86,17 @@ def write_new_tokens(
     num_seqs: Any,
     scale: Any = None,
 ) -> jax.Array:
-    """``cache`` with each live token's row of ``new [T, Hkv, D]`` written at its position,
-    quantised with the cache's ``scale`` (:func:`ejkernel.attention_semantics.quantize_kv`;
-    ``None``: cast)."""
+    """``cache`` with each live token's row of ``new [T, Hkv, D]`` written at its position
+    (:func:`cache_destinations`), quantised with the cache's ``scale``
+    (:func:`ejkernel.attention_semantics.quantize_kv`; ``None``: cast)."""
     num_pages, page_size = cache.shape[:2]
-    max_pages = block_tables.shape[1]
-    seq, position, live = ragged_tokens(query_start_loc, kv_lens, num_seqs, new.shape[0])
-    column = position // page_size
-    live &= (position >= 0) & (column < max_pages)
-    page = block_tables[seq, jnp.clip(column, 0, max_pages - 1)]
-    live &= (page >= 0) & (page < num_pages)
-    # Tokens that must not be written go to page `num_pages`: out of range, dropped.
-    page = jnp.where(live, page, num_pages)
+    tables = (kv_lens, block_tables, query_start_loc, num_seqs)
+    dest = cache_destinations(*tables, new.shape[0], num_pages, page_size)
+    # Tokens that must not be written go to row `num_pages · page_size`: out of range, dropped.
+    dest = jnp.where(dest >= 0, dest, num_pages * page_size)
     stored = quantize_kv(new, scale, cache.dtype)
-    return cache.at[page, position % page_size].set(stored, mode="drop")
+    flat = cache.reshape(num_pages * page_size, *cache.shape[2:])
+    return flat.at[dest].set(stored, mode="drop").reshape(cache.shape)
 
 
 def ragged_page_attention_v3_reference(

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import quantize_kv
+from ejkernel.specs.ragged_page_attention_v3 import cache_destinations
 from ejkernel_triton import _launch
 from ejkernel_triton.ops.flash_attention_config import pow2
 from ejkernel_triton.ops.unified_attention import paged_attention
@@ -36,7 +37,6 @@ from ejkernel_triton.ops.unified_attention_config import (
 __all__ = [
     "RaggedPageAttentionV3Config",
     "config_space",
-    "destinations",
     "heuristic",
     "ragged_page_attention_v3_triton",
     "supports",
@@ -59,34 +59,6 @@ heuristic, config_space = tuning(RaggedPageAttentionV3Config, table_problem("que
 def supports(inv: Any) -> bool | str:
     """True, or why not (dtypes, head dims over 256)."""
     return serving_supports(inv.kwargs, "queries")
-
-
-def destinations(
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: Any,
-    num_tokens: int,
-    num_pages: int,
-    page_size: int,
-) -> jax.Array:
-    """int32 ``[T]``: each packed token's cache row ``page · page_size + slot``, or ``-1``
-    for a token of no live sequence, at a negative position, past the table or on a page out
-    of range (the spec's ``write_new_tokens``)."""
-    rows, max_pages = block_tables.shape
-    if rows == 0:
-        return jnp.full((num_tokens,), -1, jnp.int32)
-    qsl = query_start_loc.astype(jnp.int32)
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32)
-    s = jnp.minimum(seq, rows - 1)
-    live = (seq < jnp.asarray(num_seqs, jnp.int32).reshape(())) & (t >= qsl[s])
-    position = kv_lens.astype(jnp.int32)[s] - (qsl[s + 1] - qsl[s]) + (t - qsl[s])
-    column = position // page_size
-    live &= (position >= 0) & (column < max_pages)
-    page = block_tables.astype(jnp.int32)[s, jnp.clip(column, 0, max_pages - 1)]
-    live &= (page >= 0) & (page < num_pages)
-    return jnp.where(live, page * page_size + position % page_size, -1)
 
 
 def write_tokens(
@@ -145,7 +117,7 @@ def ragged_page_attention_v3_triton(
     k_scale, v_scale = args.get("k_scale"), args.get("v_scale")
     num_pages, page_size = (int(n) for n in key_cache.shape[:2])
     tables = (args["kv_lens"], args["block_tables"], args["query_start_loc"], args["num_seqs"])
-    dest = destinations(*tables, args["queries"].shape[0], num_pages, page_size)
+    dest = cache_destinations(*tables, args["queries"].shape[0], num_pages, page_size)
     key_cache, value_cache = write_tokens(
         key_cache,
         value_cache,
