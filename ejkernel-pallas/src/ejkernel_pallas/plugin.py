@@ -27,6 +27,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "grouped_matmul": ("tpu", "gpu"),
     "page_attention": ("tpu",),
     "ragged_page_attention": ("tpu",),
+    "ragged_page_attention_v3": ("tpu",),
 }
 #: family -> (backends it is registered for, priority). On a TPU the
 #: Mosaic kernels beat the XLA fallback (0). On a GPU the Mosaic GPU kernels rank above the
