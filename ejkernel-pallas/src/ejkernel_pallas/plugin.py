@@ -28,6 +28,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "page_attention": ("tpu",),
     "ragged_page_attention": ("tpu",),
     "ragged_page_attention_v3": ("tpu",),
+    "prefill_page_attention": ("tpu",),
 }
 #: family -> (backends it is registered for, priority). On a TPU the
 #: Mosaic kernels beat the XLA fallback (0). On a GPU the Mosaic GPU kernels rank above the
