@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import EMPTY_ROW_LSE
-from ejkernel.plugins import defvjp
+from ejkernel.plugins import deflse, defvjp
 from ejkernel_pallas._attention import (
     FlashAttentionConfig,
     Shapes,
@@ -195,4 +195,31 @@ def _flash_attention_bwd(
     }
 
 
+def _flash_attention_lse_fwd(
+    *, cfg: FlashAttentionConfig | None = None, **args: Any
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse [B, Sq, Hq])`` (the kernel's natural-log lse; an empty row's is
+    ``EMPTY_ROW_LSE``): one ring step (:func:`ejkernel.plugins.deflse`)."""
+    out, residuals = _flash_attention_fwd(cfg=cfg, **args)
+    return out, jnp.swapaxes(residuals["logsumexp"], 1, 2)
+
+
+def _flash_attention_lse_bwd(
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    *,
+    cfg: FlashAttentionConfig | None = None,
+    **args: Any,
+) -> dict[str, jax.Array | None]:
+    """Gradients from the softmax statistics ``out`` and ``lse`` [B, Sq, Hq] given by the caller
+    (those of a larger softmax on a ring)."""
+    arrays = ("query", "key", "value", "q_segment_ids", "kv_segment_ids")
+    residuals = {n: args.get(n) for n in arrays}
+    residuals |= {"out": out, "logsumexp": jnp.swapaxes(lse.astype(jnp.float32), 1, 2)}
+    statics = {n: v for n, v in args.items() if n not in arrays}
+    return _flash_attention_bwd(residuals, d_out, cfg=cfg, **statics)
+
+
 defvjp(flash_attention_pallas, _flash_attention_fwd, _flash_attention_bwd)
+deflse(flash_attention_pallas, _flash_attention_lse_fwd, _flash_attention_lse_bwd)
