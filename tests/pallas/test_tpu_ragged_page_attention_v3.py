@@ -123,3 +123,19 @@ def test_config_rules_follow_the_attention_kernel() -> None:
     assert supports(inv) is True
     scaled = Invocation(kernel="ragged_page_attention_v3", kwargs={**args, "k_scale": 0.5})
     assert "k_scale" in supports(scaled) and "ragged_page_attention_v3" in supports(scaled)
+
+
+def test_the_update_lowers_to_a_mosaic_module_writing_the_aliased_caches_by_dma() -> None:
+    from tests.pallas._mosaic_tpu import mosaic_ops
+
+    from ejkernel_pallas.tpu import ragged_page_attention_v3 as module
+
+    args = inputs(MQA, "bfloat16")
+    dest = jnp.arange(args["keys"].shape[0], dtype=jnp.int32)
+    arrays = [args[n] for n in ("key_cache", "value_cache", "keys", "values")]
+    lowered = module._write.trace(*arrays, dest, interpret=False).lower(lowering_platforms=("tpu",))
+    text = lowered.as_text()
+    assert "tpu_custom_call" in text and "ejkernel_paged_cache_write" in text
+    assert "output_operand_aliases" in text  # the caches are updated in place
+    ops = mosaic_ops(text)
+    assert "tpu.enqueue_dma" in ops and any(op.startswith("tpu.wait_dma") for op in ops), ops
