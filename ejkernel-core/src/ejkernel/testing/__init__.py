@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         attention_inputs,
         random_normal,
     )
+    from ejkernel.testing._lse_check import check_lse_step
     from ejkernel.testing._suite import Case, ConformanceSuite, conformance_cases
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "check_forward",
     "check_gradients",
     "check_jit",
+    "check_lse_step",
     "check_rejects_invalid",
     "check_vmap",
     "conformance_cases",
@@ -69,6 +71,7 @@ __all__ = [
 ]
 
 _HOME = {
+    "check_lse_step": "_lse_check",
     "ATTENTION_SHAPES": "_helpers",
     "TOLERANCES": "_helpers",
     "AttentionShape": "_helpers",

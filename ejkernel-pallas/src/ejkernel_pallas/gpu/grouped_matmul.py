@@ -449,6 +449,25 @@ def _mma(lp: _Launch, acc: Any, a: Any, b: Any, *, transpose_a: bool, transpose_
     return acc
 
 
+def _pipeline(lp: _Launch, steps: Any, specs: list[Any], step: Any, context: Any) -> Any:
+    """The producer/two-consumer pipeline of both kernels over ``steps`` (static or traced)."""
+    return compat.plgpu().emit_pipeline_warp_specialized(
+        step,
+        grid=(steps,),
+        memory_registers=PRODUCER_REGISTERS,
+        in_specs=specs,
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=lp.stages,
+        compute_context=context,
+    )
+
+
+def _ignore(*_: Any, **__: Any) -> None:
+    """A pipeline body that does nothing: the pipeline's shared memory does not depend on it."""
+    return None
+
+
 def _per_consumer(wg: Any, body: Any) -> None:
     """``body(i)`` on consumer warpgroup ``i`` with ``i`` static: shared-memory slices a
     register load or store touches need offsets Mosaic GPU's layout inference can prove."""
@@ -504,7 +523,7 @@ def _gmm(
     x = _pad_to(x, 1, k_pad)
     w = _pad_to(_pad_to(w, 2 if transpose_w else 1, k_pad), 1 if transpose_w else 2, n_pad)
     out = _kernel(
-        functools.partial(_gmm_kernel, lp=lp, transpose_w=transpose_w, m=m),
+        functools.partial(_gmm_kernel, lp=lp, transpose_w=transpose_w),
         out=jax.ShapeDtypeStruct((x.shape[0], n_pad), out_dtype),
         lp=lp,
         name="ejkernel_grouped_matmul",
@@ -512,7 +531,7 @@ def _gmm(
     return out[:m, :n]
 
 
-def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: bool, m: int):
+def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: bool):
     pl, plgpu = compat.pl, compat.plgpu()
     bm, bn, bk = lp.block_m, lp.block_n, lp.block_k
     cta_n = 2 * bn
@@ -529,27 +548,13 @@ def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: boo
         )
     x_spec = plgpu.BlockSpec((bm, bk), lambda s: (0, s), transforms=_transforms(dtype, bk))
 
-    def pipeline(step: Any, context: Any) -> Any:
-        return plgpu.emit_pipeline_warp_specialized(
-            step,
-            grid=(-(-k // bk),),
-            memory_registers=PRODUCER_REGISTERS,
-            in_specs=[x_spec, w_spec],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=lp.stages,
-            compute_context=context,
-        )
-
-    def ignore(*_: Any, **__: Any) -> None:
-        return None
-
+    pipeline = functools.partial(_pipeline, lp, -(-k // bk), [x_spec, w_spec])
     w_slice = w_gmem.at[0]
     w_slice = w_slice.at[pl.ds(0, cta_n)] if transpose_w else w_slice.at[:, pl.ds(0, cta_n)]
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(ignore, ignore).get_allocations(x_gmem.at[pl.ds(0, bm)], w_slice),
+        allocations=pipeline(_ignore, _ignore).get_allocations(x_gmem.at[pl.ds(0, bm)], w_slice),
         out_smem=plgpu.SMEM((2, bm, bn), out_gmem.dtype),
         collective_axes="wg",
     )
@@ -637,23 +642,11 @@ def _tgmm_kernel(segments, a_gmem, b_gmem, out_gmem, *, lp: _Launch, span: int):
     ]
 
     def pipeline(chunks: Any, step: Any, context: Any) -> Any:
-        return plgpu.emit_pipeline_warp_specialized(
-            step,
-            grid=(chunks,),
-            memory_registers=PRODUCER_REGISTERS,
-            in_specs=specs,
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=lp.stages,
-            compute_context=context,
-        )
-
-    def ignore(*_: Any, **__: Any) -> None:
-        return None
+        return _pipeline(lp, chunks, specs, step, context)
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(jnp.int32(1), ignore, ignore).get_allocations(
+        allocations=pipeline(jnp.int32(1), _ignore, _ignore).get_allocations(
             a_gmem.at[:, pl.ds(0, bm)], b_gmem.at[:, pl.ds(0, cta_n)]
         ),
         out_smem=plgpu.SMEM((2, bm, bn), out_gmem.dtype),
