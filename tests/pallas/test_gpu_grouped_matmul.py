@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.pallas._gmm_helpers import gmm_inputs
 
 import ejkernel
 from ejkernel.ops import Invocation
@@ -35,17 +36,8 @@ INTERPRET = pytest.mark.skipif(not HAS_ABSL, reason="Mosaic GPU interpret mode n
 def inputs(
     m: int, k: int, n: int, sizes: Any, dtype: str = "bfloat16", seed: int = 0, **options: Any
 ) -> dict[str, Any]:
-    """Validated arguments with normal ``lhs``/``rhs``, as the core hands them over."""
-    rng = np.random.default_rng(seed)
-    g = len(sizes)
-    rhs_shape = (g, n, k) if options.get("transpose_rhs") else (g, k, n)
-    args = {
-        "lhs": jnp.asarray(rng.normal(size=(m, k)), dtype),
-        "rhs": jnp.asarray(rng.normal(size=rhs_shape), dtype),
-        "group_sizes": jnp.asarray(sizes, jnp.int32),
-        **options,
-    }
-    return SPEC.validate(SPEC.bind((), args))
+    """Validated arguments (bfloat16 unless said), as the core hands them over."""
+    return gmm_inputs(m, k, n, sizes, dtype, seed, **options)
 
 
 def run(mode: str, args: dict[str, Any], d_out: jax.Array, cfg: Any) -> Any:

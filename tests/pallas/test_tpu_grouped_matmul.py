@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.pallas._gmm_helpers import gmm_inputs
 from tests.pallas._mosaic_tpu import mosaic_ops
 
 import ejkernel
@@ -42,25 +43,10 @@ def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def inputs(
-    m: int,
-    k: int,
-    n: int,
-    sizes: tuple[int, ...],
-    dtype: str = "float32",
-    seed: int = 0,
-    **options: Any,
+    m: int, k: int, n: int, sizes: Any, dtype: str = "float32", seed: int = 0, **options: Any
 ) -> dict[str, Any]:
-    """Validated arguments with normal ``lhs``/``rhs``, as the core hands them over."""
-    rng = np.random.default_rng(seed)
-    g = len(sizes)
-    rhs_shape = (g, n, k) if options.get("transpose_rhs") else (g, k, n)
-    args = {
-        "lhs": jnp.asarray(rng.normal(size=(m, k)), dtype),
-        "rhs": jnp.asarray(rng.normal(size=rhs_shape), dtype),
-        "group_sizes": jnp.asarray(sizes, jnp.int32),
-        **options,
-    }
-    return SPEC.validate(SPEC.bind((), args))
+    """Validated arguments (float32 unless said), as the core hands them over."""
+    return gmm_inputs(m, k, n, sizes, dtype, seed, **options)
 
 
 def reference_grads(args: dict[str, Any], d_out: jax.Array) -> tuple[jax.Array, jax.Array]:
