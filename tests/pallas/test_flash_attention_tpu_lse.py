@@ -5,15 +5,9 @@ the ring's steps select it."""
 from __future__ import annotations
 
 import pytest
+from tests.pallas.test_flash_attention_tpu import SMALL
 
-from ejkernel.ops import BwdParams, FwdParams
 from ejkernel.testing import check_lse_step
-from ejkernel_pallas._attention import FlashAttentionConfig
-
-SMALL = FlashAttentionConfig(
-    fwd_params=FwdParams(q_blocksize=16, kv_blocksize=128),
-    bwd_params=BwdParams(q_blocksize=16, kv_blocksize=128),
-)
 
 
 @pytest.fixture(autouse=True)
