@@ -175,6 +175,19 @@ def main(n: int) -> None:
         ring_case(
             "n2-zigzag-causal-mqa", mesh, b=1, s=16, hq=2, hkv=1, d=8, layout="zigzag", causal=True
         )
+        # Local shards longer than one XLA block: the steps' loops carry varying state
+        # (shard_map's replication typing must hold through them).
+        ring_case(
+            "n2-contiguous-causal-several-blocks",
+            mesh,
+            b=1,
+            s=320,
+            hq=2,
+            hkv=1,
+            d=8,
+            layout="contiguous",
+            causal=True,
+        )
         ring_case(
             "n2-contiguous-window-blockwise",
             mesh,

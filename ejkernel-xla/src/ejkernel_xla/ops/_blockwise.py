@@ -28,7 +28,7 @@ from ejkernel.attention_semantics import (
     soft_cap,
     visible,
 )
-from ejkernel_xla.ops import _tuning
+from ejkernel_xla.ops import _tuning, _vma
 
 __all__ = [
     "Blocking",
@@ -204,6 +204,7 @@ def when_else(pred: Any, fn: Callable[[Any], Any], other: Callable[[Any], Any], 
         return fn(x)
     if pred is False:
         return other(x)
+    fn, other = _vma.same_branches(fn, other, x)
     return lax.cond(pred, fn, other, x)
 
 
@@ -212,6 +213,7 @@ def scan(body: Callable[[Any, Any], Any], init: Any, n: int) -> tuple[Any, Any]:
     if n == 1:
         carry, ys = body(init, 0)
         return carry, jax.tree.map(lambda y: y[None], ys)
+    init = _vma.scan_init(body, init, jnp.int32(0))
     return lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
 
 

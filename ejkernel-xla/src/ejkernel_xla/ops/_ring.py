@@ -39,6 +39,7 @@ from ejkernel_xla.ops._blockwise import (
     segment_blocks,
     take,
 )
+from ejkernel_xla.ops._vma import varying
 
 __all__ = [
     "At",
@@ -108,23 +109,14 @@ def rotate(tree: Any, geo: RingGeometry, st: Statics) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def _varying(x: Any) -> frozenset[Any]:
-    """Mesh axes along which ``x`` differs between devices (empty when untracked)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()))
-    return frozenset(getattr(aval, "vma", ()))
-
-
 def vary_like(tree: Any, ref: jax.Array, axis: Any) -> Any:
     """Type loop state as varying along ``axis`` when ``ref`` is (scan carries must match)."""
-    if axis not in _varying(ref):
+    if axis not in varying(ref):
         return tree
     cast = getattr(lax, "pcast", None)
 
     def vary(x: jax.Array) -> jax.Array:
-        if axis in _varying(x):
+        if axis in varying(x):
             return x
         if cast is not None:
             return cast(x, axis, to="varying")
@@ -143,7 +135,7 @@ def sum_if_replicated(grad: jax.Array, primal: jax.Array, q: jax.Array, axis: An
     Only when replication is tracked (the query varies along the axis): otherwise
     ``shard_map``'s transpose sums the cotangents of unsplit inputs itself.
     """
-    if axis in _varying(q) and axis not in _varying(primal):
+    if axis in varying(q) and axis not in varying(primal):
         return lax.psum(grad, axis)
     return grad
 
