@@ -49,10 +49,12 @@ def check(args: dict[str, Any], dtype: str = "float32", cfg: Any = SMALL) -> Any
     return check_output(prefill_page_attention_pallas, SPEC, args, **checks)
 
 
+@pytest.mark.slow  # the conformance kit runs these chunks in CI
 def test_a_chunk_at_the_end_of_its_sequence_matches_the_reference() -> None:
     check(inputs(CHUNK))
 
 
+@pytest.mark.slow  # the conformance kit runs these chunks in CI
 def test_bfloat16_soft_cap_and_window_under_the_heuristic() -> None:
     args = inputs(CHUNK, "bfloat16", logits_soft_cap=10.0, sliding_window=(9, 0))
     check(args, "bfloat16", cfg=None)

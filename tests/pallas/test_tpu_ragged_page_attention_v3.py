@@ -61,6 +61,7 @@ def check(args: dict[str, Any], cfg: Any = SMALL) -> tuple[jax.Array, ...]:
     return out, key_cache, value_cache
 
 
+@pytest.mark.slow  # the conformance kit runs these batches in CI
 def test_mixed_prefill_and_decode_write_then_attend_like_the_reference() -> None:
     args = inputs(MIXED, num_seqs=5)  # sequence 5 is dead: its tokens write nothing
     out, _, _ = check(args)
@@ -68,6 +69,7 @@ def test_mixed_prefill_and_decode_write_then_attend_like_the_reference() -> None
     assert not np.any(np.asarray(out[dead:]))
 
 
+@pytest.mark.slow  # the conformance kit runs these batches in CI
 def test_bfloat16_mqa_with_sinks_soft_cap_and_window_under_the_heuristic() -> None:
     aux = jnp.asarray(np.random.default_rng(5).standard_normal((MQA.hq, 2)), jnp.float32)
     args = inputs(MQA, "bfloat16", softmax_aux=aux, logits_soft_cap=10.0, sliding_window=(6, 0))
