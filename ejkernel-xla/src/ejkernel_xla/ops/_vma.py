@@ -44,9 +44,17 @@ def cast_like(tree: Any, like: Any) -> Any:
     return jax.tree.map(lambda x, ref: _vary(x, varying(ref)), tree, like)
 
 
+def _in_shard_map() -> bool:
+    """Whether tracing runs inside ``shard_map`` (the only place values vary): elsewhere the
+    helpers return at once, without tracing anything twice."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    return get is not None and bool(getattr(get(), "manual_axes", ()))
+
+
 def scan_init(body: Callable[[Any, Any], Any], init: Any, index: Any) -> Any:
-    """``init`` typed as ``body``'s carry output varies (``body(init, index)`` traced once)."""
-    if not jax.tree.leaves(init):
+    """``init`` typed as ``body``'s carry output varies (``body(init, index)`` traced once
+    more, inside ``shard_map`` only)."""
+    if not jax.tree.leaves(init) or not _in_shard_map():
         return init
     carry, _ = jax.eval_shape(body, init, index)
     return cast_like(init, carry)
@@ -55,7 +63,10 @@ def scan_init(body: Callable[[Any, Any], Any], init: Any, index: Any) -> Any:
 def same_branches(
     fn: Callable[[Any], Any], other: Callable[[Any], Any], x: Any
 ) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """``fn`` and ``other`` returning outputs varying along the union of what each varies."""
+    """``fn`` and ``other`` returning outputs varying along the union of what each varies
+    (each traced once more, inside ``shard_map`` only)."""
+    if not _in_shard_map():
+        return fn, other
     a, b = jax.eval_shape(fn, x), jax.eval_shape(other, x)
     union = jax.tree.map(lambda p, q: varying(p) | varying(q), a, b)
 
