@@ -141,9 +141,12 @@ def test_supports_declines_what_the_kernels_cannot_run() -> None:
 
 
 def test_heuristic_halves_the_tile_for_many_groups_and_fits_shared_memory() -> None:
-    many = module.heuristic(_inv(4096, 1024, 1024, 64))
+    many = module.heuristic(_inv(4096, 1024, 1024, 64))  # 64 rows a group: 64-row tiles
     few = module.heuristic(_inv(16384, 4096, 4096, 8))
+    # 512 rows a group on average: 128-row tiles (measured faster at this Zipf shape).
+    skewed = module.heuristic(_inv(32768, 2048, 1408, 64))
     assert many.block_m == 64 and few.block_m == 128 and few.block_n == 128
+    assert skewed.block_m == 128
     limit = 232_448  # an H100's opt-in shared memory per block
     for cfg in (many, few):
         assert module.smem_need(_inv(4096, 1024, 1024, 8).kwargs, cfg) <= limit

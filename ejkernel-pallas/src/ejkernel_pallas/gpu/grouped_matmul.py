@@ -3,10 +3,11 @@
 
 **Tiles start where groups start.** A metadata pass in XLA (:func:`work_list`, on the traced
 ``group_sizes``) cuts every group into row tiles of ``block_m`` beginning at the group's first
-row, so no tile straddles two groups and each tile is one plain matmul ``lhs[tile] ·
-rhs[g]``; only a group's last tile is short. Rows past ``sum(group_sizes)`` form a tail
-segment whose tiles store zeros without a matmul. There are at most ``ceil(M / block_m) + G + 1``
-tiles whatever the routing.
+row rounded down to a multiple of 8 (Mosaic GPU's TMA reads 8-row-aligned windows), so each
+tile is one plain matmul ``lhs[tile] · rhs[g]`` and stores only its group's rows: the up to 7
+rows of the previous group a first tile reads are computed and dropped, and a group's last
+tile is short. Rows past ``sum(group_sizes)`` form a tail segment whose tiles store zeros
+without a matmul. There are at most ``ceil(M / block_m) + G + 1`` tiles whatever the routing.
 
 **gmm** (forward, and ``d_lhs = d_out · rhs[g]ᵀ``): persistent, one CTA per SM walking the
 (tile, column block) items; three warpgroups, as in a Hopper dense matmul: a producer streams
@@ -20,9 +21,10 @@ tile), so a short tile writes exactly its rows and never touches the next group'
 **tgmm** (``d_rhs[g] = lhs_gᵀ · d_out_g``): persistent over (group, row block of the output,
 column block) items; the producer streams the group's rows in chunks of ``block_k``
 (a dynamic trip count, from the group's first row), the consumers run ``wgmma`` with the
-``lhs`` chunk transposed in shared memory. In the group's last chunk the rows past its end are
-zeroed in both operands before the matmul (they belong to the next group, or lie past M where
-TMA reads zeros); an empty group stores zeros.
+``lhs`` chunk transposed in shared memory. Chunks start at the group's first row rounded down
+to 8; in the first and last chunk the rows outside the group are zeroed in both operands before
+the matmul (they belong to the neighbouring groups, or lie past M where TMA reads zeros); an
+empty group stores zeros.
 
 Out-of-range reads rely on TMA's zero fill: K and N need not be multiples of the blocks, and
 the last tile of a group may reach past M. K and N must be multiples of 8 (TMA's 16-byte
@@ -30,8 +32,9 @@ strides). bf16 and f16 inputs (``wgmma`` reads transposed 16-bit operands only),
 output dtype; everything else is declined (the XLA plugin serves it).
 
 **Interpret mode** (CPU, tests): the same kernels in Mosaic GPU's interpreter, which models the
-warpgroups, TMA copies, barriers and ``wgmma``; ``lhs``/``d_out`` get zero rows and K, N zero
-columns appended first, standing in for the TMA zero fill the interpreter does not model.
+warpgroups, TMA copies and barriers; the matmuls are ``jnp.dot`` on the same shared-memory tiles
+(its ``wgmma`` takes no transposed operand), and ``lhs``/``d_out`` get zero rows and K, N zero
+columns appended first, standing in for the TMA zero fill it does not model.
 
 The backward is the executor's custom VJP (``defvjp``), each gradient in its input's dtype.
 """
@@ -183,9 +186,10 @@ def _blocks(kw: Any, cfg: GroupedMatmulConfig | None) -> tuple[int, int, int, in
     bn = cfg.block_n if cfg is not None and cfg.block_n is not None else None
     bk = cfg.block_k if cfg is not None and cfg.block_k is not None else 64
     if bm is None:
-        # Short tiles (one per group) waste up to (G + 1)·block_m rows of work: halve the tile
-        # when that is over an eighth of M.
-        bm = 128 if (g + 1) * 128 <= max(m, 1) / 8 else 64
+        # Short tiles (one per group) waste up to (G + 1)·block_m rows of work; 64-row tiles
+        # run at about half the rate of 128-row ones, so they pay only for groups of a few
+        # dozen rows (decoding-size batches).
+        bm = 128 if (g + 1) * 128 <= max(m, 1) else 64
     if bn is None:
         bn = 128 if n > 64 * 2 else 64
     stages = cfg.stages if cfg is not None and cfg.stages is not None else None
@@ -196,8 +200,7 @@ def _blocks(kw: Any, cfg: GroupedMatmulConfig | None) -> tuple[int, int, int, in
 
 
 def heuristic(inv: Any) -> GroupedMatmulConfig:
-    """128-row tiles unless the short tiles of G groups would waste over an eighth of M (then
-    64), 2 × 128 output columns a CTA (2 × 64 when N ≤ 128), steps of 64, and as many ring
+    """128-row tiles unless the short tiles of G groups would waste as much as M (then 64), 2 × 128 output columns a CTA (2 × 64 when N ≤ 128), steps of 64, and as many ring
     slots (up to 4) as shared memory holds."""
     bm, bn, bk, stages = _blocks(inv.kwargs, None)
     return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=stages)

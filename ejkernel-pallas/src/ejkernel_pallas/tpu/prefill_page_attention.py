@@ -21,6 +21,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel.ops import Invocation
 from ejkernel_pallas.tpu import ragged_page_attention as ragged
 from ejkernel_pallas.tpu.ragged_page_attention import RaggedPageAttentionConfig
 
@@ -71,11 +72,9 @@ def _as_ragged(kw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _Ragged:
-    """An invocation of the ragged kernel standing for a prefill's (heuristics read kwargs)."""
-
-    def __init__(self, inv: Any) -> None:
-        self.kwargs = _as_ragged(inv.kwargs)
+def _ragged(inv: Any) -> Invocation:
+    """The ragged kernel's invocation standing for a prefill's (its rules read the kwargs)."""
+    return Invocation(kernel="ragged_page_attention", kwargs=_as_ragged(inv.kwargs))
 
 
 def _prefill(cfg: RaggedPageAttentionConfig) -> PrefillPageAttentionConfig:
@@ -84,17 +83,17 @@ def _prefill(cfg: RaggedPageAttentionConfig) -> PrefillPageAttentionConfig:
 
 def heuristic(inv: Any) -> PrefillPageAttentionConfig:
     """The ragged kernel's heuristic for the one-sequence batch."""
-    return _prefill(ragged.heuristic(_Ragged(inv)))
+    return _prefill(ragged.heuristic(_ragged(inv)))
 
 
 def config_space(inv: Any) -> list[PrefillPageAttentionConfig]:
     """The ragged kernel's config space for the one-sequence batch."""
-    return [_prefill(cfg) for cfg in ragged.config_space(_Ragged(inv))]
+    return [_prefill(cfg) for cfg in ragged.config_space(_ragged(inv))]
 
 
 def supports(inv: Any) -> bool | str:
     """True, or why the ragged kernel cannot serve the chunk."""
-    reason = ragged.supports(_Ragged(inv))
+    reason = ragged.supports(_ragged(inv))
     if reason is True:
         return True
     return str(reason).replace("ragged_page_attention", "prefill_page_attention")
