@@ -39,7 +39,7 @@ def run(
     from jax.sharding import PartitionSpec as P
 
     import ejkernel
-    from ejkernel.ops import zigzag_layout
+    from ejkernel.ops import flash_attention_lse_step, zigzag_layout
 
     n = jax.device_count()
     dtype = jnp.dtype(dtype_name)
@@ -75,6 +75,8 @@ def run(
         split = [jax.device_put(x, rows) for x in (q, k, v, do)]
         local = [jax.device_put(x[:, : s // n], dev0) for x in (q, k, v)]
         step = lambda q, k, v: ejkernel.flash_attention(q, k, v)
+        chosen = flash_attention_lse_step(query=local[0], key=local[1], value=local[2], causal=True)
+        print(f"ring steps on: {chosen.platform}", flush=True)
         t_fwd = timed(jax.jit(ring), *split[:3], iters=3, repeats=3, warm_s=0.3)
         t_both = timed(fwd_bwd(ring), *split, iters=3, repeats=3, warm_s=0.3)
         per_device = flops(b, s, h, d) / n / 1e9

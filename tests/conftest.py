@@ -35,18 +35,20 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
 
 
 def pytest_configure(config):
-    """On a CPU, compile without XLA's and LLVM's expensive optimisations
-    (``jax_disable_most_optimizations``): these tests spend most of their time compiling small
-    programs, which then run on inputs of a few kilobytes. GPU runs keep the usual compiler.
+    """CPU dispatch is synchronous (``jax_cpu_enable_async_dispatch`` off): the interpreted
+    kernels run through host callbacks, and XLA's asynchronous CPU dispatch can wedge with
+    callbacks in flight (jax-ml/jax#25861: every thread idle, the main one waiting for an
+    execution slot). The flag is read when JAX creates its CPU client, so it is set before
+    anything starts a backend.
 
-    CPU dispatch is synchronous (``jax_cpu_enable_async_dispatch`` off): the interpreted kernels
-    run through host callbacks, and XLA's asynchronous CPU dispatch can wedge with callbacks in
-    flight (jax-ml/jax#25861: every thread idle, the main one waiting for an execution slot)."""
+    On a CPU, compile without XLA's and LLVM's expensive optimisations
+    (``jax_disable_most_optimizations``): these tests spend most of their time compiling small
+    programs, which then run on inputs of a few kilobytes. GPU runs keep the usual compiler."""
     import jax
 
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     if jax.default_backend() == "cpu":
         jax.config.update("jax_disable_most_optimizations", True)
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

@@ -3,9 +3,9 @@
 
 Through Triton's interpreter on the CPU: tiny odd shapes (T 37, K 16, V 32, H 2), float32
 unless said, several chunks and V blocks through small configs, both gate forms (per key
-channel: Kimi Delta Attention; per head: Gated DeltaNet). Gradients go through the XLA
-platform's VJP (the custom VJP's backward). Marked ``gpu`` (compiled, on the GPU): B 2,
-T 8192, H 16, K = V = 128 in bfloat16 against the XLA platform in float32.
+channel: Kimi Delta Attention; per head: Gated DeltaNet), gradients of every input (the
+Triton backward kernels) against autodiff of the reference. Marked ``gpu`` (compiled, on the
+GPU): B 2, T 8192, H 16, K = V = 128 in bfloat16 against the XLA platform in float32.
 """
 
 from __future__ import annotations
@@ -68,12 +68,19 @@ def triton_kda(cfg: Any) -> Any:
     return lambda **kw: ejkernel.kernel_delta_attention(**kw, platform="triton", cfg=cfg)
 
 
-def check(arrays: dict[str, jax.Array], cfg: Any, *, tol: float = 1e-4, **statics: Any) -> None:
-    """Output (and final state) against the reference: ``assert_close`` in float32, by norm
-    (``tol``) in any dtype."""
+def check(
+    arrays: dict[str, jax.Array],
+    cfg: Any,
+    *,
+    tol: float = 1e-4,
+    grads: bool = False,
+    **statics: Any,
+) -> None:
+    """Output (and final state; with ``grads`` every input's gradient) against the reference:
+    ``assert_close`` in float32, by norm (``tol``) in any dtype."""
     strict = arrays["query"].dtype == jnp.float32
     check_against(
-        triton_kda(cfg), reference, arrays, grads=False, tol=tol, strict=strict, **statics
+        triton_kda(cfg), reference, arrays, grads=grads, tol=tol, strict=strict, **statics
     )
 
 
@@ -124,19 +131,20 @@ def test_without_the_l2_norm(interpret) -> None:
 
 
 def test_half_precision_within_a_half_precision_tolerance(interpret) -> None:
-    check(inputs(*SHAPE, dtype=jnp.bfloat16), C16, tol=1e-2, return_state=True)
+    check(inputs(*SHAPE, dtype=jnp.bfloat16), C16, tol=1e-2, grads=True, return_state=True)
 
 
-def test_log_decays_down_to_minus_20_per_step_stay_finite_and_right(interpret) -> None:
-    arrays = inputs(1, 40, 2, 16, 16)
-    arrays["g"] = -20.0 * jax.random.uniform(jax.random.PRNGKey(5), arrays["key"].shape)
-    check(arrays, C32, return_state=True)
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+def test_log_decays_down_to_minus_20_per_step_stay_finite_and_right(interpret, vector) -> None:
+    arrays = inputs(1, 40, 2, 16, 16, vector=vector)
+    arrays["g"] = -20.0 * jax.random.uniform(jax.random.PRNGKey(5), arrays["g"].shape)
+    check(arrays, C32, grads=True, return_state=True)
 
 
 def test_a_log_gate_of_minus_inf_resets_the_state(interpret) -> None:
     arrays = inputs(1, 37, 2, 16, 16)
     arrays["g"] = arrays["g"].at[0, 5].set(-jnp.inf).at[0, 20, 1, :7].set(-jnp.inf)
-    check(arrays, C16, return_state=True)
+    check(arrays, C16, grads=True, return_state=True)
 
 
 def test_a_nan_input_stays_in_its_causal_future(interpret) -> None:
@@ -155,7 +163,7 @@ def test_packed_sequences_with_empty_and_length_one_sequences(interpret) -> None
     arrays = inputs(1, 40, 2, 16, 32, vector=False)
     cu = jnp.array([0, 1, 1, 23, 36, 37], jnp.int32)
     arrays["initial_state"] = normal(jax.random.PRNGKey(4), (5, 2, 16, 32), jnp.float32)
-    check(arrays, C16, cu_seqlens=cu, return_state=True)
+    check(arrays, C16, grads=True, cu_seqlens=cu, return_state=True)
     out = triton_kda(C16)(**arrays, cu_seqlens=cu)
     assert not jnp.any(out[:, 37:])
 
@@ -172,18 +180,36 @@ def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
     assert_close(end, final, name="final")
 
 
-def test_gradients_through_the_custom_vjp_match_the_reference(interpret) -> None:
-    arrays = inputs(1, 37, 2, 16, 16, vector=False)
-    arrays["initial_state"] = normal(jax.random.PRNGKey(3), (1, 2, 16, 16), jnp.float32)
+@pytest.mark.parametrize(
+    ("cfg", "vector", "l2norm"),
+    [(C16, True, True), (C32, True, False), (C16, False, False), (C32, False, True)],
+    ids=["C16-channel-gate", "C32-channel-gate-no-l2", "C16-head-gate-no-l2", "C32-head-gate"],
+)
+def test_gradients_of_every_input_match_the_reference(interpret, cfg, vector, l2norm) -> None:
+    """The backward kernels (two V blocks at C16): query, key, value, beta, g and the initial
+    state, under cotangents of the output and of the final state."""
+    arrays = inputs(2, 37, 2, 16, 32, vector=vector)
+    arrays["initial_state"] = normal(jax.random.PRNGKey(3), (2, 2, 16, 32), jnp.float32)
+    if not l2norm:
+        arrays["query"], arrays["key"] = arrays["query"] * 0.3, arrays["key"] * 0.3
+    check(arrays, cfg, grads=True, use_qk_l2norm=l2norm, softmax_scale=0.3, return_state=True)
 
-    def loss(fn: Any, a: dict[str, jax.Array]) -> jax.Array:
-        out, final = fn(**a, return_state=True)
-        return jnp.sum(out * jnp.cos(jnp.arange(16) * 0.7)) + jnp.sum(final * 0.3)
 
-    got = jax.grad(lambda a: loss(triton_kda(C16), a))(arrays)
-    want = jax.grad(lambda a: loss(reference, a))(arrays)
-    for n in arrays:
-        assert_close(got[n], want[n], name=f"d{n}")
+def test_gradients_under_vmap_equal_one_call_per_index(interpret) -> None:
+    a = inputs(2, 21, 2, 16, 16)
+    ours = triton_kda(C16)
+
+    def loss(q, k, v, beta, g):
+        out = ours(query=q[None], key=k[None], value=v[None], beta=beta[None], g=g[None])
+        return jnp.sum(out * jnp.cos(jnp.arange(16) * 0.7))
+
+    args = tuple(a[n] for n in ("query", "key", "value", "beta", "g"))
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    mapped = jax.vmap(grad)(*args)
+    for i in range(2):
+        one = grad(*(x[i] for x in args))
+        for name, m, o in zip(("dq", "dk", "dv", "dbeta", "dg"), mapped, one, strict=True):
+            assert_close(m[i], o, name=name)
 
 
 def test_registered_at_the_plugins_priority_above_the_xla_fallback() -> None:
@@ -221,8 +247,8 @@ def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkey
 
 
 def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_path) -> None:
-    """The heuristic's launches (bf16, K = V = 128, per-channel gates) compiled for sm_90 on
-    any machine."""
+    """The heuristic's launches, forward and backward (bf16, K = V = 128, per-channel gates),
+    compiled for sm_90 on any machine."""
     from ejkernel_triton import _codegen
     from ejkernel_triton.ops import kernel_delta_attention as kda
 
@@ -232,8 +258,15 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
     cfg = heuristic(types.SimpleNamespace(kwargs=call))
     jax.clear_caches()  # the forward is jitted: trace it under the recorder
     with _codegen.recorded_launches() as record:
-        kda._kda_fwd(cfg=cfg, **call)
-    assert len(record) == 2
+        out, res = kda._kda_fwd(cfg=cfg, **call)
+        kda._kda_bwd(res, out, cfg=cfg)
+    names = [launch.kernel.fn.__name__ for launch in record]
+    assert names == [
+        "kda_fwd_prep_kernel",
+        "kda_fwd_ho_kernel",
+        "kda_bwd_dh_kernel",
+        "kda_bwd_chunk_kernel",
+    ]
     for launch in record:
         compiled = _codegen.compile_launch(launch, capability=90)
         mix = _codegen.instruction_mix(compiled.ptx)

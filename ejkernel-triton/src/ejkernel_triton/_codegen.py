@@ -152,7 +152,9 @@ def compile_launch(launch: Launch, capability: int = 90) -> Compiled:
         check=False,
     )
     if res.returncode != 0:
-        raise RuntimeError(f"compiling {fn.fn.__name__} failed:\n{res.stderr[-4000:]}")
+        raise RuntimeError(
+            f"compiling {fn.fn.__name__} failed:\n{res.stderr[:3000]}\n...\n{res.stderr[-3000:]}"
+        )
     out = json.loads(res.stdout.splitlines()[-1])
     return Compiled(
         ptx=out["ptx"],

@@ -33,6 +33,9 @@ __all__ = ["fold_vmap", "interpreting", "launch"]
 
 _interpreted_modules: dict[str, Any] = {}
 _interpret_lock = threading.RLock()
+#: The launch the interpreter is running: the kernel's name and the [start, end) byte ranges
+#: of the buffers it was handed (:func:`_guard_memory` checks every access against them).
+_launch_state: dict[str, Any] = {"kernel": None, "starts": None, "ends": None}
 
 
 def interpreting() -> bool:
@@ -155,6 +158,71 @@ def _interpret_standard_library() -> None:
             if isinstance(value, JITFunction):
                 setattr(module, name, InterpretedFunction(value.fn))
     _index_scalars_with_item()
+    _guard_memory()
+
+
+class OutOfBoundsAccess(IndexError):
+    """An interpreted kernel read or wrote memory outside every buffer of its launch."""
+
+
+def _check_addresses(op: str, ptrs: Any, mask: Any, itemsize: int) -> None:
+    """Raise :class:`OutOfBoundsAccess` when an active lane of ``ptrs`` addresses bytes outside
+    the buffers of the running launch. On a GPU such a lane reads another allocation's bytes or
+    faults; in the interpreter it reads the host's heap, or crashes the process."""
+    starts, ends = _launch_state["starts"], _launch_state["ends"]
+    if starts is None:
+        return
+    addresses = np.asarray(ptrs, dtype=np.uint64)
+    if mask is not None:
+        addresses = addresses[np.broadcast_to(np.asarray(mask, dtype=bool), addresses.shape)]
+    addresses = addresses.reshape(-1)
+    if addresses.size == 0:
+        return
+    slot = np.searchsorted(starts, addresses, side="right") - 1
+    inside = (slot >= 0) & (addresses + np.uint64(itemsize) <= ends[np.maximum(slot, 0)])
+    if not inside.all():
+        first = int(np.argmin(inside))
+        raise OutOfBoundsAccess(
+            f"{_launch_state['kernel']}: {op} of {int((~inside).sum())} active lane(s) outside "
+            f"every buffer of the launch (first at address {int(addresses[first]):#x}; "
+            f"buffers {[(int(a), int(b)) for a, b in zip(starts, ends, strict=True)]})"
+        )
+
+
+def _guard_memory() -> None:
+    """Check every load, store and atomic of interpreted kernels against their launch's
+    buffers (:func:`_check_addresses`), so an out-of-bounds lane fails the call that made it."""
+    from triton.runtime.interpreter import InterpreterBuilder, _get_np_dtype
+
+    if getattr(InterpreterBuilder, "_ejkernel_guarded", False):
+        return
+    load = InterpreterBuilder.create_masked_load
+    store = InterpreterBuilder.create_masked_store
+    rmw = InterpreterBuilder.create_atomic_rmw
+    cas = InterpreterBuilder.create_atomic_cas
+
+    def masked_load(self, ptrs, mask, other, *rest, **options):  # type: ignore[no-untyped-def]
+        size = np.dtype(_get_np_dtype(ptrs.get_element_ty())).itemsize
+        _check_addresses("load", ptrs.data, mask.data, size)
+        return load(self, ptrs, mask, other, *rest, **options)
+
+    def masked_store(self, ptrs, value, mask, *rest, **options):  # type: ignore[no-untyped-def]
+        _check_addresses("store", ptrs.data, mask.data, value.data.dtype.itemsize)
+        return store(self, ptrs, value, mask, *rest, **options)
+
+    def atomic_rmw(self, op, ptr, val, mask, *rest, **options):  # type: ignore[no-untyped-def]
+        _check_addresses("atomic", ptr.data, mask.data, val.data.dtype.itemsize)
+        return rmw(self, op, ptr, val, mask, *rest, **options)
+
+    def atomic_cas(self, ptr, cmp, val, *rest, **options):  # type: ignore[no-untyped-def]
+        _check_addresses("atomic", ptr.data, None, val.data.dtype.itemsize)
+        return cas(self, ptr, cmp, val, *rest, **options)
+
+    InterpreterBuilder.create_masked_load = masked_load
+    InterpreterBuilder.create_masked_store = masked_store
+    InterpreterBuilder.create_atomic_rmw = atomic_rmw
+    InterpreterBuilder.create_atomic_cas = atomic_cas
+    InterpreterBuilder._ejkernel_guarded = True
 
 
 def _index_scalars_with_item() -> None:
@@ -281,8 +349,18 @@ def _interpret(
             outs[target] = np.array(buffers[source], dtype=out_shape[target].dtype, copy=True)
         # the interpreter keeps global state (the grid position, patched language modules)
         # and XLA may run independent callbacks at once: one interpreted launch at a time
+        tensors = [*(a for a in call_args if isinstance(a, _HostTensor)), *map(_HostTensor, outs)]
+        ranges = sorted((t.data_ptr(), t.data_ptr() + t.array.nbytes) for t in tensors)
         with _interpret_lock:
-            interpreted[grid](*call_args, *(_HostTensor(o) for o in outs), **constexprs)
+            _launch_state.update(
+                kernel=getattr(kernel, "__name__", None) or kernel.fn.__name__,
+                starts=np.array([a for a, _ in ranges], np.uint64),
+                ends=np.array([b for _, b in ranges], np.uint64),
+            )
+            try:
+                interpreted[grid](*call_args, *(_HostTensor(o) for o in outs), **constexprs)
+            finally:
+                _launch_state.update(kernel=None, starts=None, ends=None)
         return outs
 
     outs = jax.pure_callback(host, out_shape, *arrays, vmap_method="sequential")

@@ -21,7 +21,11 @@ channel, ``GK = 1`` one decay per head.
 - :func:`kda_fwd_ho_kernel` walks the chunks of one (V block, batch row, head) in order with
   the float32 state ``S [K, BV]``: ``V' = U − W S``, ``o = (q ⊙ exp(G)) S + P V'``,
   ``S ← diag(exp(G_C)) S + (k ⊙ exp(G_C − G))ᵀ V'``; it restarts from the initial state where
-  a sequence begins and writes each sequence's final state.
+  a sequence begins and writes each sequence's final state (and, for the backward, each
+  chunk's starting state and ``V'``).
+
+The chunk algebra both kernels and the backward share is
+:mod:`ejkernel_triton.kernels.kda_common`.
 
 Non-finite inputs stay in their causal future (as :mod:`ejkernel_xla.ops._chunk_numerics`
 has it): a token whose key, ``β`` or gate is not finite enters the chunk algebra with them and
@@ -36,16 +40,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _finite(x):
-    return (x == x) & (tl.abs(x) != float("inf"))
-
-
-@triton.jit
-def _gate_ok(g):
-    """A gate may be -inf (a reset); NaN and +inf are not finite inputs."""
-    return (g == g) & (g != float("inf"))
+from ejkernel_triton.kernels.kda_common import (
+    chunk_inputs,
+    decayed_products,
+    finite,
+    l2_normalise,
+    unit_lower_inverse,
+)
 
 
 @triton.jit
@@ -86,71 +87,33 @@ def kda_fwd_prep_kernel(
     rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
     p_k = rows[:, None] * K + o_k[None, :]
     p_v = rows[:, None] * V + o_v[None, :]
-    b_q = tl.load(q_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
-    b_k = tl.load(k_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_q, b_k, b_beta, b_g, bad, _ = chunk_inputs(
+        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
+    )
     b_v = tl.load(v_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
-    b_beta = tl.load(beta_ptr + rows).to(tl.float32)
-    # a token with a non-finite key, beta or gate enters zeroed; its value is then NaN-marked
-    bad = tl.sum((~_finite(b_k)).to(tl.int32), axis=1) > 0
-    bad = bad | ~_finite(b_beta)
-    if GK == 1:
-        b_g = tl.load(g_ptr + rows).to(tl.float32)
-        bad = bad | ~_gate_ok(b_g)
-        b_g = tl.where(bad, 0.0, b_g)
-        b_g = tl.where(b_g < -GATE_FLOOR, -GATE_FLOOR, b_g)
-    else:
-        b_g = tl.load(g_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
-        bad = bad | (tl.sum((~_gate_ok(b_g)).to(tl.int32), axis=1) > 0)
-        b_g = tl.where(bad[:, None], 0.0, b_g)
-        b_g = tl.where(b_g < -GATE_FLOOR, -GATE_FLOOR, b_g)
-    b_k = tl.where(bad[:, None], 0.0, b_k)
-    b_beta = tl.where(bad, 0.0, b_beta)
-    ok_v = _finite(b_v) & ~bad[:, None]
+    # a token with a non-finite key, beta or gate has its value NaN-marked
+    ok_v = finite(b_v) & ~bad[:, None]
     b_v = tl.where(ok_v, b_v, 0.0)
     first = tl.min(tl.where(ok_v, C, o_c[:, None]), axis=0)  # [BV]: first non-finite token
     if L2NORM:
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        b_q, _ = l2_normalise(b_q)
+        b_k, _ = l2_normalise(b_k)
     b_q = b_q * scale
     b_gc = tl.cumsum(b_g, axis=0)
-    causal = o_c[:, None] >= o_c[None, :]
+    b_p, b_kk = decayed_products(b_q, b_k, b_gc, o_c, C, GK, DOT_PRECISION)
     if GK == 1:
-        b_pair = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
-        b_p = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
-        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
-        b_p = tl.where(causal, b_p * b_pair, 0.0)
-        b_kk = tl.where(causal, b_kk * b_pair, 0.0)
         b_glast = tl.sum(tl.where(o_c == C - 1, b_gc, 0.0), axis=0)
         b_gamma = tl.exp(b_gc)[:, None]
         b_to_end = tl.exp(b_glast - b_gc)[:, None]
         tl.store(decay_ptr + (i_b.to(tl.int64) * NT + i_n) * H + i_h, tl.exp(b_glast))
     else:
-        # column by column: exp(G_t - G_j) only for t ≥ j, masked before the exp
-        b_p = tl.zeros([C, C], dtype=tl.float32)
-        b_kk = tl.zeros([C, C], dtype=tl.float32)
-        for j in range(0, C):
-            row_j = o_c[:, None] == j
-            b_kj = tl.sum(tl.where(row_j, b_k, 0.0), axis=0)
-            b_gj = tl.sum(tl.where(row_j, b_gc, 0.0), axis=0)
-            below = o_c[:, None] >= j
-            b_e = tl.exp(tl.where(below, b_gc - b_gj[None, :], float("-inf")))
-            b_ke = b_kj[None, :] * b_e
-            col_p = tl.sum(tl.where(below, b_q * b_ke, 0.0), axis=1)
-            col_k = tl.sum(tl.where(below, b_k * b_ke, 0.0), axis=1)
-            b_p = tl.where(o_c[None, :] == j, col_p[:, None], b_p)
-            b_kk = tl.where(o_c[None, :] == j, col_k[:, None], b_kk)
         b_glast = tl.sum(tl.where(o_c[:, None] == C - 1, b_gc, 0.0), axis=0)
         b_gamma = tl.exp(b_gc)
         b_to_end = tl.exp(b_glast[None, :] - b_gc)
         p_d = decay_ptr + ((i_b.to(tl.int64) * NT + i_n) * H + i_h) * K + o_k
         tl.store(p_d, tl.exp(b_glast), mask=m_k)
-    # T = (I + A)⁻¹, A strictly lower: row i of T is e_i − Σ_{j<i} A_ij T_j
     b_a = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_kk, 0.0)
-    b_t = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        b_ai = tl.sum(tl.where(o_c[:, None] == i, b_a, 0.0), axis=0)
-        b_r = tl.sum(b_ai[:, None] * b_t, axis=0)
-        b_t = tl.where(o_c[:, None] == i, b_t - b_r[None, :], b_t)
+    b_t = unit_lower_inverse(b_a, o_c, C)
     b_w = tl.dot(b_t, b_beta[:, None] * b_k * b_gamma, input_precision=DOT_PRECISION)
     b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
     b_u = tl.where(o_c[:, None] >= first[None, :], float("nan"), b_u)
@@ -177,16 +140,21 @@ def kda_fwd_ho_kernel(
     R,
     o_ptr,
     final_ptr,
+    hs_ptr,
+    vn_ptr,
     K: tl.constexpr,
     V: tl.constexpr,
     C: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     GK: tl.constexpr,
+    STORE_STATES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), B·H)``: the outputs ``o [B, T, H, V]`` and the final states
-    ``[B·R, H, K, V]`` (float32) of one (V block, batch row, head)."""
+    ``[B·R, H, K, V]`` (float32) of one (V block, batch row, head); with ``STORE_STATES`` also,
+    for the backward, each chunk's starting state ``[B, H, NT, K, V]`` and ``V' [B, T, H, V]``
+    (float32)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, BK)
@@ -203,6 +171,8 @@ def kda_fwd_ho_kernel(
         state = ((i_b * R + (flags >> 2)).to(tl.int64) * H + i_h) * K * V
         b_init = tl.load(init_ptr + state + o_kv, mask=m_kv & first, other=0.0)
         b_h = tl.where(first, b_init, b_h)
+        if STORE_STATES:
+            tl.store(hs_ptr + (i_bh.to(tl.int64) * NT + i_n) * K * V + o_kv, b_h, mask=m_kv)
         rows = row0 + (i_n * C + o_c) * H
         p_k = rows[:, None] * K + o_k[None, :]
         b_w = tl.load(w_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
@@ -211,6 +181,8 @@ def kda_fwd_ho_kernel(
         b_u = tl.load(u_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
         b_p = tl.load(p_ptr + rows[:, None] * C + o_c[None, :])
         b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_h, input_precision=DOT_PRECISION)
+        if STORE_STATES:
+            tl.store(vn_ptr + rows[:, None] * V + o_v[None, :], b_vn, mask=m_v[None, :])
         # P V' multiplies the zeros above P's diagonal too: NaN rows enter it as zeros, and
         # each channel's outputs are NaN from its first NaN row on
         nan_v = b_vn != b_vn

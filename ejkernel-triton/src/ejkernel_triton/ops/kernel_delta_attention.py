@@ -19,11 +19,12 @@ floored at ``-GATE_FLOOR`` (``-inf`` is a reset, finite sums), relative decays i
 only (exps of differences ≤ 0 for decaying gates), a non-finite input stays in its causal
 future.
 
-The backward is not a Triton kernel: the custom VJP keeps the inputs and pulls the cotangents
-back through the XLA platform's chunked implementation (``platform="xla"``, itself a
-recomputation of the chunked forward), so a differentiated call is served with the XLA
-backward's cost. :func:`supports` declines dtypes other than bf16/f16/f32, mixed q/k/v dtypes
-and K or V over 256 (the per-chunk kernel holds whole K and V rows).
+The backward is Triton too (:mod:`ejkernel_triton.kernels.kda_bwd`): the differentiated
+forward keeps the chunk factors, each chunk's starting state ``[B, H, NT, K, V]`` and ``V'``
+(float32); one reverse walk per V block carries the state's gradient, then one program per chunk
+recomputes the chunk algebra and pulls the cotangents back to query, key, value, beta, the gates
+and the initial state. :func:`supports` declines dtypes other than bf16/f16/f32, mixed q/k/v
+dtypes and K or V over 256 (the per-chunk kernels hold whole K and V rows).
 """
 
 from __future__ import annotations
@@ -155,17 +156,19 @@ def kernel_delta_attention_triton(
         ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
         when ``return_state``.
     """
-    return _kda_fwd(cfg=cfg, **args)[0]
+    st = _Statics.of(args, cfg)
+    out, final, _ = _forward({n: args.get(n) for n in _ARRAY_NAMES}, st)
+    return (out, final) if st.return_state else out
 
 
 def _kda_fwd(
     *, cfg: KernelDeltaAttentionConfig | None = None, **args: Any
 ) -> tuple[Any, dict[str, Any]]:
-    """Forward: ``(out or (out, final_state), residuals)``; the residuals are the inputs."""
+    """Forward: ``(out or (out, final_state), residuals)``; the residuals are the chunk
+    layout's inputs, the per-chunk factors and each chunk's starting state."""
     st = _Statics.of(args, cfg)
-    arrays = {n: args.get(n) for n in _ARRAY_NAMES}
-    out, final = _forward(arrays, st)
-    return ((out, final) if st.return_state else out), arrays
+    out, final, res = _forward({n: args.get(n) for n in _ARRAY_NAMES}, st, keep=True)
+    return ((out, final) if st.return_state else out), res
 
 
 def _kda_bwd(
@@ -173,33 +176,14 @@ def _kda_bwd(
     d_out: Any,
     *,
     cfg: KernelDeltaAttentionConfig | None = None,
-    softmax_scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    return_state: bool = False,
-    **unused: Any,
+    **statics: Any,
 ) -> dict[str, jax.Array | None]:
-    """Backward: the XLA platform's VJP of the same call (gradients of query, key, value,
-    beta, g and initial_state)."""
-    from ejkernel.specs.kernel_delta_attention import kernel_delta_attention
-
-    del cfg, unused
-    names = ("query", "key", "value", "beta", "g", "initial_state")
-    diff = {n: residuals[n] for n in names if residuals.get(n) is not None}
-    fixed = {n: v for n, v in residuals.items() if n not in diff}
-
-    def run(x: dict[str, Any]) -> Any:
-        return kernel_delta_attention(
-            **x,
-            **fixed,
-            softmax_scale=softmax_scale,
-            use_qk_l2norm=use_qk_l2norm,
-            return_state=return_state,
-            platform="xla",
-        )
-
-    _, pull = jax.vjp(run, diff)
-    (grads,) = pull(d_out)
-    return dict(grads)
+    """Backward: gradients of query, key, value, beta, g and initial_state."""
+    lay: Layout = residuals["layout"]
+    st = _Statics.of({**statics, "query": residuals["q"], "value": residuals["v"]}, cfg)
+    st = attrs.evolve(st, chunk=lay.chunk)
+    d_o, d_final = d_out if st.return_state else (d_out, None)
+    return _backward(residuals, d_o, d_final, st)
 
 
 defvjp(kernel_delta_attention_triton, _kda_fwd, _kda_bwd)
@@ -249,8 +233,12 @@ class _Inv:
 # -- forward --------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("st",))
-def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("st", "keep"))
+def _forward(
+    a: dict[str, Any], st: _Statics, keep: bool = False
+) -> tuple[jax.Array, jax.Array, dict[str, Any] | None]:
+    """``(out, final_state, residuals)``; the residuals (``keep``) are what the backward
+    reads, else ``None``."""
     query, value, init = a["query"], a["value"], a["initial_state"]
     b, s, h, dk = query.shape
     dv = value.shape[-1]
@@ -260,16 +248,28 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array]:
         lay.to_chunks(x) for x in (query, a["key"], value, a["beta"][..., None], g)
     )
     init_rows = lay.state_rows(init, (b, h, dk, dv))
-    run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks), _modes(lay, 7))
-    o, final_rows = run(q, k, v, beta, gates, init_rows, lay.flags)
+    run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks, keep), _modes(lay, 7))
+    o, final_rows, *saved = run(q, k, v, beta, gates, init_rows, lay.flags)
     out = lay.from_chunks(o)
     empty = init_rows[: final_rows.shape[0] - (1 if lay.packed else 0)]
-    return out, lay.op_states(final_rows, empty)
+    final = lay.op_states(final_rows, empty)
+    if not keep:
+        return out, final, None
+    res = dict(zip(("qg", "kg", "w", "p", "decay", "h", "vn"), saved, strict=True))
+    res.update(layout=lay, q=q, k=k, v=v, beta=beta, g=gates)
+    # the gradients' dtypes and shapes; the key's presence says the initial state has one
+    res["dtypes"] = {n: jnp.zeros((0,), a[n].dtype) for n in ("beta", "g")}
+    res["gate_per_head"] = jnp.zeros((0,), jnp.bool_) if a["g"].ndim == 3 else None
+    if init is not None:
+        res["dtypes"]["initial_state"] = jnp.zeros((0,), init.dtype)
+    return out, final, res
 
 
-def _forward_kernels(st: _Statics, nt: int) -> Any:
-    """``run(q, k, v, beta, gates, init_rows, flags) -> (o, final_rows)``: the forward's
-    launches on the chunk layout."""
+def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
+    """``run(q, k, v, beta, gates, init_rows, flags) -> (o, final_rows)``, and with ``keep``
+    also ``(qg, kg, w, p, decay, h, vn)`` (the per-chunk factors, starting states and
+    ``V'``): the
+    forward's launches on the chunk layout."""
     from ejkernel_triton.kernels.kda_fwd import kda_fwd_ho_kernel, kda_fwd_prep_kernel
 
     def run(q, k, v, beta, gates, init_rows, flags):
@@ -308,7 +308,8 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
             num_stages=1,
             **common,
         )
-        o, final_rows = _launch.launch(
+        states, vn = ((b, h, nt, dk, dv), (b, t, h, dv)) if keep else ((1,), (1,))
+        o, final_rows, hs, vn = _launch.launch(
             kda_fwd_ho_kernel,
             qg,
             kg,
@@ -324,6 +325,8 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
             out_shape=[
                 jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                 jax.ShapeDtypeStruct(init_rows.shape, jnp.float32),
+                jax.ShapeDtypeStruct(states, jnp.float32),
+                jax.ShapeDtypeStruct(vn, jnp.float32),
             ],
             grid=(-(-dv // st.block_v), b * h),
             K=dk,
@@ -332,9 +335,12 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
             BK=st.block_k,
             BV=st.block_v,
             GK=gk,
+            STORE_STATES=keep,
             num_stages=st.num_stages,
             **common,
         )
+        if keep:
+            return o, final_rows, qg, kg, w, p, decay, hs, vn
         return o, final_rows
 
     return run
@@ -347,3 +353,120 @@ def _modes(lay: Layout, arrays: int) -> tuple[str, ...]:
     if lay.packed:
         return (OTHER,) * arrays
     return (BATCH,) * (arrays - 1) + (OTHER,)
+
+
+# -- backward -------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _backward(
+    res: dict[str, Any], d_o: jax.Array, d_final: jax.Array | None, st: _Statics
+) -> dict[str, jax.Array | None]:
+    lay: Layout = res["layout"]
+    q, v = res["q"], res["v"]
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    do = lay.to_chunks(d_o.astype(q.dtype))
+    dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
+    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), _modes(lay, 15))
+    names = ("q", "k", "v", "beta", "g", "qg", "kg", "w", "p", "decay", "h", "vn")
+    dinit_rows, d_q, d_k, d_v, d_beta, d_g = run(
+        *(res[n] for n in names),
+        do,
+        dfinal_rows,
+        lay.flags,
+    )
+    d_g = lay.from_chunks(d_g)
+    if res["gate_per_head"] is not None:
+        d_g = d_g[..., 0]
+    dtypes = res["dtypes"]
+    grads: dict[str, jax.Array | None] = {
+        "query": lay.from_chunks(d_q),
+        "key": lay.from_chunks(d_k),
+        "value": lay.from_chunks(d_v),
+        "beta": lay.from_chunks(d_beta)[..., 0].astype(dtypes["beta"].dtype),
+        "g": d_g.astype(dtypes["g"].dtype),
+    }
+    if "initial_state" in dtypes:
+        empty = dfinal_rows[: dinit_rows.shape[0] - (1 if lay.packed else 0)]
+        d_init = lay.op_states(dinit_rows, empty)
+        grads["initial_state"] = d_init.astype(dtypes["initial_state"].dtype)
+    return grads
+
+
+def _backward_kernels(st: _Statics, nt: int) -> Any:
+    """``run(q, k, v, beta, gates, qg, kg, w, p, decay, h, vn, do, dfinal_rows, flags) ->
+    (dinit_rows, dq, dk, dv, dbeta, dg)``: the backward's launches on the chunk layout."""
+    from ejkernel_triton.kernels.kda_bwd import kda_bwd_chunk_kernel, kda_bwd_dh_kernel
+
+    def run(q, k, v, beta, gates, qg, kg, w, p, decay, hs, vn, do, dfinal_rows, flags):
+        b, t, h, dk = q.shape
+        dv, gk = v.shape[-1], gates.shape[-1]
+        c = st.chunk
+        common = {"num_warps": st.num_warps, "DOT_PRECISION": st.precision}
+        dh, dvn, dinit_rows = _launch.launch(
+            kda_bwd_dh_kernel,
+            qg,
+            kg,
+            w,
+            p,
+            decay,
+            do,
+            dfinal_rows,
+            flags,
+            nt,
+            h,
+            dfinal_rows.shape[0] // b,
+            out_shape=[
+                jax.ShapeDtypeStruct(hs.shape, jnp.float32),
+                jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
+                jax.ShapeDtypeStruct(dfinal_rows.shape, jnp.float32),
+            ],
+            grid=(-(-dv // st.block_v), b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            GK=gk,
+            num_stages=st.num_stages,
+            **common,
+        )
+        d_q, d_k, d_v, d_beta, d_g, _ = _launch.launch(
+            kda_bwd_chunk_kernel,
+            q,
+            k,
+            v,
+            beta,
+            gates,
+            hs,
+            vn,
+            dh,
+            do,
+            dvn,
+            np.float32(st.scale),
+            nt,
+            h,
+            out_shape=[
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+                jax.ShapeDtypeStruct(beta.shape, jnp.float32),
+                jax.ShapeDtypeStruct(gates.shape, jnp.float32),
+                jax.ShapeDtypeStruct((b, nt, h, 2 * c * c), jnp.float32),
+            ],
+            grid=(nt, b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            GK=gk,
+            L2NORM=st.l2norm,
+            GATE_FLOOR=GATE_FLOOR,
+            num_stages=1,
+            **common,
+        )
+        return dinit_rows, d_q, d_k, d_v, d_beta, d_g
+
+    return run

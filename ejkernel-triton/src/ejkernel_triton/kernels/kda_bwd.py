@@ -1,0 +1,272 @@
+"""Triton chunked gated delta rule, backward (the layout, flags and notation of
+:mod:`ejkernel_triton.kernels.kda_fwd`; signatures in jax-triton's order).
+
+Per chunk the forward computed ``V' = U − W S``, ``o = Q̃ S + P V'`` and
+``S_next = diag(γ) S + K̃ᵀ V'`` from the chunk-local ``Q̃ = q ⊙ exp(G)``,
+``K̃ = k ⊙ exp(G_C − G)``, ``W``, ``U``, ``P`` and ``γ = exp(G_C)``, with ``S`` the state at the
+chunk start; the differentiated forward keeps ``S`` (``[B, H, NT, K, V]``) and ``V'``
+(``[B, T, H, V]``), both float32.
+
+- :func:`kda_bwd_dh_kernel` walks the chunks of one (V block, batch row, head) from the last,
+  carrying ``dS [K, BV]``, the gradient of the state at the end of the current chunk (restarted
+  from the final state's cotangent where a sequence ends): it stores ``dS`` per chunk and
+  ``dV' = Pᵀ do + K̃ dS``, then ``dS ← diag(γ) dS + Q̃ᵀ do − Wᵀ dV'``; what reaches a
+  sequence's first chunk is the initial state's gradient.
+- :func:`kda_bwd_chunk_kernel`, one program per (chunk, batch row, head), recomputes the chunk
+  algebra (:mod:`ejkernel_triton.kernels.kda_common`) and pulls everything back to the
+  inputs: over the V blocks ``dQ̃ = do Sᵀ``, ``dW = −dV' Sᵀ``, ``dK̃ = V' dSᵀ``,
+  ``dP = do V'ᵀ``, ``dγ = Σ_v S ⊙ dS`` and, through ``U = T diag(β) v``, ``dv``, ``dβ`` and
+  ``dT``; then ``W = T diag(β) (k ⊙ exp(G))``, ``dA = −Tᵀ dT Tᵀ`` (strictly lower),
+  ``A = diag(β) (K Kᵀ)_decayed``, the decayed products' own VJP
+  (:func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd`), the cumulative gate
+  (a reverse cumulative sum inside the chunk; the floor passes no gradient), the query scale
+  and the L2 norms.
+
+Everything is float32 inside. Tokens the forward entered zeroed (a non-finite key, ``β`` or
+gate) get zero gradients for key, value, ``β`` and gate.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ejkernel_triton.kernels.kda_common import (
+    chunk_inputs,
+    decayed_products,
+    decayed_products_bwd,
+    finite,
+    l2_normalise,
+    l2_normalise_bwd,
+    unit_lower_inverse,
+)
+
+
+@triton.jit
+def kda_bwd_dh_kernel(
+    qg_ptr,
+    kg_ptr,
+    w_ptr,
+    p_ptr,
+    decay_ptr,
+    do_ptr,
+    dfinal_ptr,
+    flags_ptr,
+    NT,
+    H,
+    R,
+    dh_ptr,
+    dvn_ptr,
+    dinit_ptr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    GK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), B·H)``: the chunk-end state gradients ``dh [B, H, NT, K, V]``,
+    ``dV' [B, T, H, V]`` and the initial states' gradients ``[B·R, H, K, V]`` (float32)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_m in range(NT):
+        i_n = NT - 1 - i_m
+        flags = tl.load(flags_ptr + i_n)
+        first, last = (flags & 1) != 0, (flags & 2) != 0
+        state = ((i_b * R + (flags >> 2)).to(tl.int64) * H + i_h) * K * V
+        b_dfinal = tl.load(dfinal_ptr + state + o_kv, mask=m_kv & last, other=0.0)
+        b_dh = tl.where(last, b_dfinal, b_dh)
+        tl.store(dh_ptr + (i_bh.to(tl.int64) * NT + i_n) * K * V + o_kv, b_dh, mask=m_kv)
+        rows = row0 + (i_n * C + o_c) * H
+        p_k = rows[:, None] * K + o_k[None, :]
+        b_qg = tl.load(qg_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_kg = tl.load(kg_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_w = tl.load(w_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_p = tl.load(p_ptr + rows[:, None] * C + o_c[None, :])
+        p_v = rows[:, None] * V + o_v[None, :]
+        b_do = tl.load(do_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
+        b_dvn = tl.dot(tl.trans(b_p), b_do, input_precision=DOT_PRECISION)
+        b_dvn += tl.dot(b_kg, b_dh, input_precision=DOT_PRECISION)
+        tl.store(dvn_ptr + p_v, b_dvn, mask=m_v[None, :])
+        d_row = (i_b.to(tl.int64) * NT + i_n) * H + i_h
+        if GK == 1:
+            b_dh = b_dh * tl.load(decay_ptr + d_row)
+        else:
+            b_dh = b_dh * tl.load(decay_ptr + d_row * K + o_k, mask=m_k, other=0.0)[:, None]
+        b_dh += tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PRECISION)
+        b_dh -= tl.dot(tl.trans(b_w), b_dvn, input_precision=DOT_PRECISION)
+        tl.store(dinit_ptr + state + o_kv, b_dh, mask=m_kv & first)
+
+
+@triton.jit
+def kda_bwd_chunk_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    hs_ptr,
+    vn_ptr,
+    dh_ptr,
+    do_ptr,
+    dvn_ptr,
+    scale,
+    NT,
+    H,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    dbeta_ptr,
+    dg_ptr,
+    scratch_ptr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    GK: tl.constexpr,
+    L2NORM: tl.constexpr,
+    GATE_FLOOR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NT, B·H)``: one chunk's ``dq``, ``dk`` ``[B, T, H, K]``, ``dv`` ``[B, T, H, V]``
+    (the input dtypes), ``dβ [B, T, H]`` and ``dg [B, T, H, GK]`` (float32).
+
+    ``scratch [B, NT, H, 2 C²]`` (float32) holds the chunk's ``dP`` and ``dM`` between the
+    ``tl.dot`` that makes them and those that read them in both orientations: Triton 3.6
+    cannot lower such a product, transposed, as an operand of the next ``tl.dot`` on sm_90
+    here, so it goes through memory (the program's own, read back after a barrier). ``V'``
+    comes from the forward for the same reason."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
+    p_k = rows[:, None] * K + o_k[None, :]
+    b_q, b_k, b_beta, b_g, bad, live = chunk_inputs(
+        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
+    )
+    if L2NORM:
+        b_qn, n_q = l2_normalise(b_q)
+        b_kn, n_k = l2_normalise(b_k)
+    else:
+        b_qn, b_kn = b_q, b_k
+    b_qs = b_qn * scale
+    b_gc = tl.cumsum(b_g, axis=0)
+    _, b_kk = decayed_products(b_qs, b_kn, b_gc, o_c, C, GK, DOT_PRECISION)
+    strict = o_c[:, None] > o_c[None, :]
+    b_a = tl.where(strict, b_beta[:, None] * b_kk, 0.0)
+    b_t = unit_lower_inverse(b_a, o_c, C)
+    if GK == 1:
+        b_glast = tl.sum(tl.where(o_c == C - 1, b_gc, 0.0), axis=0)
+        b_gamma = tl.exp(b_gc)[:, None]
+        b_to_end = tl.exp(b_glast - b_gc)[:, None]
+    else:
+        b_glast = tl.sum(tl.where(o_c[:, None] == C - 1, b_gc, 0.0), axis=0)
+        b_gamma = tl.exp(b_gc)
+        b_to_end = tl.exp(b_glast[None, :] - b_gc)
+    b_kbg = b_beta[:, None] * b_kn * b_gamma
+    b_qg = b_qs * b_gamma
+    b_kg = b_kn * b_to_end
+
+    # over the V blocks: the state products, and U = T diag(β) v
+    b_dqg = tl.zeros([C, BK], dtype=tl.float32)
+    b_dw = tl.zeros([C, BK], dtype=tl.float32)
+    b_dkg = tl.zeros([C, BK], dtype=tl.float32)
+    b_dpt = tl.zeros([C, C], dtype=tl.float32)  # dPᵀ
+    b_dt = tl.zeros([C, C], dtype=tl.float32)
+    b_dbeta = tl.zeros([C], dtype=tl.float32)
+    b_ddecay = tl.zeros([BK], dtype=tl.float32)
+    state = (i_bh.to(tl.int64) * NT + i_n) * K * V
+    scratch = scratch_ptr + ((i_b.to(tl.int64) * NT + i_n) * H + i_h) * 2 * C * C
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        o_kv = o_k[:, None] * V + o_v[None, :]
+        p_v = rows[:, None] * V + o_v[None, :]
+        b_s = tl.load(hs_ptr + state + o_kv, mask=m_kv, other=0.0)
+        b_ds = tl.load(dh_ptr + state + o_kv, mask=m_kv, other=0.0)
+        b_v = tl.load(v_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
+        b_v = tl.where(finite(b_v) & ~bad[:, None], b_v, 0.0)
+        b_do = tl.load(do_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
+        b_dvn = tl.load(dvn_ptr + p_v, mask=m_v[None, :], other=0.0)
+        b_bv = b_beta[:, None] * b_v
+        b_vn = tl.load(vn_ptr + p_v, mask=m_v[None, :], other=0.0)
+        b_dqg += tl.dot(b_do, tl.trans(b_s), input_precision=DOT_PRECISION)
+        b_dw -= tl.dot(b_dvn, tl.trans(b_s), input_precision=DOT_PRECISION)
+        b_dkg += tl.dot(b_vn, tl.trans(b_ds), input_precision=DOT_PRECISION)
+        b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
+        b_ddecay += tl.sum(b_s * b_ds, axis=1)
+        b_tdu = tl.dot(tl.trans(b_t), b_dvn, input_precision=DOT_PRECISION)
+        b_dv = tl.where(bad[:, None], 0.0, b_beta[:, None] * b_tdu)
+        tl.store(dv_ptr + p_v, b_dv.to(dv_ptr.dtype.element_ty), mask=m_v[None, :])
+        b_dbeta += tl.sum(b_v * b_tdu, axis=1)
+        b_dt += tl.dot(b_dvn, tl.trans(b_bv), input_precision=DOT_PRECISION)
+
+    # W = T diag(β) (k ⊙ Γ)
+    b_dt += tl.dot(b_dw, tl.trans(b_kbg), input_precision=DOT_PRECISION)
+    b_tdw = tl.dot(tl.trans(b_t), b_dw, input_precision=DOT_PRECISION)
+    b_dbeta += tl.sum(b_kn * b_gamma * b_tdw, axis=1)
+    b_dkn = b_beta[:, None] * b_gamma * b_tdw
+    b_dgc = b_kbg * b_tdw
+    # T = (I + A)⁻¹, A = diag(β) (K Kᵀ)_decayed below the diagonal
+    b_da = tl.dot(b_dt, tl.trans(b_t), input_precision=DOT_PRECISION)
+    b_da = -tl.dot(tl.trans(b_t), b_da, input_precision=DOT_PRECISION)
+    b_da = tl.where(strict, b_da, 0.0)
+    b_dbeta += tl.sum(b_da * b_kk, axis=1)
+    o_cc = o_c[:, None] * C + o_c[None, :]
+    o_tr = o_c[None, :] * C + o_c[:, None]
+    tl.store(scratch + o_cc, b_dpt)
+    tl.store(scratch + C * C + o_cc, b_beta[:, None] * b_da)
+    tl.debug_barrier()
+    causal = o_c[:, None] >= o_c[None, :]
+    b_dp = tl.where(causal, tl.load(scratch + o_tr), 0.0)
+    b_dpt = tl.where(o_c[:, None] <= o_c[None, :], tl.load(scratch + o_cc), 0.0)
+    b_dm = tl.load(scratch + C * C + o_cc)
+    b_dmt = tl.load(scratch + C * C + o_tr)
+    b_dqs, b_dka, b_dkb = decayed_products_bwd(
+        b_dp, b_dpt, b_dm, b_dmt, b_qs, b_kn, b_gc, o_c, C, BK, GK, DOT_PRECISION
+    )
+    b_dkn += b_dka + b_dkb
+    b_dgc += b_qs * b_dqs + b_kn * (b_dka - b_dkb)
+    # Q̃ = q ⊙ Γ, K̃ = k ⊙ exp(G_C − G), γ = exp(G_C)
+    b_dqs += b_dqg * b_gamma
+    b_dgc += b_dqg * b_qg
+    b_dkn += b_dkg * b_to_end
+    b_dgc -= b_dkg * b_kg
+    b_dglast = tl.sum(b_dkg * b_kg, axis=0) + b_ddecay * tl.exp(b_glast)  # [BK]
+    # the cumulative gate: dg_s = Σ_{t ≥ s} dG_t (a product with the upper triangle of ones,
+    # in full float32)
+    is_last = o_c == C - 1
+    upper = tl.where(o_c[:, None] <= o_c[None, :], 1.0, 0.0)
+    if GK == 1:
+        b_dgt = tl.sum(b_dgc, axis=1) + tl.where(is_last, tl.sum(b_dglast, axis=0), 0.0)
+        b_dg = tl.sum(upper * b_dgt[None, :], axis=1)
+        b_dg = tl.where(live, b_dg, 0.0)
+        tl.store(dg_ptr + rows, b_dg)
+    else:
+        b_dgc += tl.where(is_last[:, None], b_dglast[None, :], 0.0)
+        b_dg = tl.dot(upper, b_dgc, input_precision="ieee")
+        b_dg = tl.where(live, b_dg, 0.0)
+        tl.store(dg_ptr + p_k, b_dg, mask=m_k[None, :])
+    b_dqn = b_dqs * scale
+    if L2NORM:
+        b_dq = l2_normalise_bwd(b_qn, n_q, b_dqn)
+        b_dk = l2_normalise_bwd(b_kn, n_k, b_dkn)
+    else:
+        b_dq, b_dk = b_dqn, b_dkn
+    b_dk = tl.where(bad[:, None], 0.0, b_dk)
+    tl.store(dq_ptr + p_k, b_dq.to(dq_ptr.dtype.element_ty), mask=m_k[None, :])
+    tl.store(dk_ptr + p_k, b_dk.to(dk_ptr.dtype.element_ty), mask=m_k[None, :])
+    tl.store(dbeta_ptr + rows, tl.where(bad, 0.0, b_dbeta))

@@ -1,0 +1,168 @@
+"""The chunk algebra of the Triton gated delta rule that its forward and backward kernels share
+(:mod:`ejkernel_triton.kernels.kda_fwd`, :mod:`ejkernel_triton.kernels.kda_bwd`): reading one
+chunk's inputs with the numerics of :mod:`ejkernel_xla.ops._chunk_numerics`, the decayed
+products ``P`` and ``K Kᵀ``, and the unit lower-triangular inverse ``T = (I + A)⁻¹``.
+
+A chunk is ``C`` consecutive rows of the ``[B, T, H, F]`` chunk layout; ``rows`` are their
+flat (token, head) indices, ``p_k = rows · K + κ`` the offsets of their ``BK`` key channels.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def finite(x):
+    return (x == x) & (tl.abs(x) != float("inf"))
+
+
+@triton.jit
+def gate_ok(g):
+    """A gate may be -inf (a reset); NaN and +inf are not finite inputs."""
+    return (g == g) & (g != float("inf"))
+
+
+@triton.jit
+def chunk_inputs(
+    q_ptr,
+    k_ptr,
+    beta_ptr,
+    g_ptr,
+    rows,
+    p_k,
+    m_k,
+    GK: tl.constexpr,
+    GATE_FLOOR: tl.constexpr,
+):
+    """One chunk's float32 ``q``, ``k`` ``[C, BK]``, ``β`` ``[C]`` and log gate (``[C]`` for
+    ``GK = 1``, else ``[C, BK]``), and ``bad [C]``: the tokens whose key, ``β`` or gate is not
+    finite, which enter with key, ``β`` and gate zeroed. Gates are floored at
+    ``-GATE_FLOOR``; ``live`` (the gate's shape) marks the entries the floor leaves as they
+    are (where a gradient reaches the gate)."""
+    b_q = tl.load(q_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_k = tl.load(k_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + rows).to(tl.float32)
+    bad = tl.sum((~finite(b_k)).to(tl.int32), axis=1) > 0
+    bad = bad | ~finite(b_beta)
+    if GK == 1:
+        b_g = tl.load(g_ptr + rows).to(tl.float32)
+        bad = bad | ~gate_ok(b_g)
+        live = ~bad & (b_g >= -GATE_FLOOR)
+        b_g = tl.where(bad, 0.0, b_g)
+    else:
+        b_g = tl.load(g_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+        bad = bad | (tl.sum((~gate_ok(b_g)).to(tl.int32), axis=1) > 0)
+        live = ~bad[:, None] & (b_g >= -GATE_FLOOR)
+        b_g = tl.where(bad[:, None], 0.0, b_g)
+    b_g = tl.where(b_g < -GATE_FLOOR, -GATE_FLOOR, b_g)
+    b_k = tl.where(bad[:, None], 0.0, b_k)
+    b_beta = tl.where(bad, 0.0, b_beta)
+    return b_q, b_k, b_beta, b_g, bad, live
+
+
+@triton.jit
+def l2_normalise(x):
+    """Rows of ``x`` over their L2 norm (``√(Σx² + 1e-6)``), and the norms."""
+    norm = tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)
+    return x / norm[:, None], norm
+
+
+@triton.jit
+def l2_normalise_bwd(x_hat, norm, d_hat):
+    """The gradient of :func:`l2_normalise`'s input from its output's: ``(dx̂ − x̂ (x̂·dx̂)) / n``."""
+    return (d_hat - x_hat * tl.sum(x_hat * d_hat, axis=1)[:, None]) / norm[:, None]
+
+
+@triton.jit
+def decayed_products(
+    b_q, b_k, b_gc, o_c, C: tl.constexpr, GK: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
+    """``P_tj = Σ_κ q_tκ k_jκ exp(G_tκ − G_jκ)`` and ``(K Kᵀ)_tj`` likewise, for ``j ≤ t`` (zero
+    above the diagonal), with ``G = b_gc`` the cumulative log gate: relative decays only,
+    masked before the exp (never a growth)."""
+    causal = o_c[:, None] >= o_c[None, :]
+    if GK == 1:
+        b_pair = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        b_p = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+        b_p = tl.where(causal, b_p * b_pair, 0.0)
+        b_kk = tl.where(causal, b_kk * b_pair, 0.0)
+    else:
+        # column by column: exp(G_t - G_j) only for t ≥ j
+        b_p = tl.zeros([C, C], dtype=tl.float32)
+        b_kk = tl.zeros([C, C], dtype=tl.float32)
+        for j in range(0, C):
+            row_j = o_c[:, None] == j
+            b_kj = tl.sum(tl.where(row_j, b_k, 0.0), axis=0)
+            b_gj = tl.sum(tl.where(row_j, b_gc, 0.0), axis=0)
+            below = o_c[:, None] >= j
+            b_e = tl.exp(tl.where(below, b_gc - b_gj[None, :], float("-inf")))
+            b_ke = b_kj[None, :] * b_e
+            col_p = tl.sum(tl.where(below, b_q * b_ke, 0.0), axis=1)
+            col_k = tl.sum(tl.where(below, b_k * b_ke, 0.0), axis=1)
+            b_p = tl.where(o_c[None, :] == j, col_p[:, None], b_p)
+            b_kk = tl.where(o_c[None, :] == j, col_k[:, None], b_kk)
+    return b_p, b_kk
+
+
+@triton.jit
+def decayed_products_bwd(
+    b_dp,
+    b_dpt,
+    b_dm,
+    b_dmt,
+    b_q,
+    b_k,
+    b_gc,
+    o_c,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    GK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Pull ``dP`` (of ``P = D(q, k)``) and ``dM`` (of ``M = D(k, k)``), both zero above the
+    diagonal and given with their transposes, back to ``(dq, dk through the rows' side, dk
+    through the columns' side)``, for ``D(a, b)_tj = Σ_κ a_tκ b_jκ exp(G_tκ − G_jκ)``:
+    ``da_t = Σ_j dD_tj b_j ⊙ exp(G_t − G_j)``, ``db_j = Σ_t dD_tj a_t ⊙ exp(G_t − G_j)``; the
+    gate's gradient is then ``a ⊙ da − b ⊙ db`` summed over both products."""
+    if GK == 1:
+        causal = o_c[:, None] >= o_c[None, :]
+        b_e = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        upper = o_c[:, None] <= o_c[None, :]
+        b_et = tl.exp(tl.where(upper, b_gc[None, :] - b_gc[:, None], float("-inf")))
+        b_dq = tl.dot(b_dp * b_e, b_k, input_precision=DOT_PRECISION)
+        b_dka = tl.dot(b_dm * b_e, b_k, input_precision=DOT_PRECISION)
+        b_dkb = tl.dot(b_dpt * b_et, b_q, input_precision=DOT_PRECISION)
+        b_dkb += tl.dot(b_dmt * b_et, b_k, input_precision=DOT_PRECISION)
+    else:
+        b_dq = tl.zeros([C, BK], dtype=tl.float32)
+        b_dka = tl.zeros([C, BK], dtype=tl.float32)
+        b_dkb = tl.zeros([C, BK], dtype=tl.float32)
+        for j in range(0, C):
+            row_j = o_c[:, None] == j
+            b_kj = tl.sum(tl.where(row_j, b_k, 0.0), axis=0)
+            b_gj = tl.sum(tl.where(row_j, b_gc, 0.0), axis=0)
+            below = o_c[:, None] >= j
+            b_e = tl.exp(tl.where(below, b_gc - b_gj[None, :], float("-inf")))
+            b_dpj = tl.sum(tl.where(row_j, b_dpt, 0.0), axis=0)[:, None]
+            b_dmj = tl.sum(tl.where(row_j, b_dmt, 0.0), axis=0)[:, None]
+            b_ke = b_kj[None, :] * b_e
+            b_dq += b_dpj * b_ke
+            b_dka += b_dmj * b_ke
+            b_col = tl.sum((b_dpj * b_q + b_dmj * b_k) * b_e, axis=0)
+            b_dkb = tl.where(row_j, b_col[None, :], b_dkb)
+    return b_dq, b_dka, b_dkb
+
+
+@triton.jit
+def unit_lower_inverse(b_a, o_c, C: tl.constexpr):
+    """``(I + A)⁻¹`` for a strictly lower ``A [C, C]``, by forward substitution: row ``i`` is
+    ``e_i − Σ_{j<i} A_ij T_j``."""
+    b_t = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        b_ai = tl.sum(tl.where(o_c[:, None] == i, b_a, 0.0), axis=0)
+        b_r = tl.sum(b_ai[:, None] * b_t, axis=0)
+        b_t = tl.where(o_c[:, None] == i, b_t - b_r[None, :], b_t)
+    return b_t
