@@ -36,6 +36,7 @@ OPS: tuple[str, ...] = (
     "lightning_attention",
     "blocksparse_attention",
     "mean_pooling",
+    "multi_head_latent_attention",
     "unified_attention",
     "ragged_page_attention",
     "page_attention",
