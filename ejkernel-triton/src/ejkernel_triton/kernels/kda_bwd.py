@@ -163,7 +163,7 @@ def kda_bwd_chunk_kernel(
         b_qn, b_kn = b_q, b_k
     b_qs = b_qn * scale
     b_gc = tl.cumsum(b_g, axis=0)
-    _, b_kk = decayed_products(b_qs, b_kn, b_gc, o_c, C, GK, DOT_PRECISION)
+    _, b_kk = decayed_products(b_qs, b_kn, b_gc, o_c, C, GK, DOT_PRECISION, WITH_P=False)
     strict = o_c[:, None] > o_c[None, :]
     b_a = tl.where(strict, b_beta[:, None] * b_kk, 0.0)
     b_t = unit_lower_inverse(b_a, o_c, C)

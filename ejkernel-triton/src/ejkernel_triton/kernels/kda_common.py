@@ -77,11 +77,18 @@ def l2_normalise_bwd(x_hat, norm, d_hat):
 
 @triton.jit
 def decayed_products(
-    b_q, b_k, b_gc, o_c, C: tl.constexpr, GK: tl.constexpr, DOT_PRECISION: tl.constexpr
+    b_q,
+    b_k,
+    b_gc,
+    o_c,
+    C: tl.constexpr,
+    GK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WITH_P: tl.constexpr = True,
 ):
     """``P_tj = Σ_κ q_tκ k_jκ exp(G_tκ − G_jκ)`` and ``(K Kᵀ)_tj`` likewise, for ``j ≤ t`` (zero
     above the diagonal), with ``G = b_gc`` the cumulative log gate: relative decays only,
-    masked before the exp (never a growth)."""
+    masked before the exp (never a growth). Without ``WITH_P`` only ``K Kᵀ`` (``P`` zero)."""
     causal = o_c[:, None] >= o_c[None, :]
     if GK == 1:
         b_pair = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
@@ -100,9 +107,10 @@ def decayed_products(
             below = o_c[:, None] >= j
             b_e = tl.exp(tl.where(below, b_gc - b_gj[None, :], float("-inf")))
             b_ke = b_kj[None, :] * b_e
-            col_p = tl.sum(tl.where(below, b_q * b_ke, 0.0), axis=1)
+            if WITH_P:
+                col_p = tl.sum(tl.where(below, b_q * b_ke, 0.0), axis=1)
+                b_p = tl.where(o_c[None, :] == j, col_p[:, None], b_p)
             col_k = tl.sum(tl.where(below, b_k * b_ke, 0.0), axis=1)
-            b_p = tl.where(o_c[None, :] == j, col_p[:, None], b_p)
             b_kk = tl.where(o_c[None, :] == j, col_k[:, None], b_kk)
     return b_p, b_kk
 
