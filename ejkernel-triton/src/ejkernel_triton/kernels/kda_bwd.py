@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ejkernel_triton.kernels.kda_common import (
+    chunk_flags,
     chunk_inputs,
     decayed_products,
     decayed_products_bwd,
@@ -39,6 +40,7 @@ from ejkernel_triton.kernels.kda_common import (
     l2_normalise,
     l2_normalise_bwd,
     unit_lower_inverse,
+    walk_tiles,
 )
 
 
@@ -68,21 +70,11 @@ def kda_bwd_dh_kernel(
 ):
     """Grid ``(cdiv(V, BV), B·H)``: the chunk-end state gradients ``dh [B, H, NT, K, V]``,
     ``dV' [B, T, H, V]`` and the initial states' gradients ``[B·R, H, K, V]`` (float32)."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_c = tl.arange(0, C)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]
-    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    i_b, i_h, i_bh, o_k, o_v, o_c, m_k, m_v, m_kv, o_kv, row0 = walk_tiles(H, NT, K, V, C, BK, BV)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     for i_m in range(NT):
         i_n = NT - 1 - i_m
-        flags = tl.load(flags_ptr + i_n)
-        first, last = (flags & 1) != 0, (flags & 2) != 0
-        state = ((i_b * R + (flags >> 2)).to(tl.int64) * H + i_h) * K * V
+        first, last, state = chunk_flags(flags_ptr, i_n, i_b, i_h, R, H, K, V)
         b_dfinal = tl.load(dfinal_ptr + state + o_kv, mask=m_kv & last, other=0.0)
         b_dh = tl.where(last, b_dfinal, b_dh)
         tl.store(dh_ptr + (i_bh.to(tl.int64) * NT + i_n) * K * V + o_kv, b_dh, mask=m_kv)

@@ -14,6 +14,33 @@ import triton.language as tl
 
 
 @triton.jit
+def walk_tiles(
+    H, NT, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr
+):
+    """The indices of a sequential walk's program (grid ``(cdiv(V, BV), B·H)``): batch row,
+    head, their flat index, the key/value/chunk offsets, the ``[BK, BV]`` state tile's mask and
+    offsets, and the flat row of the batch row's first token of this head."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    return i_b, i_h, i_bh, o_k, o_v, tl.arange(0, C), m_k, m_v, m_kv, o_kv, row0
+
+
+@triton.jit
+def chunk_flags(flags_ptr, i_n, i_b, i_h, R, H, K: tl.constexpr, V: tl.constexpr):
+    """Chunk ``i_n``'s flag word (``sid << 2 | last << 1 | first``): whether it starts and ends
+    its sequence, and the offset of its state row ``[K, V]`` in the ``[B·R, H, K, V]`` states."""
+    flags = tl.load(flags_ptr + i_n)
+    state = ((i_b * R + (flags >> 2)).to(tl.int64) * H + i_h) * K * V
+    return (flags & 1) != 0, (flags & 2) != 0, state
+
+
+@triton.jit
 def finite(x):
     return (x == x) & (tl.abs(x) != float("inf"))
 

@@ -41,11 +41,13 @@ import triton
 import triton.language as tl
 
 from ejkernel_triton.kernels.kda_common import (
+    chunk_flags,
     chunk_inputs,
     decayed_products,
     finite,
     l2_normalise,
     unit_lower_inverse,
+    walk_tiles,
 )
 
 
@@ -155,20 +157,10 @@ def kda_fwd_ho_kernel(
     ``[B·R, H, K, V]`` (float32) of one (V block, batch row, head); with ``STORE_STATES`` also,
     for the backward, each chunk's starting state ``[B, H, NT, K, V]`` and ``V' [B, T, H, V]``
     (float32)."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_c = tl.arange(0, C)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]
-    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    i_b, i_h, i_bh, o_k, o_v, o_c, m_k, m_v, m_kv, o_kv, row0 = walk_tiles(H, NT, K, V, C, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_n in range(NT):
-        flags = tl.load(flags_ptr + i_n)
-        first, last = (flags & 1) != 0, (flags & 2) != 0
-        state = ((i_b * R + (flags >> 2)).to(tl.int64) * H + i_h) * K * V
+        first, last, state = chunk_flags(flags_ptr, i_n, i_b, i_h, R, H, K, V)
         b_init = tl.load(init_ptr + state + o_kv, mask=m_kv & first, other=0.0)
         b_h = tl.where(first, b_init, b_h)
         if STORE_STATES:

@@ -297,14 +297,7 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
                 jax.ShapeDtypeStruct((b, nt, h, gk), jnp.float32),
             ],
             grid=(nt, b * h),
-            K=dk,
-            V=dv,
-            C=c,
-            BK=st.block_k,
-            BV=st.block_v_prep,
-            GK=gk,
-            L2NORM=st.l2norm,
-            GATE_FLOOR=GATE_FLOOR,
+            **_sizes(st, dk, dv, gk, chunk_pass=True),
             num_stages=1,
             **common,
         )
@@ -329,12 +322,7 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
                 jax.ShapeDtypeStruct(vn, jnp.float32),
             ],
             grid=(-(-dv // st.block_v), b * h),
-            K=dk,
-            V=dv,
-            C=c,
-            BK=st.block_k,
-            BV=st.block_v,
-            GK=gk,
+            **_sizes(st, dk, dv, gk),
             STORE_STATES=keep,
             num_stages=st.num_stages,
             **common,
@@ -344,6 +332,18 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
         return o, final_rows
 
     return run
+
+
+def _sizes(
+    st: _Statics, dk: int, dv: int, gk: int, chunk_pass: bool = False, block_v: int | None = None
+) -> dict[str, Any]:
+    """The launches' size constexprs: a sequential walk's (``BV`` the state block), or a
+    per-chunk pass's (``BV`` all of V unless ``block_v``; with the input numerics')."""
+    sizes = {"K": dk, "V": dv, "C": st.chunk, "BK": st.block_k, "GK": gk}
+    if not chunk_pass:
+        return {**sizes, "BV": st.block_v}
+    bv = st.block_v_prep if block_v is None else block_v
+    return {**sizes, "BV": bv, "L2NORM": st.l2norm, "GATE_FLOOR": GATE_FLOOR}
 
 
 def _modes(lay: Layout, arrays: int) -> tuple[str, ...]:
@@ -423,12 +423,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
                 jax.ShapeDtypeStruct(dfinal_rows.shape, jnp.float32),
             ],
             grid=(-(-dv // st.block_v), b * h),
-            K=dk,
-            V=dv,
-            C=c,
-            BK=st.block_k,
-            BV=st.block_v,
-            GK=gk,
+            **_sizes(st, dk, dv, gk),
             num_stages=st.num_stages,
             **common,
         )
@@ -456,14 +451,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
                 jax.ShapeDtypeStruct((b, nt, h, 2 * c * c), jnp.float32),
             ],
             grid=(nt, b * h),
-            K=dk,
-            V=dv,
-            C=c,
-            BK=st.block_k,
-            BV=st.block_v,
-            GK=gk,
-            L2NORM=st.l2norm,
-            GATE_FLOOR=GATE_FLOOR,
+            **_sizes(st, dk, dv, gk, chunk_pass=True, block_v=st.block_v),
             num_stages=1,
             **common,
         )
