@@ -13,6 +13,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import pytest
@@ -36,6 +37,7 @@ from ejkernel_triton.ops.multi_head_latent_attention import (
     config_space,
     heuristic,
     mla_form,
+    splits_for,
     supports,
 )
 
@@ -90,6 +92,27 @@ def test_absorbed_kernel_matches_the_reference(interpret, shape, kw) -> None:
 )
 def test_gradients_of_every_array_match_the_reference(interpret, shape, cfg, kw) -> None:
     check(shape, cfg, **kw)
+
+
+@pytest.mark.parametrize(
+    ("shape", "kw"),
+    [(DECODE, {}), (ODD, {"causal": True, "sliding_window": (20, 0)})],
+    ids=["decode", "odd-causal-window"],
+)
+def test_keys_split_over_programs_merge_to_the_reference(interpret, shape, kw) -> None:
+    """Three splits of the keys per block of rows (some of them empty under the window),
+    merged by their log-sum-exp."""
+    check(shape, attrs.evolve(ABSORBED, num_splits=3), grads=False, **kw)
+
+
+def test_the_split_rule_fills_the_gpu_and_keeps_splits_long(monkeypatch) -> None:
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    cfg = MultiHeadLatentAttentionConfig(form="absorbed")  # 16 rows, 32 keys a block
+    assert splits_for(rows=128, batch=64, sk=8192, cfg=cfg) == 1  # 512 programs already
+    assert splits_for(rows=128, batch=1, sk=131072, cfg=cfg) == 33  # 8 programs -> 264
+    assert splits_for(rows=16, batch=1, sk=256, cfg=cfg) == 2  # 8 key blocks, 4 a split
+    assert splits_for(rows=16, batch=1, sk=64, cfg=cfg) == 1
+    assert splits_for(1, 1, 64, attrs.evolve(cfg, num_splits=5)) == 5
 
 
 def test_rows_that_see_no_key_are_zero(interpret) -> None:

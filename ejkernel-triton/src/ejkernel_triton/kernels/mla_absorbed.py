@@ -7,8 +7,10 @@ latent itself, so each cached token is read once for all heads, as its ``R + Dr`
 (DeepSeek-V2, Sec. 2.1.2, "absorbed" matrices). The caller applies ``W_vc`` to the latent output.
 
 :func:`mla_absorbed_fwd_kernel`, one program per block of ``BLOCK_M`` (query, head) rows of one
-batch row (rows ``i · Hq + h``; decode has one query, so a block is ``BLOCK_M`` heads), walks
-the key blocks its rows can see with an online softmax in the log2 domain: scores through the
+batch row (rows ``i · Hq + h``; decode has one query, so a block is ``BLOCK_M`` heads) and
+split of the keys (a few rows over a long context are split over several programs, whose
+partial outputs the caller merges by their log-sum-exp), walks the key blocks its rows can see
+in its split with an online softmax in the log2 domain: scores through the
 flash kernels' :func:`~ejkernel_triton.kernels.flash_attention_common._scores` (scale, soft
 cap) and :func:`~ejkernel_triton.kernels.flash_attention_common._visible` (bottom-right
 causal, sliding window: :mod:`ejkernel.attention_semantics`), a float32 ``[BLOCK_M, R]``
@@ -23,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ejkernel_triton.kernels.flash_attention_common import (
+    EMPTY_LSE,
     MASK_VALUE,
     _finite_or_zero,
     _scores,
@@ -44,6 +47,7 @@ def mla_absorbed_fwd_kernel(
     window_right,
     num_heads,
     o_ptr,
+    lse_ptr,
     R: tl.constexpr,
     DR: tl.constexpr,
     BR: tl.constexpr,
@@ -55,10 +59,13 @@ def mla_absorbed_fwd_kernel(
     SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(cdiv(Sq · Hq, BLOCK_M), B)``: ``o_lat [B, Sq, Hq, R]`` (float32) from
-    ``q_lat [B, Sq, Hq, R]``, ``q_rope [B, Sq, Hq, Dr]``, the latent ``[B, Sk, R]`` and
-    ``k_rope [B, Sk, Dr]`` (``DR = 0``: no rotary part)."""
-    i_m, i_b = tl.program_id(0), tl.program_id(1)
+    """Grid ``(cdiv(Sq · Hq, BLOCK_M), B, splits)``: from ``q_lat [B, Sq, Hq, R]``,
+    ``q_rope [B, Sq, Hq, Dr]``, the latent ``[B, Sk, R]`` and ``k_rope [B, Sk, Dr]``
+    (``DR = 0``: no rotary part), each split's normalised ``o_lat [splits, B, Sq, Hq, R]`` over
+    its share of the keys and its log2-sum-exp ``[splits, B, Sq, Hq]`` (float32; a split whose
+    rows see no key stores zeros and ``-EMPTY_LSE``)."""
+    i_m, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    splits = tl.num_programs(2)
     n_rows = seqlen_q * num_heads
     rows = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_rows = rows < n_rows
@@ -66,6 +73,7 @@ def mla_absorbed_fwd_kernel(
     o_r = tl.arange(0, BR)
     m_r = o_r < R
     row_base = i_b.to(tl.int64) * n_rows + rows
+    out_base = (i_s * tl.num_programs(1) + i_b).to(tl.int64) * n_rows + rows
     b_q = tl.load(
         q_ptr + row_base[:, None] * R + o_r[None, :], mask=m_rows[:, None] & m_r[None, :], other=0.0
     )
@@ -89,6 +97,10 @@ def mla_absorbed_fwd_kernel(
         hi = tl.minimum(hi, last_q + offset + window_right + 1)
         lo = tl.maximum(0, first_q + offset - window_left)
         lo = (lo // BLOCK_N) * BLOCK_N
+    # this split's share: whole key blocks, consecutive
+    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), splits) * BLOCK_N
+    lo = lo + i_s * per_split
+    hi = tl.minimum(hi, lo + per_split)
     geo = (offset, seqlen_q, seqlen_k, window_left, window_right)
     masks = ((o_ptr, 0, 0), (o_ptr, 0, 0), (o_ptr, o_ptr))  # no bias, mask or segments
     features = (CAUSAL, WINDOW, False, False, False)
@@ -120,5 +132,8 @@ def mla_absorbed_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(b_c.dtype), b_c, input_precision=DOT_PRECISION)
         m_i = m_new
-    out = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
-    tl.store(o_ptr + row_base[:, None] * R + o_r[None, :], out, mask=m_rows[:, None] & m_r[None, :])
+    seen = l_i > 0.0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_ptr + out_base[:, None] * R + o_r[None, :], out, mask=m_rows[:, None] & m_r[None, :])
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -EMPTY_LSE)
+    tl.store(lse_ptr + out_base, lse, mask=m_rows)

@@ -43,6 +43,7 @@ __all__ = [
     "config_space",
     "heuristic",
     "multi_head_latent_attention_triton",
+    "splits_for",
     "supports",
 ]
 
@@ -69,6 +70,9 @@ class MultiHeadLatentAttentionConfig:
         form: ``"absorbed"``, ``"expanded"`` or ``None`` (the form with fewer multiply-adds).
         block_m: (query, head) rows per program of the absorbed kernel.
         block_n: latent tokens per step of the absorbed kernel.
+        num_splits: programs the keys of a block of rows are split over (absorbed; their
+            partial outputs are merged by log-sum-exp); ``None``: enough to give the GPU two
+            programs per SM, at least four key blocks each.
         num_warps: warps per program (absorbed).
         num_stages: software-pipelining stages (absorbed).
     """
@@ -76,6 +80,9 @@ class MultiHeadLatentAttentionConfig:
     form: str | None = attrs.field(default=None, validator=attrs.validators.in_((None, *FORMS)))
     block_m: int = attrs.field(default=16, validator=_power_of_two)
     block_n: int = attrs.field(default=32, validator=_power_of_two)
+    num_splits: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
     num_warps: int = 4
     num_stages: int = 2
 
@@ -123,6 +130,25 @@ def supports(inv: Any) -> bool | str:
     return True
 
 
+#: Programs the absorbed kernel aims for: two per SM of an H100 (132 SMs).
+_TARGET_PROGRAMS = 264
+#: Fewest key blocks a split of the absorbed kernel walks.
+_MIN_BLOCKS_PER_SPLIT = 4
+
+
+def splits_for(rows: int, batch: int, sk: int, cfg: Any) -> int:
+    """The absorbed kernel's key splits: ``cfg.num_splits``, else enough to reach
+    :data:`_TARGET_PROGRAMS` programs, keeping at least :data:`_MIN_BLOCKS_PER_SPLIT` key
+    blocks a split (one split in the interpreter)."""
+    if cfg.num_splits is not None:
+        return cfg.num_splits
+    if _launch.interpreting():
+        return 1
+    programs = -(-rows // cfg.block_m) * batch
+    blocks = -(-sk // cfg.block_n)
+    return max(1, min(-(-_TARGET_PROGRAMS // programs), blocks // _MIN_BLOCKS_PER_SPLIT))
+
+
 def _pow2(n: int) -> int:
     return max(16, 1 << (int(n) - 1).bit_length())
 
@@ -153,6 +179,10 @@ def config_space(inv: Any) -> list[MultiHeadLatentAttentionConfig]:
                     )
                     if cfg not in out:
                         out.append(cfg)
+        for splits in (1, 2, 4, 8, 16):
+            cfg = attrs.evolve(base, form="absorbed", num_splits=splits)
+            if cfg not in out:
+                out.append(cfg)
     expanded = MultiHeadLatentAttentionConfig(form="expanded")
     if not _form_problem("expanded", inv.kwargs) and expanded not in out:
         out.append(expanded)
@@ -279,7 +309,8 @@ def _absorbed(args: dict[str, Any], cfg: MultiHeadLatentAttentionConfig) -> jax.
     cap = st["logits_soft_cap"]
     from ejkernel_triton.kernels.mla_absorbed import mla_absorbed_fwd_kernel
 
-    (o_lat,) = _launch.launch(
+    splits = splits_for(sq * hq, b, sk, cfg)
+    o_parts, lse = _launch.launch(
         mla_absorbed_fwd_kernel,
         q_lat,
         q_rope,
@@ -292,8 +323,11 @@ def _absorbed(args: dict[str, Any], cfg: MultiHeadLatentAttentionConfig) -> jax.
         window[0] if window else 0,
         window[1] if window else 0,
         hq,
-        out_shape=[jax.ShapeDtypeStruct((b, sq, hq, r), f32)],
-        grid=(-(-(sq * hq) // cfg.block_m), b),
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, b, sq, hq, r), f32),
+            jax.ShapeDtypeStruct((splits, b, sq, hq), f32),
+        ],
+        grid=(-(-(sq * hq) // cfg.block_m), b, splits),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         R=r,
@@ -307,5 +341,12 @@ def _absorbed(args: dict[str, Any], cfg: MultiHeadLatentAttentionConfig) -> jax.
         SOFT_CAP=bool(cap),
         DOT_PRECISION="ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32",
     )
+    if splits == 1:
+        o_lat = o_parts[0]
+    else:  # merge the splits by their log2-sum-exp (an empty split weighs 0)
+        weights = jnp.exp2(lse - jnp.max(lse, axis=0))
+        total = jnp.sum(weights, axis=0)
+        o_lat = jnp.sum(weights[..., None] * o_parts, axis=0)
+        o_lat = o_lat / jnp.where(total > 0, total, 1.0)[..., None]
     out = jnp.einsum("bqhr,rhv->bqhv", o_lat, w_vc.astype(f32))
     return out.astype(q.dtype)
