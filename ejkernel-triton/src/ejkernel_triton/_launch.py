@@ -174,10 +174,18 @@ def _check_addresses(op: str, ptrs: Any, mask: Any, itemsize: int) -> None:
         return
     addresses = np.asarray(ptrs, dtype=np.uint64)
     if mask is not None:
-        addresses = addresses[np.broadcast_to(np.asarray(mask, dtype=bool), addresses.shape)]
-    addresses = addresses.reshape(-1)
+        mask = np.asarray(mask, dtype=bool)
+        if not mask.any():
+            return
+        if not mask.all():
+            addresses = addresses[np.broadcast_to(mask, addresses.shape)]
     if addresses.size == 0:
         return
+    low, high = addresses.min(), addresses.max()
+    first = int(np.searchsorted(starts, low, side="right")) - 1
+    if first >= 0 and high + np.uint64(itemsize) <= ends[first]:
+        return  # every lane inside one buffer (the usual case)
+    addresses = addresses.reshape(-1)
     slot = np.searchsorted(starts, addresses, side="right") - 1
     inside = (slot >= 0) & (addresses + np.uint64(itemsize) <= ends[np.maximum(slot, 0)])
     if not inside.all():
