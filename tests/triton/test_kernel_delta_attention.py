@@ -312,9 +312,10 @@ def test_gpu_bf16_forward_matches_the_xla_path(vector: bool) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_gradients_match_the_xla_path() -> None:
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+def test_gpu_bf16_gradients_match_the_xla_path(vector: bool) -> None:
     b, s, h, dk, dv = GPU_SHAPE
-    arrays = inputs(b, s, h, dk, dv, vector=False, dtype=jnp.bfloat16)
+    arrays = inputs(b, s, h, dk, dv, vector=vector, dtype=jnp.bfloat16)
     arrays["g"] = arrays["g"].astype(jnp.float32) / 16
     _against_xla(arrays, grads=True)
 
