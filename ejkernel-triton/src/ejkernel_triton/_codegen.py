@@ -152,9 +152,10 @@ def compile_launch(launch: Launch, capability: int = 90) -> Compiled:
         check=False,
     )
     if res.returncode != 0:
-        raise RuntimeError(
-            f"compiling {fn.fn.__name__} failed:\n{res.stderr[:3000]}\n...\n{res.stderr[-3000:]}"
-        )
+        err = res.stderr  # the compiler's message first, its IR dump (often long) after
+        if len(err) > 6000:
+            err = f"{err[:3000]}\n...\n{err[-3000:]}"
+        raise RuntimeError(f"compiling {fn.fn.__name__} failed:\n{err}")
     out = json.loads(res.stdout.splitlines()[-1])
     return Compiled(
         ptx=out["ptx"],

@@ -268,8 +268,7 @@ def _forward(
 def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
     """``run(q, k, v, beta, gates, init_rows, flags) -> (o, final_rows)``, and with ``keep``
     also ``(qg, kg, w, p, decay, h, vn)`` (the per-chunk factors, starting states and
-    ``V'``): the
-    forward's launches on the chunk layout."""
+    ``V'``): the forward's launches on the chunk layout."""
     from ejkernel_triton.kernels.kda_fwd import kda_fwd_ho_kernel, kda_fwd_prep_kernel
 
     def run(q, k, v, beta, gates, init_rows, flags):
