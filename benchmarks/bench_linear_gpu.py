@@ -29,6 +29,9 @@ float32 state, ``return_state``) for T = 1, 4 and 16 tokens a call: the fused re
 (``GlaConfig(fused=True)``, 16/32/64-wide value blocks) against the chunked kernels (the
 heuristic's chunked config) and the XLA platform, forward only.
 
+``--configs``: instead, every config of the Triton op's config space (gla, kda, gdn), forward
+and forward+backward, against the heuristic's.
+
 ``--anchors no`` then ``--anchors only`` times ejkernel and the anchors in separate processes (torch's
 Triton autotuning and jax-triton in one process can stall).
 
@@ -119,9 +122,9 @@ def _ssm_inputs(t: int) -> dict[str, jax.Array]:
 
 
 def _kda(per_channel: bool) -> Callable[..., Any]:
-    def call(query, key, value, beta, g, platform):
+    def call(query, key, value, beta, g, platform, **kw):
         return ejkernel.kernel_delta_attention(
-            query, key, value, beta, g, use_qk_l2norm=True, platform=platform
+            query, key, value, beta, g, use_qk_l2norm=True, platform=platform, **kw
         )
 
     return call
@@ -155,8 +158,8 @@ CASES: dict[str, Case] = {
     "gla": Case(
         "B 2, T {t}, H 16, K = V = 128",
         _gla_inputs,
-        lambda query, key, value, g, platform: ejkernel.gla(
-            query, key, value, g, platform=platform
+        lambda query, key, value, g, platform, **kw: ejkernel.gla(
+            query, key, value, g, platform=platform, **kw
         ),
         "fla chunk_gla",
         _fla_gla,
@@ -208,9 +211,13 @@ CASES: dict[str, Case] = {
 }
 
 
-def ejkernel_fns(case: Case, names: tuple[str, ...], platform: str) -> tuple[Any, Any]:
+def ejkernel_fns(
+    case: Case, names: tuple[str, ...], platform: str, cfg: Any = None
+) -> tuple[Any, Any]:
+    extra = {} if cfg is None else {"cfg": cfg}
+
     def fwd(*args: Any) -> Any:
-        return case.call(**dict(zip(names, args, strict=True)), platform=platform)
+        return case.call(**dict(zip(names, args, strict=True)), platform=platform, **extra)
 
     def fwd_bwd(*args: Any) -> Any:
         *xs, d_out = args
@@ -338,6 +345,40 @@ def decode(iters: int, repeats: int) -> None:
         print(f"| {t} | " + " | ".join(f"{c:.4f}" for c in cells) + f" | {err:.1e} |", flush=True)
 
 
+#: The Triton op module of the ops ``--configs`` sweeps.
+SWEEPS = {"gla": "gla", "kda": "kernel_delta_attention", "gdn": "kernel_delta_attention"}
+
+
+def sweep(op: str, t: int, iters: int, repeats: int) -> None:
+    """Every config of the Triton op's config space: forward and forward+backward times, and
+    the largest relative error (output, gradients) against the heuristic's config."""
+    import importlib
+    import types
+
+    case = CASES[op]
+    module = importlib.import_module(f"ejkernel_triton.ops.{SWEEPS[op]}")
+    x = case.inputs(t)
+    names, args = tuple(x), tuple(x.values())
+    configs = module.config_space(types.SimpleNamespace(kwargs=x))
+    d_out = _normal(9, jax.eval_shape(ejkernel_fns(case, names, "triton")[0], *args).shape)
+    _, base = ejkernel_fns(case, names, "triton", configs[0])
+    want = jax.tree.leaves(base(*args, d_out))
+    print(f"\n### {op} configs: {case.shape.format(t=t)}, bf16 ({jax.devices()[0].device_kind})")
+    print("| config | fwd ms | fwd+bwd ms | rel err vs the first |")
+    print("|---|---|---|---|")
+    for cfg in configs:
+        fwd, fwd_bwd = ejkernel_fns(case, names, "triton", cfg)
+        try:
+            t_f = timed(fwd, *args, iters=iters, repeats=repeats, warm_s=0.3)
+            t_fb = timed(fwd_bwd, *args, d_out, iters=iters, repeats=repeats)
+            got = jax.tree.leaves(fwd_bwd(*args, d_out))
+        except Exception as err:  # a config that fails to compile is reported, not fatal
+            print(f"| {cfg} | raises {type(err).__name__}: {str(err)[:100]} | | |", flush=True)
+            continue
+        err = max(rel(a, b) for a, b in zip(got, want, strict=True))
+        print(f"| {cfg} | {t_f:.3f} | {t_fb:.3f} | {err:.1e} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", action="append", choices=sorted(CASES), help="(repeatable)")
@@ -351,7 +392,14 @@ def main() -> None:
         help="time the torch anchors too, not at all, or alone (a process without jax-triton)",
     )
     parser.add_argument("--decode", action="store_true", help="fused against chunked, T ≤ 16")
+    parser.add_argument(
+        "--configs", action="store_true", help="every Triton config of the ops (gla, kda, gdn)"
+    )
     a = parser.parse_args()
+    if a.configs:
+        for op in a.op or list(SWEEPS):
+            sweep(op, a.seq, a.iters, a.repeats)
+        return
     if a.decode:
         decode(a.iters, a.repeats)
         return

@@ -33,9 +33,11 @@ from ejkernel_triton.ops.kernel_delta_attention import (
     supports,
 )
 
-#: one chunk of 16 with two V blocks; chunks of 32 with one.
+#: one chunk of 16 with two V blocks; chunks of 32 and 64 with one (a per-channel gate's
+#: decayed products: one diagonal block of 16 at C16, off-diagonal products from C32 on).
 C16 = KernelDeltaAttentionConfig(chunk_size=16, block_v=16)
 C32 = KernelDeltaAttentionConfig(chunk_size=32, block_v=32)
+C64 = KernelDeltaAttentionConfig(chunk_size=64, block_v=32)
 SHAPE = (2, 37, 2, 16, 32)
 GPU_SHAPE = (2, 8192, 16, 128, 128)
 
@@ -139,6 +141,15 @@ def test_log_decays_down_to_minus_20_per_step_stay_finite_and_right(interpret, v
     arrays = inputs(1, 40, 2, 16, 16, vector=vector)
     arrays["g"] = -20.0 * jax.random.uniform(jax.random.PRNGKey(5), arrays["g"].shape)
     check(arrays, C32, grads=True, return_state=True)
+
+
+def test_chunks_of_64_with_strong_and_weak_channels_match_the_reference(interpret) -> None:
+    """Four blocks of 16 per chunk: channels decaying by up to 20 per step beside channels that
+    barely decay, gradients included."""
+    arrays = inputs(1, 70, 2, 16, 16)
+    strong = -20.0 * jax.random.uniform(jax.random.PRNGKey(6), arrays["g"].shape)
+    arrays["g"] = jnp.where(jnp.arange(16) % 3 == 0, strong, arrays["g"] * 0.01)
+    check(arrays, C64, grads=True, return_state=True)
 
 
 def test_a_log_gate_of_minus_inf_resets_the_state(interpret) -> None:
@@ -265,6 +276,7 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
         "kda_fwd_prep_kernel",
         "kda_fwd_ho_kernel",
         "kda_bwd_dh_kernel",
+        "kda_bwd_dv_kernel",
         "kda_bwd_chunk_kernel",
     ]
     for launch in record:

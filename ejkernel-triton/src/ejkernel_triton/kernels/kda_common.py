@@ -102,20 +102,45 @@ def l2_normalise_bwd(x_hat, norm, d_hat):
     return (d_hat - x_hat * tl.sum(x_hat * d_hat, axis=1)[:, None]) / norm[:, None]
 
 
+#: Rows per diagonal block of a per-channel gate's decayed products (the rest are products).
+SUB: tl.constexpr = tl.constexpr(16)
+
+
+@triton.jit
+def stash(slab, b_x, o_c, o_k, BK: tl.constexpr):
+    """Store a ``[C, BK]`` float32 tile in the program's scratch ``slab`` (row-major)."""
+    tl.store(slab + o_c[:, None] * BK + o_k[None, :], b_x)
+
+
+@triton.jit
+def stashed_rows(slab, src, o_k, BK: tl.constexpr):
+    """Rows ``src [C]`` of a stashed tile, as a ``[C, BK]`` tile."""
+    return tl.load(slab + src[:, None] * BK + o_k[None, :])
+
+
 @triton.jit
 def decayed_products(
     b_q,
     b_k,
     b_gc,
     o_c,
+    o_k,
+    scratch,
     C: tl.constexpr,
+    BK: tl.constexpr,
     GK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WITH_P: tl.constexpr = True,
 ):
     """``P_tj = Σ_κ q_tκ k_jκ exp(G_tκ − G_jκ)`` and ``(K Kᵀ)_tj`` likewise, for ``j ≤ t`` (zero
-    above the diagonal), with ``G = b_gc`` the cumulative log gate: relative decays only,
-    masked before the exp (never a growth). Without ``WITH_P`` only ``K Kᵀ`` (``P`` zero)."""
+    above the diagonal), with ``G = b_gc`` the cumulative log gate: relative decays only (never
+    a growth). Without ``WITH_P`` only ``K Kᵀ`` (``P`` zero).
+
+    A per-channel gate (``GK > 1``) splits the chunk into blocks of :data:`SUB` rows. Below the
+    diagonal blocks, row block ``r`` against the rows before its first row ``ρ`` is one product
+    factored through ``ρ``: ``exp(G_t − G_ρ) · exp(G_ρ − G_j)``, both factors ≤ 1 for a decay.
+    Inside a diagonal block the decays are taken entry by entry, one column of every block per
+    step, its rows read back from ``scratch`` (``2 C BK`` float32 of the program's own)."""
     causal = o_c[:, None] >= o_c[None, :]
     if GK == 1:
         b_pair = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
@@ -124,21 +149,33 @@ def decayed_products(
         b_p = tl.where(causal, b_p * b_pair, 0.0)
         b_kk = tl.where(causal, b_kk * b_pair, 0.0)
     else:
-        # column by column: exp(G_t - G_j) only for t ≥ j
+        k_slab, g_slab = scratch, scratch + C * BK
+        stash(k_slab, b_k, o_c, o_k, BK)
+        stash(g_slab, b_gc, o_c, o_k, BK)
+        tl.debug_barrier()
+        blk = o_c // SUB
         b_p = tl.zeros([C, C], dtype=tl.float32)
         b_kk = tl.zeros([C, C], dtype=tl.float32)
-        for j in range(0, C):
-            row_j = o_c[:, None] == j
-            b_kj = tl.sum(tl.where(row_j, b_k, 0.0), axis=0)
-            b_gj = tl.sum(tl.where(row_j, b_gc, 0.0), axis=0)
-            below = o_c[:, None] >= j
-            b_e = tl.exp(tl.where(below, b_gc - b_gj[None, :], float("-inf")))
-            b_ke = b_kj[None, :] * b_e
+        for r in range(1, C // SUB):
+            ref = r * SUB
+            b_gr = tl.load(g_slab + ref * BK + o_k)[None, :]
+            in_r = (blk == r)[:, None]
+            before = (o_c < ref)[:, None]
+            b_in = tl.exp(tl.where(in_r, b_gc - b_gr, float("-inf")))
+            b_kb = b_k * tl.exp(tl.where(before, b_gr - b_gc, float("-inf")))
             if WITH_P:
-                col_p = tl.sum(tl.where(below, b_q * b_ke, 0.0), axis=1)
-                b_p = tl.where(o_c[None, :] == j, col_p[:, None], b_p)
-            col_k = tl.sum(tl.where(below, b_k * b_ke, 0.0), axis=1)
-            b_kk = tl.where(o_c[None, :] == j, col_k[:, None], b_kk)
+                b_p += tl.dot(b_q * b_in, tl.trans(b_kb), input_precision=DOT_PRECISION)
+            b_kk += tl.dot(b_k * b_in, tl.trans(b_kb), input_precision=DOT_PRECISION)
+        first = blk * SUB
+        for jj in range(0, SUB):
+            src = first + jj
+            b_kj = stashed_rows(k_slab, src, o_k, BK)
+            b_gj = stashed_rows(g_slab, src, o_k, BK)
+            b_ke = b_kj * tl.exp(tl.where((o_c >= src)[:, None], b_gc - b_gj, float("-inf")))
+            col = o_c[None, :] == src[:, None]
+            if WITH_P:
+                b_p = tl.where(col, tl.sum(b_q * b_ke, axis=1)[:, None], b_p)
+            b_kk = tl.where(col, tl.sum(b_k * b_ke, axis=1)[:, None], b_kk)
     return b_p, b_kk
 
 
@@ -152,6 +189,8 @@ def decayed_products_bwd(
     b_k,
     b_gc,
     o_c,
+    o_k,
+    scratch,
     C: tl.constexpr,
     BK: tl.constexpr,
     GK: tl.constexpr,
@@ -161,7 +200,9 @@ def decayed_products_bwd(
     diagonal and given with their transposes, back to ``(dq, dk through the rows' side, dk
     through the columns' side)``, for ``D(a, b)_tj = Σ_κ a_tκ b_jκ exp(G_tκ − G_jκ)``:
     ``da_t = Σ_j dD_tj b_j ⊙ exp(G_t − G_j)``, ``db_j = Σ_t dD_tj a_t ⊙ exp(G_t − G_j)``; the
-    gate's gradient is then ``a ⊙ da − b ⊙ db`` summed over both products."""
+    gate's gradient is then ``a ⊙ da − b ⊙ db`` summed over both products. A per-channel gate
+    takes :func:`decayed_products`' blocks, reading rows back from ``scratch`` (``3 C BK``
+    float32 of the program's own)."""
     if GK == 1:
         causal = o_c[:, None] >= o_c[None, :]
         b_e = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
@@ -172,22 +213,48 @@ def decayed_products_bwd(
         b_dkb = tl.dot(b_dpt * b_et, b_q, input_precision=DOT_PRECISION)
         b_dkb += tl.dot(b_dmt * b_et, b_k, input_precision=DOT_PRECISION)
     else:
+        k_slab, g_slab, q_slab = scratch, scratch + C * BK, scratch + 2 * C * BK
+        stash(k_slab, b_k, o_c, o_k, BK)
+        stash(g_slab, b_gc, o_c, o_k, BK)
+        stash(q_slab, b_q, o_c, o_k, BK)
+        tl.debug_barrier()
+        blk = o_c // SUB
         b_dq = tl.zeros([C, BK], dtype=tl.float32)
         b_dka = tl.zeros([C, BK], dtype=tl.float32)
         b_dkb = tl.zeros([C, BK], dtype=tl.float32)
-        for j in range(0, C):
-            row_j = o_c[:, None] == j
-            b_kj = tl.sum(tl.where(row_j, b_k, 0.0), axis=0)
-            b_gj = tl.sum(tl.where(row_j, b_gc, 0.0), axis=0)
-            below = o_c[:, None] >= j
-            b_e = tl.exp(tl.where(below, b_gc - b_gj[None, :], float("-inf")))
-            b_dpj = tl.sum(tl.where(row_j, b_dpt, 0.0), axis=0)[:, None]
-            b_dmj = tl.sum(tl.where(row_j, b_dmt, 0.0), axis=0)[:, None]
-            b_ke = b_kj[None, :] * b_e
-            b_dq += b_dpj * b_ke
-            b_dka += b_dmj * b_ke
-            b_col = tl.sum((b_dpj * b_q + b_dmj * b_k) * b_e, axis=0)
-            b_dkb = tl.where(row_j, b_col[None, :], b_dkb)
+        for r in range(1, C // SUB):
+            ref = r * SUB
+            b_gr = tl.load(g_slab + ref * BK + o_k)[None, :]
+            in_r = blk == r
+            before = o_c < ref
+            b_in = tl.exp(tl.where(in_r[:, None], b_gc - b_gr, float("-inf")))
+            b_out = tl.exp(tl.where(before[:, None], b_gr - b_gc, float("-inf")))
+            # rows of block r against the columns before it, and the transpose
+            m_rj = in_r[:, None] & before[None, :]
+            m_jr = before[:, None] & in_r[None, :]
+            b_kb = b_k * b_out
+            b_dq += b_in * tl.dot(tl.where(m_rj, b_dp, 0.0), b_kb, input_precision=DOT_PRECISION)
+            b_dka += b_in * tl.dot(tl.where(m_rj, b_dm, 0.0), b_kb, input_precision=DOT_PRECISION)
+            b_sum = tl.dot(tl.where(m_jr, b_dpt, 0.0), b_q * b_in, input_precision=DOT_PRECISION)
+            b_sum += tl.dot(tl.where(m_jr, b_dmt, 0.0), b_k * b_in, input_precision=DOT_PRECISION)
+            b_dkb += b_out * b_sum
+        first = blk * SUB
+        for jj in range(0, SUB):
+            src = first + jj
+            b_gj = stashed_rows(g_slab, src, o_k, BK)
+            col = o_c[None, :] == src[:, None]
+            # row t against column j = src(t) ≤ t
+            b_e = tl.exp(tl.where((o_c >= src)[:, None], b_gc - b_gj, float("-inf")))
+            b_ke = stashed_rows(k_slab, src, o_k, BK) * b_e
+            b_dq += tl.sum(tl.where(col, b_dp, 0.0), axis=1)[:, None] * b_ke
+            b_dka += tl.sum(tl.where(col, b_dm, 0.0), axis=1)[:, None] * b_ke
+            # row j against row t = src(j) ≥ j
+            b_e = tl.exp(tl.where((src >= o_c)[:, None], b_gj - b_gc, float("-inf")))
+            b_qt = stashed_rows(q_slab, src, o_k, BK)
+            b_kt = stashed_rows(k_slab, src, o_k, BK)
+            b_dpj = tl.sum(tl.where(col, b_dpt, 0.0), axis=1)[:, None]
+            b_dmj = tl.sum(tl.where(col, b_dmt, 0.0), axis=1)[:, None]
+            b_dkb += (b_dpj * b_qt + b_dmj * b_kt) * b_e
     return b_dq, b_dka, b_dkb
 
 

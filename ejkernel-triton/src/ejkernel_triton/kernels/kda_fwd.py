@@ -67,6 +67,9 @@ def kda_fwd_prep_kernel(
     u_ptr,
     p_ptr,
     decay_ptr,
+    t_ptr,
+    kk_ptr,
+    scratch_ptr,
     K: tl.constexpr,
     V: tl.constexpr,
     C: tl.constexpr,
@@ -75,11 +78,15 @@ def kda_fwd_prep_kernel(
     GK: tl.constexpr,
     L2NORM: tl.constexpr,
     GATE_FLOOR: tl.constexpr,
+    STORE_FACTORS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NT, B·H)``: one chunk's ``q ⊙ exp(G)`` and ``k ⊙ exp(G_C − G)`` ([B, T, H, K],
     the input dtype), ``W`` [B, T, H, K], ``U`` [B, T, H, V] (input dtype), ``P`` [B, T, H, C]
-    and the decay ``exp(G_C)`` [B, NT, H, GK] (float32)."""
+    and the decay ``exp(G_C)`` [B, NT, H, GK] (float32); with ``STORE_FACTORS`` (for the
+    backward) also ``T`` and the decayed ``K Kᵀ`` [B, T, H, C] (float32); ``scratch [B, NT, H, 2 C BK]``
+    (float32, a per-channel gate's only) is the program's own room for
+    :func:`~ejkernel_triton.kernels.kda_common.decayed_products`."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_c = tl.arange(0, C)
@@ -102,7 +109,8 @@ def kda_fwd_prep_kernel(
         b_k, _ = l2_normalise(b_k)
     b_q = b_q * scale
     b_gc = tl.cumsum(b_g, axis=0)
-    b_p, b_kk = decayed_products(b_q, b_k, b_gc, o_c, C, GK, DOT_PRECISION)
+    scratch = scratch_ptr + ((i_b.to(tl.int64) * NT + i_n) * H + i_h) * 2 * C * BK
+    b_p, b_kk = decayed_products(b_q, b_k, b_gc, o_c, o_k, scratch, C, BK, GK, DOT_PRECISION)
     if GK == 1:
         b_glast = tl.sum(tl.where(o_c == C - 1, b_gc, 0.0), axis=0)
         b_gamma = tl.exp(b_gc)[:, None]
@@ -116,6 +124,9 @@ def kda_fwd_prep_kernel(
         tl.store(p_d, tl.exp(b_glast), mask=m_k)
     b_a = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_kk, 0.0)
     b_t = unit_lower_inverse(b_a, o_c, C)
+    if STORE_FACTORS:
+        tl.store(t_ptr + rows[:, None] * C + o_c[None, :], b_t)
+        tl.store(kk_ptr + rows[:, None] * C + o_c[None, :], b_kk)
     b_w = tl.dot(b_t, b_beta[:, None] * b_k * b_gamma, input_precision=DOT_PRECISION)
     b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
     b_u = tl.where(o_c[:, None] >= first[None, :], float("nan"), b_u)

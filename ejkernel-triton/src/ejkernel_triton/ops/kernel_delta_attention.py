@@ -255,7 +255,7 @@ def _forward(
     final = lay.op_states(final_rows, empty)
     if not keep:
         return out, final, None
-    res = dict(zip(("qg", "kg", "w", "p", "decay", "h", "vn"), saved, strict=True))
+    res = dict(zip(("qg", "kg", "w", "p", "decay", "h", "vn", "t", "kk"), saved, strict=True))
     res.update(layout=lay, q=q, k=k, v=v, beta=beta, g=gates)
     # the gradients' dtypes and shapes; the key's presence says the initial state has one
     res["dtypes"] = {n: jnp.zeros((0,), a[n].dtype) for n in ("beta", "g")}
@@ -267,8 +267,8 @@ def _forward(
 
 def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
     """``run(q, k, v, beta, gates, init_rows, flags) -> (o, final_rows)``, and with ``keep``
-    also ``(qg, kg, w, p, decay, h, vn)`` (the per-chunk factors, starting states and
-    ``V'``): the forward's launches on the chunk layout."""
+    also ``(qg, kg, w, p, decay, h, vn, t, kk)`` (the per-chunk factors, starting states,
+    ``V'``, ``T`` and the decayed ``K Kᵀ``): the forward's launches on the chunk layout."""
     from ejkernel_triton.kernels.kda_fwd import kda_fwd_ho_kernel, kda_fwd_prep_kernel
 
     def run(q, k, v, beta, gates, init_rows, flags):
@@ -277,7 +277,8 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
         c = st.chunk
         common = {"num_warps": st.num_warps, "DOT_PRECISION": st.precision}
         tokens_k = jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)
-        qg, kg, w, u, p, decay = _launch.launch(
+        factors = (b, t, h, c) if keep else (1,)
+        qg, kg, w, u, p, decay, tt, kk, _ = _launch.launch(
             kda_fwd_prep_kernel,
             q,
             k,
@@ -294,9 +295,13 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
                 jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                 jax.ShapeDtypeStruct((b, t, h, c), jnp.float32),
                 jax.ShapeDtypeStruct((b, nt, h, gk), jnp.float32),
+                jax.ShapeDtypeStruct(factors, jnp.float32),
+                jax.ShapeDtypeStruct(factors, jnp.float32),
+                jax.ShapeDtypeStruct((b, nt, h, max(1, _stashed(st, gk, 2))), jnp.float32),
             ],
             grid=(nt, b * h),
             **_sizes(st, dk, dv, gk, chunk_pass=True),
+            STORE_FACTORS=keep,
             num_stages=1,
             **common,
         )
@@ -327,10 +332,16 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
             **common,
         )
         if keep:
-            return o, final_rows, qg, kg, w, p, decay, hs, vn
+            return o, final_rows, qg, kg, w, p, decay, hs, vn, tt, kk
         return o, final_rows
 
     return run
+
+
+def _stashed(st: _Statics, gk: int, slabs: int) -> int:
+    """Floats of a per-chunk program's room for ``slabs`` stashed ``[C, BK]`` float32 tiles: a
+    per-channel gate's decayed products read rows back from them; a per-head gate's none."""
+    return slabs * st.chunk * st.block_k if gk > 1 else 0
 
 
 def _sizes(
@@ -367,8 +378,8 @@ def _backward(
     dv = v.shape[-1]
     do = lay.to_chunks(d_o.astype(q.dtype))
     dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
-    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), _modes(lay, 15))
-    names = ("q", "k", "v", "beta", "g", "qg", "kg", "w", "p", "decay", "h", "vn")
+    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), _modes(lay, 17))
+    names = ("q", "k", "v", "beta", "g", "qg", "kg", "w", "p", "decay", "h", "vn", "t", "kk")
     dinit_rows, d_q, d_k, d_v, d_beta, d_g = run(
         *(res[n] for n in names),
         do,
@@ -394,15 +405,20 @@ def _backward(
 
 
 def _backward_kernels(st: _Statics, nt: int) -> Any:
-    """``run(q, k, v, beta, gates, qg, kg, w, p, decay, h, vn, do, dfinal_rows, flags) ->
+    """``run(q, k, v, beta, gates, qg, kg, w, p, decay, h, vn, t, kk, do, dfinal_rows, flags) ->
     (dinit_rows, dq, dk, dv, dbeta, dg)``: the backward's launches on the chunk layout."""
-    from ejkernel_triton.kernels.kda_bwd import kda_bwd_chunk_kernel, kda_bwd_dh_kernel
+    from ejkernel_triton.kernels.kda_bwd import (
+        kda_bwd_chunk_kernel,
+        kda_bwd_dh_kernel,
+        kda_bwd_dv_kernel,
+    )
 
-    def run(q, k, v, beta, gates, qg, kg, w, p, decay, hs, vn, do, dfinal_rows, flags):
+    def run(q, k, v, beta, gates, qg, kg, w, p, decay, hs, vn, tt, kk, do, dfinal_rows, flags):
         b, t, h, dk = q.shape
         dv, gk = v.shape[-1], gates.shape[-1]
         c = st.chunk
         common = {"num_warps": st.num_warps, "DOT_PRECISION": st.precision}
+        f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
         dh, dvn, dinit_rows = _launch.launch(
             kda_bwd_dh_kernel,
             qg,
@@ -416,41 +432,68 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             nt,
             h,
             dfinal_rows.shape[0] // b,
-            out_shape=[
-                jax.ShapeDtypeStruct(hs.shape, jnp.float32),
-                jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
-                jax.ShapeDtypeStruct(dfinal_rows.shape, jnp.float32),
-            ],
+            out_shape=[f32(hs.shape), f32((b, t, h, dv)), f32(dfinal_rows.shape)],
             grid=(-(-dv // st.block_v), b * h),
             **_sizes(st, dk, dv, gk),
             num_stages=st.num_stages,
             **common,
         )
-        d_q, d_k, d_v, d_beta, d_g, _ = _launch.launch(
-            kda_bwd_chunk_kernel,
+        sizes = _sizes(st, dk, dv, gk, chunk_pass=True, block_v=st.block_v)
+        d_v, dqg, dw, dkg, dpt, dtt, dbeta_v, ddecay = _launch.launch(
+            kda_bwd_dv_kernel,
             q,
             k,
             v,
             beta,
             gates,
+            tt,
             hs,
             vn,
             dh,
             do,
             dvn,
+            nt,
+            h,
+            out_shape=[
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+                *(f32((b, t, h, dk)) for _ in range(3)),
+                f32((b, t, h, c)),
+                f32((b, t, h, c)),
+                f32(beta.shape),
+                f32((b, nt, h, dk)),
+            ],
+            grid=(nt, b * h),
+            **{n: sizes[n] for n in ("K", "V", "C", "BK", "BV", "GK", "GATE_FLOOR")},
+            num_stages=1,
+            **common,
+        )
+        d_q, d_k, d_beta, d_g, _ = _launch.launch(
+            kda_bwd_chunk_kernel,
+            q,
+            k,
+            beta,
+            gates,
+            tt,
+            kk,
+            dqg,
+            dw,
+            dkg,
+            dpt,
+            dtt,
+            dbeta_v,
+            ddecay,
             np.float32(st.scale),
             nt,
             h,
             out_shape=[
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct(k.shape, k.dtype),
-                jax.ShapeDtypeStruct(v.shape, v.dtype),
-                jax.ShapeDtypeStruct(beta.shape, jnp.float32),
-                jax.ShapeDtypeStruct(gates.shape, jnp.float32),
-                jax.ShapeDtypeStruct((b, nt, h, 2 * c * c), jnp.float32),
+                f32(beta.shape),
+                f32(gates.shape),
+                f32((b, nt, h, c * c + _stashed(st, gk, 3))),
             ],
             grid=(nt, b * h),
-            **_sizes(st, dk, dv, gk, chunk_pass=True, block_v=st.block_v),
+            **{n: sizes[n] for n in ("K", "C", "BK", "GK", "L2NORM", "GATE_FLOOR")},
             num_stages=1,
             **common,
         )
