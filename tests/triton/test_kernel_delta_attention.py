@@ -26,6 +26,7 @@ from ejkernel.testing import random_normal as normal
 
 pytest.importorskip("triton")
 
+from ejkernel_triton.ops import kernel_delta_attention as kda_op
 from ejkernel_triton.ops.kernel_delta_attention import (
     KernelDeltaAttentionConfig,
     config_space,
@@ -255,6 +256,26 @@ def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkey
     inv = types.SimpleNamespace(kwargs={"query": q, "key": q, "value": q})
     space = config_space(inv)
     assert space[0] == heuristic(inv) and len(space) == len(set(space)) > 1
+    assert heuristic(inv).chunk_size == 64  # the backward's walk: T / 64 steps
+
+
+@pytest.mark.parametrize("limit", [232448, 101376], ids=["hopper", "sm86"])
+def test_configs_over_the_shared_memory_are_left_out_before_compiling(monkeypatch, limit) -> None:
+    """K = V = 256 leave no room for chunks of 64 on a Hopper; an Ampere/Ada GPU's 99 KiB
+    takes less still; short packed sequences get short chunks."""
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setattr(kda_op._smem, "launch_limit", lambda: limit)
+    for d in (128, 256):
+        q = jax.ShapeDtypeStruct((2, 8192, 16, d), jnp.bfloat16)
+        inv = types.SimpleNamespace(kwargs={"query": q, "key": q, "value": q})
+        space = config_space(inv)
+        assert all(kda_op.shared_memory(cfg, d, d) <= limit for cfg in space)
+        assert len(space) > 1 and space[0] == heuristic(inv)
+    assert 64 not in {cfg.chunk_size for cfg in space}  # d = 256
+    cu = jax.ShapeDtypeStruct((301,), jnp.int32)
+    q = jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16)
+    inv = types.SimpleNamespace(kwargs={"query": q, "key": q, "value": q, "cu_seqlens": cu})
+    assert heuristic(inv).chunk_size == 16  # 27 tokens a sequence
 
 
 def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_path) -> None:
@@ -284,7 +305,7 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
         mix = _codegen.instruction_mix(compiled.ptx)
         name = launch.kernel.fn.__name__
         assert any(k.startswith(("wgmma", "mma")) for k in mix), name
-        assert compiled.shared <= 232448, name  # the H100's shared memory per block
+        assert compiled.shared <= kda.shared_memory(cfg, 128, 128) <= 232448, name
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------

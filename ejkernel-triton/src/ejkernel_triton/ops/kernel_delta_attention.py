@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.plugins import defvjp
-from ejkernel_triton import _launch
+from ejkernel_triton import _launch, _smem
 from ejkernel_triton._launch import BATCH, OTHER
 from ejkernel_triton.ops.gla_layout import Layout
 
@@ -48,6 +48,7 @@ __all__ = [
     "config_space",
     "heuristic",
     "kernel_delta_attention_triton",
+    "shared_memory",
     "supports",
 ]
 
@@ -107,25 +108,52 @@ def supports(inv: Any) -> bool | str:
     return True
 
 
+def shared_memory(cfg: KernelDeltaAttentionConfig, dk: int, dv: int) -> int:
+    """Bytes of shared memory the launches of ``cfg`` need at most (K = ``dk``, V = ``dv``):
+    the largest of the per-chunk forward (``[C, K]`` and ``[C, V]`` operand tiles), the
+    sequential walks (the ``[K, BV]`` state and ``[C, BV]`` tiles), the backward's V pass
+    (``[C, K]`` and its streamed ``[C, BV]`` tiles) and its chunk pass (``[C, K]`` and
+    ``[C, C]`` tiles), all float32. An upper bound of what Triton 3.6 allocates for sm_90,
+    which ``tests/triton/test_kernel_delta_attention.py`` holds it to."""
+    c, bk, vp = cfg.chunk_size, _pow2(dk), _pow2(dv)
+    bv = min(cfg.block_v, vp)
+    return 4 * max(
+        2 * c * (bk + vp),
+        2 * bk * bv + 2 * c * bv,
+        c * bk + 8 * c * bv,
+        4 * c * bk + c * c,
+    )
+
+
 def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
-    """Chunks of 32 (16 for short packed sequences) and 64-wide V blocks; in the interpreter
-    (whose cost is per program and per loop step) chunks of 16 and whole-V blocks."""
+    """Chunks of 64 with 32-wide V blocks and 8 warps (the backward's reverse walk has
+    ``T / C`` sequential steps, so longer chunks pay off most there), shorter chunks for short
+    packed sequences or where shared memory is too small; in the interpreter (whose cost is
+    per program and per loop step) chunks of 16 and whole-V blocks."""
     a = inv.kwargs
-    s, dv = a["query"].shape[1], a["value"].shape[-1]
+    s, dk, dv = a["query"].shape[1], a["query"].shape[-1], a["value"].shape[-1]
     cu = a.get("cu_seqlens")
     length = s if cu is None else s / max(1, cu.shape[0] - 1)  # mean packed length
-    chunk = 32 if length > 16 else 16
     if _launch.interpreting():
         return KernelDeltaAttentionConfig(chunk_size=16, block_v=_pow2(dv))
-    return KernelDeltaAttentionConfig(chunk_size=chunk, block_v=min(64, _pow2(dv)))
+    limit = _smem.launch_limit()
+    for chunk in (64, 32, 16):
+        cfg = KernelDeltaAttentionConfig(
+            chunk_size=chunk, block_v=min(32, _pow2(dv)), num_warps=8 if chunk == 64 else 4
+        )
+        if chunk == 16 or (length >= chunk and shared_memory(cfg, dk, dv) <= limit):
+            return cfg
+    raise AssertionError("unreachable")
 
 
 def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
-    """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps."""
+    """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps,
+    without those over the device's shared memory (:func:`shared_memory`)."""
     base = heuristic(inv)
     if _launch.interpreting():
         return [base]
-    dv = inv.kwargs["value"].shape[-1]
+    dk, dv = inv.kwargs["query"].shape[-1], inv.kwargs["value"].shape[-1]
+    limit = _smem.launch_limit()
     out = [base]
     for chunk in _CHUNKS:
         for bv in (32, 64):
@@ -133,7 +161,7 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
                 cfg = attrs.evolve(
                     base, chunk_size=chunk, block_v=min(bv, _pow2(dv)), num_warps=warps
                 )
-                if cfg not in out:
+                if cfg not in out and shared_memory(cfg, dk, dv) <= limit:
                     out.append(cfg)
     return out
 
