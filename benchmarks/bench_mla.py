@@ -6,9 +6,10 @@ in GB/s and the attention flops in TFLOP/s, against the roofline of the same run
 of the copy bandwidth on the cache's bytes (``B·Sk·(R + Dr)`` elements, measured by copying a
 buffer of that size) and the bf16 matmul ceiling on ``B·Hq·Sk·(4R + 2Dr)`` flops (measured
 on an 8192³ matmul; 256³ on a CPU). Prefill (``--prefill``: B 1, S 4096, 16 heads): forward and
-forward+backward milliseconds per platform.
+forward+backward milliseconds per platform. ``--configs``: instead, every absorbed config of
+the Triton config space on the decode shape.
 
-Run: ``python benchmarks/bench_mla.py [--gpu] [--platforms triton xla] [--decode|--prefill]``
+Run: ``python benchmarks/bench_mla.py [--gpu] [--platforms triton xla] [--decode|--prefill|--configs]``
 """
 
 from __future__ import annotations
@@ -79,6 +80,44 @@ def decode(platforms: list[str], shape: tuple[int, ...], matmul_n: int) -> None:
         )
 
 
+def decode_configs(shape: tuple[int, ...]) -> None:
+    """Every absorbed config of the Triton config space on the decode shape, with its error
+    against the heuristic's."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel
+    from ejkernel_triton.ops import multi_head_latent_attention as mla
+
+    b, sk, hq, r, dn, dr, dv = shape
+    arrays = inputs(b, 1, sk, hq, r, dn, dr, dv, jnp.bfloat16)
+    flops = b * hq * sk * (4 * r + 2 * dr)
+    space = mla.config_space(types.SimpleNamespace(kwargs=arrays))
+    print(
+        f"decode configs B {b}, Sk {sk}, Hq {hq}, R {r}, Dr {dr} ({jax.devices()[0].device_kind})"
+    )
+    print("| config | ms | TFLOP/s | rel err vs the first |")
+    print("|---|---|---|---|")
+    want = None
+    for cfg in space:
+        if cfg.form != "absorbed":
+            continue
+        fn = jax.jit(
+            lambda a, c=cfg: ejkernel.multi_head_latent_attention(**a, platform="triton", cfg=c)
+        )
+        try:
+            ms = timed(fn, arrays, iters=10, repeats=3, warm_s=0.2)
+            out = fn(arrays).astype(jnp.float32)
+        except Exception as err:  # a config that cannot run here is reported, not fatal
+            print(f"| {cfg} | failed: {type(err).__name__}: {str(err)[:100]} | | |", flush=True)
+            continue
+        want = out if want is None else want
+        err = float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want))
+        print(f"| {cfg} | {ms:.3f} | {flops / ms / 1e9:.0f} | {err:.1e} |", flush=True)
+
+
 def prefill(platforms: list[str], shape: tuple[int, ...]) -> None:
     import jax
     import jax.numpy as jnp
@@ -119,6 +158,7 @@ def main() -> None:
     parser.add_argument("--platforms", nargs="*", default=["triton", "xla"])
     parser.add_argument("--decode", action="store_true")
     parser.add_argument("--prefill", action="store_true")
+    parser.add_argument("--configs", action="store_true", help="every absorbed decode config")
     args = parser.parse_args()
     both = not (args.decode or args.prefill)
     if args.gpu:
@@ -128,6 +168,9 @@ def main() -> None:
         )
     else:
         decode_shape, prefill_shape = (1, 64, 16, 32, 16, 16, 16), (1, 32, 2, 32, 16, 16, 16)
+    if args.configs:
+        decode_configs(decode_shape)
+        return
     if args.decode or both:
         decode(args.platforms, decode_shape, 8192 if args.gpu else 256)
     if args.prefill or both:
