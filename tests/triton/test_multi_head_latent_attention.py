@@ -176,6 +176,30 @@ def test_the_form_follows_the_multiply_adds_and_what_each_form_holds(monkeypatch
         MultiHeadLatentAttentionConfig(form="fused")
 
 
+@pytest.mark.parametrize("limit", [232448, 101376], ids=["hopper", "sm86"])
+def test_absorbed_blocks_follow_the_rows_and_the_shared_memory(monkeypatch, limit) -> None:
+    """Decode at DeepSeek's sizes takes 64 heads a program where they fit; a smaller shared
+    memory, fewer rows or float32 take smaller blocks; no config of the space is over it."""
+    from ejkernel_triton.ops import multi_head_latent_attention as mla
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setattr(mla._smem, "launch_limit", lambda: limit)
+    decode = MlaShape(b=64, sq=1, sk=8192, hq=128, r=512, dn=128, dr=64, dv=128)
+    few = MlaShape(b=64, sq=1, sk=8192, hq=16, r=512, dn=128, dr=64, dv=128)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for shape in (decode, few):
+            inv = _inv(shape, dtype)
+            itemsize = jnp.dtype(dtype).itemsize
+            for cfg in (c for c in config_space(inv) if c.form != "expanded"):
+                assert mla.absorbed_shared_memory(cfg, 512, 64, itemsize) <= limit, cfg
+    cfg = heuristic(_inv(decode))
+    if limit == 232448:
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (64, 64, 8)
+    else:
+        assert cfg.block_m * cfg.block_n < 64 * 64
+    assert heuristic(_inv(few)).block_m == 16
+
+
 def test_a_form_that_cannot_serve_the_call_raises(interpret) -> None:
     arrays = MlaShape(b=1, sq=1, sk=20, hq=2, r=16, dn=256, dr=16, dv=16).inputs()
     with pytest.raises(ValueError, match="expanded form needs Dn \\+ Dr"):
@@ -198,15 +222,16 @@ def test_the_absorbed_kernel_compiles_for_hopper_with_matrix_instructions(
 
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    shape = MlaShape(b=2, sq=1, sk=256, hq=16, r=512, dn=128, dr=64, dv=128)
+    shape = MlaShape(b=2, sq=1, sk=256, hq=64, r=512, dn=128, dr=64, dv=128)
     call = {**shape.inputs(jnp.bfloat16), "causal": True}
+    cfg = heuristic(_inv(shape))
     with _codegen.recorded_launches() as record:
-        mla.multi_head_latent_attention_triton(cfg=heuristic(_inv(shape)), **call)
+        mla.multi_head_latent_attention_triton(cfg=cfg, **call)
     (launch,) = record
     compiled = _codegen.compile_launch(launch, capability=90)
     mix = _codegen.instruction_mix(compiled.ptx)
-    assert any(k.startswith(("wgmma", "mma")) for k in mix)
-    assert compiled.shared <= 232448
+    assert any(k.startswith("wgmma") for k in mix)  # 64 heads a program
+    assert compiled.shared <= mla.absorbed_shared_memory(cfg, 512, 64, 2) <= 232448
 
 
 # -- GPU, DeepSeek's sizes ------------------------------------------------------------------

@@ -35,13 +35,14 @@ import numpy as np
 import ejkernel
 from ejkernel.attention_semantics import finite_or_zero
 from ejkernel.plugins import defvjp
-from ejkernel_triton import _launch
+from ejkernel_triton import _launch, _smem
 
 __all__ = [
     "FORMS",
     "MultiHeadLatentAttentionConfig",
     "config_space",
     "heuristic",
+    "absorbed_shared_memory",
     "multi_head_latent_attention_triton",
     "splits_for",
     "supports",
@@ -153,22 +154,54 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (int(n) - 1).bit_length())
 
 
+def absorbed_shared_memory(
+    cfg: MultiHeadLatentAttentionConfig, r: int, dr: int, itemsize: int
+) -> int:
+    """Bytes of shared memory the absorbed kernel takes: the block's query rows
+    (``[block_m, R + Dr]``) once and ``num_stages`` buffers of latent and rotary-key rows
+    (``[block_n, R + Dr]``), in the input dtype (what Triton 3.6 allocates for sm_90)."""
+    width = _pow2(r) + (_pow2(dr) if dr else 0)
+    return itemsize * width * (cfg.block_m + cfg.num_stages * cfg.block_n)
+
+
 def heuristic(inv: Any) -> MultiHeadLatentAttentionConfig:
-    """The cheaper form that holds the call; 16 rows a program, 32 latent tokens a step
-    (16 in the interpreter)."""
+    """The cheaper form that holds the call; for the absorbed kernel, 64 (query, head) rows a
+    program with 8 warps where the call has that many (the block's latent products run on
+    Hopper's warpgroup matrix instructions) and 64 latent tokens a step, fewer of either (and
+    at the least one pipeline stage) where the device's shared memory is smaller; 16 and 16
+    in the interpreter."""
     a = inv.kwargs
+    sq, _, hq, r, _, dr, _ = _sizes(a)
     form = mla_form(*_sizes(a))
     if _form_problem(form, a):
         form = next(f for f in FORMS if f != form)
-    block_n = 16 if _launch.interpreting() else 32
-    return MultiHeadLatentAttentionConfig(form=form, block_n=block_n)
+    if _launch.interpreting():
+        return MultiHeadLatentAttentionConfig(form=form, block_m=16, block_n=16)
+    itemsize = jnp.dtype(a["query"].dtype).itemsize
+    limit = _smem.launch_limit()
+    rows = sq * hq
+    cfg = MultiHeadLatentAttentionConfig(form=form)
+    for block_m in (64, 32, 16):
+        if block_m > rows and block_m > 16:
+            continue
+        for block_n in (64, 32, 16):
+            cfg = MultiHeadLatentAttentionConfig(
+                form=form, block_m=block_m, block_n=block_n, num_warps=8 if block_m == 64 else 4
+            )
+            if absorbed_shared_memory(cfg, r, dr, itemsize) <= limit:
+                return cfg
+    return attrs.evolve(cfg, num_stages=1)  # the latent rows unpipelined
 
 
 def config_space(inv: Any) -> list[MultiHeadLatentAttentionConfig]:
-    """The heuristic, then the absorbed kernel's blocks and warps, and the expanded form."""
+    """The heuristic, then the absorbed kernel's blocks and warps within the device's shared
+    memory (:func:`absorbed_shared_memory`), its key splits, and the expanded form."""
     base = heuristic(inv)
     if _launch.interpreting():
         return [base]
+    _, _, _, r, _, dr, _ = _sizes(inv.kwargs)
+    itemsize = jnp.dtype(inv.kwargs["query"].dtype).itemsize
+    limit = _smem.launch_limit()
     out = [base]
     if not _form_problem("absorbed", inv.kwargs):
         for block_m in (16, 32, 64):
@@ -177,7 +210,8 @@ def config_space(inv: Any) -> list[MultiHeadLatentAttentionConfig]:
                     cfg = MultiHeadLatentAttentionConfig(
                         form="absorbed", block_m=block_m, block_n=block_n, num_warps=warps
                     )
-                    if cfg not in out:
+                    fits = absorbed_shared_memory(cfg, r, dr, itemsize) <= limit
+                    if fits and cfg not in out:
                         out.append(cfg)
         for splits in (1, 2, 4, 8, 16):
             cfg = attrs.evolve(base, form="absorbed", num_splits=splits)
