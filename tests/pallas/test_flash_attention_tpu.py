@@ -149,7 +149,9 @@ def test_heuristic_blocks_are_tpu_tiles_and_fit_the_sequence() -> None:
 
 
 def test_long_sequences_get_vmem_sized_blocks() -> None:
-    inv = _inv(AttentionShape(b=1, sq=32768, sk=32768, hq=8, hkv=8, d=256))
+    shape = AttentionShape(b=1, sq=32768, sk=32768, hq=8, hkv=8, d=256)
+    q, k, v = jax.eval_shape(lambda: attention_inputs(shape))  # the shapes, no arrays
+    inv = Invocation(kernel="flash_attention", kwargs={"query": q, "key": k, "value": v})
     cfg = heuristic(inv)
     assert (cfg.fwd_params.q_blocksize, cfg.fwd_params.kv_blocksize) == (512, 512)
     assert cfg.bwd_params.kv_blocksize <= 512
