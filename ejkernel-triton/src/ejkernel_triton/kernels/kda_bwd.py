@@ -37,6 +37,7 @@ import triton.language as tl
 from ejkernel_triton.kernels.kda_common import (
     chunk_flags,
     chunk_inputs,
+    chunk_tiles,
     decayed_products_bwd,
     finite,
     l2_normalise,
@@ -137,13 +138,7 @@ def kda_bwd_dv_kernel(
     :func:`kda_bwd_chunk_kernel` (float32) ``dQ̃``, ``dW``, ``dK̃`` ``[B, T, H, K]``, ``dPᵀ``
     and the values' part of ``dT`` ``[B, T, H, C]``, their part of ``dβ`` ``[B, T, H]`` and the
     chunk decay's gradient ``[B, NT, H, K]``."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_c = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
-    p_k = rows[:, None] * K + o_k[None, :]
+    o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     p_c = rows[:, None] * C + o_c[None, :]
     _, _, b_beta, _, bad, _ = chunk_inputs(
         q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
@@ -156,7 +151,7 @@ def kda_bwd_dv_kernel(
     b_dt = tl.zeros([C, C], dtype=tl.float32)
     b_dbeta = tl.zeros([C], dtype=tl.float32)
     b_ddecay = tl.zeros([BK], dtype=tl.float32)
-    state = (i_bh.to(tl.int64) * NT + i_n) * K * V
+    state = (tl.program_id(1).to(tl.int64) * NT + tl.program_id(0)) * K * V  # [B, H, NT, K, V]
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
@@ -187,8 +182,7 @@ def kda_bwd_dv_kernel(
     tl.store(dpt_ptr + p_c, b_dpt)
     tl.store(dt_ptr + p_c, b_dt)
     tl.store(dbeta_ptr + rows, b_dbeta)
-    d_row = (i_b.to(tl.int64) * NT + i_n) * H + i_h
-    tl.store(ddecay_ptr + d_row * K + o_k, b_ddecay, mask=m_k)
+    tl.store(ddecay_ptr + slot * K + o_k, b_ddecay, mask=m_k)
 
 
 @triton.jit
@@ -232,13 +226,7 @@ def kda_bwd_chunk_kernel(
     next ``tl.dot`` on sm_90 here, so it goes through memory, the program's own, read back
     after a barrier), then the rows :func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd`
     reads back; ``dP`` comes from memory for the same reason."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_c = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
-    p_k = rows[:, None] * K + o_k[None, :]
+    o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     p_c = rows[:, None] * C + o_c[None, :]
     p_ct = rows[None, :] * C + o_c[:, None]  # the transpose's offsets
     b_q, b_k, b_beta, b_g, bad, live = chunk_inputs(
@@ -277,9 +265,7 @@ def kda_bwd_chunk_kernel(
     b_dbeta += tl.sum(b_da * tl.load(kk_ptr + p_c), axis=1)
     o_cc = o_c[:, None] * C + o_c[None, :]
     o_tr = o_c[None, :] * C + o_c[:, None]
-    scratch = scratch_ptr + ((i_b.to(tl.int64) * NT + i_n) * H + i_h) * (
-        C * C + (0 if GK == 1 else 3 * C * BK)
-    )
+    scratch = scratch_ptr + slot * (C * C + (0 if GK == 1 else 3 * C * BK))
     tl.store(scratch + o_cc, b_beta[:, None] * b_da)
     tl.debug_barrier()
     b_dp = tl.where(o_c[:, None] >= o_c[None, :], tl.load(dpt_ptr + p_ct), 0.0)
@@ -312,8 +298,7 @@ def kda_bwd_chunk_kernel(
     b_kg = b_kn * b_to_end
     b_dkn += b_dkg * b_to_end
     b_dgc -= b_dkg * b_kg
-    d_row = (i_b.to(tl.int64) * NT + i_n) * H + i_h
-    b_ddecay = tl.load(ddecay_ptr + d_row * K + o_k, mask=m_k, other=0.0)
+    b_ddecay = tl.load(ddecay_ptr + slot * K + o_k, mask=m_k, other=0.0)
     b_dglast = tl.sum(b_dkg * b_kg, axis=0) + b_ddecay * tl.exp(b_glast)  # [BK]
     # the cumulative gate: dg_s = Σ_{t ≥ s} dG_t (a product with the upper triangle of ones,
     # in full float32)

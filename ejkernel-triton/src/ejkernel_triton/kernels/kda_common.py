@@ -32,6 +32,22 @@ def walk_tiles(
 
 
 @triton.jit
+def chunk_tiles(H, NT, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """The indices of a per-chunk program (grid ``(NT, B·H)``): the chunk/key offsets and key
+    mask, the chunk's flat rows and the offsets of their ``BK`` key channels, and the chunk's
+    slot in ``[B, NT, H]`` per-chunk arrays."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
+    p_k = rows[:, None] * K + o_k[None, :]
+    slot = (i_b.to(tl.int64) * NT + i_n) * H + i_h
+    return o_c, o_k, m_k, rows, p_k, slot
+
+
+@triton.jit
 def chunk_flags(flags_ptr, i_n, i_b, i_h, R, H, K: tl.constexpr, V: tl.constexpr):
     """Chunk ``i_n``'s flag word (``sid << 2 | last << 1 | first``): whether it starts and ends
     its sequence, and the offset of its state row ``[K, V]`` in the ``[B·R, H, K, V]`` states."""

@@ -43,6 +43,7 @@ import triton.language as tl
 from ejkernel_triton.kernels.kda_common import (
     chunk_flags,
     chunk_inputs,
+    chunk_tiles,
     decayed_products,
     finite,
     l2_normalise,
@@ -87,14 +88,9 @@ def kda_fwd_prep_kernel(
     backward) also ``T`` and the decayed ``K Kᵀ`` [B, T, H, C] (float32); ``scratch [B, NT, H, 2 C BK]``
     (float32, a per-channel gate's only) is the program's own room for
     :func:`~ejkernel_triton.kernels.kda_common.decayed_products`."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_c = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
+    o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     o_v = tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
-    p_k = rows[:, None] * K + o_k[None, :]
+    m_v = o_v < V
     p_v = rows[:, None] * V + o_v[None, :]
     b_q, b_k, b_beta, b_g, bad, _ = chunk_inputs(
         q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
@@ -109,18 +105,18 @@ def kda_fwd_prep_kernel(
         b_k, _ = l2_normalise(b_k)
     b_q = b_q * scale
     b_gc = tl.cumsum(b_g, axis=0)
-    scratch = scratch_ptr + ((i_b.to(tl.int64) * NT + i_n) * H + i_h) * 2 * C * BK
+    scratch = scratch_ptr + slot * 2 * C * BK
     b_p, b_kk = decayed_products(b_q, b_k, b_gc, o_c, o_k, scratch, C, BK, GK, DOT_PRECISION)
     if GK == 1:
         b_glast = tl.sum(tl.where(o_c == C - 1, b_gc, 0.0), axis=0)
         b_gamma = tl.exp(b_gc)[:, None]
         b_to_end = tl.exp(b_glast - b_gc)[:, None]
-        tl.store(decay_ptr + (i_b.to(tl.int64) * NT + i_n) * H + i_h, tl.exp(b_glast))
+        tl.store(decay_ptr + slot, tl.exp(b_glast))
     else:
         b_glast = tl.sum(tl.where(o_c[:, None] == C - 1, b_gc, 0.0), axis=0)
         b_gamma = tl.exp(b_gc)
         b_to_end = tl.exp(b_glast[None, :] - b_gc)
-        p_d = decay_ptr + ((i_b.to(tl.int64) * NT + i_n) * H + i_h) * K + o_k
+        p_d = decay_ptr + slot * K + o_k
         tl.store(p_d, tl.exp(b_glast), mask=m_k)
     b_a = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_kk, 0.0)
     b_t = unit_lower_inverse(b_a, o_c, C)
