@@ -122,6 +122,9 @@ def test_rows_that_see_no_key_are_zero(interpret) -> None:
     assert not jnp.any(out[:, :8])
 
 
+# the absorbed kernel's first walk multiplies the planted NaN/Inf (NumPy warns in the
+# interpreter); the block then walks again with the latent cleaned
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_non_finite_latents_read_as_zero(interpret) -> None:
     arrays = ODD.inputs()
     arrays["key_value"] = arrays["key_value"].at[1, 7, 3].set(jnp.nan).at[0, 30].set(jnp.inf)

@@ -16,7 +16,11 @@ cap) and :func:`~ejkernel_triton.kernels.flash_attention_common._visible` (botto
 causal, sliding window: :mod:`ejkernel.attention_semantics`), a float32 ``[BLOCK_M, R]``
 accumulator. Non-finite latent and rotary-key entries read as 0
 (:func:`~ejkernel_triton.kernels.flash_attention_common._finite_or_zero`: the spec reads them so
-before any projection); a row that sees no key gives zeros.
+before any projection): the rotary keys are cleaned as they load; the latent tiles go to the
+matrix instructions as loaded (cleaning them would take each tile through registers and back
+to shared memory), and a block whose accumulator ends non-finite (a NaN or Inf latent entry
+reaches every row of the block through ``P·C``, as ``0·NaN`` where it is hidden) walks its
+keys again with the latent cleaned. A row that sees no key gives zeros.
 """
 
 from __future__ import annotations
@@ -77,14 +81,13 @@ def mla_absorbed_fwd_kernel(
     b_q = tl.load(
         q_ptr + row_base[:, None] * R + o_r[None, :], mask=m_rows[:, None] & m_r[None, :], other=0.0
     )
-    if DR > 0:
-        o_d = tl.arange(0, BDR)
-        m_d = o_d < DR
-        b_qr = tl.load(
-            qr_ptr + row_base[:, None] * DR + o_d[None, :],
-            mask=m_rows[:, None] & m_d[None, :],
-            other=0.0,
-        )
+    o_d = tl.arange(0, BDR)
+    m_d = o_d < DR
+    b_qr = tl.load(
+        qr_ptr + row_base[:, None] * DR + o_d[None, :],
+        mask=m_rows[:, None] & m_d[None, :] & (DR > 0),
+        other=0.0,
+    )
     # the keys the block's rows may see
     offset = seqlen_k - seqlen_q
     first_q = (i_m * BLOCK_M) // num_heads
@@ -102,20 +105,117 @@ def mla_absorbed_fwd_kernel(
     lo = lo + i_s * per_split
     hi = tl.minimum(hi, lo + per_split)
     geo = (offset, seqlen_q, seqlen_k, window_left, window_right)
-    masks = ((o_ptr, 0, 0), (o_ptr, 0, 0), (o_ptr, o_ptr))  # no bias, mask or segments
+    c_base = c_ptr + i_b.to(tl.int64) * seqlen_k * R
+    kr_base = kr_ptr + i_b.to(tl.int64) * seqlen_k * DR
+    m_i, l_i, acc = _walk(
+        b_q,
+        b_qr,
+        c_base,
+        kr_base,
+        o_r,
+        m_r,
+        o_d,
+        m_d,
+        qi,
+        lo,
+        hi,
+        sm_scale,
+        soft_cap,
+        geo,
+        seqlen_k,
+        R,
+        DR,
+        BLOCK_M,
+        BR,
+        BLOCK_N,
+        CAUSAL,
+        WINDOW,
+        SOFT_CAP,
+        DOT_PRECISION,
+        CLEAN=False,
+    )
+    # a non-finite latent entry turns its column of every row's accumulator non-finite
+    # (0 · NaN, 0 · Inf): then the block walks again with the latent cleaned
+    broken = tl.sum(tl.where((acc == acc) & (tl.abs(acc) != float("inf")), 0, 1))
+    if broken > 0:
+        m_i, l_i, acc = _walk(
+            b_q,
+            b_qr,
+            c_base,
+            kr_base,
+            o_r,
+            m_r,
+            o_d,
+            m_d,
+            qi,
+            lo,
+            hi,
+            sm_scale,
+            soft_cap,
+            geo,
+            seqlen_k,
+            R,
+            DR,
+            BLOCK_M,
+            BR,
+            BLOCK_N,
+            CAUSAL,
+            WINDOW,
+            SOFT_CAP,
+            DOT_PRECISION,
+            CLEAN=True,
+        )
+    seen = l_i > 0.0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_ptr + out_base[:, None] * R + o_r[None, :], out, mask=m_rows[:, None] & m_r[None, :])
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -EMPTY_LSE)
+    tl.store(lse_ptr + out_base, lse, mask=m_rows)
+
+
+@triton.jit
+def _walk(
+    b_q,
+    b_qr,
+    c_base,
+    kr_base,
+    o_r,
+    m_r,
+    o_d,
+    m_d,
+    qi,
+    lo,
+    hi,
+    sm_scale,
+    soft_cap,
+    geo,
+    seqlen_k,
+    R: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BR: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CLEAN: tl.constexpr,
+):
+    """The online softmax over the key blocks ``[lo, hi)``: ``(m, l, acc)``. Rotary keys always
+    read non-finite entries as 0; latent rows only with ``CLEAN`` (else they go to the matrix
+    instructions as loaded)."""
+    masks = ((c_base, 0, 0), (c_base, 0, 0), (c_base, c_base))  # no bias, mask or segments
     features = (CAUSAL, WINDOW, False, False, False)
     m_i = tl.full([BLOCK_M], MASK_VALUE, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BR], dtype=tl.float32)
-    c_base = c_ptr + i_b.to(tl.int64) * seqlen_k * R
-    kr_base = kr_ptr + i_b.to(tl.int64) * seqlen_k * DR
     for start in range(lo, hi, BLOCK_N):
         kj = start + tl.arange(0, BLOCK_N)
         m_k = kj < seqlen_k
         b_c = tl.load(
             c_base + kj[:, None] * R + o_r[None, :], mask=m_k[:, None] & m_r[None, :], other=0.0
         )
-        b_c = _finite_or_zero(b_c)
+        if CLEAN:
+            b_c = _finite_or_zero(b_c)
         qk = tl.dot(b_q, tl.trans(b_c), input_precision=DOT_PRECISION)
         if DR > 0:
             b_kr = tl.load(
@@ -132,8 +232,4 @@ def mla_absorbed_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(b_c.dtype), b_c, input_precision=DOT_PRECISION)
         m_i = m_new
-    seen = l_i > 0.0
-    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    tl.store(o_ptr + out_base[:, None] * R + o_r[None, :], out, mask=m_rows[:, None] & m_r[None, :])
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -EMPTY_LSE)
-    tl.store(lse_ptr + out_base, lse, mask=m_rows)
+    return m_i, l_i, acc
