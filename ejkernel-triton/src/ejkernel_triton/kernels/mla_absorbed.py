@@ -107,63 +107,21 @@ def mla_absorbed_fwd_kernel(
     geo = (offset, seqlen_q, seqlen_k, window_left, window_right)
     c_base = c_ptr + i_b.to(tl.int64) * seqlen_k * R
     kr_base = kr_ptr + i_b.to(tl.int64) * seqlen_k * DR
+    walk = (
+        (b_q, b_qr, qi),
+        (c_base, kr_base, o_r, m_r, o_d, m_d),
+        (lo, hi, seqlen_k),
+        (sm_scale, soft_cap, geo),
+    )
     m_i, l_i, acc = _walk(
-        b_q,
-        b_qr,
-        c_base,
-        kr_base,
-        o_r,
-        m_r,
-        o_d,
-        m_d,
-        qi,
-        lo,
-        hi,
-        sm_scale,
-        soft_cap,
-        geo,
-        seqlen_k,
-        R,
-        DR,
-        BLOCK_M,
-        BR,
-        BLOCK_N,
-        CAUSAL,
-        WINDOW,
-        SOFT_CAP,
-        DOT_PRECISION,
-        CLEAN=False,
+        walk, R, DR, BLOCK_M, BR, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, DOT_PRECISION, CLEAN=False
     )
     # a non-finite latent entry turns its column of every row's accumulator non-finite
     # (0 · NaN, 0 · Inf): then the block walks again with the latent cleaned
     broken = tl.sum(tl.where((acc == acc) & (tl.abs(acc) != float("inf")), 0, 1))
     if broken > 0:
         m_i, l_i, acc = _walk(
-            b_q,
-            b_qr,
-            c_base,
-            kr_base,
-            o_r,
-            m_r,
-            o_d,
-            m_d,
-            qi,
-            lo,
-            hi,
-            sm_scale,
-            soft_cap,
-            geo,
-            seqlen_k,
-            R,
-            DR,
-            BLOCK_M,
-            BR,
-            BLOCK_N,
-            CAUSAL,
-            WINDOW,
-            SOFT_CAP,
-            DOT_PRECISION,
-            CLEAN=True,
+            walk, R, DR, BLOCK_M, BR, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, DOT_PRECISION, CLEAN=True
         )
     seen = l_i > 0.0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
@@ -174,21 +132,7 @@ def mla_absorbed_fwd_kernel(
 
 @triton.jit
 def _walk(
-    b_q,
-    b_qr,
-    c_base,
-    kr_base,
-    o_r,
-    m_r,
-    o_d,
-    m_d,
-    qi,
-    lo,
-    hi,
-    sm_scale,
-    soft_cap,
-    geo,
-    seqlen_k,
+    walk,
     R: tl.constexpr,
     DR: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -200,9 +144,15 @@ def _walk(
     DOT_PRECISION: tl.constexpr,
     CLEAN: tl.constexpr,
 ):
-    """The online softmax over the key blocks ``[lo, hi)``: ``(m, l, acc)``. Rotary keys always
-    read non-finite entries as 0; latent rows only with ``CLEAN`` (else they go to the matrix
-    instructions as loaded)."""
+    """The online softmax over the key blocks ``[lo, hi)``: ``(m, l, acc)``. ``walk`` holds the
+    block's query rows, the latent and rotary-key bases with their offsets and masks, the key
+    range and the scores' scale, cap and geometry. Rotary keys always read non-finite entries
+    as 0; latent rows only with ``CLEAN`` (else they go to the matrix instructions as loaded)."""
+    rows, keys, span, scores = walk
+    b_q, b_qr, qi = rows
+    c_base, kr_base, o_r, m_r, o_d, m_d = keys
+    lo, hi, seqlen_k = span
+    sm_scale, soft_cap, geo = scores
     masks = ((c_base, 0, 0), (c_base, 0, 0), (c_base, c_base))  # no bias, mask or segments
     features = (CAUSAL, WINDOW, False, False, False)
     m_i = tl.full([BLOCK_M], MASK_VALUE, dtype=tl.float32)

@@ -1,0 +1,205 @@
+"""Triton native sparse attention, the selected branch: forward and backward (signatures in
+jax-triton's order: inputs, outputs, constexprs).
+
+One program per (query token, batch row, KV head) holds the ``G`` query heads of the KV head's
+group as the rows of one tile (the selection is shared by the group, NSA Sec. 3.3.2) and walks
+the group's ``T`` selected blocks: block ``c`` of the query's sequence is the key rows
+``start + c·bs + u`` (``u < bs``), of which those at positions ≤ the query's own are visible
+(the current block up to the query). Slots the caller left empty (negative, a repeat of an
+earlier slot) or whose block starts after the query see nothing. Hidden rows are never loaded,
+so what they hold cannot reach a row; the caller passes keys and values whose non-finite
+entries already read as 0 (:func:`ejkernel.attention_semantics.finite_or_zero`).
+
+- :func:`nsa_selected_fwd_kernel`: an online softmax in the log2 domain over the blocks, float32
+  output and log2-sum-exp (a row that sees no key: zeros and ``EMPTY_LSE``).
+- :func:`nsa_selected_bwd_kernel`: recomputes each block's probabilities from the log2-sum-exp
+  (FlashAttention-2's backward algebra), keeps the group's ``dq`` in registers and adds each
+  block's ``dk``/``dv`` into float32 buffers with atomics (a key row is shared by every query
+  that selected its block).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE, LOG2E, MASK_VALUE
+
+
+@triton.jit
+def _group_tiles(
+    S,
+    HKV,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+):
+    """The program's query token, batch row and KV head, its ``BG`` flat query rows and their
+    mask, and the offsets and masks of its ``[BG, BD]`` query and ``[BG, BDV]`` output tiles."""
+    t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    o_g = tl.arange(0, BG)
+    o_d = tl.arange(0, BD)
+    o_dv = tl.arange(0, BDV)
+    m_g = o_g < G
+    hq = HKV * G
+    q_rows = (i_b.to(tl.int64) * S + t) * hq + i_h * G + o_g
+    p_q = q_rows[:, None] * D + o_d[None, :]
+    m_q = m_g[:, None] & (o_d < D)[None, :]
+    p_o = q_rows[:, None] * DV + o_dv[None, :]
+    m_o = m_g[:, None] & (o_dv < DV)[None, :]
+    return t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o
+
+
+@triton.jit
+def _block_rows(
+    idx_ptr,
+    start_ptr,
+    t,
+    i_b,
+    i_h,
+    i,
+    S,
+    HKV,
+    T,
+    o_u,
+    BS_TRUE: tl.constexpr,
+):
+    """Slot ``i``'s key rows ``[BS]`` (flat ``(batch row, token)`` indices) and which of them
+    the query at ``t`` sees."""
+    c = tl.load(idx_ptr + ((i_b.to(tl.int64) * S + t) * HKV + i_h) * T + i)
+    start = tl.load(start_ptr + t)
+    pos = t - start
+    key_pos = c * BS_TRUE + o_u
+    seen = (c >= 0) & (o_u < BS_TRUE) & (key_pos <= pos)
+    rows = i_b.to(tl.int64) * S + start + tl.where(seen, key_pos, 0)
+    return rows, seen
+
+
+@triton.jit
+def nsa_selected_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    idx_ptr,
+    start_ptr,
+    scale,
+    S,
+    HKV,
+    T,
+    o_ptr,
+    lse_ptr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BS_TRUE: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(S, B·Hkv)``: from ``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]``,
+    ``v [B, S, Hkv, Dv]``, the selection ``[B, S, Hkv, T]`` (int32, each block once, -1 empty)
+    and each token's sequence start ``[S]`` (int32), the selected branch's output
+    ``[B, S, Hq, Dv]`` and log2-sum-exp ``[B, S, Hq]`` (float32)."""
+    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = _group_tiles(
+        S, HKV, G, D, DV, BG, BD, BDV
+    )
+    b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0)
+    o_u = tl.arange(0, BS)
+    qk_scale = scale * LOG2E
+    m_i = tl.full([BG], MASK_VALUE, dtype=tl.float32)
+    l_i = tl.zeros([BG], dtype=tl.float32)
+    acc = tl.zeros([BG, BDV], dtype=tl.float32)
+    for i in range(T):
+        rows, seen = _block_rows(idx_ptr, start_ptr, t, i_b, i_h, i, S, HKV, T, o_u, BS_TRUE)
+        kv_rows = rows * HKV + i_h
+        b_k = tl.load(
+            k_ptr + kv_rows[:, None] * D + o_d[None, :],
+            mask=seen[:, None] & (o_d < D)[None, :],
+            other=0.0,
+        )
+        b_v = tl.load(
+            v_ptr + kv_rows[:, None] * DV + o_dv[None, :],
+            mask=seen[:, None] & (o_dv < DV)[None, :],
+            other=0.0,
+        )
+        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(seen[None, :], s, MASK_VALUE)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(seen[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    seen_any = l_i > 0.0
+    out = tl.where(seen_any[:, None], acc / tl.where(seen_any, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_ptr + p_o, out, mask=m_o)
+    lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), EMPTY_LSE)
+    tl.store(lse_ptr + q_rows, lse, mask=m_g)
+
+
+@triton.jit
+def nsa_selected_bwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    idx_ptr,
+    start_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    scale,
+    S,
+    HKV,
+    T,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BS_TRUE: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(S, B·Hkv)``: from the forward's inputs, ``do [B, S, Hq, Dv]``, its
+    log2-sum-exp and ``delta = Σ do ⊙ o`` ``[B, S, Hq]``, the gradients ``dq [B, S, Hq, D]``
+    (stored) and ``dk [B, S, Hkv, D]``, ``dv [B, S, Hkv, Dv]`` (float32, zeroed by the caller,
+    added into)."""
+    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = _group_tiles(
+        S, HKV, G, D, DV, BG, BD, BDV
+    )
+    b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0)
+    b_do = tl.load(do_ptr + p_o, mask=m_o, other=0.0)
+    b_lse = tl.load(lse_ptr + q_rows, mask=m_g, other=EMPTY_LSE)
+    b_delta = tl.load(delta_ptr + q_rows, mask=m_g, other=0.0)
+    o_u = tl.arange(0, BS)
+    qk_scale = scale * LOG2E
+    b_dq = tl.zeros([BG, BD], dtype=tl.float32)
+    for i in range(T):
+        rows, seen = _block_rows(idx_ptr, start_ptr, t, i_b, i_h, i, S, HKV, T, o_u, BS_TRUE)
+        kv_rows = rows * HKV + i_h
+        m_k = seen[:, None] & (o_d < D)[None, :]
+        m_v = seen[:, None] & (o_dv < DV)[None, :]
+        p_k = kv_rows[:, None] * D + o_d[None, :]
+        p_v = kv_rows[:, None] * DV + o_dv[None, :]
+        b_k = tl.load(k_ptr + p_k, mask=m_k, other=0.0)
+        b_v = tl.load(v_ptr + p_v, mask=m_v, other=0.0)
+        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.where(seen[None, :], tl.exp2(s - b_lse[:, None]), 0.0)
+        dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+        ds = p * (dp - b_delta[:, None])
+        b_dq += tl.dot(ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
+        b_dk = tl.dot(tl.trans(ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION) * scale
+        b_dv = tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
+        tl.atomic_add(dk_ptr + p_k, b_dk, mask=m_k)
+        tl.atomic_add(dv_ptr + p_v, b_dv, mask=m_v)
+    tl.store(dq_ptr + p_q, (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_q)

@@ -1,0 +1,337 @@
+"""native_sparse_attention in Triton: the registered entry, the config, heuristic, config space
+and ``supports``.
+
+NSA (semantics: :mod:`ejkernel.specs.native_sparse_attention`) in three parts, differentiated
+by JAX around one custom VJP:
+
+- the compressed branch and the selection, in JAX: the complete blocks of every sequence are
+  mean-pooled into at most ``S // bs`` compressed tokens per batch row, every query attends to
+  those of its own sequence that lie wholly in its past (dense ``[B, S, Hq, S // bs]``
+  logits: :func:`supports` declines calls whose logits would pass :data:`COMPRESSED_BYTES`, which
+  the XLA platform serves in query chunks), and without ``block_indices`` the group-mean
+  probabilities choose the blocks (:func:`ejkernel.specs.native_sparse_attention.nsa_select_blocks`);
+- the selected branch, the Triton kernels of :mod:`ejkernel_triton.kernels.nsa_selected`
+  (a repeated block keeps its first slot only);
+- the sliding-window branch, Triton flash attention (``sliding_window = (W - 1, 0)``, causal,
+  the packed sequences as segment ids).
+
+Keys and values go in through :func:`ejkernel.attention_semantics.finite_or_zero`, as the spec
+reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ejkernel
+from ejkernel.attention_semantics import finite_or_zero, hide, mask_scores
+from ejkernel.specs.native_sparse_attention import nsa_select_blocks, sequence_layout
+from ejkernel_triton import _launch
+from ejkernel_triton._launch import BATCH, OTHER
+
+__all__ = [
+    "COMPRESSED_BYTES",
+    "NativeSparseAttentionConfig",
+    "config_space",
+    "heuristic",
+    "native_sparse_attention_triton",
+    "supports",
+]
+
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_MAX_HEAD_DIM = 256
+_MAX_BLOCK = 256
+#: Bytes the compressed branch's float32 logits may take (they live with their probabilities
+#: and gradients: a few times this at the peak).
+COMPRESSED_BYTES = 1 << 30
+
+
+@attrs.frozen(kw_only=True)
+class NativeSparseAttentionConfig:
+    """Tunables of the Triton NSA's selected-branch kernels.
+
+    Attributes:
+        num_warps: warps per program (one program per query token and KV head).
+        num_stages: software-pipelining stages of the walk over the selected blocks.
+    """
+
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def supports(inv: Any) -> bool | str:
+    """True, or why not: dtypes other than bf16/f16/f32, head dims over 256, blocks over 256
+    tokens, or compressed logits over :data:`COMPRESSED_BYTES`."""
+    a = inv.kwargs
+    q, k, v = a["query"], a["key"], a["value"]
+    if q.dtype not in _DTYPES or len({q.dtype, k.dtype, v.dtype}) != 1:
+        return f"query/key/value dtypes {q.dtype}, {k.dtype}, {v.dtype} (one of bf16, f16, f32)"
+    if max(q.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
+        return f"head dims D {q.shape[-1]}, Dv {v.shape[-1]} over {_MAX_HEAD_DIM}"
+    bs = a.get("block_size", 64)
+    if bs > _MAX_BLOCK:
+        return f"block_size {bs} over {_MAX_BLOCK}"
+    b, s, hq, _ = q.shape
+    logits = 4 * b * s * hq * max(1, s // bs)
+    if logits > COMPRESSED_BYTES:
+        return (
+            f"the compressed branch's dense logits would take {logits / 2**30:.1f} GiB "
+            f"(over {COMPRESSED_BYTES / 2**30:.0f} GiB; the XLA platform chunks them)"
+        )
+    return True
+
+
+def heuristic(inv: Any) -> NativeSparseAttentionConfig:
+    """4 warps, no pipelining (a step is one block of keys and values per query token)."""
+    del inv
+    return NativeSparseAttentionConfig()
+
+
+def config_space(inv: Any) -> list[NativeSparseAttentionConfig]:
+    """The heuristic, then 8 warps and two stages."""
+    base = heuristic(inv)
+    if _launch.interpreting():
+        return [base]
+    return [base, NativeSparseAttentionConfig(num_warps=8), attrs.evolve(base, num_stages=2)]
+
+
+def native_sparse_attention_triton(
+    *, cfg: NativeSparseAttentionConfig | None = None, **args: Any
+) -> jax.Array:
+    """NSA: compressed, selected and sliding-window branches mixed by their gates.
+
+    Args:
+        cfg: the selected-branch kernels' warps and stages; ``None`` takes the heuristic's.
+        **args: :func:`ejkernel.native_sparse_attention`'s arguments by name, as its spec
+            validated them.
+
+    Returns:
+        [B, S, Hq, Dv] in the query dtype.
+    """
+    cfg = cfg or NativeSparseAttentionConfig()
+    q, g_cmp, g_slc, g_swa = args["query"], args["g_cmp"], args["g_slc"], args.get("g_swa")
+    k, v = finite_or_zero(args["key"]), finite_or_zero(args["value"])
+    bs, window, cu = args.get("block_size", 64), args.get("window_size", 0), args.get("cu_seqlens")
+    b, s, _, d = q.shape
+    scale = args.get("softmax_scale")
+    scale = d**-0.5 if scale is None else scale
+    seq, start, pos = sequence_layout(b, s, cu)
+    o_cmp, p_blocks = _compressed(q, k, v, seq, pos, cu, bs, scale)
+    idx = args.get("block_indices")
+    if idx is None:
+        idx = nsa_select_blocks(
+            p_blocks,
+            pos,
+            block_size=bs,
+            block_counts=args.get("block_counts", 16),
+            num_blocks=-(-s // bs),
+        )
+    o_slc = _selected(q, k, v, _first_slots(idx), start[0], float(scale), bs, cfg)
+    f32 = jnp.float32
+    out = g_cmp.astype(f32)[..., None] * o_cmp + g_slc.astype(f32)[..., None] * o_slc
+    if window > 0 and g_swa is not None:
+        seg = None if cu is None else seq
+        o_swa = ejkernel.flash_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            sliding_window=(window - 1, 0),
+            softmax_scale=scale,
+            q_segment_ids=seg,
+            kv_segment_ids=seg,
+            platform="triton",
+        )
+        out = out + g_swa.astype(f32)[..., None] * o_swa.astype(f32)
+    return out.astype(q.dtype)
+
+
+# -- the compressed branch and the selection (JAX) ------------------------------------------
+
+
+def _compressed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    seq: jax.Array,
+    pos: jax.Array,
+    cu: jax.Array | None,
+    bs: int,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """``(o_cmp [B, S, Hq, Dv] float32, p [B, S, Hkv, G, NB])``: the compressed branch's output
+    and each query's probabilities of the blocks ``0 .. NB-1`` of its sequence."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    group, nb, tc = hq // hkv, -(-s // bs), max(1, s // bs)
+    m = jnp.arange(tc, dtype=jnp.int32)
+    if cu is None:
+        j_m, c_m, first = jnp.zeros_like(m), m, jnp.zeros((1,), jnp.int32)
+        valid, complete = m < s // bs, jnp.full((1,), s // bs, jnp.int32)
+        row0 = c_m * bs
+    else:
+        cu = cu.astype(jnp.int32)
+        complete = (cu[1:] - cu[:-1]) // bs  # complete blocks of each sequence
+        first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(complete)])
+        j_m = jnp.minimum(jnp.searchsorted(first[1:], m, side="right"), complete.shape[0] - 1)
+        c_m = m - first[j_m]
+        valid = m < first[-1]
+        row0 = cu[j_m] + c_m * bs
+    rows = jnp.clip(row0[:, None] + jnp.arange(bs), 0, s - 1)  # [TC, bs]
+    f32 = jnp.float32
+    k_cmp = jnp.mean(k[:, rows].astype(f32), axis=2)  # [B, TC, Hkv, D]
+    v_cmp = jnp.mean(v[:, rows].astype(f32), axis=2)
+    qg = q.astype(f32).reshape(b, s, hkv, group, d)
+    hi = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("bshgd,bmhd->bshgm", qg, k_cmp, precision=hi) * scale
+    seen = valid & (j_m == seq[..., None]) & ((c_m + 1) * bs - 1 <= pos[..., None])  # [1, S, TC]
+    seen = seen[:, :, None, None, :]
+    logits = mask_scores(logits, seen)
+    p = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    p = hide(p, seen)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0.0, 1.0, denom)
+    o_cmp = jnp.einsum("bshgm,bmhd->bshgd", p, v_cmp, precision=hi).reshape(b, s, hq, -1)
+    # block c of query t's sequence is compressed token first[seq_t] + c, while c is complete
+    c = jnp.arange(nb, dtype=jnp.int32)
+    own = seq if cu is not None else jnp.zeros_like(seq)
+    token = jnp.clip(first[own][..., None] + c, 0, tc - 1)  # [1, S, NB]
+    p_blocks = jnp.take_along_axis(
+        p, jnp.broadcast_to(token[:, :, None, None], (*p.shape[:-1], nb)), -1
+    )
+    p_blocks = jnp.where((c < complete[own][..., None])[:, :, None, None], p_blocks, 0.0)
+    return o_cmp, p_blocks
+
+
+def _first_slots(idx: jax.Array) -> jax.Array:
+    """The selection with each block in its first slot only (repeats and negatives: -1)."""
+    idx = idx.astype(jnp.int32)
+    t = idx.shape[-1]
+    earlier = jnp.tril(jnp.ones((t, t), bool), -1)  # [i, j]: j before i
+    repeat = jnp.any((idx[..., :, None] == idx[..., None, :]) & earlier, axis=-1)
+    return jnp.where(repeat | (idx < 0), -1, idx)
+
+
+# -- the selected branch (Triton) -----------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _selected(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    idx: jax.Array,
+    start: jax.Array,
+    scale: float,
+    bs: int,
+    cfg: NativeSparseAttentionConfig,
+) -> jax.Array:
+    """The selected branch's output ``[B, S, Hq, Dv]`` (float32)."""
+    return _selected_fwd(q, k, v, idx, start, scale, bs, cfg)[0]
+
+
+def _selected_fwd(q, k, v, idx, start, scale, bs, cfg):
+    run = _launch.fold_vmap(_forward_kernel(scale, bs, cfg), (BATCH,) * 4 + (OTHER,))
+    o, lse = run(q, k, v, idx, start)
+    return o, (q, k, v, idx, start, o, lse)
+
+
+def _selected_bwd(scale, bs, cfg, res, d_o):
+    q, k, v, idx, start, o, lse = res
+    delta = jnp.sum(d_o * o, axis=-1)
+    run = _launch.fold_vmap(
+        _backward_kernel(scale, bs, cfg), (BATCH,) * 4 + (OTHER,) + (BATCH,) * 3
+    )
+    dq, dk, dv = run(q, k, v, idx, start, d_o.astype(q.dtype), lse, delta)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_selected.defvjp(_selected_fwd, _selected_bwd)
+
+
+def _sizes(q: jax.Array, k: jax.Array, v: jax.Array, bs: int) -> dict[str, Any]:
+    pow2 = lambda n: max(16, 1 << (int(n) - 1).bit_length())
+    group, d, dv = q.shape[2] // k.shape[2], q.shape[-1], v.shape[-1]
+    return {
+        "G": group,
+        "D": d,
+        "DV": dv,
+        "BS_TRUE": bs,
+        "BG": pow2(group),
+        "BD": pow2(d),
+        "BDV": pow2(dv),
+        "BS": pow2(bs),
+        "DOT_PRECISION": "ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32",
+    }
+
+
+def _forward_kernel(scale: float, bs: int, cfg: NativeSparseAttentionConfig) -> Any:
+    from ejkernel_triton.kernels.nsa_selected import nsa_selected_fwd_kernel
+
+    def run(q, k, v, idx, start):
+        b, s, hq, _ = q.shape
+        hkv, t, dv = k.shape[2], idx.shape[-1], v.shape[-1]
+        f32 = jnp.float32
+        return _launch.launch(
+            nsa_selected_fwd_kernel,
+            q,
+            k,
+            v,
+            idx,
+            start,
+            np.float32(scale),
+            s,
+            hkv,
+            t,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, s, hq, dv), f32),
+                jax.ShapeDtypeStruct((b, s, hq), f32),
+            ],
+            grid=(s, b * hkv),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **_sizes(q, k, v, bs),
+        )
+
+    return run
+
+
+def _backward_kernel(scale: float, bs: int, cfg: NativeSparseAttentionConfig) -> Any:
+    from ejkernel_triton.kernels.nsa_selected import nsa_selected_bwd_kernel
+
+    def run(q, k, v, idx, start, d_o, lse, delta):
+        s, hkv, t = q.shape[1], k.shape[2], idx.shape[-1]
+        f32 = jnp.float32
+        return _launch.launch(
+            nsa_selected_bwd_kernel,
+            q,
+            k,
+            v,
+            idx,
+            start,
+            d_o,
+            lse,
+            delta,
+            np.float32(scale),
+            s,
+            hkv,
+            t,
+            out_shape=[
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(k.shape, f32),
+                jax.ShapeDtypeStruct(v.shape, f32),
+            ],
+            grid=(s, q.shape[0] * hkv),
+            zeroed_outputs=(1, 2),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **_sizes(q, k, v, bs),
+        )
+
+    return run
