@@ -10,7 +10,10 @@ CPU (default): float32, (1, S, 4 query heads, 1 KV head, D=64), S = 1k … 4k, b
 GPU (``--gpu``): bfloat16, (1, S, 16 query heads, 1 KV head, D=128), S = 8k … 32k, bs=64,
 T=16, W=512 (the paper's settings, one KV group).
 
-Run: ``python benchmarks/bench_native_sparse_attention.py [--gpu] [--seqs S ...]``
+``--platform P`` runs NSA on platform P (``xla``, ``triton``: opt-in) instead of the default
+call's.
+
+Run: ``python benchmarks/bench_native_sparse_attention.py [--gpu] [--seqs S ...] [--platform P]``
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from _common import fwd_bwd, mib, temp_bytes, timed
 import ejkernel
 
 
-def _nsa(q: Any, k: Any, v: Any, *, gates: list[Any], nsa: dict[str, int]) -> Any:
+def _nsa(q: Any, k: Any, v: Any, *, gates: list[Any], nsa: dict[str, Any]) -> Any:
     return ejkernel.native_sparse_attention(q, k, v, *gates, **nsa)
 
 
-def run(seqs: list[int], *, hq: int, hkv: int, d: int, nsa: dict[str, int], dtype: Any) -> None:
+def run(seqs: list[int], *, hq: int, hkv: int, d: int, nsa: dict[str, Any], dtype: Any) -> None:
     print(f"(1, S, Hq={hq}, Hkv={hkv}, D={d}) {jnp.dtype(dtype).name}, NSA {nsa}")
     print(
         "| S | NSA fwd ms | flash fwd ms | NSA fwd+bwd ms | flash fwd+bwd ms | temp MiB NSA | temp MiB flash |"
@@ -61,13 +64,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--seqs", nargs="*", type=int, default=None)
+    parser.add_argument("--platform", default=None, help="NSA's platform (default: the chosen)")
     args = parser.parse_args()
+    chosen = {} if args.platform is None else {"platform": args.platform}
     print(f"jax {jax.__version__}, devices {jax.devices()}, ejkernel {ejkernel.__version__}")
     if args.gpu:
-        nsa = {"block_size": 64, "block_counts": 16, "window_size": 512}
+        nsa = {"block_size": 64, "block_counts": 16, "window_size": 512, **chosen}
         run(args.seqs or [8192, 16384, 32768], hq=16, hkv=1, d=128, nsa=nsa, dtype=jnp.bfloat16)
     else:
-        nsa = {"block_size": 64, "block_counts": 8, "window_size": 128}
+        nsa = {"block_size": 64, "block_counts": 8, "window_size": 128, **chosen}
         run(args.seqs or [1024, 2048, 4096], hq=4, hkv=1, d=64, nsa=nsa, dtype=jnp.float32)
 
 
