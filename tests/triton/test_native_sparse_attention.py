@@ -11,6 +11,7 @@ bfloat16 against the XLA platform in float32.
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -53,6 +54,14 @@ def ours(**kw: Any) -> Any:
     return ejkernel.native_sparse_attention(**kw, platform="triton")
 
 
+def check(arrays: dict[str, jax.Array], tol: float = 1e-5, **statics: Any) -> None:
+    """Output and gradients against the reference, each side jitted with its static arguments
+    (JAX's eager dispatch of the JAX parts would take most of the interpreter's time)."""
+    mine = jax.jit(functools.partial(ours, **statics))
+    want = jax.jit(functools.partial(reference, **statics))
+    check_against(lambda **a: mine(**a), lambda **a: want(**a), arrays, tol=tol)
+
+
 @pytest.mark.parametrize(
     ("shape", "statics"),
     [
@@ -66,7 +75,7 @@ def test_output_and_gradients_match_the_reference(interpret, shape, statics) -> 
     arrays = inputs(*shape)
     if not statics.get("window_size"):
         del arrays["g_swa"]
-    check_against(ours, reference, arrays, tol=1e-5, softmax_scale=0.3, **statics)
+    check(arrays, softmax_scale=0.3, **statics)
 
 
 def test_given_blocks_with_repeats_empty_slots_and_future_blocks(interpret) -> None:
@@ -74,17 +83,14 @@ def test_given_blocks_with_repeats_empty_slots_and_future_blocks(interpret) -> N
     del arrays["g_swa"]
     slots = jax.random.randint(jax.random.PRNGKey(1), (1, 40, 2, 4), -1, 6)
     slots = slots.at[..., 3].set(slots[..., 0])  # a repeat of the first slot
-    check_against(ours, reference, arrays, tol=1e-5, block_size=8, block_indices=slots)
+    check(arrays, block_size=8, block_indices=slots)
 
 
 def test_packed_sequences_shorter_than_a_block_and_empty(interpret) -> None:
     arrays = inputs(1, 50, 2, 1, 16, 8)
     cu = jnp.array([0, 5, 5, 29, 30, 50], jnp.int32)
-    check_against(
-        ours,
-        reference,
+    check(
         arrays,
-        tol=1e-5,
         block_size=8,
         block_counts=3,
         window_size=6,
@@ -98,14 +104,15 @@ def test_non_finite_keys_and_values_read_as_zero(interpret) -> None:
     arrays["key"] = arrays["key"].at[0, 20, 0, 3].set(jnp.nan)
     arrays["value"] = arrays["value"].at[0, 9, 0, 2].set(jnp.inf)
     statics = {"block_size": 8, "block_counts": 2}
-    out, want = ours(**arrays, **statics), reference(**arrays, **statics)
+    out = jax.jit(functools.partial(ours, **statics))(**arrays)
+    want = reference(**arrays, **statics)
     assert bool(jnp.isfinite(out).all())
     assert rel(out, want) < 1e-5
 
 
 def test_half_precision_within_a_half_precision_tolerance(interpret) -> None:
     arrays = inputs(1, 37, 4, 2, 16, 16, jnp.bfloat16)
-    check_against(ours, reference, arrays, tol=2e-2, block_size=8, block_counts=3, window_size=5)
+    check(arrays, tol=2e-2, block_size=8, block_counts=3, window_size=5)
 
 
 def test_registered_below_the_xla_fallback_until_measured_on_a_gpu() -> None:
