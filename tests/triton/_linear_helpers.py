@@ -4,6 +4,7 @@ cotangent, and the comparison of every output leaf and gradient against the refe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,10 +22,13 @@ def rel(a: Any, b: Any) -> float:
 
 def run(fn: Callable[..., Any], arrays: dict[str, jax.Array], **statics: Any) -> tuple[Any, Any]:
     """``fn``'s output and the gradients of every array of ``arrays`` under a fixed
-    cotangent (of the output and, with ``return_state``, of the final state)."""
+    cotangent (of the output and, with ``return_state``, of the final state); ``fn`` jitted
+    with ``statics`` bound (JAX's eager dispatch would take most of an interpreted test's
+    time)."""
+    bound = jax.jit(functools.partial(fn, **statics))
 
     def loss(arrays: dict[str, jax.Array]) -> Any:
-        out = fn(**arrays, **statics)
+        out = bound(**arrays)
         o, final = out if statics.get("return_state") else (out, None)
         total = jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]) * 0.7))
         if final is not None:
@@ -51,7 +55,8 @@ def check_against(
     if grads:
         (out, got), (want, exp) = run(ours, arrays, **statics), run(reference, arrays, **statics)
     else:
-        out, want, got, exp = ours(**arrays, **statics), reference(**arrays, **statics), {}, {}
+        ours_, reference_ = (jax.jit(functools.partial(f, **statics)) for f in (ours, reference))
+        out, want, got, exp = ours_(**arrays), reference_(**arrays), {}, {}
     outs, wants = jax.tree.leaves(out), jax.tree.leaves(want)
     assert len(outs) == len(wants), (len(outs), len(wants))
     leaves = [*zip(("out", "final"), outs, wants)]
