@@ -682,3 +682,17 @@ def test_dense_decode_hidden_nan_stays_out_of_every_row(cache: str, platform: st
     got = np.asarray(fn(**{k: jnp.asarray(v) for k, v in poisoned.items()}, **kw))
     assert np.isfinite(got).all(), "a planted entry no row can see reached the output"
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_softmax_gives_hidden_entries_and_empty_rows_exact_zeros() -> None:
+    from ejkernel.attention_semantics import masked_softmax
+
+    logits = jnp.array([[1.0, jnp.nan, 3.0, -jnp.inf], [jnp.inf, jnp.nan, 2.0, 0.5]])
+    vis = jnp.array([[True, False, True, False], [False, False, False, False]])
+    p = masked_softmax(logits, vis)
+    want = jax.nn.softmax(jnp.array([1.0, 3.0]))
+    np.testing.assert_allclose(p[0, jnp.array([0, 2])], want, rtol=1e-6)
+    assert float(p[0, 1]) == 0.0 and float(p[0, 3]) == 0.0
+    assert not bool(jnp.any(p[1]))
+    grad = jax.grad(lambda x: jnp.sum(masked_softmax(x, vis) * jnp.arange(4.0)))(logits)
+    assert bool(jnp.isfinite(grad).all()) and float(grad[0, 1]) == 0.0

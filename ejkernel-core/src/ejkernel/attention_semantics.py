@@ -90,6 +90,7 @@ __all__ = [
     "finite_or_zero",
     "hide",
     "mask_scores",
+    "masked_softmax",
     "quantize_kv",
     "sink_grad",
     "sink_probabilities",
@@ -407,6 +408,16 @@ def mask_scores(scores: jax.Array, vis: Any) -> jax.Array:
 def hide(p: jax.Array, vis: Any) -> jax.Array:
     """``where(vis, p, 0)``: hidden probabilities (or score gradients) as exact zeros."""
     return jnp.where(vis, p, jnp.zeros((), p.dtype))
+
+
+def masked_softmax(logits: jax.Array, vis: Any) -> jax.Array:
+    """Softmax along the last axis over the visible entries (:func:`mask_scores`, then
+    :func:`hide`): hidden entries get exactly 0 and a row that sees nothing gives zeros."""
+    logits = mask_scores(logits, vis)
+    p = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    p = hide(p, vis)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(denom == 0.0, 1.0, denom)
 
 
 def finite_or_zero(x: jax.Array) -> jax.Array:

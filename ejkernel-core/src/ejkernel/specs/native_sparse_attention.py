@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.attention_semantics import finite_or_zero, hide, mask_scores
+from ejkernel.attention_semantics import finite_or_zero, masked_softmax
 from ejkernel.specs._base import (
     OpSpec,
     call_op,
@@ -117,15 +117,6 @@ def nsa_select_blocks(
     return idx
 
 
-def _softmax_rows(logits: jax.Array, visible: jax.Array) -> jax.Array:
-    """Softmax along the last axis over the visible entries; all-masked rows give zeros."""
-    logits = mask_scores(logits, visible)
-    p = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
-    p = hide(p, visible)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(denom == 0.0, 1.0, denom)
-
-
 def native_sparse_attention_reference(
     query: jax.Array,
     key: jax.Array,
@@ -164,7 +155,7 @@ def native_sparse_attention_reference(
     v_cmp = jnp.mean(v[rows, tokens], axis=3)
     cmp_visible = ((c + 1) * bs - 1 <= pos[..., None])[:, :, None, None, :]  # [1, S, 1, 1, NB]
     logits = jnp.einsum("bthgd,btchd->bthgc", q, k_cmp) * scale
-    p_cmp = _softmax_rows(logits, cmp_visible)
+    p_cmp = masked_softmax(logits, cmp_visible)
     o_cmp = jnp.einsum("bthgc,btchd->bthgd", p_cmp, v_cmp)
 
     if block_indices is None:
@@ -180,13 +171,13 @@ def native_sparse_attention_reference(
     )  # [B, S, Hkv, T, S]
     selected = jnp.any(listed & (block_indices >= 0)[..., None], axis=3) & causal[:, :, None]
     logits = jnp.einsum("bthgd,bjhd->bthgj", q, k) * scale
-    o_slc = jnp.einsum("bthgj,bjhd->bthgd", _softmax_rows(logits, selected[:, :, :, None]), v)
+    o_slc = jnp.einsum("bthgj,bjhd->bthgd", masked_softmax(logits, selected[:, :, :, None]), v)
 
     out = g_cmp.astype(jnp.float32)[..., None] * o_cmp.reshape(b, s, hq, o_cmp.shape[-1])
     out = out + g_slc.astype(jnp.float32)[..., None] * o_slc.reshape(b, s, hq, o_slc.shape[-1])
     if window_size > 0 and g_swa is not None:
         window = causal & (key_pos > pos[..., None] - window_size)
-        o_swa = jnp.einsum("bthgj,bjhd->bthgd", _softmax_rows(logits, window[:, :, None, None]), v)
+        o_swa = jnp.einsum("bthgj,bjhd->bthgd", masked_softmax(logits, window[:, :, None, None]), v)
         out = out + g_swa.astype(jnp.float32)[..., None] * o_swa.reshape(b, s, hq, o_swa.shape[-1])
     return out.astype(query.dtype)
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ejkernel
-from ejkernel.attention_semantics import finite_or_zero, hide, mask_scores
+from ejkernel.attention_semantics import finite_or_zero, masked_softmax
 from ejkernel.specs.native_sparse_attention import nsa_select_blocks, sequence_layout
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, OTHER
@@ -192,11 +192,7 @@ def _compressed(
     logits = jnp.einsum("bshgd,bmhd->bshgm", qg, k_cmp, precision=hi) * scale
     seen = valid & (j_m == seq[..., None]) & ((c_m + 1) * bs - 1 <= pos[..., None])  # [1, S, TC]
     seen = seen[:, :, None, None, :]
-    logits = mask_scores(logits, seen)
-    p = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
-    p = hide(p, seen)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0.0, 1.0, denom)
+    p = masked_softmax(logits, seen)
     o_cmp = jnp.einsum("bshgm,bmhd->bshgd", p, v_cmp, precision=hi).reshape(b, s, hq, -1)
     # block c of query t's sequence is compressed token first[seq_t] + c, while c is complete
     c = jnp.arange(nb, dtype=jnp.int32)
