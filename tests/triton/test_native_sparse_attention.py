@@ -115,11 +115,11 @@ def test_half_precision_within_a_half_precision_tolerance(interpret) -> None:
     check(arrays, tol=2e-2, block_size=8, block_counts=3, window_size=5)
 
 
-def test_registered_below_the_xla_fallback_until_measured_on_a_gpu() -> None:
+def test_registered_above_the_xla_fallback() -> None:
     from ejkernel_triton import plugin
 
     assert "native_sparse_attention" in plugin.OPS
-    assert "native_sparse_attention" in plugin.OPT_IN
+    assert "native_sparse_attention" not in plugin.OPT_IN
 
 
 def test_supports_declines_what_the_kernels_do_not_hold() -> None:
