@@ -275,12 +275,33 @@ def decayed_products_bwd(
 
 
 @triton.jit
-def unit_lower_inverse(b_a, o_c, C: tl.constexpr):
-    """``(I + A)⁻¹`` for a strictly lower ``A [C, C]``, by forward substitution: row ``i`` is
-    ``e_i − Σ_{j<i} A_ij T_j``."""
+def unit_lower_inverse(b_a, o_c, C: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(I + A)⁻¹`` for a strictly lower ``A [C, C]``. First the diagonal blocks of
+    :data:`SUB` rows, all blocks at once, by forward substitution: step ``i`` sets row ``i`` of
+    every block to ``e_i − Σ_{j<i} A_ij T_j`` (one product, the earlier rows being final). Then
+    blocks of ``s`` rows pair into blocks of ``2 s``: with ``D`` the block diagonal of size
+    ``s`` and ``L`` the lower-left ``s × s`` block of each pair, ``(D + L)⁻¹ = D⁻¹ − D⁻¹ L D⁻¹``
+    exactly (``L D⁻¹ L = 0``), two products a doubling."""
+    blk = o_c // SUB
+    b_d = tl.where(blk[:, None] == blk[None, :], b_a, 0.0)
     b_t = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        b_ai = tl.sum(tl.where(o_c[:, None] == i, b_a, 0.0), axis=0)
-        b_r = tl.sum(b_ai[:, None] * b_t, axis=0)
-        b_t = tl.where(o_c[:, None] == i, b_t - b_r[None, :], b_t)
+    for i in range(1, SUB):
+        b_row = tl.where((o_c % SUB == i)[:, None], b_d, 0.0)
+        b_t -= tl.dot(b_row, b_t, input_precision=DOT_PRECISION)
+    if C >= 2 * SUB:
+        b_t = _pair_blocks(b_t, b_a, o_c, SUB, DOT_PRECISION)
+    if C >= 4 * SUB:
+        b_t = _pair_blocks(b_t, b_a, o_c, 2 * SUB, DOT_PRECISION)
+    if C >= 8 * SUB:
+        b_t = _pair_blocks(b_t, b_a, o_c, 4 * SUB, DOT_PRECISION)
     return b_t
+
+
+@triton.jit
+def _pair_blocks(b_t, b_a, o_c, S: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The inverse on blocks of ``2 S`` rows from ``b_t``, the inverse on blocks of ``S``."""
+    half = o_c // S
+    lower_left = ((half[:, None] // 2) == (half[None, :] // 2)) & (half[:, None] > half[None, :])
+    b_l = tl.where(lower_left, b_a, 0.0)
+    b_lt = tl.dot(b_l, b_t, input_precision=DOT_PRECISION)
+    return b_t - tl.dot(b_t, b_lt, input_precision=DOT_PRECISION)

@@ -297,7 +297,11 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
     """``run(q, k, v, beta, gates, init_rows, flags) -> (o, final_rows)``, and with ``keep``
     also ``(qg, kg, w, p, decay, h, vn, t, kk)`` (the per-chunk factors, starting states,
     ``V'``, ``T`` and the decayed ``K Kᵀ``): the forward's launches on the chunk layout."""
-    from ejkernel_triton.kernels.kda_fwd import kda_fwd_ho_kernel, kda_fwd_prep_kernel
+    from ejkernel_triton.kernels.kda_fwd import (
+        kda_fwd_h_kernel,
+        kda_fwd_o_kernel,
+        kda_fwd_prep_kernel,
+    )
 
     def run(q, k, v, beta, gates, init_rows, flags):
         b, t, h, dk = q.shape
@@ -333,14 +337,14 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
             num_stages=1,
             **common,
         )
-        states, vn = ((b, h, nt, dk, dv), (b, t, h, dv)) if keep else ((1,), (1,))
-        o, final_rows, hs, vn = _launch.launch(
-            kda_fwd_ho_kernel,
-            qg,
+        # the starting states and V' the output kernel reads: float32 where the backward
+        # reads them too, else the input dtype
+        saved = jnp.float32 if keep else q.dtype
+        final_rows, hs, vn = _launch.launch(
+            kda_fwd_h_kernel,
             kg,
             w,
             u,
-            p,
             decay,
             init_rows,
             flags,
@@ -348,15 +352,31 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
             h,
             init_rows.shape[0] // b,
             out_shape=[
-                jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                 jax.ShapeDtypeStruct(init_rows.shape, jnp.float32),
-                jax.ShapeDtypeStruct(states, jnp.float32),
-                jax.ShapeDtypeStruct(vn, jnp.float32),
+                jax.ShapeDtypeStruct((b, h, nt, dk, dv), saved),
+                jax.ShapeDtypeStruct((b, t, h, dv), saved),
             ],
             grid=(-(-dv // st.block_v), b * h),
             **_sizes(st, dk, dv, gk),
-            STORE_STATES=keep,
             num_stages=st.num_stages,
+            **common,
+        )
+        (o,) = _launch.launch(
+            kda_fwd_o_kernel,
+            qg,
+            p,
+            hs,
+            vn,
+            nt,
+            h,
+            out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype)],
+            grid=(nt, -(-dv // st.block_v), b * h),
+            K=dk,
+            V=dv,
+            C=c,
+            BK=st.block_k,
+            BV=st.block_v,
+            num_stages=1,
             **common,
         )
         if keep:
