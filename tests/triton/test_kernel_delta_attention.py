@@ -297,6 +297,7 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
         "kda_fwd_prep_kernel",
         "kda_fwd_h_kernel",
         "kda_fwd_o_kernel",
+        "kda_bwd_dvl_kernel",
         "kda_bwd_dh_kernel",
         "kda_bwd_dv_kernel",
         "kda_bwd_chunk_kernel",

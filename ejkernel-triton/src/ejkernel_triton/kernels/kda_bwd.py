@@ -7,6 +7,7 @@ Per chunk the forward computed ``V' = U − W S``, ``o = Q̃ S + P V'`` and
 chunk start; the differentiated forward keeps ``S`` (``[B, H, NT, K, V]``), ``V'``
 (``[B, T, H, V]``), ``T`` and the decayed ``K Kᵀ`` (``[B, T, H, C]``), all float32.
 
+- :func:`kda_bwd_dvl_kernel`, one program per (chunk, V block, batch row, head): ``Pᵀ do``.
 - :func:`kda_bwd_dh_kernel` walks the chunks of one (V block, batch row, head) from the last,
   carrying ``dS [K, BV]``, the gradient of the state at the end of the current chunk (restarted
   from the final state's cotangent where a sequence ends): it stores ``dS`` per chunk and
@@ -47,11 +48,38 @@ from ejkernel_triton.kernels.kda_common import (
 
 
 @triton.jit
+def kda_bwd_dvl_kernel(
+    p_ptr,
+    do_ptr,
+    NT,
+    H,
+    dvl_ptr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NT, cdiv(V, BV), B·H)``: ``Pᵀ do`` ``[B, T, H, V]`` (float32), the part of ``dV'``
+    that does not depend on the state."""
+    i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
+    p_v = rows[:, None] * V + o_v[None, :]
+    b_p = tl.load(p_ptr + rows[:, None] * C + o_c[None, :])
+    b_do = tl.load(do_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
+    b_dvl = tl.dot(tl.trans(b_p), b_do, input_precision=DOT_PRECISION)
+    tl.store(dvl_ptr + p_v, b_dvl, mask=m_v[None, :])
+
+
+@triton.jit
 def kda_bwd_dh_kernel(
     qg_ptr,
     kg_ptr,
     w_ptr,
-    p_ptr,
+    dvl_ptr,
     decay_ptr,
     do_ptr,
     dfinal_ptr,
@@ -71,7 +99,9 @@ def kda_bwd_dh_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), B·H)``: the chunk-end state gradients ``dh [B, H, NT, K, V]``,
-    ``dV' [B, T, H, V]`` and the initial states' gradients ``[B·R, H, K, V]`` (float32)."""
+    ``dV' [B, T, H, V]`` and the initial states' gradients ``[B·R, H, K, V]`` (float32), from
+    :func:`kda_bwd_dvl_kernel`'s ``Pᵀ do``. ``dS`` is float32; its products take the input
+    dtype's operands."""
     i_b, i_h, i_bh, o_k, o_v, o_c, m_k, m_v, m_kv, o_kv, row0 = walk_tiles(H, NT, K, V, C, BK, BV)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     for i_m in range(NT):
@@ -82,14 +112,13 @@ def kda_bwd_dh_kernel(
         tl.store(dh_ptr + (i_bh.to(tl.int64) * NT + i_n) * K * V + o_kv, b_dh, mask=m_kv)
         rows = row0 + (i_n * C + o_c) * H
         p_k = rows[:, None] * K + o_k[None, :]
-        b_qg = tl.load(qg_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
-        b_kg = tl.load(kg_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
-        b_w = tl.load(w_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
-        b_p = tl.load(p_ptr + rows[:, None] * C + o_c[None, :])
+        b_qg = tl.load(qg_ptr + p_k, mask=m_k[None, :], other=0.0)
+        b_kg = tl.load(kg_ptr + p_k, mask=m_k[None, :], other=0.0)
+        b_w = tl.load(w_ptr + p_k, mask=m_k[None, :], other=0.0)
         p_v = rows[:, None] * V + o_v[None, :]
-        b_do = tl.load(do_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
-        b_dvn = tl.dot(tl.trans(b_p), b_do, input_precision=DOT_PRECISION)
-        b_dvn += tl.dot(b_kg, b_dh, input_precision=DOT_PRECISION)
+        b_do = tl.load(do_ptr + p_v, mask=m_v[None, :], other=0.0).to(b_qg.dtype)
+        b_dvn = tl.load(dvl_ptr + p_v, mask=m_v[None, :], other=0.0)
+        b_dvn += tl.dot(b_kg, b_dh.to(b_kg.dtype), input_precision=DOT_PRECISION)
         tl.store(dvn_ptr + p_v, b_dvn, mask=m_v[None, :])
         d_row = (i_b.to(tl.int64) * NT + i_n) * H + i_h
         if GK == 1:
@@ -97,7 +126,7 @@ def kda_bwd_dh_kernel(
         else:
             b_dh = b_dh * tl.load(decay_ptr + d_row * K + o_k, mask=m_k, other=0.0)[:, None]
         b_dh += tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PRECISION)
-        b_dh -= tl.dot(tl.trans(b_w), b_dvn, input_precision=DOT_PRECISION)
+        b_dh -= tl.dot(tl.trans(b_w), b_dvn.to(b_w.dtype), input_precision=DOT_PRECISION)
         tl.store(dinit_ptr + state + o_kv, b_dh, mask=m_kv & first)
 
 

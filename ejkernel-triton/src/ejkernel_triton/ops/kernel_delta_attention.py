@@ -459,6 +459,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
         kda_bwd_chunk_kernel,
         kda_bwd_dh_kernel,
         kda_bwd_dv_kernel,
+        kda_bwd_dvl_kernel,
     )
 
     def run(q, k, v, beta, gates, qg, kg, w, p, decay, hs, vn, tt, kk, do, dfinal_rows, flags):
@@ -467,12 +468,26 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
         c = st.chunk
         common = {"num_warps": st.num_warps, "DOT_PRECISION": st.precision}
         f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+        (dvl,) = _launch.launch(
+            kda_bwd_dvl_kernel,
+            p,
+            do,
+            nt,
+            h,
+            out_shape=[f32((b, t, h, dv))],
+            grid=(nt, -(-dv // st.block_v), b * h),
+            V=dv,
+            C=c,
+            BV=st.block_v,
+            num_stages=1,
+            **common,
+        )
         dh, dvn, dinit_rows = _launch.launch(
             kda_bwd_dh_kernel,
             qg,
             kg,
             w,
-            p,
+            dvl,
             decay,
             do,
             dfinal_rows,
