@@ -53,6 +53,11 @@ def _reference_vjp(
     return out, vjp(cotangent)[0]
 
 
+def _vjp_of(call: Callable[..., Any], wrt: Any, rest: Any, cotangent: Any) -> Any:
+    out, vjp = jax.vjp(lambda w: call(w, rest), wrt)
+    return out, vjp(cotangent)[0]
+
+
 def check_vjp(
     op: Callable[..., Any],
     reference: Callable[..., Any],
@@ -81,9 +86,12 @@ def check_vjp(
     """
     wrt = {n: x for n, x in arrays.items() if n in differentiable and x is not None}
     rest = {n: x for n, x in arrays.items() if n not in wrt}
-    out, vjp = jax.vjp(lambda w: op(**w, **rest, cfg=cfg, **statics), wrt)
-    cotangent = jax.tree.map(lambda o: normal(jax.random.PRNGKey(42), o.shape, o.dtype), out)
-    (grads,) = vjp(cotangent)
+    call = lambda w, r: op(**w, **r, cfg=cfg, **statics)
+    shapes = jax.eval_shape(call, wrt, rest)
+    cotangent = jax.tree.map(lambda o: normal(jax.random.PRNGKey(42), o.shape, o.dtype), shapes)
+    # one compiled program for the op's forward and backward (op by op, each primitive of the
+    # custom VJP would compile on its own)
+    out, grads = jax.jit(lambda w, r, ct: _vjp_of(call, w, r, ct))(wrt, rest, cotangent)
     ref_out, ref_grads = _reference_vjp(
         reference, wrt, rest, cotangent, tuple(sorted(statics.items()))
     )
