@@ -256,25 +256,15 @@ def _chunk_inputs_bwd(
 
 
 @triton.jit
-def _through_the_inverse(
-    b_kn,
-    b_beta,
-    b_gamma,
-    t_ptr,
-    kk_ptr,
-    dw_ptr,
-    dt_ptr,
-    dbeta_v_ptr,
-    rows,
-    p_k,
-    p_c,
-    m_k,
-    o_c,
-    DOT_PRECISION: tl.constexpr,
-):
+def _through_the_inverse(ins, ptrs, at, DOT_PRECISION: tl.constexpr):
     """Through ``W = T diag(β) (k ⊙ Γ)`` and ``T = (I + A)⁻¹`` with
     ``A = diag(β) (K Kᵀ)_decayed`` below the diagonal: the key's and the cumulative gate's
-    parts so far ``[C, BK]``, ``dβ`` and ``dM = diag(β) dA`` (the decayed ``K Kᵀ``'s)."""
+    parts so far ``[C, BK]``, ``dβ`` and ``dM = diag(β) dA`` (the decayed ``K Kᵀ``'s).
+    ``ins`` is what :func:`_chunk_inputs_bwd` returned, ``ptrs`` the pointers
+    ``(T, K Kᵀ, dW, dT, dβ so far)``, ``at`` the chunk's indices ``(rows, p_k, p_c, m_k, o_c)``."""
+    _, _, b_kn, _, _, b_beta, _, _, _, _, b_gamma, _ = ins
+    t_ptr, kk_ptr, dw_ptr, dt_ptr, dbeta_v_ptr = ptrs
+    rows, p_k, p_c, m_k, o_c = at
     b_kbg = b_beta[:, None] * b_kn * b_gamma
     b_t = tl.load(t_ptr + p_c)
     b_dw = tl.load(dw_ptr + p_k, mask=m_k[None, :], other=0.0)
@@ -296,29 +286,10 @@ def _chunk_grads_out(
     b_dqs,
     b_dkn,
     b_dgc,
-    b_qn,
-    n_q,
-    b_kn,
-    n_k,
-    b_qs,
-    bad,
-    live,
-    b_glast,
-    b_gamma,
-    b_to_end,
-    dqg_ptr,
-    dkg_ptr,
-    ddecay_ptr,
+    ins,
+    ptrs,
+    at,
     scale,
-    rows,
-    p_k,
-    m_k,
-    o_c,
-    o_k,
-    slot,
-    dq_ptr,
-    dk_ptr,
-    dg_ptr,
     C: tl.constexpr,
     K: tl.constexpr,
     GK: tl.constexpr,
@@ -326,7 +297,12 @@ def _chunk_grads_out(
 ):
     """Through ``Q̃ = q ⊙ Γ``, ``K̃ = k ⊙ exp(G_C − G)``, ``γ = exp(G_C)``, the cumulative gate
     (a reverse cumulative sum inside the chunk; the floor passes no gradient), the query scale
-    and the L2 norms: store ``dq``, ``dk`` and ``dg``."""
+    and the L2 norms: store ``dq``, ``dk`` and ``dg``. ``ins`` is what
+    :func:`_chunk_inputs_bwd` returned, ``ptrs`` the pointers ``(dQ̃, dK̃, dγ, dq, dk, dg)``, ``at``
+    the chunk's indices ``(rows, p_k, m_k, o_c, o_k, slot)``."""
+    b_qn, n_q, b_kn, n_k, b_qs, _, bad, live, _, b_glast, b_gamma, b_to_end = ins
+    dqg_ptr, dkg_ptr, ddecay_ptr, dq_ptr, dk_ptr, dg_ptr = ptrs
+    rows, p_k, m_k, o_c, o_k, slot = at
     b_dqg = tl.load(dqg_ptr + p_k, mask=m_k[None, :], other=0.0)
     b_dqs += b_dqg * b_gamma
     b_dgc += b_dqg * b_qs * b_gamma
@@ -408,26 +384,12 @@ def kda_bwd_chunk_kernel(
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     p_c = rows[:, None] * C + o_c[None, :]
     p_ct = rows[None, :] * C + o_c[:, None]  # the transpose's offsets
-    b_qn, n_q, b_kn, n_k, b_qs, b_beta, bad, live, b_gc, b_glast, b_gamma, b_to_end = (
-        _chunk_inputs_bwd(
-            q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, o_c, C, GK, L2NORM, GATE_FLOOR
-        )
+    ins = _chunk_inputs_bwd(
+        q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, o_c, C, GK, L2NORM, GATE_FLOOR
     )
+    _, _, b_kn, _, b_qs, _, bad, _, b_gc, _, _, _ = ins
     b_dkn, b_dgc, b_dbeta, b_dm = _through_the_inverse(
-        b_kn,
-        b_beta,
-        b_gamma,
-        t_ptr,
-        kk_ptr,
-        dw_ptr,
-        dt_ptr,
-        dbeta_v_ptr,
-        rows,
-        p_k,
-        p_c,
-        m_k,
-        o_c,
-        DOT_PRECISION,
+        ins, (t_ptr, kk_ptr, dw_ptr, dt_ptr, dbeta_v_ptr), (rows, p_k, p_c, m_k, o_c), DOT_PRECISION
     )
     tl.store(dbeta_ptr + rows, tl.where(bad, 0.0, b_dbeta))
     o_cc = o_c[:, None] * C + o_c[None, :]
@@ -455,38 +417,9 @@ def kda_bwd_chunk_kernel(
     )
     b_dkn += b_dka + b_dkb
     b_dgc += b_qs * b_dqs + b_kn * (b_dka - b_dkb)
-    _chunk_grads_out(
-        b_dqs,
-        b_dkn,
-        b_dgc,
-        b_qn,
-        n_q,
-        b_kn,
-        n_k,
-        b_qs,
-        bad,
-        live,
-        b_glast,
-        b_gamma,
-        b_to_end,
-        dqg_ptr,
-        dkg_ptr,
-        ddecay_ptr,
-        scale,
-        rows,
-        p_k,
-        m_k,
-        o_c,
-        o_k,
-        slot,
-        dq_ptr,
-        dk_ptr,
-        dg_ptr,
-        C,
-        K,
-        GK,
-        L2NORM,
-    )
+    ptrs = (dqg_ptr, dkg_ptr, ddecay_ptr, dq_ptr, dk_ptr, dg_ptr)
+    at = (rows, p_k, m_k, o_c, o_k, slot)
+    _chunk_grads_out(b_dqs, b_dkn, b_dgc, ins, ptrs, at, scale, C, K, GK, L2NORM)
 
 
 @triton.jit
@@ -523,24 +456,12 @@ def kda_bwd_chunk_in_kernel(
     of the key's and the gate's gradients so far (all float32), and ``dβ``."""
     o_c, _, m_k, rows, p_k, _ = chunk_tiles(H, NT, K, C, BK)
     p_c = rows[:, None] * C + o_c[None, :]
-    _, _, b_kn, _, b_qs, b_beta, bad, _, b_gc, _, b_gamma, _ = _chunk_inputs_bwd(
+    ins = _chunk_inputs_bwd(
         q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, o_c, C, GK, L2NORM, GATE_FLOOR
     )
+    _, _, b_kn, _, b_qs, _, bad, _, b_gc, _, _, _ = ins
     b_dkn, b_dgc, b_dbeta, b_dm = _through_the_inverse(
-        b_kn,
-        b_beta,
-        b_gamma,
-        t_ptr,
-        kk_ptr,
-        dw_ptr,
-        dt_ptr,
-        dbeta_v_ptr,
-        rows,
-        p_k,
-        p_c,
-        m_k,
-        o_c,
-        DOT_PRECISION,
+        ins, (t_ptr, kk_ptr, dw_ptr, dt_ptr, dbeta_v_ptr), (rows, p_k, p_c, m_k, o_c), DOT_PRECISION
     )
     tl.store(dbeta_ptr + rows, tl.where(bad, 0.0, b_dbeta))
     tl.store(dm_ptr + p_c, b_dm)
@@ -643,41 +564,15 @@ def kda_bwd_chunk_out_kernel(
     """Grid ``(NT, B·H)``, a per-channel gate: ``dq``, ``dk`` (the input dtypes) and ``dg``
     (float32) from :func:`kda_bwd_products_kernel`'s parts."""
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
-    b_qn, n_q, b_kn, n_k, b_qs, _, bad, live, _, b_glast, b_gamma, b_to_end = _chunk_inputs_bwd(
+    ins = _chunk_inputs_bwd(
         q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, o_c, C, GK, L2NORM, GATE_FLOOR
     )
-    _chunk_grads_out(
-        tl.load(dqs_ptr + p_k, mask=m_k[None, :], other=0.0),
-        tl.load(dkn_ptr + p_k, mask=m_k[None, :], other=0.0),
-        tl.load(dgc_ptr + p_k, mask=m_k[None, :], other=0.0),
-        b_qn,
-        n_q,
-        b_kn,
-        n_k,
-        b_qs,
-        bad,
-        live,
-        b_glast,
-        b_gamma,
-        b_to_end,
-        dqg_ptr,
-        dkg_ptr,
-        ddecay_ptr,
-        scale,
-        rows,
-        p_k,
-        m_k,
-        o_c,
-        o_k,
-        slot,
-        dq_ptr,
-        dk_ptr,
-        dg_ptr,
-        C,
-        K,
-        GK,
-        L2NORM,
-    )
+    ptrs = (dqg_ptr, dkg_ptr, ddecay_ptr, dq_ptr, dk_ptr, dg_ptr)
+    at = (rows, p_k, m_k, o_c, o_k, slot)
+    b_dqs = tl.load(dqs_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_dkn = tl.load(dkn_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_dgc = tl.load(dgc_ptr + p_k, mask=m_k[None, :], other=0.0)
+    _chunk_grads_out(b_dqs, b_dkn, b_dgc, ins, ptrs, at, scale, C, K, GK, L2NORM)
 
 
 # Left to itself, ptxas gives these kernels 32 registers and spills most of their tiles at

@@ -9,7 +9,9 @@ cumulative log gate from the chunk start and ``S`` the float32 state at the chun
 ``S ← diag(exp(G_C)) S + (K ⊙ exp(G_C − G))ᵀ V'``. The kernels are
 :mod:`ejkernel_triton.kernels.kda_fwd` (one state-independent kernel per chunk, which also
 fuses the L2 norm of q and k; one sequential kernel per state block that carries only the
-state; one output kernel per chunk); the layout (padding to
+state; one output kernel per chunk, which reads each chunk's starting state from memory:
+``[B, H, T / C, K, V]`` in the input dtype, ``K V / C`` entries a token and head, twice the
+query's size at K = V = 128, C = 64); the layout (padding to
 whole chunks; packed sequences chunk-aligned, so ``cu_seqlens`` may be traced) is gla's,
 :mod:`ejkernel_triton.ops.gla_layout`.
 
@@ -23,7 +25,7 @@ future.
 The backward is Triton too (:mod:`ejkernel_triton.kernels.kda_bwd`): the differentiated
 forward keeps the chunk factors, each chunk's starting state ``[B, H, NT, K, V]`` and ``V'``
 (float32); one reverse walk per V block carries the state's gradient, then per-chunk kernels
-recompute the chunk algebra and pulls the cotangents back to query, key, value, beta, the gates
+recompute the chunk algebra and pull the cotangents back to query, key, value, beta, the gates
 and the initial state. :func:`supports` declines dtypes other than bf16/f16/f32, mixed q/k/v
 dtypes and K or V over 256 (the per-chunk kernels hold whole K and V rows).
 """
