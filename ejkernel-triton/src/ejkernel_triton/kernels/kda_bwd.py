@@ -303,15 +303,25 @@ def _chunk_grads_out(
     b_qn, n_q, b_kn, n_k, b_qs, _, bad, live, _, b_glast, b_gamma, b_to_end = ins
     dqg_ptr, dkg_ptr, ddecay_ptr, dq_ptr, dk_ptr, dg_ptr = ptrs
     rows, p_k, m_k, o_c, o_k, slot = at
+    # the query's side, the key's, then the gate's: each stored as soon as it is final, which
+    # keeps few [C, BK] tiles live at once
     b_dqg = tl.load(dqg_ptr + p_k, mask=m_k[None, :], other=0.0)
-    b_dqs += b_dqg * b_gamma
-    b_dgc += b_dqg * b_qs * b_gamma
+    b_dgq = b_dqg * b_qs * b_gamma
+    b_dqn = (b_dqs + b_dqg * b_gamma) * scale
+    if L2NORM:
+        b_dqn = l2_normalise_bwd(b_qn, n_q, b_dqn)
+    tl.store(dq_ptr + p_k, b_dqn.to(dq_ptr.dtype.element_ty), mask=m_k[None, :])
     b_dkg = tl.load(dkg_ptr + p_k, mask=m_k[None, :], other=0.0)
     b_kg = b_kn * b_to_end
     b_dkn += b_dkg * b_to_end
-    b_dgc -= b_dkg * b_kg
+    if L2NORM:
+        b_dkn = l2_normalise_bwd(b_kn, n_k, b_dkn)
+    b_dkn = tl.where(bad[:, None], 0.0, b_dkn)
+    tl.store(dk_ptr + p_k, b_dkn.to(dk_ptr.dtype.element_ty), mask=m_k[None, :])
+    b_dkk = b_dkg * b_kg
+    b_dgc += b_dgq - b_dkk
     b_ddecay = tl.load(ddecay_ptr + slot * K + o_k, mask=m_k, other=0.0)
-    b_dglast = tl.sum(b_dkg * b_kg, axis=0) + b_ddecay * tl.exp(b_glast)  # [BK]
+    b_dglast = tl.sum(b_dkk, axis=0) + b_ddecay * tl.exp(b_glast)  # [BK]
     # dg_s = Σ_{t ≥ s} dG_t: a product with the upper triangle of ones, in full float32
     is_last = o_c == C - 1
     upper = tl.where(o_c[:, None] <= o_c[None, :], 1.0, 0.0)
@@ -325,15 +335,6 @@ def _chunk_grads_out(
         b_dg = tl.dot(upper, b_dgc, input_precision="ieee")
         b_dg = tl.where(live, b_dg, 0.0)
         tl.store(dg_ptr + p_k, b_dg, mask=m_k[None, :])
-    b_dqn = b_dqs * scale
-    if L2NORM:
-        b_dq = l2_normalise_bwd(b_qn, n_q, b_dqn)
-        b_dk = l2_normalise_bwd(b_kn, n_k, b_dkn)
-    else:
-        b_dq, b_dk = b_dqn, b_dkn
-    b_dk = tl.where(bad[:, None], 0.0, b_dk)
-    tl.store(dq_ptr + p_k, b_dq.to(dq_ptr.dtype.element_ty), mask=m_k[None, :])
-    tl.store(dk_ptr + p_k, b_dk.to(dk_ptr.dtype.element_ty), mask=m_k[None, :])
 
 
 @triton.jit
