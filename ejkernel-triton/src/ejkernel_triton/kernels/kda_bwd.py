@@ -370,18 +370,17 @@ def kda_bwd_chunk_kernel(
 ):
     """Grid ``(NT, B·H)``: one chunk's ``dq``, ``dk`` ``[B, T, H, K]`` (the input dtypes),
     ``dβ [B, T, H]`` and ``dg [B, T, H, GK]`` (float32), from :func:`kda_bwd_dv_kernel`'s
-    partial gradients and the forward's ``T`` and decayed ``K Kᵀ``, all in one program. The
-    op launches it for a per-head gate; a per-channel gate's backward holds too many
-    ``[C, K]`` tiles for one program and takes :func:`kda_bwd_chunk_in_kernel`,
+    partial gradients and the forward's ``T`` and decayed ``K Kᵀ``, all in one program: a
+    per-head gate (``GK = 1``) only. A per-channel gate's backward holds too many ``[C, K]``
+    tiles for one program and takes :func:`kda_bwd_chunk_in_kernel`,
     :func:`kda_bwd_products_kernel` (over blocks of key channels) and
     :func:`kda_bwd_chunk_out_kernel`.
 
-    ``scratch [B, NT, H, C² + 3 C BK]`` (float32; ``C²`` for a per-head gate) holds the
-    chunk's ``dM`` between the ``tl.dot`` that makes it and those that read it in both
-    orientations (Triton 3.6 cannot lower such a product, transposed, as an operand of the
-    next ``tl.dot`` on sm_90 here, so it goes through memory, the program's own, read back
-    after a barrier), then the rows :func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd`
-    reads back; ``dP`` comes from memory for the same reason."""
+    ``scratch [B, NT, H, C²]`` (float32) holds the chunk's ``dM`` between the ``tl.dot`` that
+    makes it and those that read it in both orientations (Triton 3.6 cannot lower such a
+    product, transposed, as an operand of the next ``tl.dot`` on sm_90 here, so it goes
+    through memory, the program's own, read back after a barrier); ``dP`` comes from memory
+    for the same reason."""
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     p_c = rows[:, None] * C + o_c[None, :]
     p_ct = rows[None, :] * C + o_c[:, None]  # the transpose's offsets
@@ -395,7 +394,8 @@ def kda_bwd_chunk_kernel(
     tl.store(dbeta_ptr + rows, tl.where(bad, 0.0, b_dbeta))
     o_cc = o_c[:, None] * C + o_c[None, :]
     o_tr = o_c[None, :] * C + o_c[:, None]
-    scratch = scratch_ptr + slot * (C * C + (0 if GK == 1 else 3 * C * BK))
+    tl.static_assert(GK == 1, "a per-channel gate takes the split chunk pass")
+    scratch = scratch_ptr + slot * C * C
     tl.store(scratch + o_cc, b_dm)
     tl.debug_barrier()
     b_dp = tl.where(o_c[:, None] >= o_c[None, :], tl.load(dpt_ptr + p_ct), 0.0)
@@ -410,7 +410,7 @@ def kda_bwd_chunk_kernel(
         b_gc,
         o_c,
         o_k,
-        scratch + C * C,
+        scratch,
         C,
         BK,
         GK,
@@ -491,6 +491,7 @@ def kda_bwd_products_kernel(
     K: tl.constexpr,
     C: tl.constexpr,
     BKS: tl.constexpr,
+    GK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NT, cdiv(K, BKS), B·H)``, a per-channel gate: the decayed products' backward
@@ -526,7 +527,7 @@ def kda_bwd_products_kernel(
         scratch_ptr + slot * 3 * C * BKS,
         C,
         BKS,
-        2,
+        GK,
         DOT_PRECISION,
     )
     b_dkn = tl.load(dkn_ptr + p_k, mask=m_k[None, :], other=0.0) + b_dka + b_dkb

@@ -612,6 +612,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             K=dk,
             C=c,
             BKS=bks,
+            GK=gk,
             num_stages=1,
             **common,
         )
