@@ -11,8 +11,7 @@ those offering the (out, lse) contract (:func:`ejkernel.plugins.flash_attention_
   ``lse = logaddexp(lse, lse_s)``, ``out = out·exp(lse_old - lse) + out_s·exp(lse_s - lse)``.
 - Backward. Each step's gradients come from the step's backward given the *merged* output and
   log-sum-exp (``P = exp(S - lse)`` is the global softmax restricted to the shard); dQ stays,
-  dK/dV accumulate on the shard's way round: a step's accumulator goes out at the start of
-  the next step, whose compute it overlaps, and a last hop brings it home.
+  dK/dV travel with their shard and a last hop brings them home.
 - Which part of a shard pair a step computes depends only on ``(r, s)`` and the layout, and is
   one of a few static kinds chosen with ``lax.switch``. Contiguous layout, causal: the diagonal
   pair is a causal call, an earlier shard a full call, a later shard nothing. Zigzag layout
@@ -219,33 +218,36 @@ def backward(
     kinds = _kinds(a)
     branches = [branch(kind) for kind in kinds]
 
-    def visit(dq: Any, kv: dict[str, Any], acc: Any, t: Any) -> tuple[Any, Any]:
-        """Add step t's gradients: dQ to mine, dK/dV to ``acc``, the shard's accumulator."""
-        index = jnp.searchsorted(jnp.asarray(kinds), _kind(a, rank, (rank - t) % n))
-        dq_s, dk_s, dv_s = lax.switch(index, branches, kv) if len(kinds) > 1 else branches[0](kv)
-        return dq + dq_s, (acc[0] + dk_s, acc[1] + dv_s)
+    def visit(dq: Any, shard: dict[str, Any], t: Any) -> tuple[Any, dict[str, Any]]:
+        src = (rank - t) % n
+        index = jnp.searchsorted(jnp.asarray(kinds), _kind(a, rank, src))
+        step = {n_: shard[n_] for n_ in ("key", "value", "segments")}
+        dq_s, dk_s, dv_s = (
+            lax.switch(index, branches, step) if len(kinds) > 1 else branches[0](step)
+        )
+        return dq + dq_s, {**shard, "dk": shard["dk"] + dk_s, "dv": shard["dv"] + dv_s}
 
-    kv = {"key": k, "value": v, "segments": res["kv_segment_ids"]}
+    shard = {
+        "key": k,
+        "value": v,
+        "segments": res["kv_segment_ids"],
+        "dk": vary_like(zero(k.shape), q, axis),
+        "dv": vary_like(zero(v.shape), q, axis),
+    }
     dq = vary_like(zero(q.shape), q, axis)
-    acc = vary_like((zero(k.shape), zero(v.shape)), q, axis)
-    if n == 1:
-        dq, (dk, dv) = visit(dq, kv, acc, 0)
-    else:
-        # Step t computes with shard (r - t) mod n. The next shard goes out before the step's
-        # compute; so does the dK/dV accumulator of the previous step's shard, which device
-        # r + 1 computes with now: every hop but the last overlaps a step's compute.
-        ahead = _rotate(kv, n, axis)
-        dq, acc = visit(dq, kv, acc, 0)
 
-        def step(carry: Any, t: Any) -> tuple[Any, None]:
-            dq, kv, acc = carry
-            ahead, moved = _rotate(kv, n, axis), _rotate(acc, n, axis)
-            dq, acc = visit(dq, kv, moved, t)
-            return (dq, ahead, acc), None
+    def step(carry: Any, t: Any) -> tuple[Any, None]:
+        dq, shard = carry
+        # Keys and values go out before the compute; their gradients once it has added to them.
+        ahead = _rotate({n_: shard[n_] for n_ in ("key", "value", "segments")}, n, axis)
+        dq, shard = visit(dq, shard, t)
+        moved = _rotate({"dk": shard["dk"], "dv": shard["dv"]}, n, axis)
+        return (dq, {**ahead, **moved}), None
 
-        (dq, kv, acc), _ = lax.scan(step, (dq, ahead, acc), jnp.arange(1, n - 1))
-        dq, acc = visit(dq, kv, _rotate(acc, n, axis), n - 1)
-        dk, dv = _rotate(acc, n, axis)  # home: the accumulator of my own shard
+    if n > 1:
+        (dq, shard), _ = lax.scan(step, (dq, shard), jnp.arange(n - 1))
+    dq, shard = visit(dq, shard, n - 1)
+    dk, dv = (shard["dk"], shard["dv"]) if n == 1 else _rotate((shard["dk"], shard["dv"]), n, axis)
     return {
         "query": dq.astype(q.dtype),
         "key": dk.astype(k.dtype),
