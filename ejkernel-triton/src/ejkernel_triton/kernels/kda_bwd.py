@@ -250,14 +250,14 @@ def kda_bwd_chunk_kernel(
     partial gradients and the forward's ``T`` and decayed ``K Kᵀ``.
 
     ``scratch [B, NT, H, C² + 3 C BK]`` (float32; ``C²`` for a per-head gate) holds the
-    chunk's ``dM`` between the ``tl.dot`` that makes it and those that read it in both
-    orientations (Triton 3.6 cannot lower such a product, transposed, as an operand of the
-    next ``tl.dot`` on sm_90 here, so it goes through memory, the program's own, read back
-    after a barrier), then the rows :func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd`
-    reads back; ``dP`` comes from memory for the same reason."""
+    chunk's ``dM`` between the ``tl.dot`` that makes it and
+    :func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd`, which reads it (and
+    ``dP``, from the ``dpt`` input) in both orientations, by parts and by columns (Triton 3.6
+    cannot lower such a product, transposed, as an operand of the next ``tl.dot`` on sm_90
+    here, so it goes through memory, the program's own, read back after a barrier), then the
+    rows that function stashes."""
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     p_c = rows[:, None] * C + o_c[None, :]
-    p_ct = rows[None, :] * C + o_c[:, None]  # the transpose's offsets
     b_q, b_k, b_beta, b_g, bad, live = chunk_inputs(
         q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
     )
@@ -293,19 +293,13 @@ def kda_bwd_chunk_kernel(
     b_da = tl.where(strict, b_da, 0.0)
     b_dbeta += tl.sum(b_da * tl.load(kk_ptr + p_c), axis=1)
     o_cc = o_c[:, None] * C + o_c[None, :]
-    o_tr = o_c[None, :] * C + o_c[:, None]
     scratch = scratch_ptr + slot * (C * C + (0 if GK == 1 else 3 * C * BK))
     tl.store(scratch + o_cc, b_beta[:, None] * b_da)
     tl.debug_barrier()
-    b_dp = tl.where(o_c[:, None] >= o_c[None, :], tl.load(dpt_ptr + p_ct), 0.0)
-    b_dpt = tl.where(o_c[:, None] <= o_c[None, :], tl.load(dpt_ptr + p_c), 0.0)
-    b_dm = tl.load(scratch + o_cc)
-    b_dmt = tl.load(scratch + o_tr)
     b_dqs, b_dka, b_dkb = decayed_products_bwd(
-        b_dp,
-        b_dpt,
-        b_dm,
-        b_dmt,
+        dpt_ptr + rows * C,
+        H * C,
+        scratch,
         b_qs,
         b_kn,
         b_gc,

@@ -197,10 +197,9 @@ def decayed_products(
 
 @triton.jit
 def decayed_products_bwd(
-    b_dp,
-    b_dpt,
-    b_dm,
-    b_dmt,
+    p_dpt,
+    row_step,
+    dm_slab,
     b_q,
     b_k,
     b_gc,
@@ -212,17 +211,29 @@ def decayed_products_bwd(
     GK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Pull ``dP`` (of ``P = D(q, k)``) and ``dM`` (of ``M = D(k, k)``), both zero above the
-    diagonal and given with their transposes, back to ``(dq, dk through the rows' side, dk
-    through the columns' side)``, for ``D(a, b)_tj = Σ_κ a_tκ b_jκ exp(G_tκ − G_jκ)``:
+    """Pull ``dP`` (of ``P = D(q, k)``) and ``dM`` (of ``M = D(k, k)``) back to ``(dq, dk
+    through the rows' side, dk through the columns' side)``, for
+    ``D(a, b)_tj = Σ_κ a_tκ b_jκ exp(G_tκ − G_jκ)`` (``j ≤ t``):
     ``da_t = Σ_j dD_tj b_j ⊙ exp(G_t − G_j)``, ``db_j = Σ_t dD_tj a_t ⊙ exp(G_t − G_j)``; the
-    gate's gradient is then ``a ⊙ da − b ⊙ db`` summed over both products. A per-channel gate
-    takes :func:`decayed_products`' blocks, reading rows back from ``scratch`` (``3 C BK``
-    float32 of the program's own)."""
+    gate's gradient is then ``a ⊙ da − b ⊙ db`` summed over both products.
+
+    Both cotangents are read from memory, in whichever orientation and part a step needs:
+    ``dP_tj`` at ``p_dpt[j] + t`` (``p_dpt [C]``: each token's row of ``dPᵀ``; the row of
+    token ``s`` is ``p_dpt[t] + (s − t)·row_step``), ``dM_tj`` at ``dm_slab + t·C + j``; only
+    their lower triangles (``j ≤ t``) are read. A per-channel gate takes
+    :func:`decayed_products`' blocks: the diagonal blocks one column at a time, each a gather
+    of ``C`` entries, with rows read back from ``scratch`` (``3 C BK`` float32 of the
+    program's own)."""
+    o_cc = o_c[:, None] * C + o_c[None, :]
+    o_tr = o_c[None, :] * C + o_c[:, None]
     if GK == 1:
         causal = o_c[:, None] >= o_c[None, :]
-        b_e = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
         upper = o_c[:, None] <= o_c[None, :]
+        b_dp = tl.load(p_dpt[None, :] + o_c[:, None], mask=causal, other=0.0)
+        b_dpt = tl.load(p_dpt[:, None] + o_c[None, :], mask=upper, other=0.0)
+        b_dm = tl.load(dm_slab + o_cc, mask=causal, other=0.0)
+        b_dmt = tl.load(dm_slab + o_tr, mask=upper, other=0.0)
+        b_e = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
         b_et = tl.exp(tl.where(upper, b_gc[None, :] - b_gc[:, None], float("-inf")))
         b_dq = tl.dot(b_dp * b_e, b_k, input_precision=DOT_PRECISION)
         b_dka = tl.dot(b_dm * b_e, b_k, input_precision=DOT_PRECISION)
@@ -249,27 +260,34 @@ def decayed_products_bwd(
             m_rj = in_r[:, None] & before[None, :]
             m_jr = before[:, None] & in_r[None, :]
             b_kb = b_k * b_out
-            b_dq += b_in * tl.dot(tl.where(m_rj, b_dp, 0.0), b_kb, input_precision=DOT_PRECISION)
-            b_dka += b_in * tl.dot(tl.where(m_rj, b_dm, 0.0), b_kb, input_precision=DOT_PRECISION)
-            b_sum = tl.dot(tl.where(m_jr, b_dpt, 0.0), b_q * b_in, input_precision=DOT_PRECISION)
-            b_sum += tl.dot(tl.where(m_jr, b_dmt, 0.0), b_k * b_in, input_precision=DOT_PRECISION)
+            b_dp = tl.load(p_dpt[None, :] + o_c[:, None], mask=m_rj, other=0.0)
+            b_dm = tl.load(dm_slab + o_cc, mask=m_rj, other=0.0)
+            b_dq += b_in * tl.dot(b_dp, b_kb, input_precision=DOT_PRECISION)
+            b_dka += b_in * tl.dot(b_dm, b_kb, input_precision=DOT_PRECISION)
+            b_dpt = tl.load(p_dpt[:, None] + o_c[None, :], mask=m_jr, other=0.0)
+            b_dmt = tl.load(dm_slab + o_tr, mask=m_jr, other=0.0)
+            b_sum = tl.dot(b_dpt, b_q * b_in, input_precision=DOT_PRECISION)
+            b_sum += tl.dot(b_dmt, b_k * b_in, input_precision=DOT_PRECISION)
             b_dkb += b_out * b_sum
         first = blk * SUB
         for jj in range(0, SUB):
             src = first + jj
             b_gj = stashed_rows(g_slab, src, o_k, BK)
-            col = o_c[None, :] == src[:, None]
             # row t against column j = src(t) ≤ t
-            b_e = tl.exp(tl.where((o_c >= src)[:, None], b_gc - b_gj, float("-inf")))
+            seen = src <= o_c
+            b_e = tl.exp(tl.where(seen[:, None], b_gc - b_gj, float("-inf")))
             b_ke = stashed_rows(k_slab, src, o_k, BK) * b_e
-            b_dq += tl.sum(tl.where(col, b_dp, 0.0), axis=1)[:, None] * b_ke
-            b_dka += tl.sum(tl.where(col, b_dm, 0.0), axis=1)[:, None] * b_ke
+            b_dpc = tl.load(p_dpt + (src - o_c) * row_step + o_c, mask=seen, other=0.0)
+            b_dmc = tl.load(dm_slab + o_c * C + src, mask=seen, other=0.0)
+            b_dq += b_dpc[:, None] * b_ke
+            b_dka += b_dmc[:, None] * b_ke
             # row j against row t = src(j) ≥ j
-            b_e = tl.exp(tl.where((src >= o_c)[:, None], b_gj - b_gc, float("-inf")))
+            sees = src >= o_c
+            b_e = tl.exp(tl.where(sees[:, None], b_gj - b_gc, float("-inf")))
             b_qt = stashed_rows(q_slab, src, o_k, BK)
             b_kt = stashed_rows(k_slab, src, o_k, BK)
-            b_dpj = tl.sum(tl.where(col, b_dpt, 0.0), axis=1)[:, None]
-            b_dmj = tl.sum(tl.where(col, b_dmt, 0.0), axis=1)[:, None]
+            b_dpj = tl.load(p_dpt + src, mask=sees, other=0.0)[:, None]
+            b_dmj = tl.load(dm_slab + src * C + o_c, mask=sees, other=0.0)[:, None]
             b_dkb += (b_dpj * b_qt + b_dmj * b_kt) * b_e
     return b_dq, b_dka, b_dkb
 
