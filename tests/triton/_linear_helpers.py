@@ -1,15 +1,19 @@
 """What the Triton linear-attention tests (gla, recurrent, lightning_attention,
-kernel_delta_attention) share: a norm-relative error, outputs and gradients under a fixed
-cotangent, and the comparison of every output leaf and gradient against the reference."""
+kernel_delta_attention, state_space_v1/v2) share: a norm-relative error, outputs and gradients
+under a fixed cotangent, the comparison of every output leaf and gradient against the
+reference or the XLA platform, and the kernels' launches compiled for Hopper."""
 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from ejkernel.testing import assert_close
 
@@ -66,3 +70,57 @@ def check_against(
         assert rel(a, e) <= tol, (name, rel(a, e))
         if a.dtype == jnp.float32 if strict is None else strict:
             assert_close(a, e, name=name)
+
+
+def compare(got: tuple[Any, Any], want: tuple[Any, Any], tol: float) -> None:
+    """Two :func:`run` results: every output leaf and every gradient of ``want`` within
+    ``tol`` by norm."""
+    (out, grads), (ref_out, ref_grads) = got, want
+    for a, e in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
+        assert rel(a, e) < tol, ("out", rel(a, e))
+    for name in ref_grads:
+        assert rel(grads[name], ref_grads[name]) < tol, (name, rel(grads[name], ref_grads[name]))
+
+
+def check_against_xla(
+    ours: Callable[..., Any],
+    xla: Callable[..., Any],
+    arrays: dict[str, jax.Array],
+    *,
+    tol: float = 2e-2,
+    **statics: Any,
+) -> None:
+    """``ours`` on ``arrays`` against ``xla`` on their float32 copies (at the highest matmul
+    precision): output, final state and every gradient finite and within ``tol`` by norm."""
+    out, got = jax.jit(lambda a: run(ours, a, **statics))(arrays)
+    up = jax.tree.map(lambda x: x.astype(jnp.float32), arrays)
+    with jax.default_matmul_precision("highest"):
+        want, exp = jax.jit(lambda a: run(xla, a, **statics))(up)
+    pairs = [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))]
+    for name, a, e in pairs + [(f"d{n}", got[n], exp[n]) for n in got]:
+        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
+        assert rel(a, e) < tol, (name, rel(a, e))
+
+
+def hopper_launches(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    heuristic: Callable[[Any], Any],
+    forward: Callable[..., Any],
+    backward: Callable[..., Any],
+    arrays: dict[str, jax.Array],
+    **statics: Any,
+) -> list[tuple[Any, Any]]:
+    """``(launch, compiled)`` for every kernel launch of the op's jitted ``forward`` and
+    ``backward`` at ``arrays`` under the ``heuristic``'s config, compiled for sm_90 on any
+    machine (the interpreter off before the heuristic picks, a fresh Triton cache)."""
+    from ejkernel_triton import _codegen
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    cfg = heuristic(types.SimpleNamespace(kwargs=arrays))
+    jax.clear_caches()  # the forward and backward are jitted: trace them under the recorder
+    with _codegen.recorded_launches() as record:
+        out, res = forward(cfg=cfg, **statics, **arrays)
+        backward(res, out, cfg=cfg, **statics)
+    return [(one, _codegen.compile_launch(one, capability=90)) for one in record]

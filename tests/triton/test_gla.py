@@ -14,7 +14,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
-from tests.triton._linear_helpers import check_against, rel, run
+from tests.triton._linear_helpers import (
+    check_against,
+    check_against_xla,
+    hopper_launches,
+    rel,
+    run,
+)
 
 import ejkernel
 from ejkernel.specs.gla import gla_reference
@@ -183,18 +189,13 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
     from ejkernel_triton import _codegen
     from ejkernel_triton.ops import gla
 
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     q = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
     call = {"query": q, "key": q, "value": q, "g": jnp.zeros(q.shape, jnp.float32)}
-    cfg = heuristic(types.SimpleNamespace(kwargs=call))
-    jax.clear_caches()  # the forward and backward are jitted: trace them under the recorder
-    with _codegen.recorded_launches() as record:
-        out, res = gla._gla_fwd(cfg=cfg, **call)
-        gla._gla_bwd(res, out, cfg=cfg)
-    assert len(record) == 9
-    for launch in record:
-        compiled = _codegen.compile_launch(launch, capability=90)
+    compiled_launches = hopper_launches(
+        monkeypatch, tmp_path, heuristic, gla._gla_fwd, gla._gla_bwd, call
+    )
+    assert len(compiled_launches) == 9
+    for launch, compiled in compiled_launches:
         mix = _codegen.instruction_mix(compiled.ptx)
         name = launch.kernel.fn.__name__
         if name != "gla_fwd_cumsum_kernel":
@@ -214,19 +215,8 @@ def test_gpu_bf16_forward_and_gradients_match_the_xla_path(return_state: bool) -
     arrays = {"query": q, "key": k, "value": v, "g": g}
     if return_state:
         arrays["initial_state"] = normal(jax.random.PRNGKey(2), (b, h, dk, dv), jnp.float32)
-    ours = jax.jit(lambda a: run(triton_gla(None), a, return_state=return_state))
-    xla = jax.jit(
-        lambda a: run(lambda **kw: ejkernel.gla(**kw, platform="xla"), a, return_state=return_state)
-    )
-    (out, got) = ours(arrays)
-    up = jax.tree.map(lambda x: x.astype(jnp.float32), arrays)
-    with jax.default_matmul_precision("highest"):
-        (want, exp) = xla(up)
-    for name, a, e in [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))] + [
-        (f"d{n}", got[n], exp[n]) for n in got
-    ]:
-        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
-        assert rel(a, e) < 2e-2, (name, rel(a, e))
+    xla = lambda **kw: ejkernel.gla(**kw, platform="xla")
+    check_against_xla(triton_gla(None), xla, arrays, return_state=return_state)
 
 
 @pytest.mark.gpu

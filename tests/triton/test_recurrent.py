@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
-from tests.triton._linear_helpers import check_against, rel, run
+from tests.triton._linear_helpers import check_against, check_against_xla
 
 import ejkernel
 from ejkernel.specs.recurrent import recurrent_reference
@@ -135,13 +135,5 @@ def test_gpu_bf16_forward_and_gradients_match_the_xla_path(reverse: bool) -> Non
     a["gk"] = a["gk"].astype(jnp.float32) / 16
     a["g"] = a["g"].astype(jnp.float32) / 16
     a["initial_state"] = normal(jax.random.PRNGKey(2), (2, 16, 128, 128), jnp.float32)
-    st = {"reverse": reverse, "return_state": True}
-    out, got = jax.jit(lambda x: run(triton_recurrent(None), x, **st))(a)
-    up = jax.tree.map(lambda x: x.astype(jnp.float32), a)
     xla = lambda **kw: ejkernel.recurrent(**kw, platform="xla")
-    with jax.default_matmul_precision("highest"):
-        want, exp = jax.jit(lambda x: run(xla, x, **st))(up)
-    pairs = [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))]
-    for name, x, e in pairs + [(f"d{n}", got[n], exp[n]) for n in got]:
-        assert bool(jnp.isfinite(jnp.asarray(x, jnp.float32)).all()), name
-        assert rel(x, e) < 2e-2, (name, rel(x, e))
+    check_against_xla(triton_recurrent(None), xla, a, reverse=reverse, return_state=True)

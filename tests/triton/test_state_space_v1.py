@@ -14,6 +14,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.triton._linear_helpers import (
+    check_against,
+    check_against_xla,
+    compare,
+    hopper_launches,
+    rel,
+    run,
+)
 
 import ejkernel
 from ejkernel.specs.state_space_v1 import state_space_v1_reference
@@ -25,13 +33,6 @@ from ejkernel_triton.ops.state_space_v1 import StateSpaceV1Config, heuristic, su
 
 C16 = StateSpaceV1Config(chunk_size=16, block_k=16, block_v=16, num_stages=1)
 CORE = ("x", "A", "B", "C", "D", "dt")
-
-
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
 
 
 def inputs(b: int, s: int, i: int, n: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
@@ -50,47 +51,15 @@ def inputs(b: int, s: int, i: int, n: int, dtype: Any = jnp.float32) -> dict[str
     }
 
 
-def rel(a: Any, b: Any) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
-def run(fn: Any, arrays: dict[str, jax.Array], **statics: Any) -> tuple[Any, dict[str, Any]]:
-    """``fn``'s output and the gradients of every array under a fixed cotangent."""
-
-    def loss(arrays: dict[str, jax.Array]) -> Any:
-        out = fn(**arrays, **statics)
-        o, final = out if statics.get("return_state") else (out, None)
-        total = jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1]) * 0.7))
-        if final is not None:
-            total += jnp.sum(final * jnp.sin(jnp.arange(final.shape[-1]) * 0.3))
-        return total, out
-
-    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
-    return out, grads
-
-
 def triton_scan(cfg: Any = C16) -> Any:
     return lambda **kw: ejkernel.state_space_v1(**kw, platform="triton", cfg=cfg)
-
-
-def compare(got: Any, want: Any, tol: float) -> None:
-    (out, grads), (ref_out, ref_grads) = got, want
-    for a, e in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
-        assert rel(a, e) < tol, ("out", rel(a, e))
-    for name in ref_grads:
-        assert rel(grads[name], ref_grads[name]) < tol, (name, rel(grads[name], ref_grads[name]))
 
 
 def test_every_argument_and_gradient_matches_the_sequential_reference(interpret) -> None:
     """Gate, dt_bias, softplus, both states; S 37 over chunks of 16."""
     arrays = inputs(2, 37, 5, 6)
     statics = {"dt_softplus": True, "return_state": True}
-    compare(
-        run(triton_scan(), arrays, **statics),
-        run(state_space_v1_reference, arrays, **statics),
-        1e-4,
-    )
+    check_against(triton_scan(), state_space_v1_reference, arrays, strict=False, **statics)
 
 
 def test_bf16_and_the_heuristic_config(interpret) -> None:
@@ -144,37 +113,17 @@ def test_supports_and_opt_in() -> None:
 @pytest.mark.gpu
 def test_gpu_bf16_forward_and_gradients_match_the_xla_path() -> None:
     arrays = inputs(2, 2048, 512, 16, jnp.bfloat16)
-    statics = {"dt_softplus": True, "return_state": True}
-    ours = jax.jit(lambda a: run(triton_scan(None), a, **statics))
-    xla = jax.jit(
-        lambda a: run(lambda **kw: ejkernel.state_space_v1(**kw, platform="xla"), a, **statics)
-    )
-    out, got = ours(arrays)
-    up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
-    with jax.default_matmul_precision("highest"):
-        want, exp = xla(up)
-    for name, a, e in [*zip(("out", "final"), jax.tree.leaves(out), jax.tree.leaves(want))] + [
-        (f"d{n}", got[n], exp[n]) for n in got
-    ]:
-        assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
-        assert rel(a, e) < 2e-2, (name, rel(a, e))
+    xla = lambda **kw: ejkernel.state_space_v1(**kw, platform="xla")
+    check_against_xla(triton_scan(None), xla, arrays, dt_softplus=True, return_state=True)
 
 
 def test_kernels_compile_for_hopper_with_a_one_wide_value(monkeypatch, tmp_path) -> None:
     """The heuristic's gla launches at the selective scan's shape (bf16, N 16, V 1), forward
     and backward, compiled for sm_90 on any machine."""
-    from ejkernel_triton import _codegen
     from ejkernel_triton.ops import state_space_v1 as ssm
 
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     arrays = {n: v for n, v in inputs(1, 256, 4, 16, jnp.bfloat16).items() if n in CORE}
-    cfg = heuristic(types.SimpleNamespace(kwargs=arrays))
-    jax.clear_caches()  # the forward and backward are jitted: trace them under the recorder
-    with _codegen.recorded_launches() as record:
-        out, res = ssm._fwd(cfg=cfg, **arrays)
-        ssm._bwd(res, out, cfg=cfg)
-    assert len(record) == 9
-    for launch in record:
-        compiled = _codegen.compile_launch(launch, capability=90)
-        assert compiled.shared <= 232448, launch.kernel.fn.__name__
+    compiled = hopper_launches(monkeypatch, tmp_path, heuristic, ssm._fwd, ssm._bwd, arrays)
+    assert len(compiled) == 9
+    for launch, kernel in compiled:
+        assert kernel.shared <= 232448, launch.kernel.fn.__name__

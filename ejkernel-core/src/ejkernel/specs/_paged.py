@@ -53,6 +53,7 @@ __all__ = [
     "check_index_vector",
     "check_kv_scales",
     "check_paged_cache",
+    "check_paged_call",
     "check_queries",
     "check_scalar_index",
     "check_sinks",
@@ -125,6 +126,16 @@ def check_queries(op: str, name: str, x: Any, *, letters: str, cache: PagedCache
             f"{op}: `{name}` must have non-empty Hq and D; got {name}.shape={tuple(x.shape)}"
         )
     return hq
+
+
+def check_paged_call(op: str, a: dict[str, Any], name: str, letters: str) -> tuple[PagedCache, int]:
+    """The caches (:func:`check_paged_cache`), the query array ``a[name]``
+    (:func:`check_queries`) and ``k_scale``/``v_scale`` (:func:`check_kv_scales`) of a paged
+    op's arguments ``a``; return the cache sizes and Hq."""
+    cache = check_paged_cache(op, a["key_cache"], a["value_cache"])
+    hq = check_queries(op, name, a[name], letters=letters, cache=cache)
+    check_kv_scales(op, a, hkv=cache.hkv, cache_dtype=cache.dtype)
+    return cache, hq
 
 
 def _is_8bit_float(dtype: Any) -> bool:

@@ -151,16 +151,17 @@ def flash_attention_reference(
     logits = soft_cap(logits, logits_soft_cap)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    geometry = Geometry(
+    visible = attention_mask_dense(
         batch=b,
+        num_heads=hq,
         sq=sq,
         sk=sk,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
         causal=causal,
-        window=sliding_window,
+        sliding_window=sliding_window,
+        attention_mask=attention_mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
     )
-    visible = dense_visibility(geometry, attention_mask, q_segment_ids, kv_segment_ids)
     logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     if softmax_aux is not None:

@@ -22,9 +22,7 @@ from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
     check_block_tables,
     check_index_vector,
-    check_kv_scales,
-    check_paged_cache,
-    check_queries,
+    check_paged_call,
     paged_reference,
     synthetic_paged_inputs,
 )
@@ -63,9 +61,7 @@ def page_attention_reference(
 
 def validate_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults. Raises ValueError/TypeError."""
-    cache = check_paged_cache(OP, a["key_cache"], a["value_cache"])
-    check_queries(OP, "query", a["query"], letters="[S, Hq, D]", cache=cache)
-    check_kv_scales(OP, a, hkv=cache.hkv, cache_dtype=cache.dtype)
+    cache, _ = check_paged_call(OP, a, "query", "[S, Hq, D]")
     s = int(a["query"].shape[0])
     check_index_vector(OP, "kv_lens", a["kv_lens"], letters="[S]", length=s)
     check_block_tables(OP, "block_tables", a["block_tables"], num_seqs=s)

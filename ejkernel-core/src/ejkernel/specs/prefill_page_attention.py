@@ -23,9 +23,7 @@ import jax.numpy as jnp
 from ejkernel.specs._base import OpSpec, call_op
 from ejkernel.specs._paged import (
     check_counted_vector,
-    check_kv_scales,
-    check_paged_cache,
-    check_queries,
+    check_paged_call,
     check_scalar_index,
     paged_reference,
     synthetic_paged_inputs,
@@ -71,9 +69,7 @@ def prefill_page_attention_reference(
 
 def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument; fill defaults; ``kv_len`` becomes an int32 scalar array."""
-    cache = check_paged_cache(OP, a["key_cache"], a["value_cache"])
-    check_queries(OP, "query", a["query"], letters="[C, Hq, D]", cache=cache)
-    check_kv_scales(OP, a, hkv=cache.hkv, cache_dtype=cache.dtype)
+    cache, _ = check_paged_call(OP, a, "query", "[C, Hq, D]")
     num_pages = check_counted_vector(OP, "page_indices", a["page_indices"], count="P")
     a["kv_len"] = check_scalar_index(OP, "kv_len", a["kv_len"], upper=num_pages * cache.page_size)
     attention_statics(OP, a, d=cache.d)

@@ -40,9 +40,7 @@ from ejkernel.specs._paged import (
     check_block_tables,
     check_counted_vector,
     check_index_vector,
-    check_kv_scales,
-    check_paged_cache,
-    check_queries,
+    check_paged_call,
     check_scalar_index,
     check_sinks,
     packed_paged_reference,
@@ -62,9 +60,7 @@ OP = "ragged_page_attention"
 
 def validate_ragged_page_attention(a: dict[str, Any], *, op: str = OP) -> dict[str, Any]:
     """Check every argument; fill defaults; ``num_seqs`` becomes an int32 scalar array."""
-    cache = check_paged_cache(op, a["key_cache"], a["value_cache"])
-    hq = check_queries(op, "queries", a["queries"], letters="[T, Hq, D]", cache=cache)
-    check_kv_scales(op, a, hkv=cache.hkv, cache_dtype=cache.dtype)
+    cache, hq = check_paged_call(op, a, "queries", "[T, Hq, D]")
     num_seqs = check_counted_vector(
         op, "kv_lens", a["kv_lens"], count="num_seqs", allow_empty=a["queries"].shape[0] == 0
     )

@@ -228,6 +228,7 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
         dv = v.shape[-1]
         c = st.chunk
         common = _common(st)
+        tiles = _tiles(st, dk, dv)
         (g,) = _launch.launch(
             gla_fwd_cumsum_kernel,
             gates,
@@ -257,12 +258,7 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
                 jax.ShapeDtypeStruct(init_rows.shape, jnp.float32),
             ],
             grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
-            K=dk,
-            V=dv,
-            C=c,
-            BK=st.block_k,
-            BV=st.block_v,
-            **common,
+            **tiles,
         )
         (amat,) = _launch.launch(
             gla_fwd_a_kernel,
@@ -292,12 +288,7 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
             h,
             out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype)],
             grid=(_cdiv(dv, st.block_v), nt, b * h),
-            K=dk,
-            V=dv,
-            C=c,
-            BK=st.block_k,
-            BV=st.block_v,
-            **common,
+            **tiles,
         )
         return g, hs, final_rows, amat, o
 
@@ -319,6 +310,12 @@ def _common(st: _Statics) -> dict[str, Any]:
         "num_stages": st.num_stages,
         "DOT_PRECISION": st.precision,
     }
+
+
+def _tiles(st: _Statics, dk: int, dv: int) -> dict[str, Any]:
+    """:func:`_common` and the chunk tiling of a launch over both K and V: the head sizes
+    ``K``/``V``, the chunk ``C`` and the ``BK``/``BV`` blocks."""
+    return {"K": dk, "V": dv, "C": st.chunk, "BK": st.block_k, "BV": st.block_v, **_common(st)}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -399,6 +396,7 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
         dv = v.shape[-1]
         c = st.chunk
         common = _common(st)
+        tiles = _tiles(st, dk, dv)
         scale = np.float32(st.scale)
         tokens = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
         nv = _cdiv(dv, st.block_v)
@@ -421,12 +419,7 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
                 jax.ShapeDtypeStruct((b, h, nt, nv, dk), jnp.float32),
             ],
             grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
-            K=dk,
-            V=dv,
-            C=c,
-            BK=st.block_k,
-            BV=st.block_v,
-            **common,
+            **tiles,
         )
         (da,) = _launch.launch(
             gla_bwd_da_kernel,
@@ -453,12 +446,7 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
             h,
             out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)],
             grid=(_cdiv(dv, st.block_v), nt, b * h),
-            K=dk,
-            V=dv,
-            C=c,
-            BK=st.block_k,
-            BV=st.block_v,
-            **common,
+            **tiles,
         )
         if split_diagonal:
             eye = jnp.arange(t)[:, None] % c == jnp.arange(c)[None, :]  # [T, C]
@@ -500,12 +488,7 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
                 tokens,
             ],
             grid=(_cdiv(dk, st.block_k), nt, b * h),
-            K=dk,
-            V=dv,
-            C=c,
-            BK=st.block_k,
-            BV=st.block_v,
-            **common,
+            **tiles,
         )
         if split_diagonal:
             f32 = lambda a: a.astype(jnp.float32)

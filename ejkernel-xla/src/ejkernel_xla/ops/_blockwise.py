@@ -4,7 +4,8 @@ FlashAttention-2 (Dao, 2023) in pure JAX, as pieces an op assembles: the blocked
 (queries ``[nq, B, Hkv, G, bq, F]``, keys/values ``[nk, B, Hkv, bk, F]``, a sequence padded
 to whole blocks), loop helpers that resolve statically when they can, the logits of a block
 (soft cap, bias, mask by select), one online-softmax step (Alg. 1, Sec. 3.1.1) and the
-finish of a row (sinks, division, logsumexp). What is visible and what a hidden position
+finish of a row (sinks, division, logsumexp), and the backward's blocked rows and the
+gradients of one tile (Alg. 2). What is visible and what a hidden position
 contributes (nothing, whatever it holds) is :mod:`ejkernel.attention_semantics`; this
 module only lays it out in blocks.
 """
@@ -26,15 +27,18 @@ from ejkernel.attention_semantics import (
     Tiling,
     mask_scores,
     soft_cap,
+    soft_cap_grad,
     visible,
 )
 from ejkernel_xla.ops import _tuning, _vma
 
 __all__ = [
+    "BackwardRows",
     "Blocking",
     "SideInputs",
     "as_4d",
     "backend",
+    "block_gradients",
     "block_scores",
     "block_visibility",
     "dot",
@@ -364,3 +368,74 @@ def finish_rows(
     out = jnp.where(seen[..., None], acc * inv_denom[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(denom), EMPTY_ROW_LSE)
     return out, lse
+
+
+@attrs.define
+class BackwardRows:
+    """What the backward's tiles read per query row (FlashAttention-2 Alg. 2).
+
+    ``delta = rowsum(dO ∘ O)`` (float32, shaped like the logsumexp) is the softmax-Jacobian
+    term shared by every key of a row (Sec. 3.1.2); the query, ``dO`` (in the query dtype),
+    logsumexp (padding rows :data:`EMPTY_ROW_LSE`) and ``delta`` cut into query blocks.
+    """
+
+    delta: jax.Array
+    q: jax.Array
+    d_out: jax.Array
+    lse: jax.Array
+    delta_blocks: jax.Array
+
+    @classmethod
+    def of(cls, a: dict[str, Any], d_out: jax.Array, geo: Blocking) -> BackwardRows:
+        """From the forward's residuals ``a`` (``query``, ``out``, ``logsumexp``) and ``dO``."""
+        q = a["query"]
+        d_out = d_out.astype(q.dtype)
+        delta = jnp.sum(d_out.astype(jnp.float32) * a["out"].astype(jnp.float32), axis=-1)
+        return cls(
+            delta=delta,
+            q=q_blocks(q, geo),
+            d_out=q_blocks(d_out, geo),
+            lse=q_blocks(a["logsumexp"][..., None], geo, fill=EMPTY_ROW_LSE)[..., 0],
+            delta_blocks=q_blocks(delta[..., None], geo)[..., 0],
+        )
+
+
+def block_gradients(
+    rows: BackwardRows,
+    i: Any,
+    k_j: jax.Array,
+    v_j: jax.Array,
+    scores: tuple[jax.Array, jax.Array | None],
+    *,
+    keep: jax.Array | None,
+    st: Any,
+    reduce_bias: Callable[[jax.Array], Any],
+) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+    """The gradients of the tile (query block ``i``, key block ``k_j``/``v_j``)
+    (FlashAttention-2 Alg. 2, lines 11-20): ``(dq_i, dk_j, dv_j, db)`` before the softmax
+    scale.
+
+    ``scores`` is :func:`block_scores`' ``(masked logits, soft-capped logits)``; ``keep`` the
+    tile's dropout keep-mask (``None`` without dropout); ``st`` carries ``dropout_prob`` and
+    ``logits_soft_cap``; ``reduce_bias`` turns ``dS`` into the op's bias-gradient part (taken
+    before the soft cap's derivative, as the bias is added after the cap).
+    """
+    q_i, do_i = take(rows.q, i), take(rows.d_out, i)
+    s, capped = scores
+    p = jnp.exp(s - take(rows.lse, i)[..., None])
+    p_dropped = p
+    if keep is not None:
+        scale_dropped = 1.0 / (1.0 - st.dropout_prob)
+        p_dropped = jnp.where(keep, p * scale_dropped, 0.0)
+    dv = dot("bhgqk,bhgqd->bhkd", p_dropped.astype(do_i.dtype), do_i)
+    dp = dot("bhgqd,bhkd->bhgqk", do_i, v_j)
+    if keep is not None:
+        dp = jnp.where(keep, dp * scale_dropped, 0.0)
+    ds = p * (dp - take(rows.delta_blocks, i)[..., None])
+    db = reduce_bias(ds)
+    if capped is not None:
+        ds = ds * soft_cap_grad(capped, st.logits_soft_cap)
+    ds = ds.astype(q_i.dtype)
+    dq_i = dot("bhgqk,bhkd->bhgqd", ds, k_j)
+    dk = dot("bhgqk,bhgqd->bhkd", ds, q_i)
+    return dq_i, dk, dv, db

@@ -47,11 +47,9 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import (
-    EMPTY_ROW_LSE,
     bias_grad,
     finite_or_zero,
     sink_grad,
-    soft_cap_grad,
 )
 from ejkernel.plugins import deflse, defvjp
 from ejkernel.specs.flash_attention import SPEC, dropout_keep
@@ -63,10 +61,12 @@ from ejkernel_xla.ops._adapter import (
     pass_blocks,
 )
 from ejkernel_xla.ops._blockwise import (
+    BackwardRows,
     Blocking,
     SideInputs,
     as_4d,
     backend,
+    block_gradients,
     block_scores,
     block_visibility,
     dot,
@@ -277,18 +277,12 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: Blocked) -> dict[str, jax
         Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
         ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
     """
-    q, k, v, out, lse = (a[n] for n in ("query", "key", "value", "out", "logsumexp"))
+    q, k, v = (a[n] for n in ("query", "key", "value"))
     geo = Blocking.of(q, k, v, st.block_q, st.block_k)
     side = SideInputs.of(a, geo, _pair_blocks)
-    d_out = d_out.astype(q.dtype)
-    # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row (Sec. 3.1.2).
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    qb, dob = q_blocks(q, geo), q_blocks(d_out, geo)
-    lseb = q_blocks(lse[..., None], geo, fill=EMPTY_ROW_LSE)[..., 0]
-    deltab = q_blocks(delta[..., None], geo)[..., 0]
+    rows = BackwardRows.of(a, d_out, geo)
     kb, vb = kv_blocks(finite_or_zero(k), geo), kv_blocks(finite_or_zero(v), geo)
     bias_grad = _BiasGradient.of(a["bias"], geo)
-    scale_dropped = 1.0 / (1.0 - st.dropout_prob) if st.dropout_prob > 0.0 else 1.0
 
     def one_kv_block(outer: Any, j: Any) -> tuple[Any, Any]:
         k_j, v_j = take(kb, j), take(vb, j)
@@ -303,25 +297,13 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: Blocked) -> dict[str, jax
 
             def compute(inner: Any) -> Any:
                 dk, dv, db_sum = inner
-                q_i, do_i = take(qb, i), take(dob, i)
-                s, capped = _scores(q_i, k_j, side, geo, st, i, j)
-                p = jnp.exp(s - take(lseb, i)[..., None])
-                if st.dropout_prob > 0.0:
-                    keep = _keep(a["dropout_seed"], geo, st, i, j)
-                    p_dropped = jnp.where(keep, p * scale_dropped, 0.0)
-                else:
-                    p_dropped = p
-                dv = dv + dot("bhgqk,bhgqd->bhkd", p_dropped.astype(do_i.dtype), do_i)
-                dp = dot("bhgqd,bhkd->bhgqk", do_i, v_j)
-                if st.dropout_prob > 0.0:
-                    dp = jnp.where(keep, dp * scale_dropped, 0.0)
-                ds = p * (dp - take(deltab, i)[..., None])
-                db_i = bias_grad.reduce(ds)
-                if capped is not None:
-                    ds = ds * soft_cap_grad(capped, st.logits_soft_cap)
-                ds = ds.astype(q_i.dtype)
-                dq_i = dot("bhgqk,bhkd->bhgqd", ds, k_j)
-                dk = dk + dot("bhgqk,bhgqd->bhkd", ds, q_i)
+                q_i = take(rows.q, i)
+                scores = _scores(q_i, k_j, side, geo, st, i, j)
+                keep = _keep(a["dropout_seed"], geo, st, i, j) if st.dropout_prob > 0.0 else None
+                dq_i, dk_i, dv_i, db_i = block_gradients(
+                    rows, i, k_j, v_j, scores, keep=keep, st=st, reduce_bias=bias_grad.reduce
+                )
+                dk, dv = dk + dk_i, dv + dv_i
                 db_sum, db_out = bias_grad.split_over_q(db_sum, db_i)
                 return (dk, dv, db_sum), (dq_i, db_out)
 
@@ -348,7 +330,7 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: Blocked) -> dict[str, jax
         "softmax_aux": None,
     }
     if a["softmax_aux"] is not None:
-        grads["softmax_aux"] = sink_grad(a["softmax_aux"], lse, delta)
+        grads["softmax_aux"] = sink_grad(a["softmax_aux"], a["logsumexp"], rows.delta)
     return grads
 
 

@@ -52,14 +52,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel.attention_semantics import EMPTY_ROW_LSE, sink_grad, soft_cap_grad
+from ejkernel.attention_semantics import sink_grad
 from ejkernel.plugins import defvjp
 from ejkernel.specs.ring_attention import SPEC
 from ejkernel_xla.ops import _ring_flash
 from ejkernel_xla.ops._adapter import BlockConfig, Passes, pass_blocks
 from ejkernel_xla.ops._blockwise import (
+    BackwardRows,
     backend,
-    dot,
+    block_gradients,
     finish_rows,
     initial_rows,
     online_step,
@@ -295,18 +296,12 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: Statics) -> dict[str, jax
         Gradients for ``query``, ``key``, ``value``, ``bias`` (in bias's own shape) and
         ``softmax_aux``, each in its input's dtype; ``None`` for an absent input.
     """
-    q, k, v, out, lse = (a[n] for n in ("query", "key", "value", "out", "logsumexp"))
+    q, k, v = (a[n] for n in ("query", "key", "value"))
     geo = RingGeometry.of(a, st)
     side = side_inputs(a, geo)
     rank = lax.axis_index(st.axis_name)
-    d_out = d_out.astype(q.dtype)
-    # D = rowsum(dO ∘ O): the softmax-Jacobian term shared by every key of a row.
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    qb, dob = q_blocks(q, geo), q_blocks(d_out, geo)
-    lseb = q_blocks(lse[..., None], geo, fill=EMPTY_ROW_LSE)[..., 0]
-    deltab = q_blocks(delta[..., None], geo)[..., 0]
+    rows = BackwardRows.of(a, d_out, geo)
     bias_grad = BiasGradient.of(a["bias"], geo)
-    scale_dropped = 1.0 / (1.0 - st.dropout_prob) if st.dropout_prob > 0.0 else 1.0
     zero = functools.partial(zeros_like_query, q=q, axis=st.axis_name)
 
     def visit_shard(fixed: Any, shard: Shard, t: Any) -> tuple[Any, Shard]:
@@ -321,25 +316,15 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: Statics) -> dict[str, jax
 
                 def update(inner: Any) -> Any:
                     dk, dv = inner
-                    q_i, do_i = take(qb, i), take(dob, i)
-                    s, capped = scores(q_i, k_j, shard, side, geo, st, here)
-                    p = jnp.exp(s - take(lseb, i)[..., None])
+                    q_i = take(rows.q, i)
+                    tile = scores(q_i, k_j, shard, side, geo, st, here)
+                    keep = None
                     if st.dropout_prob > 0.0:
                         keep = block_keep(a["dropout_seed"], geo, st, here)
-                        p_dropped = jnp.where(keep, p * scale_dropped, 0.0)
-                    else:
-                        p_dropped = p
-                    dv = dv + dot("bhgqk,bhgqd->bhkd", p_dropped.astype(do_i.dtype), do_i)
-                    dp = dot("bhgqd,bhkd->bhgqk", do_i, v_j)
-                    if st.dropout_prob > 0.0:
-                        dp = jnp.where(keep, dp * scale_dropped, 0.0)
-                    ds = p * (dp - take(deltab, i)[..., None])
-                    db_i = bias_grad.reduce(ds)
-                    if capped is not None:
-                        ds = ds * soft_cap_grad(capped, st.logits_soft_cap)
-                    ds = ds.astype(q_i.dtype)
-                    dq_i = dot("bhgqk,bhkd->bhgqd", ds, k_j)
-                    dk = dk + dot("bhgqk,bhgqd->bhkd", ds, q_i)
+                    dq_i, dk_i, dv_i, db_i = block_gradients(
+                        rows, i, k_j, v_j, tile, keep=keep, st=st, reduce_bias=bias_grad.reduce
+                    )
+                    dk, dv = dk + dk_i, dv + dv_i
                     return (dk, dv), (dq_i, db_i)
 
                 def skip(inner: Any) -> Any:
@@ -382,7 +367,7 @@ def _backward(a: dict[str, Any], d_out: jax.Array, st: Statics) -> dict[str, jax
         grads["bias"] = sum_if_replicated(d_bias, a["bias"], q, st.axis_name)
     if a["softmax_aux"] is not None:
         aux = a["softmax_aux"]
-        d_aux = sink_grad(aux.astype(jnp.float32), lse, delta)
+        d_aux = sink_grad(aux.astype(jnp.float32), a["logsumexp"], rows.delta)
         grads["softmax_aux"] = sum_if_replicated(d_aux, aux, q, st.axis_name).astype(aux.dtype)
     return grads
 
