@@ -1,6 +1,6 @@
 """Numerics of the XLA linear-attention and state-space ops against the sequential recurrence:
 a log gate of -inf is a state reset, a NaN at token t stays in token t's causal future,
-zero-length packed sequences keep their states (log decays of -20 per step over 301 steps: the
+zero-length packed sequences keep their states (log decays of -20 per step over 101 steps: the
 conformance kit's ``decay-20`` examples hold every platform to them).
 
 Ops: gla, recurrent (scalar ``g``, vector ``gk``, ``gv``, ``reverse``), lightning_attention,
@@ -358,7 +358,7 @@ def test_a_nan_at_token_t_reaches_only_its_causal_future(op: Op, form: str, targ
 
 
 # --------------------------------------------------------------------------------------------
-# Zero-length packed sequences (strong decays over 301 steps: the conformance kit's
+# Zero-length packed sequences (strong decays over 101 steps: the conformance kit's
 # ``decay-20`` examples, on every platform)
 # --------------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Numerics examples of the linear-attention and state-space ops: what their sequential
 recurrence makes of a log gate of -inf (a state reset), of a NaN at one token (it reaches only
 that token's causal future: the kit's comparison passes NaN only where the reference has NaN
-and wants every other output finite and close), of log decays of -20 per step over 301 steps,
+and wants every other output finite and close), of log decays of -20 per step over 101 steps,
 and of zero-length packed sequences."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def linear_numerics(
     """The numerics examples of a linear-attention op whose ``extra`` arrays hold the log
     ``gates``: gates of -inf at :data:`RESET_TOKENS` (``reset`` instead when given), a NaN
     value at :data:`TOKEN` (no gradients: every one is NaN), log decays of -20 per step over
-    301 tokens (``strong`` instead when given), and packed sequences with empty ones
+    101 tokens (``strong`` instead when given), and packed sequences with empty ones
     (:data:`PACKED_WITH_EMPTY`) and initial states. Their tags start with ``prefix``;
     ``kwargs`` go to every example."""
     state = {"initial_state": "[N, H, K, V]"}
@@ -94,7 +94,7 @@ def linear_numerics(
         ),
         linear_example(
             b=1,
-            s=301,
+            s=101,
             h=2,
             k=8,
             v=8,
@@ -122,9 +122,9 @@ def state_space_numerics(
     """The numerics examples of a state-space op of ``sizes`` (``core`` arrays by their
     letters): ``A = -inf`` on one head or channel (no memory there), a NaN entry of ``x`` at
     :data:`TOKEN` (no gradients), and ``Δ = 1``, ``A = -20`` (a log decay of -20 per step)
-    over 301 tokens (one batch row)."""
+    over 101 tokens (one batch row)."""
     arrays = arrays_of(sizes, **core)
-    long_sizes = {**sizes, "B": 1, "S": 301}
+    long_sizes = {**sizes, "B": 1, "S": 101}
     long = arrays_of(long_sizes, **core)
 
     def no_memory(values: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
