@@ -24,7 +24,11 @@ chunk start; the differentiated forward keeps ``S`` (``[B, H, NT, K, V]``), ``V'
   ``A = diag(β) (K Kᵀ)_decayed``, the decayed products' own VJP
   (:func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd`), the cumulative gate
   (a reverse cumulative sum inside the chunk; the floor passes no gradient), the query scale
-  and the L2 norms.
+  and the L2 norms; for a per-head gate. A per-channel gate's chunk pass holds too many
+  ``[C, K]`` tiles for one program and is three launches: :func:`kda_bwd_chunk_in_kernel`
+  (through the inverse), :func:`kda_bwd_products_kernel` (the decayed products' VJP over
+  blocks of key channels, each channel's decays being its own) and
+  :func:`kda_bwd_chunk_out_kernel` (the gradients' last steps).
 
 Everything is float32 inside. Tokens the forward entered zeroed (a non-finite key, ``β`` or
 gate) get zero gradients for key, value, ``β`` and gate.
@@ -215,6 +219,128 @@ def kda_bwd_dv_kernel(
 
 
 @triton.jit
+def _chunk_inputs_bwd(
+    q_ptr,
+    k_ptr,
+    beta_ptr,
+    g_ptr,
+    scale,
+    rows,
+    p_k,
+    m_k,
+    o_c,
+    C: tl.constexpr,
+    GK: tl.constexpr,
+    L2NORM: tl.constexpr,
+    GATE_FLOOR: tl.constexpr,
+):
+    """A chunk's inputs as the forward used them: normalised ``q``, ``k`` and their norms (ones
+    without ``L2NORM``), the scaled query, ``β``, ``bad``, ``live``, the cumulative gate ``G``,
+    ``G_C``, ``Γ = exp(G)`` and ``exp(G_C − G)``."""
+    b_q, b_k, b_beta, b_g, bad, live = chunk_inputs(
+        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
+    )
+    if L2NORM:
+        b_qn, n_q = l2_normalise(b_q)
+        b_kn, n_k = l2_normalise(b_k)
+    else:
+        b_qn, b_kn = b_q, b_k
+        n_q = tl.full([C], 1.0, tl.float32)
+        n_k = n_q
+    b_gc = tl.cumsum(b_g, axis=0)
+    if GK == 1:
+        b_glast = tl.sum(tl.where(o_c == C - 1, b_gc, 0.0), axis=0)
+        b_gamma = tl.exp(b_gc)[:, None]
+        b_to_end = tl.exp(b_glast - b_gc)[:, None]
+    else:
+        b_glast = tl.sum(tl.where(o_c[:, None] == C - 1, b_gc, 0.0), axis=0)
+        b_gamma = tl.exp(b_gc)
+        b_to_end = tl.exp(b_glast[None, :] - b_gc)
+    return b_qn, n_q, b_kn, n_k, b_qn * scale, b_beta, bad, live, b_gc, b_glast, b_gamma, b_to_end
+
+
+@triton.jit
+def _through_the_inverse(ins, ptrs, at, DOT_PRECISION: tl.constexpr):
+    """Through ``W = T diag(β) (k ⊙ Γ)`` and ``T = (I + A)⁻¹`` with
+    ``A = diag(β) (K Kᵀ)_decayed`` below the diagonal: the key's and the cumulative gate's
+    parts so far ``[C, BK]``, ``dβ`` and ``dM = diag(β) dA`` (the decayed ``K Kᵀ``'s).
+    ``ins`` is what :func:`_chunk_inputs_bwd` returned, ``ptrs`` the pointers
+    ``(T, K Kᵀ, dW, dT, dβ so far)``, ``at`` the chunk's indices ``(rows, p_k, p_c, m_k, o_c)``."""
+    _, _, b_kn, _, _, b_beta, _, _, _, _, b_gamma, _ = ins
+    t_ptr, kk_ptr, dw_ptr, dt_ptr, dbeta_v_ptr = ptrs
+    rows, p_k, p_c, m_k, o_c = at
+    b_kbg = b_beta[:, None] * b_kn * b_gamma
+    b_t = tl.load(t_ptr + p_c)
+    b_dw = tl.load(dw_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_dt = tl.load(dt_ptr + p_c)
+    b_dt += tl.dot(b_dw, tl.trans(b_kbg), input_precision=DOT_PRECISION)
+    b_tdw = tl.dot(tl.trans(b_t), b_dw, input_precision=DOT_PRECISION)
+    b_dbeta = tl.load(dbeta_v_ptr + rows) + tl.sum(b_kn * b_gamma * b_tdw, axis=1)
+    b_dkn = b_beta[:, None] * b_gamma * b_tdw
+    b_dgc = b_kbg * b_tdw
+    b_da = tl.dot(b_dt, tl.trans(b_t), input_precision=DOT_PRECISION)
+    b_da = -tl.dot(tl.trans(b_t), b_da, input_precision=DOT_PRECISION)
+    b_da = tl.where(o_c[:, None] > o_c[None, :], b_da, 0.0)
+    b_dbeta += tl.sum(b_da * tl.load(kk_ptr + p_c), axis=1)
+    return b_dkn, b_dgc, b_dbeta, b_beta[:, None] * b_da
+
+
+@triton.jit
+def _chunk_grads_out(
+    b_dqs,
+    b_dkn,
+    b_dgc,
+    ins,
+    ptrs,
+    at,
+    scale,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    GK: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    """Through ``Q̃ = q ⊙ Γ``, ``K̃ = k ⊙ exp(G_C − G)``, ``γ = exp(G_C)``, the cumulative gate
+    (a reverse cumulative sum inside the chunk; the floor passes no gradient), the query scale
+    and the L2 norms: store ``dq``, ``dk`` and ``dg``. ``ins`` is what
+    :func:`_chunk_inputs_bwd` returned, ``ptrs`` the pointers ``(dQ̃, dK̃, dγ, dq, dk, dg)``, ``at``
+    the chunk's indices ``(rows, p_k, m_k, o_c, o_k, slot)``."""
+    b_qn, n_q, b_kn, n_k, b_qs, _, bad, live, _, b_glast, b_gamma, b_to_end = ins
+    dqg_ptr, dkg_ptr, ddecay_ptr, dq_ptr, dk_ptr, dg_ptr = ptrs
+    rows, p_k, m_k, o_c, o_k, slot = at
+    # the query's side, the key's, then the gate's: each stored as soon as it is final, which
+    # keeps few [C, BK] tiles live at once
+    b_dqg = tl.load(dqg_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_dgq = b_dqg * b_qs * b_gamma
+    b_dqn = (b_dqs + b_dqg * b_gamma) * scale
+    if L2NORM:
+        b_dqn = l2_normalise_bwd(b_qn, n_q, b_dqn)
+    tl.store(dq_ptr + p_k, b_dqn.to(dq_ptr.dtype.element_ty), mask=m_k[None, :])
+    b_dkg = tl.load(dkg_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_kg = b_kn * b_to_end
+    b_dkn += b_dkg * b_to_end
+    if L2NORM:
+        b_dkn = l2_normalise_bwd(b_kn, n_k, b_dkn)
+    b_dkn = tl.where(bad[:, None], 0.0, b_dkn)
+    tl.store(dk_ptr + p_k, b_dkn.to(dk_ptr.dtype.element_ty), mask=m_k[None, :])
+    b_dkk = b_dkg * b_kg
+    b_dgc += b_dgq - b_dkk
+    b_ddecay = tl.load(ddecay_ptr + slot * K + o_k, mask=m_k, other=0.0)
+    b_dglast = tl.sum(b_dkk, axis=0) + b_ddecay * tl.exp(b_glast)  # [BK]
+    # dg_s = Σ_{t ≥ s} dG_t: a reverse cumulative sum over the chunk's tokens
+    is_last = o_c == C - 1
+    if GK == 1:
+        b_dgt = tl.sum(b_dgc, axis=1) + tl.where(is_last, tl.sum(b_dglast, axis=0), 0.0)
+        b_dg = tl.cumsum(b_dgt, axis=0, reverse=True)
+        b_dg = tl.where(live, b_dg, 0.0)
+        tl.store(dg_ptr + rows, b_dg)
+    else:
+        b_dgc += tl.where(is_last[:, None], b_dglast[None, :], 0.0)
+        b_dg = tl.cumsum(b_dgc, axis=0, reverse=True)
+        b_dg = tl.where(live, b_dg, 0.0)
+        tl.store(dg_ptr + p_k, b_dg, mask=m_k[None, :])
+
+
+@triton.jit
 def kda_bwd_chunk_kernel(
     q_ptr,
     k_ptr,
@@ -247,54 +373,30 @@ def kda_bwd_chunk_kernel(
 ):
     """Grid ``(NT, B·H)``: one chunk's ``dq``, ``dk`` ``[B, T, H, K]`` (the input dtypes),
     ``dβ [B, T, H]`` and ``dg [B, T, H, GK]`` (float32), from :func:`kda_bwd_dv_kernel`'s
-    partial gradients and the forward's ``T`` and decayed ``K Kᵀ``.
+    partial gradients and the forward's ``T`` and decayed ``K Kᵀ``, all in one program: a
+    per-head gate (``GK = 1``) only. A per-channel gate's backward holds too many ``[C, K]``
+    tiles for one program and takes :func:`kda_bwd_chunk_in_kernel`,
+    :func:`kda_bwd_products_kernel` (over blocks of key channels) and
+    :func:`kda_bwd_chunk_out_kernel`.
 
-    ``scratch [B, NT, H, C² + 3 C BK]`` (float32; ``C²`` for a per-head gate) holds the
-    chunk's ``dM`` between the ``tl.dot`` that makes it and
-    :func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd`, which reads it (and
-    ``dP``, from the ``dpt`` input) in both orientations, by parts and by columns (Triton 3.6
-    cannot lower such a product, transposed, as an operand of the next ``tl.dot`` on sm_90
-    here, so it goes through memory, the program's own, read back after a barrier), then the
-    rows that function stashes."""
+    ``scratch [B, NT, H, C²]`` (float32) holds the chunk's ``dM`` between the ``tl.dot`` that
+    makes it and those that read it in both orientations (Triton 3.6 cannot lower such a
+    product, transposed, as an operand of the next ``tl.dot`` on sm_90 here, so it goes
+    through memory, the program's own, read back after a barrier); ``dP`` comes from memory
+    for the same reason."""
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     p_c = rows[:, None] * C + o_c[None, :]
-    b_q, b_k, b_beta, b_g, bad, live = chunk_inputs(
-        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
+    ins = _chunk_inputs_bwd(
+        q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, o_c, C, GK, L2NORM, GATE_FLOOR
     )
-    if L2NORM:
-        b_qn, n_q = l2_normalise(b_q)
-        b_kn, n_k = l2_normalise(b_k)
-    else:
-        b_qn, b_kn = b_q, b_k
-    b_qs = b_qn * scale
-    b_gc = tl.cumsum(b_g, axis=0)
-    strict = o_c[:, None] > o_c[None, :]
-    if GK == 1:
-        b_glast = tl.sum(tl.where(o_c == C - 1, b_gc, 0.0), axis=0)
-        b_gamma = tl.exp(b_gc)[:, None]
-        b_to_end = tl.exp(b_glast - b_gc)[:, None]
-    else:
-        b_glast = tl.sum(tl.where(o_c[:, None] == C - 1, b_gc, 0.0), axis=0)
-        b_gamma = tl.exp(b_gc)
-        b_to_end = tl.exp(b_glast[None, :] - b_gc)
-    b_kbg = b_beta[:, None] * b_kn * b_gamma
-    b_t = tl.load(t_ptr + p_c)
-    # W = T diag(β) (k ⊙ Γ)
-    b_dw = tl.load(dw_ptr + p_k, mask=m_k[None, :], other=0.0)
-    b_dt = tl.load(dt_ptr + p_c)
-    b_dt += tl.dot(b_dw, tl.trans(b_kbg), input_precision=DOT_PRECISION)
-    b_tdw = tl.dot(tl.trans(b_t), b_dw, input_precision=DOT_PRECISION)
-    b_dbeta = tl.load(dbeta_v_ptr + rows) + tl.sum(b_kn * b_gamma * b_tdw, axis=1)
-    b_dkn = b_beta[:, None] * b_gamma * b_tdw
-    b_dgc = b_kbg * b_tdw
-    # T = (I + A)⁻¹, A = diag(β) (K Kᵀ)_decayed below the diagonal
-    b_da = tl.dot(b_dt, tl.trans(b_t), input_precision=DOT_PRECISION)
-    b_da = -tl.dot(tl.trans(b_t), b_da, input_precision=DOT_PRECISION)
-    b_da = tl.where(strict, b_da, 0.0)
-    b_dbeta += tl.sum(b_da * tl.load(kk_ptr + p_c), axis=1)
-    o_cc = o_c[:, None] * C + o_c[None, :]
-    scratch = scratch_ptr + slot * (C * C + (0 if GK == 1 else 3 * C * BK))
-    tl.store(scratch + o_cc, b_beta[:, None] * b_da)
+    _, _, b_kn, _, b_qs, _, bad, _, b_gc, _, _, _ = ins
+    b_dkn, b_dgc, b_dbeta, b_dm = _through_the_inverse(
+        ins, (t_ptr, kk_ptr, dw_ptr, dt_ptr, dbeta_v_ptr), (rows, p_k, p_c, m_k, o_c), DOT_PRECISION
+    )
+    tl.store(dbeta_ptr + rows, tl.where(bad, 0.0, b_dbeta))
+    tl.static_assert(GK == 1, "a per-channel gate takes the split chunk pass")
+    scratch = scratch_ptr + slot * C * C
+    tl.store(scratch + o_c[:, None] * C + o_c[None, :], b_dm)
     tl.debug_barrier()
     b_dqs, b_dka, b_dkb = decayed_products_bwd(
         dpt_ptr + rows * C,
@@ -305,7 +407,7 @@ def kda_bwd_chunk_kernel(
         b_gc,
         o_c,
         o_k,
-        scratch + C * C,
+        scratch,
         C,
         BK,
         GK,
@@ -313,43 +415,165 @@ def kda_bwd_chunk_kernel(
     )
     b_dkn += b_dka + b_dkb
     b_dgc += b_qs * b_dqs + b_kn * (b_dka - b_dkb)
-    # Q̃ = q ⊙ Γ, K̃ = k ⊙ exp(G_C − G), γ = exp(G_C)
-    b_dqg = tl.load(dqg_ptr + p_k, mask=m_k[None, :], other=0.0)
-    b_dqs += b_dqg * b_gamma
-    b_dgc += b_dqg * b_qs * b_gamma
-    b_dkg = tl.load(dkg_ptr + p_k, mask=m_k[None, :], other=0.0)
-    b_kg = b_kn * b_to_end
-    b_dkn += b_dkg * b_to_end
-    b_dgc -= b_dkg * b_kg
-    b_ddecay = tl.load(ddecay_ptr + slot * K + o_k, mask=m_k, other=0.0)
-    b_dglast = tl.sum(b_dkg * b_kg, axis=0) + b_ddecay * tl.exp(b_glast)  # [BK]
-    # the cumulative gate: dg_s = Σ_{t ≥ s} dG_t (a product with the upper triangle of ones,
-    # in full float32)
-    is_last = o_c == C - 1
-    upper = tl.where(o_c[:, None] <= o_c[None, :], 1.0, 0.0)
-    if GK == 1:
-        b_dgt = tl.sum(b_dgc, axis=1) + tl.where(is_last, tl.sum(b_dglast, axis=0), 0.0)
-        b_dg = tl.sum(upper * b_dgt[None, :], axis=1)
-        b_dg = tl.where(live, b_dg, 0.0)
-        tl.store(dg_ptr + rows, b_dg)
-    else:
-        b_dgc += tl.where(is_last[:, None], b_dglast[None, :], 0.0)
-        b_dg = tl.dot(upper, b_dgc, input_precision="ieee")
-        b_dg = tl.where(live, b_dg, 0.0)
-        tl.store(dg_ptr + p_k, b_dg, mask=m_k[None, :])
-    b_dqn = b_dqs * scale
-    if L2NORM:
-        b_dq = l2_normalise_bwd(b_qn, n_q, b_dqn)
-        b_dk = l2_normalise_bwd(b_kn, n_k, b_dkn)
-    else:
-        b_dq, b_dk = b_dqn, b_dkn
-    b_dk = tl.where(bad[:, None], 0.0, b_dk)
-    tl.store(dq_ptr + p_k, b_dq.to(dq_ptr.dtype.element_ty), mask=m_k[None, :])
-    tl.store(dk_ptr + p_k, b_dk.to(dk_ptr.dtype.element_ty), mask=m_k[None, :])
+    ptrs = (dqg_ptr, dkg_ptr, ddecay_ptr, dq_ptr, dk_ptr, dg_ptr)
+    at = (rows, p_k, m_k, o_c, o_k, slot)
+    _chunk_grads_out(b_dqs, b_dkn, b_dgc, ins, ptrs, at, scale, C, K, GK, L2NORM)
+
+
+@triton.jit
+def kda_bwd_chunk_in_kernel(
+    q_ptr,
+    k_ptr,
+    beta_ptr,
+    g_ptr,
+    t_ptr,
+    kk_ptr,
+    dw_ptr,
+    dt_ptr,
+    dbeta_v_ptr,
+    scale,
+    NT,
+    H,
+    qs_ptr,
+    kn_ptr,
+    gc_ptr,
+    dkn_ptr,
+    dgc_ptr,
+    dm_ptr,
+    dbeta_ptr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    GK: tl.constexpr,
+    L2NORM: tl.constexpr,
+    GATE_FLOOR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NT, B·H)``, a per-channel gate: what :func:`kda_bwd_products_kernel` reads, the
+    scaled query, the key and ``G`` as the forward used them and ``dM`` (``[B, NT, H, C, C]``,
+    each chunk's contiguous); the parts
+    of the key's and the gate's gradients so far (all float32), and ``dβ``."""
+    o_c, _, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
+    p_c = rows[:, None] * C + o_c[None, :]
+    ins = _chunk_inputs_bwd(
+        q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, o_c, C, GK, L2NORM, GATE_FLOOR
+    )
+    _, _, b_kn, _, b_qs, _, bad, _, b_gc, _, _, _ = ins
+    b_dkn, b_dgc, b_dbeta, b_dm = _through_the_inverse(
+        ins, (t_ptr, kk_ptr, dw_ptr, dt_ptr, dbeta_v_ptr), (rows, p_k, p_c, m_k, o_c), DOT_PRECISION
+    )
     tl.store(dbeta_ptr + rows, tl.where(bad, 0.0, b_dbeta))
+    tl.store(dm_ptr + slot * C * C + o_c[:, None] * C + o_c[None, :], b_dm)
+    tl.store(qs_ptr + p_k, b_qs, mask=m_k[None, :])
+    tl.store(kn_ptr + p_k, b_kn, mask=m_k[None, :])
+    tl.store(gc_ptr + p_k, b_gc, mask=m_k[None, :])
+    tl.store(dkn_ptr + p_k, b_dkn, mask=m_k[None, :])
+    tl.store(dgc_ptr + p_k, b_dgc, mask=m_k[None, :])
+
+
+@triton.jit
+def kda_bwd_products_kernel(
+    qs_ptr,
+    kn_ptr,
+    gc_ptr,
+    dkn_ptr,
+    dgc_ptr,
+    dpt_ptr,
+    dm_ptr,
+    NT,
+    H,
+    dqs_ptr,
+    dkn_out_ptr,
+    dgc_out_ptr,
+    scratch_ptr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BKS: tl.constexpr,
+    GK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NT, cdiv(K, BKS), B·H)``, a per-channel gate: the decayed products' backward
+    (:func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd`) on ``BKS`` key channels
+    of a chunk (each channel's decays are its own): the query's part ``[B, T, H, K]`` and the
+    key's and gate's gradients so far, plus the products' (float32).
+    ``scratch [B·H, cdiv(K, BKS), NT, 3 C BKS]`` is the program's own room."""
+    i_n, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BKS)
+    m_k = i_k * BKS + o_k < K
+    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
+    p_k = rows[:, None] * K + i_k * BKS + o_k[None, :]
+    b_qs = tl.load(qs_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_kn = tl.load(kn_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_gc = tl.load(gc_ptr + p_k, mask=m_k[None, :], other=0.0)
+    slot = (i_bh.to(tl.int64) * tl.num_programs(1) + i_k) * NT + i_n
+    chunk = (i_b.to(tl.int64) * NT + i_n) * H + i_h
+    b_dqs, b_dka, b_dkb = decayed_products_bwd(
+        dpt_ptr + rows * C,
+        H * C,
+        dm_ptr + chunk * C * C,
+        b_qs,
+        b_kn,
+        b_gc,
+        o_c,
+        o_k,
+        scratch_ptr + slot * 3 * C * BKS,
+        C,
+        BKS,
+        GK,
+        DOT_PRECISION,
+    )
+    b_dkn = tl.load(dkn_ptr + p_k, mask=m_k[None, :], other=0.0) + b_dka + b_dkb
+    b_dgc = tl.load(dgc_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_dgc += b_qs * b_dqs + b_kn * (b_dka - b_dkb)
+    tl.store(dqs_ptr + p_k, b_dqs, mask=m_k[None, :])
+    tl.store(dkn_out_ptr + p_k, b_dkn, mask=m_k[None, :])
+    tl.store(dgc_out_ptr + p_k, b_dgc, mask=m_k[None, :])
+
+
+@triton.jit
+def kda_bwd_chunk_out_kernel(
+    q_ptr,
+    k_ptr,
+    beta_ptr,
+    g_ptr,
+    dqs_ptr,
+    dkn_ptr,
+    dgc_ptr,
+    dqg_ptr,
+    dkg_ptr,
+    ddecay_ptr,
+    scale,
+    NT,
+    H,
+    dq_ptr,
+    dk_ptr,
+    dg_ptr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    GK: tl.constexpr,
+    L2NORM: tl.constexpr,
+    GATE_FLOOR: tl.constexpr,
+):
+    """Grid ``(NT, B·H)``, a per-channel gate: ``dq``, ``dk`` (the input dtypes) and ``dg``
+    (float32) from :func:`kda_bwd_products_kernel`'s parts."""
+    o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
+    ins = _chunk_inputs_bwd(
+        q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, o_c, C, GK, L2NORM, GATE_FLOOR
+    )
+    ptrs = (dqg_ptr, dkg_ptr, ddecay_ptr, dq_ptr, dk_ptr, dg_ptr)
+    at = (rows, p_k, m_k, o_c, o_k, slot)
+    b_dqs = tl.load(dqs_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_dkn = tl.load(dkn_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_dgc = tl.load(dgc_ptr + p_k, mask=m_k[None, :], other=0.0)
+    _chunk_grads_out(b_dqs, b_dkn, b_dgc, ins, ptrs, at, scale, C, K, GK, L2NORM)
 
 
 # Left to itself, ptxas gives these kernels 32 registers and spills most of their tiles at
 # chunks of 32 (sm_90, CUDA 12.8 and 13.0); the whole register file is the better trade.
 kda_bwd_dv_kernel.ejkernel_compile_options = {"maxnreg": 255}
 kda_bwd_chunk_kernel.ejkernel_compile_options = {"maxnreg": 255}
+kda_bwd_chunk_in_kernel.ejkernel_compile_options = {"maxnreg": 255}
+kda_bwd_chunk_out_kernel.ejkernel_compile_options = {"maxnreg": 255}

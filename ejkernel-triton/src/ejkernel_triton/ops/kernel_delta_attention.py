@@ -61,6 +61,8 @@ __all__ = [
 GATE_FLOOR = 110.0
 
 _CHUNKS = (16, 32, 64)
+#: Key channels a program of a per-channel gate's products backward takes.
+_PRODUCT_CHANNELS = 32
 _MAX_DIM = 256
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _ARRAY_NAMES = ("query", "key", "value", "beta", "g", "initial_state", "cu_seqlens")
@@ -459,10 +461,13 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
     """``run(q, k, v, beta, gates, qg, kg, w, p, decay, h, vn, t, kk, do, dfinal_rows, flags) ->
     (dinit_rows, dq, dk, dv, dbeta, dg)``: the backward's launches on the chunk layout."""
     from ejkernel_triton.kernels.kda_bwd import (
+        kda_bwd_chunk_in_kernel,
         kda_bwd_chunk_kernel,
+        kda_bwd_chunk_out_kernel,
         kda_bwd_dh_kernel,
         kda_bwd_dv_kernel,
         kda_bwd_dvl_kernel,
+        kda_bwd_products_kernel,
     )
 
     def run(q, k, v, beta, gates, qg, kg, w, p, decay, hs, vn, tt, kk, do, dfinal_rows, flags):
@@ -533,35 +538,108 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             num_stages=1,
             **common,
         )
-        d_q, d_k, d_beta, d_g, _ = _launch.launch(
-            kda_bwd_chunk_kernel,
+        chunk_sizes = {n: sizes[n] for n in ("K", "C", "BK", "GK", "L2NORM", "GATE_FLOOR")}
+        scale = np.float32(st.scale)
+        if gk == 1:
+            d_q, d_k, d_beta, d_g, _ = _launch.launch(
+                kda_bwd_chunk_kernel,
+                q,
+                k,
+                beta,
+                gates,
+                tt,
+                kk,
+                dqg,
+                dw,
+                dkg,
+                dpt,
+                dtt,
+                dbeta_v,
+                ddecay,
+                scale,
+                nt,
+                h,
+                out_shape=[
+                    jax.ShapeDtypeStruct(q.shape, q.dtype),
+                    jax.ShapeDtypeStruct(k.shape, k.dtype),
+                    f32(beta.shape),
+                    f32(gates.shape),
+                    f32((b, nt, h, c * c)),
+                ],
+                grid=(nt, b * h),
+                **chunk_sizes,
+                num_stages=1,
+                **common,
+            )
+            return dinit_rows, d_q, d_k, d_v, d_beta, d_g
+        # a per-channel gate: the decayed products' backward over blocks of key channels,
+        # between a pass that prepares it and one that finishes the gradients
+        qs, kn, gc, dkn, dgc, dm, d_beta = _launch.launch(
+            kda_bwd_chunk_in_kernel,
             q,
             k,
             beta,
             gates,
             tt,
             kk,
-            dqg,
             dw,
-            dkg,
-            dpt,
             dtt,
             dbeta_v,
+            scale,
+            nt,
+            h,
+            out_shape=[*(f32((b, t, h, dk)) for _ in range(5)), f32((b, t, h, c)), f32(beta.shape)],
+            grid=(nt, b * h),
+            **chunk_sizes,
+            num_stages=1,
+            **common,
+        )
+        bks = min(_PRODUCT_CHANNELS, st.block_k)
+        kb = -(-dk // bks)
+        dqs, dkn, dgc, _ = _launch.launch(
+            kda_bwd_products_kernel,
+            qs,
+            kn,
+            gc,
+            dkn,
+            dgc,
+            dpt,
+            dm,
+            nt,
+            h,
+            out_shape=[*(f32((b, t, h, dk)) for _ in range(3)), f32((b * h, kb, nt, 3 * c * bks))],
+            grid=(nt, kb, b * h),
+            K=dk,
+            C=c,
+            BKS=bks,
+            GK=gk,
+            num_stages=1,
+            **common,
+        )
+        d_q, d_k, d_g = _launch.launch(
+            kda_bwd_chunk_out_kernel,
+            q,
+            k,
+            beta,
+            gates,
+            dqs,
+            dkn,
+            dgc,
+            dqg,
+            dkg,
             ddecay,
-            np.float32(st.scale),
+            scale,
             nt,
             h,
             out_shape=[
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct(k.shape, k.dtype),
-                f32(beta.shape),
                 f32(gates.shape),
-                f32((b, nt, h, c * c + _stashed(st, gk, 3))),
             ],
             grid=(nt, b * h),
-            **{n: sizes[n] for n in ("K", "C", "BK", "GK", "L2NORM", "GATE_FLOOR")},
+            **chunk_sizes,
             num_stages=1,
-            **common,
+            num_warps=st.num_warps,
         )
         return dinit_rows, d_q, d_k, d_v, d_beta, d_g
 
