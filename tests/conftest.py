@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
+
+#: The compilation cache the run's processes share (pytest-xdist workers and the children
+#: some tests start inherit it): a temporary folder the first process makes and removes.
+_JAX_CACHE = "EJKERNEL_TESTS_JAX_CACHE"
 
 
 @pytest.fixture(autouse=True)
@@ -43,12 +51,34 @@ def pytest_configure(config):
 
     On a CPU, compile without XLA's and LLVM's expensive optimisations
     (``jax_disable_most_optimizations``): these tests spend most of their time compiling small
-    programs, which then run on inputs of a few kilobytes. GPU runs keep the usual compiler."""
+    programs, which then run on inputs of a few kilobytes; and share one persistent
+    compilation cache among the run's processes, so a program another test (or the other
+    worker) compiled is read back. GPU runs keep the usual compiler and no cache."""
     import jax
 
     jax.config.update("jax_cpu_enable_async_dispatch", False)
-    if jax.default_backend() == "cpu":
-        jax.config.update("jax_disable_most_optimizations", True)
+    if jax.default_backend() != "cpu":
+        return
+    jax.config.update("jax_disable_most_optimizations", True)
+    cache = os.environ.get(_JAX_CACHE)
+    if cache is None:
+        cache = tempfile.mkdtemp(prefix="ejkernel-jax-cache-")
+        os.environ[_JAX_CACHE] = cache
+        config.stash[_OWN_CACHE] = cache
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+_OWN_CACHE = pytest.StashKey[str]()
+
+
+def pytest_unconfigure(config):
+    """The process that made the shared compilation cache removes it."""
+    cache = config.stash.get(_OWN_CACHE, None)
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
+        os.environ.pop(_JAX_CACHE, None)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
