@@ -108,7 +108,7 @@ def unified_attention(
         logits_soft_cap: logits become ``cap * tanh(logits / cap)`` before ALiBi and masking.
         k_scale: ``None``, a float, or float32 [Hkv]: ``key_cache`` is read as
             ``key_cache.astype(float32) * k_scale`` (per KV head for [Hkv]); required when the
-            cache is float8_e4m3fn (the queries keeps its own, wider floating dtype).
+            cache is float8_e4m3fn (the queries keep their own, wider floating dtype).
         v_scale: the same for ``value_cache``.
         platform: force an installed platform (``"xla"``, ...).
         cfg: a config for the selected implementation (this call only).
