@@ -32,6 +32,9 @@ heuristic's chunked config) and the XLA platform, forward only.
 ``--configs``: instead, every config of the Triton op's config space (gla, kda, gdn), forward
 and forward+backward, against the heuristic's.
 
+``--once``: one forward+backward of each ``--op``'s Triton kernels after a warm-up, nothing
+timed: what ``benchmarks/gpu_kernels.sh`` runs under ncu for the per-kernel table.
+
 ``--anchors no`` then ``--anchors only`` times ejkernel and the anchors in separate processes (torch's
 Triton autotuning and jax-triton in one process can stall).
 
@@ -379,6 +382,19 @@ def sweep(op: str, t: int, iters: int, repeats: int) -> None:
         print(f"| {cfg} | {t_f:.3f} | {t_fb:.3f} | {err:.1e} |", flush=True)
 
 
+def once(op: str, t: int) -> None:
+    """One forward+backward of the Triton op after one warm-up call: the program a profiler
+    (``benchmarks/gpu_kernels.sh``: ncu's per-kernel times) looks at."""
+    case = CASES[op]
+    x = case.inputs(t)
+    _, fwd_bwd = ejkernel_fns(case, tuple(x), "triton")
+    args = tuple(x.values())
+    d_out = _normal(9, jax.eval_shape(ejkernel_fns(case, tuple(x), "triton")[0], *args).shape)
+    for _ in range(2):
+        jax.block_until_ready(fwd_bwd(*args, d_out))
+    print(f"{op}: {case.shape.format(t=t)}, two forward+backward calls", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", action="append", choices=sorted(CASES), help="(repeatable)")
@@ -395,7 +411,14 @@ def main() -> None:
     parser.add_argument(
         "--configs", action="store_true", help="every Triton config of the ops (gla, kda, gdn)"
     )
+    parser.add_argument(
+        "--once", action="store_true", help="one warm-up, then one fwd+bwd (for a profiler)"
+    )
     a = parser.parse_args()
+    if a.once:
+        for op in a.op or ["kda"]:
+            once(op, a.seq)
+        return
     if a.configs:
         for op in a.op or list(SWEEPS):
             sweep(op, a.seq, a.iters, a.repeats)
