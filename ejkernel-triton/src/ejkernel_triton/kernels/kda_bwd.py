@@ -44,6 +44,7 @@ from ejkernel_triton.kernels.kda_common import (
     chunk_inputs,
     chunk_tiles,
     decayed_products_bwd,
+    decayed_products_bwd_channels,
     finite,
     l2_normalise,
     l2_normalise_bwd,
@@ -399,19 +400,7 @@ def kda_bwd_chunk_kernel(
     tl.store(scratch + o_c[:, None] * C + o_c[None, :], b_dm)
     tl.debug_barrier()
     b_dqs, b_dka, b_dkb = decayed_products_bwd(
-        dpt_ptr + rows * C,
-        H * C,
-        scratch,
-        b_qs,
-        b_kn,
-        b_gc,
-        o_c,
-        o_k,
-        scratch,
-        C,
-        BK,
-        GK,
-        DOT_PRECISION,
+        dpt_ptr + rows * C, scratch, b_qs, b_kn, b_gc, o_c, C, DOT_PRECISION
     )
     b_dkn += b_dka + b_dkb
     b_dgc += b_qs * b_dqs + b_kn * (b_dka - b_dkb)
@@ -485,43 +474,42 @@ def kda_bwd_products_kernel(
     dqs_ptr,
     dkn_out_ptr,
     dgc_out_ptr,
-    scratch_ptr,
     K: tl.constexpr,
     C: tl.constexpr,
     BKS: tl.constexpr,
-    GK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NT, cdiv(K, BKS), B·H)``, a per-channel gate: the decayed products' backward
-    (:func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd`) on ``BKS`` key channels
-    of a chunk (each channel's decays are its own): the query's part ``[B, T, H, K]`` and the
-    key's and gate's gradients so far, plus the products' (float32).
-    ``scratch [B·H, cdiv(K, BKS), NT, 3 C BKS]`` is the program's own room."""
+    (:func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd_channels`) on ``BKS`` key
+    channels of a chunk (each channel's decays are its own): the query's part
+    ``[B, T, H, K]`` and the key's and gate's gradients so far, plus the products'
+    (float32)."""
     i_n, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BKS)
     m_k = i_k * BKS + o_k < K
-    rows = i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + o_c) * H
+    first = i_b.to(tl.int64) * NT * C * H + i_h + i_n * C * H  # the chunk's first token
+    rows = first + o_c * H
     p_k = rows[:, None] * K + i_k * BKS + o_k[None, :]
     b_qs = tl.load(qs_ptr + p_k, mask=m_k[None, :], other=0.0)
     b_kn = tl.load(kn_ptr + p_k, mask=m_k[None, :], other=0.0)
     b_gc = tl.load(gc_ptr + p_k, mask=m_k[None, :], other=0.0)
-    slot = (i_bh.to(tl.int64) * tl.num_programs(1) + i_k) * NT + i_n
     chunk = (i_b.to(tl.int64) * NT + i_n) * H + i_h
-    b_dqs, b_dka, b_dkb = decayed_products_bwd(
+    row0 = first * K + i_k * BKS  # token 0 of the chunk, this block's first channel
+    b_dqs, b_dka, b_dkb = decayed_products_bwd_channels(
         dpt_ptr + rows * C,
         H * C,
         dm_ptr + chunk * C * C,
+        (qs_ptr + row0, kn_ptr + row0, gc_ptr + row0, H * K),
         b_qs,
         b_kn,
         b_gc,
         o_c,
         o_k,
-        scratch_ptr + slot * 3 * C * BKS,
+        m_k,
         C,
         BKS,
-        GK,
         DOT_PRECISION,
     )
     b_dkn = tl.load(dkn_ptr + p_k, mask=m_k[None, :], other=0.0) + b_dka + b_dkb

@@ -596,7 +596,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
         )
         bks = min(_PRODUCT_CHANNELS, st.block_k)
         kb = -(-dk // bks)
-        dqs, dkn, dgc, _ = _launch.launch(
+        dqs, dkn, dgc = _launch.launch(
             kda_bwd_products_kernel,
             qs,
             kn,
@@ -607,12 +607,11 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             dm,
             nt,
             h,
-            out_shape=[*(f32((b, t, h, dk)) for _ in range(3)), f32((b * h, kb, nt, 3 * c * bks))],
+            out_shape=[f32((b, t, h, dk)) for _ in range(3)],
             grid=(nt, kb, b * h),
             K=dk,
             C=c,
             BKS=bks,
-            GK=gk,
             num_stages=1,
             **common,
         )
