@@ -387,9 +387,9 @@ def once(op: str, t: int) -> None:
     (``benchmarks/gpu_kernels.sh``: ncu's per-kernel times) looks at."""
     case = CASES[op]
     x = case.inputs(t)
-    _, fwd_bwd = ejkernel_fns(case, tuple(x), "triton")
+    fwd, fwd_bwd = ejkernel_fns(case, tuple(x), "triton")
     args = tuple(x.values())
-    d_out = _normal(9, jax.eval_shape(ejkernel_fns(case, tuple(x), "triton")[0], *args).shape)
+    d_out = _normal(9, jax.eval_shape(fwd, *args).shape)
     for _ in range(2):
         jax.block_until_ready(fwd_bwd(*args, d_out))
     print(f"{op}: {case.shape.format(t=t)}, two forward+backward calls", flush=True)

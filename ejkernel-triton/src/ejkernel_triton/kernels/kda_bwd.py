@@ -440,8 +440,8 @@ def kda_bwd_chunk_in_kernel(
 ):
     """Grid ``(NT, B·H)``, a per-channel gate: what :func:`kda_bwd_products_kernel` reads, the
     scaled query, the key and ``G`` as the forward used them and ``dM`` (``[B, NT, H, C, C]``,
-    each chunk's contiguous); the parts
-    of the key's and the gate's gradients so far (all float32), and ``dβ``."""
+    each chunk's contiguous); the parts of the key's and the gate's gradients so far (all
+    float32), and ``dβ``."""
     o_c, _, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     p_c = rows[:, None] * C + o_c[None, :]
     ins = _chunk_inputs_bwd(
