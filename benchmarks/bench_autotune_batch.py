@@ -2,7 +2,9 @@
 
 The figure: tuning a recorded batch of 8 flash-attention shapes with ``max_workers`` >= 4 takes
 <= 0.5x the time of tuning them one after another (``max_workers=1``). Candidates compile in
-parallel threads; timings stay serial, so the ratio is what parallel compilation saves.
+parallel (worker processes on a GPU, as ``autotune_recorded`` defaults to there, and threads of
+the tuning process for comparison); timings stay serial, so the ratio is what parallel
+compilation saves.
 
 Each mode runs in a fresh process with fresh caches (ejkernel's config cache and Triton
 kernel folder, Triton's own cache, no JAX compilation cache), so neither reuses the other's
@@ -82,6 +84,7 @@ def worker(args: argparse.Namespace) -> None:
         batch,
         platforms=args.platforms,
         max_workers=args.worker,
+        compile_processes=False if args.threads else None,
         executor=executor,
         progress=False,
         apply=False,
@@ -92,6 +95,7 @@ def worker(args: argparse.Namespace) -> None:
         json.dumps(
             {
                 "workers": args.worker,
+                "threads": args.threads,
                 "wall_s": wall,
                 "configs": len(result),
                 "candidates_timed": candidates,
@@ -102,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
     )
 
 
-def run_mode(args: argparse.Namespace, workers: int) -> dict[str, object]:
+def run_mode(args: argparse.Namespace, workers: int, threads: bool) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(
             os.environ,
@@ -110,14 +114,17 @@ def run_mode(args: argparse.Namespace, workers: int) -> dict[str, object]:
             TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
         )
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
-        cmd = [sys.executable, __file__, "--worker", str(workers)]
+        cmd = [sys.executable, __file__, "--worker", str(workers)] + ["--threads"] * threads
         cmd += ["--small"] * args.small + ["--grad"] * args.grad
         if args.platforms:
             cmd += ["--platforms", args.platforms]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"mode max_workers={workers} failed:\n{done.stderr}")
-        return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        mode = json.loads(done.stdout.strip().splitlines()[-1])
+        phases = ("autotune_recorded: compiled", "autotune_recorded: timed")
+        mode["phases"] = [ln for ln in done.stderr.splitlines() if any(p in ln for p in phases)]
+        return mode  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -131,6 +138,7 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=8, help="threads of the parallel mode")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.platforms is None and not args.small:
         args.platforms = "all"
@@ -139,24 +147,30 @@ def main() -> None:
         return
     import jax
 
-    serial = run_mode(args, 1)
-    parallel = run_mode(args, args.workers)
+    serial = run_mode(args, 1, threads=True)
+    parallel = run_mode(args, args.workers, threads=False)
+    threaded = run_mode(args, args.workers, threads=True)
     shapes = SMALL_SHAPES if args.small else GPU_SHAPES
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs; "
         f"{len(shapes)} flash_attention records, {'fwd+bwd' if args.grad else 'fwd'}, "
         f"platforms {args.platforms or 'selected'}"
     )
-    for mode in (serial, parallel):
+    for mode in (serial, parallel, threaded):
         print(
-            f"max_workers={mode['workers']}: {mode['wall_s']:.1f} s, {mode['configs']} configs, "
+            f"max_workers={mode['workers']}{' (threads)' * bool(mode['threads'])}: "
+            f"{mode['wall_s']:.1f} s, {mode['configs']} configs, "
             f"{mode['candidates_timed']} candidates timed, {len(mode['failures'])} failures, "  # type: ignore[arg-type]
             f"fastest platforms {mode['fastest_platforms'] or '-'}"
         )
+        for line in mode["phases"]:  # type: ignore[attr-defined]
+            print(f"  {line}")
         for failure in mode["failures"]:  # type: ignore[attr-defined]
             print(f"  {failure}")
     ratio = parallel["wall_s"] / serial["wall_s"]  # type: ignore[operator]
     print(f"ratio parallel/serial: {ratio:.2f} (target <= 0.5 with max_workers >= 4)")
+    ratio = threaded["wall_s"] / serial["wall_s"]  # type: ignore[operator]
+    print(f"ratio with threads/serial: {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import logging
 import attrs
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ejkernel.errors import AutotuneWarning
@@ -124,3 +125,24 @@ def test_kernel_candidates_are_timed_on_inputs_already_on_the_device():
         jax.config.update("jax_transfer_guard_host_to_device", before)
     assert jnp.allclose(out, 2 * x)
     assert best in (Cfg(mode="good"), Cfg(mode="good2"))
+
+
+def test_large_synthetic_draws_depend_on_the_seed_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arrays past ``PARALLEL_DRAW`` fill in slices on threads: the values are standard
+    normals, cast once, and the same whatever the number of CPUs."""
+    import ml_dtypes
+
+    from ejkernel.specs import _base
+
+    monkeypatch.setattr(_base, "PARALLEL_DRAW", 1000)
+    shape = (3, 37, 80)
+    a = _base.normal_draw(np.random.default_rng(7), shape, ml_dtypes.bfloat16)
+    monkeypatch.setattr(_base.os, "cpu_count", lambda: 1)
+    b = _base.normal_draw(np.random.default_rng(7), shape, ml_dtypes.bfloat16)
+    c = _base.normal_draw(np.random.default_rng(8), shape, np.float32)
+    assert a.shape == shape and a.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a.astype(np.float32), c)
+    assert abs(float(c.mean())) < 0.05 and abs(float(c.std()) - 1) < 0.05
+    first, *others = np.array_split(c.ravel(), 16)  # each slice from a generator of its own
+    assert not any(np.array_equal(first[:500], other[:500]) for other in others)

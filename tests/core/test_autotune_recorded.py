@@ -350,6 +350,56 @@ def test_compiles_run_on_several_threads_and_timings_one_at_a_time(toy, monkeypa
     assert all(a[2] <= b[1] for a, b in itertools.pairwise(spans))
 
 
+def phase_lines(caplog: Any, monkeypatch: Any, run: Any) -> str:
+    import logging
+
+    from ejkernel._autotune import progress_logger
+
+    monkeypatch.setattr(progress_logger, "propagate", True)
+    with caplog.at_level(logging.INFO, logger="ejkernel.progress"):
+        run()
+    return caplog.text
+
+
+def test_compile_worker_processes_compile_what_threads_compile(monkeypatch, caplog):
+    """Every candidate compiles in a worker process (its own GIL) and is timed here; the
+    tuned configs are those the threads tune."""
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # the workers' compiles
+    rec = record((1, 256, 2, 16))
+    results = {}
+
+    def tune(processes: bool) -> None:
+        results[processes] = autotune_recorded(
+            [rec], max_workers=2, compile_processes=processes, apply=False
+        )
+
+    text = phase_lines(caplog, monkeypatch, lambda: tune(True))
+    tune(False)
+    (tuned,) = results[True]
+    (threads,) = results[False]
+    assert not results[True].failures and tuned.key == threads.key
+    assert set(tuned.timings_ms) == set(threads.timings_ms) and len(tuned.timings_ms) > 1
+    n = len(tuned.timings_ms)
+    assert "compiling on 2 worker processes" in text
+    assert f"compiled {n}/{n} candidates ({n} in worker processes)" in text
+
+
+def test_what_a_worker_cannot_rebuild_compiles_in_this_process(toy, monkeypatch, caplog):
+    """The toy plugin is registered in this process only: the workers find no such platform,
+    so its candidates compile here, and the batch tunes as with threads."""
+    runs = []
+    text = phase_lines(
+        caplog,
+        monkeypatch,
+        lambda: runs.append(
+            autotune_recorded([record()], max_workers=2, compile_processes=True, apply=False)
+        ),
+    )
+    (result,) = runs
+    assert len(result) == 1 and not result.failures
+    assert "compiled 3/3 candidates (0 in worker processes)" in text
+
+
 def test_duplicates_are_tuned_once_and_none_means_every_recorded_invocation(toy, monkeypatch):
     from ejkernel import _recording
 
@@ -359,14 +409,9 @@ def test_duplicates_are_tuned_once_and_none_means_every_recorded_invocation(toy,
 
 
 def test_progress_bar_and_phase_lines(toy, capsys, caplog, monkeypatch):
-    import logging
-
-    from ejkernel._autotune import progress_logger
-
-    monkeypatch.setattr(progress_logger, "propagate", True)
-    with caplog.at_level(logging.INFO, logger="ejkernel.progress"):
-        autotune_recorded([record()], progress=True, apply=False)
-    text = caplog.text
+    text = phase_lines(
+        caplog, monkeypatch, lambda: autotune_recorded([record()], progress=True, apply=False)
+    )
     assert "compiling on" in text and "compiled 3/3" in text and "timed 3" in text
     assert "compiling" in capsys.readouterr().err  # tqdm's bar
 

@@ -1,12 +1,14 @@
 """Batch tuning: tune many recorded invocations at once (``autotune_recorded``).
 
 Every invocation becomes one target per platform to tune, each with its candidates (the
-heuristic's config first, then the config space, deduplicated as the chain does). All
-candidates of all targets are compiled first, in parallel threads (JAX traces per thread and
-XLA compiles without holding the GIL, so compile time, which dominates tuning on a GPU, is
-divided among the threads); then they are timed one after another on the calling thread, so
-no two timings share the device. Inputs are synthetic, built from the abstract shapes when a
-target is timed and dropped after it.
+heuristic's config first, then the config space, deduplicated as the chain does). Candidates
+compile ``max_workers`` at a time; on an accelerator in worker processes
+(:mod:`ejkernel._compile_workers`: tracing holds the GIL, so threads of one process barely
+share it), each invocation timed on the calling thread as soon as its candidates are ready
+while the workers compile the next ones; on a CPU (or with ``compile_processes=False``) in
+threads, all compiled before the first is timed. Timings run one after another, so no two
+share the device. Inputs are synthetic, built from the abstract shapes when a target is timed
+and dropped after it.
 
 A candidate that fails to compile, raises when run, or disagrees with the target's first
 candidate is dropped with an :class:`~ejkernel.errors.AutotuneWarning` and listed in the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +32,7 @@ import numpy as np
 
 from ejkernel._autotune import _agrees, on_device, progress_logger, time_candidate
 from ejkernel._chain import _dedupe
+from ejkernel._compile_workers import WorkerPool, WorkerUnavailable
 from ejkernel._executor import Executor, default_executor
 from ejkernel._invocation import Invocation, abstract_value, current_backend
 from ejkernel._json import stable_json
@@ -39,9 +43,9 @@ from ejkernel._tune_result import AutotuneResult, PlatformChoice, TunedConfig, T
 from ejkernel._vjp import build_op_function
 from ejkernel.errors import AutotuneWarning, warn_once
 from ejkernel.plugins import get_registry
-from ejkernel.specs._base import default_synthetic
+from ejkernel.specs._base import default_synthetic, normal_draw
 
-__all__ = ["autotune_recorded"]
+__all__ = ["autotune_recorded", "worker_targets"]
 
 
 @attrs.define(eq=False)
@@ -59,6 +63,8 @@ class _Target:
     #: ``abstract arguments -> concrete arguments on the device``; called when timing.
     inputs: Callable[[tuple[Any, ...]], tuple[Any, ...]]
     compiled: dict[int, tuple[Any, tuple[Any, ...]]] = attrs.field(factory=dict)
+    #: Seconds spent making its inputs (synthetic arrays, cotangents) when it was timed.
+    inputs_s: float = 0.0
 
 
 @attrs.define(eq=False)
@@ -70,6 +76,10 @@ class _Job:
     choice: tuple[str, dict[str, Any]] | None = None
     #: Inputs its targets share (made by the first one timed, dropped once all are timed).
     inputs: dict[str, Any] = attrs.field(factory=dict)
+    #: The item of ``invocations`` it came from, and that item pickled for the compile
+    #: workers (None where it does not pickle: compiled in this process).
+    item: Any = None
+    call: bytes | None = None
 
 
 # -- preparing targets ----------------------------------------------------------------------
@@ -90,7 +100,7 @@ def _cotangent(abstract: Any) -> Any:
     def one(s: Any) -> Any:
         if not jax.numpy.issubdtype(s.dtype, jax.numpy.floating):
             return np.zeros(s.shape, s.dtype)
-        return rng.standard_normal(s.shape, dtype=np.float32).astype(s.dtype)
+        return normal_draw(rng, s.shape, s.dtype)
 
     return on_device(jax.tree_util.tree_map(one, abstract))
 
@@ -296,32 +306,56 @@ def _fail(
     _report(failures, failure, f"{t.key}:{label}", "dropped")
 
 
-def _compile_all(
-    targets: list[_Target], max_workers: int, show: bool, failures: list[TuneFailure]
-) -> None:
-    def compile_one(t: _Target, cfg: Any) -> tuple[Any, tuple[Any, ...]]:
-        fn, shapes = t.function(cfg)
-        return jax.jit(fn).lower(*shapes).compile(), shapes
+class _Compiler:
+    """Compiles every candidate of a batch on ``max_workers`` threads, each of which hands its
+    candidates to a worker process of its own where ``workers`` is given (and compiles in this
+    process what a worker cannot serve)."""
 
-    bar = _bar(sum(len(t.configs) for t in targets), "compiling", show)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(
+    def __init__(self, max_workers: int, workers: WorkerPool | None, call_args: Any) -> None:
+        self.pool = concurrent.futures.ThreadPoolExecutor(
             max_workers, thread_name_prefix="ejkernel-compile"
-        ) as pool:
-            futures = {
-                pool.submit(compile_one, t, cfg): (t, i)
-                for t in targets
-                for i, cfg in enumerate(t.configs)
-            }
-            for future in concurrent.futures.as_completed(futures):
-                t, i = futures[future]
+        )
+        self.workers = workers
+        self.call_args = call_args  # (platforms, grad) as the workers rebuild the targets
+        self.futures: dict[int, list[tuple[concurrent.futures.Future[Any], _Target, int]]] = {}
+        self.in_workers = 0
+        self.finished_at = 0.0
+
+    def submit(self, job: _Job) -> None:
+        self.futures[id(job)] = [
+            (self.pool.submit(self._compile, job.call, t, i), t, i)
+            for t in job.targets
+            for i in range(len(t.configs))
+        ]
+
+    def _compile(self, call: bytes | None, t: _Target, i: int) -> tuple[Any, tuple[Any, ...]]:
+        try:
+            if self.workers is not None and call is not None:
+                label = stable_json(t.configs[i])
                 try:
-                    t.compiled[i] = future.result()
-                except Exception as err:
-                    _fail(failures, t, stable_json(t.configs[i]), "compile", err)
-                bar.update()
-    finally:
-        bar.close()
+                    done = self.workers.compile(call, *self.call_args, t.platform, i, label)
+                    self.in_workers += 1
+                    return done
+                except WorkerUnavailable:
+                    pass
+            fn, shapes = t.function(t.configs[i])
+            return jax.jit(fn).lower(*shapes).compile(), shapes
+        finally:
+            self.finished_at = time.perf_counter()
+
+    def collect(self, job: _Job, failures: list[TuneFailure], bar: Any) -> None:
+        """Wait for ``job``'s candidates; file them into their targets."""
+        for future, t, i in self.futures.pop(id(job)):
+            try:
+                t.compiled[i] = future.result()
+            except Exception as err:
+                _fail(failures, t, stable_json(t.configs[i]), "compile", err)
+            bar.update()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()
 
 
 def _time_target(
@@ -332,8 +366,10 @@ def _time_target(
     if not t.compiled:
         return timings
     first = min(t.compiled)
+    made = time.perf_counter()
     try:
         feed = t.inputs(t.compiled[first][1])
+        t.inputs_s = time.perf_counter() - made
     except Exception as err:
         _fail(failures, t, None, "run", err)
         return timings
@@ -367,6 +403,7 @@ def autotune_recorded(
     platforms: str | Sequence[str] | None = None,
     grad: bool | None = None,
     max_workers: int | None = None,
+    compile_processes: bool | None = None,
     num_iters: int = 5,
     num_warmup: int = 1,
     executor: Executor | None = None,
@@ -392,7 +429,13 @@ def autotune_recorded(
             platform is tuned on that one only.
         grad: None: as recorded; True: tune forward+backward (the differentiated call's
             key); False: forward only. User kernels are tuned forward only.
-        max_workers: compile threads (default ``min(8, CPU count)``).
+        max_workers: how many candidates compile at once (default ``min(8, CPU count)``).
+        compile_processes: compile in ``max_workers`` worker processes (each traces under a
+            GIL of its own, and the calls already compiled are timed meanwhile) rather than in
+            threads of this process (whose timing waits until every candidate has compiled).
+            Default: processes where ``max_workers`` > 1 and the default device is not a CPU.
+            What a worker cannot serve (a call that does not pickle, a plugin registered in
+            this process only) compiles in this process.
         num_iters: timed calls per candidate.
         num_warmup: untimed calls per candidate (the first also checks the result).
         executor: whose memory cache receives the result and whose selection decides the
@@ -442,6 +485,7 @@ def autotune_recorded(
         name = _name(item)
         try:
             job, skipped = _prepare(ex, item, wanted, grad)
+            job.item = item
         except Exception as err:
             error = f"{type(err).__name__}: {err}"
             failure = TuneFailure(op=name, platform=None, config=None, stage="record", error=error)
@@ -464,31 +508,38 @@ def autotune_recorded(
             jobs.append(job)
             targets.extend(job.targets)
     n_cfg = sum(len(t.configs) for t in targets)
+    workers = _use_workers(compile_processes, max_workers)
     progress_logger.info(
-        "autotune_recorded: %d invocations, %d targets, %d candidates; compiling on %d threads",
+        "autotune_recorded: %d invocations, %d targets, %d candidates; compiling on %d %s",
         len(jobs),
         len(targets),
         n_cfg,
         max_workers,
+        "worker processes" if workers else "threads",
     )
-    _compile_all(targets, max_workers, show, failures)
-    compiled_at = time.perf_counter()
-    n_ok = sum(len(t.compiled) for t in targets)
-    progress_logger.info(
-        "autotune_recorded: compiled %d/%d candidates in %.1f s", n_ok, n_cfg, compiled_at - start
-    )
+    compiler = _Compiler(max_workers, WorkerPool() if workers else None, (wanted, grad))
+    for job in jobs:
+        job.call = _pickled(job.item) if workers else None
+        compiler.submit(job)
 
     tuned: list[TunedConfig] = []
     choices: list[PlatformChoice] = []
-    bar = _bar(n_ok, "timing", show)
+    bar = _bar(2 * n_cfg, "compiling and timing", show)
+    n_ok = 0
     try:
+        if not workers:  # threads trace under this process's GIL: no timing while they run
+            for job in jobs:
+                compiler.collect(job, failures, bar)
         for n, job in enumerate(jobs, 1):
+            if workers:  # the later calls compile in the workers while this one is timed
+                compiler.collect(job, failures, bar)
             job_start = time.perf_counter()
             per_platform: dict[str, float] = {}
             for t in job.targets:
                 count = len(t.compiled)
+                n_ok += count
                 timings = _time_target(t, num_iters, num_warmup, failures)
-                bar.update(count)
+                bar.update(len(t.configs))
                 if not timings:
                     error = f"every one of {len(t.configs)} candidates failed"
                     failure = TuneFailure(
@@ -531,11 +582,19 @@ def autotune_recorded(
                 )
     finally:
         bar.close()
+        compiler.close()
     progress_logger.info(
-        "autotune_recorded: timed %d candidates in %.1f s; %d configs, %d platform choices, "
-        "%d failures (%.1f s in all)",
+        "autotune_recorded: compiled %d/%d candidates (%d in worker processes) in %.1f s",
         n_ok,
-        time.perf_counter() - compiled_at,
+        n_cfg,
+        compiler.in_workers,
+        max(compiler.finished_at - start, 0.0),
+    )
+    progress_logger.info(
+        "autotune_recorded: timed %d candidates (%.1f s of it making inputs); %d configs, %d "
+        "platform choices, %d failures (%.1f s in all)",
+        n_ok,
+        sum(t.inputs_s for t in targets),
         len(tuned),
         len(choices),
         len(failures),
@@ -545,6 +604,24 @@ def autotune_recorded(
     if apply:
         result.apply(ex)
     return result
+
+
+def _use_workers(compile_processes: bool | None, max_workers: int) -> bool:
+    if compile_processes is None:
+        return max_workers > 1 and jax.default_backend() != "cpu"
+    return bool(compile_processes)
+
+
+def _pickled(item: Any) -> bytes | None:
+    try:
+        return pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return None
+
+
+def worker_targets(item: Any, platforms: list[str] | None, grad: bool | None) -> list[_Target]:
+    """The targets of ``item`` as :func:`autotune_recorded` builds them (in a compile worker)."""
+    return _prepare(default_executor(), item, platforms, grad)[0].targets
 
 
 def _platform_list(platforms: str | Sequence[str] | None) -> list[str] | None:

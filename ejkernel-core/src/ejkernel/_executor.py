@@ -42,6 +42,7 @@ from ejkernel._vjp import build_op_function, traced
 from ejkernel.errors import ConfigError
 from ejkernel.plugins import get_registry
 from ejkernel.specs import OpSpec
+from ejkernel.specs._base import normal_draw
 
 __all__ = [
     "Executor",
@@ -405,7 +406,7 @@ class Executor:
             out_shape = jax.eval_shape(f, arrays)
             d_out = on_device(
                 jax.tree_util.tree_map(
-                    lambda s: np.random.default_rng(1).standard_normal(s.shape).astype(s.dtype),
+                    lambda s: normal_draw(np.random.default_rng(1), s.shape, s.dtype),
                     out_shape,
                 )
             )

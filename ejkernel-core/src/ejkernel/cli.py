@@ -246,7 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--grad", action="store_true", help="tune forward+backward (default: as recorded)"
     )
     tune.add_argument(
-        "--max-workers", type=int, metavar="N", help="compile threads (default min(8, CPUs))"
+        "--max-workers",
+        type=int,
+        metavar="N",
+        help="candidates compiled at once (default min(8, CPUs))",
     )
     tune.set_defaults(run=_tune)
     build = sub.add_parser(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
+import math
+import os
 import typing
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
@@ -218,6 +221,36 @@ def empty_output(spec: OpSpec, arguments: Mapping[str, Any]) -> Any:
     return jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
 
 
+#: Arrays of at least this many elements are drawn in slices, one generator each, on several
+#: threads (NumPy's generators release the GIL while they fill): the three 2²⁵-element inputs
+#: of an attention call take seconds on one thread, which batch tuning pays per shape.
+PARALLEL_DRAW = 1 << 22
+_DRAW_SLICES = 16
+
+
+def normal_draw(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Standard normal values of ``shape`` in ``dtype``, drawn from ``rng`` (float32 draws).
+
+    Below :data:`PARALLEL_DRAW` elements one draw from ``rng``; above it, ``rng`` spawns one
+    generator per slice of the flattened array and the slices fill in parallel threads. The
+    values depend only on ``rng``'s state, never on the number of threads."""
+    size = math.prod(shape)
+    if size < PARALLEL_DRAW:
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    out = np.empty(size, dtype)
+    edges = np.linspace(0, size, _DRAW_SLICES + 1).astype(np.int64)
+    generators = rng.spawn(_DRAW_SLICES)
+
+    def fill(i: int) -> None:
+        lo, hi = edges[i], edges[i + 1]
+        out[lo:hi] = generators[i].standard_normal(hi - lo, dtype=np.float32)
+
+    workers = min(_DRAW_SLICES, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ejkernel-draw") as pool:
+        list(pool.map(fill, range(_DRAW_SLICES)))
+    return out.reshape(shape)
+
+
 def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     """Concrete stand-ins: normal floats, all-True booleans, zero integers; statics unchanged.
 
@@ -232,7 +265,7 @@ def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, A
             elif np.issubdtype(dtype, np.integer):
                 out[name] = np.zeros(value.shape, dtype)
             else:
-                out[name] = rng.standard_normal(value.shape, dtype=np.float32).astype(dtype)
+                out[name] = normal_draw(rng, value.shape, dtype)
         else:
             out[name] = value
     return out
@@ -248,7 +281,7 @@ def synthetic_normals(
     out: dict[str, Any] = {}
     for name, value in abstract.items():
         if isinstance(value, jax.ShapeDtypeStruct):
-            normal = rng.standard_normal(value.shape, dtype=np.float32)
+            normal = normal_draw(rng, value.shape, np.float32)
             out[name] = jax.numpy.asarray(adjust(name, normal), value.dtype)
         else:
             out[name] = value

@@ -33,6 +33,7 @@ from ejkernel.specs._base import (
     check_cu_seqlens,
     check_floating,
     even_offsets,
+    normal_draw,
 )
 
 __all__ = [
@@ -88,7 +89,7 @@ def mean_pooling_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[s
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = dict(abstract)
     x = abstract["x"]
-    out["x"] = jnp.asarray(rng.standard_normal(x.shape).astype(np.float32), x.dtype)
+    out["x"] = jnp.asarray(normal_draw(rng, x.shape, np.float32), x.dtype)
     cu = abstract.get("cu_seqlens")
     if isinstance(cu, jax.ShapeDtypeStruct):
         num_tokens = x.shape[-2]
