@@ -139,6 +139,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="threads of the parallel mode")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--threads", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--processes-only", action="store_true", help="only the worker-process mode (no ratio)"
+    )
     args = parser.parse_args()
     if args.platforms is None and not args.small:
         args.platforms = "all"
@@ -147,6 +150,11 @@ def main() -> None:
         return
     import jax
 
+    if args.processes_only:
+        mode = run_mode(args, args.workers, threads=False)
+        print(f"max_workers={args.workers}: {mode['wall_s']:.1f} s, {mode['failures']}")
+        print("\n".join(f"  {line}" for line in mode["phases"]))  # type: ignore[attr-defined]
+        return
     serial = run_mode(args, 1, threads=True)
     parallel = run_mode(args, args.workers, threads=False)
     threaded = run_mode(args, args.workers, threads=True)

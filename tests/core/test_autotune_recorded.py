@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -362,8 +363,8 @@ def phase_lines(caplog: Any, monkeypatch: Any, run: Any) -> str:
 
 
 def test_compile_worker_processes_compile_what_threads_compile(monkeypatch, caplog):
-    """Every candidate compiles in a worker process (its own GIL) and is timed here; the
-    tuned configs are those the threads tune."""
+    """Every candidate but the first (the reference) compiles in a worker process (its own
+    GIL) and is timed here; the tuned configs are those the threads tune."""
     monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # the workers' compiles
     rec = record((1, 256, 2, 16))
     results = {}
@@ -381,7 +382,7 @@ def test_compile_worker_processes_compile_what_threads_compile(monkeypatch, capl
     assert set(tuned.timings_ms) == set(threads.timings_ms) and len(tuned.timings_ms) > 1
     n = len(tuned.timings_ms)
     assert "compiling on 2 worker processes" in text
-    assert f"compiled {n}/{n} candidates ({n} in worker processes)" in text
+    assert f"compiled {n}/{n} candidates ({n - 1} in worker processes)" in text  # not the first
 
 
 def test_what_a_worker_cannot_rebuild_compiles_in_this_process(toy, monkeypatch, caplog):
@@ -398,6 +399,40 @@ def test_what_a_worker_cannot_rebuild_compiles_in_this_process(toy, monkeypatch,
     (result,) = runs
     assert len(result) == 1 and not result.failures
     assert "compiled 3/3 candidates (0 in worker processes)" in text
+
+
+def test_a_workers_executable_that_disagrees_is_judged_by_this_process_compile(
+    toy, monkeypatch, caplog
+):
+    """Workers hand back executables whose results are off by one: each such candidate is
+    compiled again here and tuned on that; the first candidate (the reference) never comes
+    from a worker."""
+    from ejkernel import _compile_workers
+
+    asked = []
+
+    def off_by_one(self, call, platforms, grad, platform, index, label):
+        asked.append(index)
+        targets = _batch_tune.worker_targets(pickle.loads(call), platforms, grad)
+        (target,) = [t for t in targets if t.platform == platform]
+        compiled, shapes = target.compile_here(index)
+        return (lambda *a: jax.tree_util.tree_map(lambda x: x + 1, compiled(*a))), shapes
+
+    monkeypatch.setattr(_compile_workers.WorkerPool, "compile", off_by_one)
+    runs = []
+    text = phase_lines(
+        caplog,
+        monkeypatch,
+        lambda: runs.append(
+            autotune_recorded([record()], max_workers=2, compile_processes=True, apply=False)
+        ),
+    )
+    (result,) = runs
+    (tuned,) = result
+    assert not result.failures and len(tuned.timings_ms) == 3
+    assert sorted(asked) == [1, 2]
+    assert "compiled 3/3 candidates (2 in worker processes)" in text
+    assert "2 recompiled here" in text
 
 
 def test_duplicates_are_tuned_once_and_none_means_every_recorded_invocation(toy, monkeypatch):

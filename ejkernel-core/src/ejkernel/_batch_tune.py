@@ -65,6 +65,13 @@ class _Target:
     compiled: dict[int, tuple[Any, tuple[Any, ...]]] = attrs.field(factory=dict)
     #: Seconds spent making its inputs (synthetic arrays, cotangents) when it was timed.
     inputs_s: float = 0.0
+    #: Candidates compiled in a worker process (recompiled here if they fail or disagree).
+    from_worker: set[int] = attrs.field(factory=set)
+    recompiled: int = 0
+
+    def compile_here(self, i: int) -> tuple[Any, tuple[Any, ...]]:
+        fn, shapes = self.function(self.configs[i])
+        return jax.jit(fn).lower(*shapes).compile(), shapes
 
 
 @attrs.define(eq=False)
@@ -319,6 +326,8 @@ class _Compiler:
         self.call_args = call_args  # (platforms, grad) as the workers rebuild the targets
         self.futures: dict[int, list[tuple[concurrent.futures.Future[Any], _Target, int]]] = {}
         self.in_workers = 0
+        #: Why candidates compiled in this process after all (reason -> a platform it hit).
+        self.here: dict[str, str] = {}
         self.finished_at = 0.0
 
     def submit(self, job: _Job) -> None:
@@ -328,18 +337,21 @@ class _Compiler:
             for i in range(len(t.configs))
         ]
 
-    def _compile(self, call: bytes | None, t: _Target, i: int) -> tuple[Any, tuple[Any, ...]]:
+    def _compile(self, call: bytes | None, t: _Target, i: int) -> tuple[Any, tuple[Any, ...], bool]:
+        """``(compiled, abstract arguments, whether a worker compiled it)``; the first
+        candidate, every other's reference, always compiles here."""
         try:
-            if self.workers is not None and call is not None:
+            if self.workers is not None and call is not None and i > 0:
                 label = stable_json(t.configs[i])
                 try:
-                    done = self.workers.compile(call, *self.call_args, t.platform, i, label)
+                    compiled, shapes = self.workers.compile(
+                        call, *self.call_args, t.platform, i, label
+                    )
                     self.in_workers += 1
-                    return done
-                except WorkerUnavailable:
-                    pass
-            fn, shapes = t.function(t.configs[i])
-            return jax.jit(fn).lower(*shapes).compile(), shapes
+                    return compiled, shapes, True
+                except WorkerUnavailable as why:
+                    self.here.setdefault(str(why)[:200], t.platform)
+            return (*t.compile_here(i), False)
         finally:
             self.finished_at = time.perf_counter()
 
@@ -347,7 +359,10 @@ class _Compiler:
         """Wait for ``job``'s candidates; file them into their targets."""
         for future, t, i in self.futures.pop(id(job)):
             try:
-                t.compiled[i] = future.result()
+                compiled, shapes, from_worker = future.result()
+                t.compiled[i] = compiled, shapes
+                if from_worker:
+                    t.from_worker.add(i)
             except Exception as err:
                 _fail(failures, t, stable_json(t.configs[i]), "compile", err)
             bar.update()
@@ -378,23 +393,39 @@ def _time_target(
         compiled = t.compiled.pop(i)[0]  # released once timed
         label = stable_json(t.configs[i])
         try:
-            out = jax.block_until_ready(compiled(*feed))
+            try:
+                out = _run_checked(compiled, feed, baseline)
+            except Exception:
+                if i not in t.from_worker:
+                    raise
+                # a worker's executable that fails or disagrees: judge the candidate by the
+                # executable this process compiles
+                t.recompiled += 1
+                compiled = t.compile_here(i)[0]
+                out = _run_checked(compiled, feed, baseline)
         except Exception as err:
-            _fail(failures, t, label, "run", err)
+            stage = "wrong result" if isinstance(err, _WrongResult) else "run"
+            _fail(failures, t, label, stage, err)
             continue
         if baseline is None:
             baseline = out
-        elif not _agrees(out, baseline):
-            _fail(
-                failures, t, label, "wrong result", ValueError("disagrees with the first candidate")
-            )
-            continue
         del out
         try:
             timings[i] = time_candidate(compiled, *feed, num_iters=num_iters, num_warmup=num_warmup)
         except Exception as err:
             _fail(failures, t, label, "run", err)
     return timings
+
+
+class _WrongResult(ValueError):
+    """A candidate's result disagrees with the first candidate's."""
+
+
+def _run_checked(compiled: Any, feed: tuple[Any, ...], baseline: Any) -> Any:
+    out = jax.block_until_ready(compiled(*feed))
+    if baseline is not None and not _agrees(out, baseline):
+        raise _WrongResult("disagrees with the first candidate")
+    return out
 
 
 def autotune_recorded(
@@ -584,17 +615,20 @@ def autotune_recorded(
         bar.close()
         compiler.close()
     progress_logger.info(
-        "autotune_recorded: compiled %d/%d candidates (%d in worker processes) in %.1f s",
+        "autotune_recorded: compiled %d/%d candidates (%d in worker processes) in %.1f s%s",
         n_ok,
         n_cfg,
         compiler.in_workers,
         max(compiler.finished_at - start, 0.0),
+        "".join(f"; here: {p}: {why}" for why, p in compiler.here.items()),
     )
     progress_logger.info(
-        "autotune_recorded: timed %d candidates (%.1f s of it making inputs); %d configs, %d "
-        "platform choices, %d failures (%.1f s in all)",
+        "autotune_recorded: timed %d candidates (%.1f s of it making inputs; %d recompiled here "
+        "after their worker's executable failed or disagreed); %d configs, %d platform choices, "
+        "%d failures (%.1f s in all)",
         n_ok,
         sum(t.inputs_s for t in targets),
+        sum(t.recompiled for t in targets),
         len(tuned),
         len(choices),
         len(failures),
