@@ -11,8 +11,9 @@ the user's ``__main__``.
 
 The parent falls back to compiling a candidate itself whenever a worker cannot serve it: the
 call does not pickle, the worker's registry builds other candidates (a plugin registered in the
-parent process only), the executable does not serialize, or the worker died. A candidate that
-fails to compile in a worker is reported as a compile failure, as in the parent.
+parent process only), the executable does not serialize, the worker died, or the candidate
+failed to compile there (a worker shares the device's memory with the tuning process, and XLA's
+own autotuning inside a compile can run out of it): the parent's compile decides.
 
 Protocol on the worker's stdin/stdout: length-prefixed pickles. First message ``sys.path``; then
 ``(call, platforms, grad, platform, index, label)`` per task, ``None`` to stop. Replies:
@@ -114,8 +115,8 @@ class WorkerPool:
     ) -> tuple[Any, tuple[Any, ...]]:
         """``(compiled, abstract arguments)`` of candidate ``index`` of ``call`` on ``platform``.
 
-        Raises :class:`WorkerUnavailable` where the parent must compile it, and the worker's
-        compile error (as ``RuntimeError``) where the candidate does not compile."""
+        Raises :class:`WorkerUnavailable` where the parent must compile it: also where it
+        failed to compile in the worker, so that this process's compile decides."""
         worker = self._worker()
         if worker is None:
             raise WorkerUnavailable("no worker process")
@@ -127,8 +128,8 @@ class WorkerPool:
             raise WorkerUnavailable(f"worker lost: {err}") from err
         if reply[0] == "unavailable":
             raise WorkerUnavailable(reply[1])
-        if reply[0] == "failed":
-            raise RuntimeError(reply[1])
+        if reply[0] == "failed":  # out of device memory beside the tuning process, say
+            raise WorkerUnavailable(f"failed in the worker: {reply[1]}")
         _, serialized, in_tree, out_tree, shapes = reply
         from jax.experimental.serialize_executable import deserialize_and_load
 
