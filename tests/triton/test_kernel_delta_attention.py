@@ -302,7 +302,9 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
         kda._kda_bwd(res, out, cfg=cfg)
     names = [launch.kernel.fn.__name__ for launch in record]
     assert names == [
-        "kda_fwd_prep_kernel",
+        "kda_fwd_norm_kernel",
+        "kda_fwd_intra_kernel",
+        "kda_fwd_wy_kernel",
         "kda_fwd_h_kernel",
         "kda_fwd_o_kernel",
         "kda_bwd_dvl_kernel",
@@ -316,7 +318,8 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
         compiled = _codegen.compile_launch(launch, capability=90)
         mix = _codegen.instruction_mix(compiled.ptx)
         name = launch.kernel.fn.__name__
-        if name != "kda_bwd_chunk_out_kernel":  # elementwise, and a float32 cumulative sum
+        # elementwise, and a float32 cumulative sum
+        if name not in ("kda_fwd_norm_kernel", "kda_bwd_chunk_out_kernel"):
             assert any(k.startswith(("wgmma", "mma")) for k in mix), name
         assert compiled.shared <= kda.shared_memory(cfg, 128, 128) <= 232448, name
 

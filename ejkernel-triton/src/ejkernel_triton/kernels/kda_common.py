@@ -1,7 +1,8 @@
 """The chunk algebra of the Triton gated delta rule that its forward and backward kernels share
 (:mod:`ejkernel_triton.kernels.kda_fwd`, :mod:`ejkernel_triton.kernels.kda_bwd`): reading one
-chunk's inputs with the numerics of :mod:`ejkernel_xla.ops._chunk_numerics`, the decayed
-products ``P`` and ``K Kᵀ``, and the unit lower-triangular inverse ``T = (I + A)⁻¹``.
+chunk's inputs with the numerics of :mod:`ejkernel_xla.ops._chunk_numerics`, a per-head gate's
+decayed products ``P`` and ``K Kᵀ`` and the VJPs of both gates' products, and the unit
+lower-triangular inverse ``T = (I + A)⁻¹``.
 
 A chunk is ``C`` consecutive rows of the ``[B, T, H, F]`` chunk layout; ``rows`` are their
 flat (token, head) indices, ``p_k = rows · K + κ`` the offsets of their ``BK`` key channels.
@@ -118,80 +119,23 @@ def l2_normalise_bwd(x_hat, norm, d_hat):
     return (d_hat - x_hat * tl.sum(x_hat * d_hat, axis=1)[:, None]) / norm[:, None]
 
 
-#: Rows per diagonal block of a per-channel gate's decayed products (the rest are products).
+#: Rows per diagonal block of a per-channel gate's decayed products (the rest are products
+#: factored through a block's first row).
 SUB: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit
-def stash(slab, b_x, o_c, o_k, BK: tl.constexpr):
-    """Store a ``[C, BK]`` float32 tile in the program's scratch ``slab`` (row-major)."""
-    tl.store(slab + o_c[:, None] * BK + o_k[None, :], b_x)
-
-
-@triton.jit
-def stashed_rows(slab, src, o_k, BK: tl.constexpr):
-    """Rows ``src [C]`` of a stashed tile, as a ``[C, BK]`` tile."""
-    return tl.load(slab + src[:, None] * BK + o_k[None, :])
-
-
-@triton.jit
-def decayed_products(
-    b_q,
-    b_k,
-    b_gc,
-    o_c,
-    o_k,
-    scratch,
-    C: tl.constexpr,
-    BK: tl.constexpr,
-    GK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    WITH_P: tl.constexpr = True,
-):
-    """``P_tj = Σ_κ q_tκ k_jκ exp(G_tκ − G_jκ)`` and ``(K Kᵀ)_tj`` likewise, for ``j ≤ t`` (zero
-    above the diagonal), with ``G = b_gc`` the cumulative log gate: relative decays only (never
-    a growth). Without ``WITH_P`` only ``K Kᵀ`` (``P`` zero).
-
-    A per-channel gate (``GK > 1``) splits the chunk into blocks of :data:`SUB` rows. Below the
-    diagonal blocks, row block ``r`` against the rows before its first row ``ρ`` is one product
-    factored through ``ρ``: ``exp(G_t − G_ρ) · exp(G_ρ − G_j)``, both factors ≤ 1 for a decay.
-    Inside a diagonal block the decays are taken entry by entry, one column of every block per
-    step, its rows read back from ``scratch`` (``2 C BK`` float32 of the program's own)."""
+def decayed_products(b_q, b_k, b_gc, o_c, DOT_PRECISION: tl.constexpr):
+    """For a per-head gate ``G = b_gc [C]`` (cumulative): ``P_tj = Σ_κ q_tκ k_jκ
+    exp(G_t − G_j)`` and ``(K Kᵀ)_tj`` likewise, for ``j ≤ t`` (zero above the diagonal):
+    relative decays only (never a growth). A per-channel gate's are
+    :func:`~ejkernel_triton.kernels.kda_fwd.kda_fwd_intra_kernel`'s."""
     causal = o_c[:, None] >= o_c[None, :]
-    if GK == 1:
-        b_pair = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
-        b_p = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
-        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
-        b_p = tl.where(causal, b_p * b_pair, 0.0)
-        b_kk = tl.where(causal, b_kk * b_pair, 0.0)
-    else:
-        k_slab, g_slab = scratch, scratch + C * BK
-        stash(k_slab, b_k, o_c, o_k, BK)
-        stash(g_slab, b_gc, o_c, o_k, BK)
-        tl.debug_barrier()
-        blk = o_c // SUB
-        b_p = tl.zeros([C, C], dtype=tl.float32)
-        b_kk = tl.zeros([C, C], dtype=tl.float32)
-        for r in range(1, C // SUB):
-            ref = r * SUB
-            b_gr = tl.load(g_slab + ref * BK + o_k)[None, :]
-            in_r = (blk == r)[:, None]
-            before = (o_c < ref)[:, None]
-            b_in = tl.exp(tl.where(in_r, b_gc - b_gr, float("-inf")))
-            b_kb = b_k * tl.exp(tl.where(before, b_gr - b_gc, float("-inf")))
-            if WITH_P:
-                b_p += tl.dot(b_q * b_in, tl.trans(b_kb), input_precision=DOT_PRECISION)
-            b_kk += tl.dot(b_k * b_in, tl.trans(b_kb), input_precision=DOT_PRECISION)
-        first = blk * SUB
-        for jj in range(0, SUB):
-            src = first + jj
-            b_kj = stashed_rows(k_slab, src, o_k, BK)
-            b_gj = stashed_rows(g_slab, src, o_k, BK)
-            b_ke = b_kj * tl.exp(tl.where((o_c >= src)[:, None], b_gc - b_gj, float("-inf")))
-            col = o_c[None, :] == src[:, None]
-            if WITH_P:
-                b_p = tl.where(col, tl.sum(b_q * b_ke, axis=1)[:, None], b_p)
-            b_kk = tl.where(col, tl.sum(b_k * b_ke, axis=1)[:, None], b_kk)
+    b_pair = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    b_p = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+    b_p = tl.where(causal, b_p * b_pair, 0.0)
+    b_kk = tl.where(causal, b_kk * b_pair, 0.0)
     return b_p, b_kk
 
 
@@ -242,7 +186,9 @@ def decayed_products_bwd_channels(
     DOT_PRECISION: tl.constexpr,
 ):
     """:func:`decayed_products_bwd` for a per-channel gate, on ``BK`` key channels (each
-    channel's decays are its own), in :func:`decayed_products`' blocks.
+    channel's decays are its own), in the forward's blocks of :data:`SUB` rows
+    (:func:`~ejkernel_triton.kernels.kda_fwd.kda_fwd_intra_kernel`: below the diagonal blocks
+    factored through each row block's first row, on them entry by entry).
 
     ``dP_tj`` is at ``p_dpt[j] + t`` (the row of token ``s`` at ``p_dpt[t] + (s − t)·row_step``),
     ``dM_tj`` at ``dm_slab + t·C + j``: below the diagonal blocks they are read by parts, on

@@ -3,21 +3,25 @@ gate), in the WY/UT form (Yang et al., NeurIPS 2024, Sec. 3; Yang, Kautz, Hatami
 2025, Sec. 3.3).
 
 Kernel signatures follow jax-triton's order: inputs (arrays, then scalars), outputs, constexprs.
-Both kernels read the chunk layout of :mod:`ejkernel_triton.ops.gla_layout`: tokens
+The kernels read the chunk layout of :mod:`ejkernel_triton.ops.gla_layout`: tokens
 ``[B, T, H, F]`` with ``T = NT · C`` (packed sequences start on chunk boundaries, padding slots
 hold zeros: ``β = 0`` and ``g = 0`` pass the state through), one int32 flag word per chunk
 (``sid << 2 | last << 1 | first``). A gate is ``[B, T, H, GK]``: ``GK = K`` decays each key
 channel, ``GK = 1`` one decay per head.
 
-- :func:`kda_fwd_prep_kernel`, one program per (chunk, batch row, head), holds the whole chunk
-  (``C`` tokens, all of K and V): the L2 norm of q and k (``use_qk_l2norm``), the query scale,
-  the float32 cumulative log gate ``G`` inside the chunk (gates floored at ``-GATE_FLOOR``,
-  whose exp is 0 in float32: −inf is a reset and the sums stay finite), the relative decays
-  ``exp(G_t − G_j)`` for ``j ≤ t`` only (never a growth), and from them
-  ``P_tj = Σ_κ q_tκ k_jκ exp(G_tκ − G_jκ)`` (``j ≤ t``),
+- Per chunk, with the whole chunk (``C`` tokens, all of K and V) in one program: the L2 norm
+  of q and k (``use_qk_l2norm``), the query scale, the float32 cumulative log gate ``G``
+  inside the chunk (gates floored at ``-GATE_FLOOR``, whose exp is 0 in float32: −inf is a
+  reset and the sums stay finite), the relative decays ``exp(G_t − G_j)`` for ``j ≤ t`` only
+  (never a growth), and from them ``P_tj = Σ_κ q_tκ k_jκ exp(G_tκ − G_jκ)`` (``j ≤ t``),
   ``A_tj = β_t Σ_κ k_tκ k_jκ exp(G_tκ − G_jκ)`` (``j < t``), ``T = (I + A)⁻¹`` by forward
-  substitution, ``W = T diag(β) (K ⊙ exp(G))`` and ``U = T diag(β) V``; it also writes
-  ``q ⊙ exp(G)``, ``k ⊙ exp(G_C − G)`` and the chunk's decay ``exp(G_C)``.
+  substitution, ``W = T diag(β) (K ⊙ exp(G))`` and ``U = T diag(β) V``, ``q ⊙ exp(G)``,
+  ``k ⊙ exp(G_C − G)`` and the chunk's decay ``exp(G_C)`` (:func:`chunk_factors`). A per-head
+  gate does all of it in :func:`kda_fwd_prep_kernel`. A per-channel gate's products take
+  most of the work (each channel decays on its own, so the diagonal blocks go entry by
+  entry): :func:`kda_fwd_norm_kernel` writes the normalised ``q``, ``k`` and ``G``,
+  :func:`kda_fwd_intra_kernel` computes ``P`` and ``K Kᵀ`` in ``[SUB, SUB]`` tiles, many
+  small programs per chunk, and :func:`kda_fwd_wy_kernel` the rest.
 - :func:`kda_fwd_h_kernel` walks the chunks of one (V block, batch row, head) in order with
   the float32 state ``S [K, BV]``: ``V' = U − W S``,
   ``S ← diag(exp(G_C)) S + (k ⊙ exp(G_C − G))ᵀ V'``; it restarts from the initial state where
@@ -43,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ejkernel_triton.kernels.kda_common import (
+    SUB,
     chunk_flags,
     chunk_inputs,
     chunk_tiles,
@@ -72,7 +77,6 @@ def kda_fwd_prep_kernel(
     decay_ptr,
     t_ptr,
     kk_ptr,
-    scratch_ptr,
     K: tl.constexpr,
     V: tl.constexpr,
     C: tl.constexpr,
@@ -84,12 +88,10 @@ def kda_fwd_prep_kernel(
     STORE_FACTORS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(NT, B·H)``: one chunk's ``q ⊙ exp(G)`` and ``k ⊙ exp(G_C − G)`` ([B, T, H, K],
-    the input dtype), ``W`` [B, T, H, K], ``U`` [B, T, H, V] (input dtype), ``P`` [B, T, H, C]
-    and the decay ``exp(G_C)`` [B, NT, H, GK] (float32); with ``STORE_FACTORS`` (for the
-    backward) also ``T`` and the decayed ``K Kᵀ`` [B, T, H, C] (float32); ``scratch [B, NT, H, 2 C BK]``
-    (float32, a per-channel gate's only) is the program's own room for
-    :func:`~ejkernel_triton.kernels.kda_common.decayed_products`."""
+    """Grid ``(NT, B·H)``, a per-head gate's (``GK = 1``): one chunk's ``P`` [B, T, H, C]
+    (float32) and, through :func:`chunk_factors`, the rest; with ``STORE_FACTORS`` (for the
+    backward) also the decayed ``K Kᵀ`` [B, T, H, C] (float32)."""
+    tl.static_assert(GK == 1, "a per-channel gate takes the norm, intra and WY kernels")
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     b_q, b_k, b_beta, b_g, bad, _ = chunk_inputs(
         q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
@@ -99,9 +101,197 @@ def kda_fwd_prep_kernel(
         b_k, _ = l2_normalise(b_k)
     b_q = b_q * scale
     b_gc = tl.cumsum(b_g, axis=0)
-    scratch = scratch_ptr + slot * 2 * C * BK
-    b_p, b_kk = decayed_products(b_q, b_k, b_gc, o_c, o_k, scratch, C, BK, GK, DOT_PRECISION)
+    b_p, b_kk = decayed_products(b_q, b_k, b_gc, o_c, DOT_PRECISION)
     tl.store(p_ptr + rows[:, None] * C + o_c[None, :], b_p)
+    if STORE_FACTORS:
+        tl.store(kk_ptr + rows[:, None] * C + o_c[None, :], b_kk)
+    chunk_factors(
+        b_q, b_k, b_beta, b_gc, bad, b_kk, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
+        qg_ptr, kg_ptr, w_ptr, u_ptr, decay_ptr, t_ptr,
+        K, V, C, BV, GK, STORE_FACTORS, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def kda_fwd_norm_kernel(
+    q_ptr,
+    k_ptr,
+    beta_ptr,
+    g_ptr,
+    scale,
+    NT,
+    H,
+    qn_ptr,
+    kn_ptr,
+    gc_ptr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    L2NORM: tl.constexpr,
+    GATE_FLOOR: tl.constexpr,
+):
+    """Grid ``(NT, B·H)``, a per-channel gate's: one chunk's float32 ``q̂`` (L2-normalised
+    with ``use_qk_l2norm``, times the scale), ``k̂`` and cumulative log gate ``G``
+    [B, T, H, K], read with :func:`chunk_inputs`' numerics, for :func:`kda_fwd_intra_kernel`."""
+    _, _, m_k, rows, p_k, _ = chunk_tiles(H, NT, K, C, BK)
+    b_q, b_k, _, b_g, _, _ = chunk_inputs(
+        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, K, GATE_FLOOR
+    )
+    if L2NORM:
+        b_q, _ = l2_normalise(b_q)
+        b_k, _ = l2_normalise(b_k)
+    tl.store(qn_ptr + p_k, b_q * scale, mask=m_k[None, :])
+    tl.store(kn_ptr + p_k, b_k, mask=m_k[None, :])
+    tl.store(gc_ptr + p_k, tl.cumsum(b_g, axis=0), mask=m_k[None, :])
+
+
+@triton.jit
+def kda_fwd_intra_kernel(
+    qn_ptr,
+    kn_ptr,
+    gc_ptr,
+    NT,
+    H,
+    p_ptr,
+    kk_ptr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NT, (C / SUB)², B·H)``: the ``[SUB, SUB]`` tile (row block ``i``, column block
+    ``j``) of one chunk's ``P`` and decayed ``K Kᵀ`` [B, T, H, C] (float32; zero for
+    ``j > i``), from :func:`kda_fwd_norm_kernel`'s ``q̂``, ``k̂``, ``G``, over the key
+    channels in blocks of ``BKS``.
+
+    Below the diagonal the decays factor through the block's first row ``ρ``:
+    ``exp(G_t − G_ρ) · exp(G_ρ − G_s)``, both at most 1 for a decay. On the diagonal they are
+    taken entry by entry, one column ``s`` per step: ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``."""
+    i_n, i_ij, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_i, i_j = i_ij // (C // SUB), i_ij % (C // SUB)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_s = tl.arange(0, SUB)
+    first = i_b.to(tl.int64) * NT * C * H + i_h + i_n * C * H  # the chunk's first row
+    rows_i = first + (i_i * SUB + o_s) * H
+    rows_j = first + (i_j * SUB + o_s) * H
+    b_p = tl.zeros([SUB, SUB], dtype=tl.float32)
+    b_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
+    if i_j < i_i:
+        ref = first + i_i * SUB * H
+        for k0 in range(0, K, BKS):
+            o_k = k0 + tl.arange(0, BKS)
+            m_k = (o_k < K)[None, :]
+            p_i = rows_i[:, None] * K + o_k[None, :]
+            p_j = rows_j[:, None] * K + o_k[None, :]
+            b_gr = tl.load(gc_ptr + ref * K + o_k, mask=o_k < K, other=0.0)[None, :]
+            b_in = tl.exp(tl.load(gc_ptr + p_i, mask=m_k, other=0.0) - b_gr)
+            b_out = tl.exp(b_gr - tl.load(gc_ptr + p_j, mask=m_k, other=0.0))
+            b_kb = tl.load(kn_ptr + p_j, mask=m_k, other=0.0) * b_out
+            b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0) * b_in
+            b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0) * b_in
+            b_p += tl.dot(b_qi, tl.trans(b_kb), input_precision=DOT_PRECISION)
+            b_kk += tl.dot(b_ki, tl.trans(b_kb), input_precision=DOT_PRECISION)
+    elif i_j == i_i:
+        for k0 in range(0, K, BKS):
+            o_k = k0 + tl.arange(0, BKS)
+            m_k = (o_k < K)[None, :]
+            p_i = rows_i[:, None] * K + o_k[None, :]
+            b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0)
+            b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0)
+            b_gi = tl.load(gc_ptr + p_i, mask=m_k, other=0.0)
+            for s in range(0, SUB):
+                p_s = (first + (i_i * SUB + s) * H) * K + o_k
+                b_ks = tl.load(kn_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
+                b_gs = tl.load(gc_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
+                seen = (o_s >= s)[:, None]
+                b_ke = b_ks * tl.exp(tl.where(seen, b_gi - b_gs, float("-inf")))
+                col = (o_s == s)[None, :]
+                b_p = tl.where(col, b_p + tl.sum(b_qi * b_ke, axis=1)[:, None], b_p)
+                b_kk = tl.where(col, b_kk + tl.sum(b_ki * b_ke, axis=1)[:, None], b_kk)
+    cols = i_j * SUB + o_s
+    tl.store(p_ptr + rows_i[:, None] * C + cols[None, :], b_p)
+    tl.store(kk_ptr + rows_i[:, None] * C + cols[None, :], b_kk)
+
+
+@triton.jit
+def kda_fwd_wy_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    kk_ptr,
+    scale,
+    NT,
+    H,
+    qg_ptr,
+    kg_ptr,
+    w_ptr,
+    u_ptr,
+    decay_ptr,
+    t_ptr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    GATE_FLOOR: tl.constexpr,
+    STORE_FACTORS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(NT, B·H)``, a per-channel gate's: :func:`chunk_factors` of one chunk from its
+    inputs and the decayed ``K Kᵀ`` of :func:`kda_fwd_intra_kernel`."""
+    o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
+    b_q, b_k, b_beta, b_g, bad, _ = chunk_inputs(
+        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, K, GATE_FLOOR
+    )
+    if L2NORM:
+        b_q, _ = l2_normalise(b_q)
+        b_k, _ = l2_normalise(b_k)
+    b_q = b_q * scale
+    b_gc = tl.cumsum(b_g, axis=0)
+    b_kk = tl.load(kk_ptr + rows[:, None] * C + o_c[None, :])
+    chunk_factors(
+        b_q, b_k, b_beta, b_gc, bad, b_kk, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
+        qg_ptr, kg_ptr, w_ptr, u_ptr, decay_ptr, t_ptr,
+        K, V, C, BV, K, STORE_FACTORS, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def chunk_factors(
+    b_q,
+    b_k,
+    b_beta,
+    b_gc,
+    bad,
+    b_kk,
+    v_ptr,
+    rows,
+    p_k,
+    slot,
+    o_c,
+    o_k,
+    m_k,
+    qg_ptr,
+    kg_ptr,
+    w_ptr,
+    u_ptr,
+    decay_ptr,
+    t_ptr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    GK: tl.constexpr,
+    STORE_FACTORS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """From one chunk's ``q``, ``k`` (normalised, ``q`` scaled), ``β``, cumulative gate and
+    decayed ``K Kᵀ``: ``q ⊙ exp(G)``, ``k ⊙ exp(G_C − G)`` ([B, T, H, K], the input dtype),
+    ``W`` [B, T, H, K], ``U`` [B, T, H, V] (input dtype), the decay ``exp(G_C)``
+    [B, NT, H, GK] and, with ``STORE_FACTORS``, ``T`` [B, T, H, C] (float32)."""
     # each tile is stored as soon as it is final, which keeps few of them live at once
     dt = qg_ptr.dtype.element_ty
     if GK == 1:
@@ -118,8 +308,6 @@ def kda_fwd_prep_kernel(
     tl.store(qg_ptr + p_k, (b_q * b_gamma).to(dt), mask=m_k[None, :])
     tl.store(kg_ptr + p_k, (b_k * b_to_end).to(dt), mask=m_k[None, :])
     b_a = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_kk, 0.0)
-    if STORE_FACTORS:
-        tl.store(kk_ptr + rows[:, None] * C + o_c[None, :], b_kk)
     b_t = unit_lower_inverse(b_a, o_c, C, DOT_PRECISION)
     if STORE_FACTORS:
         tl.store(t_ptr + rows[:, None] * C + o_c[None, :], b_t)

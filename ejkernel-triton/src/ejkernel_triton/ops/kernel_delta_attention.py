@@ -302,46 +302,15 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
     """``run(q, k, v, beta, gates, init_rows, flags) -> (o, final_rows)``, and with ``keep``
     also ``(qg, kg, w, p, decay, h, vn, t, kk)`` (the per-chunk factors, starting states,
     ``V'``, ``T`` and the decayed ``K Kᵀ``): the forward's launches on the chunk layout."""
-    from ejkernel_triton.kernels.kda_fwd import (
-        kda_fwd_h_kernel,
-        kda_fwd_o_kernel,
-        kda_fwd_prep_kernel,
-    )
+    from ejkernel_triton.kernels.kda_fwd import kda_fwd_h_kernel, kda_fwd_o_kernel
 
     def run(q, k, v, beta, gates, init_rows, flags):
         b, t, h, dk = q.shape
         dv, gk = v.shape[-1], gates.shape[-1]
         c = st.chunk
         common = {"num_warps": st.num_warps, "DOT_PRECISION": st.precision}
-        tokens_k = jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)
-        factors = (b, t, h, c) if keep else (1,)
-        qg, kg, w, u, p, decay, tt, kk, _ = _launch.launch(
-            kda_fwd_prep_kernel,
-            q,
-            k,
-            v,
-            beta,
-            gates,
-            np.float32(st.scale),
-            nt,
-            h,
-            out_shape=[
-                tokens_k,
-                tokens_k,
-                tokens_k,
-                jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
-                jax.ShapeDtypeStruct((b, t, h, c), jnp.float32),
-                jax.ShapeDtypeStruct((b, nt, h, gk), jnp.float32),
-                jax.ShapeDtypeStruct(factors, jnp.float32),
-                jax.ShapeDtypeStruct(factors, jnp.float32),
-                jax.ShapeDtypeStruct((b, nt, h, max(1, _stashed(st, gk, 2))), jnp.float32),
-            ],
-            grid=(nt, b * h),
-            **_sizes(st, dk, dv, gk, chunk_pass=True),
-            STORE_FACTORS=keep,
-            num_stages=1,
-            **common,
-        )
+        chunk = _per_channel_chunk if gk > 1 else _per_head_chunk
+        qg, kg, w, u, p, decay, tt, kk = chunk(st, nt, keep, q, k, v, beta, gates)
         # the starting states and V' the output kernel reads: float32 where the backward
         # reads them too, else the input dtype
         saved = jnp.float32 if keep else q.dtype
@@ -391,10 +360,122 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
     return run
 
 
-def _stashed(st: _Statics, gk: int, slabs: int) -> int:
-    """Floats of a per-chunk program's room for ``slabs`` stashed ``[C, BK]`` float32 tiles: a
-    per-channel gate's decayed products read rows back from them; a per-head gate's none."""
-    return slabs * st.chunk * st.block_k if gk > 1 else 0
+def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> list[Any]:
+    """A per-head gate's chunk pass, one launch: ``(qg, kg, w, u, p, decay, t, kk)`` (``t``
+    and ``kk`` only with ``keep``)."""
+    from ejkernel_triton.kernels.kda_fwd import kda_fwd_prep_kernel
+
+    b, t, h, dk = q.shape
+    dv, c = v.shape[-1], st.chunk
+    factors = (b, t, h, c) if keep else (1,)
+    return _launch.launch(
+        kda_fwd_prep_kernel,
+        q,
+        k,
+        v,
+        beta,
+        gates,
+        np.float32(st.scale),
+        nt,
+        h,
+        out_shape=[
+            *_factor_shapes(q, dv),
+            jax.ShapeDtypeStruct((b, t, h, c), jnp.float32),
+            jax.ShapeDtypeStruct((b, nt, h, 1), jnp.float32),
+            jax.ShapeDtypeStruct(factors, jnp.float32),
+            jax.ShapeDtypeStruct(factors, jnp.float32),
+        ],
+        grid=(nt, b * h),
+        **_sizes(st, dk, dv, 1, chunk_pass=True),
+        STORE_FACTORS=keep,
+        num_stages=1,
+        num_warps=st.num_warps,
+        DOT_PRECISION=st.precision,
+    )
+
+
+def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> list[Any]:
+    """A per-channel gate's chunk pass: the normalised inputs, the decayed products in
+    ``[16, 16]`` tiles over blocks of :data:`_PRODUCT_CHANNELS` key channels, then the rest;
+    ``(qg, kg, w, u, p, decay, t, kk)`` as :func:`_per_head_chunk`'s (``kk`` always)."""
+    from ejkernel_triton.kernels.kda_fwd import (
+        kda_fwd_intra_kernel,
+        kda_fwd_norm_kernel,
+        kda_fwd_wy_kernel,
+    )
+
+    b, t, h, dk = q.shape
+    dv, c = v.shape[-1], st.chunk
+    tokens_f32 = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
+    sizes = {"K": dk, "C": c, "BK": st.block_k}
+    numerics = {"L2NORM": st.l2norm, "GATE_FLOOR": GATE_FLOOR}
+    qn, kn, gc = _launch.launch(
+        kda_fwd_norm_kernel,
+        q,
+        k,
+        beta,
+        gates,
+        np.float32(st.scale),
+        nt,
+        h,
+        out_shape=[tokens_f32] * 3,
+        grid=(nt, b * h),
+        **sizes,
+        **numerics,
+        num_warps=st.num_warps,
+        num_stages=1,
+    )
+    per_chunk = jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)
+    p, kk = _launch.launch(
+        kda_fwd_intra_kernel,
+        qn,
+        kn,
+        gc,
+        nt,
+        h,
+        out_shape=[per_chunk, per_chunk],
+        grid=(nt, (c // 16) ** 2, b * h),
+        K=dk,
+        C=c,
+        BKS=min(_PRODUCT_CHANNELS, st.block_k),
+        DOT_PRECISION=st.precision,
+        num_warps=1 if _launch.interpreting() else 2,
+        num_stages=1,
+    )
+    qg, kg, w, u, decay, tt = _launch.launch(
+        kda_fwd_wy_kernel,
+        q,
+        k,
+        v,
+        beta,
+        gates,
+        kk,
+        np.float32(st.scale),
+        nt,
+        h,
+        out_shape=[
+            *_factor_shapes(q, dv),
+            jax.ShapeDtypeStruct((b, nt, h, dk), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, h, c) if keep else (1,), jnp.float32),
+        ],
+        grid=(nt, b * h),
+        **sizes,
+        V=dv,
+        BV=st.block_v_prep,
+        **numerics,
+        STORE_FACTORS=keep,
+        DOT_PRECISION=st.precision,
+        num_warps=st.num_warps,
+        num_stages=1,
+    )
+    return [qg, kg, w, u, p, decay, tt, kk]
+
+
+def _factor_shapes(q: Any, dv: int) -> list[jax.ShapeDtypeStruct]:
+    """The shapes of ``qg``, ``kg``, ``w`` and ``u`` (the input dtype)."""
+    b, t, h, dk = q.shape
+    tokens_k = jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)
+    return [tokens_k, tokens_k, tokens_k, jax.ShapeDtypeStruct((b, t, h, dv), q.dtype)]
 
 
 def _sizes(
