@@ -115,6 +115,35 @@ def test_half_precision_within_a_half_precision_tolerance(interpret) -> None:
     check(arrays, tol=2e-2, block_size=8, block_counts=3, window_size=5)
 
 
+def test_pairs_by_block_cover_every_visible_pair_once_in_runs_of_one_block() -> None:
+    """The dk/dv work items: two packed sequences (the second's blocks start off the global
+    grid), empty slots and a block after its query (left out)."""
+    import numpy as np
+
+    from ejkernel_triton.ops.native_sparse_attention import pairs_by_block
+
+    s, bs, t = 20, 4, 3
+    start = jnp.asarray([0] * 9 + [9] * 11, jnp.int32)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(-1, 4, size=(2, s, 1, t)).astype(np.int32)
+    idx[..., 1:] = np.where(idx[..., 1:] == idx[..., :1], -1, idx[..., 1:])  # first slots
+    idx[..., 2] = np.where(idx[..., 2] == idx[..., 1], -1, idx[..., 2])
+    tok, items = pairs_by_block(jnp.asarray(idx), start, bs, blocks=3 + 2, per_item=2)
+    tok, items = np.asarray(tok), np.asarray(items)
+    for b in range(2):
+        want = sorted(
+            (int(start[q]) + c * bs, q)
+            for q in range(s)
+            for c in idx[b, q, 0]
+            if c >= 0 and c * bs <= q - int(start[q])
+        )
+        got = []
+        for r0, lo, hi in items[b, 0]:
+            assert hi - lo <= 2
+            got += [(int(r0), int(tok[b, 0, p])) for p in range(lo, hi)]
+        assert sorted(got) == want
+
+
 def test_registered_above_the_xla_fallback() -> None:
     from ejkernel_triton import plugin
 
@@ -152,11 +181,12 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
     start = jnp.zeros((128,), jnp.int32)
     cfg = NativeSparseAttentionConfig()
     with _codegen.recorded_launches() as record:
-        o, res = nsa._selected_fwd(q, k, k, idx, start, 0.1, 64, cfg)
-        nsa._selected_bwd(0.1, 64, cfg, res, o)
+        o, res = nsa._selected_fwd(q, k, k, idx, start, 0.1, 64, 2, cfg)
+        nsa._selected_bwd(0.1, 64, 2, cfg, res, o)
     assert [launch.kernel.fn.__name__ for launch in record] == [
         "nsa_selected_fwd_kernel",
         "nsa_selected_bwd_kernel",
+        "nsa_selected_bwd_dkv_kernel",
     ]
     for launch in record:
         compiled = _codegen.compile_launch(launch, capability=90)

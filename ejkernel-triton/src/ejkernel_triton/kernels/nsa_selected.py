@@ -12,10 +12,13 @@ entries already read as 0 (:func:`ejkernel.attention_semantics.finite_or_zero`).
 
 - :func:`nsa_selected_fwd_kernel`: an online softmax in the log2 domain over the blocks, float32
   output and log2-sum-exp (a row that sees no key: zeros and ``EMPTY_LSE``).
-- :func:`nsa_selected_bwd_kernel`: recomputes each block's probabilities from the log2-sum-exp
-  (FlashAttention-2's backward algebra), keeps the group's ``dq`` in registers and adds each
-  block's ``dk``/``dv`` into float32 buffers with atomics (a key row is shared by every query
-  that selected its block).
+- :func:`nsa_selected_bwd_kernel`: ``dq``; recomputes each block's probabilities from the
+  log2-sum-exp (FlashAttention-2's backward algebra) and keeps the group's ``dq`` in registers.
+- :func:`nsa_selected_bwd_dkv_kernel`: ``dk``/``dv``, one program per work item: a run of at
+  most ``P`` (query token, block) pairs that share the block, from the pairs sorted by block
+  (built in JAX); it holds the block's keys and values, walks its queries ``BT`` tokens at a
+  time and adds its sums into float32 buffers once (a block most queries select, the first
+  one say, spreads over several items, each one atomic add).
 """
 
 from __future__ import annotations
@@ -158,8 +161,6 @@ def nsa_selected_bwd_kernel(
     HKV,
     T,
     dq_ptr,
-    dk_ptr,
-    dv_ptr,
     G: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -171,9 +172,7 @@ def nsa_selected_bwd_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(S, B·Hkv)``: from the forward's inputs, ``do [B, S, Hq, Dv]``, its
-    log2-sum-exp and ``delta = Σ do ⊙ o`` ``[B, S, Hq]``, the gradients ``dq [B, S, Hq, D]``
-    (stored) and ``dk [B, S, Hkv, D]``, ``dv [B, S, Hkv, Dv]`` (float32, zeroed by the caller,
-    added into)."""
+    log2-sum-exp and ``delta = Σ do ⊙ o`` ``[B, S, Hq]``, the gradient ``dq [B, S, Hq, D]``."""
     t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = _group_tiles(
         S, HKV, G, D, DV, BG, BD, BDV
     )
@@ -189,17 +188,96 @@ def nsa_selected_bwd_kernel(
         kv_rows = rows * HKV + i_h
         m_k = seen[:, None] & (o_d < D)[None, :]
         m_v = seen[:, None] & (o_dv < DV)[None, :]
-        p_k = kv_rows[:, None] * D + o_d[None, :]
-        p_v = kv_rows[:, None] * DV + o_dv[None, :]
-        b_k = tl.load(k_ptr + p_k, mask=m_k, other=0.0)
-        b_v = tl.load(v_ptr + p_v, mask=m_v, other=0.0)
+        b_k = tl.load(k_ptr + kv_rows[:, None] * D + o_d[None, :], mask=m_k, other=0.0)
+        b_v = tl.load(v_ptr + kv_rows[:, None] * DV + o_dv[None, :], mask=m_v, other=0.0)
         s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.where(seen[None, :], tl.exp2(s - b_lse[:, None]), 0.0)
         dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
         ds = p * (dp - b_delta[:, None])
         b_dq += tl.dot(ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
-        b_dk = tl.dot(tl.trans(ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION) * scale
-        b_dv = tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
-        tl.atomic_add(dk_ptr + p_k, b_dk, mask=m_k)
-        tl.atomic_add(dv_ptr + p_v, b_dv, mask=m_v)
     tl.store(dq_ptr + p_q, (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_q)
+
+
+@triton.jit
+def nsa_selected_bwd_dkv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    tok_ptr,
+    items_ptr,
+    scale,
+    S,
+    HKV,
+    NPAIRS,
+    W,
+    dk_ptr,
+    dv_ptr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BS_TRUE: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BS: tl.constexpr,
+    BT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(W, B·Hkv)``: ``dk [B, S, Hkv, D]`` and ``dv [B, S, Hkv, Dv]`` (float32, zeroed
+    by the caller, added into) from the backward's inputs, the query token of each (query,
+    block) pair in block order ``tok [B, Hkv, NPAIRS]`` and the work items
+    ``[B, Hkv, W, 3]`` (int32): the block's first key row ``r0`` and the item's pairs
+    ``[lo, hi)`` (empty where ``lo = hi``). Pair ``p``'s query at ``t = tok[p]`` sees the
+    block's rows ``r0 + u ≤ t`` (``u < BS_TRUE``)."""
+    w, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    item = items_ptr + (i_bh.to(tl.int64) * W + w) * 3
+    r0, lo, hi = tl.load(item), tl.load(item + 1), tl.load(item + 2)
+    if lo < hi:
+        o_u = tl.arange(0, BS)
+        o_d = tl.arange(0, BD)
+        o_dv = tl.arange(0, BDV)
+        key_rows = r0 + o_u
+        m_u = (o_u < BS_TRUE) & (key_rows < S)
+        kv_rows = (i_b.to(tl.int64) * S + key_rows) * HKV + i_h
+        m_k = m_u[:, None] & (o_d < D)[None, :]
+        m_v = m_u[:, None] & (o_dv < DV)[None, :]
+        p_k = kv_rows[:, None] * D + o_d[None, :]
+        p_v = kv_rows[:, None] * DV + o_dv[None, :]
+        b_k = tl.load(k_ptr + p_k, mask=m_k, other=0.0)
+        b_v = tl.load(v_ptr + p_v, mask=m_v, other=0.0)
+        qk_scale = scale * LOG2E
+        o_r = tl.arange(0, BT * BG)  # rows: BT pairs' BG query heads each
+        head = o_r % BG
+        hq = HKV * G
+        b_dk = tl.zeros([BS, BD], dtype=tl.float32)
+        b_dv = tl.zeros([BS, BDV], dtype=tl.float32)
+        for p0 in range(lo, hi, BT):
+            pair = p0 + o_r // BG
+            ok = (pair < hi) & (head < G)
+            t = tl.load(tok_ptr + i_bh.to(tl.int64) * NPAIRS + pair, mask=ok, other=0)
+            q_rows = (i_b.to(tl.int64) * S + t) * hq + i_h * G + head
+            b_q = tl.load(
+                q_ptr + q_rows[:, None] * D + o_d[None, :],
+                mask=ok[:, None] & (o_d < D)[None, :],
+                other=0.0,
+            )
+            b_do = tl.load(
+                do_ptr + q_rows[:, None] * DV + o_dv[None, :],
+                mask=ok[:, None] & (o_dv < DV)[None, :],
+                other=0.0,
+            )
+            b_lse = tl.load(lse_ptr + q_rows, mask=ok, other=EMPTY_LSE)
+            b_delta = tl.load(delta_ptr + q_rows, mask=ok, other=0.0)
+            seen = ok[:, None] & m_u[None, :] & (key_rows[None, :] <= t[:, None])
+            s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+            p = tl.where(seen, tl.exp2(s - b_lse[:, None]), 0.0)
+            dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+            ds = p * (dp - b_delta[:, None])
+            b_dk += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION)
+            b_dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
+        tl.atomic_add(dk_ptr + p_k, b_dk * scale, mask=m_k)
+        tl.atomic_add(dv_ptr + p_v, b_dv, mask=m_v)

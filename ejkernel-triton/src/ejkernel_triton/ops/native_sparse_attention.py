@@ -132,7 +132,8 @@ def native_sparse_attention_triton(
             block_counts=args.get("block_counts", 16),
             num_blocks=-(-s // bs),
         )
-    o_slc = _selected(q, k, v, _first_slots(idx), start[0], float(scale), bs, cfg)
+    blocks = -(-s // bs) + (0 if cu is None else cu.shape[0] - 1)  # key blocks at the most
+    o_slc = _selected(q, k, v, _first_slots(idx), start[0], float(scale), bs, blocks, cfg)
     f32 = jnp.float32
     out = g_cmp.astype(f32)[..., None] * o_cmp + g_slc.astype(f32)[..., None] * o_slc
     if window > 0 and g_swa is not None:
@@ -217,7 +218,7 @@ def _first_slots(idx: jax.Array) -> jax.Array:
 # -- the selected branch (Triton) -----------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _selected(
     q: jax.Array,
     k: jax.Array,
@@ -226,29 +227,82 @@ def _selected(
     start: jax.Array,
     scale: float,
     bs: int,
+    blocks: int,
     cfg: NativeSparseAttentionConfig,
 ) -> jax.Array:
-    """The selected branch's output ``[B, S, Hq, Dv]`` (float32)."""
-    return _selected_fwd(q, k, v, idx, start, scale, bs, cfg)[0]
+    """The selected branch's output ``[B, S, Hq, Dv]`` (float32); ``blocks`` bounds the key
+    blocks a batch row has (``ceil(S / bs)``, plus one per packed sequence)."""
+    return _selected_fwd(q, k, v, idx, start, scale, bs, blocks, cfg)[0]
 
 
-def _selected_fwd(q, k, v, idx, start, scale, bs, cfg):
+def _selected_fwd(q, k, v, idx, start, scale, bs, blocks, cfg):
     run = _launch.fold_vmap(_forward_kernel(scale, bs, cfg), (BATCH,) * 4 + (OTHER,))
     o, lse = run(q, k, v, idx, start)
     return o, (q, k, v, idx, start, o, lse)
 
 
-def _selected_bwd(scale, bs, cfg, res, d_o):
+def _selected_bwd(scale, bs, blocks, cfg, res, d_o):
     q, k, v, idx, start, o, lse = res
     delta = jnp.sum(d_o * o, axis=-1)
+    d_o = d_o.astype(q.dtype)
     run = _launch.fold_vmap(
         _backward_kernel(scale, bs, cfg), (BATCH,) * 4 + (OTHER,) + (BATCH,) * 3
     )
-    dq, dk, dv = run(q, k, v, idx, start, d_o.astype(q.dtype), lse, delta)
+    (dq,) = run(q, k, v, idx, start, d_o, lse, delta)
+    per_item = _pairs_per_item()
+    tok, items = pairs_by_block(idx, start, bs, blocks, per_item)
+    run = _launch.fold_vmap(_dkv_kernel(scale, bs, cfg), (BATCH,) * 8)
+    dk, dv = run(q, k, v, d_o, lse, delta, tok, items)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _selected.defvjp(_selected_fwd, _selected_bwd)
+
+
+def _pairs_per_item() -> int:
+    """Pairs a ``dk``/``dv`` program walks at the most (few in the interpreter, so that its
+    tests split blocks over several programs)."""
+    return 4 if _launch.interpreting() else 256
+
+
+def pairs_by_block(
+    idx: jax.Array, start: jax.Array, bs: int, blocks: int, per_item: int
+) -> tuple[jax.Array, jax.Array]:
+    """The (query token, block) pairs of a selection sorted by block, and their work items.
+
+    Args:
+        idx: ``[B, S, Hkv, T]`` int32, each block in its first slot (``-1`` elsewhere).
+        start: ``[S]`` int32, each token's sequence start.
+        bs: tokens per block.
+        blocks: the most key blocks a batch row has.
+        per_item: pairs per item at the most.
+
+    Returns:
+        ``tok [B, Hkv, S·T]`` (int32): the query token of each pair, pairs ordered by their
+        block's first key row (a block the query cannot see, one starting after it, is left
+        out: its pairs sort last and no item reads them); ``items [B, Hkv, W, 3]`` (int32): a
+        block's first key row and a run ``[lo, hi)`` of at most ``per_item`` of its pairs, the
+        unused items empty (``lo = hi = 0``), ``W = blocks + ceil(S·T / per_item)``.
+    """
+    b, s, hkv, t = idx.shape
+    tokens = jnp.arange(s, dtype=jnp.int32)
+    live = (idx >= 0) & (idx * bs <= (tokens - start)[None, :, None, None])
+    first_row = jnp.where(live, start[None, :, None, None] + idx * bs, s)
+    key = first_row.transpose(0, 2, 1, 3).reshape(b, hkv, s * t)
+    order = jnp.argsort(key, axis=-1, stable=True)
+    tok = (order // t).astype(jnp.int32)
+    offs = _rows_search(jnp.take_along_axis(key, order, -1), jnp.arange(s + 1), "left")
+    runs = -(-(offs[..., 1:] - offs[..., :-1]) // per_item)  # items of the block at row r
+    ends = jnp.cumsum(runs, axis=-1)
+    w = blocks + -(-s * t // per_item)
+    row = _rows_search(ends, jnp.arange(w), "right")  # s: past the last item
+    used = row < s
+    row = jnp.minimum(row, s - 1)
+    nth = jnp.arange(w) - (jnp.take_along_axis(ends, row, -1) - jnp.take_along_axis(runs, row, -1))
+    lo = jnp.take_along_axis(offs, row, -1) + nth * per_item
+    hi = jnp.minimum(jnp.take_along_axis(offs, row + 1, -1), lo + per_item)
+    items = jnp.stack([row, jnp.where(used, lo, 0), jnp.where(used, hi, 0)], axis=-1)
+    return tok, items.astype(jnp.int32)
 
 
 def _sizes(q: jax.Array, k: jax.Array, v: jax.Array, bs: int) -> dict[str, Any]:
@@ -303,7 +357,6 @@ def _backward_kernel(scale: float, bs: int, cfg: NativeSparseAttentionConfig) ->
 
     def run(q, k, v, idx, start, d_o, lse, delta):
         s, hkv, t = q.shape[1], k.shape[2], idx.shape[-1]
-        f32 = jnp.float32
         return _launch.launch(
             nsa_selected_bwd_kernel,
             q,
@@ -318,16 +371,54 @@ def _backward_kernel(scale: float, bs: int, cfg: NativeSparseAttentionConfig) ->
             s,
             hkv,
             t,
-            out_shape=[
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct(k.shape, f32),
-                jax.ShapeDtypeStruct(v.shape, f32),
-            ],
+            out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
             grid=(s, q.shape[0] * hkv),
-            zeroed_outputs=(1, 2),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **_sizes(q, k, v, bs),
+        )
+
+    return run
+
+
+def _rows_search(sorted_rows: jax.Array, x: jax.Array, side: str) -> jax.Array:
+    """``searchsorted`` of ``x`` in each row of ``sorted_rows [B, Hkv, N]``."""
+    one = lambda a: jnp.searchsorted(a, x.astype(a.dtype), side=side)
+    return jax.vmap(jax.vmap(one))(sorted_rows)
+
+
+def _dkv_kernel(scale: float, bs: int, cfg: NativeSparseAttentionConfig) -> Any:
+    from ejkernel_triton.kernels.nsa_selected import nsa_selected_bwd_dkv_kernel
+
+    def run(q, k, v, d_o, lse, delta, tok, items):
+        b, s, hkv = k.shape[:3]
+        f32 = jnp.float32
+        sizes = _sizes(q, k, v, bs)
+        return _launch.launch(
+            nsa_selected_bwd_dkv_kernel,
+            q,
+            k,
+            v,
+            d_o,
+            lse,
+            delta,
+            tok,
+            items,
+            np.float32(scale),
+            s,
+            hkv,
+            tok.shape[-1],
+            items.shape[2],
+            out_shape=[
+                jax.ShapeDtypeStruct(k.shape, f32),
+                jax.ShapeDtypeStruct(v.shape, f32),
+            ],
+            grid=(items.shape[2], b * hkv),
+            zeroed_outputs=(0, 1),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            BT=max(1, 64 // sizes["BG"]),
+            **sizes,
         )
 
     return run
