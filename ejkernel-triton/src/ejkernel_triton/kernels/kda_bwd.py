@@ -40,11 +40,11 @@ import triton
 import triton.language as tl
 
 from ejkernel_triton.kernels.kda_common import (
+    SUB,
     chunk_flags,
     chunk_inputs,
     chunk_tiles,
     decayed_products_bwd,
-    decayed_products_bwd_channels,
     finite,
     l2_normalise,
     l2_normalise_bwd,
@@ -479,45 +479,90 @@ def kda_bwd_products_kernel(
     BKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(NT, cdiv(K, BKS), B·H)``, a per-channel gate: the decayed products' backward
-    (:func:`~ejkernel_triton.kernels.kda_common.decayed_products_bwd_channels`) on ``BKS`` key
-    channels of a chunk (each channel's decays are its own): the query's part
-    ``[B, T, H, K]`` and the key's and gate's gradients so far, plus the products'
-    (float32)."""
-    i_n, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Grid ``(NT · C / SUB, cdiv(K, BKS), B·H)``, a per-channel gate: the decayed products'
+    VJP for one block of :data:`SUB` rows of a chunk on ``BKS`` key channels (each channel's
+    decays are its own), in :func:`~ejkernel_triton.kernels.kda_fwd.kda_fwd_intra_kernel`'s
+    tiles: the query's part ``[B, T, H, K]`` and the key's and gate's gradients so far plus
+    the products' (float32).
+
+    With ``D(a, b)_tj = Σ_κ a_tκ b_jκ exp(G_tκ − G_jκ)`` (``j ≤ t``), ``P = D(q, k)`` and
+    ``M = D(k, k)``: the block's rows take ``dq_t = Σ_j dP_tj k_j e_tj`` and
+    ``dk_t += Σ_j dM_tj k_j e_tj`` from the columns before them, and as columns
+    ``dk_j += Σ_t (dP_tj q_t + dM_tj k_t) e_tj`` from the rows after them. Against another
+    block the decays factor through the later block's first row (both factors at most 1), on
+    the diagonal block they are taken entry by entry. ``dP_tj`` is at ``dpt[j]·C + t`` (each
+    token's row of ``dPᵀ``), ``dM_tj`` at ``dm + t·C + j`` (the chunk's ``[C, C]``)."""
+    i_ni, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_i = i_ni // (C // SUB), i_ni % (C // SUB)
     i_b, i_h = i_bh // H, i_bh % H
-    o_c = tl.arange(0, C)
-    o_k = tl.arange(0, BKS)
-    m_k = i_k * BKS + o_k < K
+    o_s = tl.arange(0, SUB)
+    o_k = i_k * BKS + tl.arange(0, BKS)
+    m_k = (o_k < K)[None, :]
     first = i_b.to(tl.int64) * NT * C * H + i_h + i_n * C * H  # the chunk's first token
-    rows = first + o_c * H
-    p_k = rows[:, None] * K + i_k * BKS + o_k[None, :]
-    b_qs = tl.load(qs_ptr + p_k, mask=m_k[None, :], other=0.0)
-    b_kn = tl.load(kn_ptr + p_k, mask=m_k[None, :], other=0.0)
-    b_gc = tl.load(gc_ptr + p_k, mask=m_k[None, :], other=0.0)
-    chunk = (i_b.to(tl.int64) * NT + i_n) * H + i_h
-    row0 = first * K + i_k * BKS  # token 0 of the chunk, this block's first channel
-    b_dqs, b_dka, b_dkb = decayed_products_bwd_channels(
-        dpt_ptr + rows * C,
-        H * C,
-        dm_ptr + chunk * C * C,
-        (qs_ptr + row0, kn_ptr + row0, gc_ptr + row0, H * K),
-        b_qs,
-        b_kn,
-        b_gc,
-        o_c,
-        o_k,
-        m_k,
-        C,
-        BKS,
-        DOT_PRECISION,
-    )
-    b_dkn = tl.load(dkn_ptr + p_k, mask=m_k[None, :], other=0.0) + b_dka + b_dkb
-    b_dgc = tl.load(dgc_ptr + p_k, mask=m_k[None, :], other=0.0)
-    b_dgc += b_qs * b_dqs + b_kn * (b_dka - b_dkb)
-    tl.store(dqs_ptr + p_k, b_dqs, mask=m_k[None, :])
-    tl.store(dkn_out_ptr + p_k, b_dkn, mask=m_k[None, :])
-    tl.store(dgc_out_ptr + p_k, b_dgc, mask=m_k[None, :])
+    dm = dm_ptr + ((i_b.to(tl.int64) * NT + i_n) * H + i_h) * C * C
+    t_i = i_i * SUB + o_s  # the block's rows in the chunk
+    rows_i = first + t_i * H
+    p_i = rows_i[:, None] * K + o_k[None, :]
+    b_q = tl.load(qs_ptr + p_i, mask=m_k, other=0.0)
+    b_k = tl.load(kn_ptr + p_i, mask=m_k, other=0.0)
+    b_g = tl.load(gc_ptr + p_i, mask=m_k, other=0.0)
+    # the rows against the earlier blocks' columns, through the block's first row
+    b_gr = tl.load(gc_ptr + (first + i_i * SUB * H) * K + o_k, mask=o_k < K, other=0.0)
+    b_gr = b_gr[None, :]
+    b_dq = tl.zeros([SUB, BKS], dtype=tl.float32)
+    b_dka = tl.zeros([SUB, BKS], dtype=tl.float32)
+    for jb in range(0, i_i):
+        t_j = jb * SUB + o_s
+        p_j = (first + t_j * H)[:, None] * K + o_k[None, :]
+        b_gj = tl.load(gc_ptr + p_j, mask=m_k, other=0.0)
+        b_kb = tl.load(kn_ptr + p_j, mask=m_k, other=0.0) * tl.exp(b_gr - b_gj)
+        b_dp = tl.load(dpt_ptr + (first + t_j * H)[None, :] * C + t_i[:, None])
+        b_dm = tl.load(dm + t_i[:, None] * C + t_j[None, :])
+        b_dq += tl.dot(b_dp, b_kb, input_precision=DOT_PRECISION)
+        b_dka += tl.dot(b_dm, b_kb, input_precision=DOT_PRECISION)
+    b_in = tl.exp(b_g - b_gr)
+    b_dq *= b_in
+    b_dka *= b_in
+    # the diagonal block, one token s of it a step: as a column of the rows t ≥ s, as a row
+    # of the columns j ≤ s
+    b_dkb = tl.zeros([SUB, BKS], dtype=tl.float32)
+    for s in range(0, SUB):
+        row_s = first + (i_i * SUB + s) * H
+        b_ks = tl.load(kn_ptr + row_s * K + o_k, mask=o_k < K, other=0.0)[None, :]
+        b_gs = tl.load(gc_ptr + row_s * K + o_k, mask=o_k < K, other=0.0)[None, :]
+        b_qs = tl.load(qs_ptr + row_s * K + o_k, mask=o_k < K, other=0.0)[None, :]
+        after = o_s >= s
+        b_dpc = tl.load(dpt_ptr + row_s * C + t_i, mask=after, other=0.0)[:, None]
+        b_dmc = tl.load(dm + t_i * C + i_i * SUB + s, mask=after, other=0.0)[:, None]
+        b_e = tl.exp(tl.where(after[:, None], b_g - b_gs, float("-inf")))
+        b_dq += b_dpc * b_ks * b_e
+        b_dka += b_dmc * b_ks * b_e
+        before = o_s <= s
+        b_dpr = tl.load(dpt_ptr + rows_i * C + i_i * SUB + s, mask=before, other=0.0)[:, None]
+        b_dmr = tl.load(dm + (i_i * SUB + s) * C + t_i, mask=before, other=0.0)[:, None]
+        b_e = tl.exp(tl.where(before[:, None], b_gs - b_g, float("-inf")))
+        b_dkb += (b_dpr * b_qs + b_dmr * b_ks) * b_e
+    # the block's columns against the later blocks' rows, through each one's first row
+    for tb in range(i_i + 1, C // SUB):
+        t_t = tb * SUB + o_s
+        rows_t = first + t_t * H
+        p_t = rows_t[:, None] * K + o_k[None, :]
+        b_gt0 = tl.load(gc_ptr + (first + tb * SUB * H) * K + o_k, mask=o_k < K, other=0.0)
+        b_gt0 = b_gt0[None, :]
+        b_et = tl.exp(tl.load(gc_ptr + p_t, mask=m_k, other=0.0) - b_gt0)
+        b_qt = tl.load(qs_ptr + p_t, mask=m_k, other=0.0) * b_et
+        b_kt = tl.load(kn_ptr + p_t, mask=m_k, other=0.0) * b_et
+        b_dpt = tl.load(dpt_ptr + rows_i[:, None] * C + t_t[None, :])
+        b_dmt = tl.load(dm + t_t[None, :] * C + t_i[:, None])
+        b_sum = tl.dot(b_dpt, b_qt, input_precision=DOT_PRECISION)
+        b_sum += tl.dot(b_dmt, b_kt, input_precision=DOT_PRECISION)
+        b_dkb += tl.exp(b_gt0 - b_g) * b_sum
+    b_dkn = tl.load(dkn_ptr + p_i, mask=m_k, other=0.0) + b_dka + b_dkb
+    b_dgc = tl.load(dgc_ptr + p_i, mask=m_k, other=0.0)
+    b_dgc += b_q * b_dq + b_k * (b_dka - b_dkb)
+    tl.store(dqs_ptr + p_i, b_dq, mask=m_k)
+    tl.store(dkn_out_ptr + p_i, b_dkn, mask=m_k)
+    tl.store(dgc_out_ptr + p_i, b_dgc, mask=m_k)
 
 
 @triton.jit

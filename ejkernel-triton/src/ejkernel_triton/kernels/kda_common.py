@@ -1,8 +1,8 @@
 """The chunk algebra of the Triton gated delta rule that its forward and backward kernels share
 (:mod:`ejkernel_triton.kernels.kda_fwd`, :mod:`ejkernel_triton.kernels.kda_bwd`): reading one
 chunk's inputs with the numerics of :mod:`ejkernel_xla.ops._chunk_numerics`, a per-head gate's
-decayed products ``P`` and ``K Kᵀ`` and the VJPs of both gates' products, and the unit
-lower-triangular inverse ``T = (I + A)⁻¹``.
+decayed products ``P`` and ``K Kᵀ`` and their VJP, and the unit lower-triangular inverse
+``T = (I + A)⁻¹``.
 
 A chunk is ``C`` consecutive rows of the ``[B, T, H, F]`` chunk layout; ``rows`` are their
 flat (token, head) indices, ``p_k = rows · K + κ`` the offsets of their ``BK`` key channels.
@@ -166,83 +166,6 @@ def decayed_products_bwd(
     b_dka = tl.dot(b_dm * b_e, b_k, input_precision=DOT_PRECISION)
     b_dkb = tl.dot(b_dpt * b_et, b_q, input_precision=DOT_PRECISION)
     b_dkb += tl.dot(b_dmt * b_et, b_k, input_precision=DOT_PRECISION)
-    return b_dq, b_dka, b_dkb
-
-
-@triton.jit
-def decayed_products_bwd_channels(
-    p_dpt,
-    row_step,
-    dm_slab,
-    rows_at,
-    b_q,
-    b_k,
-    b_gc,
-    o_c,
-    o_k,
-    m_k,
-    C: tl.constexpr,
-    BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """:func:`decayed_products_bwd` for a per-channel gate, on ``BK`` key channels (each
-    channel's decays are its own), in the forward's blocks of :data:`SUB` rows
-    (:func:`~ejkernel_triton.kernels.kda_fwd.kda_fwd_intra_kernel`: below the diagonal blocks
-    factored through each row block's first row, on them entry by entry).
-
-    ``dP_tj`` is at ``p_dpt[j] + t`` (the row of token ``s`` at ``p_dpt[t] + (s − t)·row_step``),
-    ``dM_tj`` at ``dm_slab + t·C + j``: below the diagonal blocks they are read by parts, on
-    them one column at a time, each a gather of ``C`` entries. ``rows_at = (q, k, G, step)``:
-    row ``t`` of ``b_q``, ``b_k`` and ``b_gc`` (these channels, ``m_k`` masks them) is also in
-    memory at ``q + t·step`` (likewise ``k``, ``G``); the diagonal blocks read rows there."""
-    q_at, k_at, g_at, step = rows_at
-    o_cc = o_c[:, None] * C + o_c[None, :]
-    o_tr = o_c[None, :] * C + o_c[:, None]
-    blk = o_c // SUB
-    b_dq = tl.zeros([C, BK], dtype=tl.float32)
-    b_dka = tl.zeros([C, BK], dtype=tl.float32)
-    b_dkb = tl.zeros([C, BK], dtype=tl.float32)
-    for r in range(1, C // SUB):
-        ref = r * SUB
-        b_gr = tl.load(g_at + ref * step + o_k, mask=m_k, other=0.0)[None, :]
-        in_r = blk == r
-        before = o_c < ref
-        b_in = tl.exp(tl.where(in_r[:, None], b_gc - b_gr, float("-inf")))
-        b_out = tl.exp(tl.where(before[:, None], b_gr - b_gc, float("-inf")))
-        # rows of block r against the columns before it, and the transpose
-        m_rj = in_r[:, None] & before[None, :]
-        m_jr = before[:, None] & in_r[None, :]
-        b_kb = b_k * b_out
-        b_dp = tl.load(p_dpt[None, :] + o_c[:, None], mask=m_rj, other=0.0)
-        b_dm = tl.load(dm_slab + o_cc, mask=m_rj, other=0.0)
-        b_dq += b_in * tl.dot(b_dp, b_kb, input_precision=DOT_PRECISION)
-        b_dka += b_in * tl.dot(b_dm, b_kb, input_precision=DOT_PRECISION)
-        b_dpt = tl.load(p_dpt[:, None] + o_c[None, :], mask=m_jr, other=0.0)
-        b_dmt = tl.load(dm_slab + o_tr, mask=m_jr, other=0.0)
-        b_sum = tl.dot(b_dpt, b_q * b_in, input_precision=DOT_PRECISION)
-        b_sum += tl.dot(b_dmt, b_k * b_in, input_precision=DOT_PRECISION)
-        b_dkb += b_out * b_sum
-    first = blk * SUB
-    at = o_k[None, :]
-    for jj in range(0, SUB):
-        src = first + jj
-        row = (src * step)[:, None] + at
-        b_gj = tl.load(g_at + row, mask=m_k[None, :], other=0.0)
-        b_kj = tl.load(k_at + row, mask=m_k[None, :], other=0.0)
-        # row t against column j = src(t) ≤ t
-        seen = src <= o_c
-        b_ke = b_kj * tl.exp(tl.where(seen[:, None], b_gc - b_gj, float("-inf")))
-        b_dpc = tl.load(p_dpt + (src - o_c) * row_step + o_c, mask=seen, other=0.0)
-        b_dmc = tl.load(dm_slab + o_c * C + src, mask=seen, other=0.0)
-        b_dq += b_dpc[:, None] * b_ke
-        b_dka += b_dmc[:, None] * b_ke
-        # row j against row t = src(j) ≥ j
-        sees = src >= o_c
-        b_e = tl.exp(tl.where(sees[:, None], b_gj - b_gc, float("-inf")))
-        b_qt = tl.load(q_at + row, mask=m_k[None, :], other=0.0)
-        b_dpj = tl.load(p_dpt + src, mask=sees, other=0.0)[:, None]
-        b_dmj = tl.load(dm_slab + src * C + o_c, mask=sees, other=0.0)[:, None]
-        b_dkb += (b_dpj * b_qt + b_dmj * b_kj) * b_e
     return b_dq, b_dka, b_dkb
 
 

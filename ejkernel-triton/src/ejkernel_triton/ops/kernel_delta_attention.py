@@ -61,8 +61,10 @@ __all__ = [
 GATE_FLOOR = 110.0
 
 _CHUNKS = (16, 32, 64)
-#: Key channels a program of a per-channel gate's products backward takes.
+#: Key channels a program of a per-channel gate's decayed products (forward and VJP) takes.
 _PRODUCT_CHANNELS = 32
+#: Warps of a program on one ``[16, _PRODUCT_CHANNELS]`` tile of the decayed products.
+_TILE_WARPS = 2
 _MAX_DIM = 256
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _ARRAY_NAMES = ("query", "key", "value", "beta", "g", "initial_state", "cu_seqlens")
@@ -439,7 +441,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         C=c,
         BKS=min(_PRODUCT_CHANNELS, st.block_k),
         DOT_PRECISION=st.precision,
-        num_warps=1 if _launch.interpreting() else 2,
+        num_warps=_TILE_WARPS,
         num_stages=1,
     )
     qg, kg, w, u, decay, tt = _launch.launch(
@@ -689,12 +691,13 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             nt,
             h,
             out_shape=[f32((b, t, h, dk)) for _ in range(3)],
-            grid=(nt, kb, b * h),
+            grid=(nt * (c // 16), kb, b * h),
             K=dk,
             C=c,
             BKS=bks,
             num_stages=1,
-            **common,
+            num_warps=_TILE_WARPS,
+            DOT_PRECISION=st.precision,
         )
         d_q, d_k, d_g = _launch.launch(
             kda_bwd_chunk_out_kernel,
