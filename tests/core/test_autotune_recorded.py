@@ -435,6 +435,25 @@ def test_a_workers_executable_that_disagrees_is_judged_by_this_process_compile(
     assert "2 recompiled here" in text
 
 
+def test_a_candidate_that_runs_long_is_named_and_each_time_logged_on_request(
+    toy, monkeypatch, caplog
+):
+    timed = _batch_tune.time_candidate
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(_batch_tune, "time_candidate", slow)
+    monkeypatch.setattr(_batch_tune, "STUCK_AFTER_S", 0.05)
+    monkeypatch.setenv("EJKERNEL_LOG_AUTOTUNE", "1")
+    text = phase_lines(
+        caplog, monkeypatch, lambda: autotune_recorded([record()], max_workers=2, apply=False)
+    )
+    assert text.count("still running after") >= 3  # each candidate once (caplog may repeat)
+    assert text.count(" ms\n") >= 3 and "flash_attention/toy {" in text
+
+
 def test_duplicates_are_tuned_once_and_none_means_every_recorded_invocation(toy, monkeypatch):
     from ejkernel import _recording
 

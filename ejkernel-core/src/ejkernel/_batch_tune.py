@@ -19,17 +19,20 @@ aborts the batch.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import pickle
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import jax
 import numpy as np
 
+from ejkernel import _env
 from ejkernel._autotune import _agrees, on_device, progress_logger, time_candidate
 from ejkernel._chain import _dedupe
 from ejkernel._compile_workers import WorkerPool, WorkerUnavailable
@@ -392,29 +395,52 @@ def _time_target(
     for i in sorted(t.compiled):
         compiled = t.compiled.pop(i)[0]  # released once timed
         label = stable_json(t.configs[i])
-        try:
+        with _reported_if_stuck(f"{t.op}/{t.platform} candidate {label}"):
             try:
-                out = _run_checked(compiled, feed, baseline)
-            except Exception:
-                if i not in t.from_worker:
-                    raise
-                # a worker's executable that fails or disagrees: judge the candidate by the
-                # executable this process compiles
-                t.recompiled += 1
-                compiled = t.compile_here(i)[0]
-                out = _run_checked(compiled, feed, baseline)
-        except Exception as err:
-            stage = "wrong result" if isinstance(err, _WrongResult) else "run"
-            _fail(failures, t, label, stage, err)
-            continue
-        if baseline is None:
-            baseline = out
-        del out
-        try:
-            timings[i] = time_candidate(compiled, *feed, num_iters=num_iters, num_warmup=num_warmup)
-        except Exception as err:
-            _fail(failures, t, label, "run", err)
+                try:
+                    out = _run_checked(compiled, feed, baseline)
+                except Exception:
+                    if i not in t.from_worker:
+                        raise
+                    # a worker's executable that fails or disagrees: judge the candidate by
+                    # the executable this process compiles
+                    t.recompiled += 1
+                    compiled = t.compile_here(i)[0]
+                    out = _run_checked(compiled, feed, baseline)
+            except Exception as err:
+                stage = "wrong result" if isinstance(err, _WrongResult) else "run"
+                _fail(failures, t, label, stage, err)
+                continue
+            if baseline is None:
+                baseline = out
+            del out
+            try:
+                ms = time_candidate(compiled, *feed, num_iters=num_iters, num_warmup=num_warmup)
+            except Exception as err:
+                _fail(failures, t, label, "run", err)
+                continue
+        timings[i] = ms
+        if _env.log_autotune():
+            progress_logger.info("autotune_recorded: %s/%s %s %.3f ms", t.op, t.platform, label, ms)
     return timings
+
+
+@contextlib.contextmanager
+def _reported_if_stuck(what: str) -> Iterator[None]:
+    """Log a warning if the block runs past :data:`STUCK_AFTER_S` (a kernel that hangs on the
+    device cannot be stopped from here; the log names it)."""
+    message = "autotune_recorded: %s still running after %.0f s"
+    watch = threading.Timer(STUCK_AFTER_S, progress_logger.warning, (message, what, STUCK_AFTER_S))
+    watch.daemon = True
+    watch.start()
+    try:
+        yield
+    finally:
+        watch.cancel()
+
+
+#: Seconds after which a candidate's run or timing is reported as stuck.
+STUCK_AFTER_S = 60.0
 
 
 class _WrongResult(ValueError):
