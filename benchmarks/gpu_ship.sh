@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Shipped tables for the lent GPU, in one call: installs .whl (our wheels + jax-triton, cattrs, tqdm),
 # tunes the records of benchmarks/shipped_shapes.py (RECORDS: "fa" the forward flash-attention
-# records on triton, pallas and cuda; "decode" the decode records on triton, cuda and xla; default
-# both), merges each result into the installed plugins' tables for this device kind (ejkernel cache
+# records on triton, pallas and cuda, "fa_grad" the differentiated ones, "decode" the decode
+# records on triton, cuda and xla; default "fa decode"; EJKERNEL_LOG_AUTOTUNE=1 logs each
+# candidate), merges each result into the installed plugins' tables for this device kind (ejkernel cache
 # ship: the table as it was, then the new entries, which win on the same key; copies land in $OUT as
 # <platform>-$SLUG.json, to commit into ejkernel-<platform>/src/ejkernel_<platform>/shipped/), then
 # runs benchmarks/bench_shipped.py per main shape in a fresh process (BENCH=0 skips it). SLUG: h100
@@ -15,14 +16,17 @@ kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$kind
 python3 benchmarks/shipped_shapes.py --out /tmp/shapes >/dev/null
 python3 - <<'PY'
 import json; d=json.load(open('/tmp/shapes/flash_attention.json'))
-d['invocations']=[r for r in d['invocations'] if not r['grad']]
-json.dump(d, open('/tmp/shapes/fa.json','w'))
+runs = d['invocations']
+for name, grad in (('fa', False), ('fa_grad', True)):
+    d['invocations'] = [r for r in runs if r['grad'] == grad]
+    json.dump(d, open(f'/tmp/shapes/{name}.json', 'w'))
 PY
 for records in ${RECORDS:-fa decode}; do
-  case $records in fa) platforms=triton,pallas,cuda ;; decode) platforms=triton,cuda,xla ;; esac
+  case $records in fa*) platforms=triton,pallas,cuda ;; decode) platforms=triton,cuda,xla ;; esac
   EJKERNEL_CACHE_DIR=$(mktemp -d) EJKERNEL_SHIPPED=0 timeout ${T:-300} python3 -m ejkernel tune \
     --shapes /tmp/shapes/$records.json --platforms $platforms --out "$OUT/$records-$slug.json" \
-    --max-workers 12 2>&1 | grep -v "cuda_timer\|_report\|AutotuneWarning" | cut -c1-220 | tail -16
+    --max-workers 12 2>&1 | grep -v "cuda_timer\|_report\|AutotuneWarning" \
+    | tee "$OUT/tune-$records-$slug.log" | cut -c1-220 | tail -16
   for p in triton pallas cuda xla; do
     table=/tmp/site/ejkernel_$p/shipped/$slug.json; keep=$p; [ $p = xla ] && keep=xla,choice
     old=(); [ -f "$table" ] && { cp "$table" /tmp/old-$p.json; old=(/tmp/old-$p.json); }
