@@ -519,6 +519,16 @@ def _work_items(seqs: Sequences, tokens: int, st: Statics) -> _Items:
     )
 
 
+def _typed_zero(*arrays: jax.Array) -> jax.Array:
+    """A float32 0 that varies over every ``shard_map`` axis one of ``arrays`` varies over: the
+    sum of an empty slice of each, so none of their values (a NaN included) reaches it. Added
+    to a loop's initial carry, it gives the carry the typing the body's results have."""
+    zero = jnp.float32(0.0)
+    for a in arrays:
+        zero = zero + jnp.sum(a.reshape(-1)[:0].astype(jnp.float32))
+    return zero
+
+
 def _search(sorted_ends: jax.Array, x: jax.Array) -> jax.Array:
     """Index of the first entry of ``sorted_ends`` greater than each ``x`` (int32).
 
@@ -551,9 +561,9 @@ def attend(
     pair_ends = jnp.cumsum(items.blocks)
     total = pair_ends[-1]
     rows = jnp.arange(bq, dtype=jnp.int32)
-    probe_k, probe_v, _ = jax.eval_shape(
-        fetch, jnp.zeros((w,), jnp.int32), jnp.zeros((w,), jnp.int32)
-    )
+    # one real fetch (w blocks): its arrays carry the caches' shard_map typing, which the loop's
+    # carry must start with
+    probe_k, probe_v, _ = fetch(jnp.zeros((w,), jnp.int32), jnp.zeros((w,), jnp.int32))
     hkv, dv = probe_k.shape[2], probe_v.shape[3]
     group = hq // hkv
     slopes = None
@@ -630,10 +640,11 @@ def attend(
         return m, denom, acc
 
     stats = (n, hkv, bq, group)
+    zero = _typed_zero(queries, probe_k, probe_v, *jax.tree_util.tree_leaves(seqs))
     init = (
-        jnp.full(stats, MASK_VALUE, jnp.float32),
-        jnp.zeros(stats, jnp.float32),
-        jnp.zeros((*stats, dv), jnp.float32),
+        jnp.full(stats, MASK_VALUE, jnp.float32) + zero,
+        jnp.zeros(stats, jnp.float32) + zero,
+        jnp.zeros((*stats, dv), jnp.float32) + zero,
     )
     steps = (total + w - 1) // w
     m, denom, acc = lax.fori_loop(0, steps, step, init)
