@@ -348,6 +348,51 @@ def decode(iters: int, repeats: int) -> None:
         print(f"| {t} | " + " | ".join(f"{c:.4f}" for c in cells) + f" | {err:.1e} |", flush=True)
 
 
+def decode_kda(iters: int, repeats: int) -> None:
+    """KDA decoding: the fused recurrent kernel against the chunked kernels, and the state's
+    read and write rate (``B·H·K·V`` float32 each way)."""
+    import attrs
+
+    from ejkernel_triton.ops.kernel_delta_attention import KernelDeltaAttentionConfig
+
+    b, h, d = 64, 16, 128
+    print(f"\n### kda decoding: B {b}, H {h}, K = V = {d}, bf16 ({jax.devices()[0].device_kind})")
+    print(
+        "| T | chunked ms | fused bv16 | fused bv32 | fused bv64 | XLA ms | state GB/s | rel err |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for t in (1, 4, 16):
+        x = {
+            **_qkv(t, b, h, d),
+            "beta": jax.nn.sigmoid(_normal(5, (b, t, h))),
+            "g": _gate(3, (b, t, h, d)),
+        }
+        state = _normal(7, (b, h, d, d), jnp.float32)
+        chunked = KernelDeltaAttentionConfig(chunk_size=16, block_v=32, num_warps=4)
+
+        def run(cfg: Any, platform: str = "triton") -> Any:
+            def f(q, k, v, beta, g, s):
+                return ejkernel.kernel_delta_attention(
+                    q, k, v, beta, g, initial_state=s, return_state=True, cfg=cfg,
+                    platform=platform,
+                )  # fmt: skip
+
+            return jax.jit(f)
+
+        args = (*x.values(), state)
+        cells = [timed(run(chunked), *args, iters=iters, repeats=repeats, warm_s=0.3)]
+        for bv in (16, 32, 64):
+            cfg = attrs.evolve(chunked, fused=True, block_v=bv)
+            cells.append(timed(run(cfg), *args, iters=iters, repeats=repeats, warm_s=0.3))
+        cells.append(timed(run(None, "xla"), *args, iters=iters, repeats=repeats, warm_s=0.3))
+        rate = 2 * b * h * d * d * 4 / (min(cells[1:4]) * 1e-3) / 1e9
+        got = run(attrs.evolve(chunked, fused=True, block_v=16))(*args)
+        want = run(chunked)(*args)
+        err = max(rel(a, e) for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+        cols = " | ".join(f"{c:.4f}" for c in cells)
+        print(f"| {t} | {cols} | {rate:.0f} | {err:.1e} |", flush=True)
+
+
 #: The Triton op module of the ops ``--configs`` sweeps.
 SWEEPS = {"gla": "gla", "kda": "kernel_delta_attention", "gdn": "kernel_delta_attention"}
 
@@ -407,7 +452,9 @@ def main() -> None:
         default="yes",
         help="time the torch anchors too, not at all, or alone (a process without jax-triton)",
     )
-    parser.add_argument("--decode", action="store_true", help="fused against chunked, T ≤ 16")
+    parser.add_argument(
+        "--decode", action="store_true", help="fused against chunked, T ≤ 16 (gla, kda)"
+    )
     parser.add_argument(
         "--configs", action="store_true", help="every Triton config of the ops (gla, kda, gdn)"
     )
@@ -425,6 +472,7 @@ def main() -> None:
         return
     if a.decode:
         decode(a.iters, a.repeats)
+        decode_kda(a.iters, a.repeats)
         return
     for op in a.op or list(CASES):
         bench(op, a.seq, a.iters, a.repeats, a.anchors)

@@ -39,6 +39,8 @@ from ejkernel_triton.ops.kernel_delta_attention import (
 C16 = KernelDeltaAttentionConfig(chunk_size=16, block_v=16)
 C32 = KernelDeltaAttentionConfig(chunk_size=32, block_v=32)
 C64 = KernelDeltaAttentionConfig(chunk_size=64, block_v=32)
+#: the fused recurrent kernel (decoding), two value blocks of 16
+FUSED = KernelDeltaAttentionConfig(block_v=16, fused=True)
 SHAPE = (2, 37, 2, 16, 32)
 GPU_SHAPE = (2, 8192, 16, 128, 128)
 
@@ -192,6 +194,46 @@ def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
     assert_close(end, final, name="final")
 
 
+# -- the fused recurrent kernel (decoding) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2", "no-l2"])
+def test_fused_decoding_with_a_carried_state_matches_the_reference(interpret, vector, l2norm):
+    """A few tokens (odd K, two value blocks), from a carried state, both gate forms."""
+    arrays = inputs(3, 5, 2, 20, 32, vector=vector)
+    arrays["initial_state"] = normal(jax.random.PRNGKey(8), (3, 2, 20, 32), jnp.float32)
+    check(arrays, FUSED, use_qk_l2norm=l2norm, softmax_scale=0.3, return_state=True)
+
+
+def test_fused_packed_sequences_resets_and_non_finite_inputs(interpret) -> None:
+    """Packed sequences of 2, 0, 1 and 4 tokens (tokens past the last in none), a −inf gate
+    entry, and NaN in a query, a key and a value: each stays in its causal future."""
+    arrays = inputs(1, 9, 2, 16, 16)
+    cu = jnp.array([0, 2, 2, 3, 7], jnp.int32)
+    arrays["initial_state"] = normal(jax.random.PRNGKey(4), (4, 2, 16, 16), jnp.float32)
+    arrays["g"] = arrays["g"].at[0, 4, 0, :5].set(-jnp.inf)
+    arrays["query"] = arrays["query"].at[0, 0, 1, 3].set(jnp.nan)
+    arrays["key"] = arrays["key"].at[0, 5, 0, 2].set(jnp.nan)
+    arrays["value"] = arrays["value"].at[0, 1, 1, 7].set(jnp.nan)
+    ours, final = triton_kda(FUSED)(**arrays, cu_seqlens=cu, return_state=True)
+    want, state = reference(**arrays, cu_seqlens=cu, return_state=True)
+    for got, exp, name in ((ours, want, "out"), (final, state, "final")):
+        assert jnp.array_equal(jnp.isnan(got), jnp.isnan(exp)), name
+        assert_close(got, exp, name=name)
+    assert not jnp.any(ours[:, 7:])
+
+
+def test_decoding_calls_take_the_fused_kernel_and_a_gradient_the_chunked_ones(interpret):
+    """The heuristic picks the fused kernel for a few tokens; differentiating such a call runs
+    the chunked forward and backward, and the gradients match the reference's."""
+    arrays = inputs(2, 3, 2, 16, 16)
+    inv = types.SimpleNamespace(kwargs=arrays)
+    assert heuristic(inv).fused
+    assert not heuristic(types.SimpleNamespace(kwargs=inputs(1, 17, 2, 16, 16))).fused
+    check(arrays, None, grads=True, return_state=True)
+
+
 @pytest.mark.parametrize(
     ("cfg", "vector", "l2norm"),
     [(C16, True, True), (C32, True, False), (C16, False, False), (C32, False, True)],
@@ -314,6 +356,14 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
         "kda_bwd_products_kernel",
         "kda_bwd_chunk_out_kernel",
     ]
+    decode = inputs(4, 1, 2, 128, 128, dtype=jnp.bfloat16)
+    fused = heuristic(types.SimpleNamespace(kwargs=decode))
+    assert fused.fused and fused.block_v == 16
+    with _codegen.recorded_launches() as decoding:
+        kda.kernel_delta_attention_triton(cfg=fused, **decode)
+    (launch,) = decoding
+    assert launch.kernel.fn.__name__ == "kda_fused_fwd_kernel"
+    assert _codegen.compile_launch(launch, capability=90).shared <= 232448
     for launch in record:
         compiled = _codegen.compile_launch(launch, capability=90)
         mix = _codegen.instruction_mix(compiled.ptx)

@@ -7,13 +7,18 @@ cumulative log gate from the chunk start and ``S`` the float32 state at the chun
 ``W = T diag(β) (K ⊙ exp(G))``, ``U = T diag(β) V``; then ``V' = U − W S``,
 ``o = (q ⊙ exp(G)) S + P V'`` with ``P_tj = Σ_κ q_tκ k_jκ exp(G_tκ − G_jκ)`` (``j ≤ t``), and
 ``S ← diag(exp(G_C)) S + (K ⊙ exp(G_C − G))ᵀ V'``. The kernels are
-:mod:`ejkernel_triton.kernels.kda_fwd` (one state-independent kernel per chunk, which also
-fuses the L2 norm of q and k; one sequential kernel per state block that carries only the
-state; one output kernel per chunk, which reads each chunk's starting state from memory:
+:mod:`ejkernel_triton.kernels.kda_fwd` (the state-independent work per chunk, which also fuses
+the L2 norm of q and k: one kernel for a per-head gate, three for a per-channel gate, whose
+decayed products run in ``[16, 16]`` tiles; one sequential kernel per state block that carries
+only the state; one output kernel per chunk, which reads each chunk's starting state from memory:
 ``[B, H, T / C, K, V]`` in the input dtype, ``K V / C`` entries a token and head, twice the
 query's size at K = V = 128, C = 64); the layout (padding to
 whole chunks; packed sequences chunk-aligned, so ``cu_seqlens`` may be traced) is gla's,
 :mod:`ejkernel_triton.ops.gla_layout`.
+
+An undifferentiated call with a ``fused`` config (the heuristic's for a few tokens, decoding)
+runs :mod:`ejkernel_triton.kernels.kda_fused` instead: the recurrence token by token with the
+state in registers.
 
 Every OPS.md argument is served: both gate forms, ``use_qk_l2norm``, ``beta``,
 ``softmax_scale``, ``initial_state``, ``return_state``, ``cu_seqlens`` (empty and length-1
@@ -61,6 +66,11 @@ __all__ = [
 GATE_FLOOR = 110.0
 
 _CHUNKS = (16, 32, 64)
+#: The longest call (tokens per row, or in all when packed) the heuristic gives the fused
+#: recurrent kernel in the interpreter, and on a GPU (where the chunked forward is five
+#: launches over at least one padded chunk of 16).
+FUSED_MAX_TOKENS = 16
+FUSED_GPU_MAX_TOKENS = 16
 #: Key channels a program of a per-channel gate's decayed products (forward and VJP) takes.
 _PRODUCT_CHANNELS = 32
 #: Warps of a program on one ``[16, _PRODUCT_CHANNELS]`` tile of the decayed products.
@@ -92,12 +102,16 @@ class KernelDeltaAttentionConfig:
             float32; a power of two ≥ 16, clamped to V rounded up to one).
         num_warps: warps per program.
         num_stages: software-pipelining stages.
+        fused: run an undifferentiated call through the fused recurrent kernel (one token at
+            a time, :mod:`ejkernel_triton.kernels.kda_fused`; for decoding a few tokens), with
+            ``block_v`` its value block; a differentiated call always runs the chunked kernels.
     """
 
     chunk_size: int = attrs.field(default=32, validator=attrs.validators.in_(_CHUNKS))
     block_v: int = attrs.field(default=64, validator=_power_of_two)
     num_warps: int = 4
     num_stages: int = 1
+    fused: bool = False
 
 
 def supports(inv: Any) -> bool | str:
@@ -136,13 +150,21 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     """Chunks of 64 with 32-wide V blocks and 8 warps (the backward's reverse walk has
     ``T / C`` sequential steps, so longer chunks pay off most there), shorter chunks for short
     packed sequences or where shared memory is too small; in the interpreter (whose cost is
-    per program and per loop step) chunks of 16 and whole-V blocks."""
+    per program and per loop step) chunks of 16 and whole-V blocks. Decoding calls (at most
+    :data:`FUSED_GPU_MAX_TOKENS` tokens on a GPU, :data:`FUSED_MAX_TOKENS` in the
+    interpreter) take the fused recurrent kernel, with 16-wide value blocks on a GPU."""
     a = inv.kwargs
     s, dk, dv = a["query"].shape[1], a["query"].shape[-1], a["value"].shape[-1]
     cu = a.get("cu_seqlens")
     length = s if cu is None else s / max(1, cu.shape[0] - 1)  # mean packed length
     if _launch.interpreting():
-        return KernelDeltaAttentionConfig(chunk_size=16, block_v=_pow2(dv))
+        return KernelDeltaAttentionConfig(
+            chunk_size=16, block_v=_pow2(dv), fused=s <= FUSED_MAX_TOKENS
+        )
+    if s <= FUSED_GPU_MAX_TOKENS:
+        return KernelDeltaAttentionConfig(
+            chunk_size=16, block_v=min(16, _pow2(dv)), num_warps=4, fused=True
+        )
     limit = _smem.launch_limit()
     for chunk in (64, 32, 16):
         cfg = KernelDeltaAttentionConfig(
@@ -160,6 +182,8 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
     if _launch.interpreting():
         return [base]
     dk, dv = inv.kwargs["query"].shape[-1], inv.kwargs["value"].shape[-1]
+    if base.fused:  # decoding: the fused kernel's value blocks
+        return [attrs.evolve(base, block_v=min(bv, _pow2(dv))) for bv in (16, 32, 64)]
     limit = _smem.launch_limit()
     out = [base]
     for chunk in _CHUNKS:
@@ -191,6 +215,10 @@ def kernel_delta_attention_triton(
         ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
         when ``return_state``.
     """
+    if cfg is None:
+        cfg = heuristic(_Inv(args))
+    if cfg.fused:
+        return _fused(args, cfg)
     st = _Statics.of(args, cfg)
     out, final, _ = _forward({n: args.get(n) for n in _ARRAY_NAMES}, st)
     return (out, final) if st.return_state else out
@@ -263,6 +291,79 @@ class _Statics:
 @attrs.frozen
 class _Inv:
     kwargs: dict[str, Any]
+
+
+# -- the fused recurrent forward (decoding) ------------------------------------------------
+
+
+def _fused(args: dict[str, Any], cfg: KernelDeltaAttentionConfig) -> Any:
+    """The call's forward through :mod:`ejkernel_triton.kernels.kda_fused`."""
+    q, v, init, cu = args["query"], args["value"], args.get("initial_state"), args.get("cu_seqlens")
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    n = b if cu is None else cu.shape[0] - 1
+    init = jnp.zeros((n, h, dk, dv), jnp.float32) if init is None else init.astype(jnp.float32)
+    g = args["g"] if args["g"].ndim == 4 else args["g"][..., None]
+    scale = args.get("softmax_scale")
+    out, final = _fused_run(
+        q,
+        args["key"],
+        v,
+        args["beta"],
+        g,
+        init,
+        jnp.zeros((2,), jnp.int32) if cu is None else cu.astype(jnp.int32),
+        scale=float(dk**-0.5 if scale is None else scale),
+        l2norm=bool(args.get("use_qk_l2norm", True)),
+        block_v=min(cfg.block_v, _pow2(dv)),
+        num_warps=cfg.num_warps,
+        packed=cu is not None,
+    )
+    return (out, final) if args.get("return_state") else out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "l2norm", "block_v", "num_warps", "packed"))
+def _fused_run(q, k, v, beta, g, init, cu, *, scale, l2norm, block_v, num_warps, packed):
+    """One launch (vmappable: dense calls fold a mapped axis into the batch)."""
+    from ejkernel_triton.kernels.kda_fused import kda_fused_fwd_kernel
+
+    def run(q, k, v, beta, g, init, cu):
+        b, s, h, dk = q.shape
+        dv = v.shape[-1]
+        return tuple(
+            _launch.launch(
+                kda_fused_fwd_kernel,
+                q,
+                k,
+                v,
+                beta,
+                g,
+                init,
+                cu,
+                np.float32(scale),
+                s,
+                h,
+                out_shape=[
+                    jax.ShapeDtypeStruct((b, s, h, dv), q.dtype),
+                    jax.ShapeDtypeStruct(init.shape, jnp.float32),
+                ],
+                grid=(-(-dv // block_v), init.shape[0], h),
+                zeroed_outputs=(0,) if packed else (),
+                K=dk,
+                V=dv,
+                GK=g.shape[-1],
+                BK=_pow2(dk),
+                BV=block_v,
+                L2NORM=l2norm,
+                GATE_FLOOR=GATE_FLOOR,
+                PACKED=packed,
+                num_warps=num_warps,
+                num_stages=1,
+            )
+        )
+
+    modes = (OTHER,) * 7 if packed else (BATCH,) * 6 + (OTHER,)
+    return _launch.fold_vmap(run, modes)(q, k, v, beta, g, init, cu)
 
 
 # -- forward --------------------------------------------------------------------------------
