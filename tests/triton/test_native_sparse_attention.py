@@ -158,8 +158,9 @@ def test_supports_declines_what_the_kernels_do_not_hold() -> None:
         return types.SimpleNamespace(kwargs={"query": q, "key": k, "value": k, **kw})
 
     assert supports(inv(8192)) is True
-    assert "GiB" in supports(inv(65536))  # 64 heads × 64k queries × 1024 compressed tokens
-    assert COMPRESSED_BYTES < 4 * 65536 * 64 * 1024
+    assert supports(inv(65536)) is True  # 4 KV heads × 64k queries × 1024 blocks: 1 GiB
+    assert "GiB" in supports(inv(131072))
+    assert COMPRESSED_BYTES < 4 * 131072 * 4 * 2048
     assert "head dims" in supports(inv(64, d=320))
     assert "block_size" in supports(inv(64, block_size=512))
     assert "dtypes" in supports(inv(64, dtype=jnp.float64))
@@ -168,8 +169,8 @@ def test_supports_declines_what_the_kernels_do_not_hold() -> None:
 
 
 def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_path) -> None:
-    """The selected branch's forward and backward (bf16, D 128, 16 heads per KV head, blocks
-    of 64), compiled for sm_90 on any machine."""
+    """The selected and compressed branches' forward and backward (bf16, D 128, 16 heads per KV
+    head, blocks of 64), compiled for sm_90 on any machine."""
     from ejkernel_triton import _codegen
     from ejkernel_triton.ops import native_sparse_attention as nsa
 
@@ -180,13 +181,22 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
     idx = jnp.zeros((1, 128, 2, 4), jnp.int32)
     start = jnp.zeros((128,), jnp.int32)
     cfg = NativeSparseAttentionConfig()
+    kc = jnp.ones((1, 2, 2, 128), jnp.float32)
+    span = jnp.arange(128, dtype=jnp.int32) // 64
     with _codegen.recorded_launches() as record:
         o, res = nsa._selected_fwd(q, k, k, idx, start, 0.1, 64, 2, cfg)
         nsa._selected_bwd(0.1, 64, 2, cfg, res, o)
+        (oc, lse), res = nsa._compressed_fwd(q, kc, kc, jnp.zeros_like(span), span, 0.1)
+        nsa._scores(q, kc, lse, jnp.zeros_like(span), span, 0.1, 2)
+        nsa._compressed_bwd(0.1, res, (oc, lse))
     assert [launch.kernel.fn.__name__ for launch in record] == [
         "nsa_selected_fwd_kernel",
         "nsa_selected_bwd_kernel",
         "nsa_selected_bwd_dkv_kernel",
+        "nsa_compressed_fwd_kernel",
+        "nsa_compressed_scores_kernel",
+        "nsa_compressed_bwd_dq_kernel",
+        "nsa_compressed_bwd_dkv_kernel",
     ]
     for launch in record:
         compiled = _codegen.compile_launch(launch, capability=90)

@@ -2,14 +2,16 @@
 and ``supports``.
 
 NSA (semantics: :mod:`ejkernel.specs.native_sparse_attention`) in three parts, differentiated
-by JAX around one custom VJP:
+by JAX around custom VJPs:
 
-- the compressed branch and the selection, in JAX: the complete blocks of every sequence are
-  mean-pooled into at most ``S // bs`` compressed tokens per batch row, every query attends to
-  those of its own sequence that lie wholly in its past (dense ``[B, S, Hq, S // bs]``
-  logits: :func:`supports` declines calls whose logits would pass :data:`COMPRESSED_BYTES`, which
-  the XLA platform serves in query chunks), and without ``block_indices`` the group-mean
-  probabilities choose the blocks (:func:`ejkernel.specs.native_sparse_attention.nsa_select_blocks`);
+- the compressed branch and the selection: the complete blocks of every sequence are
+  mean-pooled into at most ``S // bs`` compressed tokens per batch row (in JAX), every query
+  attends to those of its own sequence that lie wholly in its past, and without
+  ``block_indices`` each visible block's probability averaged over the query's group scores it
+  for the selection (:func:`ejkernel.specs.native_sparse_attention.nsa_select_blocks`): the
+  Triton kernels of :mod:`ejkernel_triton.kernels.nsa_compressed`; :func:`supports` declines
+  calls whose scores ``[B, S, Hkv, ceil(S / bs)]`` would pass :data:`COMPRESSED_BYTES`, which
+  the XLA platform serves in query chunks;
 - the selected branch, the Triton kernels of :mod:`ejkernel_triton.kernels.nsa_selected`
   (a repeated block keeps its first slot only);
 - the sliding-window branch, Triton flash attention (``sliding_window = (W - 1, 0)``, causal,
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ejkernel
-from ejkernel.attention_semantics import finite_or_zero, masked_softmax
+from ejkernel.attention_semantics import finite_or_zero
 from ejkernel.specs.native_sparse_attention import nsa_select_blocks, sequence_layout
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, OTHER
@@ -47,8 +49,7 @@ __all__ = [
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MAX_HEAD_DIM = 256
 _MAX_BLOCK = 256
-#: Bytes the compressed branch's float32 logits may take (they live with their probabilities
-#: and gradients: a few times this at the peak).
+#: Bytes the selection's float32 scores (``[B, S, Hkv, ceil(S / block_size)]``) may take.
 COMPRESSED_BYTES = 1 << 30
 
 
@@ -67,7 +68,7 @@ class NativeSparseAttentionConfig:
 
 def supports(inv: Any) -> bool | str:
     """True, or why not: dtypes other than bf16/f16/f32, head dims over 256, blocks over 256
-    tokens, or compressed logits over :data:`COMPRESSED_BYTES`."""
+    tokens, or selection scores over :data:`COMPRESSED_BYTES`."""
     a = inv.kwargs
     q, k, v = a["query"], a["key"], a["value"]
     if q.dtype not in _DTYPES or len({q.dtype, k.dtype, v.dtype}) != 1:
@@ -77,11 +78,11 @@ def supports(inv: Any) -> bool | str:
     bs = a.get("block_size", 64)
     if bs > _MAX_BLOCK:
         return f"block_size {bs} over {_MAX_BLOCK}"
-    b, s, hq, _ = q.shape
-    logits = 4 * b * s * hq * max(1, s // bs)
-    if logits > COMPRESSED_BYTES:
+    b, s = q.shape[:2]
+    scores = 4 * b * s * k.shape[2] * -(-s // bs)
+    if scores > COMPRESSED_BYTES:
         return (
-            f"the compressed branch's dense logits would take {logits / 2**30:.1f} GiB "
+            f"the selection's scores would take {scores / 2**30:.1f} GiB "
             f"(over {COMPRESSED_BYTES / 2**30:.0f} GiB; the XLA platform chunks them)"
         )
     return True
@@ -153,7 +154,7 @@ def native_sparse_attention_triton(
     return out.astype(q.dtype)
 
 
-# -- the compressed branch and the selection (JAX) ------------------------------------------
+# -- the compressed branch and the selection ------------------------------------------------
 
 
 def _compressed(
@@ -166,44 +167,32 @@ def _compressed(
     bs: int,
     scale: float,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(o_cmp [B, S, Hq, Dv] float32, p [B, S, Hkv, G, NB])``: the compressed branch's output
-    and each query's probabilities of the blocks ``0 .. NB-1`` of its sequence."""
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    group, nb, tc = hq // hkv, -(-s // bs), max(1, s // bs)
+    """``(o_cmp [B, S, Hq, Dv] float32, p [B, S, Hkv, 1, NB])``: the compressed branch's output
+    and each query's probabilities of the blocks ``0 .. NB-1`` of its sequence, averaged over
+    the group's heads (the selection's scores), from the Triton kernels of
+    :mod:`ejkernel_triton.kernels.nsa_compressed`."""
+    s = q.shape[1]
+    nb, tc = -(-s // bs), max(1, s // bs)
     m = jnp.arange(tc, dtype=jnp.int32)
     if cu is None:
-        j_m, c_m, first = jnp.zeros_like(m), m, jnp.zeros((1,), jnp.int32)
-        valid, complete = m < s // bs, jnp.full((1,), s // bs, jnp.int32)
-        row0 = c_m * bs
+        first = jnp.zeros((1,), jnp.int32)
+        row0 = m * bs
     else:
         cu = cu.astype(jnp.int32)
         complete = (cu[1:] - cu[:-1]) // bs  # complete blocks of each sequence
         first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(complete)])
         j_m = jnp.minimum(jnp.searchsorted(first[1:], m, side="right"), complete.shape[0] - 1)
-        c_m = m - first[j_m]
-        valid = m < first[-1]
-        row0 = cu[j_m] + c_m * bs
+        row0 = cu[j_m] + (m - first[j_m]) * bs
     rows = jnp.clip(row0[:, None] + jnp.arange(bs), 0, s - 1)  # [TC, bs]
     f32 = jnp.float32
     k_cmp = jnp.mean(k[:, rows].astype(f32), axis=2)  # [B, TC, Hkv, D]
     v_cmp = jnp.mean(v[:, rows].astype(f32), axis=2)
-    qg = q.astype(f32).reshape(b, s, hkv, group, d)
-    hi = jax.lax.Precision.HIGHEST
-    logits = jnp.einsum("bshgd,bmhd->bshgm", qg, k_cmp, precision=hi) * scale
-    seen = valid & (j_m == seq[..., None]) & ((c_m + 1) * bs - 1 <= pos[..., None])  # [1, S, TC]
-    seen = seen[:, :, None, None, :]
-    p = masked_softmax(logits, seen)
-    o_cmp = jnp.einsum("bshgm,bmhd->bshgd", p, v_cmp, precision=hi).reshape(b, s, hq, -1)
-    # block c of query t's sequence is compressed token first[seq_t] + c, while c is complete
-    c = jnp.arange(nb, dtype=jnp.int32)
-    own = seq if cu is not None else jnp.zeros_like(seq)
-    token = jnp.clip(first[own][..., None] + c, 0, tc - 1)  # [1, S, NB]
-    p_blocks = jnp.take_along_axis(
-        p, jnp.broadcast_to(token[:, :, None, None], (*p.shape[:-1], nb)), -1
-    )
-    p_blocks = jnp.where((c < complete[own][..., None])[:, :, None, None], p_blocks, 0.0)
-    return o_cmp, p_blocks
+    own = seq[0] if cu is not None else jnp.zeros((s,), jnp.int32)
+    lo = first[own].astype(jnp.int32)  # each query's first compressed token
+    cnt = ((pos[0] + 1) // bs).astype(jnp.int32)  # the complete blocks that end by it
+    o_cmp, lse = _compressed_attention(q, k_cmp, v_cmp, lo, cnt, float(scale))
+    scores = _scores(*jax.lax.stop_gradient((q, k_cmp, lse)), lo, cnt, float(scale), nb)
+    return o_cmp, scores[:, :, :, None, :]
 
 
 def _first_slots(idx: jax.Array) -> jax.Array:
@@ -213,6 +202,115 @@ def _first_slots(idx: jax.Array) -> jax.Array:
     earlier = jnp.tril(jnp.ones((t, t), bool), -1)  # [i, j]: j before i
     repeat = jnp.any((idx[..., :, None] == idx[..., None, :]) & earlier, axis=-1)
     return jnp.where(repeat | (idx < 0), -1, idx)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _compressed_attention(
+    q: jax.Array, kc: jax.Array, vc: jax.Array, lo: jax.Array, cnt: jax.Array, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """The compressed branch's output ``[B, S, Hq, Dv]`` and log2-sum-exp ``[B, S, Hq]``
+    (float32; the latter's cotangent is taken as zero: only the selection reads it)."""
+    return _compressed_fwd(q, kc, vc, lo, cnt, scale)[0]
+
+
+def _compressed_fwd(q, kc, vc, lo, cnt, scale):
+    run = _launch.fold_vmap(_compressed_kernel("fwd", scale), (BATCH,) * 3 + (OTHER,) * 2)
+    o, lse = run(q, kc, vc, lo, cnt)
+    return (o, lse), (q, kc, vc, lo, cnt, o, lse)
+
+
+def _compressed_bwd(scale, res, cotangents):
+    q, kc, vc, lo, cnt, o, lse = res
+    d_o = cotangents[0]
+    delta = jnp.sum(d_o * o, axis=-1)
+    modes = (BATCH,) * 3 + (OTHER,) * 2 + (BATCH,) * 3
+    (dq,) = _launch.fold_vmap(_compressed_kernel("dq", scale), modes)(
+        q, kc, vc, lo, cnt, d_o, lse, delta
+    )
+    dkc, dvc = _launch.fold_vmap(_compressed_kernel("dkv", scale), modes)(
+        q, kc, vc, lo, cnt, d_o, lse, delta
+    )
+    return dq.astype(q.dtype), dkc, dvc, None, None
+
+
+_compressed_attention.defvjp(_compressed_fwd, _compressed_bwd)
+
+
+def _scores(q, kc, lse, lo, cnt, scale: float, nb: int) -> jax.Array:
+    """Each query's block probabilities averaged over its group ``[B, S, Hkv, NB]``."""
+    run = _launch.fold_vmap(
+        _compressed_kernel("scores", scale, nb), (BATCH,) * 2 + (OTHER,) * 2 + (BATCH,)
+    )
+    (p,) = run(q, kc, lo, cnt, lse)
+    return p
+
+
+#: Compressed tokens a step of the compressed branch's kernels takes, and query tokens a
+#: ``dkc``/``dvc`` program walks (fewer in the interpreter, so that its tests split them).
+_COMPRESSED_BLOCK = 32
+
+
+def _compressed_kernel(which: str, scale: float, nb: int = 0) -> Any:
+    from ejkernel_triton.kernels import nsa_compressed as kernels
+
+    def sizes(q, kc, vc):
+        pow2 = lambda n: max(16, 1 << (int(n) - 1).bit_length())
+        group, d, dv = q.shape[2] // kc.shape[2], q.shape[-1], vc.shape[-1]
+        return {
+            "G": group,
+            "D": d,
+            "DV": dv,
+            "BG": pow2(group),
+            "BD": pow2(d),
+            "BDV": pow2(dv),
+            "BM": 16 if _launch.interpreting() else _COMPRESSED_BLOCK,
+            "DOT_PRECISION": "ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32",
+        }
+
+    f32 = jnp.float32
+
+    def fwd(q, kc, vc, lo, cnt):
+        b, s, hq, _ = q.shape
+        tc, hkv, dv = kc.shape[1], kc.shape[2], vc.shape[-1]
+        return _launch.launch(
+            kernels.nsa_compressed_fwd_kernel, q, kc, vc, lo, cnt, np.float32(scale), s, tc, hkv,
+            out_shape=[jax.ShapeDtypeStruct((b, s, hq, dv), f32), jax.ShapeDtypeStruct((b, s, hq), f32)],
+            grid=(s, b * hkv), num_warps=4, num_stages=1, **sizes(q, kc, vc),
+        )  # fmt: skip
+
+    def scores(q, kc, lo, cnt, lse):
+        b, s = q.shape[:2]
+        tc, hkv = kc.shape[1], kc.shape[2]
+        return _launch.launch(
+            kernels.nsa_compressed_scores_kernel, q, kc, lo, cnt, lse, np.float32(scale), s, tc,
+            hkv, nb, out_shape=[jax.ShapeDtypeStruct((b, s, hkv, nb), f32)],
+            grid=(s, b * hkv), zeroed_outputs=(0,), num_warps=4, num_stages=1,
+            **sizes(q, kc, kc),
+        )  # fmt: skip
+
+    def dq(q, kc, vc, lo, cnt, d_o, lse, delta):
+        b, s = q.shape[:2]
+        tc, hkv = kc.shape[1], kc.shape[2]
+        return _launch.launch(
+            kernels.nsa_compressed_bwd_dq_kernel, q, kc, vc, lo, cnt, d_o, lse, delta,
+            np.float32(scale), s, tc, hkv, out_shape=[jax.ShapeDtypeStruct(q.shape, f32)],
+            grid=(s, b * hkv), num_warps=4, num_stages=1, **sizes(q, kc, vc),
+        )  # fmt: skip
+
+    def dkv(q, kc, vc, lo, cnt, d_o, lse, delta):
+        b, s = q.shape[:2]
+        tc, hkv = kc.shape[1], kc.shape[2]
+        st = sizes(q, kc, vc)
+        tq = 16 if _launch.interpreting() else 256
+        return _launch.launch(
+            kernels.nsa_compressed_bwd_dkv_kernel, q, kc, vc, lo, cnt, d_o, lse, delta,
+            np.float32(scale), s, tc, hkv,
+            out_shape=[jax.ShapeDtypeStruct(kc.shape, f32), jax.ShapeDtypeStruct(vc.shape, f32)],
+            grid=(-(-tc // st["BM"]), -(-s // tq), b * hkv), zeroed_outputs=(0, 1),
+            num_warps=4, num_stages=1, TQ=tq, BT=max(1, 64 // st["BG"]), **st,
+        )  # fmt: skip
+
+    return {"fwd": fwd, "scores": scores, "dq": dq, "dkv": dkv}[which]
 
 
 # -- the selected branch (Triton) -----------------------------------------------------------

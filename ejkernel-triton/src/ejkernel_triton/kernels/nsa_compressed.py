@@ -1,0 +1,279 @@
+"""Triton native sparse attention, the compressed branch: forward, the selection scores and
+backward (signatures in jax-triton's order: inputs, outputs, constexprs).
+
+The compressed tokens ``kc [B, TC, Hkv, D]``, ``vc [B, TC, Hkv, Dv]`` are the mean-pooled
+complete blocks of every sequence, sequence by sequence (built in JAX). Query token ``t``
+sees the ``cnt[t]`` compressed tokens from ``lo[t]`` on: the complete blocks of its own
+sequence that end at or before it. One program per (query token, batch row, KV head) holds
+the ``G`` query heads of the group as the rows of one tile, as the selected branch's kernels
+(:mod:`ejkernel_triton.kernels.nsa_selected`) do. Everything runs in float32 (the compressed
+tokens are float32 means; the selection's scores come from these probabilities).
+
+- :func:`nsa_compressed_fwd_kernel`: an online softmax in the log2 domain over the visible
+  compressed tokens, ``BM`` at a time: float32 output and log2-sum-exp (a row that sees none:
+  zeros and ``EMPTY_LSE``).
+- :func:`nsa_compressed_scores_kernel`: each visible block's probability, averaged over the
+  group's heads (the selection's score, NSA Sec. 3.3.2), ``[B, S, Hkv, NB]``.
+- :func:`nsa_compressed_bwd_dq_kernel`: ``dq`` from the log2-sum-exp (FlashAttention-2's
+  backward algebra).
+- :func:`nsa_compressed_bwd_dkv_kernel`: ``dkc``, ``dvc``, one program per (``BM`` compressed
+  tokens, ``TQ`` query tokens), walking the queries ``BT`` tokens at a time and adding its sums
+  into float32 buffers once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE, LOG2E, MASK_VALUE
+from ejkernel_triton.kernels.nsa_selected import _group_tiles
+
+
+@triton.jit
+def _compressed_rows(lo_ptr, cnt_ptr, t, m0, i_b, i_h, TC, HKV, BM: tl.constexpr):
+    """The flat ``kc``/``vc`` rows of compressed tokens ``m0 .. m0 + BM`` of query ``t``'s
+    range and which of them it sees."""
+    lo = tl.load(lo_ptr + t)
+    cnt = tl.load(cnt_ptr + t)
+    o_m = m0 + tl.arange(0, BM)
+    seen = o_m < cnt
+    rows = (i_b.to(tl.int64) * TC + lo + tl.where(seen, o_m, 0)) * HKV + i_h
+    return rows, seen, o_m
+
+
+@triton.jit
+def nsa_compressed_fwd_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    lo_ptr,
+    cnt_ptr,
+    scale,
+    S,
+    TC,
+    HKV,
+    o_ptr,
+    lse_ptr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(S, B·Hkv)``: the compressed branch's output ``[B, S, Hq, Dv]`` and
+    log2-sum-exp ``[B, S, Hq]`` (float32)."""
+    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = _group_tiles(
+        S, HKV, G, D, DV, BG, BD, BDV
+    )
+    b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0).to(tl.float32)
+    qk_scale = scale * LOG2E
+    m_i = tl.full([BG], MASK_VALUE, dtype=tl.float32)
+    l_i = tl.zeros([BG], dtype=tl.float32)
+    acc = tl.zeros([BG, BDV], dtype=tl.float32)
+    cnt = tl.load(cnt_ptr + t)
+    for m0 in range(0, cnt, BM):
+        rows, seen, _ = _compressed_rows(lo_ptr, cnt_ptr, t, m0, i_b, i_h, TC, HKV, BM)
+        b_k = tl.load(
+            kc_ptr + rows[:, None] * D + o_d[None, :],
+            mask=seen[:, None] & (o_d < D)[None, :],
+            other=0.0,
+        )
+        b_v = tl.load(
+            vc_ptr + rows[:, None] * DV + o_dv[None, :],
+            mask=seen[:, None] & (o_dv < DV)[None, :],
+            other=0.0,
+        )
+        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(seen[None, :], s, MASK_VALUE)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(seen[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    seen_any = l_i > 0.0
+    out = tl.where(seen_any[:, None], acc / tl.where(seen_any, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_ptr + p_o, out, mask=m_o)
+    lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), EMPTY_LSE)
+    tl.store(lse_ptr + q_rows, lse, mask=m_g)
+
+
+@triton.jit
+def nsa_compressed_scores_kernel(
+    q_ptr,
+    kc_ptr,
+    lo_ptr,
+    cnt_ptr,
+    lse_ptr,
+    scale,
+    S,
+    TC,
+    HKV,
+    NB,
+    p_ptr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(S, B·Hkv)``: ``p [B, S, Hkv, NB]`` (float32, zeroed by the caller): the
+    probability of each visible block ``c`` (compressed token ``lo + c``) averaged over the
+    group's heads."""
+    t, i_b, i_h, o_d, _, q_rows, m_g, p_q, m_q, _, _ = _group_tiles(S, HKV, G, D, DV, BG, BD, BDV)
+    b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0).to(tl.float32)
+    b_lse = tl.load(lse_ptr + q_rows, mask=m_g, other=EMPTY_LSE)
+    qk_scale = scale * LOG2E
+    out = p_ptr + ((i_b.to(tl.int64) * S + t) * HKV + i_h) * NB
+    cnt = tl.load(cnt_ptr + t)
+    for m0 in range(0, cnt, BM):
+        rows, seen, o_m = _compressed_rows(lo_ptr, cnt_ptr, t, m0, i_b, i_h, TC, HKV, BM)
+        b_k = tl.load(
+            kc_ptr + rows[:, None] * D + o_d[None, :],
+            mask=seen[:, None] & (o_d < D)[None, :],
+            other=0.0,
+        )
+        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.where(m_g[:, None] & seen[None, :], tl.exp2(s - b_lse[:, None]), 0.0)
+        tl.store(out + o_m, tl.sum(p, axis=0) / G, mask=seen & (o_m < NB))
+
+
+@triton.jit
+def nsa_compressed_bwd_dq_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    lo_ptr,
+    cnt_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    scale,
+    S,
+    TC,
+    HKV,
+    dq_ptr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(S, B·Hkv)``: from the forward's inputs, ``do [B, S, Hq, Dv]``, its
+    log2-sum-exp and ``delta = Σ do ⊙ o`` ``[B, S, Hq]``, ``dq [B, S, Hq, D]`` (float32)."""
+    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = _group_tiles(
+        S, HKV, G, D, DV, BG, BD, BDV
+    )
+    b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0).to(tl.float32)
+    b_do = tl.load(do_ptr + p_o, mask=m_o, other=0.0).to(tl.float32)
+    b_lse = tl.load(lse_ptr + q_rows, mask=m_g, other=EMPTY_LSE)
+    b_delta = tl.load(delta_ptr + q_rows, mask=m_g, other=0.0)
+    qk_scale = scale * LOG2E
+    b_dq = tl.zeros([BG, BD], dtype=tl.float32)
+    cnt = tl.load(cnt_ptr + t)
+    for m0 in range(0, cnt, BM):
+        rows, seen, _ = _compressed_rows(lo_ptr, cnt_ptr, t, m0, i_b, i_h, TC, HKV, BM)
+        m_k = seen[:, None] & (o_d < D)[None, :]
+        m_v = seen[:, None] & (o_dv < DV)[None, :]
+        b_k = tl.load(kc_ptr + rows[:, None] * D + o_d[None, :], mask=m_k, other=0.0)
+        b_v = tl.load(vc_ptr + rows[:, None] * DV + o_dv[None, :], mask=m_v, other=0.0)
+        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.where(seen[None, :], tl.exp2(s - b_lse[:, None]), 0.0)
+        dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+        ds = p * (dp - b_delta[:, None])
+        b_dq += tl.dot(ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
+    tl.store(dq_ptr + p_q, b_dq * scale, mask=m_q)
+
+
+@triton.jit
+def nsa_compressed_bwd_dkv_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    lo_ptr,
+    cnt_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    scale,
+    S,
+    TC,
+    HKV,
+    dkc_ptr,
+    dvc_ptr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BM: tl.constexpr,
+    TQ: tl.constexpr,
+    BT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(TC, BM), cdiv(S, TQ), B·Hkv)``: ``dkc [B, TC, Hkv, D]`` and
+    ``dvc [B, TC, Hkv, Dv]`` (float32, zeroed by the caller, added into): compressed tokens
+    ``BM`` from the program's first against query tokens ``TQ`` from its first; a query at
+    ``t`` sees compressed token ``m`` where ``lo[t] ≤ m < lo[t] + cnt[t]``."""
+    i_m, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    o_dv = tl.arange(0, BDV)
+    m_m = o_m < TC
+    kv_rows = (i_b.to(tl.int64) * TC + tl.where(m_m, o_m, 0)) * HKV + i_h
+    m_k = m_m[:, None] & (o_d < D)[None, :]
+    m_v = m_m[:, None] & (o_dv < DV)[None, :]
+    p_k = kv_rows[:, None] * D + o_d[None, :]
+    p_v = kv_rows[:, None] * DV + o_dv[None, :]
+    b_k = tl.load(kc_ptr + p_k, mask=m_k, other=0.0)
+    b_v = tl.load(vc_ptr + p_v, mask=m_v, other=0.0)
+    qk_scale = scale * LOG2E
+    o_r = tl.arange(0, BT * BG)  # rows: BT tokens' BG query heads each
+    head = o_r % BG
+    hq = HKV * G
+    b_dk = tl.zeros([BM, BD], dtype=tl.float32)
+    b_dv = tl.zeros([BM, BDV], dtype=tl.float32)
+    for t0 in range(i_t * TQ, tl.minimum(i_t * TQ + TQ, S), BT):
+        t = t0 + o_r // BG
+        ok = (t < S) & (head < G)
+        lo = tl.load(lo_ptr + t, mask=ok, other=0)
+        cnt = tl.load(cnt_ptr + t, mask=ok, other=0)
+        q_rows = (i_b.to(tl.int64) * S + t) * hq + i_h * G + head
+        b_q = tl.load(
+            q_ptr + q_rows[:, None] * D + o_d[None, :],
+            mask=ok[:, None] & (o_d < D)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        b_do = tl.load(
+            do_ptr + q_rows[:, None] * DV + o_dv[None, :],
+            mask=ok[:, None] & (o_dv < DV)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        b_lse = tl.load(lse_ptr + q_rows, mask=ok, other=EMPTY_LSE)
+        b_delta = tl.load(delta_ptr + q_rows, mask=ok, other=0.0)
+        seen = (
+            ok[:, None]
+            & m_m[None, :]
+            & (o_m[None, :] >= lo[:, None])
+            & (o_m[None, :] < (lo + cnt)[:, None])
+        )
+        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.where(seen, tl.exp2(s - b_lse[:, None]), 0.0)
+        dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+        ds = p * (dp - b_delta[:, None])
+        b_dk += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION)
+        b_dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
+    tl.atomic_add(dkc_ptr + p_k, b_dk * scale, mask=m_k)
+    tl.atomic_add(dvc_ptr + p_v, b_dv, mask=m_v)
