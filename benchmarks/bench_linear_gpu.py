@@ -440,6 +440,28 @@ def once(op: str, t: int) -> None:
     print(f"{op}: {case.shape.format(t=t)}, two forward+backward calls", flush=True)
 
 
+def memory(ops: list[str], iters: int, repeats: int) -> None:
+    """Forward+backward at B 1 and T 8k to 64k: time and the device's peak memory (it grows
+    with T, so each row's peak is that T's), which must grow linearly in T."""
+    print(f"\n### long sequences, B 1, forward+backward ({jax.devices()[0].device_kind})")
+    print("| op | T | fwd+bwd ms | peak GiB |")
+    print("|---|---|---|---|")
+    for op in ops:
+        case = CASES[op]
+        for t in (8192, 16384, 32768, 65536):
+            x = {
+                n: a[:1] if a.ndim >= 3 and a.shape[0] == 2 else a
+                for n, a in case.inputs(t).items()
+            }
+            fwd, fwd_bwd = ejkernel_fns(case, tuple(x), "triton")
+            args = tuple(x.values())
+            d_out = _normal(9, jax.eval_shape(fwd, *args).shape)
+            ms = timed(fwd_bwd, *args, d_out, iters=iters, repeats=repeats, warm_s=0.3)
+            stats = jax.devices()[0].memory_stats() or {}
+            peak = stats.get("peak_bytes_in_use", 0) / 2**30
+            print(f"| {op} | {t} | {ms:.3f} | {peak:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", action="append", choices=sorted(CASES), help="(repeatable)")
@@ -459,6 +481,9 @@ def main() -> None:
         "--configs", action="store_true", help="every Triton config of the ops (gla, kda, gdn)"
     )
     parser.add_argument(
+        "--memory", action="store_true", help="B 1, T 8k to 64k: time and peak memory"
+    )
+    parser.add_argument(
         "--once", action="store_true", help="one warm-up, then one fwd+bwd (for a profiler)"
     )
     a = parser.parse_args()
@@ -469,6 +494,9 @@ def main() -> None:
     if a.configs:
         for op in a.op or list(SWEEPS):
             sweep(op, a.seq, a.iters, a.repeats)
+        return
+    if a.memory:
+        memory(a.op or ["gla", "kda"], a.iters, a.repeats)
         return
     if a.decode:
         decode(a.iters, a.repeats)
