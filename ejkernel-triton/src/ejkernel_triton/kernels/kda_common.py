@@ -174,15 +174,35 @@ def unit_lower_inverse(b_a, o_c, C: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``(I + A)⁻¹`` for a strictly lower ``A [C, C]``. First the diagonal blocks of
     :data:`SUB` rows, all blocks at once, by forward substitution: step ``i`` sets row ``i`` of
     every block to ``e_i − Σ_{j<i} A_ij T_j`` (one product, the earlier rows being final). Then
-    blocks of ``s`` rows pair into blocks of ``2 s``: with ``D`` the block diagonal of size
-    ``s`` and ``L`` the lower-left ``s × s`` block of each pair, ``(D + L)⁻¹ = D⁻¹ − D⁻¹ L D⁻¹``
-    exactly (``L D⁻¹ L = 0``), two products a doubling."""
+    :func:`merge_block_inverses`."""
     blk = o_c // SUB
     b_d = tl.where(blk[:, None] == blk[None, :], b_a, 0.0)
     b_t = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
     for i in range(1, SUB):
         b_row = tl.where((o_c % SUB == i)[:, None], b_d, 0.0)
         b_t -= tl.dot(b_row, b_t, input_precision=DOT_PRECISION)
+    return merge_block_inverses(b_t, b_a, o_c, C, DOT_PRECISION)
+
+
+@triton.jit
+def block_inverse(b_a, o_s):
+    """``(I + A)⁻¹`` for a strictly lower ``A [SUB, SUB]`` by forward substitution, row by
+    row (``T_i = e_i − Σ_{j<i} A_ij T_j``), with reductions instead of products: one tile's
+    work, for a program that holds a single diagonal block."""
+    b_t = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+    for i in range(1, SUB):
+        b_ai = tl.sum(tl.where((o_s == i)[:, None], b_a, 0.0), axis=0)  # row i of A
+        b_r = tl.sum(b_ai[:, None] * b_t, axis=0)  # Σ_j A_ij T_j
+        b_t = tl.where((o_s == i)[:, None], b_t - b_r[None, :], b_t)
+    return b_t
+
+
+@triton.jit
+def merge_block_inverses(b_t, b_a, o_c, C: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(I + A)⁻¹`` from ``b_t``, the inverse of ``I +`` the diagonal blocks of :data:`SUB`
+    rows of the strictly lower ``A [C, C]``: blocks of ``s`` rows pair into blocks of ``2 s``;
+    with ``D`` the block diagonal of size ``s`` and ``L`` the lower-left ``s × s`` block of each
+    pair, ``(D + L)⁻¹ = D⁻¹ − D⁻¹ L D⁻¹`` exactly (``L D⁻¹ L = 0``), two products a doubling."""
     if C >= 2 * SUB:
         b_t = _pair_blocks(b_t, b_a, o_c, SUB, DOT_PRECISION)
     if C >= 4 * SUB:

@@ -48,12 +48,14 @@ import triton.language as tl
 
 from ejkernel_triton.kernels.kda_common import (
     SUB,
+    block_inverse,
     chunk_flags,
     chunk_inputs,
     chunk_tiles,
     decayed_products,
     finite,
     l2_normalise,
+    merge_block_inverses,
     unit_lower_inverse,
     walk_tiles,
 )
@@ -106,7 +108,7 @@ def kda_fwd_prep_kernel(
     if STORE_FACTORS:
         tl.store(kk_ptr + rows[:, None] * C + o_c[None, :], b_kk)
     chunk_factors(
-        b_q, b_k, b_beta, b_gc, bad, b_kk, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
+        b_q, b_k, b_beta, b_gc, bad, b_kk, None, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
         qg_ptr, kg_ptr, w_ptr, u_ptr, decay_ptr, t_ptr,
         K, V, C, BV, GK, STORE_FACTORS, DOT_PRECISION,
     )  # fmt: skip
@@ -124,6 +126,7 @@ def kda_fwd_norm_kernel(
     qn_ptr,
     kn_ptr,
     gc_ptr,
+    bn_ptr,
     K: tl.constexpr,
     C: tl.constexpr,
     BK: tl.constexpr,
@@ -132,9 +135,10 @@ def kda_fwd_norm_kernel(
 ):
     """Grid ``(NT, B·H)``, a per-channel gate's: one chunk's float32 ``q̂`` (L2-normalised
     with ``use_qk_l2norm``, times the scale), ``k̂`` and cumulative log gate ``G``
-    [B, T, H, K], read with :func:`chunk_inputs`' numerics, for :func:`kda_fwd_intra_kernel`."""
+    [B, T, H, K] and ``β`` [B, T, H], read with :func:`chunk_inputs`' numerics, for
+    :func:`kda_fwd_intra_kernel`."""
     _, _, m_k, rows, p_k, _ = chunk_tiles(H, NT, K, C, BK)
-    b_q, b_k, _, b_g, _, _ = chunk_inputs(
+    b_q, b_k, b_beta, b_g, _, _ = chunk_inputs(
         q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, K, GATE_FLOOR
     )
     if L2NORM:
@@ -143,6 +147,7 @@ def kda_fwd_norm_kernel(
     tl.store(qn_ptr + p_k, b_q * scale, mask=m_k[None, :])
     tl.store(kn_ptr + p_k, b_k, mask=m_k[None, :])
     tl.store(gc_ptr + p_k, tl.cumsum(b_g, axis=0), mask=m_k[None, :])
+    tl.store(bn_ptr + rows, b_beta)
 
 
 @triton.jit
@@ -150,10 +155,12 @@ def kda_fwd_intra_kernel(
     qn_ptr,
     kn_ptr,
     gc_ptr,
+    bn_ptr,
     NT,
     H,
     p_ptr,
     kk_ptr,
+    tdiag_ptr,
     K: tl.constexpr,
     C: tl.constexpr,
     BKS: tl.constexpr,
@@ -166,7 +173,10 @@ def kda_fwd_intra_kernel(
 
     Below the diagonal the decays factor through the block's first row ``ρ``:
     ``exp(G_t − G_ρ) · exp(G_ρ − G_s)``, both at most 1 for a decay. On the diagonal they are
-    taken entry by entry, one column ``s`` per step: ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``."""
+    taken entry by entry, one column ``s`` per step: ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``.
+    A diagonal tile's program also inverts its block of ``I + A``
+    (``A_tj = β_t (K Kᵀ)_tj``, ``j < t``) into ``tdiag`` [B, T, H, C] (float32; only the
+    diagonal blocks are written), for :func:`kda_fwd_wy_kernel`."""
     i_n, i_ij, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_i, i_j = i_ij // (C // SUB), i_ij % (C // SUB)
     i_b, i_h = i_bh // H, i_bh % H
@@ -211,6 +221,10 @@ def kda_fwd_intra_kernel(
     cols = i_j * SUB + o_s
     tl.store(p_ptr + rows_i[:, None] * C + cols[None, :], b_p)
     tl.store(kk_ptr + rows_i[:, None] * C + cols[None, :], b_kk)
+    if i_j == i_i:
+        b_beta = tl.load(bn_ptr + rows_i)
+        b_a = tl.where(o_s[:, None] > o_s[None, :], b_beta[:, None] * b_kk, 0.0)
+        tl.store(tdiag_ptr + rows_i[:, None] * C + cols[None, :], block_inverse(b_a, o_s))
 
 
 @triton.jit
@@ -221,6 +235,7 @@ def kda_fwd_wy_kernel(
     beta_ptr,
     g_ptr,
     kk_ptr,
+    tdiag_ptr,
     scale,
     NT,
     H,
@@ -241,7 +256,8 @@ def kda_fwd_wy_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NT, B·H)``, a per-channel gate's: :func:`chunk_factors` of one chunk from its
-    inputs and the decayed ``K Kᵀ`` of :func:`kda_fwd_intra_kernel`."""
+    inputs, and the decayed ``K Kᵀ`` and diagonal blocks' inverses of
+    :func:`kda_fwd_intra_kernel`."""
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     b_q, b_k, b_beta, b_g, bad, _ = chunk_inputs(
         q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, K, GATE_FLOOR
@@ -252,8 +268,10 @@ def kda_fwd_wy_kernel(
     b_q = b_q * scale
     b_gc = tl.cumsum(b_g, axis=0)
     b_kk = tl.load(kk_ptr + rows[:, None] * C + o_c[None, :])
+    same_block = (o_c // SUB)[:, None] == (o_c // SUB)[None, :]
+    b_tdiag = tl.load(tdiag_ptr + rows[:, None] * C + o_c[None, :], mask=same_block, other=0.0)
     chunk_factors(
-        b_q, b_k, b_beta, b_gc, bad, b_kk, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
+        b_q, b_k, b_beta, b_gc, bad, b_kk, b_tdiag, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
         qg_ptr, kg_ptr, w_ptr, u_ptr, decay_ptr, t_ptr,
         K, V, C, BV, K, STORE_FACTORS, DOT_PRECISION,
     )  # fmt: skip
@@ -267,6 +285,7 @@ def chunk_factors(
     b_gc,
     bad,
     b_kk,
+    b_tdiag,
     v_ptr,
     rows,
     p_k,
@@ -288,8 +307,9 @@ def chunk_factors(
     STORE_FACTORS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """From one chunk's ``q``, ``k`` (normalised, ``q`` scaled), ``β``, cumulative gate and
-    decayed ``K Kᵀ``: ``q ⊙ exp(G)``, ``k ⊙ exp(G_C − G)`` ([B, T, H, K], the input dtype),
+    """From one chunk's ``q``, ``k`` (normalised, ``q`` scaled), ``β``, cumulative gate,
+    decayed ``K Kᵀ`` and, where given, the inverses of ``I + A``'s diagonal blocks
+    (``b_tdiag``; ``None``: computed here): ``q ⊙ exp(G)``, ``k ⊙ exp(G_C − G)`` ([B, T, H, K], the input dtype),
     ``W`` [B, T, H, K], ``U`` [B, T, H, V] (input dtype), the decay ``exp(G_C)``
     [B, NT, H, GK] and, with ``STORE_FACTORS``, ``T`` [B, T, H, C] (float32)."""
     # each tile is stored as soon as it is final, which keeps few of them live at once
@@ -308,7 +328,10 @@ def chunk_factors(
     tl.store(qg_ptr + p_k, (b_q * b_gamma).to(dt), mask=m_k[None, :])
     tl.store(kg_ptr + p_k, (b_k * b_to_end).to(dt), mask=m_k[None, :])
     b_a = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_kk, 0.0)
-    b_t = unit_lower_inverse(b_a, o_c, C, DOT_PRECISION)
+    if b_tdiag is None:
+        b_t = unit_lower_inverse(b_a, o_c, C, DOT_PRECISION)
+    else:
+        b_t = merge_block_inverses(b_tdiag, b_a, o_c, C, DOT_PRECISION)
     if STORE_FACTORS:
         tl.store(t_ptr + rows[:, None] * C + o_c[None, :], b_t)
     b_w = tl.dot(b_t, b_beta[:, None] * b_k * b_gamma, input_precision=DOT_PRECISION)

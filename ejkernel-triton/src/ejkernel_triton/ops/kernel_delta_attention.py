@@ -499,7 +499,8 @@ def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> 
 
 def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> list[Any]:
     """A per-channel gate's chunk pass: the normalised inputs, the decayed products in
-    ``[16, 16]`` tiles over blocks of :data:`_PRODUCT_CHANNELS` key channels, then the rest;
+    ``[16, 16]`` tiles over blocks of :data:`_PRODUCT_CHANNELS` key channels (the diagonal
+    tiles' programs also invert their blocks of ``I + A``), then the rest;
     ``(qg, kg, w, u, p, decay, t, kk)`` as :func:`_per_head_chunk`'s (``kk`` always)."""
     from ejkernel_triton.kernels.kda_fwd import (
         kda_fwd_intra_kernel,
@@ -512,7 +513,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
     tokens_f32 = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
     sizes = {"K": dk, "C": c, "BK": st.block_k}
     numerics = {"L2NORM": st.l2norm, "GATE_FLOOR": GATE_FLOOR}
-    qn, kn, gc = _launch.launch(
+    qn, kn, gc, bn = _launch.launch(
         kda_fwd_norm_kernel,
         q,
         k,
@@ -521,7 +522,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         np.float32(st.scale),
         nt,
         h,
-        out_shape=[tokens_f32] * 3,
+        out_shape=[tokens_f32] * 3 + [jax.ShapeDtypeStruct((b, t, h), jnp.float32)],
         grid=(nt, b * h),
         **sizes,
         **numerics,
@@ -529,14 +530,15 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         num_stages=1,
     )
     per_chunk = jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)
-    p, kk = _launch.launch(
+    p, kk, tdiag = _launch.launch(
         kda_fwd_intra_kernel,
         qn,
         kn,
         gc,
+        bn,
         nt,
         h,
-        out_shape=[per_chunk, per_chunk],
+        out_shape=[per_chunk] * 3,
         grid=(nt, (c // 16) ** 2, b * h),
         K=dk,
         C=c,
@@ -553,6 +555,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         beta,
         gates,
         kk,
+        tdiag,
         np.float32(st.scale),
         nt,
         h,
