@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.triton._shared_memory import spaces_with_and_without_limit
 
 import ejkernel
 from ejkernel.specs._paged import paged_block_tables
@@ -275,10 +276,9 @@ def test_config_space_drops_tiles_over_the_shared_memory(monkeypatch: pytest.Mon
 
     monkeypatch.delenv("EJKERNEL_INTERPRET", raising=False)
     problem = _problem(64, 64, 8192, head_dim=256)
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "none")
-    everything = config_space_of(problem, UnifiedAttentionConfig)
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "101376")
-    kept = config_space_of(problem, UnifiedAttentionConfig)
+    everything, kept = spaces_with_and_without_limit(
+        monkeypatch, lambda: config_space_of(problem, UnifiedAttentionConfig), 101376
+    )
     assert kept[0] == everything[0] and len(kept) < len(everything)
     assert all(smem_need(problem, cfg) <= 101376 for cfg in kept[1:])
 
