@@ -61,27 +61,10 @@ class PageAttentionConfig:
 
 
 def _launch(kw: Mapping[str, Any], cfg: PageAttentionConfig | None) -> Launch:
-    """The launch of validated arguments (arrays or their abstract shapes)."""
-    num_pages, page_size, hkv, d = kw["key_cache"].shape
-    max_pages = kw["block_tables"].shape[1]
+    """The launch of validated arguments (arrays or their abstract shapes): one query per
+    sequence."""
     kv_blocksize = None if cfg is None else cfg.fwd_params.kv_blocksize
-    scale, cap, window = _paged.statics_of(kw, d)
-    group = kw["query"].shape[1] // hkv
-    return Launch(
-        num_pages=num_pages,
-        page_size=page_size,
-        hkv=hkv,
-        d=d,
-        max_pages=max_pages,
-        group=group,
-        rows=group,
-        pages_per_block=_paged.pages_per_block(kv_blocksize, page_size, max_pages),
-        scale=scale,
-        cap=cap,
-        window=window,
-        sinks=False,
-        dtype=jnp.dtype(kw["key_cache"].dtype),
-    )
+    return _paged.launch_of(kw, "query", q_block=1, kv_blocksize=kv_blocksize)
 
 
 def _config(lp: Launch) -> PageAttentionConfig:

@@ -73,31 +73,14 @@ class RaggedPageAttentionConfig:
 
 def _launch(kw: Mapping[str, Any], q_block: int | None, kv_blocksize: int | None) -> Launch:
     """The launch of validated arguments (arrays or their abstract shapes)."""
-    num_pages, page_size, hkv, d = kw["key_cache"].shape
     tokens, hq, _ = kw["queries"].shape
-    max_pages = kw["block_tables"].shape[1]
-    group = hq // hkv
+    group = hq // kw["key_cache"].shape[2]
     if q_block is None:
         q_block = max(SUBLANES, ROWS_TARGET // group // SUBLANES * SUBLANES)
     q_block = min(
         _paged.round_up(int(q_block), SUBLANES), _paged.round_up(max(tokens, 1), SUBLANES)
     )
-    scale, cap, window = _paged.statics_of(kw, d)
-    return Launch(
-        num_pages=num_pages,
-        page_size=page_size,
-        hkv=hkv,
-        d=d,
-        max_pages=max_pages,
-        group=group,
-        rows=q_block * group,
-        pages_per_block=_paged.pages_per_block(kv_blocksize, page_size, max_pages),
-        scale=scale,
-        cap=cap,
-        window=window,
-        sinks=kw.get("softmax_aux") is not None,
-        dtype=jnp.dtype(kw["key_cache"].dtype),
-    )
+    return _paged.launch_of(kw, "queries", q_block=q_block, kv_blocksize=kv_blocksize)
 
 
 def _q_block(lp: Launch) -> int:
