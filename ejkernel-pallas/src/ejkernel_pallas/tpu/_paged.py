@@ -214,6 +214,23 @@ def fits(lp: Launch) -> bool:
     return vmem_bytes(lp) <= vmem_budget()
 
 
+def budget_reason(op: str, *, vmem: int, blocks: str, smem: int, prefetched: str) -> str | None:
+    """Why ``op``'s kernel cannot run: a grid step of ``blocks`` needs ``vmem`` bytes of VMEM,
+    over :func:`vmem_budget`, or the ``prefetched`` scalars take ``smem`` bytes of SMEM, over
+    :func:`smem_budget`; ``None`` when both fit."""
+    if vmem > vmem_budget():
+        return (
+            f"the Pallas TPU {op} needs {vmem} bytes of VMEM for {blocks}; the budget is "
+            f"{vmem_budget()}"
+        )
+    if smem > smem_budget():
+        return (
+            f"the Pallas TPU {op} prefetches {prefetched} into SMEM: {smem} bytes exceed the "
+            f"budget of {smem_budget()}"
+        )
+    return None
+
+
 #: The cache dtypes the serving kernels take.
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -101,20 +101,17 @@ def supports(inv: Any) -> bool | str:
     reason = _paged.cache_reason("page_attention", kw, lp)
     if reason:
         return reason
-    smallest = attrs.evolve(lp, pages_per_block=1)
-    if not _paged.fits(smallest):
-        return (
-            f"the Pallas TPU page_attention needs {_paged.vmem_bytes(smallest)} bytes of VMEM "
-            f"for one page per block; the budget is {_paged.vmem_budget()}"
-        )
+    vmem = _paged.vmem_bytes(attrs.evolve(lp, pages_per_block=1))
     seqs = kw["query"].shape[0]
     smem = _paged.smem_bytes(seqs, seqs * lp.max_pages)
-    if smem > _paged.smem_budget():
-        return (
-            f"the Pallas TPU page_attention prefetches kv_lens and block_tables into SMEM: "
-            f"{smem} bytes exceed the budget of {_paged.smem_budget()}"
-        )
-    return True
+    reason = _paged.budget_reason(
+        "page_attention",
+        vmem=vmem,
+        blocks="one page per block",
+        smem=smem,
+        prefetched="kv_lens and block_tables",
+    )
+    return reason or True
 
 
 def page_attention_pallas(*, cfg: PageAttentionConfig | None = None, **args: Any) -> jax.Array:

@@ -133,20 +133,17 @@ def supports(inv: Any) -> bool | str:
     reason = _paged.cache_reason("ragged_page_attention", kw, lp)
     if reason:
         return reason
-    if not _paged.fits(lp):
-        return (
-            f"the Pallas TPU ragged_page_attention needs {_paged.vmem_bytes(lp)} bytes of VMEM "
-            f"for its smallest blocks; the budget is {_paged.vmem_budget()}"
-        )
     seqs = kw["kv_lens"].shape[0]
     blocks = -(-kw["queries"].shape[0] // SUBLANES)
     smem = _paged.smem_bytes(seqs, seqs * lp.max_pages, seqs + 1, blocks, 1)
-    if smem > _paged.smem_budget():
-        return (
-            f"the Pallas TPU ragged_page_attention prefetches the lengths, offsets and block "
-            f"tables into SMEM: {smem} bytes exceed the budget of {_paged.smem_budget()}"
-        )
-    return True
+    reason = _paged.budget_reason(
+        "ragged_page_attention",
+        vmem=_paged.vmem_bytes(lp),
+        blocks="its smallest blocks",
+        smem=smem,
+        prefetched="the lengths, offsets and block tables",
+    )
+    return reason or True
 
 
 def ragged_page_attention_pallas(
