@@ -38,13 +38,6 @@ SMALL = BlocksparseAttentionConfig(
 )
 
 
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
-
-
 def qkv(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: Any = jnp.float32) -> Any:
     ks = jax.random.split(jax.random.PRNGKey(sq * 7 + sk + d), 3)
     return (
