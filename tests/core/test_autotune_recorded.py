@@ -201,15 +201,13 @@ def two_platforms(toy) -> None:
 
     @hookimpl
     def ejkernel_register(registry: Any) -> None:
-        registry.register(
-            "flash_attention",
+        toy.register_flash_attention(
+            registry,
+            flash_attention_slow,
             platform="slow",
-            backend="any",
             priority=90,
-            config=toy.ToyConfig,
-            heuristic=toy.heuristic,
             config_space=toy.config_space,
-        )(flash_attention_slow)
+        )
 
     plugin = types.SimpleNamespace(
         ejkernel_api_version=ejkernel_api_version, ejkernel_register=ejkernel_register
@@ -362,6 +360,21 @@ def phase_lines(caplog: Any, monkeypatch: Any, run: Any) -> str:
     return caplog.text
 
 
+def tune_with_worker_processes(caplog: Any, monkeypatch: Any) -> tuple[Any, str]:
+    """``autotune_recorded`` of :func:`record` compiling on two worker processes: the result
+    and the progress lines it logged."""
+    runs = []
+    text = phase_lines(
+        caplog,
+        monkeypatch,
+        lambda: runs.append(
+            autotune_recorded([record()], max_workers=2, compile_processes=True, apply=False)
+        ),
+    )
+    (result,) = runs
+    return result, text
+
+
 def test_compile_worker_processes_compile_what_threads_compile(monkeypatch, caplog):
     """Every candidate but the first (the reference) compiles in a worker process (its own
     GIL) and is timed here; the tuned configs are those the threads tune."""
@@ -388,15 +401,7 @@ def test_compile_worker_processes_compile_what_threads_compile(monkeypatch, capl
 def test_what_a_worker_cannot_rebuild_compiles_in_this_process(toy, monkeypatch, caplog):
     """The toy plugin is registered in this process only: the workers find no such platform,
     so its candidates compile here, and the batch tunes as with threads."""
-    runs = []
-    text = phase_lines(
-        caplog,
-        monkeypatch,
-        lambda: runs.append(
-            autotune_recorded([record()], max_workers=2, compile_processes=True, apply=False)
-        ),
-    )
-    (result,) = runs
+    result, text = tune_with_worker_processes(caplog, monkeypatch)
     assert len(result) == 1 and not result.failures
     assert "compiled 3/3 candidates (0 in worker processes)" in text
 
@@ -419,15 +424,7 @@ def test_a_workers_executable_that_disagrees_is_judged_by_this_process_compile(
         return (lambda *a: jax.tree_util.tree_map(lambda x: x + 1, compiled(*a))), shapes
 
     monkeypatch.setattr(_compile_workers.WorkerPool, "compile", off_by_one)
-    runs = []
-    text = phase_lines(
-        caplog,
-        monkeypatch,
-        lambda: runs.append(
-            autotune_recorded([record()], max_workers=2, compile_processes=True, apply=False)
-        ),
-    )
-    (result,) = runs
+    result, text = tune_with_worker_processes(caplog, monkeypatch)
     (tuned,) = result
     assert not result.failures and len(tuned.timings_ms) == 3
     assert sorted(asked) == [1, 2]

@@ -7,6 +7,7 @@ import sys
 
 import jax
 import pytest
+from tests.core._flash_calls import SHAPE, causal_attention
 
 import ejkernel
 from ejkernel import _executor, _labels
@@ -18,13 +19,7 @@ from ejkernel.ops import (
     label,
     labels_to_configs,
 )
-from ejkernel.testing import AttentionShape, assert_close, attention_inputs
-
-SHAPE = AttentionShape(b=1, sq=37, sk=37, hq=4, hkv=2, d=16)
-
-
-def _call(q, k, v, **kw):
-    return ejkernel.flash_attention(q, k, v, causal=True, **kw)
+from ejkernel.testing import assert_close, attention_inputs
 
 
 def _lower(f, *args):
@@ -34,15 +29,15 @@ def _lower(f, *args):
 
 def test_nothing_is_stamped_by_default(toy, monkeypatch):
     q, k, v = attention_inputs(SHAPE)
-    assert find_labels_in_lowered(_lower(_call, q, k, v)) == []
+    assert find_labels_in_lowered(_lower(causal_attention, q, k, v)) == []
     monkeypatch.setenv("EJKERNEL_OPS_STAMP", "none")
-    assert find_labels_in_lowered(_lower(_call, q, k, v)) == []
+    assert find_labels_in_lowered(_lower(causal_attention, q, k, v)) == []
 
 
 def test_hash_stamps_survive_lowering_and_compiling(toy, monkeypatch):
     monkeypatch.setenv("EJKERNEL_OPS_STAMP", "hash")
     q, k, v = attention_inputs(SHAPE)
-    lowered = _lower(_call, q, k, v)
+    lowered = _lower(causal_attention, q, k, v)
     labels = find_labels_in_lowered(lowered)
     sel = ejkernel.explain("flash_attention", q, k, v, causal=True)
     assert labels == [
@@ -64,7 +59,7 @@ def test_hash_stamps_survive_lowering_and_compiling(toy, monkeypatch):
 def test_json_stamps_carry_their_config(toy, monkeypatch):
     monkeypatch.setenv("EJKERNEL_OPS_STAMP", "json")
     q, k, v = attention_inputs(SHAPE)
-    (found,) = find_labels_in_lowered(_lower(_call, q, k, v))
+    (found,) = find_labels_in_lowered(_lower(causal_attention, q, k, v))
     assert found.config_type == f"{toy.__name__}:ToyConfig"
     assert found.config_json == '{"block":32}'
     # as in another process: no stamp, no memory cache, no persistent entry
@@ -80,7 +75,7 @@ def test_stamps_tell_configs_of_one_invocation_apart(toy, monkeypatch):
     q, k, v = attention_inputs(SHAPE)
 
     def two(q, k, v):
-        return _call(q, k, v) + _call(q, k, v, cfg=toy.ToyConfig(block=16))
+        return causal_attention(q, k, v) + causal_attention(q, k, v, cfg=toy.ToyConfig(block=16))
 
     labels = find_labels_in_lowered(_lower(two, q, k, v))
     assert len(labels) == 2 and labels[0].key == labels[1].key
@@ -97,7 +92,7 @@ def test_a_differentiated_call_is_stamped_with_its_own_config(toy, monkeypatch):
     grad_cfg = toy.ToyConfig(block=16)
     sel = ejkernel.explain("flash_attention", q, k, v, causal=True, grad=True)
     ejkernel.ops.default_executor().selector.cache.put(sel.key, grad_cfg)
-    lowered = _lower(jax.grad(lambda q: _call(q, k, v).sum()), q)
+    lowered = _lower(jax.grad(lambda q: causal_attention(q, k, v).sum()), q)
     (found,) = find_labels_in_lowered(lowered)
     assert found.key == sel.key[:16]
     assert labels_to_configs([found]) == {found: grad_cfg}
@@ -110,7 +105,7 @@ def test_hash_stamps_are_found_in_the_caches(toy, monkeypatch):
     monkeypatch.setitem(sys.modules, toy.__name__, toy)  # persistent entries name their class
     monkeypatch.setenv("EJKERNEL_OPS_STAMP", "hash")
     q, k, v = attention_inputs(SHAPE)
-    (found,) = find_labels_in_lowered(_lower(_call, q, k, v))
+    (found,) = find_labels_in_lowered(_lower(causal_attention, q, k, v))
     key = ejkernel.explain("flash_attention", q, k, v, causal=True).key
     _labels.forget_stamps()
     assert labels_to_configs([found]) == {found: toy.ToyConfig(block=32)}  # memory cache
@@ -130,7 +125,7 @@ def test_a_config_without_a_json_form_is_stamped_by_its_repr(toy, monkeypatch):
     monkeypatch.setenv("EJKERNEL_OPS_STAMP", "json")
     q, k, v = attention_inputs(SHAPE)
     cfg = toy.ToyConfig(block=Opaque())
-    lowered = _lower(lambda q, k, v: _call(q, k, v, cfg=cfg), q, k, v)
+    lowered = _lower(lambda q, k, v: causal_attention(q, k, v, cfg=cfg), q, k, v)
     (found,) = find_labels_in_lowered(lowered)
     assert found.config_json == '"ToyConfig(block=Opaque())"'
     assert labels_to_configs([found]) == {found: cfg}  # the stamp made in this process
@@ -141,14 +136,14 @@ def test_a_config_without_a_json_form_is_stamped_by_its_repr(toy, monkeypatch):
 def test_eager_calls_run_as_usual_while_stamping(toy, monkeypatch):
     monkeypatch.setenv("EJKERNEL_OPS_STAMP", "json")
     q, k, v = attention_inputs(SHAPE)
-    assert_close(_call(q, k, v), jax.jit(_call)(q, k, v))
+    assert_close(causal_attention(q, k, v), jax.jit(causal_attention)(q, k, v))
 
 
 def test_a_bad_stamp_mode_is_refused(toy, monkeypatch):
     monkeypatch.setenv("EJKERNEL_OPS_STAMP", "yes")
     q, k, v = attention_inputs(SHAPE)
     with pytest.raises(ValueError, match="EJKERNEL_OPS_STAMP"):
-        _lower(_call, q, k, v)
+        _lower(causal_attention, q, k, v)
 
 
 @pytest.mark.parametrize("name", ["attention", "layer 3/attn (q)", "a\"b'c;d=e%f`g#h é"])

@@ -145,15 +145,13 @@ def test_forward_autotune_only_tunes_the_forward_and_never_times_a_backward(toy,
         timed.append(inv.grad)
         return toy.config_space(inv)
 
-    get_registry().register(
-        "flash_attention",
+    toy.register_flash_attention(
+        get_registry(),
+        toy.flash_attention_toy,
         platform="toy",
-        backend="any",
         priority=50,
-        config=toy.ToyConfig,
-        heuristic=toy.heuristic,
         config_space=counting_space,
-    )(toy.flash_attention_toy)
+    )
     with policy_override(autotune=True), forward_autotune_only():
         jax.grad(_loss)(q, k, v)
         sel = ejkernel.explain("flash_attention", q, k, v, causal=True, grad=True)

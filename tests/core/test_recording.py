@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.core._flash_calls import SHAPE, causal_attention
 
 import ejkernel
 from ejkernel import _recording
@@ -26,17 +27,11 @@ from ejkernel.ops import (
     record_invocations,
     save_invocations,
 )
-from ejkernel.testing import AttentionShape, attention_inputs
-
-SHAPE = AttentionShape(b=1, sq=37, sk=37, hq=4, hkv=2, d=16)
-
-
-def _call(q, k, v, **kw):
-    return ejkernel.flash_attention(q, k, v, causal=True, **kw)
+from ejkernel.testing import attention_inputs
 
 
 def _loss(q, k, v):
-    return _call(q, k, v).sum()
+    return causal_attention(q, k, v).sum()
 
 
 def _jit(f):
@@ -46,32 +41,32 @@ def _jit(f):
 
 def test_nothing_is_recorded_while_recording_is_off(toy):
     q, k, v = attention_inputs(SHAPE)
-    _call(q, k, v)
-    _jit(_call)(q, k, v)
+    causal_attention(q, k, v)
+    _jit(causal_attention)(q, k, v)
     assert get_invocations() == []
 
 
 def test_the_environment_variable_is_read_at_call_time(toy, monkeypatch):
     q, k, v = attention_inputs(SHAPE)
-    _call(q, k, v)
+    causal_attention(q, k, v)
     monkeypatch.setenv("EJKERNEL_OPS_RECORD", "1")
-    _call(q, k, v)  # the eager memo's hit is recorded too
+    causal_attention(q, k, v)  # the eager memo's hit is recorded too
     (rec,) = get_invocations()
     assert rec.op == "flash_attention" and not rec.grad and rec.platform is None
     assert rec.arrays["query"].shape == q.shape and rec.arrays["key"].dtype == "float32"
     assert rec.static["causal"] is True
     monkeypatch.setenv("EJKERNEL_OPS_RECORD", "0")
-    _call(q[:, :20], k[:, :20], v[:, :20])
+    causal_attention(q[:, :20], k[:, :20], v[:, :20])
     assert len(get_invocations()) == 1
 
 
 def test_a_block_records_its_calls_and_the_process_keeps_them(toy):
     q, k, v = attention_inputs(SHAPE)
     with record_invocations() as rec:
-        _call(q, k, v)
+        causal_attention(q, k, v)
         with record_invocations() as inner:
-            _call(q[:, :20], k[:, :20], v[:, :20])
-    _call(q[:, :10], k[:, :10], v[:, :10])  # outside: not recorded
+            causal_attention(q[:, :20], k[:, :20], v[:, :20])
+    causal_attention(q[:, :10], k[:, :10], v[:, :10])  # outside: not recorded
     assert [r.arrays["query"].shape[1] for r in rec] == [37, 20]
     assert [r.arrays["query"].shape[1] for r in inner.invocations] == [20]
     assert get_invocations() == rec.invocations
@@ -84,7 +79,7 @@ def test_blocks_are_per_thread(toy):
 
     def work(name, n):
         with record_invocations() as rec:
-            _call(q[:, :n], k[:, :n], v[:, :n])
+            causal_attention(q[:, :n], k[:, :n], v[:, :n])
         seen[name] = rec.invocations
 
     with record_invocations() as outer:
@@ -103,9 +98,9 @@ def test_records_are_deduplicated_in_first_seen_order(toy):
     q, k, v = attention_inputs(SHAPE)
     with record_invocations() as rec:
         for _ in range(3):
-            _call(q, k, v)
-            _call(q[:, :20], k[:, :20], v[:, :20])
-        _call(q, k, v, softmax_scale=0.5)
+            causal_attention(q, k, v)
+            causal_attention(q[:, :20], k[:, :20], v[:, :20])
+        causal_attention(q, k, v, softmax_scale=0.5)
     assert [(r.arrays["query"].shape[1], r.static["softmax_scale"]) for r in rec] == [
         (37, 0.25),
         (20, 0.25),
@@ -116,7 +111,7 @@ def test_records_are_deduplicated_in_first_seen_order(toy):
 def test_jit_records_when_traced_and_grad_records_the_differentiated_call(toy):
     q, k, v = attention_inputs(SHAPE)
     with record_invocations() as rec:
-        _jit(_call)(q, k, v)
+        _jit(causal_attention)(q, k, v)
         jax.grad(_loss, argnums=(0, 1, 2))(q, k, v)
         _jit(jax.grad(_loss))(q, k, v)  # the same differentiated call: deduplicated
     assert [r.grad for r in rec] == [False, True]
@@ -139,11 +134,11 @@ def test_forced_platforms_are_recorded(toy, monkeypatch):
 
     q, k, v = attention_inputs(SHAPE)
     with record_invocations() as rec:
-        _call(q, k, v)
-        _call(q, k, v, platform="toy")
-        jax.jit(lambda q: _call(q, k, v, cfg=WithPlatform()))(q)
+        causal_attention(q, k, v)
+        causal_attention(q, k, v, platform="toy")
+        jax.jit(lambda q: causal_attention(q, k, v, cfg=WithPlatform()))(q)
         monkeypatch.setenv("EJKERNEL_PLATFORM", "toy")
-        _call(q[:, :20], k[:, :20], v[:, :20])
+        causal_attention(q[:, :20], k[:, :20], v[:, :20])
     assert [(r.platform, r.arrays["query"].shape[1]) for r in rec] == [
         (None, 37),
         ("toy", 37),
@@ -155,16 +150,16 @@ def test_a_bad_platform_is_refused_before_it_is_recorded(toy, monkeypatch):
     monkeypatch.setenv("EJKERNEL_OPS_RECORD", "1")
     q, k, v = attention_inputs(SHAPE)
     with pytest.raises(TypeError, match="platform"):
-        _call(q, k, v, platform=123)
+        causal_attention(q, k, v, platform=123)
     assert get_invocations() == []
 
 
 def test_records_go_through_a_json_file(toy, tmp_path):
     q, k, v = attention_inputs(SHAPE)
     with record_invocations() as rec:
-        _jit(_call)(q, k, v)
+        _jit(causal_attention)(q, k, v)
         jax.grad(_loss)(q, k, v)
-        _call(q, k, v, platform="toy")
+        causal_attention(q, k, v, platform="toy")
     path = rec.save(tmp_path / "sub" / "calls.json")
     assert load_invocations(path) == rec.invocations
     save_invocations(tmp_path / "all.json")  # default: the process-wide records
@@ -178,7 +173,7 @@ def test_records_go_through_a_json_file(toy, tmp_path):
 def test_a_record_rebuilds_its_call(toy):
     q, k, v = attention_inputs(SHAPE)
     with record_invocations() as rec:
-        _call(q, k, v)
+        causal_attention(q, k, v)
     args, kwargs = _recording.call_arguments(rec.invocations[0])
     assert args == ()
     sel = ejkernel.explain("flash_attention", **kwargs)
@@ -210,7 +205,7 @@ def test_a_child_process_records_and_this_one_loads(tmp_path):
     ]
     q, k, v = attention_inputs(SHAPE)
     with record_invocations() as rec:
-        _jit(_call).lower(q, k, v)
+        _jit(causal_attention).lower(q, k, v)
     assert records[0] == rec.invocations[0]
 
 

@@ -8,14 +8,13 @@ import textwrap
 
 import jax
 import pytest
+from tests.core._flash_calls import SHAPE
 
 import ejkernel
 from ejkernel.errors import ConfigError
 from ejkernel.plugins import get_registry
 from ejkernel.specs.flash_attention import flash_attention_reference
-from ejkernel.testing import AttentionShape, assert_close, attention_inputs
-
-SHAPE = AttentionShape(b=1, sq=37, sk=37, hq=4, hkv=2, d=16)
+from ejkernel.testing import assert_close, attention_inputs
 
 #: A plugin module for platform "conv": the reference under the conventional names.
 CONVENTIONAL = """

@@ -124,14 +124,9 @@ def test_an_entry_that_no_longer_structures_into_the_config_class_is_ignored(toy
 
 
 def _fast_platform(toy):
-    get_registry().register(
-        "flash_attention",
-        platform="fast",
-        backend="any",
-        priority=10,
-        config=toy.ToyConfig,
-        heuristic=toy.heuristic,
-    )(toy.flash_attention_toy)
+    toy.register_flash_attention(
+        get_registry(), toy.flash_attention_toy, platform="fast", priority=10
+    )
 
 
 def test_selection_takes_the_fastest_runnable_platform_a_table_names(toy, tables, tmp_path):

@@ -7,14 +7,13 @@ import itertools
 
 import attrs
 import jax
+from tests.core._flash_calls import SHAPE
 
 from ejkernel._vjp import build_op_function
 from ejkernel.ops import ConfigCache, ConfigSelectorChain, Executor, Kernel
 from ejkernel.plugins import get_registry
 from ejkernel.specs.flash_attention import flash_attention_reference
-from ejkernel.testing import AttentionShape, assert_close, attention_inputs
-
-SHAPE = AttentionShape(b=1, sq=37, sk=37, hq=4, hkv=2, d=16)
+from ejkernel.testing import assert_close, attention_inputs
 
 
 def test_each_backward_gets_the_config_of_its_own_forward_when_traced_twice(toy):

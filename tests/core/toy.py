@@ -63,15 +63,30 @@ def ejkernel_api_version() -> int:
     return 1
 
 
-@hookimpl
-def ejkernel_register(registry: Any) -> None:
+def register_flash_attention(
+    registry: Any, impl: Any, *, platform: str, priority: int, **hooks: Any
+) -> None:
+    """Register ``impl`` as flash attention on ``platform`` with the toy's config and
+    heuristic; ``hooks`` are the further registration callables (``config_space``,
+    ``supports``)."""
     registry.register(
         "flash_attention",
-        platform="toy",
+        platform=platform,
         backend="any",
-        priority=50,
+        priority=priority,
         config=ToyConfig,
         heuristic=heuristic,
+        **hooks,
+    )(impl)
+
+
+@hookimpl
+def ejkernel_register(registry: Any) -> None:
+    register_flash_attention(
+        registry,
+        flash_attention_toy,
+        platform="toy",
+        priority=50,
         config_space=config_space,
         supports=supports,
-    )(flash_attention_toy)
+    )

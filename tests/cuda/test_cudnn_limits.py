@@ -16,9 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.cuda._attention_kw import attention_kw, sds
 
 import ejkernel
-from ejkernel import _selection
 from ejkernel.errors import FallbackWarning
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import AttentionShape, assert_close, attention_inputs
@@ -40,23 +40,9 @@ UNKNOWN_CC = CudnnTarget(version=90800, cc=None)
 TARGETS = [H100, H200_NEW, A100, B200, OLD_CUDNN, UNKNOWN_CC]
 
 
-def sds(shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def kw(
-    b: int = 2, sq: int = 64, sk: int = 64, hq: int = 4, hkv: int = 4, d: int = 64, **extra: Any
-) -> dict[str, Any]:
-    """The validated keywords of a flash-attention call (``extra`` overrides)."""
-    dtype = extra.pop("dtype", jnp.bfloat16)
-    base = {
-        "query": sds((b, sq, hq, d), extra.pop("q_dtype", dtype)),
-        "key": sds((b, sk, hkv, d), extra.pop("k_dtype", dtype)),
-        "value": sds((b, sk, hkv, extra.pop("dv", d)), extra.pop("v_dtype", dtype)),
-        "causal": False,
-        "sliding_window": None,
-    }
-    return {**base, **extra}
+def kw(**change: Any) -> dict[str, Any]:
+    """:func:`attention_kw` of B 2, S 64, H 4 (MHA), D 64 (``change`` overrides)."""
+    return attention_kw(**{"hq": 4, "hkv": 4, "d": 64, **change})
 
 
 def declines(target: CudnnTarget, **change: Any) -> str | None:
@@ -194,12 +180,8 @@ def test_importing_the_routes_asks_the_device_nothing() -> None:
 
 
 @pytest.fixture
-def fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Selection sees a GPU with cuDNN 9.8 on compute capability 9.0 and an available cuda
-    platform; Triton and Pallas are disabled, so the fallback is the XLA plugin."""
-    monkeypatch.setattr(_selection, "current_backend", lambda: "gpu")
-    monkeypatch.setattr(_device, "available", lambda backend: True)
-    monkeypatch.setenv("EJKERNEL_DISABLE_PLUGINS", "triton,pallas")
+def fake_h100(fake_gpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`fake_gpu` with cuDNN 9.8 on compute capability 9.0."""
     pretend(monkeypatch, H100)
 
 

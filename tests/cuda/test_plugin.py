@@ -14,9 +14,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.cuda._attention_kw import attention_kw, sds
 
 import ejkernel
-from ejkernel import _selection
 from ejkernel.errors import NoImplementationError
 from ejkernel.plugins import get_registry
 from ejkernel_cuda import _build, _device
@@ -32,39 +32,11 @@ OPS = [
 ]
 
 
-def sds(shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def attention_kw(
-    b: int = 2, sq: int = 64, sk: int = 64, hq: int = 8, hkv: int = 2, d: int = 128, **kw: Any
-) -> dict[str, Any]:
-    dtype = kw.pop("dtype", jnp.bfloat16)
-    dv = kw.pop("dv", d)
-    base = {
-        "query": sds((b, sq, hq, d), dtype),
-        "key": sds((b, sk, hkv, d), dtype),
-        "value": sds((b, sk, hkv, dv), dtype),
-        "causal": False,
-        "sliding_window": None,
-    }
-    return {**base, **kw}
-
-
 @pytest.fixture
 def cudnn_present(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend JAX found cuDNN 9.8 on a Hopper GPU."""
     monkeypatch.setattr(_device, "cudnn_version", lambda: 90800)
     monkeypatch.setattr(_device, "cc_tuple", lambda: (9, 0))
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Selection sees a GPU backend and an available cuda platform; the other GPU plugins
-    (triton, pallas) are disabled so the fallback is the XLA plugin."""
-    monkeypatch.setattr(_selection, "current_backend", lambda: "gpu")
-    monkeypatch.setattr(_device, "available", lambda backend: True)
-    monkeypatch.setenv("EJKERNEL_DISABLE_PLUGINS", "triton,pallas")
 
 
 def test_the_plugin_registers_every_op_above_the_xla_fallback() -> None:

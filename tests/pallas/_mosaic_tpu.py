@@ -36,3 +36,13 @@ def mosaic_ops(lowered_text: str, index: int = 0) -> set[str]:
         )
         text = str(module)
     return set(re.findall(r"\b((?:tpu|scf|vector|memref)\.[a-z0-9_]+)\b", text))
+
+
+def assert_paged_attention_kernel(lowered_text: str, name: str) -> None:
+    """A lowered module holds the Mosaic kernel ``name`` of a paged attention: pages come by
+    DMA (started, then waited), the logits and P·V on the MXU, the kv blocks in a loop of
+    run-time length."""
+    assert "tpu_custom_call" in lowered_text and name in lowered_text
+    ops = mosaic_ops(lowered_text)
+    assert {"tpu.enqueue_dma", "tpu.matmul", "scf.for"} <= ops, sorted(ops)
+    assert any(op.startswith("tpu.wait_dma") for op in ops), sorted(ops)

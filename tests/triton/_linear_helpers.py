@@ -1,5 +1,6 @@
 """What the Triton linear-attention tests (gla, recurrent, lightning_attention,
-kernel_delta_attention, state_space_v1/v2) share: a norm-relative error, outputs and gradients
+kernel_delta_attention, state_space_v1/v2) share: random queries, keys and values, a
+norm-relative error, outputs and gradients
 under a fixed cotangent, the comparison of every output leaf and gradient against the
 reference or the XLA platform, and the kernels' launches compiled for Hopper."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,19 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ejkernel.testing import assert_close
+from ejkernel.testing import assert_close, random_normal
+
+
+def random_qkv(
+    keys: Sequence[jax.Array], b: int, s: int, h: int, dk: int, dv: int, dtype: Any
+) -> dict[str, jax.Array]:
+    """``query``, ``key`` [B, S, H, K] and ``value`` [B, S, H, V] in ``dtype``, drawn from the
+    first three of ``keys``."""
+    return {
+        "query": random_normal(keys[0], (b, s, h, dk), dtype),
+        "key": random_normal(keys[1], (b, s, h, dk), dtype),
+        "value": random_normal(keys[2], (b, s, h, dv), dtype),
+    }
 
 
 def rel(a: Any, b: Any) -> float:

@@ -1,5 +1,6 @@
 """What the Triton serving-attention tests share: small tiles, a packed paged batch with
-NaN in every cache slot no sequence owns, and the finite-and-close check."""
+NaN in every cache slot no sequence owns (in NumPy, and as the ops take it), and the
+finite-and-close check."""
 
 from __future__ import annotations
 
@@ -66,6 +67,42 @@ def packed_batch(
         "block_tables": tables,
         "query_start_loc": qsl,
     }
+
+
+def packed(
+    kv_lens: list[int],
+    q_lens: list[int],
+    *,
+    hq: int = 4,
+    hkv: int = 2,
+    d: int = 64,
+    page_size: int = 16,
+    max_pages: int | None = None,
+    extra_rows: int = 0,
+    pad_tokens: int = 0,
+    dtype: Any = jnp.float32,
+    cache_dtype: Any = None,
+    cache_scale: float = 1.0,
+    new_tokens: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """:func:`packed_batch` as the ops take it: queries in ``dtype``, caches in
+    ``cache_dtype`` (default ``dtype``); with ``new_tokens``, the new ``keys``/``values``
+    ``[T, Hkv, D]`` of ``ragged_page_attention_v3`` (drawn after the batch, times
+    ``cache_scale``, in ``dtype``)."""
+    rng, batch = packed_batch(
+        kv_lens, q_lens, hq=hq, hkv=hkv, d=d, page_size=page_size, max_pages=max_pages,
+        extra_rows=extra_rows, pad_tokens=pad_tokens, cache_scale=cache_scale, seed=seed,
+    )  # fmt: skip
+    cache_dtype = cache_dtype or dtype
+    dtypes = {"queries": dtype, "key_cache": cache_dtype, "value_cache": cache_dtype}
+    dtypes["query_start_loc"] = jnp.int32
+    out = {n: jnp.asarray(x, dtypes.get(n)) for n, x in batch.items()}
+    if new_tokens:
+        t = batch["queries"].shape[0]
+        for name in ("keys", "values"):
+            out[name] = jnp.asarray(rng.standard_normal((t, hkv, d)) * cache_scale, dtype)
+    return out
 
 
 def check(actual: Any, expected: Any, dtype: Any = jnp.float32) -> None:

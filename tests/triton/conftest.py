@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import pytest
 
@@ -30,3 +32,10 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     if request.param == "interpret":
         _interpreting(monkeypatch)
     return request.param
+
+
+@pytest.fixture
+def triton_cache_in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Triton's kernel cache in the test's temporary folder: each compile is the compiler's
+    own, never a kernel an earlier run left behind."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.triton._shared_memory import spaces_with_and_without_limit
 
 import ejkernel
 from ejkernel.ops import BwdParams, FwdParams
@@ -35,13 +36,6 @@ SMALL = BlocksparseAttentionConfig(
     bwd_params=BwdParams(q_blocksize=16, kv_blocksize=16, num_stages=1),
     dq_params=FwdParams(q_blocksize=16, kv_blocksize=16, num_stages=1),
 )
-
-
-@pytest.fixture
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    if jax.default_backend() != "cpu":
-        pytest.skip("the interpreter runs where the default device is a CPU")
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "1")
 
 
 def qkv(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: Any = jnp.float32) -> Any:
@@ -256,10 +250,9 @@ def test_config_space_prunes_by_shared_memory(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(config._launch, "interpreting", lambda: False)
     x = jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16)
     inv = types.SimpleNamespace(kwargs={"query": x, "key": x, "value": x, "block_size": (128, 128)})
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "none")
-    every = config.config_space(inv)
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "100000")
-    kept = config.config_space(inv)
+    every, kept = spaces_with_and_without_limit(
+        monkeypatch, lambda: config.config_space(inv), 100000
+    )
     assert kept[0] == every[0] == config.heuristic(inv)
     assert 1 < len(kept) < len(every)
     for cfg in kept[1:]:

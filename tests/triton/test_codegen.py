@@ -10,19 +10,17 @@ import types
 import attrs
 import jax.numpy as jnp
 import pytest
+from tests.triton._flash_variants import variant_kernels
 
 from ejkernel.ops import FwdParams
 from ejkernel_triton import _codegen
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.usefixtures("triton_cache_in_tmp")
+
 #: The H100's shared memory per block (227 KiB, opt-in maximum).
 H100_SHARED = 232448
-
-
-@pytest.fixture(autouse=True)
-def _triton_cache_in_tmp(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
 
 
 @pytest.fixture
@@ -273,20 +271,6 @@ def test_hopper_forward_at_d64_is_no_pingpong(hopper):
         _run((1, 300, 2, 64), causal=True, cfg=fa.FlashAttentionConfig(fwd_variant="pingpong"))
 
 
-#: What each variant launches: the forward's kernel, then the backward's in order.
-_FWD_KERNEL = {
-    "usual": "flash_attention_fwd_kernel",
-    "warp_specialized": "flash_attention_fwd_ws_kernel",
-    "pingpong": "flash_attention_fwd_pingpong_kernel",
-}
-_BWD_KERNELS = {
-    "usual": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_dkdv_kernel"],
-    "warp_specialized": ["flash_attention_bwd_dkdv_ws_kernel", "flash_attention_bwd_dq_ws_kernel"],
-    "gluon": ["flash_attention_bwd_gluon_kernel"],
-    "gluon_dkdv": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_gluon_kernel"],
-}
-
-
 @pytest.mark.parametrize("d", [64, 128])
 def test_every_candidate_of_the_hopper_config_space_launches_what_it_names(hopper, d):
     from ejkernel_triton.ops import flash_attention as fa
@@ -300,7 +284,7 @@ def test_every_candidate_of_the_hopper_config_space_launches_what_it_names(hoppe
     for cfg in space:
         record = _run((2, 300, 4, d), 200, causal=True, cfg=cfg, backward=True)
         names = [launch.kernel.fn.__name__ for launch in record]
-        assert names == [_FWD_KERNEL[cfg.fwd_variant], *_BWD_KERNELS[cfg.bwd_variant]], cfg
+        assert names == variant_kernels(cfg.fwd_variant, cfg.bwd_variant), cfg
         fwd = record[0]
         if cfg.fwd_variant == "usual":  # the config's blocks, warps and head group
             assert (fwd.constexprs["BLOCK_M"], fwd.constexprs["BLOCK_N"]) == (

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.triton._flash_variants import variant_kernels
 
 import ejkernel
 from ejkernel.ops import BwdParams, FwdParams
@@ -285,19 +286,6 @@ def test_jit_and_vmap_compose_with_the_kernels(mode: str) -> None:
 
 # -- the variants, in every mode ------------------------------------------------------------
 
-#: What each variant launches: the forward's kernel, the backward's kernels in order.
-FWD_KERNEL = {
-    "usual": "flash_attention_fwd_kernel",
-    "warp_specialized": "flash_attention_fwd_ws_kernel",
-    "pingpong": "flash_attention_fwd_pingpong_kernel",
-}
-BWD_KERNELS = {
-    "usual": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_dkdv_kernel"],
-    "warp_specialized": ["flash_attention_bwd_dkdv_ws_kernel", "flash_attention_bwd_dq_ws_kernel"],
-    "gluon": ["flash_attention_bwd_gluon_kernel"],
-    "gluon_dkdv": ["flash_attention_bwd_dq_kernel", "flash_attention_bwd_gluon_kernel"],
-}
-
 
 def variant_config(mode: str, fwd: str, bwd: str, call: dict[str, Any]) -> FlashAttentionConfig:
     """A config forcing ``fwd``/``bwd``: in the interpreter small blocks (the specialized
@@ -372,7 +360,7 @@ def test_each_variant_runs_as_configured_and_matches_the_reference(
     q, k, v = inputs(mode, shape, jnp.bfloat16)
     cfg = variant_config(mode, fwd, bwd, {"query": q, "key": k, "value": v, **kwargs})
     out = compare(mode, q, k, v, cfg=cfg, **kwargs)
-    assert launched == [FWD_KERNEL[fwd], *BWD_KERNELS[bwd]]
+    assert launched == variant_kernels(fwd, bwd)
     if kwargs.get("causal") and shape[1] > shape[2]:
         empty = shape[1] - shape[2]
         assert float(jnp.abs(out[:, :empty].astype(jnp.float32)).max()) == 0.0
@@ -544,7 +532,7 @@ def test_the_heuristics_hopper_kernels(
     q, k, v = qkv(*shape, dtype=jnp.bfloat16)
     compare("gpu", q, k, v, **kwargs)
     forward = "pingpong" if kwargs.get("softmax_scale", 1.0) > 0 else "warp_specialized"
-    assert launched == [FWD_KERNEL[forward], *BWD_KERNELS["gluon"]]
+    assert launched == variant_kernels(forward, "gluon")
 
 
 # -- the config and its choice (CPU) ----------------------------------------------------------

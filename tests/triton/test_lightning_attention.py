@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
-from tests.triton._linear_helpers import check_against, check_against_xla, rel
+from tests.triton._linear_helpers import check_against, check_against_xla, random_qkv, rel
 
 import ejkernel
 from ejkernel.specs.lightning_attention import lightning_attention_reference
@@ -31,9 +31,7 @@ def inputs(b: int, s: int, h: int, dk: int, dv: int, dtype: Any = jnp.float32) -
     """q, k, v and positive slopes, from a fixed key."""
     ks = jax.random.split(jax.random.PRNGKey(s * 3 + dk + dv), 4)
     return {
-        "query": normal(ks[0], (b, s, h, dk), dtype),
-        "key": normal(ks[1], (b, s, h, dk), dtype),
-        "value": normal(ks[2], (b, s, h, dv), dtype),
+        **random_qkv(ks, b, s, h, dk, dv, dtype),
         "slopes": jnp.abs(normal(ks[3], (h,), jnp.float32)) + 0.01,
     }
 

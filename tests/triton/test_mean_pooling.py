@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.triton._shared_memory import spaces_with_and_without_limit
 
 import ejkernel
 from ejkernel.specs.mean_pooling import mean_pooling_reference
@@ -90,10 +91,7 @@ def test_config_space_prunes_by_shared_memory(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(op._launch, "interpreting", lambda: False)
     inv = types.SimpleNamespace(kwargs={"x": jax.ShapeDtypeStruct((8, 4096, 1024), jnp.float32)})
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "none")
-    every = op.config_space(inv)
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "70000")
-    kept = op.config_space(inv)
+    every, kept = spaces_with_and_without_limit(monkeypatch, lambda: op.config_space(inv), 70000)
     assert kept[0] == every[0] == op.heuristic(inv)
     assert 1 < len(kept) < len(every)
     assert all(op.smem_need(4, cfg) <= 70000 for cfg in kept)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.triton._shared_memory import spaces_with_and_without_limit
 
 import ejkernel
 from ejkernel.specs._paged import paged_block_tables
@@ -26,7 +27,7 @@ from ejkernel.specs.unified_attention import unified_attention_reference
 
 pytest.importorskip("triton")
 
-from tests.triton._paged_helpers import check, packed_batch, small
+from tests.triton._paged_helpers import check, packed, small
 
 from ejkernel_triton.ops.unified_attention import UnifiedAttentionConfig
 from ejkernel_triton.ops.unified_attention_config import (
@@ -35,31 +36,6 @@ from ejkernel_triton.ops.unified_attention_config import (
     heuristic_config,
     serving_supports,
 )
-
-
-def packed(
-    kv_lens: list[int],
-    q_lens: list[int],
-    *,
-    hq: int = 4,
-    hkv: int = 2,
-    d: int = 64,
-    page_size: int = 16,
-    max_pages: int | None = None,
-    extra_rows: int = 0,
-    pad_tokens: int = 0,
-    dtype: Any = jnp.float32,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """:func:`packed_batch` as the ops take it, queries and caches in ``dtype``."""
-    _, batch = packed_batch(
-        kv_lens, q_lens, hq=hq, hkv=hkv, d=d, page_size=page_size, max_pages=max_pages,
-        extra_rows=extra_rows, pad_tokens=pad_tokens, seed=seed,
-    )  # fmt: skip
-    dtypes = {"queries": dtype, "key_cache": dtype, "value_cache": dtype}
-    dtypes["query_start_loc"] = jnp.int32
-    return {n: jnp.asarray(x, dtypes.get(n)) for n, x in batch.items()}
-
 
 # -- unified_attention: features --------------------------------------------------------------
 
@@ -275,10 +251,9 @@ def test_config_space_drops_tiles_over_the_shared_memory(monkeypatch: pytest.Mon
 
     monkeypatch.delenv("EJKERNEL_INTERPRET", raising=False)
     problem = _problem(64, 64, 8192, head_dim=256)
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "none")
-    everything = config_space_of(problem, UnifiedAttentionConfig)
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "101376")
-    kept = config_space_of(problem, UnifiedAttentionConfig)
+    everything, kept = spaces_with_and_without_limit(
+        monkeypatch, lambda: config_space_of(problem, UnifiedAttentionConfig), 101376
+    )
     assert kept[0] == everything[0] and len(kept) < len(everything)
     assert all(smem_need(problem, cfg) <= 101376 for cfg in kept[1:])
 

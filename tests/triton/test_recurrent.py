@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
-from tests.triton._linear_helpers import check_against, check_against_xla
+from tests.triton._linear_helpers import check_against, check_against_xla, random_qkv
 
 import ejkernel
 from ejkernel.specs.recurrent import recurrent_reference
@@ -34,9 +34,7 @@ def inputs(b: int, s: int, h: int, dk: int, dv: int, dtype: Any = jnp.float32) -
     """q, k, v, log-sigmoid gates ``g`` and ``gk``, from a fixed key."""
     ks = jax.random.split(jax.random.PRNGKey(s * 5 + dk + dv), 5)
     return {
-        "query": normal(ks[0], (b, s, h, dk), dtype),
-        "key": normal(ks[1], (b, s, h, dk), dtype),
-        "value": normal(ks[2], (b, s, h, dv), dtype),
+        **random_qkv(ks, b, s, h, dk, dv, dtype),
         "g": jax.nn.log_sigmoid(normal(ks[3], (b, s, h), jnp.float32)).astype(dtype),
         "gk": jax.nn.log_sigmoid(normal(ks[4], (b, s, h, dk), jnp.float32)).astype(dtype),
     }

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.triton._linear_helpers import random_qkv
 
 import ejkernel
 from ejkernel.specs.gla import gla_reference
@@ -32,9 +33,7 @@ def inputs(b: int, s: int, h: int, dk: int, dv: int, dtype: Any = jnp.float32) -
     """q, k, v, a log-sigmoid key gate ``gk`` and an initial state, from a fixed key."""
     ks = jax.random.split(jax.random.PRNGKey(s * 11 + dk + dv + b), 5)
     return {
-        "query": normal(ks[0], (b, s, h, dk), dtype),
-        "key": normal(ks[1], (b, s, h, dk), dtype),
-        "value": normal(ks[2], (b, s, h, dv), dtype),
+        **random_qkv(ks, b, s, h, dk, dv, dtype),
         "gk": jax.nn.log_sigmoid(normal(ks[3], (b, s, h, dk), jnp.float32)).astype(dtype),
         "initial_state": normal(ks[4], (b, h, dk, dv), jnp.float32),
     }

@@ -10,6 +10,7 @@ compiled update and serving shapes against XLA.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -28,51 +29,18 @@ from ejkernel.specs.unified_attention import unified_attention_reference
 
 pytest.importorskip("triton")
 
-from tests.triton._paged_helpers import check, packed_batch, small
+from tests.triton import _paged_helpers
+from tests.triton._paged_helpers import check, small
 
 FP8 = jnp.float8_e4m3fn
 
 
-def packed(
-    kv_lens: list[int],
-    q_lens: list[int],
-    *,
-    hq: int = 4,
-    hkv: int = 2,
-    d: int = 64,
-    page_size: int = 16,
-    extra_rows: int = 0,
-    pad_tokens: int = 0,
-    dtype: Any = jnp.float32,
-    cache_dtype: Any = None,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """:func:`packed_batch` as the ops take it (caches drawn times 2, in ``cache_dtype``),
-    with new ``keys``/``values`` for ``ragged_page_attention_v3``."""
-    rng, batch = packed_batch(
-        kv_lens, q_lens, hq=hq, hkv=hkv, d=d, page_size=page_size, extra_rows=extra_rows,
-        pad_tokens=pad_tokens, cache_scale=2.0, seed=seed,
-    )  # fmt: skip
-    t = batch["queries"].shape[0]
-    cache_dtype = cache_dtype or dtype
-    return {
-        "queries": jnp.asarray(batch["queries"], dtype),
-        "keys": jnp.asarray(rng.standard_normal((t, hkv, d)) * 2, dtype),
-        "values": jnp.asarray(rng.standard_normal((t, hkv, d)) * 2, dtype),
-        "key_cache": jnp.asarray(batch["key_cache"], cache_dtype),
-        "value_cache": jnp.asarray(batch["value_cache"], cache_dtype),
-        "kv_lens": jnp.asarray(batch["kv_lens"]),
-        "block_tables": jnp.asarray(batch["block_tables"]),
-        "query_start_loc": jnp.asarray(batch["query_start_loc"], jnp.int32),
-    }
+#: :func:`~tests.triton._paged_helpers.packed` with the caches (and new tokens) drawn times 2.
+packed = functools.partial(_paged_helpers.packed, cache_scale=2.0)
 
 
 def _f32(x: Any) -> Any:
     return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
-
-
-def _attention_args(a: dict[str, Any]) -> dict[str, Any]:
-    return {n: x for n, x in a.items() if n not in ("keys", "values")}
 
 
 #: Per-tensor and per-KV-head scales.
@@ -88,7 +56,7 @@ SCALES = {
 @pytest.mark.parametrize("scales", list(SCALES))
 @pytest.mark.parametrize("splits", [1, 3])
 def test_unified_attention_fp8(interpret: None, scales: str, splits: int) -> None:
-    a = _attention_args(packed([37, 1, 20, 0], [5, 1, 20, 0], cache_dtype=FP8))
+    a = packed([37, 1, 20, 0], [5, 1, 20, 0], cache_dtype=FP8)
     opts = {**SCALES[scales], "softmax_aux": jnp.linspace(-1, 1, 4)}
     out = ejkernel.unified_attention(**a, **opts, platform="triton", cfg=small(splits=splits))
     check(out, unified_attention_reference(**a, **opts))
@@ -97,9 +65,7 @@ def test_unified_attention_fp8(interpret: None, scales: str, splits: int) -> Non
 def test_fp8_bf16_queries_every_paged_op(interpret: None) -> None:
     """bfloat16 queries over float8 caches: ragged (``num_seqs`` below the rows) and page
     attention; float32 queries in prefill attention."""
-    a = _attention_args(
-        packed([29, 0, 1, 18], [6, 0, 1, 3], extra_rows=1, dtype=jnp.bfloat16, cache_dtype=FP8)
-    )
+    a = packed([29, 0, 1, 18], [6, 0, 1, 3], extra_rows=1, dtype=jnp.bfloat16, cache_dtype=FP8)
     opts = SCALES["head"]
     out = ejkernel.ragged_page_attention(**a, num_seqs=3, **opts, platform="triton", cfg=small())
     ref = ragged_page_attention_reference(
@@ -251,7 +217,7 @@ def test_ragged_page_attention_v3(interpret: None, opts: dict[str, Any], cfg: An
     """``num_seqs`` (traced) below the rows, an empty sequence, a length-1 context, a last
     page partly filled, pad tokens: the caches equal the reference's bit for bit (NaN where
     no token was written), the outputs match."""
-    a = packed([29, 0, 1, 18, 33], [6, 0, 1, 3, 16], extra_rows=2, pad_tokens=3)
+    a = packed([29, 0, 1, 18, 33], [6, 0, 1, 3, 16], extra_rows=2, pad_tokens=3, new_tokens=True)
     if opts.get("softmax_aux") == "sinks":
         opts = {**opts, "softmax_aux": jax.random.normal(jax.random.PRNGKey(2), (4,))}
 
@@ -270,7 +236,7 @@ def test_ragged_page_attention_v3(interpret: None, opts: dict[str, Any], cfg: An
 @pytest.mark.parametrize("scales", list(SCALES))
 def test_ragged_page_attention_v3_fp8(interpret: None, scales: str) -> None:
     """New tokens stored quantised with the caches' scales, read back dequantised."""
-    a = packed([20, 1, 33], [4, 1, 3], dtype=jnp.bfloat16, cache_dtype=FP8, seed=4)
+    a = packed([20, 1, 33], [4, 1, 3], dtype=jnp.bfloat16, cache_dtype=FP8, new_tokens=True, seed=4)
     opts = SCALES[scales]
     out = ejkernel.ragged_page_attention_v3(*v3_call(a, 3), **opts, platform="triton", cfg=small())
     a32 = {**a, **{n: _f32(a[n]) for n in ("queries", "keys", "values")}}
@@ -280,7 +246,7 @@ def test_ragged_page_attention_v3_fp8(interpret: None, scales: str) -> None:
 
 def test_ragged_page_attention_v3_bf16_donated(interpret: None) -> None:
     """Under ``jit`` with the caches donated, as a server calls it."""
-    a = packed([40, 3, 17], [8, 1, 17], hq=8, hkv=2, dtype=jnp.bfloat16, seed=3)
+    a = packed([40, 3, 17], [8, 1, 17], hq=8, hkv=2, dtype=jnp.bfloat16, new_tokens=True, seed=3)
     ref = ragged_page_attention_v3_reference(
         *v3_call({n: _f32(x) for n, x in a.items()}, 3), sliding_window=9
     )
@@ -305,7 +271,7 @@ def test_v3_update_aliases_the_caches() -> None:
     from ejkernel_triton import _codegen
     from ejkernel_triton.ops.ragged_page_attention_v3 import ragged_page_attention_v3_triton
 
-    a = packed([20, 1], [4, 1], cache_dtype=FP8)
+    a = packed([20, 1], [4, 1], cache_dtype=FP8, new_tokens=True)
     with _codegen.recorded_launches() as record:
         ragged_page_attention_v3_triton(
             **{n: a[n] for n in a}, num_seqs=jnp.asarray(2), k_scale=0.5, v_scale=0.5

@@ -21,14 +21,11 @@ from ejkernel_triton import _codegen
 from ejkernel_triton.ops import flash_attention as fa
 from ejkernel_triton.ops import flash_attention_config as config
 
+pytestmark = pytest.mark.usefixtures("triton_cache_in_tmp")
+
 #: An Ampere/Ada GPU's shared memory per block (sm_86, sm_89): most usual blocks at D 128
 #: exceed it.
 SM86 = 101376
-
-
-@pytest.fixture(autouse=True)
-def _triton_cache_in_tmp(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
 
 
 @pytest.fixture

@@ -79,6 +79,19 @@ def temp_bytes(fn: Callable[..., Any], shapes: dict[str, Any]) -> int:
     return int(memory.temp_size_in_bytes)
 
 
+def abstract_paged_cache(num_pages: int, seqs: int, max_pages: int) -> dict[str, Any]:
+    """Abstract ``key_cache``/``value_cache`` (float32, 16-token pages, Hkv 2, D 64) of
+    ``num_pages`` pages, with ``kv_lens`` and ``block_tables`` of ``seqs`` sequences of up to
+    ``max_pages`` pages."""
+    cache = jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32)
+    return {
+        "key_cache": cache,
+        "value_cache": cache,
+        "kv_lens": jax.ShapeDtypeStruct((seqs,), jnp.int32),
+        "block_tables": jax.ShapeDtypeStruct((seqs, max_pages), jnp.int32),
+    }
+
+
 #: The conformance ragged batch (lengths 0 and 1, whole pages, a chunked prefill, decode steps,
 #: a sequence with more queries than keys, padding tokens) at D 40, with a 2-page prefix shared
 #: by sequences 0 and 3.

@@ -152,16 +152,10 @@ def executor_cases(n: int) -> None:
     print(f"ok executor-shard_map ({time.perf_counter() - start:.1f}s)", flush=True)
 
 
-def main(n: int) -> None:
-    if jax.device_count() != n:
-        print(f"expected {n} devices, JAX sees {jax.device_count()}: set XLA_FLAGS first")
-        sys.exit(2)
-    jax.config.update("jax_disable_most_optimizations", True)
-    mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    if n == 2:
-        ring_case(
-            "n2-contiguous-causal-gqa-segments-softcap",
-            mesh,
+#: Ring cases per device count: name -> :func:`ring_case`'s keywords.
+RING_CASES: dict[int, dict[str, dict[str, Any]]] = {
+    2: {
+        "n2-contiguous-causal-gqa-segments-softcap": dict(
             b=2,
             s=24,
             hq=4,
@@ -171,59 +165,38 @@ def main(n: int) -> None:
             segments=True,
             causal=True,
             logits_soft_cap=3.0,
-        )
-        ring_case(
-            "n2-zigzag-causal-mqa", mesh, b=1, s=16, hq=2, hkv=1, d=8, layout="zigzag", causal=True
-        )
+        ),
+        "n2-zigzag-causal-mqa": dict(b=1, s=16, hq=2, hkv=1, d=8, layout="zigzag", causal=True),
         # Local shards longer than one XLA block: the steps' loops carry varying state
         # (shard_map's replication typing must hold through them).
-        ring_case(
-            "n2-contiguous-causal-several-blocks",
-            mesh,
-            b=1,
-            s=320,
-            hq=2,
-            hkv=1,
-            d=8,
-            layout="contiguous",
-            causal=True,
-        )
-        ring_case(
-            "n2-contiguous-window-blockwise",
-            mesh,
-            b=1,
-            s=20,
-            hq=2,
-            hkv=2,
-            d=8,
-            layout="contiguous",
-            sliding_window=(6, 3),
-        )
+        "n2-contiguous-causal-several-blocks": dict(
+            b=1, s=320, hq=2, hkv=1, d=8, layout="contiguous", causal=True
+        ),
+        "n2-contiguous-window-blockwise": dict(
+            b=1, s=20, hq=2, hkv=2, d=8, layout="contiguous", sliding_window=(6, 3)
+        ),
+    },
+    4: {
+        "n4-zigzag-causal-gqa-segments": dict(
+            b=2, s=40, hq=4, hkv=2, d=16, layout="zigzag", segments=True, causal=True
+        ),
+        "n4-contiguous-noncausal-gqa-scale": dict(
+            b=1, s=36, hq=4, hkv=2, d=8, layout="contiguous", softmax_scale=0.2
+        ),
+    },
+}
+
+
+def main(n: int) -> None:
+    if jax.device_count() != n:
+        print(f"expected {n} devices, JAX sees {jax.device_count()}: set XLA_FLAGS first")
+        sys.exit(2)
+    jax.config.update("jax_disable_most_optimizations", True)
+    mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    for name, case in RING_CASES[n].items():
+        ring_case(name, mesh, **case)
+    if n == 2:
         executor_cases(n)
-    else:
-        ring_case(
-            "n4-zigzag-causal-gqa-segments",
-            mesh,
-            b=2,
-            s=40,
-            hq=4,
-            hkv=2,
-            d=16,
-            layout="zigzag",
-            segments=True,
-            causal=True,
-        )
-        ring_case(
-            "n4-contiguous-noncausal-gqa-scale",
-            mesh,
-            b=1,
-            s=36,
-            hq=4,
-            hkv=2,
-            d=8,
-            layout="contiguous",
-            softmax_scale=0.2,
-        )
 
 
 if __name__ == "__main__":

@@ -121,10 +121,7 @@ def test_memory_does_not_grow_with_num_pages() -> None:
         s, max_pages = 32, 64
         return {
             "query": jax.ShapeDtypeStruct((s, 8, 64), jnp.float32),
-            "key_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
-            "value_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
-            "kv_lens": jax.ShapeDtypeStruct((s,), jnp.int32),
-            "block_tables": jax.ShapeDtypeStruct((s, max_pages), jnp.int32),
+            **helpers.abstract_paged_cache(num_pages, s, max_pages),
         }
 
     small, large = (helpers.temp_bytes(page_attention_xla, shapes(n)) for n in (1024, 100_000))

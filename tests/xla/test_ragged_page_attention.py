@@ -160,10 +160,7 @@ def test_work_and_memory_do_not_grow_with_num_pages() -> None:
         t, s, max_pages = 256, 16, 64
         return {
             "queries": jax.ShapeDtypeStruct((t, 8, 64), jnp.float32),
-            "key_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
-            "value_cache": jax.ShapeDtypeStruct((num_pages, 16, 2, 64), jnp.float32),
-            "kv_lens": jax.ShapeDtypeStruct((s,), jnp.int32),
-            "block_tables": jax.ShapeDtypeStruct((s, max_pages), jnp.int32),
+            **helpers.abstract_paged_cache(num_pages, s, max_pages),
             "query_start_loc": jax.ShapeDtypeStruct((s + 1,), jnp.int32),
             "num_seqs": jax.ShapeDtypeStruct((), jnp.int32),
         }

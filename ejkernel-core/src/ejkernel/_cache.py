@@ -119,6 +119,37 @@ def structure_entry(raw: Mapping[str, Any], config_type: Any = None) -> Any:
     return converter.structure(raw["config"], cls)
 
 
+def write_export(path: str | os.PathLike[str], entries: Mapping[str, Any]) -> int:
+    """Write ``entries`` to ``path`` as a cache export (``{"schema", "entries"}``); returns
+    the count."""
+    Path(path).write_text(
+        json.dumps({"schema": SCHEMA_VERSION, "entries": entries}, sort_keys=True, indent=1)
+    )
+    return len(entries)
+
+
+def read_export(path: str | os.PathLike[str], verb: str) -> dict[str, Any]:
+    """The entries of a cache export at ``path``.
+
+    Raises:
+        ValueError: ``cannot <verb> <path>: ...`` when the file cannot be read or is not an
+            export of this schema.
+    """
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot {verb} {path}: {err}") from err
+    if (
+        not isinstance(doc, dict)
+        or doc.get("schema") != SCHEMA_VERSION
+        or not isinstance(doc.get("entries"), dict)
+    ):
+        raise ValueError(
+            f"cannot {verb} {path}: not an ejkernel cache export of schema {SCHEMA_VERSION}"
+        )
+    return doc["entries"]
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     """An exclusive inter-process lock on ``path`` (fcntl on POSIX, msvcrt on Windows)."""
@@ -299,24 +330,8 @@ class PersistentCache:
 
     def export(self, path: str | os.PathLike[str]) -> int:
         """Write every entry to ``path`` (a cache file of the same schema); returns the count."""
-        data = self.entries()
-        Path(path).write_text(
-            json.dumps({"schema": SCHEMA_VERSION, "entries": data}, sort_keys=True, indent=1)
-        )
-        return len(data)
+        return write_export(path, self.entries())
 
     def import_(self, path: str | os.PathLike[str]) -> int:
         """Merge the entries of an exported file; returns the count. Bad files raise ValueError."""
-        try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as err:
-            raise ValueError(f"cannot import {path}: {err}") from err
-        if (
-            not isinstance(doc, dict)
-            or doc.get("schema") != SCHEMA_VERSION
-            or not isinstance(doc.get("entries"), dict)
-        ):
-            raise ValueError(
-                f"cannot import {path}: not an ejkernel cache export of schema {SCHEMA_VERSION}"
-            )
-        return self.merge(doc["entries"])
+        return self.merge(read_export(path, "import"))

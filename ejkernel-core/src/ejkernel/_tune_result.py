@@ -12,15 +12,19 @@ and :meth:`AutotuneResult.load` reads back.
 from __future__ import annotations
 
 import contextvars
-import json
 import os
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
 
-from ejkernel._cache import SCHEMA_VERSION, PersistentCache, make_entry, structure_entry
+from ejkernel._cache import (
+    PersistentCache,
+    make_entry,
+    read_export,
+    structure_entry,
+    write_export,
+)
 
 __all__ = ["AutotuneResult", "PlatformChoice", "TuneFailure", "TunedConfig"]
 
@@ -221,11 +225,7 @@ class AutotuneResult:
     def export(self, path: str | os.PathLike[str]) -> int:
         """Write the entries to ``path`` in :meth:`PersistentCache.export`'s format
         (``ejkernel cache import`` merges it); returns the count."""
-        entries = self.entries()
-        Path(path).write_text(
-            json.dumps({"schema": SCHEMA_VERSION, "entries": entries}, sort_keys=True, indent=1)
-        )
-        return len(entries)
+        return write_export(path, self.entries())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> AutotuneResult:
@@ -239,21 +239,10 @@ class AutotuneResult:
         Raises:
             ValueError: not such a file.
         """
-        try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as err:
-            raise ValueError(f"cannot load {path}: {err}") from err
-        if (
-            not isinstance(doc, dict)
-            or doc.get("schema") != SCHEMA_VERSION
-            or not isinstance(doc.get("entries"), dict)
-        ):
-            raise ValueError(
-                f"cannot load {path}: not an ejkernel cache export of schema {SCHEMA_VERSION}"
-            )
+        entries = read_export(path, "load")
         configs: list[TunedConfig] = []
         platforms: list[PlatformChoice] = []
-        for key, raw in doc["entries"].items():
+        for key, raw in entries.items():
             if not isinstance(raw, dict) or "config" not in raw:
                 continue
             document = raw.get("key") if isinstance(raw.get("key"), dict) else {}

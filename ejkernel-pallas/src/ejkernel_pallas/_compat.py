@@ -125,10 +125,15 @@ def gpu_named_barrier(operation: str, barrier_id: int, num_threads: int) -> None
     body()
 
 
-def gpu_kernel(body: Any, *, out: Any, scratch: Any, name: str, **kwargs: Any) -> Any:
+def gpu_kernel(
+    body: Any, *, out: Any, scratch: Any, name: str, interpret: bool = False, **kwargs: Any
+) -> Any:
     """``plgpu.kernel`` with this jax's keywords: ``out_type``/``scratch_types`` (``out_shape``/
-    ``scratch_shapes`` before 0.8) and ``kernel_name`` (dropped where unknown)."""
+    ``scratch_shapes`` before 0.8) and ``kernel_name`` (dropped where unknown); with
+    ``interpret``, in Mosaic GPU interpret mode (:func:`gpu_interpret_params`)."""
     kernel = _first(plgpu(), "kernel")
+    if interpret:
+        kwargs["interpret"] = gpu_interpret_params()
     attempts = [
         {"out_type": out, "scratch_types": scratch, "kernel_name": name},
         {"out_type": out, "scratch_types": scratch},

@@ -206,9 +206,6 @@ def launch(
     # No cross-warp reduction scratch: every row reduction of a wgmma tile stays in one warp,
     # and the 2 KiB it reserves by default are what two 192-row K/V stages at D 128 lack.
     params = {"approx_math": True, "reduction_scratch_bytes": 0}
-    kwargs: dict[str, Any] = {}
-    if pr.interpret:
-        kwargs["interpret"] = _compat.gpu_interpret_params()
     return _compat.gpu_kernel(
         body,
         out=out,
@@ -219,7 +216,7 @@ def launch(
         thread_name="wg",
         compiler_params=_compat.gpu_compiler_params(**params),
         name=name,
-        **kwargs,
+        interpret=pr.interpret,
     )
 
 

@@ -57,7 +57,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ejkernel import env
 from ejkernel.ops import prune_by_shared_memory
 from ejkernel.plugins import defvjp
 from ejkernel_pallas._attention import (
@@ -68,6 +67,7 @@ from ejkernel_pallas._attention import (
     unique_configs,
 )
 from ejkernel_pallas.gpu import _problem as pb
+from ejkernel_pallas.gpu import hopper_reason
 from ejkernel_pallas.gpu._problem import Problem
 from ejkernel_pallas.gpu.flash_attention_bwd import bwd_smem, dkv_call, dq_call
 from ejkernel_pallas.gpu.flash_attention_fwd import fwd_call, fwd_smem
@@ -153,22 +153,7 @@ def supports(inv: Any) -> bool | str:
             f"the Pallas Mosaic GPU kernels take Sq and Sk multiples of {SEQ_MULTIPLE}; "
             f"got Sq={sq}, Sk={sk}"
         )
-    if not env.interpret():
-        cc = _compute_capability()
-        if cc is not None and cc < (9, 0):
-            return (
-                f"the Pallas Mosaic GPU kernels need Hopper (sm_90+); this GPU is sm_{cc[0]}{cc[1]}"
-            )
-    return True
-
-
-def _compute_capability() -> tuple[int, int] | None:
-    try:
-        dev = jax.devices()[0]
-        major, minor = str(dev.compute_capability).split(".")
-        return int(major), int(minor)
-    except Exception:  # not a CUDA device (interpret mode, ROCm): say nothing
-        return None
+    return hopper_reason("the Pallas Mosaic GPU kernels need") or True
 
 
 def flash_attention_pallas(*, cfg: FlashAttentionConfig | None = None, **args: Any) -> jax.Array:

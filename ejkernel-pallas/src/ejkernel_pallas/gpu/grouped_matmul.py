@@ -49,13 +49,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel import env
 from ejkernel.ops import prune_by_shared_memory
 from ejkernel.plugins import defvjp
 
 # Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
 from ejkernel_pallas import _compat as compat
-from ejkernel_pallas.gpu import _smem
+from ejkernel_pallas.gpu import _smem, hopper_reason
 
 __all__ = [
     "GroupedMatmulConfig",
@@ -236,22 +235,7 @@ def supports(inv: Any) -> bool | str:
             f"the Pallas Mosaic GPU grouped matmul takes K and N multiples of {ALIGN} (TMA "
             f"strides); got K={k}, N={n}"
         )
-    if not env.interpret():
-        cc = _compute_capability()
-        if cc is not None and cc < (9, 0):
-            return (
-                "the Pallas Mosaic GPU grouped matmul needs Hopper (sm_90+); this GPU is "
-                f"sm_{cc[0]}{cc[1]}"
-            )
-    return True
-
-
-def _compute_capability() -> tuple[int, int] | None:
-    try:
-        major, minor = str(jax.devices()[0].compute_capability).split(".")
-        return int(major), int(minor)
-    except Exception:  # not a CUDA device (interpret mode, ROCm): say nothing
-        return None
+    return hopper_reason("the Pallas Mosaic GPU grouped matmul needs") or True
 
 
 def _launch(kw: Any, cfg: GroupedMatmulConfig | None) -> _Launch:
@@ -399,9 +383,6 @@ def _num_sms(lp: _Launch) -> int:
 
 def _kernel(body: Any, *, out: Any, lp: _Launch, name: str) -> Any:
     plgpu = compat.plgpu()
-    kwargs: dict[str, Any] = {}
-    if lp.interpret:
-        kwargs["interpret"] = compat.gpu_interpret_params()
     return compat.gpu_kernel(
         body,
         out=out,
@@ -414,7 +395,7 @@ def _kernel(body: Any, *, out: Any, lp: _Launch, name: str) -> Any:
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup
         ),
         name=name,
-        **kwargs,
+        interpret=lp.interpret,
     )
 
 

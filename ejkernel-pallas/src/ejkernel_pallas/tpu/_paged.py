@@ -214,6 +214,23 @@ def fits(lp: Launch) -> bool:
     return vmem_bytes(lp) <= vmem_budget()
 
 
+def budget_reason(op: str, *, vmem: int, blocks: str, smem: int, prefetched: str) -> str | None:
+    """Why ``op``'s kernel cannot run: a grid step of ``blocks`` needs ``vmem`` bytes of VMEM,
+    over :func:`vmem_budget`, or the ``prefetched`` scalars take ``smem`` bytes of SMEM, over
+    :func:`smem_budget`; ``None`` when both fit."""
+    if vmem > vmem_budget():
+        return (
+            f"the Pallas TPU {op} needs {vmem} bytes of VMEM for {blocks}; the budget is "
+            f"{vmem_budget()}"
+        )
+    if smem > smem_budget():
+        return (
+            f"the Pallas TPU {op} prefetches {prefetched} into SMEM: {smem} bytes exceed the "
+            f"budget of {smem_budget()}"
+        )
+    return None
+
+
 #: The cache dtypes the serving kernels take.
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -238,13 +255,29 @@ def smem_bytes(*lengths: int) -> int:
     return sum(round_up(max(n, 1), LANES) * 4 for n in lengths)
 
 
-def statics_of(kw: Any, d: int) -> tuple[float, float | None, tuple[int, int] | None]:
-    """``(softmax_scale, logits_soft_cap, sliding_window)`` of validated arguments."""
+def launch_of(kw: Any, query: str, *, q_block: int, kv_blocksize: int | None) -> Launch:
+    """The launch of validated arguments (arrays or their abstract shapes): ``q_block`` query
+    tokens of ``kw[query]`` per grid step (``rows = q_block · G``), kv blocks of
+    ``kv_blocksize`` keys (:func:`pages_per_block`)."""
+    num_pages, page_size, hkv, d = kw["key_cache"].shape
+    max_pages = kw["block_tables"].shape[1]
+    group = kw[query].shape[1] // hkv
     scale, cap, window = (kw.get(n) for n in ("softmax_scale", "logits_soft_cap", "sliding_window"))
-    scale = float(d**-0.5 if scale is None else scale)
-    if window is not None:
-        window = (int(window[0]), int(window[1]))
-    return scale, None if cap is None else float(cap), window
+    return Launch(
+        num_pages=num_pages,
+        page_size=page_size,
+        hkv=hkv,
+        d=d,
+        max_pages=max_pages,
+        group=group,
+        rows=q_block * group,
+        pages_per_block=pages_per_block(kv_blocksize, page_size, max_pages),
+        scale=float(d**-0.5 if scale is None else scale),
+        cap=None if cap is None else float(cap),
+        window=None if window is None else (int(window[0]), int(window[1])),
+        sinks=kw.get("softmax_aux") is not None,
+        dtype=jnp.dtype(kw["key_cache"].dtype),
+    )
 
 
 def sink_rows(softmax_aux: jax.Array | None, hkv: int, tokens: int) -> jax.Array | None:

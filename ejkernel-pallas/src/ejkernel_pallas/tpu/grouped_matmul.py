@@ -232,18 +232,14 @@ def supports(inv: Any) -> bool | str:
         )
     m, _, _, num_groups = _shapes(kw)
     lp = _launch(kw, None)
-    if not _fits(lp, dtype):
-        return (
-            f"the Pallas TPU grouped_matmul needs {vmem_bytes(lp, dtype)} bytes of VMEM for "
-            f"its smallest blocks; the budget is {_paged.vmem_budget()}"
-        )
-    smem = smem_bytes(lp, m, num_groups)
-    if smem > _paged.smem_budget():
-        return (
-            f"the Pallas TPU grouped_matmul prefetches its work list into SMEM: {smem} bytes "
-            f"exceed the budget of {_paged.smem_budget()}"
-        )
-    return True
+    reason = _paged.budget_reason(
+        "grouped_matmul",
+        vmem=vmem_bytes(lp, dtype),
+        blocks="its smallest blocks",
+        smem=smem_bytes(lp, m, num_groups),
+        prefetched="its work list",
+    )
+    return reason or True
 
 
 # --------------------------------------------------------------------------------------------

@@ -61,27 +61,10 @@ class PageAttentionConfig:
 
 
 def _launch(kw: Mapping[str, Any], cfg: PageAttentionConfig | None) -> Launch:
-    """The launch of validated arguments (arrays or their abstract shapes)."""
-    num_pages, page_size, hkv, d = kw["key_cache"].shape
-    max_pages = kw["block_tables"].shape[1]
+    """The launch of validated arguments (arrays or their abstract shapes): one query per
+    sequence."""
     kv_blocksize = None if cfg is None else cfg.fwd_params.kv_blocksize
-    scale, cap, window = _paged.statics_of(kw, d)
-    group = kw["query"].shape[1] // hkv
-    return Launch(
-        num_pages=num_pages,
-        page_size=page_size,
-        hkv=hkv,
-        d=d,
-        max_pages=max_pages,
-        group=group,
-        rows=group,
-        pages_per_block=_paged.pages_per_block(kv_blocksize, page_size, max_pages),
-        scale=scale,
-        cap=cap,
-        window=window,
-        sinks=False,
-        dtype=jnp.dtype(kw["key_cache"].dtype),
-    )
+    return _paged.launch_of(kw, "query", q_block=1, kv_blocksize=kv_blocksize)
 
 
 def _config(lp: Launch) -> PageAttentionConfig:
@@ -118,20 +101,17 @@ def supports(inv: Any) -> bool | str:
     reason = _paged.cache_reason("page_attention", kw, lp)
     if reason:
         return reason
-    smallest = attrs.evolve(lp, pages_per_block=1)
-    if not _paged.fits(smallest):
-        return (
-            f"the Pallas TPU page_attention needs {_paged.vmem_bytes(smallest)} bytes of VMEM "
-            f"for one page per block; the budget is {_paged.vmem_budget()}"
-        )
+    vmem = _paged.vmem_bytes(attrs.evolve(lp, pages_per_block=1))
     seqs = kw["query"].shape[0]
     smem = _paged.smem_bytes(seqs, seqs * lp.max_pages)
-    if smem > _paged.smem_budget():
-        return (
-            f"the Pallas TPU page_attention prefetches kv_lens and block_tables into SMEM: "
-            f"{smem} bytes exceed the budget of {_paged.smem_budget()}"
-        )
-    return True
+    reason = _paged.budget_reason(
+        "page_attention",
+        vmem=vmem,
+        blocks="one page per block",
+        smem=smem,
+        prefetched="kv_lens and block_tables",
+    )
+    return reason or True
 
 
 def page_attention_pallas(*, cfg: PageAttentionConfig | None = None, **args: Any) -> jax.Array:

@@ -73,31 +73,14 @@ class RaggedPageAttentionConfig:
 
 def _launch(kw: Mapping[str, Any], q_block: int | None, kv_blocksize: int | None) -> Launch:
     """The launch of validated arguments (arrays or their abstract shapes)."""
-    num_pages, page_size, hkv, d = kw["key_cache"].shape
     tokens, hq, _ = kw["queries"].shape
-    max_pages = kw["block_tables"].shape[1]
-    group = hq // hkv
+    group = hq // kw["key_cache"].shape[2]
     if q_block is None:
         q_block = max(SUBLANES, ROWS_TARGET // group // SUBLANES * SUBLANES)
     q_block = min(
         _paged.round_up(int(q_block), SUBLANES), _paged.round_up(max(tokens, 1), SUBLANES)
     )
-    scale, cap, window = _paged.statics_of(kw, d)
-    return Launch(
-        num_pages=num_pages,
-        page_size=page_size,
-        hkv=hkv,
-        d=d,
-        max_pages=max_pages,
-        group=group,
-        rows=q_block * group,
-        pages_per_block=_paged.pages_per_block(kv_blocksize, page_size, max_pages),
-        scale=scale,
-        cap=cap,
-        window=window,
-        sinks=kw.get("softmax_aux") is not None,
-        dtype=jnp.dtype(kw["key_cache"].dtype),
-    )
+    return _paged.launch_of(kw, "queries", q_block=q_block, kv_blocksize=kv_blocksize)
 
 
 def _q_block(lp: Launch) -> int:
@@ -150,20 +133,17 @@ def supports(inv: Any) -> bool | str:
     reason = _paged.cache_reason("ragged_page_attention", kw, lp)
     if reason:
         return reason
-    if not _paged.fits(lp):
-        return (
-            f"the Pallas TPU ragged_page_attention needs {_paged.vmem_bytes(lp)} bytes of VMEM "
-            f"for its smallest blocks; the budget is {_paged.vmem_budget()}"
-        )
     seqs = kw["kv_lens"].shape[0]
     blocks = -(-kw["queries"].shape[0] // SUBLANES)
     smem = _paged.smem_bytes(seqs, seqs * lp.max_pages, seqs + 1, blocks, 1)
-    if smem > _paged.smem_budget():
-        return (
-            f"the Pallas TPU ragged_page_attention prefetches the lengths, offsets and block "
-            f"tables into SMEM: {smem} bytes exceed the budget of {_paged.smem_budget()}"
-        )
-    return True
+    reason = _paged.budget_reason(
+        "ragged_page_attention",
+        vmem=_paged.vmem_bytes(lp),
+        blocks="its smallest blocks",
+        smem=smem,
+        prefetched="the lengths, offsets and block tables",
+    )
+    return reason or True
 
 
 def ragged_page_attention_pallas(

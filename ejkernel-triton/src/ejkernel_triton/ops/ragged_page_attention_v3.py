@@ -26,7 +26,7 @@ from ejkernel.attention_semantics import quantize_kv
 from ejkernel.specs.ragged_page_attention_v3 import cache_destinations
 from ejkernel_triton import _launch
 from ejkernel_triton.ops.flash_attention_config import pow2
-from ejkernel_triton.ops.unified_attention import paged_attention
+from ejkernel_triton.ops.ragged_page_attention import ragged_page_attention_triton
 from ejkernel_triton.ops.unified_attention_config import (
     UnifiedAttentionConfig,
     serving_supports,
@@ -125,20 +125,6 @@ def ragged_page_attention_v3_triton(
         quantize_kv(args["values"], v_scale, value_cache.dtype),
         dest,
     )
-    out = paged_attention(
-        cfg,
-        queries=args["queries"],
-        key_cache=key_cache,
-        value_cache=value_cache,
-        kv_lens=args["kv_lens"],
-        block_tables=args["block_tables"],
-        query_start_loc=args["query_start_loc"],
-        num_seqs=args["num_seqs"],
-        softmax_scale=args.get("softmax_scale"),
-        sliding_window=args.get("sliding_window"),
-        logits_soft_cap=args.get("logits_soft_cap"),
-        softmax_aux=args.get("softmax_aux"),
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    updated = {**args, "key_cache": key_cache, "value_cache": value_cache}
+    out = ragged_page_attention_triton(cfg=cfg, **updated)
     return out, key_cache, value_cache
