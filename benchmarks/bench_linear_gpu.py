@@ -45,6 +45,7 @@ Run: ``python benchmarks/bench_linear_gpu.py [--op gla ...] [--seq 8192] [--iter
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -53,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 from _common import timed
@@ -314,83 +316,60 @@ def bench(op: str, t: int, iters: int, repeats: int, anchors: str) -> None:
 
 
 def decode(iters: int, repeats: int) -> None:
-    """The fused recurrent kernel against the chunked kernels for a few tokens a call."""
-    import attrs
-
+    """The fused recurrent kernel against the chunked kernels for a few tokens a call (gla at
+    B 32, KDA at B 64; H 16, K = V = 128, bf16, a carried state), and the state's read and
+    write rate (``B·H·K·V`` float32 each way) at the fused kernel's best value block."""
     from ejkernel_triton.ops.gla import GlaConfig
-
-    b, h, d = 32, 16, 128
-    print(f"\n### gla decoding: B {b}, H {h}, K = V = {d}, bf16 ({jax.devices()[0].device_kind})")
-    print("| T | chunked ms | fused bv16 | fused bv32 | fused bv64 | XLA ms | rel err fused |")
-    print("|---|---|---|---|---|---|---|")
-    for t in (1, 4, 16):
-        x = {**_qkv(t, b, h, d), "g": _gate(3, (b, t, h, d))}
-        state = _normal(7, (b, h, d, d), jnp.float32)
-        chunked = GlaConfig(chunk_size=16, block_k=64, block_v=64, fused=False)
-
-        def run(cfg: Any, platform: str = "triton") -> Any:
-            def f(q, k, v, g, s):
-                return ejkernel.gla(
-                    q, k, v, g, initial_state=s, return_state=True, cfg=cfg, platform=platform
-                )
-
-            return jax.jit(f)
-
-        args = (*x.values(), state)
-        cells = [timed(run(chunked), *args, iters=iters, repeats=repeats, warm_s=0.3)]
-        for bv in (16, 32, 64):
-            cfg = attrs.evolve(chunked, fused=True, block_v=bv)
-            cells.append(timed(run(cfg), *args, iters=iters, repeats=repeats, warm_s=0.3))
-        cells.append(timed(run(None, "xla"), *args, iters=iters, repeats=repeats, warm_s=0.3))
-        got = run(attrs.evolve(chunked, fused=True, block_v=32))(*args)
-        want = run(chunked)(*args)
-        err = max(rel(a, e) for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-        print(f"| {t} | " + " | ".join(f"{c:.4f}" for c in cells) + f" | {err:.1e} |", flush=True)
-
-
-def decode_kda(iters: int, repeats: int) -> None:
-    """KDA decoding: the fused recurrent kernel against the chunked kernels, and the state's
-    read and write rate (``B·H·K·V`` float32 each way)."""
-    import attrs
-
     from ejkernel_triton.ops.kernel_delta_attention import KernelDeltaAttentionConfig
 
-    b, h, d = 64, 16, 128
-    print(f"\n### kda decoding: B {b}, H {h}, K = V = {d}, bf16 ({jax.devices()[0].device_kind})")
-    print(
-        "| T | chunked ms | fused bv16 | fused bv32 | fused bv64 | XLA ms | state GB/s | rel err |"
+    h, d = 16, 128
+
+    def gla_call(q, k, v, g, s, **kw):
+        return ejkernel.gla(q, k, v, g, initial_state=s, return_state=True, **kw)
+
+    def kda_call(q, k, v, beta, g, s, **kw):
+        return ejkernel.kernel_delta_attention(
+            q, k, v, beta, g, initial_state=s, return_state=True, **kw
+        )
+
+    def gla_inputs(t: int, b: int) -> dict[str, jax.Array]:
+        return {**_qkv(t, b, h, d), "g": _gate(3, (b, t, h, d))}
+
+    def kda_inputs(t: int, b: int) -> dict[str, jax.Array]:
+        beta = jax.nn.sigmoid(_normal(5, (b, t, h)))
+        return {**_qkv(t, b, h, d), "beta": beta, "g": _gate(3, (b, t, h, d))}
+
+    tables = (
+        ("gla", 32, gla_call, gla_inputs, GlaConfig(chunk_size=16, block_k=64, block_v=64)),
+        ("kda", 64, kda_call, kda_inputs, KernelDeltaAttentionConfig(chunk_size=16, block_v=32)),
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for t in (1, 4, 16):
-        x = {
-            **_qkv(t, b, h, d),
-            "beta": jax.nn.sigmoid(_normal(5, (b, t, h))),
-            "g": _gate(3, (b, t, h, d)),
-        }
-        state = _normal(7, (b, h, d, d), jnp.float32)
-        chunked = KernelDeltaAttentionConfig(chunk_size=16, block_v=32, num_warps=4)
+    for name, b, call, make, chunked in tables:
+        print(f"\n### {name} decoding: B {b}, H {h}, K = V = {d}, bf16 ({_device()})")
+        print(
+            "| T | chunked ms | fused bv16 | fused bv32 | fused bv64 | XLA ms | state GB/s | rel err |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for t in (1, 4, 16):
+            args = (*make(t, b).values(), _normal(7, (b, h, d, d), jnp.float32))
 
-        def run(cfg: Any, platform: str = "triton") -> Any:
-            def f(q, k, v, beta, g, s):
-                return ejkernel.kernel_delta_attention(
-                    q, k, v, beta, g, initial_state=s, return_state=True, cfg=cfg,
-                    platform=platform,
-                )  # fmt: skip
+            def run(cfg: Any, platform: str = "triton", call: Any = call) -> Any:
+                return jax.jit(functools.partial(call, cfg=cfg, platform=platform))
 
-            return jax.jit(f)
+            cells = [timed(run(chunked), *args, iters=iters, repeats=repeats, warm_s=0.3)]
+            for bv in (16, 32, 64):
+                cfg = attrs.evolve(chunked, fused=True, block_v=bv)
+                cells.append(timed(run(cfg), *args, iters=iters, repeats=repeats, warm_s=0.3))
+            cells.append(timed(run(None, "xla"), *args, iters=iters, repeats=repeats, warm_s=0.3))
+            rate = 2 * b * h * d * d * 4 / (min(cells[1:4]) * 1e-3) / 1e9
+            got = run(attrs.evolve(chunked, fused=True, block_v=16))(*args)
+            want = run(chunked)(*args)
+            err = max(rel(a, e) for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+            cols = " | ".join(f"{c:.4f}" for c in cells)
+            print(f"| {t} | {cols} | {rate:.0f} | {err:.1e} |", flush=True)
 
-        args = (*x.values(), state)
-        cells = [timed(run(chunked), *args, iters=iters, repeats=repeats, warm_s=0.3)]
-        for bv in (16, 32, 64):
-            cfg = attrs.evolve(chunked, fused=True, block_v=bv)
-            cells.append(timed(run(cfg), *args, iters=iters, repeats=repeats, warm_s=0.3))
-        cells.append(timed(run(None, "xla"), *args, iters=iters, repeats=repeats, warm_s=0.3))
-        rate = 2 * b * h * d * d * 4 / (min(cells[1:4]) * 1e-3) / 1e9
-        got = run(attrs.evolve(chunked, fused=True, block_v=16))(*args)
-        want = run(chunked)(*args)
-        err = max(rel(a, e) for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-        cols = " | ".join(f"{c:.4f}" for c in cells)
-        print(f"| {t} | {cols} | {rate:.0f} | {err:.1e} |", flush=True)
+
+def _device() -> str:
+    return str(jax.devices()[0].device_kind)
 
 
 #: The Triton op module of the ops ``--configs`` sweeps.
@@ -500,7 +479,6 @@ def main() -> None:
         return
     if a.decode:
         decode(a.iters, a.repeats)
-        decode_kda(a.iters, a.repeats)
         return
     for op in a.op or list(CASES):
         bench(op, a.seq, a.iters, a.repeats, a.anchors)

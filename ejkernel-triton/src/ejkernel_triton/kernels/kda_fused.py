@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ejkernel_triton.kernels.kda_common import finite, gate_ok
+from ejkernel_triton.kernels.recurrent_fused import sequence_walk
 
 
 @triton.jit
@@ -51,18 +52,9 @@ def kda_fused_fwd_kernel(
 ):
     """Grid ``(cdiv(V, BV), N, H)``: the outputs of one sequence's tokens for one head and
     value block, and its final state (``BK`` is K rounded up to a power of two)."""
-    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PACKED:
-        bos = tl.load(cu_ptr + i_n).to(tl.int64)
-        eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * S
-        eos = bos + S
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    i_h, bos, eos, o_k, o_v, m_k, m_v, m_kv, state = sequence_walk(
+        cu_ptr, S, H, K, V, BK, BV, PACKED
+    )
     b_h = tl.load(init_ptr + state, mask=m_kv, other=0.0).to(tl.float32)
     for t in range(bos, eos):
         row = t * H + i_h

@@ -62,6 +62,32 @@ from ejkernel_triton.kernels.kda_common import (
 
 
 @triton.jit
+def normalised_chunk(
+    q_ptr,
+    k_ptr,
+    beta_ptr,
+    g_ptr,
+    scale,
+    rows,
+    p_k,
+    m_k,
+    GK: tl.constexpr,
+    L2NORM: tl.constexpr,
+    GATE_FLOOR: tl.constexpr,
+):
+    """One chunk's float32 ``q`` (L2-normalised with ``L2NORM``, times the scale), ``k``
+    (likewise normalised), ``β``, cumulative log gate ``G`` and ``bad`` tokens, read with
+    :func:`chunk_inputs`' numerics."""
+    b_q, b_k, b_beta, b_g, bad, _ = chunk_inputs(
+        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
+    )
+    if L2NORM:
+        b_q, _ = l2_normalise(b_q)
+        b_k, _ = l2_normalise(b_k)
+    return b_q * scale, b_k, b_beta, tl.cumsum(b_g, axis=0), bad
+
+
+@triton.jit
 def kda_fwd_prep_kernel(
     q_ptr,
     k_ptr,
@@ -95,14 +121,9 @@ def kda_fwd_prep_kernel(
     backward) also the decayed ``K Kᵀ`` [B, T, H, C] (float32)."""
     tl.static_assert(GK == 1, "a per-channel gate takes the norm, intra and WY kernels")
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
-    b_q, b_k, b_beta, b_g, bad, _ = chunk_inputs(
-        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, GK, GATE_FLOOR
+    b_q, b_k, b_beta, b_gc, bad = normalised_chunk(
+        q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, GK, L2NORM, GATE_FLOOR
     )
-    if L2NORM:
-        b_q, _ = l2_normalise(b_q)
-        b_k, _ = l2_normalise(b_k)
-    b_q = b_q * scale
-    b_gc = tl.cumsum(b_g, axis=0)
     b_p, b_kk = decayed_products(b_q, b_k, b_gc, o_c, DOT_PRECISION)
     tl.store(p_ptr + rows[:, None] * C + o_c[None, :], b_p)
     if STORE_FACTORS:
@@ -138,15 +159,12 @@ def kda_fwd_norm_kernel(
     [B, T, H, K] and ``β`` [B, T, H], read with :func:`chunk_inputs`' numerics, for
     :func:`kda_fwd_intra_kernel`."""
     _, _, m_k, rows, p_k, _ = chunk_tiles(H, NT, K, C, BK)
-    b_q, b_k, b_beta, b_g, _, _ = chunk_inputs(
-        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, K, GATE_FLOOR
+    b_q, b_k, b_beta, b_gc, _ = normalised_chunk(
+        q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, K, L2NORM, GATE_FLOOR
     )
-    if L2NORM:
-        b_q, _ = l2_normalise(b_q)
-        b_k, _ = l2_normalise(b_k)
-    tl.store(qn_ptr + p_k, b_q * scale, mask=m_k[None, :])
+    tl.store(qn_ptr + p_k, b_q, mask=m_k[None, :])
     tl.store(kn_ptr + p_k, b_k, mask=m_k[None, :])
-    tl.store(gc_ptr + p_k, tl.cumsum(b_g, axis=0), mask=m_k[None, :])
+    tl.store(gc_ptr + p_k, b_gc, mask=m_k[None, :])
     tl.store(bn_ptr + rows, b_beta)
 
 
@@ -259,14 +277,9 @@ def kda_fwd_wy_kernel(
     inputs, and the decayed ``K Kᵀ`` and diagonal blocks' inverses of
     :func:`kda_fwd_intra_kernel`."""
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
-    b_q, b_k, b_beta, b_g, bad, _ = chunk_inputs(
-        q_ptr, k_ptr, beta_ptr, g_ptr, rows, p_k, m_k, K, GATE_FLOOR
+    b_q, b_k, b_beta, b_gc, bad = normalised_chunk(
+        q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, K, L2NORM, GATE_FLOOR
     )
-    if L2NORM:
-        b_q, _ = l2_normalise(b_q)
-        b_k, _ = l2_normalise(b_k)
-    b_q = b_q * scale
-    b_gc = tl.cumsum(b_g, axis=0)
     b_kk = tl.load(kk_ptr + rows[:, None] * C + o_c[None, :])
     same_block = (o_c // SUB)[:, None] == (o_c // SUB)[None, :]
     b_tdiag = tl.load(tdiag_ptr + rows[:, None] * C + o_c[None, :], mask=same_block, other=0.0)

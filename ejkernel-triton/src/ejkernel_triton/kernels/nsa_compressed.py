@@ -27,7 +27,12 @@ import triton
 import triton.language as tl
 
 from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE, LOG2E, MASK_VALUE
-from ejkernel_triton.kernels.nsa_selected import _group_tiles
+from ejkernel_triton.kernels.nsa_selected import (
+    _group_tiles,
+    probs_and_ds,
+    softmax_step,
+    store_softmax,
+)
 
 
 @triton.jit
@@ -87,19 +92,8 @@ def nsa_compressed_fwd_kernel(
             mask=seen[:, None] & (o_dv < DV)[None, :],
             other=0.0,
         )
-        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(seen[None, :], s, MASK_VALUE)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.where(seen[None, :], tl.exp2(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    seen_any = l_i > 0.0
-    out = tl.where(seen_any[:, None], acc / tl.where(seen_any, l_i, 1.0)[:, None], 0.0)
-    tl.store(o_ptr + p_o, out, mask=m_o)
-    lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), EMPTY_LSE)
-    tl.store(lse_ptr + q_rows, lse, mask=m_g)
+        m_i, l_i, acc = softmax_step(b_q, b_k, b_v, seen, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    store_softmax(o_ptr, lse_ptr, p_o, m_o, q_rows, m_g, m_i, l_i, acc)
 
 
 @triton.jit
@@ -187,10 +181,9 @@ def nsa_compressed_bwd_dq_kernel(
         m_v = seen[:, None] & (o_dv < DV)[None, :]
         b_k = tl.load(kc_ptr + rows[:, None] * D + o_d[None, :], mask=m_k, other=0.0)
         b_v = tl.load(vc_ptr + rows[:, None] * DV + o_dv[None, :], mask=m_v, other=0.0)
-        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.where(seen[None, :], tl.exp2(s - b_lse[:, None]), 0.0)
-        dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
-        ds = p * (dp - b_delta[:, None])
+        _, ds = probs_and_ds(
+            b_q, b_k, b_v, b_do, b_lse, b_delta, seen[None, :], qk_scale, DOT_PRECISION
+        )
         b_dq += tl.dot(ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
     tl.store(dq_ptr + p_q, b_dq * scale, mask=m_q)
 
@@ -269,10 +262,7 @@ def nsa_compressed_bwd_dkv_kernel(
             & (o_m[None, :] >= lo[:, None])
             & (o_m[None, :] < (lo + cnt)[:, None])
         )
-        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.where(seen, tl.exp2(s - b_lse[:, None]), 0.0)
-        dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
-        ds = p * (dp - b_delta[:, None])
+        p, ds = probs_and_ds(b_q, b_k, b_v, b_do, b_lse, b_delta, seen, qk_scale, DOT_PRECISION)
         b_dk += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION)
         b_dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
     tl.atomic_add(dkc_ptr + p_k, b_dk * scale, mask=m_k)

@@ -83,6 +83,42 @@ def _block_rows(
 
 
 @triton.jit
+def softmax_step(b_q, b_k, b_v, seen, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One step of the online softmax (log2 domain) of the query tile over the key rows
+    ``b_k`` / ``b_v`` of which those ``seen [BN]`` count: the new ``(m, l, acc)``."""
+    s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(seen[None, :], s, MASK_VALUE)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.where(seen[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_softmax(o_ptr, lse_ptr, p_o, m_o, q_rows, m_g, m_i, l_i, acc):
+    """The online softmax's float32 output and log2-sum-exp; a row that sees no key gets
+    zeros and ``EMPTY_LSE``."""
+    seen_any = l_i > 0.0
+    out = tl.where(seen_any[:, None], acc / tl.where(seen_any, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_ptr + p_o, out, mask=m_o)
+    lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), EMPTY_LSE)
+    tl.store(lse_ptr + q_rows, lse, mask=m_g)
+
+
+@triton.jit
+def probs_and_ds(b_q, b_k, b_v, b_do, b_lse, b_delta, seen, qk_scale, DOT_PRECISION: tl.constexpr):
+    """FlashAttention-2's backward algebra on one tile: the probabilities recomputed from the
+    log2-sum-exp (zero where ``seen``, a mask broadcastable to ``[rows, keys]``, is false) and
+    ``ds = p ⊙ (do vᵀ − delta)``."""
+    s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+    p = tl.where(seen, tl.exp2(s - b_lse[:, None]), 0.0)
+    dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+    return p, p * (dp - b_delta[:, None])
+
+
+@triton.jit
 def nsa_selected_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -131,19 +167,8 @@ def nsa_selected_fwd_kernel(
             mask=seen[:, None] & (o_dv < DV)[None, :],
             other=0.0,
         )
-        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(seen[None, :], s, MASK_VALUE)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.where(seen[None, :], tl.exp2(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    seen_any = l_i > 0.0
-    out = tl.where(seen_any[:, None], acc / tl.where(seen_any, l_i, 1.0)[:, None], 0.0)
-    tl.store(o_ptr + p_o, out, mask=m_o)
-    lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), EMPTY_LSE)
-    tl.store(lse_ptr + q_rows, lse, mask=m_g)
+        m_i, l_i, acc = softmax_step(b_q, b_k, b_v, seen, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    store_softmax(o_ptr, lse_ptr, p_o, m_o, q_rows, m_g, m_i, l_i, acc)
 
 
 @triton.jit
@@ -190,10 +215,9 @@ def nsa_selected_bwd_kernel(
         m_v = seen[:, None] & (o_dv < DV)[None, :]
         b_k = tl.load(k_ptr + kv_rows[:, None] * D + o_d[None, :], mask=m_k, other=0.0)
         b_v = tl.load(v_ptr + kv_rows[:, None] * DV + o_dv[None, :], mask=m_v, other=0.0)
-        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.where(seen[None, :], tl.exp2(s - b_lse[:, None]), 0.0)
-        dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
-        ds = p * (dp - b_delta[:, None])
+        _, ds = probs_and_ds(
+            b_q, b_k, b_v, b_do, b_lse, b_delta, seen[None, :], qk_scale, DOT_PRECISION
+        )
         b_dq += tl.dot(ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
     tl.store(dq_ptr + p_q, (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_q)
 
@@ -273,10 +297,7 @@ def nsa_selected_bwd_dkv_kernel(
             b_lse = tl.load(lse_ptr + q_rows, mask=ok, other=EMPTY_LSE)
             b_delta = tl.load(delta_ptr + q_rows, mask=ok, other=0.0)
             seen = ok[:, None] & m_u[None, :] & (key_rows[None, :] <= t[:, None])
-            s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
-            p = tl.where(seen, tl.exp2(s - b_lse[:, None]), 0.0)
-            dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
-            ds = p * (dp - b_delta[:, None])
+            p, ds = probs_and_ds(b_q, b_k, b_v, b_do, b_lse, b_delta, seen, qk_scale, DOT_PRECISION)
             b_dk += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION)
             b_dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
         tl.atomic_add(dk_ptr + p_k, b_dk * scale, mask=m_k)

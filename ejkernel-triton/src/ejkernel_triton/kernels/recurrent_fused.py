@@ -19,6 +19,35 @@ import triton.language as tl
 
 
 @triton.jit
+def sequence_walk(
+    cu_ptr,
+    S,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PACKED: tl.constexpr,
+):
+    """A token-by-token program's indices (grid ``(cdiv(V, BV), N, H)``): its head, its
+    sequence's first and past-the-last flat tokens, the key/value offsets and masks, and the
+    offsets of its ``[BK, BV]`` tile of the ``[N, H, K, V]`` states."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PACKED:
+        bos = tl.load(cu_ptr + i_n).to(tl.int64)
+        eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * S
+        eos = bos + S
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    return i_h, bos, eos, o_k, o_v, m_k, m_v, m_kv, state
+
+
+@triton.jit
 def recurrent_fused_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -39,18 +68,9 @@ def recurrent_fused_fwd_kernel(
 ):
     """Grid ``(cdiv(V, BV), N, H)``: the outputs of one sequence's tokens for one head and
     value block, and its final state (``BK`` is K rounded up to a power of two)."""
-    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PACKED:
-        bos = tl.load(cu_ptr + i_n).to(tl.int64)
-        eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * S
-        eos = bos + S
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    i_h, bos, eos, o_k, o_v, m_k, m_v, m_kv, state = sequence_walk(
+        cu_ptr, S, H, K, V, BK, BV, PACKED
+    )
     b_h = tl.load(init_ptr + state, mask=m_kv, other=0.0).to(tl.float32)
     for t in range(bos, eos):
         row = t * H + i_h
