@@ -155,6 +155,12 @@ def test_chunks_of_64_with_strong_and_weak_channels_match_the_reference(interpre
     check(arrays, C64, grads=True, return_state=True)
 
 
+def test_chunks_of_64_with_a_per_head_gate_match_the_reference(interpret) -> None:
+    """Four diagonal blocks of ``I + A`` inverted one at a time in the per-head kernel's own
+    room, then merged twice."""
+    check(inputs(1, 70, 2, 16, 16, vector=False), C64, grads=True, return_state=True)
+
+
 def test_a_log_gate_of_minus_inf_resets_the_state(interpret) -> None:
     arrays = inputs(1, 37, 2, 16, 16)
     arrays["g"] = arrays["g"].at[0, 5].set(-jnp.inf).at[0, 20, 1, :7].set(-jnp.inf)

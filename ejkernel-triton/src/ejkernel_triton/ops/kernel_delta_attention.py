@@ -464,8 +464,8 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
 
 
 def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> list[Any]:
-    """A per-head gate's chunk pass, one launch: ``(qg, kg, w, u, p, decay, t, kk)`` (``t``
-    and ``kk`` only with ``keep``)."""
+    """A per-head gate's chunk pass, one launch: ``(qg, kg, w, u, p, decay, t, kk)`` (``kk``
+    only with ``keep``)."""
     from ejkernel_triton.kernels.kda_fwd import kda_fwd_prep_kernel
 
     b, t, h, dk = q.shape
@@ -485,7 +485,7 @@ def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> 
             *_factor_shapes(q, dv),
             jax.ShapeDtypeStruct((b, t, h, c), jnp.float32),
             jax.ShapeDtypeStruct((b, nt, h, 1), jnp.float32),
-            jax.ShapeDtypeStruct(factors, jnp.float32),
+            jax.ShapeDtypeStruct((b, t, h, c), jnp.float32),  # T: also the inverse's room
             jax.ShapeDtypeStruct(factors, jnp.float32),
         ],
         grid=(nt, b * h),
