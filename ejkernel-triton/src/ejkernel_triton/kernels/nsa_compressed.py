@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE, LOG2E, MASK_VALUE
 from ejkernel_triton.kernels.nsa_selected import (
-    _group_tiles,
+    group_tiles,
     probs_and_ds,
     softmax_step,
     store_softmax,
@@ -71,7 +71,7 @@ def nsa_compressed_fwd_kernel(
 ):
     """Grid ``(S, B·Hkv)``: the compressed branch's output ``[B, S, Hq, Dv]`` and
     log2-sum-exp ``[B, S, Hq]`` (float32)."""
-    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = _group_tiles(
+    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = group_tiles(
         S, HKV, G, D, DV, BG, BD, BDV
     )
     b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0).to(tl.float32)
@@ -121,7 +121,7 @@ def nsa_compressed_scores_kernel(
     """Grid ``(S, B·Hkv)``: ``p [B, S, Hkv, NB]`` (float32, zeroed by the caller): the
     probability of each visible block ``c`` (compressed token ``lo + c``) averaged over the
     group's heads."""
-    t, i_b, i_h, o_d, _, q_rows, m_g, p_q, m_q, _, _ = _group_tiles(S, HKV, G, D, DV, BG, BD, BDV)
+    t, i_b, i_h, o_d, _, q_rows, m_g, p_q, m_q, _, _ = group_tiles(S, HKV, G, D, DV, BG, BD, BDV)
     b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0).to(tl.float32)
     b_lse = tl.load(lse_ptr + q_rows, mask=m_g, other=EMPTY_LSE)
     qk_scale = scale * LOG2E
@@ -165,7 +165,7 @@ def nsa_compressed_bwd_dq_kernel(
 ):
     """Grid ``(S, B·Hkv)``: from the forward's inputs, ``do [B, S, Hq, Dv]``, its
     log2-sum-exp and ``delta = Σ do ⊙ o`` ``[B, S, Hq]``, ``dq [B, S, Hq, D]`` (float32)."""
-    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = _group_tiles(
+    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = group_tiles(
         S, HKV, G, D, DV, BG, BD, BDV
     )
     b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0).to(tl.float32)

@@ -30,7 +30,7 @@ from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE, LOG2E, MAS
 
 
 @triton.jit
-def _group_tiles(
+def group_tiles(
     S,
     HKV,
     G: tl.constexpr,
@@ -145,7 +145,7 @@ def nsa_selected_fwd_kernel(
     ``v [B, S, Hkv, Dv]``, the selection ``[B, S, Hkv, T]`` (int32, each block once, -1 empty)
     and each token's sequence start ``[S]`` (int32), the selected branch's output
     ``[B, S, Hq, Dv]`` and log2-sum-exp ``[B, S, Hq]`` (float32)."""
-    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = _group_tiles(
+    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = group_tiles(
         S, HKV, G, D, DV, BG, BD, BDV
     )
     b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0)
@@ -198,7 +198,7 @@ def nsa_selected_bwd_kernel(
 ):
     """Grid ``(S, B·Hkv)``: from the forward's inputs, ``do [B, S, Hq, Dv]``, its
     log2-sum-exp and ``delta = Σ do ⊙ o`` ``[B, S, Hq]``, the gradient ``dq [B, S, Hq, D]``."""
-    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = _group_tiles(
+    t, i_b, i_h, o_d, o_dv, q_rows, m_g, p_q, m_q, p_o, m_o = group_tiles(
         S, HKV, G, D, DV, BG, BD, BDV
     )
     b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0)

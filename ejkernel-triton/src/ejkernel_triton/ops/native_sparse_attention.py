@@ -246,8 +246,10 @@ def _scores(q, kc, lse, lo, cnt, scale: float, nb: int) -> jax.Array:
 
 
 #: Compressed tokens a step of the compressed branch's kernels takes, and query tokens a
-#: ``dkc``/``dvc`` program walks (fewer in the interpreter, so that its tests split them).
+#: ``dkc``/``dvc`` program walks (16 of each in the interpreter, so that its tests split
+#: them over several steps and programs).
 _COMPRESSED_BLOCK = 32
+_COMPRESSED_QUERIES = 256
 
 
 def _compressed_kernel(which: str, scale: float, nb: int = 0) -> Any:
@@ -273,42 +275,101 @@ def _compressed_kernel(which: str, scale: float, nb: int = 0) -> Any:
         b, s, hq, _ = q.shape
         tc, hkv, dv = kc.shape[1], kc.shape[2], vc.shape[-1]
         return _launch.launch(
-            kernels.nsa_compressed_fwd_kernel, q, kc, vc, lo, cnt, np.float32(scale), s, tc, hkv,
-            out_shape=[jax.ShapeDtypeStruct((b, s, hq, dv), f32), jax.ShapeDtypeStruct((b, s, hq), f32)],
-            grid=(s, b * hkv), num_warps=4, num_stages=1, **sizes(q, kc, vc),
-        )  # fmt: skip
+            kernels.nsa_compressed_fwd_kernel,
+            q,
+            kc,
+            vc,
+            lo,
+            cnt,
+            np.float32(scale),
+            s,
+            tc,
+            hkv,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, s, hq, dv), f32),
+                jax.ShapeDtypeStruct((b, s, hq), f32),
+            ],
+            grid=(s, b * hkv),
+            num_warps=4,
+            num_stages=1,
+            **sizes(q, kc, vc),
+        )
 
     def scores(q, kc, lo, cnt, lse):
         b, s = q.shape[:2]
         tc, hkv = kc.shape[1], kc.shape[2]
         return _launch.launch(
-            kernels.nsa_compressed_scores_kernel, q, kc, lo, cnt, lse, np.float32(scale), s, tc,
-            hkv, nb, out_shape=[jax.ShapeDtypeStruct((b, s, hkv, nb), f32)],
-            grid=(s, b * hkv), zeroed_outputs=(0,), num_warps=4, num_stages=1,
+            kernels.nsa_compressed_scores_kernel,
+            q,
+            kc,
+            lo,
+            cnt,
+            lse,
+            np.float32(scale),
+            s,
+            tc,
+            hkv,
+            nb,
+            out_shape=[jax.ShapeDtypeStruct((b, s, hkv, nb), f32)],
+            grid=(s, b * hkv),
+            zeroed_outputs=(0,),
+            num_warps=4,
+            num_stages=1,
             **sizes(q, kc, kc),
-        )  # fmt: skip
+        )
 
     def dq(q, kc, vc, lo, cnt, d_o, lse, delta):
         b, s = q.shape[:2]
         tc, hkv = kc.shape[1], kc.shape[2]
         return _launch.launch(
-            kernels.nsa_compressed_bwd_dq_kernel, q, kc, vc, lo, cnt, d_o, lse, delta,
-            np.float32(scale), s, tc, hkv, out_shape=[jax.ShapeDtypeStruct(q.shape, f32)],
-            grid=(s, b * hkv), num_warps=4, num_stages=1, **sizes(q, kc, vc),
-        )  # fmt: skip
+            kernels.nsa_compressed_bwd_dq_kernel,
+            q,
+            kc,
+            vc,
+            lo,
+            cnt,
+            d_o,
+            lse,
+            delta,
+            np.float32(scale),
+            s,
+            tc,
+            hkv,
+            out_shape=[jax.ShapeDtypeStruct(q.shape, f32)],
+            grid=(s, b * hkv),
+            num_warps=4,
+            num_stages=1,
+            **sizes(q, kc, vc),
+        )
 
     def dkv(q, kc, vc, lo, cnt, d_o, lse, delta):
         b, s = q.shape[:2]
         tc, hkv = kc.shape[1], kc.shape[2]
         st = sizes(q, kc, vc)
-        tq = 16 if _launch.interpreting() else 256
+        tq = 16 if _launch.interpreting() else _COMPRESSED_QUERIES
         return _launch.launch(
-            kernels.nsa_compressed_bwd_dkv_kernel, q, kc, vc, lo, cnt, d_o, lse, delta,
-            np.float32(scale), s, tc, hkv,
+            kernels.nsa_compressed_bwd_dkv_kernel,
+            q,
+            kc,
+            vc,
+            lo,
+            cnt,
+            d_o,
+            lse,
+            delta,
+            np.float32(scale),
+            s,
+            tc,
+            hkv,
             out_shape=[jax.ShapeDtypeStruct(kc.shape, f32), jax.ShapeDtypeStruct(vc.shape, f32)],
-            grid=(-(-tc // st["BM"]), -(-s // tq), b * hkv), zeroed_outputs=(0, 1),
-            num_warps=4, num_stages=1, TQ=tq, BT=max(1, 64 // st["BG"]), **st,
-        )  # fmt: skip
+            grid=(-(-tc // st["BM"]), -(-s // tq), b * hkv),
+            zeroed_outputs=(0, 1),
+            num_warps=4,
+            num_stages=1,
+            TQ=tq,
+            BT=max(1, 64 // st["BG"]),
+            **st,
+        )
 
     return {"fwd": fwd, "scores": scores, "dq": dq, "dkv": dkv}[which]
 

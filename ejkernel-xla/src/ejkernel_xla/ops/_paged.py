@@ -362,6 +362,7 @@ def packed_forward(a: dict[str, Any], st: Statics) -> jax.Array:
         st,
         softmax_aux=a.get("softmax_aux"),
         alibi_slopes=a.get("alibi_slopes"),
+        reads=(key_cache, a["value_cache"], block_tables),
     )
 
 
@@ -525,7 +526,8 @@ def _typed_zero(*arrays: jax.Array) -> jax.Array:
     to a loop's initial carry, it gives the carry the typing the body's results have."""
     zero = jnp.float32(0.0)
     for a in arrays:
-        zero = zero + jnp.sum(a.reshape(-1)[:0].astype(jnp.float32))
+        empty = a[tuple(slice(0, 0) for _ in a.shape)] if a.ndim else a[None][:0]
+        zero = zero + jnp.sum(empty.astype(jnp.float32))
     return zero
 
 
@@ -548,8 +550,10 @@ def attend(
     *,
     softmax_aux: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
+    reads: tuple[jax.Array, ...] = (),
 ) -> jax.Array:
-    """Attention of packed ``queries [T, Hq, D]`` over the keys ``fetch`` brings.
+    """Attention of packed ``queries [T, Hq, D]`` over the keys ``fetch`` brings (from the
+    arrays ``reads``: its caches, whose ``shard_map`` typing the loop's carry takes).
 
     Returns:
         [T, Hq, Dv] in the query dtype; tokens of no item and rows that see no key are zeros.
@@ -561,9 +565,9 @@ def attend(
     pair_ends = jnp.cumsum(items.blocks)
     total = pair_ends[-1]
     rows = jnp.arange(bq, dtype=jnp.int32)
-    # one real fetch (w blocks): its arrays carry the caches' shard_map typing, which the loop's
-    # carry must start with
-    probe_k, probe_v, _ = fetch(jnp.zeros((w,), jnp.int32), jnp.zeros((w,), jnp.int32))
+    probe_k, probe_v, _ = jax.eval_shape(
+        fetch, jnp.zeros((w,), jnp.int32), jnp.zeros((w,), jnp.int32)
+    )
     hkv, dv = probe_k.shape[2], probe_v.shape[3]
     group = hq // hkv
     slopes = None
@@ -640,7 +644,7 @@ def attend(
         return m, denom, acc
 
     stats = (n, hkv, bq, group)
-    zero = _typed_zero(queries, probe_k, probe_v, *jax.tree_util.tree_leaves(seqs))
+    zero = _typed_zero(queries, *reads, *jax.tree_util.tree_leaves(seqs))
     init = (
         jnp.full(stats, MASK_VALUE, jnp.float32) + zero,
         jnp.zeros(stats, jnp.float32) + zero,

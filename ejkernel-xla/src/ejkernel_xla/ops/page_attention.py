@@ -67,4 +67,5 @@ def _forward(a: dict[str, Any], st: engine.Statics) -> jax.Array:
         k_scale=a["k_scale"],
         v_scale=a["v_scale"],
     )
-    return engine.attend(a["query"], seqs, fetch, st)
+    reads = (key_cache, a["value_cache"], block_tables)
+    return engine.attend(a["query"], seqs, fetch, st, reads=reads)

@@ -77,4 +77,4 @@ def _forward(a: dict[str, Any], st: engine.Statics) -> jax.Array:
         k_scale=a["k_scale"],
         v_scale=a["v_scale"],
     )
-    return engine.attend(query, seqs, fetch, st)
+    return engine.attend(query, seqs, fetch, st, reads=(key_cache, a["value_cache"], tables))

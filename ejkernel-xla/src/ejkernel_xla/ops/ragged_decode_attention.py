@@ -80,4 +80,5 @@ def _forward(a: dict[str, Any], st: engine.Statics) -> jax.Array:
     end = jnp.clip(a["sequence_end"].astype(jnp.int32), 0, sk)
     seqs = engine.decode_sequences(end - 1, start, end)  # the decode token is the newest one
     fetch = engine.dense_fetch(key, value, st.kv_block, k_scale=a["k_scale"], v_scale=a["v_scale"])
-    return engine.attend(a["query"], seqs, fetch, st, softmax_aux=a["softmax_aux"])
+    reads = (key, value)
+    return engine.attend(a["query"], seqs, fetch, st, softmax_aux=a["softmax_aux"], reads=reads)

@@ -83,7 +83,8 @@ def _forward(a: dict[str, Any], st: engine.Statics) -> tuple[jax.Array, jax.Arra
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    out = engine.attend(queries, seqs, fetch, st, softmax_aux=a["softmax_aux"])
+    reads = (key_cache, value_cache, block_tables)
+    out = engine.attend(queries, seqs, fetch, st, softmax_aux=a["softmax_aux"], reads=reads)
     return out, key_cache, value_cache
 
 
