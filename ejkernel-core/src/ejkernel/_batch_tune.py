@@ -86,9 +86,8 @@ class _Job:
     choice: tuple[str, dict[str, Any]] | None = None
     #: Inputs its targets share (made by the first one timed, dropped once all are timed).
     inputs: dict[str, Any] = attrs.field(factory=dict)
-    #: The item of ``invocations`` it came from, and that item pickled for the compile
-    #: workers (None where it does not pickle: compiled in this process).
-    item: Any = None
+    #: Its item of ``invocations`` pickled for the compile workers (None where it does not
+    #: pickle, or without workers: compiled in this process).
     call: bytes | None = None
 
 
@@ -350,7 +349,6 @@ class _Compiler:
                     compiled, shapes = self.workers.compile(
                         call, *self.call_args, t.platform, i, label
                     )
-                    self.in_workers += 1
                     return compiled, shapes, True
                 except WorkerUnavailable as why:
                     self.here.setdefault(str(why)[:200], t.platform)
@@ -366,6 +364,7 @@ class _Compiler:
                 t.compiled[i] = compiled, shapes
                 if from_worker:
                     t.from_worker.add(i)
+                    self.in_workers += 1
             except Exception as err:
                 _fail(failures, t, stable_json(t.configs[i]), "compile", err)
             bar.update()
@@ -533,6 +532,7 @@ def autotune_recorded(
     wanted = _platform_list(platforms)
     show = sys.stderr.isatty() if progress is None else bool(progress)
 
+    workers = _use_workers(compile_processes, max_workers)
     failures: list[TuneFailure] = []
     jobs: list[_Job] = []
     targets: list[_Target] = []
@@ -542,7 +542,7 @@ def autotune_recorded(
         name = _name(item)
         try:
             job, skipped = _prepare(ex, item, wanted, grad)
-            job.item = item
+            job.call = _pickled(item) if workers else None
         except Exception as err:
             error = f"{type(err).__name__}: {err}"
             failure = TuneFailure(op=name, platform=None, config=None, stage="record", error=error)
@@ -565,7 +565,6 @@ def autotune_recorded(
             jobs.append(job)
             targets.extend(job.targets)
     n_cfg = sum(len(t.configs) for t in targets)
-    workers = _use_workers(compile_processes, max_workers)
     progress_logger.info(
         "autotune_recorded: %d invocations, %d targets, %d candidates; compiling on %d %s",
         len(jobs),
@@ -576,7 +575,6 @@ def autotune_recorded(
     )
     compiler = _Compiler(max_workers, WorkerPool() if workers else None, (wanted, grad))
     for job in jobs:
-        job.call = _pickled(job.item) if workers else None
         compiler.submit(job)
 
     tuned: list[TunedConfig] = []

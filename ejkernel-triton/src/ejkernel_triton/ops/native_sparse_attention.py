@@ -253,123 +253,67 @@ _COMPRESSED_QUERIES = 256
 
 
 def _compressed_kernel(which: str, scale: float, nb: int = 0) -> Any:
+    """The launch of one of :mod:`ejkernel_triton.kernels.nsa_compressed`'s kernels (``fwd``,
+    ``scores``, ``dq``, ``dkv``), as a function of its arrays."""
     from ejkernel_triton.kernels import nsa_compressed as kernels
 
-    def sizes(q, kc, vc):
+    f32 = jnp.float32
+
+    def launch(kernel: Any, arrays: tuple[Any, ...], out_shape: list[Any], **extra: Any) -> Any:
+        q, kc = arrays[0], arrays[1]
+        b, s, hq, d = q.shape
+        tc, hkv = kc.shape[1], kc.shape[2]
+        dv = arrays[2].shape[-1] if which != "scores" else d
         pow2 = lambda n: max(16, 1 << (int(n) - 1).bit_length())
-        group, d, dv = q.shape[2] // kc.shape[2], q.shape[-1], vc.shape[-1]
-        return {
-            "G": group,
+        sizes = {
+            "G": hq // hkv,
             "D": d,
             "DV": dv,
-            "BG": pow2(group),
+            "BG": pow2(hq // hkv),
             "BD": pow2(d),
             "BDV": pow2(dv),
             "BM": 16 if _launch.interpreting() else _COMPRESSED_BLOCK,
             "DOT_PRECISION": "ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32",
         }
-
-    f32 = jnp.float32
+        scalars = (np.float32(scale), s, tc, hkv) + ((nb,) if which == "scores" else ())
+        grid = (s, b * hkv)
+        if which == "dkv":
+            tq = 16 if _launch.interpreting() else _COMPRESSED_QUERIES
+            grid = (-(-tc // sizes["BM"]), -(-s // tq), b * hkv)
+            extra.update(TQ=tq, BT=max(1, 64 // sizes["BG"]))
+        return _launch.launch(
+            kernel,
+            *arrays,
+            *scalars,
+            out_shape=out_shape,
+            grid=grid,
+            num_warps=4,
+            num_stages=1,
+            **sizes,
+            **extra,
+        )
 
     def fwd(q, kc, vc, lo, cnt):
         b, s, hq, _ = q.shape
-        tc, hkv, dv = kc.shape[1], kc.shape[2], vc.shape[-1]
-        return _launch.launch(
-            kernels.nsa_compressed_fwd_kernel,
-            q,
-            kc,
-            vc,
-            lo,
-            cnt,
-            np.float32(scale),
-            s,
-            tc,
-            hkv,
-            out_shape=[
-                jax.ShapeDtypeStruct((b, s, hq, dv), f32),
-                jax.ShapeDtypeStruct((b, s, hq), f32),
-            ],
-            grid=(s, b * hkv),
-            num_warps=4,
-            num_stages=1,
-            **sizes(q, kc, vc),
-        )
+        out = [
+            jax.ShapeDtypeStruct((b, s, hq, vc.shape[-1]), f32),
+            jax.ShapeDtypeStruct((b, s, hq), f32),
+        ]
+        return launch(kernels.nsa_compressed_fwd_kernel, (q, kc, vc, lo, cnt), out)
 
     def scores(q, kc, lo, cnt, lse):
         b, s = q.shape[:2]
-        tc, hkv = kc.shape[1], kc.shape[2]
-        return _launch.launch(
-            kernels.nsa_compressed_scores_kernel,
-            q,
-            kc,
-            lo,
-            cnt,
-            lse,
-            np.float32(scale),
-            s,
-            tc,
-            hkv,
-            nb,
-            out_shape=[jax.ShapeDtypeStruct((b, s, hkv, nb), f32)],
-            grid=(s, b * hkv),
-            zeroed_outputs=(0,),
-            num_warps=4,
-            num_stages=1,
-            **sizes(q, kc, kc),
-        )
+        out = [jax.ShapeDtypeStruct((b, s, kc.shape[2], nb), f32)]
+        args = (q, kc, lo, cnt, lse)
+        return launch(kernels.nsa_compressed_scores_kernel, args, out, zeroed_outputs=(0,))
 
-    def dq(q, kc, vc, lo, cnt, d_o, lse, delta):
-        b, s = q.shape[:2]
-        tc, hkv = kc.shape[1], kc.shape[2]
-        return _launch.launch(
-            kernels.nsa_compressed_bwd_dq_kernel,
-            q,
-            kc,
-            vc,
-            lo,
-            cnt,
-            d_o,
-            lse,
-            delta,
-            np.float32(scale),
-            s,
-            tc,
-            hkv,
-            out_shape=[jax.ShapeDtypeStruct(q.shape, f32)],
-            grid=(s, b * hkv),
-            num_warps=4,
-            num_stages=1,
-            **sizes(q, kc, vc),
-        )
+    def dq(*args):
+        out = [jax.ShapeDtypeStruct(args[0].shape, f32)]
+        return launch(kernels.nsa_compressed_bwd_dq_kernel, args, out)
 
-    def dkv(q, kc, vc, lo, cnt, d_o, lse, delta):
-        b, s = q.shape[:2]
-        tc, hkv = kc.shape[1], kc.shape[2]
-        st = sizes(q, kc, vc)
-        tq = 16 if _launch.interpreting() else _COMPRESSED_QUERIES
-        return _launch.launch(
-            kernels.nsa_compressed_bwd_dkv_kernel,
-            q,
-            kc,
-            vc,
-            lo,
-            cnt,
-            d_o,
-            lse,
-            delta,
-            np.float32(scale),
-            s,
-            tc,
-            hkv,
-            out_shape=[jax.ShapeDtypeStruct(kc.shape, f32), jax.ShapeDtypeStruct(vc.shape, f32)],
-            grid=(-(-tc // st["BM"]), -(-s // tq), b * hkv),
-            zeroed_outputs=(0, 1),
-            num_warps=4,
-            num_stages=1,
-            TQ=tq,
-            BT=max(1, 64 // st["BG"]),
-            **st,
-        )
+    def dkv(*args):
+        out = [jax.ShapeDtypeStruct(args[1].shape, f32), jax.ShapeDtypeStruct(args[2].shape, f32)]
+        return launch(kernels.nsa_compressed_bwd_dkv_kernel, args, out, zeroed_outputs=(0, 1))
 
     return {"fwd": fwd, "scores": scores, "dq": dq, "dkv": dkv}[which]
 
