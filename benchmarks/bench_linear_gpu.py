@@ -25,7 +25,7 @@ Timing: median of ``--repeats`` batches of ``--iters`` calls after a warm-up
 from the heuristics (``EJKERNEL_AUTOTUNE_POLICY=heuristics`` unless set).
 
 ``--decode``: instead, decoding with ``gla`` (B 32, H 16, K = V = 128, bf16, a carried
-float32 state, ``return_state``) for T = 1, 4 and 16 tokens a call: the fused recurrent kernel
+float32 state, ``return_state``) for T = 1, 4, 8 and 16 tokens a call: the fused recurrent kernel
 (``GlaConfig(fused=True)``, 16/32/64-wide value blocks) against the chunked kernels (the
 heuristic's chunked config) and the XLA platform, forward only.
 
@@ -349,7 +349,7 @@ def decode(iters: int, repeats: int) -> None:
             "| T | chunked ms | fused bv16 | fused bv32 | fused bv64 | XLA ms | state GB/s | rel err |"
         )
         print("|---|---|---|---|---|---|---|---|")
-        for t in (1, 4, 16):
+        for t in (1, 4, 8, 16):
             args = (*make(t, b).values(), _normal(7, (b, h, d, d), jnp.float32))
 
             def run(cfg: Any, platform: str = "triton", call: Any = call) -> Any:

@@ -8,7 +8,7 @@ S²/2, so it wins once S is well past T·bs.
 
 CPU (default): float32, (1, S, 4 query heads, 1 KV head, D=64), S = 1k … 4k, bs=64, T=8, W=128.
 GPU (``--gpu``): bfloat16, (1, S, 16 query heads, 1 KV head, D=128), S = 8k … 32k, bs=64,
-T=16, W=512 (the paper's settings, one KV group).
+T=16, W=512 (the paper's settings, one KV group); ``--heads 64 --kv-heads 4`` is issue 31's shape.
 
 ``--platform P`` runs NSA on platform P (``xla``, ``triton``: opt-in) instead of the default
 call's.
@@ -65,12 +65,15 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--seqs", nargs="*", type=int, default=None)
     parser.add_argument("--platform", default=None, help="NSA's platform (default: the chosen)")
+    parser.add_argument("--heads", type=int, default=None, help="query heads (GPU default 16)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (GPU default 1)")
     args = parser.parse_args()
     chosen = {} if args.platform is None else {"platform": args.platform}
     print(f"jax {jax.__version__}, devices {jax.devices()}, ejkernel {ejkernel.__version__}")
     if args.gpu:
         nsa = {"block_size": 64, "block_counts": 16, "window_size": 512, **chosen}
-        run(args.seqs or [8192, 16384, 32768], hq=16, hkv=1, d=128, nsa=nsa, dtype=jnp.bfloat16)
+        hq, hkv = args.heads or 16, args.kv_heads or 1
+        run(args.seqs or [8192, 16384, 32768], hq=hq, hkv=hkv, d=128, nsa=nsa, dtype=jnp.bfloat16)
     else:
         nsa = {"block_size": 64, "block_counts": 8, "window_size": 128, **chosen}
         run(args.seqs or [1024, 2048, 4096], hq=4, hkv=1, d=64, nsa=nsa, dtype=jnp.float32)

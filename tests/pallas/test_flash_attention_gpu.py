@@ -119,6 +119,19 @@ def test_causal_gqa_with_more_keys_than_queries(mode: str) -> None:
     _check(mode, AttentionShape(b=1, sq=sq, sk=sk, hq=2, hkv=1, d=64), True, SMALL)
 
 
+THREE_STAGES = FlashAttentionConfig(
+    fwd_params=FwdParams(q_blocksize=64, kv_blocksize=64, num_stages=3),
+    bwd_params=BwdParams(q_blocksize=64, kv_blocksize=64, num_stages=3),
+)
+
+
+@pytest.mark.parametrize("mode", [GPU, INTERPRET])
+def test_causal_backward_with_a_three_slot_ring(mode: str) -> None:
+    # the second kv tile's queries start at block 2, which three slots do not divide: the
+    # dK/dV consumer hands back the steps it skips in the slots the producer filled
+    _check(mode, AttentionShape(b=1, sq=256, sk=256, hq=1, hkv=1, d=64), True, THREE_STAGES)
+
+
 @pytest.mark.parametrize("d", [64, 128])  # the forward orders its waits per head dim
 @pytest.mark.parametrize("mode", [GPU, INTERPRET])
 def test_full_attention_one_tile(mode: str, d: int) -> None:

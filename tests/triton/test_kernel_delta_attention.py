@@ -364,7 +364,9 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
     ]
     decode = inputs(4, 1, 2, 128, 128, dtype=jnp.bfloat16)
     fused = heuristic(types.SimpleNamespace(kwargs=decode))
-    assert fused.fused and fused.block_v == 16
+    assert fused.fused and fused.block_v == 64
+    longer = inputs(4, kda.FUSED_GPU_MAX_TOKENS + 1, 2, 128, 128, dtype=jnp.bfloat16)
+    assert not heuristic(types.SimpleNamespace(kwargs=longer)).fused
     with _codegen.recorded_launches() as decoding:
         kda.kernel_delta_attention_triton(cfg=fused, **decode)
     (launch,) = decoding

@@ -220,13 +220,17 @@ def launch(
     )
 
 
-def release_slots(pr: Problem, begin: Any, end: Any, landed: tuple[Any, ...], free: Any) -> None:
+def release_slots(
+    pr: Problem, begin: Any, end: Any, landed: tuple[Any, ...], free: Any, *, origin: Any = 0
+) -> None:
     """Steps ``[begin, end)`` this consumer skips: wait for their data (keeping every
-    barrier's phase in step with the producer) and hand the slot back."""
+    barrier's phase in step with the producer) and hand the slot back. ``origin`` is the step
+    the producer loads into slot 0 (its ``start``): step ``j`` sits in slot
+    ``(j - origin) % stages``, as the consumer's own steps read it."""
     plgpu = _compat.plgpu()
 
     def release(j, _):
-        slot = lax.rem(j, jnp.int32(pr.stages))
+        slot = lax.rem(j - origin, jnp.int32(pr.stages))
         for barrier in landed:
             plgpu.barrier_wait(barrier.at[slot])
         plgpu.barrier_arrive(free.at[slot])

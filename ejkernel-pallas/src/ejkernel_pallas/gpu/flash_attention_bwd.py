@@ -194,7 +194,7 @@ def _bwd_dkv_kernel(*refs, pr: Problem, out_dtype: Any):
         zeros = jnp.full((bk, d), 0.0, jnp.float32)
         carry = (mg.layout(pr, zeros, "WGMMA"), mg.layout(pr, zeros, "WGMMA"))
         if pr.causal:
-            mg.release_slots(pr, cta_start, start, ring, free)
+            mg.release_slots(pr, cta_start, start, ring, free, origin=cta_start)
 
         def step(i, carry, masked: bool):
             dk, dv = carry

@@ -2,7 +2,7 @@
 (:mod:`ejkernel_triton.kernels.kda_fwd`, :mod:`ejkernel_triton.kernels.kda_bwd`): reading one
 chunk's inputs with the numerics of :mod:`ejkernel_xla.ops._chunk_numerics`, a per-head gate's
 decayed products ``P`` and ``K Kᵀ`` and their VJP, and the unit lower-triangular inverse
-``T = (I + A)⁻¹`` (its 16-row diagonal blocks by substitution, then doublings).
+``T = (I + A)⁻¹``.
 
 A chunk is ``C`` consecutive rows of the ``[B, T, H, F]`` chunk layout; ``rows`` are their
 flat (token, head) indices, ``p_k = rows · K + κ`` the offsets of their ``BK`` key channels.
@@ -170,6 +170,21 @@ def decayed_products_bwd(
 
 
 @triton.jit
+def unit_lower_inverse(b_a, o_c, C: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(I + A)⁻¹`` for a strictly lower ``A [C, C]``. First the diagonal blocks of
+    :data:`SUB` rows, all blocks at once, by forward substitution: step ``i`` sets row ``i`` of
+    every block to ``e_i − Σ_{j<i} A_ij T_j`` (one product, the earlier rows being final). Then
+    :func:`merge_block_inverses`."""
+    blk = o_c // SUB
+    b_d = tl.where(blk[:, None] == blk[None, :], b_a, 0.0)
+    b_t = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    for i in range(1, SUB):
+        b_row = tl.where((o_c % SUB == i)[:, None], b_d, 0.0)
+        b_t -= tl.dot(b_row, b_t, input_precision=DOT_PRECISION)
+    return merge_block_inverses(b_t, b_a, o_c, C, DOT_PRECISION)
+
+
+@triton.jit
 def block_inverse(b_a, o_s):
     """``(I + A)⁻¹`` for a strictly lower ``A [SUB, SUB]`` by forward substitution, row by
     row (``T_i = e_i − Σ_{j<i} A_ij T_j``), with reductions instead of products: one tile's
@@ -180,25 +195,6 @@ def block_inverse(b_a, o_s):
         b_r = tl.sum(b_ai[:, None] * b_t, axis=0)  # Σ_j A_ij T_j
         b_t = tl.where((o_s == i)[:, None], b_t - b_r[None, :], b_t)
     return b_t
-
-
-@triton.jit
-def diagonal_block_inverses(at, step, b_a, o_c, C: tl.constexpr):
-    """The inverses of ``I +`` the diagonal blocks of :data:`SUB` rows of the strictly lower
-    ``A [C, C]``, as a block-diagonal ``[C, C]`` tile: each block by :func:`block_inverse`,
-    through the program's own ``[C, C]`` float32 room in memory (entry ``(t, j)`` at
-    ``at + t·step + j``), where a ``[SUB, SUB]`` block can be loaded on its own."""
-    p_cc = at + o_c[:, None] * step + o_c[None, :]
-    tl.store(p_cc, b_a)
-    tl.debug_barrier()
-    o_s = tl.arange(0, SUB)
-    for r in tl.static_range(C // SUB):
-        idx = r * SUB + o_s
-        p_rr = at + idx[:, None] * step + idx[None, :]
-        tl.store(p_rr, block_inverse(tl.load(p_rr), o_s))
-    tl.debug_barrier()
-    same_block = (o_c // SUB)[:, None] == (o_c // SUB)[None, :]
-    return tl.load(p_cc, mask=same_block, other=0.0)
 
 
 @triton.jit

@@ -53,10 +53,10 @@ from ejkernel_triton.kernels.kda_common import (
     chunk_inputs,
     chunk_tiles,
     decayed_products,
-    diagonal_block_inverses,
     finite,
     l2_normalise,
     merge_block_inverses,
+    unit_lower_inverse,
     walk_tiles,
 )
 
@@ -118,9 +118,7 @@ def kda_fwd_prep_kernel(
 ):
     """Grid ``(NT, B·H)``, a per-head gate's (``GK = 1``): one chunk's ``P`` [B, T, H, C]
     (float32) and, through :func:`chunk_factors`, the rest; with ``STORE_FACTORS`` (for the
-    backward) also the decayed ``K Kᵀ`` [B, T, H, C] (float32). ``T`` [B, T, H, C] (float32)
-    is written either way: the diagonal blocks of ``I + A`` are inverted there, a block at a
-    time (:func:`~ejkernel_triton.kernels.kda_common.diagonal_block_inverses`)."""
+    backward) also the decayed ``K Kᵀ`` [B, T, H, C] (float32)."""
     tl.static_assert(GK == 1, "a per-channel gate takes the norm, intra and WY kernels")
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     b_q, b_k, b_beta, b_gc, bad = normalised_chunk(
@@ -130,12 +128,8 @@ def kda_fwd_prep_kernel(
     tl.store(p_ptr + rows[:, None] * C + o_c[None, :], b_p)
     if STORE_FACTORS:
         tl.store(kk_ptr + rows[:, None] * C + o_c[None, :], b_kk)
-    b_a = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_kk, 0.0)
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    first = (i_bh // H).to(tl.int64) * NT * C * H + i_bh % H + i_n * C * H  # the chunk's row 0
-    b_tdiag = diagonal_block_inverses(t_ptr + first * C, H * C, b_a, o_c, C)
     chunk_factors(
-        b_q, b_k, b_beta, b_gc, bad, b_kk, b_tdiag, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
+        b_q, b_k, b_beta, b_gc, bad, b_kk, None, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
         qg_ptr, kg_ptr, w_ptr, u_ptr, decay_ptr, t_ptr,
         K, V, C, BV, GK, STORE_FACTORS, DOT_PRECISION,
     )  # fmt: skip
@@ -327,8 +321,8 @@ def chunk_factors(
     DOT_PRECISION: tl.constexpr,
 ):
     """From one chunk's ``q``, ``k`` (normalised, ``q`` scaled), ``β``, cumulative gate,
-    decayed ``K Kᵀ`` and the inverses of ``I + A``'s diagonal blocks (``b_tdiag``, block
-    diagonal): ``q ⊙ exp(G)``, ``k ⊙ exp(G_C − G)`` ([B, T, H, K], the input dtype),
+    decayed ``K Kᵀ`` and, where given, the inverses of ``I + A``'s diagonal blocks
+    (``b_tdiag``; ``None``: computed here): ``q ⊙ exp(G)``, ``k ⊙ exp(G_C − G)`` ([B, T, H, K], the input dtype),
     ``W`` [B, T, H, K], ``U`` [B, T, H, V] (input dtype), the decay ``exp(G_C)``
     [B, NT, H, GK] and, with ``STORE_FACTORS``, ``T`` [B, T, H, C] (float32)."""
     # each tile is stored as soon as it is final, which keeps few of them live at once
@@ -347,8 +341,10 @@ def chunk_factors(
     tl.store(qg_ptr + p_k, (b_q * b_gamma).to(dt), mask=m_k[None, :])
     tl.store(kg_ptr + p_k, (b_k * b_to_end).to(dt), mask=m_k[None, :])
     b_a = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_kk, 0.0)
-    b_t = merge_block_inverses(b_tdiag, b_a, o_c, C, DOT_PRECISION)
-    tl.debug_barrier()  # ``T`` may go where the diagonal blocks were read from
+    if b_tdiag is None:
+        b_t = unit_lower_inverse(b_a, o_c, C, DOT_PRECISION)
+    else:
+        b_t = merge_block_inverses(b_tdiag, b_a, o_c, C, DOT_PRECISION)
     if STORE_FACTORS:
         tl.store(t_ptr + rows[:, None] * C + o_c[None, :], b_t)
     b_w = tl.dot(b_t, b_beta[:, None] * b_k * b_gamma, input_precision=DOT_PRECISION)

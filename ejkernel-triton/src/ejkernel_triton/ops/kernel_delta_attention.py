@@ -67,10 +67,11 @@ GATE_FLOOR = 110.0
 
 _CHUNKS = (16, 32, 64)
 #: The longest call (tokens per row, or in all when packed) the heuristic gives the fused
-#: recurrent kernel in the interpreter, and on a GPU (where the chunked forward is five
-#: launches over at least one padded chunk of 16).
+#: recurrent kernel in the interpreter, and on a GPU: the fused kernel's time grows with each
+#: token, the chunked launches' hardly up to a chunk, and they cross near 8 tokens
+#: (benchmarks/RESULTS.md, ``bench_linear_gpu.py --decode``).
 FUSED_MAX_TOKENS = 16
-FUSED_GPU_MAX_TOKENS = 16
+FUSED_GPU_MAX_TOKENS = 8
 #: Key channels a program of a per-channel gate's decayed products (forward and VJP) takes.
 _PRODUCT_CHANNELS = 32
 #: Warps of a program on one ``[16, _PRODUCT_CHANNELS]`` tile of the decayed products.
@@ -152,7 +153,7 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     packed sequences or where shared memory is too small; in the interpreter (whose cost is
     per program and per loop step) chunks of 16 and whole-V blocks. Decoding calls (at most
     :data:`FUSED_GPU_MAX_TOKENS` tokens on a GPU, :data:`FUSED_MAX_TOKENS` in the
-    interpreter) take the fused recurrent kernel, with 16-wide value blocks on a GPU."""
+    interpreter) take the fused recurrent kernel, with value blocks of up to 64 on a GPU."""
     a = inv.kwargs
     s, dk, dv = a["query"].shape[1], a["query"].shape[-1], a["value"].shape[-1]
     cu = a.get("cu_seqlens")
@@ -163,7 +164,7 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
         )
     if s <= FUSED_GPU_MAX_TOKENS:
         return KernelDeltaAttentionConfig(
-            chunk_size=16, block_v=min(16, _pow2(dv)), num_warps=4, fused=True
+            chunk_size=16, block_v=min(64, _pow2(dv)), num_warps=4, fused=True
         )
     limit = _smem.launch_limit()
     for chunk in (64, 32, 16):
@@ -464,8 +465,8 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
 
 
 def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> list[Any]:
-    """A per-head gate's chunk pass, one launch: ``(qg, kg, w, u, p, decay, t, kk)`` (``kk``
-    only with ``keep``)."""
+    """A per-head gate's chunk pass, one launch: ``(qg, kg, w, u, p, decay, t, kk)`` (``t``
+    and ``kk`` only with ``keep``)."""
     from ejkernel_triton.kernels.kda_fwd import kda_fwd_prep_kernel
 
     b, t, h, dk = q.shape
@@ -485,7 +486,7 @@ def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> 
             *_factor_shapes(q, dv),
             jax.ShapeDtypeStruct((b, t, h, c), jnp.float32),
             jax.ShapeDtypeStruct((b, nt, h, 1), jnp.float32),
-            jax.ShapeDtypeStruct((b, t, h, c), jnp.float32),  # T: also the inverse's room
+            jax.ShapeDtypeStruct(factors, jnp.float32),
             jax.ShapeDtypeStruct(factors, jnp.float32),
         ],
         grid=(nt, b * h),
