@@ -111,6 +111,38 @@ def test_autotune_inside_jit_logs_each_candidate_and_the_winner(monkeypatch, cap
     assert any("best" in line for line in lines), lines
 
 
+class Outer(Good):
+    """An implementation that calls another op which tunes too (NSA's window branch calls
+    flash attention so)."""
+
+    def __init__(self, executor: Executor):
+        Kernel.__init__(self, name="outer")
+        self.executor = executor
+
+    def run(self, x, *, cfg):
+        return self.executor(Good(), x) + 1.0
+
+
+def test_a_candidate_that_calls_a_tuning_op_tunes_it_on_a_thread_of_its_own():
+    # the caller's policy override reaches the tuning thread (it runs in the caller's
+    # context), so the inner op tunes there too, while the outer candidate is being traced
+    import threading
+
+    executor = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))
+    x = jax.random.normal(jax.random.PRNGKey(3), (8, 8))
+    result = []
+
+    def call():
+        with policy_override(autotune=True):
+            result.append(jax.jit(lambda x: executor(Outer(executor), x))(x))
+
+    caller = threading.Thread(target=call, daemon=True)  # a daemon: a hang fails, not blocks
+    caller.start()
+    caller.join(timeout=60)
+    assert result, "the nested tuning waited for the tuning thread it runs on"
+    np.testing.assert_allclose(result[0], 2 * x + 1.0, rtol=1e-6)
+
+
 def test_kernel_candidates_are_timed_on_inputs_already_on_the_device():
     # Synthetic NumPy inputs must be copied to the device once, not at every timed call.
     executor = Executor(ConfigSelectorChain(cache=ConfigCache(), persistent=False))

@@ -11,10 +11,12 @@ if every candidate fails an ``ExceptionGroup`` with one note per candidate is ra
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import functools
 import logging
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,14 +47,34 @@ if not progress_logger.handlers:
 PROGRESS_AFTER_S = 3.0
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_tuning = threading.local()
 
 
 def run_outside_trace(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on the tuning thread, where no JAX trace is active; return its result."""
+    """Run ``fn`` on the tuning thread, where no JAX trace is active, in the caller's context
+    (its policy overrides and cache overlays); return its result.
+
+    Called from a tuning thread itself (a candidate's implementation calls an op that tunes
+    too, as NSA's sliding-window branch calls flash attention), ``fn`` runs on a thread of
+    its own: the tuning thread is busy tracing that candidate and would wait for itself."""
     global _pool
+    job = functools.partial(contextvars.copy_context().run, _on_tuning_thread, fn)
+    if getattr(_tuning, "active", False):
+        with concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="ejkernel-autotune-nested"
+        ) as nested:
+            return nested.submit(job).result()
     if _pool is None:
         _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ejkernel-autotune")
-    return _pool.submit(fn).result()
+    return _pool.submit(job).result()
+
+
+def _on_tuning_thread(fn: Callable[[], Any]) -> Any:
+    _tuning.active = True
+    try:
+        return fn()
+    finally:
+        _tuning.active = False
 
 
 def on_device(tree: Any) -> Any:
