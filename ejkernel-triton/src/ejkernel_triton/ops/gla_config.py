@@ -78,11 +78,11 @@ def supports(inv: Any) -> bool | str:
     return True
 
 
-#: The longest call (tokens per row) for which the heuristic picks the fused kernel on a GPU.
-#: On an H100 (B 32, H 16, K = V = 128, bf16, a carried state) the fused kernel with 16-wide
-#: value blocks takes 0.36x the chunked kernels' time at 1 token and 0.43x at 4; at 16 its
-#: best value block takes 1.04x (benchmarks/RESULTS.md). Longer calls run the chunked kernels.
-FUSED_GPU_MAX_TOKENS = 4
+#: The longest call (tokens per row) for which the heuristic picks the fused kernel on a GPU:
+#: at B 32, H 16, K = V = 128 it takes well under the chunked kernels' time up to 8 tokens and
+#: about the same at 16 (``bench_linear_gpu.py --decode``, benchmarks/RESULTS.md). Longer
+#: calls run the chunked kernels.
+FUSED_GPU_MAX_TOKENS = 8
 
 
 def heuristic(inv: Any) -> GlaConfig:
