@@ -13,7 +13,8 @@ T=16, W=512 (the paper's settings, one KV group); ``--heads 64 --kv-heads 4`` is
 ``--platform P`` runs NSA on platform P (``xla``, ``triton``: opt-in) instead of the default
 call's. ``--configs`` times the Triton NSA at each selected-branch config (warps, stages);
 ``--anchor fla`` times flash-linear-attention's ``parallel_nsa`` (torch, in a process of its own,
-jax left on the CPU) at the same shapes.
+jax left on the CPU) at the same shapes; its window branch needs the flash-attn package, so
+``--window 0`` compares the compressed and selected branches alone.
 
 Run: ``python benchmarks/bench_native_sparse_attention.py [--gpu] [--seqs S ...] [--platform P]``
 """
@@ -159,12 +160,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=None, help="query heads (GPU default 16)")
     parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (GPU default 1)")
     parser.add_argument("--configs", action="store_true", help="the Triton NSA's configs (GPU)")
+    parser.add_argument(
+        "--window", type=int, default=512, help="GPU window (0: none; fla needs flash-attn for one)"
+    )
     parser.add_argument("--anchor", choices=("fla",), help="time fla's parallel_nsa only (GPU)")
     args = parser.parse_args()
     chosen = {} if args.platform is None else {"platform": args.platform}
     gpu_shape = {"hq": args.heads or 16, "hkv": args.kv_heads or 1, "d": 128}
     gpu_seqs = args.seqs or [8192, 16384, 32768]
-    nsa = {"block_size": 64, "block_counts": 16, "window_size": 512}
+    nsa = {"block_size": 64, "block_counts": 16, "window_size": args.window}
     if args.anchor == "fla":
         fla_anchor(gpu_seqs, **gpu_shape, nsa=nsa)
         return

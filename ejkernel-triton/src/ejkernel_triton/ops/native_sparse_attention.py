@@ -63,7 +63,7 @@ class NativeSparseAttentionConfig:
     """
 
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int = 2
 
 
 def supports(inv: Any) -> bool | str:
@@ -89,17 +89,25 @@ def supports(inv: Any) -> bool | str:
 
 
 def heuristic(inv: Any) -> NativeSparseAttentionConfig:
-    """4 warps, no pipelining (a step is one block of keys and values per query token)."""
+    """4 warps, the walk over the selected blocks pipelined two deep (the next block's keys
+    and values load while this one's are used), the fastest on an H200 at S 16384 with 64
+    query heads in 4 groups (benchmarks/RESULTS.md, ``bench_native_sparse_attention.py
+    --configs``)."""
     del inv
     return NativeSparseAttentionConfig()
 
 
 def config_space(inv: Any) -> list[NativeSparseAttentionConfig]:
-    """The heuristic, then 8 warps and two stages."""
+    """The heuristic, then three stages, none, and 8 warps."""
     base = heuristic(inv)
     if _launch.interpreting():
         return [base]
-    return [base, NativeSparseAttentionConfig(num_warps=8), attrs.evolve(base, num_stages=2)]
+    return [
+        base,
+        attrs.evolve(base, num_stages=3),
+        attrs.evolve(base, num_stages=1),
+        attrs.evolve(base, num_warps=8),
+    ]
 
 
 def native_sparse_attention_triton(
