@@ -318,7 +318,10 @@ def bench(op: str, t: int, iters: int, repeats: int, anchors: str) -> None:
 def decode(iters: int, repeats: int) -> None:
     """The fused recurrent kernel against the chunked kernels for a few tokens a call (gla at
     B 32, KDA at B 64; H 16, K = V = 128, bf16, a carried state), and the state's read and
-    write rate (``B·H·K·V`` float32 each way) at the fused kernel's best value block."""
+    write rate (``B·H·K·V`` float32 each way) at the fused kernel's best value block; then
+    the fused kernel (64-wide value blocks) per step of :data:`SCAN_STEPS` calls in one
+    ``lax.scan`` that carries the state (no dispatch between steps, as in a serving loop),
+    and the state's rate at that time."""
     from ejkernel_triton.ops.gla import GlaConfig
     from ejkernel_triton.ops.kernel_delta_attention import KernelDeltaAttentionConfig
 
@@ -346,9 +349,10 @@ def decode(iters: int, repeats: int) -> None:
     for name, b, call, make, chunked in tables:
         print(f"\n### {name} decoding: B {b}, H {h}, K = V = {d}, bf16 ({_device()})")
         print(
-            "| T | chunked ms | fused bv16 | fused bv32 | fused bv64 | XLA ms | state GB/s | rel err |"
+            "| T | chunked ms | fused bv16 | fused bv32 | fused bv64 | XLA ms | state GB/s "
+            "| rel err | bv64 per scan step | state GB/s (scan) |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for t in (1, 4, 8, 16):
             args = (*make(t, b).values(), _normal(7, (b, h, d, d), jnp.float32))
 
@@ -365,7 +369,31 @@ def decode(iters: int, repeats: int) -> None:
             want = run(chunked)(*args)
             err = max(rel(a, e) for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
             cols = " | ".join(f"{c:.4f}" for c in cells)
-            print(f"| {t} | {cols} | {rate:.0f} | {err:.1e} |", flush=True)
+            fused64 = attrs.evolve(chunked, fused=True, block_v=64)
+            step = timed(scanned(call, fused64), *args, iters=iters, repeats=repeats) / SCAN_STEPS
+            scan_rate = 2 * b * h * d * d * 4 / (step * 1e-3) / 1e9
+            print(
+                f"| {t} | {cols} | {rate:.0f} | {err:.1e} | {step:.4f} | {scan_rate:.0f} |",
+                flush=True,
+            )
+
+
+#: Decoding steps one ``--decode`` scan runs.
+SCAN_STEPS = 32
+
+
+def scanned(call: Any, cfg: Any) -> Any:
+    """``SCAN_STEPS`` calls of ``call`` (its last argument the state, returning
+    ``(out, state)``) in one jitted ``lax.scan`` carrying the state: the final state."""
+
+    def steps(*args: Any) -> Any:
+        def step(state: Any, _: Any) -> tuple[Any, None]:
+            _, state = call(*args[:-1], state, cfg=cfg, platform="triton")
+            return state, None
+
+        return jax.lax.scan(step, args[-1], None, length=SCAN_STEPS)[0]
+
+    return jax.jit(steps)
 
 
 def _device() -> str:
