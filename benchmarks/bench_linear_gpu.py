@@ -17,7 +17,9 @@ Ops and default shapes (bfloat16; gates ``log_sigmoid(x) / 16`` as GLA's):
 - ``lightning`` ``lightning_attention`` (layer 0 of 24); anchor
   ``fla.ops.lightning_attn.chunk_lightning_attn``.
 - ``recurrent`` with a per-head ``g`` and a per-channel ``gk``; no anchor.
-- ``ssd`` ``state_space_v2`` (Mamba-2: B 2, T 8192, H 32, P 64, G 1, N 128); no anchor.
+- ``ssd`` ``state_space_v2`` (Mamba-2: B 2, T 8192, H 32, P 64, G 1, N 128) against mamba-ssm's
+  Triton ``mamba_chunk_scan_combined`` (chunks of 256; ``benchmarks/fetch_mamba_anchor.sh``
+  makes the importable folder the GPU call carries).
 - ``ssm`` ``state_space_v1`` (Mamba-1: B 2, T 4096, I 2048, N 16); no anchor.
 
 Timing: median of ``--repeats`` batches of ``--iters`` calls after a warm-up
@@ -153,6 +155,12 @@ def _fla_gla(q, k, v, g):
     return chunk_gla(q, k, v, g)[0]
 
 
+def _mamba_ssd(x, a, b, c, d, dt):
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    return mamba_chunk_scan_combined(x, dt, a, b, c, chunk_size=256, D=d)
+
+
 def _fla_lightning(q, k, v):
     from fla.ops.lightning_attn import chunk_lightning_attn
 
@@ -205,6 +213,8 @@ CASES: dict[str, Case] = {
         lambda x, A, B, C, D, dt, platform: ejkernel.state_space_v2(
             x, A, B, C, D, dt, platform=platform
         ),
+        "mamba-ssm mamba_chunk_scan_combined",
+        _mamba_ssd,
     ),
     "ssm": Case(
         "B 2, T {t}/2, I 2048, N 16",
