@@ -56,6 +56,24 @@ def assert_output(
     assert_close(out, expected, name=name)
 
 
+def check_call(
+    fn: Callable[..., Any],
+    spec: OpSpec,
+    reference: Callable[..., Any],
+    arrays: dict[str, Any],
+    cfg: Any,
+    dtype: str,
+    name: str,
+    **options: Any,
+) -> jax.Array:
+    """``fn(cfg=cfg)`` on ``arrays`` with ``options``, checked by :func:`assert_output` against
+    ``reference`` in the query's shape; returns the output."""
+    args = validated(spec, arrays, **options)
+    out = fn(**args, cfg=cfg)
+    assert_output(out, reference(**args), args["query"].shape, dtype, name)
+    return out
+
+
 def config_space_of(
     spec: OpSpec,
     args: dict[str, Any],
