@@ -137,3 +137,26 @@ def hopper_launches(
         out, res = forward(cfg=cfg, **statics, **arrays)
         backward(res, out, cfg=cfg, **statics)
     return [(one, _codegen.compile_launch(one, capability=90)) for one in record]
+
+
+def check_config_and_gpu_space(
+    monkeypatch: pytest.MonkeyPatch,
+    config_type: type,
+    bad_fields: tuple[str, ...],
+    config_space: Callable[[Any], list[Any]],
+    heuristic: Callable[[Any], Any],
+    *gates: str,
+) -> Any:
+    """``config_type`` refuses 48 for each of ``bad_fields``; the GPU's space (the interpreter
+    off) of B 2, T 8192, H 16, D 128 in bfloat16 (``query``, ``key``, ``value`` and ``gates`` of
+    one shape) starts with the heuristic's config, without repeats, more than one; returns the
+    call."""
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    for field in bad_fields:
+        with pytest.raises(ValueError, match=field):
+            config_type(**{field: 48})
+    q = jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16)
+    inv = types.SimpleNamespace(kwargs=dict.fromkeys(("query", "key", "value", *gates), q))
+    space = config_space(inv)
+    assert space[0] == heuristic(inv) and len(space) == len(set(space)) > 1
+    return inv
