@@ -1,6 +1,7 @@
 """What the Pallas TPU paged-attention tests share: a batch's arguments as the core hands
-them to an implementation, and the check of an implementation's output against the op's
-reference (shape, dtype, no hidden NaN reaching a row, closeness)."""
+them to an implementation, the check of an implementation's output against the op's
+reference (shape, dtype, no hidden NaN reaching a row, closeness), and the check that huge
+pages fit the VMEM budget."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel.ops import Invocation
 from ejkernel.specs import OpSpec
 from ejkernel.testing import assert_close
 
@@ -37,3 +39,19 @@ def check_output(
     assert np.all(np.isfinite(np.asarray(out, np.float32))), "a hidden NaN reached a row"
     assert_close(out, ref, name=name)
     return out
+
+
+def assert_huge_pages_fit_vmem(
+    spec: OpSpec,
+    module: Any,
+    supports: Callable[[Any], Any],
+    big: dict[str, Any],
+    huge: dict[str, Any],
+) -> None:
+    """``module``'s heuristic launch at ``big``'s huge pages takes one page a block within the
+    VMEM budget; ``supports`` declines ``huge``'s for VMEM."""
+    from ejkernel_pallas.tpu import _paged
+
+    lp = module._heuristic_launch(big)
+    assert lp.pages_per_block == 1 and _paged.vmem_bytes(lp) <= _paged.vmem_budget()
+    assert "VMEM" in supports(Invocation(kernel=spec.name, kwargs=huge))
