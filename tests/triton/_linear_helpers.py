@@ -2,7 +2,8 @@
 kernel_delta_attention, state_space_v1/v2) share: random queries, keys and values, a
 norm-relative error, outputs and gradients
 under a fixed cotangent, the comparison of every output leaf and gradient against the
-reference or the XLA platform, and the kernels' launches compiled for Hopper."""
+reference or the XLA platform, a run split in two through its carried state, the fused decode,
+and the kernels' launches compiled for Hopper."""
 
 from __future__ import annotations
 
@@ -113,6 +114,43 @@ def check_against_xla(
     for name, a, e in pairs + [(f"d{n}", got[n], exp[n]) for n in got]:
         assert bool(jnp.isfinite(jnp.asarray(a, jnp.float32)).all()), name
         assert rel(a, e) < tol, (name, rel(a, e))
+
+
+def check_two_halves(
+    fn: Callable[..., Any], arrays: dict[str, jax.Array], timed: Sequence[str], **statics: Any
+) -> None:
+    """``fn`` over the first 13 tokens, then over the rest from the carried state, equals one
+    run over all (``timed`` are the arrays with a time axis): output and final state."""
+    whole, final = fn(**arrays, **statics, return_state=True)
+    first = {n: v[:, :13] if n in timed else v for n, v in arrays.items()}
+    second = {n: v[:, 13:] if n in timed else v for n, v in arrays.items()}
+    o1, h1 = fn(**first, **statics, return_state=True)
+    o2, h2 = fn(**{**second, "initial_state": h1}, **statics, return_state=True)
+    assert rel(jnp.concatenate([o1, o2], axis=1), whole) < 1e-5
+    assert rel(h2, final) < 1e-5
+
+
+def check_fused_decode(
+    op: Callable[..., Any],
+    reference: Callable[..., Any],
+    heuristic: Callable[[Any], Any],
+    arrays: dict[str, jax.Array],
+    **statics: Any,
+) -> None:
+    """The heuristic picks the fused kernel at ``arrays``; ``op`` on the Triton platform matches
+    ``reference`` there, leaf by leaf."""
+    assert heuristic(types.SimpleNamespace(kwargs=arrays)).fused
+    got = op(**arrays, **statics, platform="triton")
+    want = reference(**arrays, **statics)
+    for a, e in zip(got, want, strict=True):
+        assert rel(a, e) < 1e-5
+
+
+def assert_launches_fit_hopper(compiled: list[tuple[Any, Any]], count: int) -> None:
+    """``count`` launches (of :func:`hopper_launches`), each within the H100's shared memory."""
+    assert len(compiled) == count
+    for launch, kernel in compiled:
+        assert kernel.shared <= 232448, launch.kernel.fn.__name__
 
 
 def hopper_launches(
