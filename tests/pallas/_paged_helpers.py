@@ -1,7 +1,7 @@
 """What the Pallas TPU paged-attention tests share: a batch's arguments as the core hands
 them to an implementation, the check of an implementation's output against the op's
-reference (shape, dtype, no hidden NaN reaching a row, closeness), and the check that huge
-pages fit the VMEM budget."""
+reference (shape, dtype, no hidden NaN reaching a row, closeness) and of a whole batch, and
+the check that huge pages fit the VMEM budget."""
 
 from __future__ import annotations
 
@@ -39,6 +39,24 @@ def check_output(
     assert np.all(np.isfinite(np.asarray(out, np.float32))), "a hidden NaN reached a row"
     assert_close(out, ref, name=name)
     return out
+
+
+def batch_checker(
+    impl: Callable[..., Any],
+    spec: OpSpec,
+    inputs: Callable[..., dict[str, Any]],
+    query: str,
+) -> Callable[..., tuple[Any, dict[str, Any]]]:
+    """``check(batch, dtype="float32", cfg=None, **options)``: :func:`check_output` of ``impl``
+    on ``inputs(batch, dtype, **options)``, named after the batch; returns the output and the
+    arguments."""
+
+    def check(batch: Any, dtype: str = "float32", cfg: Any = None, **options: Any) -> Any:
+        args = inputs(batch, dtype, **options)
+        out = check_output(impl, spec, args, query=query, dtype=dtype, cfg=cfg, name=str(batch))
+        return out, args
+
+    return check
 
 
 def assert_huge_pages_fit_vmem(

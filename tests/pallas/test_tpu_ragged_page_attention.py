@@ -18,7 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tests.pallas._mosaic_tpu import assert_paged_attention_kernel
-from tests.pallas._paged_helpers import assert_huge_pages_fit_vmem, check_output, validated
+from tests.pallas._paged_helpers import (
+    assert_huge_pages_fit_vmem,
+    batch_checker,
+    validated,
+)
 
 import ejkernel
 from ejkernel.ops import FwdParams, Invocation
@@ -80,10 +84,8 @@ def inputs(
     return validated(SPEC, arrays, **options)
 
 
-def check(batch: PagedBatch, dtype: str = "float32", cfg: Any = None, **kw: Any) -> Any:
-    args = inputs(batch, dtype, **kw)
-    checks = {"query": "queries", "dtype": dtype, "cfg": cfg, "name": str(batch)}
-    return check_output(ragged_page_attention_pallas, SPEC, args, **checks), args
+#: ``check(batch, dtype, cfg, **options)``: the output on a batch against the reference.
+check = batch_checker(ragged_page_attention_pallas, SPEC, inputs, "queries")
 
 
 def test_mixed_prefill_and_decode_match_the_reference_in_float32() -> None:
