@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pathlib
 import pickle
 import subprocess
 import sys
@@ -470,36 +471,10 @@ def test_progress_bar_and_phase_lines(toy, capsys, caplog, monkeypatch):
 # -- the seed ---------------------------------------------------------------------------------
 
 
-SEED_BATCH_AUTOTUNING = """
-from dataclasses import dataclass
-from ejkernel.ops import Kernel, Invocation
-import jax.numpy as jnp
-
-@dataclass(frozen=True)
-class MyConfig:
-    block_size: int = 128
-    num_warps: int = 4
-    algorithm: str = "default"
-
-class MyKernel(Kernel[MyConfig, jnp.ndarray]):
-    def __init__(self):
-        super().__init__(name="my_kernel")
-
-    def run(self, a, b, *, cfg: MyConfig, **kwargs) -> jnp.ndarray:
-        return jnp.dot(a, b)
-
-    def heuristic_cfg(self, inv: "Invocation") -> MyConfig:
-        a = inv.args[0]
-        block = 128 if a.shape[0] >= 128 else 64
-        return MyConfig(block_size=block)
-
-    def config_space(self, inv: Invocation) -> list[MyConfig]:
-        return [
-            MyConfig(block_size=64, num_warps=2),
-            MyConfig(block_size=128, num_warps=4),
-            MyConfig(block_size=256, num_warps=8),
-        ]
-
+#: The seed's batch-tuning example: its kernel (``_seed_kernel.py``), then its calls.
+SEED_BATCH_AUTOTUNING = (
+    pathlib.Path(__file__).with_name("_seed_kernel.py").read_text()
+    + """
 kernel = MyKernel()
 a, b = jnp.ones((16, 8)), jnp.ones((8, 4))
 inv = Invocation(kernel=kernel, args=(a, b))
@@ -514,6 +489,7 @@ invocations = get_invocations()
 results = autotune_recorded(invocations)
 print(sorted(c.op for c in results), results.failures)
 """
+)
 
 
 @pytest.mark.skipif(

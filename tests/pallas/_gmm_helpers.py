@@ -26,3 +26,11 @@ def gmm_inputs(
         **options,
     }
     return SPEC.validate(SPEC.bind((), args))
+
+
+def transposed_rhs_inputs(n: int, dtype: str) -> dict[str, Any]:
+    """:func:`gmm_inputs` of M 129, K 64, groups (60, 0, 40, 29), ``rhs`` as ``[G, N, K]`` in
+    ``dtype`` and a float32 output."""
+    return gmm_inputs(
+        129, 64, n, (60, 0, 40, 29), dtype, transpose_rhs=True, preferred_element_type="float32"
+    )

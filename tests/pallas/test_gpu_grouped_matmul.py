@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.pallas._gmm_helpers import gmm_inputs
+from tests.pallas._gmm_helpers import gmm_inputs, transposed_rhs_inputs
 
 import ejkernel
 from ejkernel.ops import Invocation
@@ -192,15 +192,7 @@ def test_interpret_empty_groups_rows_past_the_total_and_odd_k_n() -> None:
 @pytest.mark.slow
 @INTERPRET
 def test_interpret_transposed_rhs_float16_with_a_float32_output() -> None:
-    args = inputs(
-        129,
-        64,
-        80,
-        (60, 0, 40, 29),
-        "float16",
-        transpose_rhs=True,
-        preferred_element_type="float32",
-    )
+    args = transposed_rhs_inputs(80, "float16")
     assert check("interpret", args).dtype == jnp.float32
 
 

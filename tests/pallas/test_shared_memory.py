@@ -12,6 +12,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.triton._shared_memory import configs_tuning_runs
 
 from ejkernel_pallas._attention import blocks_config
 
@@ -126,34 +127,14 @@ def test_no_known_limit_prunes_nothing(monkeypatch):
 
 
 def test_tuning_never_runs_a_dropped_candidate(monkeypatch):
-    # The seed's tuning path (executor, chain, autotuner) over a kernel that offers the Pallas
-    # GPU config space and records each config it is run with: dropped candidates never run.
-    from ejkernel.ops import ConfigSelectorChain, Executor, Kernel
+    # Tuning over a kernel that offers the Pallas GPU config space: dropped candidates never run.
     from ejkernel_pallas.gpu import flash_attention as fa
 
     monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", str(H200))
-    monkeypatch.setenv("EJKERNEL_AUTOTUNE_POLICY", "autotune")
-    ran: list[Any] = []
-
-    class Spy(Kernel):
-        def call(self, inv: Any) -> Any:  # tuned as a differentiated call is
-            q, k = inv.args
-            kwargs = {"query": q, "key": k, "value": k, "causal": False}
-            return types.SimpleNamespace(kwargs=kwargs, grad=True)
-
-        def heuristic_cfg(self, inv: Any) -> Any:
-            return fa.heuristic(self.call(inv))
-
-        def config_space(self, inv: Any) -> list[Any]:
-            return fa.config_space(self.call(inv))
-
-        def run(self, q: Any, k: Any, *, cfg: Any) -> Any:
-            ran.append(cfg)
-            return q.sum()
-
     q = jnp.ones((1, 256, 4, 128), jnp.bfloat16)
     k = jnp.ones((1, 256, 1, 128), jnp.bfloat16)
-    Executor(ConfigSelectorChain(persistent=False))(Spy(), q, k)
+    call = lambda q, k: {"query": q, "key": k, "value": k, "causal": False}
+    ran = configs_tuning_runs(monkeypatch, fa.heuristic, fa.config_space, call, q, k)
     dropped = {blocks_config(t, t) for t in ((64, 128, 2), (64, 128, 3))}
     assert ran and not dropped & set(ran)
     assert blocks_config((64, 64, 3), (64, 64, 3)) in ran

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.pallas._gmm_helpers import gmm_inputs
+from tests.pallas._gmm_helpers import gmm_inputs, transposed_rhs_inputs
 from tests.pallas._mosaic_tpu import mosaic_ops
 
 import ejkernel
@@ -101,15 +101,7 @@ def test_groups_straddling_tiles_over_several_k_and_n_blocks_in_float32() -> Non
 
 
 def test_bfloat16_transposed_rhs_with_a_float32_output() -> None:
-    args = inputs(
-        129,
-        64,
-        40,
-        (60, 0, 40, 29),
-        "bfloat16",
-        transpose_rhs=True,
-        preferred_element_type="float32",
-    )
+    args = transposed_rhs_inputs(40, "bfloat16")
     out = check(args, cfg=None, dtype=jnp.bfloat16)
     assert out.dtype == jnp.float32
 

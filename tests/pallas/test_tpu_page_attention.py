@@ -16,7 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tests.pallas._mosaic_tpu import assert_paged_attention_kernel
-from tests.pallas._paged_helpers import check_output, validated
+from tests.pallas._paged_helpers import (
+    assert_huge_pages_fit_vmem,
+    batch_checker,
+    validated,
+)
 
 import ejkernel
 from ejkernel.ops import FwdParams, Invocation
@@ -53,10 +57,8 @@ def inputs(
     return validated(SPEC, batch.example("decode", unused=unused).build(SPEC, dtype), **options)
 
 
-def check(batch: PagedBatch, dtype: str = "float32", cfg: Any = None, **options: Any) -> Any:
-    args = inputs(batch, dtype, **options)
-    checks = {"query": "query", "dtype": dtype, "cfg": cfg, "name": str(batch)}
-    return check_output(page_attention_pallas, SPEC, args, **checks), args
+#: ``check(batch, dtype, cfg, **options)``: the output on a batch against the reference.
+check = batch_checker(page_attention_pallas, SPEC, inputs, "query")
 
 
 def test_gqa_odd_lengths_and_empty_sequences_match_the_reference_in_float32() -> None:
@@ -136,11 +138,9 @@ def test_heuristic_blocks_are_whole_pages_and_fit_the_vmem_budget() -> None:
         "key_cache": jax.ShapeDtypeStruct((64, 256, 8, 256), jnp.float32),
         "block_tables": jax.ShapeDtypeStruct((4, 64), jnp.int32),
     }
-    lp = module._heuristic_launch(big)
-    assert lp.pages_per_block == 1 and _paged.vmem_bytes(lp) <= _paged.vmem_budget()
-    assert supports(Invocation(kernel="page_attention", kwargs=big)) is True
     huge = {**big, "key_cache": jax.ShapeDtypeStruct((64, 1024, 8, 256), jnp.float32)}
-    assert "VMEM" in supports(Invocation(kernel="page_attention", kwargs=huge))
+    assert_huge_pages_fit_vmem(SPEC, module, supports, big, huge)
+    assert supports(Invocation(kernel="page_attention", kwargs=big)) is True
 
 
 def test_supports_declines_scales_odd_page_tiles_on_tpu_and_huge_tables() -> None:

@@ -18,14 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tests.pallas._mosaic_tpu import assert_paged_attention_kernel
-from tests.pallas._paged_helpers import check_output, validated
+from tests.pallas._paged_helpers import (
+    assert_huge_pages_fit_vmem,
+    batch_checker,
+    validated,
+)
 
 import ejkernel
 from ejkernel.ops import FwdParams, Invocation
 from ejkernel.specs.ragged_page_attention import SPEC
 from ejkernel.testing import assert_close
 from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
-from ejkernel_pallas.tpu import _paged
 from ejkernel_pallas.tpu import ragged_page_attention as module
 from ejkernel_pallas.tpu.ragged_page_attention import (
     RaggedPageAttentionConfig,
@@ -81,10 +84,8 @@ def inputs(
     return validated(SPEC, arrays, **options)
 
 
-def check(batch: PagedBatch, dtype: str = "float32", cfg: Any = None, **kw: Any) -> Any:
-    args = inputs(batch, dtype, **kw)
-    checks = {"query": "queries", "dtype": dtype, "cfg": cfg, "name": str(batch)}
-    return check_output(ragged_page_attention_pallas, SPEC, args, **checks), args
+#: ``check(batch, dtype, cfg, **options)``: the output on a batch against the reference.
+check = batch_checker(ragged_page_attention_pallas, SPEC, inputs, "queries")
 
 
 def test_mixed_prefill_and_decode_match_the_reference_in_float32() -> None:
@@ -177,10 +178,8 @@ def test_heuristic_and_config_space_give_tpu_tiles_that_fit_the_vmem_budget() ->
     for c in space:
         assert c.fwd_params.q_blocksize % 8 == 0 and c.fwd_params.kv_blocksize % 8 == 0
     big = {**args, "key_cache": jax.ShapeDtypeStruct((64, 512, 2, 256), jnp.float32)}
-    lp = module._heuristic_launch(big)
-    assert lp.pages_per_block == 1 and _paged.vmem_bytes(lp) <= _paged.vmem_budget()
     huge = {**args, "key_cache": jax.ShapeDtypeStruct((64, 4096, 2, 256), jnp.float32)}
-    assert "VMEM" in supports(Invocation(kernel="ragged_page_attention", kwargs=huge))
+    assert_huge_pages_fit_vmem(SPEC, module, supports, big, huge)
 
 
 def test_supports_declines_scales_and_tables_that_overflow_smem() -> None:

@@ -2,7 +2,8 @@
 kernel_delta_attention, state_space_v1/v2) share: random queries, keys and values, a
 norm-relative error, outputs and gradients
 under a fixed cotangent, the comparison of every output leaf and gradient against the
-reference or the XLA platform, and the kernels' launches compiled for Hopper."""
+reference or the XLA platform, a run split in two through its carried state, the fused decode,
+and the kernels' launches compiled for Hopper."""
 
 from __future__ import annotations
 
@@ -115,6 +116,43 @@ def check_against_xla(
         assert rel(a, e) < tol, (name, rel(a, e))
 
 
+def check_two_halves(
+    fn: Callable[..., Any], arrays: dict[str, jax.Array], timed: Sequence[str], **statics: Any
+) -> None:
+    """``fn`` over the first 13 tokens, then over the rest from the carried state, equals one
+    run over all (``timed`` are the arrays with a time axis): output and final state."""
+    whole, final = fn(**arrays, **statics, return_state=True)
+    first = {n: v[:, :13] if n in timed else v for n, v in arrays.items()}
+    second = {n: v[:, 13:] if n in timed else v for n, v in arrays.items()}
+    o1, h1 = fn(**first, **statics, return_state=True)
+    o2, h2 = fn(**{**second, "initial_state": h1}, **statics, return_state=True)
+    assert rel(jnp.concatenate([o1, o2], axis=1), whole) < 1e-5
+    assert rel(h2, final) < 1e-5
+
+
+def check_fused_decode(
+    op: Callable[..., Any],
+    reference: Callable[..., Any],
+    heuristic: Callable[[Any], Any],
+    arrays: dict[str, jax.Array],
+    **statics: Any,
+) -> None:
+    """The heuristic picks the fused kernel at ``arrays``; ``op`` on the Triton platform matches
+    ``reference`` there, leaf by leaf."""
+    assert heuristic(types.SimpleNamespace(kwargs=arrays)).fused
+    got = op(**arrays, **statics, platform="triton")
+    want = reference(**arrays, **statics)
+    for a, e in zip(got, want, strict=True):
+        assert rel(a, e) < 1e-5
+
+
+def assert_launches_fit_hopper(compiled: list[tuple[Any, Any]], count: int) -> None:
+    """``count`` launches (of :func:`hopper_launches`), each within the H100's shared memory."""
+    assert len(compiled) == count
+    for launch, kernel in compiled:
+        assert kernel.shared <= 232448, launch.kernel.fn.__name__
+
+
 def hopper_launches(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
@@ -137,3 +175,26 @@ def hopper_launches(
         out, res = forward(cfg=cfg, **statics, **arrays)
         backward(res, out, cfg=cfg, **statics)
     return [(one, _codegen.compile_launch(one, capability=90)) for one in record]
+
+
+def check_config_and_gpu_space(
+    monkeypatch: pytest.MonkeyPatch,
+    config_type: type,
+    bad_fields: tuple[str, ...],
+    config_space: Callable[[Any], list[Any]],
+    heuristic: Callable[[Any], Any],
+    *gates: str,
+) -> Any:
+    """``config_type`` refuses 48 for each of ``bad_fields``; the GPU's space (the interpreter
+    off) of B 2, T 8192, H 16, D 128 in bfloat16 (``query``, ``key``, ``value`` and ``gates`` of
+    one shape) starts with the heuristic's config, without repeats, more than one; returns the
+    call."""
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    for field in bad_fields:
+        with pytest.raises(ValueError, match=field):
+            config_type(**{field: 48})
+    q = jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16)
+    inv = types.SimpleNamespace(kwargs=dict.fromkeys(("query", "key", "value", *gates), q))
+    space = config_space(inv)
+    assert space[0] == heuristic(inv) and len(space) == len(set(space)) > 1
+    return inv

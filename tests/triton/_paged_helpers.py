@@ -109,3 +109,45 @@ def check(actual: Any, expected: Any, dtype: Any = jnp.float32) -> None:
     """``actual`` finite and close to ``expected`` at ``dtype``'s tolerance."""
     assert bool(jnp.all(jnp.isfinite(actual))), "non-finite output"
     assert_close(actual, expected, dtype=dtype)
+
+
+def hopper_launch(
+    cache: Any,
+    *,
+    tokens: int,
+    hq: int,
+    rows: int,
+    max_pages: int,
+    query_start_loc: Any,
+    **options: Any,
+) -> Any:
+    """The one launch of ``paged_attention`` on ``tokens`` bfloat16 queries of ones over
+    ``cache`` (``rows`` sequences of ``max_pages`` pages), compiled for sm_90."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops.unified_attention import paged_attention
+
+    with _codegen.recorded_launches() as record:
+        paged_attention(
+            None,
+            queries=jnp.ones((tokens, hq, cache.shape[-1]), jnp.bfloat16),
+            key_cache=cache,
+            value_cache=cache,
+            kv_lens=jnp.ones((rows,), jnp.int32),
+            block_tables=jnp.zeros((rows, max_pages), jnp.int32),
+            query_start_loc=query_start_loc,
+            num_seqs=rows,
+            **options,
+        )
+    (launch,) = record
+    return _codegen.compile_launch(launch, capability=90)
+
+
+def assert_pipelined_matrix_code(compiled: Any) -> None:
+    """``compiled``'s PTX: 16-byte pipelined copies, no 2-byte or 1-byte loads, and matrix
+    instructions."""
+    from ejkernel_triton import _codegen
+
+    mix = _codegen.instruction_mix(compiled.ptx)
+    assert not {k: n for k, n in mix.items() if k.endswith((".b16", ".u16", ".b8"))}, mix
+    assert mix.get("cp.async.cg.shared.global", 0) > 0, mix
+    assert any(k.startswith(("wgmma", "mma")) for k in mix), mix

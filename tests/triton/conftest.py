@@ -39,3 +39,11 @@ def triton_cache_in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     """Triton's kernel cache in the test's temporary folder: each compile is the compiler's
     own, never a kernel an earlier run left behind."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+
+
+@pytest.fixture
+def hopper_compile(triton_cache_in_tmp: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels compiled, not interpreted, in :func:`triton_cache_in_tmp`'s cache, under the
+    H100's shared memory."""
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "232448")

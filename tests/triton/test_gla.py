@@ -17,6 +17,7 @@ import pytest
 from tests.triton._linear_helpers import (
     check_against,
     check_against_xla,
+    check_config_and_gpu_space,
     hopper_launches,
     rel,
     run,
@@ -173,15 +174,8 @@ def test_supports_declines_what_the_kernels_do_not_hold() -> None:
 
 
 def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkeypatch) -> None:
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # the GPU's space (one config interpreted)
-    with pytest.raises(ValueError, match="chunk_size"):
-        GlaConfig(chunk_size=48)
-    with pytest.raises(ValueError, match="block_k"):
-        GlaConfig(block_k=48)
-    q = jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16)
-    inv = types.SimpleNamespace(kwargs={"query": q, "key": q, "value": q, "g": q})
-    space = config_space(inv)
-    assert space[0] == heuristic(inv) and len(space) == len(set(space)) > 1
+    fields = ("chunk_size", "block_k")
+    check_config_and_gpu_space(monkeypatch, GlaConfig, fields, config_space, heuristic, "g")
 
 
 def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_path) -> None:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.triton._linear_helpers import check_against, rel
+from tests.triton._linear_helpers import check_against, check_config_and_gpu_space, rel
 
 import ejkernel
 from ejkernel.specs.kernel_delta_attention import kernel_delta_attention_reference as reference
@@ -303,15 +303,10 @@ def test_supports_declines_what_the_kernels_do_not_hold() -> None:
 
 
 def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkeypatch) -> None:
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")  # the GPU's space (one config interpreted)
-    with pytest.raises(ValueError, match="chunk_size"):
-        KernelDeltaAttentionConfig(chunk_size=48)
-    with pytest.raises(ValueError, match="block_v"):
-        KernelDeltaAttentionConfig(block_v=48)
-    q = jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16)
-    inv = types.SimpleNamespace(kwargs={"query": q, "key": q, "value": q})
-    space = config_space(inv)
-    assert space[0] == heuristic(inv) and len(space) == len(set(space)) > 1
+    fields = ("chunk_size", "block_v")
+    inv = check_config_and_gpu_space(
+        monkeypatch, KernelDeltaAttentionConfig, fields, config_space, heuristic
+    )
     assert heuristic(inv).chunk_size == 64  # the backward's walk: T / 64 steps
 
 
@@ -385,6 +380,13 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
 # -- GPU, realistic shapes ------------------------------------------------------------------
 
 
+def _bf16_inputs(*sizes: int, vector: bool = True) -> dict[str, jax.Array]:
+    """:func:`inputs` of ``sizes`` in bfloat16, the gates in float32 and a sixteenth as strong."""
+    arrays = inputs(*sizes, vector=vector, dtype=jnp.bfloat16)
+    arrays["g"] = arrays["g"].astype(jnp.float32) / 16
+    return arrays
+
+
 def _against_xla(arrays: dict[str, jax.Array], grads: bool, **statics: Any) -> None:
     def run(fn: Any, a: dict[str, jax.Array]) -> Any:
         def loss(a: dict[str, jax.Array]) -> Any:
@@ -411,9 +413,8 @@ def _against_xla(arrays: dict[str, jax.Array], grads: bool, **statics: Any) -> N
 @pytest.mark.gpu
 @pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
 def test_gpu_bf16_forward_matches_the_xla_path(vector: bool) -> None:
-    b, s, h, dk, dv = GPU_SHAPE
-    arrays = inputs(b, s, h, dk, dv, vector=vector, dtype=jnp.bfloat16)
-    arrays["g"] = arrays["g"].astype(jnp.float32) / 16
+    b, _, h, dk, dv = GPU_SHAPE
+    arrays = _bf16_inputs(*GPU_SHAPE, vector=vector)
     arrays["initial_state"] = normal(jax.random.PRNGKey(2), (b, h, dk, dv), jnp.float32)
     _against_xla(arrays, grads=False, return_state=True)
 
@@ -421,16 +422,12 @@ def test_gpu_bf16_forward_matches_the_xla_path(vector: bool) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
 def test_gpu_bf16_gradients_match_the_xla_path(vector: bool) -> None:
-    b, s, h, dk, dv = GPU_SHAPE
-    arrays = inputs(b, s, h, dk, dv, vector=vector, dtype=jnp.bfloat16)
-    arrays["g"] = arrays["g"].astype(jnp.float32) / 16
-    _against_xla(arrays, grads=True)
+    _against_xla(_bf16_inputs(*GPU_SHAPE, vector=vector), grads=True)
 
 
 @pytest.mark.gpu
 def test_gpu_packed_sequences_match_the_xla_path() -> None:
-    arrays = inputs(1, 8192, 16, 128, 128, dtype=jnp.bfloat16)
-    arrays["g"] = arrays["g"].astype(jnp.float32) / 16
+    arrays = _bf16_inputs(1, 8192, 16, 128, 128)
     cu = jnp.array([0, 1, 1, 1000, 4097, 8000, 8192], jnp.int32)
     _against_xla(arrays, grads=False, cu_seqlens=cu, return_state=True)
 

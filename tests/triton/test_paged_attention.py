@@ -27,7 +27,13 @@ from ejkernel.specs.unified_attention import unified_attention_reference
 
 pytest.importorskip("triton")
 
-from tests.triton._paged_helpers import check, packed, small
+from tests.triton._paged_helpers import (
+    assert_pipelined_matrix_code,
+    check,
+    hopper_launch,
+    packed,
+    small,
+)
 
 from ejkernel_triton.ops.unified_attention import UnifiedAttentionConfig
 from ejkernel_triton.ops.unified_attention_config import (
@@ -337,13 +343,6 @@ def test_gpu_mixed_batch_serving_shape() -> None:
 # -- what a GPU would run (compiled for sm_90 on any machine) --------------------------------
 
 
-@pytest.fixture
-def _triton_cache_in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "232448")  # the H100's
-
-
 @pytest.mark.parametrize(
     ("tokens", "rows", "max_pages", "kw"),
     [
@@ -356,37 +355,21 @@ def _triton_cache_in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None
     ids=["decode-b32-8k", "packed-b32-8k", "mixed", "d80-sinks-alibi", "page64-cap-window"],
 )
 def test_kernel_compiles_for_hopper(
-    _triton_cache_in_tmp: None, tokens: int, rows: int, max_pages: int, kw: dict[str, Any]
+    hopper_compile: None, tokens: int, rows: int, max_pages: int, kw: dict[str, Any]
 ) -> None:
     """The heuristic's launch compiles for sm_90: tile loads are 16-byte pipelined copies
     (no 2-byte loads), matrix instructions, shared memory within the H100's."""
-    from ejkernel_triton import _codegen
-    from ejkernel_triton.ops.unified_attention import paged_attention
-
     d, hq, hkv, page = kw.pop("d", 128), kw.pop("hq", 32), kw.pop("hkv", 8), kw.pop("page_size", 16)
     if kw.pop("sinks", False):
         kw["softmax_aux"] = jnp.zeros((hq,), jnp.float32)
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = jnp.ones((hq,), jnp.float32)
     cache = jnp.ones((rows * max_pages + 1, page, hkv, d), jnp.bfloat16)
-    with _codegen.recorded_launches() as record:
-        paged_attention(
-            None,
-            queries=jnp.ones((tokens, hq, d), jnp.bfloat16),
-            key_cache=cache,
-            value_cache=cache,
-            kv_lens=jnp.ones((rows,), jnp.int32),
-            block_tables=jnp.zeros((rows, max_pages), jnp.int32),
-            query_start_loc=jnp.zeros((rows + 1,), jnp.int32),
-            num_seqs=rows,
-            **kw,
-        )
-    (launch,) = record
-    compiled = _codegen.compile_launch(launch, capability=90)
-    mix = _codegen.instruction_mix(compiled.ptx)
-    assert not {k: n for k, n in mix.items() if k.endswith((".b16", ".u16", ".b8"))}, mix
-    assert mix.get("cp.async.cg.shared.global", 0) > 0, mix
-    assert any(k.startswith(("wgmma", "mma")) for k in mix), mix
+    qsl = jnp.zeros((rows + 1,), jnp.int32)
+    compiled = hopper_launch(
+        cache, tokens=tokens, hq=hq, rows=rows, max_pages=max_pages, query_start_loc=qsl, **kw
+    )
+    assert_pipelined_matrix_code(compiled)
     assert compiled.shared <= 232448
 
 

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
+from tests.xla._attention_helpers import ring_and_reference
 
 import ejkernel
-from ejkernel.ops import flash_attention_lse_step, undo_zigzag_layout, zigzag_layout
-from ejkernel.specs.flash_attention import flash_attention_reference
+from ejkernel.ops import flash_attention_lse_step
 from ejkernel.testing import assert_close, random_normal
 
 pytestmark = pytest.mark.gpu
@@ -61,43 +61,14 @@ def ring_vs_reference(
     if segments:
         ids = jnp.cumsum(jax.random.bernoulli(kc, 0.002, (b, s)), axis=1).astype(jnp.int32)
         arrays.update(q_segment_ids=ids, kv_segment_ids=ids)
-    names = tuple(arrays)
     local = {k: x[:, : s // n] for k, x in arrays.items()}
     assert flash_attention_lse_step(**local, **statics).platform != "xla"
-
-    def sharded(*xs: Any) -> Any:
-        return ejkernel.ring_attention(
-            **dict(zip(names, xs)), axis_name=AXIS, layout=layout, **statics
-        )
-
-    ring = jax.shard_map(sharded, mesh=mesh, in_specs=ROWS, out_specs=ROWS)
-
-    def ours(arrs: dict[str, Any]) -> Any:
-        xs = [arrs[k] for k in names]
-        if layout == "zigzag":
-            return undo_zigzag_layout(ring(*(zigzag_layout(x, n) for x in xs)), n)
-        return ring(*xs)
-
-    def reference(arrs: dict[str, Any]) -> Any:
-        wide = {k: x.astype(jnp.float32) if x.dtype == dtype else x for k, x in arrs.items()}
-        return flash_attention_reference(**wide, **statics)
-
-    diff = ("query", "key", "value")
     cotangent = random_normal(ko, (b, s, hq, d), dtype)
-
-    @jax.jit
-    def both(arrs: dict[str, Any]) -> Any:
-        fixed = {k: x for k, x in arrs.items() if k not in diff}
-        results = []
-        for fn in (ours, reference):
-            out, vjp = jax.vjp(lambda w, fn=fn: fn({**w, **fixed}), {k: arrs[k] for k in diff})
-            results.append((out, vjp(cotangent.astype(out.dtype))[0]))
-        return results
-
+    both = ring_and_reference(mesh, AXIS, tuple(arrays), layout, cotangent, dtype, **statics)
     with jax.default_matmul_precision("highest"):  # the reference's einsums in full float32
         (out, grads), (ref_out, ref_grads) = both(arrays)
     assert_close(out, ref_out, name="out")
-    for k in diff:
+    for k in ("query", "key", "value"):
         assert_close(grads[k], ref_grads[k], name=f"d{k}")
 
 

@@ -286,37 +286,23 @@ def test_v3_update_aliases_the_caches() -> None:
     assert attention.kernel.fn.__name__ == "unified_attention_kernel"
 
 
-def test_fp8_kernel_compiles_for_hopper(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_kernel_compiles_for_hopper(hopper_compile: None) -> None:
     """The float8 decode compiles for sm_90 with 16-byte pipelined K/V copies (the tile of
     float8 is half the bytes of bfloat16's) and matrix instructions."""
-    from ejkernel_triton import _codegen
-    from ejkernel_triton.ops.unified_attention import paged_attention
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
-    monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", "232448")
     rows, max_pages, hq, hkv, d = 32, 512, 32, 8, 128
     cache = jnp.ones((rows * max_pages + 1, 16, hkv, d), FP8)
-    with _codegen.recorded_launches() as record:
-        paged_attention(
-            None,
-            queries=jnp.ones((rows, hq, d), jnp.bfloat16),
-            key_cache=cache,
-            value_cache=cache,
-            kv_lens=jnp.ones((rows,), jnp.int32),
-            block_tables=jnp.zeros((rows, max_pages), jnp.int32),
-            query_start_loc=jnp.arange(rows + 1, dtype=jnp.int32),
-            num_seqs=rows,
-            k_scale=jnp.ones((hkv,), jnp.float32),
-            v_scale=0.5,
-            decode=True,
-        )
-    (launch,) = record
-    compiled = _codegen.compile_launch(launch, capability=90)
-    mix = _codegen.instruction_mix(compiled.ptx)
-    assert mix.get("cp.async.cg.shared.global", 0) > 0, mix
-    assert any(k.startswith(("wgmma", "mma")) for k in mix), mix
-    assert not {k: n for k, n in mix.items() if k.endswith((".b16", ".u16", ".b8"))}, mix
+    compiled = _paged_helpers.hopper_launch(
+        cache,
+        tokens=rows,
+        hq=hq,
+        rows=rows,
+        max_pages=max_pages,
+        query_start_loc=jnp.arange(rows + 1, dtype=jnp.int32),
+        k_scale=jnp.ones((hkv,), jnp.float32),
+        v_scale=0.5,
+        decode=True,
+    )
+    _paged_helpers.assert_pipelined_matrix_code(compiled)
 
 
 # -- GPU --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 import pytest
+from tests.triton._shared_memory import configs_tuning_runs
 
 from ejkernel.ops import BwdParams, FwdParams
 
@@ -72,32 +73,11 @@ def test_a_forward_only_call_counts_the_forward_only(gpu_view, monkeypatch):
 
 
 def test_tuning_never_runs_a_dropped_candidate(gpu_view, monkeypatch):
-    # The seed's tuning path (executor, chain, autotuner) over a kernel that offers the Triton
-    # config space and records each config it is run with.
-    from ejkernel.ops import ConfigSelectorChain, Executor, Kernel
-
+    # Tuning over a kernel that offers the Triton config space.
     monkeypatch.setenv("EJKERNEL_SHARED_MEMORY_LIMIT", str(SM86))
-    monkeypatch.setenv("EJKERNEL_AUTOTUNE_POLICY", "autotune")
-    ran: list[Any] = []
-
-    class Spy(Kernel):
-        def call(self, inv: Any) -> Any:
-            (q,) = inv.args
-            kwargs = {"query": q, "key": q, "value": q, "causal": True}
-            return types.SimpleNamespace(kwargs=kwargs, grad=True)
-
-        def heuristic_cfg(self, inv: Any) -> Any:
-            return fa.heuristic(self.call(inv))
-
-        def config_space(self, inv: Any) -> list[Any]:
-            return fa.config_space(self.call(inv))
-
-        def run(self, q: Any, *, cfg: Any) -> Any:
-            ran.append(cfg)
-            return q.sum()
-
     q = jnp.ones((1, 512, 2, 128), jnp.bfloat16)
-    Executor(ConfigSelectorChain(persistent=False))(Spy(), q)
+    call = lambda q: {"query": q, "key": q, "value": q, "causal": True}
+    ran = configs_tuning_runs(monkeypatch, fa.heuristic, fa.config_space, call, q)
     kw = {"query": q, "key": q, "value": q}
     base = fa.heuristic(types.SimpleNamespace(kwargs={**kw, "causal": True}))
     assert len(ran) > 1 and base in ran

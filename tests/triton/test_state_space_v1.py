@@ -15,11 +15,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from tests.triton._linear_helpers import (
+    assert_launches_fit_hopper,
     check_against,
     check_against_xla,
+    check_fused_decode,
+    check_two_halves,
     compare,
     hopper_launches,
-    rel,
     run,
 )
 
@@ -70,26 +72,16 @@ def test_bf16_and_the_heuristic_config(interpret) -> None:
 
 
 def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
-    arrays = inputs(1, 30, 3, 4)
-    scan = triton_scan()
-    whole, final = scan(**arrays, dt_softplus=True, return_state=True)
     timed = ("x", "B", "C", "dt", "gate")
-    first = {n: v[:, :13] if n in timed else v for n, v in arrays.items()}
-    second = {n: v[:, 13:] if n in timed else v for n, v in arrays.items()}
-    o1, h1 = scan(**first, dt_softplus=True, return_state=True)
-    o2, h2 = scan(**{**second, "initial_state": h1}, dt_softplus=True, return_state=True)
-    assert rel(jnp.concatenate([o1, o2], axis=1), whole) < 1e-5
-    assert rel(h2, final) < 1e-5
+    check_two_halves(triton_scan(), inputs(1, 30, 3, 4), timed, dt_softplus=True)
 
 
 def test_decoding_a_few_tokens_takes_the_fused_kernel(interpret) -> None:
     arrays = inputs(2, 4, 3, 5)
     statics = {"dt_softplus": True, "return_state": True}
-    assert heuristic(types.SimpleNamespace(kwargs=arrays)).fused
-    got = ejkernel.state_space_v1(**arrays, **statics, platform="triton")
-    want = state_space_v1_reference(**arrays, **statics)
-    for a, e in zip(got, want, strict=True):
-        assert rel(a, e) < 1e-5
+    check_fused_decode(
+        ejkernel.state_space_v1, state_space_v1_reference, heuristic, arrays, **statics
+    )
 
 
 def test_supports_and_opt_in() -> None:
@@ -124,6 +116,4 @@ def test_kernels_compile_for_hopper_with_a_one_wide_value(monkeypatch, tmp_path)
 
     arrays = {n: v for n, v in inputs(1, 256, 4, 16, jnp.bfloat16).items() if n in CORE}
     compiled = hopper_launches(monkeypatch, tmp_path, heuristic, ssm._fwd, ssm._bwd, arrays)
-    assert len(compiled) == 9
-    for launch, kernel in compiled:
-        assert kernel.shared <= 232448, launch.kernel.fn.__name__
+    assert_launches_fit_hopper(compiled, 9)

@@ -15,8 +15,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from tests.triton._linear_helpers import (
+    assert_launches_fit_hopper,
     check_against,
     check_against_xla,
+    check_fused_decode,
+    check_two_halves,
     compare,
     hopper_launches,
     rel,
@@ -91,14 +94,7 @@ def test_bf16_within_a_half_precision_tolerance(interpret) -> None:
 def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
     arrays = inputs(1, 30, 2, 4, 1, 4)
     del arrays["gate"]
-    ssd = triton_ssd()
-    whole, final = ssd(**arrays, dt_softplus=True, return_state=True)
-    first = {n: v[:, :13] if n in ("x", "B", "C", "dt") else v for n, v in arrays.items()}
-    second = {n: v[:, 13:] if n in ("x", "B", "C", "dt") else v for n, v in arrays.items()}
-    o1, h1 = ssd(**first, dt_softplus=True, return_state=True)
-    o2, h2 = ssd(**{**second, "initial_state": h1}, dt_softplus=True, return_state=True)
-    assert rel(jnp.concatenate([o1, o2], axis=1), whole) < 1e-5
-    assert rel(h2, final) < 1e-5
+    check_two_halves(triton_ssd(), arrays, ("x", "B", "C", "dt"), dt_softplus=True)
 
 
 def test_a_of_minus_inf_keeps_no_memory_and_zero_steps_pass_the_state(interpret) -> None:
@@ -124,12 +120,9 @@ def test_decoding_a_few_tokens_takes_the_fused_kernel(interpret) -> None:
     gradient goes through the chunked kernels."""
     arrays = inputs(2, 5, 4, 8, 2, 6)
     statics = {"dt_softplus": True, "return_state": True}
-    inv = types.SimpleNamespace(kwargs=arrays)
-    assert heuristic(inv).fused
-    got = ejkernel.state_space_v2(**arrays, **statics, platform="triton")
-    want = state_space_v2_reference(**arrays, **statics)
-    for a, e in zip(got, want, strict=True):
-        assert rel(a, e) < 1e-5
+    check_fused_decode(
+        ejkernel.state_space_v2, state_space_v2_reference, heuristic, arrays, **statics
+    )
     check_against(triton_ssd(None), state_space_v2_reference, arrays, strict=False, **statics)
 
 
@@ -164,9 +157,7 @@ def test_kernels_compile_for_hopper_at_the_mamba2_head_size(monkeypatch, tmp_pat
     compiled = hopper_launches(
         monkeypatch, tmp_path, heuristic, ssm._fwd, ssm._bwd, arrays, dt_softplus=True
     )
-    assert len(compiled) == 9
-    for launch, kernel in compiled:
-        assert kernel.shared <= 232448, launch.kernel.fn.__name__
+    assert_launches_fit_hopper(compiled, 9)
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------

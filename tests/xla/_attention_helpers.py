@@ -3,7 +3,8 @@
 For the serving ops: the jitted oracle, the arguments as the core passes them to an
 implementation, an MQA batch, and the checks every serving op makes (output against the
 reference, config space, hostile tables, memory that must not grow, bad inputs). For the
-differentiable ones: output and gradients against the reference.
+differentiable ones: output and gradients against the reference. For ring attention: the
+sharded ring and the reference on the global arrays, with their gradients.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 import ejkernel
 from ejkernel._invocation import Invocation
+from ejkernel.ops import undo_zigzag_layout, zigzag_layout
 from ejkernel.specs import OpSpec
+from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.testing import assert_close, random_normal
 from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
 from ejkernel.testing.cases.ragged_page_attention import MIXED as CASES_MIXED
@@ -54,6 +58,24 @@ def assert_output(
     assert out.shape == tuple(shape) and out.dtype == jnp.dtype(dtype)
     assert np.all(np.isfinite(np.asarray(out, np.float32))), "garbage leaked into the output"
     assert_close(out, expected, name=name)
+
+
+def check_call(
+    fn: Callable[..., Any],
+    spec: OpSpec,
+    reference: Callable[..., Any],
+    arrays: dict[str, Any],
+    cfg: Any,
+    dtype: str,
+    name: str,
+    **options: Any,
+) -> jax.Array:
+    """``fn(cfg=cfg)`` on ``arrays`` with ``options``, checked by :func:`assert_output` against
+    ``reference`` in the query's shape; returns the output."""
+    args = validated(spec, arrays, **options)
+    out = fn(**args, cfg=cfg)
+    assert_output(out, reference(**args), args["query"].shape, dtype, name)
+    return out
 
 
 def config_space_of(
@@ -215,3 +237,52 @@ def assert_blind_rows_are_zeros(
     for grad in grads.values():
         assert np.all(np.isfinite(np.asarray(grad)))
     return blind
+
+
+def ring_and_reference(
+    mesh: Any,
+    axis: str,
+    names: tuple[str, ...],
+    layout: str,
+    cotangent: jax.Array,
+    upcast: Any = None,
+    **statics: Any,
+) -> Callable[[dict[str, Any]], Any]:
+    """A jitted function of the global arrays (``names``) giving ``[(out, grads), (ref_out,
+    ref_grads)]``: ``ejkernel.ring_attention`` in ``jax.shard_map`` over ``mesh``'s ``axis``
+    (rows split; ``"zigzag"`` through ``zigzag_layout``), then ``flash_attention_reference``
+    (on float32 copies of the arrays of dtype ``upcast``), each with its query, key and value
+    gradients under ``cotangent``."""
+    n = mesh.shape[axis]
+    rows = PartitionSpec(None, axis)
+
+    def sharded(*xs: Any) -> Any:
+        return ejkernel.ring_attention(
+            **dict(zip(names, xs)), axis_name=axis, layout=layout, **statics
+        )
+
+    ring = jax.shard_map(sharded, mesh=mesh, in_specs=rows, out_specs=rows)
+
+    def ours(arrs: dict[str, Any]) -> Any:
+        xs = [arrs[k] for k in names]
+        if layout == "zigzag":
+            return undo_zigzag_layout(ring(*(zigzag_layout(x, n) for x in xs)), n)
+        return ring(*xs)
+
+    def reference(arrs: dict[str, Any]) -> Any:
+        if upcast is not None:
+            arrs = {k: x.astype(jnp.float32) if x.dtype == upcast else x for k, x in arrs.items()}
+        return flash_attention_reference(**arrs, **statics)
+
+    diff = ("query", "key", "value")
+
+    @jax.jit
+    def both(arrs: dict[str, Any]) -> Any:
+        fixed = {k: x for k, x in arrs.items() if k not in diff}
+        results = []
+        for fn in (ours, reference):
+            out, vjp = jax.vjp(lambda w, fn=fn: fn({**w, **fixed}), {k: arrs[k] for k in diff})
+            results.append((out, vjp(cotangent.astype(out.dtype))[0]))
+        return results
+
+    return both

@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _attention_helpers import ring_and_reference
 from jax.sharding import PartitionSpec as P
 
-import ejkernel
 from ejkernel.modules import FlashAttention, MeanPooling
 from ejkernel.ops import (
     ConfigCache,
@@ -28,8 +28,6 @@ from ejkernel.ops import (
     Executor,
     Invocation,
     Kernel,
-    undo_zigzag_layout,
-    zigzag_layout,
 )
 from ejkernel.specs.flash_attention import flash_attention_reference
 from ejkernel.specs.mean_pooling import mean_pooling_reference
@@ -58,7 +56,6 @@ def ring_case(
     **statics: Any,
 ) -> None:
     """Ring attention against the reference on the global arrays: output and gradients."""
-    n = mesh.shape[AXIS]
     kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(s * 31 + hq), 4)
     arrays = {
         "query": random_normal(kq, (b, s, hq, d)),
@@ -70,42 +67,15 @@ def ring_case(
         ids = jnp.cumsum(jax.random.bernoulli(kc, 0.15, (b, s)), axis=1).astype(jnp.int32)
         ids = ids.at[1, s - 5 :].set(-1)
         arrays.update(q_segment_ids=ids, kv_segment_ids=ids)
-    names = tuple(arrays)
-
-    def sharded(*xs: Any) -> Any:
-        return ejkernel.ring_attention(
-            **dict(zip(names, xs)), axis_name=AXIS, layout=layout, **statics
-        )
-
-    ring = jax.shard_map(sharded, mesh=mesh, in_specs=ROWS, out_specs=ROWS)
-
-    def ours(arrs: dict[str, Any]) -> Any:
-        xs = [arrs[n_] for n_ in names]
-        if layout == "zigzag":
-            return undo_zigzag_layout(ring(*(zigzag_layout(x, n) for x in xs)), n)
-        return ring(*xs)
-
-    def reference(arrs: dict[str, Any]) -> Any:
-        return flash_attention_reference(**arrs, **statics)
-
-    diff = ("query", "key", "value")
     cotangent = random_normal(jax.random.PRNGKey(9), (b, s, hq, d))
-
-    @jax.jit
-    def both(arrs: dict[str, Any]) -> Any:
-        fixed = {n_: x for n_, x in arrs.items() if n_ not in diff}
-        results = []
-        for fn in (ours, reference):
-            out, vjp = jax.vjp(lambda w, fn=fn: fn({**w, **fixed}), {n_: arrs[n_] for n_ in diff})
-            results.append((out, vjp(cotangent)[0]))
-        return results
+    both = ring_and_reference(mesh, AXIS, tuple(arrays), layout, cotangent, **statics)
 
     start = time.perf_counter()
     (out, grads), (ref_out, ref_grads) = both(arrays)
     try:
         assert_close(out, ref_out, name=f"{name}: out")
-        for n_ in diff:
-            assert_close(grads[n_], ref_grads[n_], name=f"{name}: d{n_}")
+        for k in ("query", "key", "value"):
+            assert_close(grads[k], ref_grads[k], name=f"{name}: d{k}")
     except AssertionError as err:
         fail(name, err)
     print(f"ok {name} ({time.perf_counter() - start:.1f}s)", flush=True)

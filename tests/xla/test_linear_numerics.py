@@ -110,6 +110,16 @@ RECURRENT_FORMS = [
     ("recurrent-gk-reverse", {"gk": "K"}, {"reverse": True}),
     ("recurrent-g-gk-gv", {"g": "", "gk": "K", "gv": "V"}, {}),
 ]
+#: The state-space ops: (id, function, spec module, config).
+STATE_SPACE_FORMS = [
+    ("ssd", ejkernel.state_space_v2, ssv2_spec, StateSpaceV2Config(chunk_size=16)),
+    (
+        "selective-scan",
+        ejkernel.state_space_v1,
+        ssv1_spec,
+        StateSpaceV1Config(chunk_size=16, intra_chunk="associative"),
+    ),
+]
 OPS = [
     Op(
         id="gla",
@@ -139,23 +149,17 @@ OPS = [
         )
         for form, axis in (("vector", "K"), ("scalar", ""))
     ),
-    Op(
-        id="ssd",
-        fn=ejkernel.state_space_v2,
-        spec=ssv2_spec,
-        per_token=("x", "B", "C", "dt", "gate"),
-        value="x",
-        cfg=StateSpaceV2Config(chunk_size=16),
-        statics={"dt_softplus": True},
-    ),
-    Op(
-        id="selective-scan",
-        fn=ejkernel.state_space_v1,
-        spec=ssv1_spec,
-        per_token=("x", "B", "C", "dt", "gate"),
-        value="x",
-        cfg=StateSpaceV1Config(chunk_size=16, intra_chunk="associative"),
-        statics={"dt_softplus": True},
+    *(
+        Op(
+            id=i,
+            fn=fn,
+            spec=spec,
+            per_token=("x", "B", "C", "dt", "gate"),
+            value="x",
+            cfg=cfg,
+            statics={"dt_softplus": True},
+        )
+        for i, fn, spec, cfg in STATE_SPACE_FORMS
     ),
 ]
 LINEAR = [op for op in OPS if op.linear]

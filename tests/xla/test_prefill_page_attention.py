@@ -50,10 +50,10 @@ def make_inputs(batch: PagedBatch, dtype: str = "float32", unused: Any = GARBAGE
 
 
 def check(batch: PagedBatch, cfg: Any = None, dtype: str = "float32", **options: Any) -> jax.Array:
-    args = helpers.validated(SPEC, make_inputs(batch, dtype), **options)
-    out = prefill_page_attention_xla(**args, cfg=cfg)
-    helpers.assert_output(out, reference(**args), args["query"].shape, dtype, str(batch))
-    return out
+    arrays = make_inputs(batch, dtype)
+    return helpers.check_call(
+        prefill_page_attention_xla, SPEC, reference, arrays, cfg, dtype, str(batch), **options
+    )
 
 
 @pytest.mark.parametrize("batch", [CHUNKED, FULL, ONE], ids=str)

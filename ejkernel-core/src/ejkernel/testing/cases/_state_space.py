@@ -7,8 +7,15 @@ from typing import Any
 
 from ejkernel.testing._examples import Example, Invalid
 from ejkernel.testing.cases._common import arrays_of, sizes_id
+from ejkernel.testing.cases._numerics import state_space_numerics
 
-__all__ = ["state_space_examples"]
+__all__ = ["core_shapes", "state_space_examples"]
+
+
+def core_shapes(x: str, a: str, bc: str, d: str, dt: str) -> dict[str, str]:
+    """The core arrays by their shapes: ``x``, ``A``, ``B`` and ``C`` (both ``bc``), ``D``,
+    ``dt``."""
+    return {"x": x, "A": a, "B": bc, "C": bc, "D": d, "dt": dt}
 
 
 def state_space_examples(
@@ -22,7 +29,8 @@ def state_space_examples(
 ) -> list[Example | Invalid]:
     """Examples named after ``sizes``: the ``core`` arrays alone (``-plain``), with the
     ``extra`` arrays and ``options`` (``-<tags>``); then ``x`` with an extra axis and the op's
-    own ``invalid`` change. Arrays are given by their shapes in OPS.md letters."""
+    own ``invalid`` change; then the numerics examples (:func:`state_space_numerics`) under
+    ``options``. Arrays are given by their shapes in OPS.md letters."""
     core_arrays, extra_arrays = arrays_of(sizes, **core), arrays_of(sizes, **extra)
     return [
         Example(name=f"{sizes_id(sizes)}-plain", arrays=core_arrays),
@@ -33,4 +41,5 @@ def state_space_examples(
         ),
         Invalid.extra_axis("x"),
         invalid,
+        *state_space_numerics(sizes, core=core, options=options),
     ]

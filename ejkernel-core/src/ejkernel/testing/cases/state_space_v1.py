@@ -4,33 +4,20 @@ initial and final states, numerics (no memory where A = -inf, a NaN, strong deca
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._numerics import state_space_numerics
-from ejkernel.testing.cases._state_space import state_space_examples
+from ejkernel.testing.cases._state_space import core_shapes, state_space_examples
 
 __all__ = ["examples"]
 
 SIZES = {"B": 2, "S": 37, "I": 6, "N": 5}
-CORE = {
-    "x": "[B, S, I]",
-    "A": "[I, N]",
-    "B": "[B, S, N]",
-    "C": "[B, S, N]",
-    "D": "[I]",
-    "dt": "[B, S, I]",
-}
+CORE = core_shapes("[B, S, I]", "[I, N]", "[B, S, N]", "[I]", "[B, S, I]")
 
 
 def examples() -> list[Example | Invalid]:
-    return [
-        *state_space_examples(
-            SIZES,
-            core=CORE,
-            extra={"gate": "[B, S, I]", "dt_bias": "[I]", "initial_state": "[B, I, N]"},
-            tags="gate-dtbias-softplus-state",
-            options={"dt_softplus": True, "return_state": True},
-            invalid=Invalid.replace("A-wrong-channels", A=lambda a: a["A"][1:]),
-        ),
-        *state_space_numerics(
-            SIZES, core=CORE, options={"dt_softplus": True, "return_state": True}
-        ),
-    ]
+    return state_space_examples(
+        SIZES,
+        core=CORE,
+        extra={"gate": "[B, S, I]", "dt_bias": "[I]", "initial_state": "[B, I, N]"},
+        tags="gate-dtbias-softplus-state",
+        options={"dt_softplus": True, "return_state": True},
+        invalid=Invalid.replace("A-wrong-channels", A=lambda a: a["A"][1:]),
+    )
