@@ -9,13 +9,7 @@ from ejkernel.testing._examples import Example, Invalid
 from ejkernel.testing.cases._common import arrays_of, sizes_id
 from ejkernel.testing.cases._numerics import state_space_numerics
 
-__all__ = ["core_shapes", "state_space_examples"]
-
-
-def core_shapes(x: str, a: str, bc: str, d: str, dt: str) -> dict[str, str]:
-    """The core arrays by their shapes: ``x``, ``A``, ``B`` and ``C`` (both ``bc``), ``D``,
-    ``dt``."""
-    return {"x": x, "A": a, "B": bc, "C": bc, "D": d, "dt": dt}
+__all__ = ["state_space_examples"]
 
 
 def state_space_examples(

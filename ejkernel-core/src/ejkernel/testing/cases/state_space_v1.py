@@ -4,12 +4,19 @@ initial and final states, numerics (no memory where A = -inf, a NaN, strong deca
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._state_space import core_shapes, state_space_examples
+from ejkernel.testing.cases._state_space import state_space_examples
 
 __all__ = ["examples"]
 
 SIZES = {"B": 2, "S": 37, "I": 6, "N": 5}
-CORE = core_shapes("[B, S, I]", "[I, N]", "[B, S, N]", "[I]", "[B, S, I]")
+CORE = {
+    "x": "[B, S, I]",
+    "A": "[I, N]",
+    "B": "[B, S, N]",
+    "C": "[B, S, N]",
+    "D": "[I]",
+    "dt": "[B, S, I]",
+}
 
 
 def examples() -> list[Example | Invalid]:

@@ -4,12 +4,19 @@ softplus, states, a chunk size that does not divide the length, numerics (no mem
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._state_space import core_shapes, state_space_examples
+from ejkernel.testing.cases._state_space import state_space_examples
 
 __all__ = ["examples"]
 
 SIZES = {"B": 2, "S": 37, "H": 4, "P": 8, "G": 2, "N": 6}
-CORE = core_shapes("[B, S, H, P]", "[H]", "[B, S, G, N]", "[H]", "[B, S, H]")
+CORE = {
+    "x": "[B, S, H, P]",
+    "A": "[H]",
+    "B": "[B, S, G, N]",
+    "C": "[B, S, G, N]",
+    "D": "[H]",
+    "dt": "[B, S, H]",
+}
 
 
 def examples() -> list[Example | Invalid]:
