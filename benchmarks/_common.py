@@ -56,6 +56,21 @@ def fwd_bwd(attn: Callable[..., Any]) -> Callable[..., Any]:
     return jax.jit(f)
 
 
+def ceilings(nbytes: int, n: int) -> tuple[float, float]:
+    """(copy GB/s on a buffer of ``nbytes``, bf16 TFLOP/s of an ``n³`` matmul) measured now:
+    a roofline's two ceilings, counted as bytes read plus written and ``2n³`` flops."""
+    import jax
+    import jax.numpy as jnp
+
+    buf = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda x: x * jnp.bfloat16(1.5))
+    t_copy = timed(copy, buf, iters=20, repeats=5, warm_s=0.3)
+    a = jnp.ones((n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: x @ y)
+    t_mm = timed(mm, a, a, iters=10, repeats=5, warm_s=0.3)
+    return 2 * nbytes / t_copy / 1e6, 2 * n**3 / t_mm / 1e9
+
+
 def temp_bytes(fn: Callable[..., Any], *args: Any) -> int | None:
     """Temporary memory of ``fn`` compiled for ``args`` (jitted here unless it is already);
     ``None`` where the backend does not report it."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import timed
+from _common import ceilings, timed
 
 
 def inputs(b: int, sq: int, sk: int, hq: int, r: int, dn: int, dr: int, dv: int, dtype) -> dict:
@@ -31,20 +31,6 @@ def inputs(b: int, sq: int, sk: int, hq: int, r: int, dn: int, dr: int, dv: int,
         "w_vc": (jax.random.normal(ks[3], (r, hq, dv)) * proj).astype(dtype),
         "k_rope": jax.random.normal(ks[4], (b, sk, dr)).astype(dtype),
     }
-
-
-def ceilings(nbytes: int, n: int) -> tuple[float, float]:
-    """(copy GB/s on a buffer of ``nbytes``, bf16 TFLOP/s of an ``n³`` matmul) measured now."""
-    import jax
-    import jax.numpy as jnp
-
-    buf = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    copy = jax.jit(lambda x: x * jnp.bfloat16(1.5))
-    t_copy = timed(copy, buf, iters=20, repeats=5, warm_s=0.3)
-    a = jnp.ones((n, n), jnp.bfloat16)
-    mm = jax.jit(lambda x, y: x @ y)
-    t_mm = timed(mm, a, a, iters=10, repeats=5, warm_s=0.3)
-    return 2 * nbytes / t_copy / 1e6, 2 * n**3 / t_mm / 1e9
 
 
 def decode(platforms: list[str], shape: tuple[int, ...], matmul_n: int) -> None:

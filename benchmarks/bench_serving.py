@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import timed
+from _common import ceilings, timed
 
 import ejkernel
 from ejkernel.specs._paged import paged_block_tables
@@ -152,12 +152,83 @@ def serving_cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
     ]
 
 
-def serving(platforms: list[str], quick: bool) -> None:
-    """Each serving shape on each platform: median ms and the K/V read rate (GB/s)."""
+def _causal_flops(kv_lens: list[int], q_lens: list[int], hq: int, d: int) -> int:
+    """Attention flops of a ragged batch whose queries are their sequences' last tokens."""
+    pairs = sum(q * k - q * (q - 1) // 2 for q, k in zip(q_lens, kv_lens, strict=True))
+    return 4 * pairs * hq * d
+
+
+def _ours(c: dict[str, Any], platform: str | None, **scales: Any) -> tuple[Any, tuple]:
+    """``page_attention`` for a decode batch (one query each), else ``ragged_page_attention``."""
+    if c["q"].shape[0] == c["lens"].shape[0]:
+        fn = jax.jit(
+            lambda q, kc, vc, n, t: ejkernel.page_attention(
+                q, kc, vc, n, t, platform=platform, **scales
+            )
+        )
+        return fn, (c["q"], c["kc"], c["vc"], c["lens"], c["table"])
+    fn = jax.jit(
+        lambda q, kc, vc, n, t, s: ejkernel.ragged_page_attention(
+            q, kc, vc, n, t, s, n.shape[0], platform=platform, **scales
+        )
+    )
+    return fn, (c["q"], c["kc"], c["vc"], c["lens"], c["table"], c["qsl"])
+
+
+def _anchor(c: dict[str, Any], name: str) -> tuple[Any, tuple]:
+    """A decode batch's anchor on the same inputs: cuDNN decode on a dense cache (one query
+    token), or JAX's Pallas GPU kernels, paged (``[Hkv, pages, page, D]`` caches) and dense."""
+    from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+
+    q, kc, vc, table, lens = c["q"], c["kc"], c["vc"], c["table"], c["lens"]
+    b, hkv, d = q.shape[0], kc.shape[2], kc.shape[3]
+    s = int(lens.max())
+    dense_k = kc[table].reshape(b, -1, hkv, d)[:, :s]
+    dense_v = vc[table].reshape(b, -1, hkv, d)[:, :s]
+    if name == "cuDNN":
+        fn = jax.jit(
+            lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")
+        )
+        return fn, (q, dense_k, dense_v)
+    if name == "pallas paged":
+        pages_k, pages_v = jnp.transpose(kc, (2, 0, 1, 3)), jnp.transpose(vc, (2, 0, 1, 3))
+        return jax.jit(pallas_paged.paged_attention), (q, pages_k, pages_v, table, lens)
+    fn = jax.jit(lambda q, k, v, n: pallas_decode.gqa(q, k, v, kv_seq_len=n))
+    return fn, (q, dense_k, dense_v, lens)
+
+
+def _cell(
+    make: Callable[..., tuple[Any, tuple]], *args: Any, nbytes: int, warm_s: float, **kw: Any
+) -> str:
+    """``ms (GB/s)`` of the function ``make(*args, **kw)`` builds, or why it cannot run."""
+    try:
+        fn, call = make(*args, **kw)
+        ms = timed(fn, *call, warm_s=warm_s)
+    except Exception as err:  # a contender that cannot serve the case says why
+        return f"n/a: {type(err).__name__}: {str(err).splitlines()[0][:60]}"
+    return f"{ms:.3f} ({nbytes / ms / 1e6:.0f})"
+
+
+def serving(platforms: list[str], quick: bool, anchors: bool) -> None:
+    """Each serving shape on each platform (``default``: the usual selection): median ms and
+    the K/V read rate (GB/s). With ``anchors``: the roofline of the same run (the larger of
+    the K/V bytes over the copy bandwidth and the flops over the bf16 matmul ceiling), the
+    default selection on a float8 cache, cuDNN decode and JAX's Pallas GPU kernels (decode
+    batches), and a 2048-query prefill chunk on an 8k context against flash attention."""
     page, hq, hkv, d = 16, 32, 8, 128
-    print(f"device: {jax.devices()[0].device_kind}; Hq={hq}, Hkv={hkv}, D={d}, page {page}, bf16")
-    print("\n| case | " + " | ".join(f"{p} ms (GB/s)" for p in platforms) + " |")
-    print("|---|" + "---|" * len(platforms))
+    extra = ["roofline ms", "default fp8", "cuDNN", "pallas paged", "pallas decode"]
+    columns = [f"{p} ms (GB/s)" for p in platforms] + (extra if anchors else [])
+    bw = peak = 0.0
+    if anchors:
+        bw, peak = ceilings(1 << 30, 8192 // (8 if quick else 1))
+    print(
+        f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; Hq={hq}, Hkv={hkv}, "
+        f"D={d}, page {page}, bf16"
+        + (f"; copy {bw:.0f} GB/s, matmul {peak:.0f} TFLOP/s" if anchors else "")
+    )
+    print("\n| case | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
     for name, kv_lens, q_lens in serving_cases(quick):
         rng = np.random.default_rng(1)
         max_pages = max(-(-n // page) for n in kv_lens)
@@ -172,28 +243,60 @@ def serving(platforms: list[str], quick: bool) -> None:
         lens, table = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables)
         qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
         kv_bytes = sum(kv_lens) * hkv * d * 2 * 2
-        cells = []
-        for platform in platforms:
-            if all(n == 1 for n in q_lens):
-                fn = jax.jit(
-                    lambda q, kc, vc, n, t, p=platform: ejkernel.page_attention(
-                        q, kc, vc, n, t, platform=p
-                    )
+        call = {"q": q, "kc": kc, "vc": vc, "lens": lens, "table": table, "qsl": qsl}
+        warm = 0.2 if anchors else 0.0
+        cells = [
+            _cell(_ours, call, None if p == "default" else p, nbytes=kv_bytes, warm_s=warm)
+            for p in platforms
+        ]
+        if anchors:
+            flops = _causal_flops(kv_lens, q_lens, hq, d)
+            cells.append(f"{max(kv_bytes / bw / 1e6, flops / peak / 1e9):.3f}")
+            f8 = {"kc": kc.astype(jnp.float8_e4m3fn), "vc": vc.astype(jnp.float8_e4m3fn)}
+            scales = {"k_scale": 0.5, "v_scale": 0.5}
+            cells.append(_cell(_ours, call | f8, None, nbytes=kv_bytes // 2, warm_s=warm, **scales))
+            for anchor in ("cuDNN", "pallas paged", "pallas decode"):
+                decode = all(n == 1 for n in q_lens)
+                cells.append(
+                    _cell(_anchor, call, anchor, nbytes=kv_bytes, warm_s=warm) if decode else ""
                 )
-                call = (q, kc, vc, lens, table)
-            else:
-                fn = jax.jit(
-                    lambda q, kc, vc, n, t, s, p=platform: ejkernel.ragged_page_attention(
-                        q, kc, vc, n, t, s, n.shape[0], platform=p
-                    )
-                )
-                call = (q, kc, vc, lens, table, qsl)
-            try:
-                ms = timed(fn, *call)
-                cells.append(f"{ms:.3f} ({kv_bytes / ms / 1e6:.0f})")
-            except Exception as err:  # a platform that cannot serve the case says why
-                cells.append(f"n/a: {type(err).__name__}: {str(err).splitlines()[0][:60]}")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    if anchors:
+        prefill_chunk(quick)
+
+
+def prefill_chunk(quick: bool) -> None:
+    """``prefill_page_attention``: a chunk of 2048 queries at the end of an 8k context, against
+    flash attention's forward on the same dense shape (causal, bottom-right), in TFLOP/s."""
+    scale = 8 if quick else 1
+    page, hq, hkv, d, c, s = 16, 32, 8, 128, 2048 // scale, 8192 // scale
+    keys = jax.random.split(jax.random.PRNGKey(2), 3)
+    q = jax.random.normal(keys[0], (c, hq, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (s, hkv, d), jnp.bfloat16)
+    order = np.random.default_rng(3).permutation(s // page)
+    kc = (
+        jnp.zeros((s // page, page, hkv, d), jnp.bfloat16)
+        .at[order]
+        .set(k.reshape(-1, page, hkv, d))
+    )
+    vc = (
+        jnp.zeros((s // page, page, hkv, d), jnp.bfloat16)
+        .at[order]
+        .set(v.reshape(-1, page, hkv, d))
+    )
+    flops = _causal_flops([s], [c], hq, d)
+    paged = jax.jit(lambda q, kc, vc, p: ejkernel.prefill_page_attention(q, kc, vc, s, p))
+    flash = jax.jit(
+        lambda q, k, v: ejkernel.flash_attention(q[None], k[None], v[None], causal=True)[0]
+    )
+    print(f"\n| prefill chunk {c} on a {s} context | ms | TFLOP/s |\n|---|---|---|")
+    for label, fn, args in (
+        ("prefill_page_attention", paged, (q, kc, vc, jnp.asarray(order, jnp.int32))),
+        ("flash_attention (dense)", flash, (q, k, v)),
+    ):
+        ms = timed(fn, *args, warm_s=0.2)
+        print(f"| {label} | {ms:.3f} | {flops / ms / 1e9:.0f} |", flush=True)
 
 
 def main() -> None:
@@ -204,9 +307,12 @@ def main() -> None:
     parser.add_argument(
         "--serving", default="", help="time the serving shapes on these platforms (xla,triton)"
     )
+    parser.add_argument(
+        "--anchors", action="store_true", help="with --serving: roofline, fp8, cuDNN, Pallas"
+    )
     args = parser.parse_args()
     if args.serving:
-        serving(args.serving.split(","), args.quick)
+        serving(args.serving.split(","), args.quick, args.anchors)
         return
     dtype = jnp.dtype(args.dtype)
     s = args.seqs
