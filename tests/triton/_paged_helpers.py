@@ -119,6 +119,7 @@ def hopper_launch(
     rows: int,
     max_pages: int,
     query_start_loc: Any,
+    decode: bool = False,
     **options: Any,
 ) -> Any:
     """The one launch of ``paged_attention`` on ``tokens`` bfloat16 queries of ones over
@@ -129,14 +130,17 @@ def hopper_launch(
     with _codegen.recorded_launches() as record:
         paged_attention(
             None,
-            queries=jnp.ones((tokens, hq, cache.shape[-1]), jnp.bfloat16),
-            key_cache=cache,
-            value_cache=cache,
-            kv_lens=jnp.ones((rows,), jnp.int32),
-            block_tables=jnp.zeros((rows, max_pages), jnp.int32),
-            query_start_loc=query_start_loc,
-            num_seqs=rows,
-            **options,
+            {
+                "queries": jnp.ones((tokens, hq, cache.shape[-1]), jnp.bfloat16),
+                "key_cache": cache,
+                "value_cache": cache,
+                "kv_lens": jnp.ones((rows,), jnp.int32),
+                "block_tables": jnp.zeros((rows, max_pages), jnp.int32),
+                "query_start_loc": query_start_loc,
+                "num_seqs": rows,
+                **options,
+            },
+            decode=decode,
         )
     (launch,) = record
     return _codegen.compile_launch(launch, capability=90)

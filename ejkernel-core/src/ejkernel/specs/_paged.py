@@ -19,7 +19,9 @@ expected shape in OPS.md letters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -36,6 +38,7 @@ from ejkernel.attention_semantics import (
     visible,
 )
 from ejkernel.specs._base import (
+    CALL_PARAMETERS,
     check_array,
     check_floating,
     default_synthetic,
@@ -62,6 +65,7 @@ __all__ = [
     "paged_block_tables",
     "paged_reference",
     "ragged_tokens",
+    "reference_of",
     "synthetic_paged_batch",
     "synthetic_paged_inputs",
     "synthetic_scales",
@@ -288,6 +292,33 @@ def check_sinks(op: str, aux: Any, hq: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def reference_of(
+    op: Callable[..., Any],
+) -> Callable[[Callable[[dict[str, Any]], Any]], Callable[..., Any]]:
+    """Decorator: ``body(a)`` becomes the reference of the public function ``op``.
+
+    The reference takes ``op``'s arguments (``platform`` and ``cfg`` aside), positionally or by
+    name, under ``op``'s signature; ``body`` receives them as one dict by name, the defaults
+    filled, as the op's implementations do.
+    """
+    full = inspect.signature(op)
+    signature = full.replace(
+        parameters=[p for p in full.parameters.values() if p.name not in CALL_PARAMETERS]
+    )
+
+    def decorate(body: Callable[[dict[str, Any]], Any]) -> Callable[..., Any]:
+        @functools.wraps(body)
+        def reference(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return body(dict(bound.arguments))
+
+        reference.__signature__ = signature  # type: ignore[attr-defined]
+        return reference
+
+    return decorate
+
+
 def gather_sequence_pages(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
     """Every sequence's keys (or values) in order: ``[num_seqs, max_pages · page_size, Hkv, D]``.
 
@@ -379,50 +410,46 @@ def attend_rows(
 
 def paged_reference(
     queries: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
     block_tables: jax.Array,
     kv_lens: jax.Array,
     tokens: tuple[jax.Array, jax.Array, jax.Array],
+    a: Mapping[str, Any],
     *,
-    causal: bool,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: Any = None,
-    softmax_aux: jax.Array | None = None,
-    alibi_slopes: jax.Array | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
+    causal: bool = True,
 ) -> jax.Array:
     """The reference of every paged op: each query row attends over its sequence's pages.
 
     Args:
         queries: [T, Hq, D].
-        key_cache, value_cache: [num_pages, page_size, Hkv, D].
         block_tables: [num_seqs, max_pages] page ids.
         kv_lens: [num_seqs], keys per sequence (clamped to its capacity by the mask).
         tokens: ``(sequence [T], position [T], live [T])`` of every query row; a row that is
             not live, or sees no key, is zeros.
+        a: the op's other arguments by name: ``key_cache``, ``value_cache`` [num_pages,
+            page_size, Hkv, D] and, each None or absent when unused, ``softmax_scale`` (None
+            means D ** -0.5), ``logits_soft_cap``, ``sliding_window``, ``softmax_aux`` (as
+            OPS.md defines them), ``alibi_slopes`` ([Hq]; adds ``slope · (key_pos -
+            query_pos)`` after the soft cap), ``k_scale``/``v_scale`` (the caches are read as
+            ``cache.astype(float32) · scale``,
+            :func:`ejkernel.attention_semantics.dequantize_kv`).
         causal: keys at positions <= the query's only.
-        softmax_scale: multiplies the logits; None means D ** -0.5.
-        logits_soft_cap, sliding_window, softmax_aux: as OPS.md defines them.
-        alibi_slopes: [Hq]; adds ``slope · (key_pos - query_pos)`` after the soft cap.
-        k_scale, v_scale: the caches are read as ``cache.astype(float32) · scale``
-            (:func:`ejkernel.attention_semantics.dequantize_kv`), or as they are when None.
     """
+    softmax_scale = a.get("softmax_scale")
     if softmax_scale is None:
         softmax_scale = queries.shape[-1] ** -0.5
     seq, q_pos, live = tokens
-    keys = dequantize_kv(gather_sequence_pages(key_cache, block_tables), k_scale)
-    values = dequantize_kv(gather_sequence_pages(value_cache, block_tables), v_scale)
+    keys = dequantize_kv(gather_sequence_pages(a["key_cache"], block_tables), a.get("k_scale"))
+    values = dequantize_kv(gather_sequence_pages(a["value_cache"], block_tables), a.get("v_scale"))
     k_pos = jnp.arange(keys.shape[1])[None, :]
     kv_len = kv_lens.astype(jnp.int32)[seq][:, None]
+    window = a.get("sliding_window")
     visible = (
         live[:, None]
         & (k_pos < kv_len)
-        & window_mask(k_pos, q_pos[:, None], causal=causal, sliding_window=sliding_window)
+        & window_mask(k_pos, q_pos[:, None], causal=causal, sliding_window=window)
     )
     bias = None
+    alibi_slopes = a.get("alibi_slopes")
     if alibi_slopes is not None:
         distance = (k_pos - q_pos[:, None]).astype(jnp.float32)  # [T, capacity]
         bias = alibi_slopes.astype(jnp.float32)[None, :, None] * distance[:, None, :]
@@ -432,34 +459,22 @@ def paged_reference(
         values[seq],
         visible,
         softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
+        logits_soft_cap=a.get("logits_soft_cap"),
         bias=bias,
-        softmax_aux=softmax_aux,
+        softmax_aux=a.get("softmax_aux"),
     )
 
 
-def packed_paged_reference(args: Mapping[str, Any], *, causal: bool = True) -> jax.Array:
+def packed_paged_reference(a: Mapping[str, Any]) -> jax.Array:
     """The reference of the packed paged ops (ragged, v3, unified), from their arguments by
     name: each token's sequence and position from ``query_start_loc`` (:func:`ragged_tokens`;
-    every sequence live without ``num_seqs``), then :func:`paged_reference`."""
-    queries, kv_lens = args["queries"], args["kv_lens"]
-    num_seqs = args.get("num_seqs", kv_lens.shape[0])
-    return paged_reference(
-        queries,
-        args["key_cache"],
-        args["value_cache"],
-        args["block_tables"],
-        kv_lens,
-        ragged_tokens(args["query_start_loc"], kv_lens, num_seqs, queries.shape[0]),
-        causal=causal,
-        softmax_scale=args.get("softmax_scale"),
-        logits_soft_cap=args.get("logits_soft_cap"),
-        sliding_window=args.get("sliding_window"),
-        softmax_aux=args.get("softmax_aux"),
-        alibi_slopes=args.get("alibi_slopes"),
-        k_scale=args.get("k_scale"),
-        v_scale=args.get("v_scale"),
-    )
+    every sequence live without ``num_seqs``), then :func:`paged_reference` (causal unless
+    ``causal`` is given and false)."""
+    queries, kv_lens = a["queries"], a["kv_lens"]
+    num_seqs = a.get("num_seqs", kv_lens.shape[0])
+    tokens = ragged_tokens(a["query_start_loc"], kv_lens, num_seqs, queries.shape[0])
+    causal = a.get("causal", True)
+    return paged_reference(queries, a["block_tables"], kv_lens, tokens, a, causal=causal)
 
 
 # --------------------------------------------------------------------------------------------

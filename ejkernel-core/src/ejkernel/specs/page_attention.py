@@ -24,6 +24,7 @@ from ejkernel.specs._paged import (
     check_index_vector,
     check_paged_call,
     paged_reference,
+    reference_of,
     synthetic_paged_inputs,
 )
 from ejkernel.specs.flash_attention import attention_statics
@@ -31,32 +32,6 @@ from ejkernel.specs.flash_attention import attention_statics
 __all__ = ["SPEC", "page_attention", "page_attention_reference", "validate_page_attention"]
 
 OP = "page_attention"
-
-
-def page_attention_reference(
-    query: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    **statics: Any,
-) -> jax.Array:
-    """Plain-JAX oracle: gather each sequence's pages, one masked softmax per sequence.
-
-    ``statics`` are the keyword arguments of :func:`page_attention`."""
-    s = query.shape[0]
-    # One query per sequence, the newest token, at position kv_len - 1.
-    tokens = (jnp.arange(s), kv_lens.astype(jnp.int32) - 1, jnp.ones((s,), bool))
-    return paged_reference(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        kv_lens,
-        tokens,
-        causal=True,
-        **statics,
-    )
 
 
 def validate_page_attention(a: dict[str, Any]) -> dict[str, Any]:
@@ -108,6 +83,16 @@ def page_attention(
         [S, Hq, D] in the query dtype; sequences with ``kv_len == 0`` give zeros.
     """
     return call_op(SPEC, locals())
+
+
+@reference_of(page_attention)
+def page_attention_reference(a: dict[str, Any]) -> jax.Array:
+    """Plain-JAX oracle: gather each sequence's pages, one masked softmax per sequence."""
+    s = a["query"].shape[0]
+    kv_lens = a["kv_lens"]
+    # One query per sequence, the newest token, at position kv_len - 1.
+    tokens = (jnp.arange(s), kv_lens.astype(jnp.int32) - 1, jnp.ones((s,), bool))
+    return paged_reference(a["query"], a["block_tables"], kv_lens, tokens, a)
 
 
 SPEC = OpSpec.from_function(

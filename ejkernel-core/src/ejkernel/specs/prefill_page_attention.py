@@ -26,6 +26,7 @@ from ejkernel.specs._paged import (
     check_paged_call,
     check_scalar_index,
     paged_reference,
+    reference_of,
     synthetic_paged_inputs,
 )
 from ejkernel.specs.flash_attention import attention_statics
@@ -38,33 +39,6 @@ __all__ = [
 ]
 
 OP = "prefill_page_attention"
-
-
-def prefill_page_attention_reference(
-    query: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_len: Any,
-    page_indices: jax.Array,
-    **statics: Any,
-) -> jax.Array:
-    """Plain-JAX oracle: gather the sequence's pages, one causal masked softmax per query.
-
-    ``statics`` are the keyword arguments of :func:`prefill_page_attention`."""
-    c = query.shape[0]
-    kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
-    # One sequence; the queries are its last C tokens.
-    tokens = (jnp.zeros((c,), jnp.int32), kv_len[0] - c + jnp.arange(c), jnp.ones((c,), bool))
-    return paged_reference(
-        query,
-        key_cache,
-        value_cache,
-        page_indices[None],
-        kv_len,
-        tokens,
-        causal=True,
-        **statics,
-    )
 
 
 def validate_prefill_page_attention(a: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +90,16 @@ def prefill_page_attention(
         [C, Hq, D] in the query dtype; queries at negative positions give zeros.
     """
     return call_op(SPEC, locals())
+
+
+@reference_of(prefill_page_attention)
+def prefill_page_attention_reference(a: dict[str, Any]) -> jax.Array:
+    """Plain-JAX oracle: gather the sequence's pages, one causal masked softmax per query."""
+    c = a["query"].shape[0]
+    kv_len = jnp.asarray(a["kv_len"], jnp.int32).reshape(1)
+    # One sequence; the queries are its last C tokens.
+    tokens = (jnp.zeros((c,), jnp.int32), kv_len[0] - c + jnp.arange(c), jnp.ones((c,), bool))
+    return paged_reference(a["query"], a["page_indices"][None], kv_len, tokens, a)
 
 
 SPEC = OpSpec.from_function(

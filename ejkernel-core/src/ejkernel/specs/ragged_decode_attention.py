@@ -37,6 +37,7 @@ from ejkernel.specs._paged import (
     check_index_vector,
     check_kv_scales,
     check_sinks,
+    reference_of,
     synthetic_scales,
     window_mask,
 )
@@ -50,41 +51,6 @@ __all__ = [
 ]
 
 OP = "ragged_decode_attention"
-
-
-def ragged_decode_attention_reference(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    sequence_start: jax.Array,
-    sequence_end: jax.Array,
-    *,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: int | tuple[int, int] | None = None,
-    softmax_aux: jax.Array | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
-) -> jax.Array:
-    """Plain-JAX oracle: one masked softmax per row over its whole dense cache (read through
-    :func:`ejkernel.attention_semantics.dequantize_kv`)."""
-    sk = key.shape[1]
-    if softmax_scale is None:
-        softmax_scale = query.shape[-1] ** -0.5
-    start = jnp.clip(sequence_start.astype(jnp.int32), 0, sk)[:, None]
-    end = jnp.clip(sequence_end.astype(jnp.int32), 0, sk)[:, None]
-    k_pos = jnp.arange(sk)[None, :]
-    visible = (k_pos >= start) & (k_pos < end)
-    visible &= window_mask(k_pos, end - 1, causal=True, sliding_window=sliding_window)
-    return attend_rows(
-        query,
-        dequantize_kv(key, k_scale),
-        dequantize_kv(value, v_scale),
-        visible,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        softmax_aux=softmax_aux,
-    )
 
 
 def validate_ragged_decode_attention(a: dict[str, Any]) -> dict[str, Any]:
@@ -180,6 +146,31 @@ def ragged_decode_attention(
         [B, Hq, Dv] in the query dtype (Dv = D in the usual case); empty ranges give zeros.
     """
     return call_op(SPEC, locals())
+
+
+@reference_of(ragged_decode_attention)
+def ragged_decode_attention_reference(a: dict[str, Any]) -> jax.Array:
+    """Plain-JAX oracle: one masked softmax per row over its whole dense cache (read through
+    :func:`ejkernel.attention_semantics.dequantize_kv`)."""
+    query, key = a["query"], a["key"]
+    sk = key.shape[1]
+    softmax_scale = a["softmax_scale"]
+    if softmax_scale is None:
+        softmax_scale = query.shape[-1] ** -0.5
+    start = jnp.clip(a["sequence_start"].astype(jnp.int32), 0, sk)[:, None]
+    end = jnp.clip(a["sequence_end"].astype(jnp.int32), 0, sk)[:, None]
+    k_pos = jnp.arange(sk)[None, :]
+    visible = (k_pos >= start) & (k_pos < end)
+    visible &= window_mask(k_pos, end - 1, causal=True, sliding_window=a["sliding_window"])
+    return attend_rows(
+        query,
+        dequantize_kv(key, a["k_scale"]),
+        dequantize_kv(a["value"], a["v_scale"]),
+        visible,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=a["logits_soft_cap"],
+        softmax_aux=a["softmax_aux"],
+    )
 
 
 SPEC = OpSpec.from_function(

@@ -44,6 +44,7 @@ from ejkernel.specs._paged import (
     check_scalar_index,
     check_sinks,
     packed_paged_reference,
+    reference_of,
     synthetic_paged_inputs,
 )
 from ejkernel.specs.flash_attention import attention_statics
@@ -73,26 +74,6 @@ def validate_ragged_page_attention(a: dict[str, Any], *, op: str = OP) -> dict[s
     check_sinks(op, a.get("softmax_aux"), hq)
     attention_statics(op, a, d=cache.d)
     return a
-
-
-def ragged_page_attention_reference(
-    queries: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: Any,
-    *,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: int | tuple[int, int] | None = None,
-    softmax_aux: jax.Array | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
-) -> jax.Array:
-    """Plain-JAX oracle: gather each sequence's pages, then one masked softmax per token."""
-    return packed_paged_reference(locals())
 
 
 def ragged_page_attention(
@@ -144,6 +125,12 @@ def ragged_page_attention(
         are zeros.
     """
     return call_op(SPEC, locals())
+
+
+@reference_of(ragged_page_attention)
+def ragged_page_attention_reference(a: dict[str, Any]) -> jax.Array:
+    """Plain-JAX oracle: gather each sequence's pages, then one masked softmax per token."""
+    return packed_paged_reference(a)
 
 
 SPEC = OpSpec.from_function(

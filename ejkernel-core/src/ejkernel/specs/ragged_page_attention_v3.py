@@ -35,6 +35,7 @@ from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
 from ejkernel.specs._paged import (
     packed_paged_reference,
     ragged_tokens,
+    reference_of,
     synthetic_paged_inputs,
 )
 from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
@@ -97,32 +98,6 @@ def write_new_tokens(
     stored = quantize_kv(new, scale, cache.dtype)
     flat = cache.reshape(num_pages * page_size, *cache.shape[2:])
     return flat.at[dest].set(stored, mode="drop").reshape(cache.shape)
-
-
-def ragged_page_attention_v3_reference(
-    queries: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: Any,
-    *,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sliding_window: int | tuple[int, int] | None = None,
-    softmax_aux: jax.Array | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Plain-JAX oracle: write the new keys/values, then the ragged reference."""
-    tables = (kv_lens, block_tables, query_start_loc, num_seqs)
-    key_cache = write_new_tokens(key_cache, keys, *tables, k_scale)
-    value_cache = write_new_tokens(value_cache, values, *tables, v_scale)
-    out = packed_paged_reference(locals())  # over the updated caches
-    return out, key_cache, value_cache
 
 
 def validate_ragged_page_attention_v3(a: dict[str, Any]) -> dict[str, Any]:
@@ -209,6 +184,16 @@ def ragged_page_attention_v3(
         (zeros for tokens of no live sequence and rows that see no key) and the updated caches.
     """
     return call_op(SPEC, locals())
+
+
+@reference_of(ragged_page_attention_v3)
+def ragged_page_attention_v3_reference(a: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Plain-JAX oracle: write the new keys/values, then the ragged reference."""
+    tables = tuple(a[n] for n in ("kv_lens", "block_tables", "query_start_loc", "num_seqs"))
+    a["key_cache"] = write_new_tokens(a["key_cache"], a["keys"], *tables, a["k_scale"])
+    a["value_cache"] = write_new_tokens(a["value_cache"], a["values"], *tables, a["v_scale"])
+    out = packed_paged_reference(a)  # over the updated caches
+    return out, a["key_cache"], a["value_cache"]
 
 
 SPEC = OpSpec.from_function(

@@ -24,6 +24,7 @@ import jax
 from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
 from ejkernel.specs._paged import (
     packed_paged_reference,
+    reference_of,
     synthetic_paged_inputs,
 )
 from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
@@ -31,27 +32,6 @@ from ejkernel.specs.ragged_page_attention import validate_ragged_page_attention
 __all__ = ["SPEC", "unified_attention", "unified_attention_reference", "validate_unified_attention"]
 
 OP = "unified_attention"
-
-
-def unified_attention_reference(
-    queries: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    *,
-    alibi_slopes: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    sliding_window: int | tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
-) -> jax.Array:
-    """Plain-JAX oracle: gather each sequence's pages, then one masked softmax per token."""
-    return packed_paged_reference(locals(), causal=causal)
 
 
 def validate_unified_attention(a: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +98,12 @@ def unified_attention(
         zeros.
     """
     return call_op(SPEC, locals())
+
+
+@reference_of(unified_attention)
+def unified_attention_reference(a: dict[str, Any]) -> jax.Array:
+    """Plain-JAX oracle: gather each sequence's pages, then one masked softmax per token."""
+    return packed_paged_reference(a)
 
 
 SPEC = OpSpec.from_function(

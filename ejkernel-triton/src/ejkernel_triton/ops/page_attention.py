@@ -18,10 +18,8 @@ import jax.numpy as jnp
 from ejkernel_triton.ops.unified_attention import paged_attention
 from ejkernel_triton.ops.unified_attention_config import (
     UnifiedAttentionConfig,
-    passed_through,
-    serving_supports,
+    selection,
     table_problem,
-    tuning,
 )
 
 __all__ = ["PageAttentionConfig", "config_space", "heuristic", "page_attention_triton", "supports"]
@@ -32,12 +30,7 @@ class PageAttentionConfig(UnifiedAttentionConfig):
     """Tunables of the Triton page attention (:class:`UnifiedAttentionConfig`'s)."""
 
 
-heuristic, config_space = tuning(PageAttentionConfig, table_problem("query"))
-
-
-def supports(inv: Any) -> bool | str:
-    """True, or why not (dtypes, head dims over 256)."""
-    return serving_supports(inv.kwargs, "query")
+heuristic, config_space, supports = selection(PageAttentionConfig, table_problem("query"), "query")
 
 
 def page_attention_triton(*, cfg: PageAttentionConfig | None = None, **args: Any) -> jax.Array:
@@ -52,15 +45,11 @@ def page_attention_triton(*, cfg: PageAttentionConfig | None = None, **args: Any
         [S, Hq, D] in the query dtype; sequences with ``kv_len == 0`` give zeros.
     """
     s = args["query"].shape[0]
-    return paged_attention(
-        cfg,
-        queries=args["query"],
-        key_cache=args["key_cache"],
-        value_cache=args["value_cache"],
-        kv_lens=args["kv_lens"],
-        block_tables=args["block_tables"],
-        query_start_loc=jnp.arange(s + 1, dtype=jnp.int32),
-        num_seqs=s,
-        **passed_through(args),
-        decode=True,
-    )
+    # Each sequence is one packed token, its query.
+    packed = {
+        **args,
+        "queries": args["query"],
+        "query_start_loc": jnp.arange(s + 1, dtype=jnp.int32),
+        "num_seqs": s,
+    }
+    return paged_attention(cfg, packed, decode=True)

@@ -18,9 +18,7 @@ from ejkernel_triton.ops.unified_attention import paged_attention
 from ejkernel_triton.ops.unified_attention_config import (
     Problem,
     UnifiedAttentionConfig,
-    passed_through,
-    serving_supports,
-    tuning,
+    selection,
 )
 
 __all__ = [
@@ -41,12 +39,7 @@ def _problem(kw: Mapping[str, Any]) -> Problem:
     return Problem.of(kw["query"], kw["key_cache"], 1, kw["page_indices"].shape[0])
 
 
-heuristic, config_space = tuning(PrefillPageAttentionConfig, _problem)
-
-
-def supports(inv: Any) -> bool | str:
-    """True, or why not (dtypes, head dims over 256)."""
-    return serving_supports(inv.kwargs, "query")
+heuristic, config_space, supports = selection(PrefillPageAttentionConfig, _problem, "query")
 
 
 def prefill_page_attention_triton(
@@ -63,14 +56,13 @@ def prefill_page_attention_triton(
         [C, Hq, D] in the query dtype; queries at negative positions give zeros.
     """
     query = args["query"]
-    return paged_attention(
-        cfg,
-        queries=query,
-        key_cache=args["key_cache"],
-        value_cache=args["value_cache"],
-        kv_lens=jnp.asarray(args["kv_len"], jnp.int32).reshape(1),
-        block_tables=args["page_indices"][None],
-        query_start_loc=jnp.asarray([0, query.shape[0]], jnp.int32),
-        num_seqs=1,
-        **passed_through(args),
-    )
+    # A packed batch of one sequence.
+    packed = {
+        **args,
+        "queries": query,
+        "kv_lens": jnp.asarray(args["kv_len"], jnp.int32).reshape(1),
+        "block_tables": args["page_indices"][None],
+        "query_start_loc": jnp.asarray([0, query.shape[0]], jnp.int32),
+        "num_seqs": 1,
+    }
+    return paged_attention(cfg, packed)

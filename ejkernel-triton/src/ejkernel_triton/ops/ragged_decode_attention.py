@@ -22,8 +22,7 @@ from ejkernel_triton.ops.unified_attention import paged_attention
 from ejkernel_triton.ops.unified_attention_config import (
     Problem,
     UnifiedAttentionConfig,
-    serving_supports,
-    tuning,
+    selection,
 )
 
 __all__ = [
@@ -44,12 +43,9 @@ def _problem(kw: Mapping[str, Any]) -> Problem:
     return Problem.of(kw["query"], kw["key"], kw["query"].shape[0], 1)
 
 
-heuristic, config_space = tuning(RaggedDecodeAttentionConfig, _problem)
-
-
-def supports(inv: Any) -> bool | str:
-    """True, or why not (dtypes, head dims over 256)."""
-    return serving_supports(inv.kwargs, "query", caches=("key", "value"))
+heuristic, config_space, supports = selection(
+    RaggedDecodeAttentionConfig, _problem, "query", caches=("key", "value")
+)
 
 
 def ragged_decode_attention_triton(
@@ -72,21 +68,16 @@ def ragged_decode_attention_triton(
     window = args.get("sliding_window")
     if isinstance(window, int):
         window = (window, window)
-    return paged_attention(
-        cfg,
-        queries=query,
-        key_cache=key,
-        value_cache=args["value"],
-        kv_lens=end,
-        block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
-        query_start_loc=jnp.arange(b + 1, dtype=jnp.int32),
-        num_seqs=b,
-        softmax_scale=args.get("softmax_scale"),
-        sliding_window=window,
-        logits_soft_cap=args.get("logits_soft_cap"),
-        softmax_aux=args.get("softmax_aux"),
-        k_scale=args.get("k_scale"),
-        v_scale=args.get("v_scale"),
-        decode=True,
-        kv_starts=start,
-    )
+    # Row b is page b of a paged cache, one sequence of `end` keys whose query is its last.
+    packed = {
+        **args,
+        "queries": query,
+        "key_cache": key,
+        "value_cache": args["value"],
+        "kv_lens": end,
+        "block_tables": jnp.arange(b, dtype=jnp.int32)[:, None],
+        "query_start_loc": jnp.arange(b + 1, dtype=jnp.int32),
+        "num_seqs": b,
+        "sliding_window": window,
+    }
+    return paged_attention(cfg, packed, decode=True, kv_starts=start)

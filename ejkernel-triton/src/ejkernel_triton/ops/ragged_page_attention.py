@@ -14,10 +14,8 @@ import jax
 from ejkernel_triton.ops.unified_attention import paged_attention
 from ejkernel_triton.ops.unified_attention_config import (
     UnifiedAttentionConfig,
-    passed_through,
-    serving_supports,
+    selection,
     table_problem,
-    tuning,
 )
 
 __all__ = [
@@ -34,12 +32,9 @@ class RaggedPageAttentionConfig(UnifiedAttentionConfig):
     """Tunables of the Triton ragged page attention (:class:`UnifiedAttentionConfig`'s)."""
 
 
-heuristic, config_space = tuning(RaggedPageAttentionConfig, table_problem("queries"))
-
-
-def supports(inv: Any) -> bool | str:
-    """True, or why not (dtypes, head dims over 256)."""
-    return serving_supports(inv.kwargs, "queries")
+heuristic, config_space, supports = selection(
+    RaggedPageAttentionConfig, table_problem("queries"), "queries"
+)
 
 
 def ragged_page_attention_triton(
@@ -55,12 +50,4 @@ def ragged_page_attention_triton(
     Returns:
         [T, Hq, D] in the query dtype.
     """
-    names = ("queries", "key_cache", "value_cache", "kv_lens", "block_tables")
-    return paged_attention(
-        cfg,
-        **{n: args[n] for n in names},
-        query_start_loc=args["query_start_loc"],
-        num_seqs=args["num_seqs"],
-        **passed_through(args),
-        softmax_aux=args.get("softmax_aux"),
-    )
+    return paged_attention(cfg, args)

@@ -29,9 +29,8 @@ from ejkernel_triton.ops.flash_attention_config import pow2
 from ejkernel_triton.ops.ragged_page_attention import ragged_page_attention_triton
 from ejkernel_triton.ops.unified_attention_config import (
     UnifiedAttentionConfig,
-    serving_supports,
+    selection,
     table_problem,
-    tuning,
 )
 
 __all__ = [
@@ -53,12 +52,9 @@ class RaggedPageAttentionV3Config(UnifiedAttentionConfig):
     (:class:`UnifiedAttentionConfig`'s; the update has none)."""
 
 
-heuristic, config_space = tuning(RaggedPageAttentionV3Config, table_problem("queries"))
-
-
-def supports(inv: Any) -> bool | str:
-    """True, or why not (dtypes, head dims over 256)."""
-    return serving_supports(inv.kwargs, "queries")
+heuristic, config_space, supports = selection(
+    RaggedPageAttentionV3Config, table_problem("queries"), "queries"
+)
 
 
 def write_tokens(

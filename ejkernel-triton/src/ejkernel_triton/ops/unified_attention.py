@@ -17,6 +17,7 @@ declines. Under ``jit`` one compiled kernel serves every ``kv_lens``, ``query_st
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -30,9 +31,8 @@ from ejkernel_triton.ops.unified_attention_config import (
     UnifiedAttentionConfig,
     fit_stages,
     resolve,
-    serving_supports,
+    selection,
     table_problem,
-    tuning,
 )
 
 __all__ = [
@@ -46,41 +46,22 @@ __all__ = [
 
 
 def paged_attention(
-    cfg: Any,
-    *,
-    queries: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: Any,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    softmax_aux: jax.Array | None = None,
-    alibi_slopes: jax.Array | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
-    decode: bool = False,
-    kv_starts: jax.Array | None = None,
+    cfg: Any, a: Mapping[str, Any], *, decode: bool = False, kv_starts: jax.Array | None = None
 ) -> jax.Array:
     """Packed paged attention (``unified_attention``'s semantics) through the Triton kernel.
 
     Args:
         cfg: a :class:`UnifiedAttentionConfig` (or a subclass), or ``None`` for the heuristic.
-        queries: [T, Hq, D]; key_cache: [num_pages, page_size, Hkv, D]; value_cache:
-            [num_pages, page_size, Hkv, Dv].
-        kv_lens: [rows] int; block_tables: [rows, max_pages] int; query_start_loc:
-            [rows + 1] int.
-        num_seqs: the live sequences (the first ``num_seqs`` rows): an int or an integer
-            array of shape () or (1,), may be traced.
-        softmax_scale, causal, sliding_window, logits_soft_cap, softmax_aux, alibi_slopes:
-            as ``ejkernel.unified_attention`` (validated: the window a pair or ``None``).
-        k_scale, v_scale: ``None``, or a float32 scalar or ``[Hkv]``: the caches (then
-            possibly ``float8_e4m3fn``) are read as ``cache.astype(float32) · scale``; both or
-            neither.
+        a: the arguments by name, as ``ejkernel.unified_attention`` takes them (validated: the
+            window a pair or ``None``): ``queries`` [T, Hq, D]; ``key_cache`` [num_pages,
+            page_size, Hkv, D]; ``value_cache`` [num_pages, page_size, Hkv, Dv]; ``kv_lens``
+            [rows] int; ``block_tables`` [rows, max_pages] int; ``query_start_loc`` [rows + 1]
+            int; and, each ``None`` or absent when unused, ``num_seqs`` (the live sequences,
+            the first ``num_seqs`` rows: an int or an integer array of shape () or (1,), may
+            be traced; absent: every row), ``softmax_scale``, ``causal`` (absent: True),
+            ``sliding_window``, ``logits_soft_cap``, ``softmax_aux``, ``alibi_slopes``,
+            ``k_scale``/``v_scale`` (a float32 scalar or ``[Hkv]``: the caches, then possibly
+            ``float8_e4m3fn``, are read as ``cache.astype(float32) · scale``; both or neither).
         decode: the caller promises token ``s`` is sequence ``s``'s one query and every row
             is live (``page_attention``): one program per sequence and KV head, no search.
         kv_starts: [rows] int, each sequence's first visible key (``ragged_decode_attention``'s
@@ -90,6 +71,20 @@ def paged_attention(
         [T, Hq, Dv] in the query dtype; tokens of no live sequence and rows that see no key
         are zeros.
     """
+    names = ("queries", "key_cache", "value_cache", "kv_lens", "block_tables", "query_start_loc")
+    queries, key_cache, value_cache, kv_lens, block_tables, query_start_loc = (a[n] for n in names)
+    softmax_scale, sliding_window, logits_soft_cap, softmax_aux, alibi_slopes = (
+        a.get(n)
+        for n in (
+            "softmax_scale",
+            "sliding_window",
+            "logits_soft_cap",
+            "softmax_aux",
+            "alibi_slopes",
+        )
+    )
+    k_scale, v_scale, causal = a.get("k_scale"), a.get("v_scale"), a.get("causal", True)
+    num_seqs = a.get("num_seqs")
     t, hq, d = (int(n) for n in queries.shape)
     dv = int(value_cache.shape[-1])
     rows, max_pages = (int(n) for n in block_tables.shape)
@@ -109,7 +104,9 @@ def paged_attention(
     slopes = (
         jnp.zeros((1,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     )
-    live = jnp.clip(jnp.asarray(num_seqs, jnp.int32).reshape(1), 0, rows)
+    live = jnp.clip(
+        jnp.asarray(rows if num_seqs is None else num_seqs, jnp.int32).reshape(1), 0, rows
+    )
     scaled = k_scale is not None or v_scale is not None
     k_scales, v_scales = (_per_head(x, problem.hkv) for x in (k_scale, v_scale))
     starts = jnp.zeros((1,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
@@ -209,12 +206,9 @@ def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
 # -- the registered op ----------------------------------------------------------------------
 
 
-heuristic, config_space = tuning(UnifiedAttentionConfig, table_problem("queries"))
-
-
-def supports(inv: Any) -> bool | str:
-    """True, or why not (:func:`~ejkernel_triton.ops.unified_attention_config.serving_supports`)."""
-    return serving_supports(inv.kwargs, "queries")
+heuristic, config_space, supports = selection(
+    UnifiedAttentionConfig, table_problem("queries"), "queries"
+)
 
 
 def unified_attention_triton(
@@ -230,26 +224,4 @@ def unified_attention_triton(
     Returns:
         [T, Hq, D] in the query dtype.
     """
-    return paged_attention(
-        cfg,
-        num_seqs=args["kv_lens"].shape[0],
-        **{k: args.get(k) for k in _UNIFIED if k in args},
-    )
-
-
-_UNIFIED = (
-    "queries",
-    "key_cache",
-    "value_cache",
-    "kv_lens",
-    "block_tables",
-    "query_start_loc",
-    "softmax_scale",
-    "causal",
-    "sliding_window",
-    "logits_soft_cap",
-    "softmax_aux",
-    "alibi_slopes",
-    "k_scale",
-    "v_scale",
-)
+    return paged_attention(cfg, args)

@@ -42,6 +42,7 @@ __all__ = [
     "UnifiedAttentionConfig",
     "fit_stages",
     "resolve",
+    "selection",
     "serving_supports",
     "smem_need",
     "tuning",
@@ -253,15 +254,6 @@ def table_problem(query: str) -> Callable[[Mapping[str, Any]], Problem]:
     return problem
 
 
-#: The optional arguments the paged ops pass through to the unified kernel as given.
-PASSED_THROUGH = ("softmax_scale", "sliding_window", "logits_soft_cap", "k_scale", "v_scale")
-
-
-def passed_through(args: Mapping[str, Any]) -> dict[str, Any]:
-    """:data:`PASSED_THROUGH` of ``args`` (``None`` where absent)."""
-    return {n: args.get(n) for n in PASSED_THROUGH}
-
-
 def tuning(
     config: type[Any], problem: Callable[[Mapping[str, Any]], Problem]
 ) -> tuple[Callable[[Any], Any], Callable[[Any], list[Any]]]:
@@ -276,6 +268,23 @@ def tuning(
         return config_space_of(problem(inv.kwargs), config)
 
     return heuristic, config_space
+
+
+def selection(
+    config: type[Any],
+    problem: Callable[[Mapping[str, Any]], Problem],
+    query: str,
+    caches: tuple[str, str] = ("key_cache", "value_cache"),
+) -> tuple[Callable[[Any], Any], Callable[[Any], list[Any]], Callable[[Any], bool | str]]:
+    """A serving op's ``(heuristic, config_space, supports)``: :func:`tuning` of ``config`` on
+    ``problem``, and :func:`serving_supports` of its query argument ``query`` and ``caches``."""
+    heuristic, config_space = tuning(config, problem)
+
+    def supports(inv: Any) -> bool | str:
+        """True, or why not (dtypes, head dims over 256)."""
+        return serving_supports(inv.kwargs, query, caches)
+
+    return heuristic, config_space, supports
 
 
 def serving_supports(

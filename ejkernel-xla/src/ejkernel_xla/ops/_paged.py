@@ -75,6 +75,7 @@ __all__ = [
     "Sequences",
     "Statics",
     "attend",
+    "attend_pages",
     "decode_sequences",
     "dense_fetch",
     "make_statics",
@@ -346,9 +347,19 @@ def packed_forward(a: dict[str, Any], st: Statics) -> jax.Array:
     num_seqs = num_seqs if num_seqs is not None else block_tables.shape[0]
     capacity = block_tables.shape[1] * key_cache.shape[1]
     seqs = paged_sequences(a["kv_lens"], a["query_start_loc"], num_seqs, queries.shape[0], capacity)
+    return attend_pages(queries, seqs, st, a, block_tables)
+
+
+def attend_pages(
+    queries: jax.Array, seqs: Sequences, st: Statics, a: Mapping[str, Any], block_tables: jax.Array
+) -> jax.Array:
+    """:func:`attend` over the pages of ``block_tables`` (:func:`paged_fetch`, up to each
+    sequence's ``kv_hi``), the caches and the optional ``k_scale``, ``v_scale``,
+    ``softmax_aux`` and ``alibi_slopes`` taken from the arrays ``a`` by name."""
+    key_cache, value_cache = a["key_cache"], a["value_cache"]
     fetch = paged_fetch(
         key_cache,
-        a["value_cache"],
+        value_cache,
         block_tables,
         seqs.kv_hi,
         st.kv_block,
@@ -362,7 +373,7 @@ def packed_forward(a: dict[str, Any], st: Statics) -> jax.Array:
         st,
         softmax_aux=a.get("softmax_aux"),
         alibi_slopes=a.get("alibi_slopes"),
-        reads=(key_cache, a["value_cache"], block_tables),
+        reads=(key_cache, value_cache, block_tables),
     )
 
 

@@ -58,14 +58,4 @@ def _forward(a: dict[str, Any], st: engine.Statics) -> jax.Array:
     kv_hi = jnp.clip(kv_len, 0, block_tables.shape[1] * key_cache.shape[1])
     # The decode token is the newest one.
     seqs = engine.decode_sequences(kv_len - 1, jnp.zeros_like(kv_len), kv_hi)
-    fetch = engine.paged_fetch(
-        key_cache,
-        a["value_cache"],
-        block_tables,
-        kv_hi,
-        st.kv_block,
-        k_scale=a["k_scale"],
-        v_scale=a["v_scale"],
-    )
-    reads = (key_cache, a["value_cache"], block_tables)
-    return engine.attend(a["query"], seqs, fetch, st, reads=reads)
+    return engine.attend_pages(a["query"], seqs, st, a, block_tables)

@@ -68,13 +68,4 @@ def _forward(a: dict[str, Any], st: engine.Statics) -> jax.Array:
     seqs = engine.paged_sequences(
         kv_lens, starts, jnp.int32(1), c, tables.shape[1] * key_cache.shape[1]
     )
-    fetch = engine.paged_fetch(
-        key_cache,
-        a["value_cache"],
-        tables,
-        seqs.kv_hi,
-        st.kv_block,
-        k_scale=a["k_scale"],
-        v_scale=a["v_scale"],
-    )
-    return engine.attend(query, seqs, fetch, st, reads=(key_cache, a["value_cache"], tables))
+    return engine.attend_pages(query, seqs, st, a, tables)

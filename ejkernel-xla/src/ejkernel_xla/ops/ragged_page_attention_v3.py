@@ -74,17 +74,8 @@ def _forward(a: dict[str, Any], st: engine.Statics) -> tuple[jax.Array, jax.Arra
     new_values = quantize_kv(a["values"], v_scale, value_cache.dtype)
     key_cache = key_cache.at[page, slot].set(new_keys, mode="drop")
     value_cache = value_cache.at[page, slot].set(new_values, mode="drop")
-    fetch = engine.paged_fetch(
-        key_cache,
-        value_cache,
-        block_tables,
-        seqs.kv_hi,
-        st.kv_block,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    reads = (key_cache, value_cache, block_tables)
-    out = engine.attend(queries, seqs, fetch, st, softmax_aux=a["softmax_aux"], reads=reads)
+    updated = {**a, "key_cache": key_cache, "value_cache": value_cache}
+    out = engine.attend_pages(queries, seqs, st, updated, block_tables)
     return out, key_cache, value_cache
 
 

@@ -142,6 +142,20 @@ class PagedBatch:
             ),
         )
 
+    def scaled_example(
+        self, layout: str = "packed", *, tags: str = "head-k_scale", **kwargs: Any
+    ) -> Example:
+        """:meth:`example` over :data:`FP8` caches read with a per-KV-head ``k_scale [Hkv]``
+        (float32) and a float ``v_scale`` of 0.75; ``kwargs`` as :meth:`example`'s."""
+        return self.example(
+            layout,
+            tags=tags,
+            cache_dtype=FP8,
+            extra={"k_scale": ((self.hkv,), "float32")},
+            v_scale=0.75,
+            **kwargs,
+        )
+
 
 def invalid_scales(caches: tuple[str, str] = ("key_cache", "value_cache")) -> list[Invalid]:
     """Scale arguments every serving op rejects: ``k_scale`` ``[Hkv + 1]``, a bfloat16

@@ -4,7 +4,7 @@ GQA/MQA, soft cap and sliding window, float8 caches."""
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._paged import FP8, PagedBatch, invalid_scales
+from ejkernel.testing.cases._paged import PagedBatch, invalid_scales
 
 __all__ = ["examples"]
 
@@ -21,14 +21,7 @@ def examples() -> list[Example | Invalid]:
         ),
         PagedBatch(
             kv_lens=(37, 0, 1, 16, 29), hq=6, hkv=2, d=80, page_size=8, max_pages=5, num_pages=24
-        ).example(
-            "decode",
-            tags="head-k_scale-window",
-            cache_dtype=FP8,
-            extra={"k_scale": ((2,), "float32")},
-            v_scale=0.75,
-            sliding_window=(9, 0),
-        ),
+        ).scaled_example("decode", tags="head-k_scale-window", sliding_window=(9, 0)),
         Invalid.extra_axis("query"),
         Invalid.replace("kv_lens-wrong-length", kv_lens=lambda a: a["kv_lens"][1:]),
         *invalid_scales(),

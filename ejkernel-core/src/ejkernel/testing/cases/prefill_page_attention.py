@@ -4,7 +4,7 @@ cap and sliding window, float8 caches."""
 from __future__ import annotations
 
 from ejkernel.testing._examples import Example, Invalid
-from ejkernel.testing.cases._paged import FP8, PagedBatch, invalid_scales
+from ejkernel.testing.cases._paged import PagedBatch, invalid_scales
 
 __all__ = ["examples"]
 
@@ -21,13 +21,7 @@ def examples() -> list[Example | Invalid]:
         ),
         PagedBatch(
             kv_lens=(37,), q_lens=(5,), hq=6, hkv=2, d=80, page_size=8, max_pages=6, num_pages=16
-        ).example(
-            "prefill",
-            tags="head-k_scale",
-            cache_dtype=FP8,
-            extra={"k_scale": ((2,), "float32")},
-            v_scale=0.75,
-        ),
+        ).scaled_example("prefill"),
         Invalid.extra_axis("query"),
         Invalid.replace("page_indices-2d", page_indices=lambda a: a["page_indices"][None]),
         *invalid_scales(),

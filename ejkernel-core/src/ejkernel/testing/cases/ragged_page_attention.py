@@ -7,9 +7,9 @@ from __future__ import annotations
 import attrs
 
 from ejkernel.testing._examples import FLOAT, Example, Invalid
-from ejkernel.testing.cases._paged import FP8, PagedBatch, invalid_scales
+from ejkernel.testing.cases._paged import PagedBatch, invalid_scales
 
-__all__ = ["MIXED", "MQA", "SCALES", "examples", "invalid_packed"]
+__all__ = ["MIXED", "MQA", "examples", "invalid_packed"]
 
 #: Lengths 0 and 1, whole pages, a chunked prefill (5 of 37), decode steps, a sequence with
 #: more queries than keys (4 queries, 2 keys), 3 padding tokens.
@@ -28,8 +28,6 @@ MIXED = PagedBatch(
 
 #: :data:`MIXED` with MQA heads and a head dim of 64.
 MQA = attrs.evolve(MIXED, hq=4, hkv=1, d=64)
-#: A per-KV-head ``k_scale`` of :data:`MIXED` (the float8 examples' ``v_scale`` is a float).
-SCALES = {"k_scale": ((MIXED.hkv,), "float32")}
 
 
 def invalid_packed() -> list[Invalid]:
@@ -50,6 +48,6 @@ def examples() -> list[Example | Invalid]:
             logits_soft_cap=10.0,
             sliding_window=(6, 0),
         ),
-        MIXED.example(tags="head-k_scale", num_seqs=6, cache_dtype=FP8, extra=SCALES, v_scale=0.75),
+        MIXED.scaled_example(num_seqs=6),
         *invalid_packed(),
     ]

@@ -5,8 +5,7 @@ attention; float8 caches (the new tokens written quantised)."""
 from __future__ import annotations
 
 from ejkernel.testing._examples import FLOAT, Example, Invalid
-from ejkernel.testing.cases._paged import FP8
-from ejkernel.testing.cases.ragged_page_attention import MIXED, MQA, SCALES, invalid_packed
+from ejkernel.testing.cases.ragged_page_attention import MIXED, MQA, invalid_packed
 
 __all__ = ["examples"]
 
@@ -22,14 +21,7 @@ def examples() -> list[Example | Invalid]:
             logits_soft_cap=10.0,
             sliding_window=(6, 0),
         ),
-        MIXED.example(
-            tags="head-k_scale",
-            num_seqs=7,
-            new_tokens=True,
-            cache_dtype=FP8,
-            extra=SCALES,
-            v_scale=0.75,
-        ),
+        MIXED.scaled_example(num_seqs=7, new_tokens=True),
         *invalid_packed(),
         Invalid.replace("keys-wrong-tokens", keys=lambda a: a["keys"][1:]),
     ]

@@ -4,8 +4,7 @@ non-causal with a two-sided window, float8 caches."""
 from __future__ import annotations
 
 from ejkernel.testing._examples import FLOAT, Example, Invalid
-from ejkernel.testing.cases._paged import FP8
-from ejkernel.testing.cases.ragged_page_attention import MIXED, MQA, SCALES, invalid_packed
+from ejkernel.testing.cases.ragged_page_attention import MIXED, MQA, invalid_packed
 
 __all__ = ["examples"]
 
@@ -20,6 +19,6 @@ def examples() -> list[Example | Invalid]:
             sliding_window=(6, 3),
             logits_soft_cap=10.0,
         ),
-        MIXED.example(tags="head-k_scale", cache_dtype=FP8, extra=SCALES, v_scale=0.75),
+        MIXED.scaled_example(),
         *invalid_packed(),
     ]
