@@ -112,8 +112,8 @@ def test_gpu_bf16_forward_and_gradients_match_the_xla_path() -> None:
 def test_kernels_compile_for_hopper_with_a_one_wide_value(monkeypatch, tmp_path) -> None:
     """The heuristic's gla launches at the selective scan's shape (bf16, N 16, V 1), forward
     and backward, compiled for sm_90 on any machine."""
-    from ejkernel_triton.ops import state_space_v1 as ssm
+    from ejkernel_triton.ops.state_space_v1 import state_space_v1_triton as op
 
     arrays = {n: v for n, v in inputs(1, 256, 4, 16, jnp.bfloat16).items() if n in CORE}
-    compiled = hopper_launches(monkeypatch, tmp_path, heuristic, ssm._fwd, ssm._bwd, arrays)
+    compiled = hopper_launches(monkeypatch, tmp_path, heuristic, op.fwd, op.bwd, arrays)
     assert_launches_fit_hopper(compiled, 9)

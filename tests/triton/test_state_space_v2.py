@@ -150,12 +150,12 @@ def test_it_is_opt_in_in_the_triton_plugin() -> None:
 def test_kernels_compile_for_hopper_at_the_mamba2_head_size(monkeypatch, tmp_path) -> None:
     """The heuristic's gla launches at SSD's shape (bf16, P 64, N 128, G 1), forward and
     backward, compiled for sm_90 on any machine."""
-    from ejkernel_triton.ops import state_space_v2 as ssm
+    from ejkernel_triton.ops.state_space_v2 import state_space_v2_triton as op
 
     arrays = {n: v for n, v in inputs(1, 256, 2, 64, 1, 128, jnp.bfloat16).items()}
     arrays = {n: v for n, v in arrays.items() if n in NAMES[:6]}
     compiled = hopper_launches(
-        monkeypatch, tmp_path, heuristic, ssm._fwd, ssm._bwd, arrays, dt_softplus=True
+        monkeypatch, tmp_path, heuristic, op.fwd, op.bwd, arrays, dt_softplus=True
     )
     assert_launches_fit_hopper(compiled, 9)
 

@@ -151,8 +151,10 @@ def read_export(path: str | os.PathLike[str], verb: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive inter-process lock on ``path`` (fcntl on POSIX, msvcrt on Windows)."""
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive inter-process lock on the file ``path`` (created when missing) for
+    the ``with`` block: fcntl on POSIX, msvcrt on Windows. The persistent cache writes under
+    one; a plugin's own files in the cache folder (compiled kernels) may too."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -305,7 +307,7 @@ class PersistentCache:
         d = self.directory
         try:
             d.mkdir(parents=True, exist_ok=True)
-            with self._lock, _file_lock(d / f"{FILE_NAME}.lock"):
+            with self._lock, file_lock(d / f"{FILE_NAME}.lock"):
                 data = self._read_file()
                 edit(data)
                 doc = {"schema": SCHEMA_VERSION, "entries": data}

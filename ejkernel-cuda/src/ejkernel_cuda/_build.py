@@ -17,7 +17,6 @@ the reason, with the compiler's message.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import importlib.metadata
@@ -29,7 +28,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,22 +198,6 @@ def _error_lines(output: str, limit: int = 4000) -> str:
     return text[-limit:]
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive inter-process lock (fcntl on POSIX; best effort elsewhere)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except ImportError:  # not POSIX: the CUDA plugin targets Linux
-            pass
-        yield
-    finally:
-        os.close(fd)
-
-
 def cache_root(root: str | os.PathLike[str] | None = None) -> Path:
     """``<ejkernel cache folder>/cuda`` (read at each call, as the core reads it)."""
     if root is not None:
@@ -272,7 +254,9 @@ def build(
         if failed.is_file():
             raise BuildError(_cached_failure(failed))
     base.mkdir(parents=True, exist_ok=True)
-    with _file_lock(base / f"{key}.lock"):
+    from ejkernel.ops import file_lock
+
+    with file_lock(base / f"{key}.lock"):
         if not force:  # another process may have finished while we waited
             if library.is_file():
                 return library

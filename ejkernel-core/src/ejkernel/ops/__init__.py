@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ejkernel._autotune import benchmark
 from ejkernel._batch_tune import autotune_recorded
-from ejkernel._cache import CacheEntry, ConfigCache, PersistentCache
+from ejkernel._cache import CacheEntry, ConfigCache, PersistentCache, file_lock
 from ejkernel._chain import Choice, ConfigSelectorChain, overlay_cache, policy_override
 from ejkernel._executor import Executor, Selection, default_executor
 from ejkernel._hardware import prune_by_shared_memory, shared_memory_limit
@@ -88,6 +88,7 @@ __all__ = [
     "device_fingerprint",
     "device_kind",
     "extract_labels_from_hlo_text",
+    "file_lock",
     "find_labels_in_lowered",
     "flash_attention_lse_step",
     "forward_autotune_only",

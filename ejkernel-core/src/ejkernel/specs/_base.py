@@ -48,9 +48,9 @@ CALL_PARAMETERS = ("platform", "cfg")
 class OpSpec:
     """The contract of one op, shared by every implementation.
 
-    In-tree ops build theirs with :meth:`OpSpec.from_function`, which reads the arguments from
-    the public function's signature; ``args=`` spells them out (a spec added with
-    ``registry.add_op`` may do either).
+    In-tree ops build theirs with :meth:`OpSpec.from_function` (through
+    :func:`builtin_op_spec`), which reads the arguments from the public function's signature;
+    ``args=`` spells them out (a spec added with ``registry.add_op`` may do either).
 
     Attributes:
         name: the registry key, the `ejkernel.<op>` function name.
@@ -169,6 +169,26 @@ class OpSpec:
     def make_synthetic(self, abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
         fn = self.synthetic or default_synthetic
         return fn(abstract, seed)
+
+
+#: The ``tolerances`` of the ops whose implementations chunk a recurrence: regrouping its sums
+#: holds float32 to 1e-4 relative.
+CHUNKED_TOLERANCES: Mapping[str, tuple[float, float]] = {"float32": (1e-4, 1e-4)}
+
+
+def builtin_op_spec(fn: Callable[..., Any], **fields: Any) -> OpSpec:
+    """:meth:`OpSpec.from_function` for an op that ships with core, laid out by the finding
+    rule: ``validate`` and ``reference`` default to ``validate_<op>`` and ``<op>_reference`` of
+    ``fn``'s module, ``examples`` to ``ejkernel.testing.cases.<op>:examples``. ``fields`` give
+    the other fields, or other values for these."""
+    name = fields.get("name", fn.__name__)
+    module = inspect.getmodule(fn)
+    if "validate" not in fields:
+        fields["validate"] = getattr(module, f"validate_{name}")
+    if "reference" not in fields:
+        fields["reference"] = getattr(module, f"{name}_reference")
+    fields.setdefault("examples", f"ejkernel.testing.cases.{name}:examples")
+    return OpSpec.from_function(fn, **fields)
 
 
 def _annotated_arrays(fn: Callable[..., Any], names: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import finite_or_zero
-from ejkernel.specs._base import OpSpec, call_op
+from ejkernel.specs._base import builtin_op_spec, call_op
 from ejkernel.specs.flash_attention import (
     flash_attention_reference,
     validate_flash_attention,
@@ -110,10 +110,8 @@ def attention(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
+SPEC = builtin_op_spec(
     attention,
     differentiable=("query", "key", "value", "bias", "softmax_aux"),
     validate=lambda a: validate_flash_attention(a, op=OP),
-    reference=attention_reference,
-    examples="ejkernel.testing.cases.attention:examples",
 )

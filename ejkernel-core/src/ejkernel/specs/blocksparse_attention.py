@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array
+from ejkernel.specs._base import builtin_op_spec, call_op, check_array
 from ejkernel.specs.flash_attention import (
     flash_attention_reference,
     validate_flash_attention,
@@ -159,10 +159,4 @@ def blocksparse_attention(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
-    blocksparse_attention,
-    differentiable=("query", "key", "value", "bias"),
-    validate=validate_blocksparse_attention,
-    reference=blocksparse_attention_reference,
-    examples="ejkernel.testing.cases.blocksparse_attention:examples",
-)
+SPEC = builtin_op_spec(blocksparse_attention, differentiable=("query", "key", "value", "bias"))

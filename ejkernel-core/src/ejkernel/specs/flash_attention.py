@@ -33,8 +33,8 @@ from ejkernel.attention_semantics import (
     soft_cap,
 )
 from ejkernel.specs._base import (
-    OpSpec,
     broadcastable,
+    builtin_op_spec,
     call_op,
     check_array,
     check_flag,
@@ -377,10 +377,6 @@ def flash_attention(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
-    flash_attention,
-    differentiable=("query", "key", "value", "bias", "softmax_aux"),
-    validate=validate_flash_attention,
-    reference=flash_attention_reference,
-    examples="ejkernel.testing.cases.flash_attention:examples",
+SPEC = builtin_op_spec(
+    flash_attention, differentiable=("query", "key", "value", "bias", "softmax_aux")
 )

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from ejkernel.specs._base import OpSpec, call_op
+from ejkernel.specs._base import CHUNKED_TOLERANCES, builtin_op_spec, call_op
 from ejkernel.specs.recurrent import (
     check_gate,
     linear_recurrence_reference,
@@ -86,13 +86,9 @@ def gla(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
+SPEC = builtin_op_spec(
     gla,
     differentiable=("query", "key", "value", "g", "initial_state"),
-    validate=validate_gla,
-    reference=gla_reference,
     synthetic=linear_synthetic,
-    examples="ejkernel.testing.cases.gla:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
+    tolerances=CHUNKED_TOLERANCES,
 )

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.specs._base import (
-    OpSpec,
+    builtin_op_spec,
     call_op,
     check_array,
     check_flag,
@@ -178,11 +178,6 @@ def grouped_matmul(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
-    grouped_matmul,
-    differentiable=("lhs", "rhs"),
-    validate=validate_grouped_matmul,
-    reference=grouped_matmul_reference,
-    synthetic=grouped_matmul_synthetic,
-    examples="ejkernel.testing.cases.grouped_matmul:examples",
+SPEC = builtin_op_spec(
+    grouped_matmul, differentiable=("lhs", "rhs"), synthetic=grouped_matmul_synthetic
 )

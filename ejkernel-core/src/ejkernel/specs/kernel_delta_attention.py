@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.specs._base import (
-    OpSpec,
+    CHUNKED_TOLERANCES,
+    builtin_op_spec,
     call_op,
     check_array,
     check_flag,
@@ -234,13 +235,9 @@ def kernel_delta_attention(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
+SPEC = builtin_op_spec(
     kernel_delta_attention,
     differentiable=("query", "key", "value", "beta", "g", "initial_state"),
-    validate=validate_kernel_delta_attention,
-    reference=kernel_delta_attention_reference,
     synthetic=synthetic_kernel_delta_attention,
-    examples="ejkernel.testing.cases.kernel_delta_attention:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
+    tolerances=CHUNKED_TOLERANCES,
 )

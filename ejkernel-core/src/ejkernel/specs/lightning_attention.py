@@ -32,7 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array, is_floating
+from ejkernel.specs._base import (
+    CHUNKED_TOLERANCES,
+    builtin_op_spec,
+    call_op,
+    check_array,
+    is_floating,
+)
 from ejkernel.specs.recurrent import (
     linear_recurrence_reference,
     linear_synthetic,
@@ -161,13 +167,9 @@ def lightning_attention(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
+SPEC = builtin_op_spec(
     lightning_attention,
     differentiable=("query", "key", "value", "slopes", "initial_state"),
-    validate=validate_lightning_attention,
-    reference=lightning_attention_reference,
     synthetic=linear_synthetic,
-    examples="ejkernel.testing.cases.lightning_attention:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
+    tolerances=CHUNKED_TOLERANCES,
 )

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.specs._base import (
-    OpSpec,
+    builtin_op_spec,
     call_op,
     check_array,
     check_cu_seqlens,
@@ -122,11 +122,4 @@ def mean_pooling(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
-    mean_pooling,
-    differentiable=("x",),
-    validate=validate_mean_pooling,
-    reference=mean_pooling_reference,
-    synthetic=mean_pooling_synthetic,
-    examples="ejkernel.testing.cases.mean_pooling:examples",
-)
+SPEC = builtin_op_spec(mean_pooling, differentiable=("x",), synthetic=mean_pooling_synthetic)

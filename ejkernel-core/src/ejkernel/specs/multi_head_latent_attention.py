@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import finite_or_zero
-from ejkernel.specs._base import OpSpec, call_op, check_array, check_floating
+from ejkernel.specs._base import builtin_op_spec, call_op, check_array, check_floating
 from ejkernel.specs.flash_attention import attention_statics, flash_attention_reference
 
 __all__ = [
@@ -157,10 +157,6 @@ def multi_head_latent_attention(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
-    multi_head_latent_attention,
-    differentiable=("query", "key_value", "w_kc", "w_vc", "k_rope"),
-    validate=validate_multi_head_latent_attention,
-    reference=multi_head_latent_attention_reference,
-    examples="ejkernel.testing.cases.multi_head_latent_attention:examples",
+SPEC = builtin_op_spec(
+    multi_head_latent_attention, differentiable=("query", "key_value", "w_kc", "w_vc", "k_rope")
 )

@@ -43,7 +43,7 @@ import numpy as np
 
 from ejkernel.attention_semantics import finite_or_zero, masked_softmax
 from ejkernel.specs._base import (
-    OpSpec,
+    builtin_op_spec,
     call_op,
     check_array,
     check_qkv,
@@ -296,11 +296,8 @@ def native_sparse_attention(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
+SPEC = builtin_op_spec(
     native_sparse_attention,
     differentiable=("query", "key", "value", "g_cmp", "g_slc", "g_swa"),
-    validate=validate_native_sparse_attention,
-    reference=native_sparse_attention_reference,
     synthetic=_synthetic,
-    examples="ejkernel.testing.cases.native_sparse_attention:examples",
 )

@@ -45,7 +45,8 @@ import numpy as np
 from jax import lax
 
 from ejkernel.specs._base import (
-    OpSpec,
+    CHUNKED_TOLERANCES,
+    builtin_op_spec,
     call_op,
     check_array,
     check_cu_seqlens,
@@ -375,13 +376,9 @@ def recurrent(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
+SPEC = builtin_op_spec(
     recurrent,
     differentiable=("query", "key", "value", "g", "gk", "gv", "initial_state"),
-    validate=validate_recurrent,
-    reference=recurrent_reference,
     synthetic=linear_synthetic,
-    examples="ejkernel.testing.cases.recurrent:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
+    tolerances=CHUNKED_TOLERANCES,
 )

@@ -37,8 +37,8 @@ import jax
 from jax import lax
 
 from ejkernel.specs._base import (
-    OpSpec,
     broadcastable,
+    builtin_op_spec,
     call_op,
     check_array,
     is_floating,
@@ -301,10 +301,6 @@ def ring_attention(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
-    ring_attention,
-    differentiable=("query", "key", "value", "bias", "softmax_aux"),
-    validate=validate_ring_attention,
-    reference=ring_attention_reference,
-    examples="ejkernel.testing.cases.ring_attention:examples",
+SPEC = builtin_op_spec(
+    ring_attention, differentiable=("query", "key", "value", "bias", "softmax_aux")
 )

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from ejkernel.specs._base import OpSpec, call_op
+from ejkernel.specs._base import builtin_op_spec, call_op
 from ejkernel.specs.flash_attention import (
     flash_attention_reference,
     validate_flash_attention,
@@ -58,11 +58,9 @@ def scaled_dot_product_attention(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
+SPEC = builtin_op_spec(
     scaled_dot_product_attention,
     differentiable=("query", "key", "value", "bias"),
     validate=lambda a: validate_flash_attention(a, op=OP),
-    reference=scaled_dot_product_attention_reference,
-    examples="ejkernel.testing.cases.scaled_dot_product_attention:examples",
     served_by="flash_attention",
 )

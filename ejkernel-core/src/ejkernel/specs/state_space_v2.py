@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.specs._base import OpSpec, call_op, check_array
+from ejkernel.specs._base import CHUNKED_TOLERANCES, builtin_op_spec, call_op, check_array
 from ejkernel.specs.state_space_v1 import (
     check_state_space_arrays,
     decay_rate,
@@ -163,13 +163,9 @@ def state_space_v2(
     return call_op(SPEC, locals())
 
 
-SPEC = OpSpec.from_function(
+SPEC = builtin_op_spec(
     state_space_v2,
     differentiable=("x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state"),
-    validate=validate_state_space_v2,
-    reference=state_space_v2_reference,
     synthetic=synthetic_state_space,
-    examples="ejkernel.testing.cases.state_space_v2:examples",
-    # Chunked implementations regroup the recurrence's sums: float32 is held to 1e-4 relative.
-    tolerances={"float32": (1e-4, 1e-4)},
+    tolerances=CHUNKED_TOLERANCES,
 )

@@ -8,8 +8,7 @@ from typing import Any
 import attrs
 import jax
 
-from ejkernel_triton.ops.gla_config import GlaConfig, heuristic
-from ejkernel_triton.ops.gla_config import supports as _gla_supports
+from ejkernel_triton.ops.gla_config import GlaConfig, heuristic, kernel_limits
 
 #: The arguments such an op passes through to gla unchanged (the key gate ``g`` is its own).
 GLA_ARGS = (
@@ -35,9 +34,10 @@ def gla_args(args: dict[str, Any], gate: jax.Array) -> dict[str, Any]:
     return {**{n: args.get(n) for n in GLA_ARGS}, "g": gate}
 
 
-def gla_supports(args: dict[str, Any]) -> bool | str:
-    """gla's limits (dtypes, K and V ≤ 256) on the call's query, key and value."""
-    return _gla_supports(Inv({**args, "g": args["query"]}))
+def gla_supports(args: dict[str, Any], gates: tuple[str, ...] = ()) -> bool | str:
+    """gla's limits (dtypes, K and V ≤ 256) on the call's ``gates`` (those given) and its
+    query, key and value."""
+    return kernel_limits(args, (*gates, "query", "key", "value"))
 
 
 def config(cfg: GlaConfig | None, args: dict[str, Any]) -> GlaConfig:

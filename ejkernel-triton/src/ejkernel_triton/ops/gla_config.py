@@ -65,10 +65,16 @@ def _power_of_two(config: Any, attribute: Any, value: int) -> None:
 
 def supports(inv: Any) -> bool | str:
     """True, or why not: dtypes other than bf16/f16/f32, mixed dtypes, K or V over 256."""
-    a = inv.kwargs
-    for name in ("query", "key", "value", "g"):
-        x = a[name]
-        if x.dtype not in _DTYPES:
+    return kernel_limits(inv.kwargs, ("query", "key", "value", "g"))
+
+
+def kernel_limits(a: dict[str, Any], arrays: tuple[str, ...]) -> bool | str:
+    """What the chunked linear-attention kernels (gla's, kernel delta attention's) hold: the
+    ``arrays`` of ``a`` given (checked in that order) in bf16/f16/f32, query, key and value in
+    one dtype, K and V ≤ 256. True, or why not."""
+    for name in arrays:
+        x = a.get(name)
+        if x is not None and x.dtype not in _DTYPES:
             return f"{name} dtype {x.dtype} (the Triton kernels take bfloat16, float16, float32)"
     if len({a["query"].dtype, a["key"].dtype, a["value"].dtype}) != 1:
         return "query, key and value dtypes differ"

@@ -48,6 +48,7 @@ import numpy as np
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch, _smem
 from ejkernel_triton._launch import BATCH, OTHER
+from ejkernel_triton.ops.gla_config import kernel_limits
 from ejkernel_triton.ops.gla_layout import Layout
 
 __all__ = [
@@ -76,8 +77,6 @@ FUSED_GPU_MAX_TOKENS = 8
 _PRODUCT_CHANNELS = 32
 #: Warps of a program on one ``[16, _PRODUCT_CHANNELS]`` tile of the decayed products.
 _TILE_WARPS = 2
-_MAX_DIM = 256
-_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _ARRAY_NAMES = ("query", "key", "value", "beta", "g", "initial_state", "cu_seqlens")
 
 
@@ -117,17 +116,7 @@ class KernelDeltaAttentionConfig:
 
 def supports(inv: Any) -> bool | str:
     """True, or why not: dtypes other than bf16/f16/f32, mixed dtypes, K or V over 256."""
-    a = inv.kwargs
-    for name in ("query", "key", "value", "beta", "g"):
-        x = a[name]
-        if x.dtype not in _DTYPES:
-            return f"{name} dtype {x.dtype} (the Triton kernels take bfloat16, float16, float32)"
-    if len({a["query"].dtype, a["key"].dtype, a["value"].dtype}) != 1:
-        return "query, key and value dtypes differ"
-    dk, dv = a["query"].shape[-1], a["value"].shape[-1]
-    if max(dk, dv) > _MAX_DIM:
-        return f"K {dk} / V {dv}: the kernels hold K, V ≤ {_MAX_DIM}"
-    return True
+    return kernel_limits(inv.kwargs, ("query", "key", "value", "beta", "g"))
 
 
 def shared_memory(cfg: KernelDeltaAttentionConfig, dk: int, dv: int) -> int:

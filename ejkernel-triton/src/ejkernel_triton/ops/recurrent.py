@@ -44,11 +44,7 @@ def supports(inv: Any) -> bool | str:
             "the value gate gv decays the state's V axis, which the Triton gla kernels do not "
             "carry (the XLA platform serves it)"
         )
-    for name in ("g", "gk"):
-        x = a.get(name)
-        if x is not None and x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-            return f"{name} dtype {x.dtype} (the Triton kernels take bfloat16, float16, float32)"
-    return _on_gla.gla_supports(a)
+    return _on_gla.gla_supports(a, ("g", "gk"))
 
 
 def recurrent_triton(*, cfg: GlaConfig | None = None, **args: Any) -> Any:

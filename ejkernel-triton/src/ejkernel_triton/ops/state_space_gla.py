@@ -21,6 +21,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel.plugins import defvjp
 from ejkernel.specs.state_space_v1 import decay_rate
 from ejkernel_triton.ops import gla
 from ejkernel_triton.ops.gla_config import GlaConfig
@@ -193,6 +194,21 @@ def backward(
     (grads,) = pull_lin(cot)
     grads = {n: g + d_outer[n] if n in d_outer else g for n, g in grads.items()}
     return {n: None if a[n] is None else grads[n].astype(a[n].dtype) for n in ARRAYS}
+
+
+def define_vjp(impl: Callable[..., Any], m: Mapping, cls: type[GlaConfig]) -> None:
+    """Give an op's entry ``impl`` (:func:`primal` on ``m``) its custom VJP: :func:`forward`
+    and :func:`backward` on ``m``, with configs of ``cls``."""
+
+    def fwd(*, cfg: Any = None, **args: Any) -> tuple[Any, dict[str, Any]]:
+        return forward(m, cls, cfg, args)
+
+    def bwd(
+        residuals: dict[str, Any], d_out: Any, *, cfg: Any = None, **statics: Any
+    ) -> dict[str, jax.Array | None]:
+        return backward(m, cls, cfg, residuals, d_out, statics)
+
+    defvjp(impl, fwd, bwd)
 
 
 # -- shared pieces of the mappings ----------------------------------------------------------

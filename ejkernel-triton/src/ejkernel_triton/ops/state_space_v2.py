@@ -42,7 +42,6 @@ import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel.plugins import defvjp
 from ejkernel_triton.ops import state_space_gla as ssm
 from ejkernel_triton.ops.gla_config import GlaConfig
 
@@ -135,14 +134,4 @@ def state_space_v2_triton(*, cfg: StateSpaceV2Config | None = None, **args: Any)
     return ssm.primal(MAPPING, StateSpaceV2Config, cfg, args)
 
 
-def _fwd(*, cfg: StateSpaceV2Config | None = None, **args: Any) -> tuple[Any, dict[str, Any]]:
-    return ssm.forward(MAPPING, StateSpaceV2Config, cfg, args)
-
-
-def _bwd(
-    residuals: dict[str, Any], d_out: Any, *, cfg: StateSpaceV2Config | None = None, **statics: Any
-) -> dict[str, jax.Array | None]:
-    return ssm.backward(MAPPING, StateSpaceV2Config, cfg, residuals, d_out, statics)
-
-
-defvjp(state_space_v2_triton, _fwd, _bwd)
+ssm.define_vjp(state_space_v2_triton, MAPPING, StateSpaceV2Config)
