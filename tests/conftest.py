@@ -101,3 +101,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+#: A file each test's outcome is appended to as it ends (``outcome nodeid seconds [why]``), by
+#: the controlling process (pytest-xdist's workers report to it): what a run cut short by a
+#: time limit still tells (``benchmarks/gpu_tests.sh``).
+_OUTCOME_LOG = "EJKERNEL_TEST_LOG"
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(_OUTCOME_LOG)
+    if (
+        not path
+        or "PYTEST_XDIST_WORKER" in os.environ
+        or not (report.when == "call" or report.outcome != "passed")
+    ):
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    why = f" {crash.message.splitlines()[0][:200]}" if crash and report.failed else ""
+    with open(path, "a") as f:
+        f.write(f"{report.outcome} {report.nodeid} {report.duration:.1f}s{why}\n")
