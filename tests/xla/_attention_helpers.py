@@ -180,6 +180,20 @@ def assert_rejected(spec: OpSpec, arrays: dict[str, Any], message: str) -> None:
         getattr(ejkernel, spec.name)(**arrays)
 
 
+def rejects_bad_inputs(
+    spec: OpSpec, valid: Callable[[], dict[str, Any]], cases: list[Any]
+) -> Callable[..., None]:
+    """A test over ``cases`` of ``(name, value, message)``: the arguments ``valid()`` with
+    ``name`` set to ``value`` are refused as :func:`assert_rejected` says. Bound to a module's
+    ``test_...`` name, pytest collects it there."""
+
+    @pytest.mark.parametrize(("name", "value", "message"), cases, ids=error_id)
+    def test(name: str, value: Any, message: str) -> None:
+        assert_rejected(spec, {**valid(), name: value}, message)
+
+    return test
+
+
 def assert_output_and_gradients_close(
     out: Any, grads: dict[str, Any], expected: tuple[Any, dict[str, Any]], dtype: Any
 ) -> None:

@@ -24,13 +24,14 @@ from ejkernel.testing import random_normal as normal
 __all__ = [
     "F32",
     "check_jit_vmap_grad",
-    "check_rejects",
     "check_two_halves",
     "check_vjp",
     "common_bad_inputs",
     "invocation",
     "linear_invocation",
     "qkv",
+    "rejects_bad_inputs",
+    "rejects_bad_linear_inputs",
     "synthetic_like",
 ]
 
@@ -179,13 +180,30 @@ def common_bad_inputs(valid: dict[str, Any]) -> list[Any]:
     return [pytest.param(*case, id=name) for name, case in cases.items()]
 
 
-def check_rejects(
-    op: Callable[..., Any], valid: dict[str, Any], changes: dict[str, Any], error: type, match: str
-) -> None:
-    """``op`` on ``valid`` arguments with ``changes`` raises ``error`` whose message starts with
-    the op's name and matches ``match``, before any kernel runs."""
-    with pytest.raises(error, match=rf"^{op.__name__}: .*{match}"):
-        op(**{**valid, **changes})
+def rejects_bad_inputs(
+    op: Callable[..., Any],
+    valid: dict[str, Any],
+    cases: list[Any],
+    ids: list[str] | None = None,
+) -> Callable[..., None]:
+    """A test over ``cases`` of ``(changes, error, match)``: ``op`` on ``valid`` arguments with
+    ``changes`` raises ``error`` whose message starts with the op's name and matches ``match``,
+    before any kernel runs. Bound to a module's ``test_...`` name, pytest collects it there."""
+
+    @pytest.mark.parametrize(("changes", "error", "match"), cases, ids=ids)
+    def test(changes: dict[str, Any], error: type, match: str) -> None:
+        with pytest.raises(error, match=rf"^{op.__name__}: .*{match}"):
+            op(**{**valid, **changes})
+
+    return test
+
+
+def rejects_bad_linear_inputs(
+    op: Callable[..., Any], valid: dict[str, Any], cases: list[Any]
+) -> Callable[..., None]:
+    """:func:`rejects_bad_inputs` over :func:`common_bad_inputs` of ``valid``, then ``cases``
+    (the op's own)."""
+    return rejects_bad_inputs(op, valid, [*common_bad_inputs(valid), *cases])
 
 
 def qkv(keys: Any, sizes: tuple[int, ...], dtype: Any = jnp.float32) -> dict[str, Any]:

@@ -185,10 +185,10 @@ def test_configs_never_use_chunks_longer_than_needed(s: int, cu: int | None) -> 
 VALID = make_inputs(2, 37, 3, 16, 24)
 
 
-@pytest.mark.parametrize(
-    ("changes", "error", "match"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = lc.rejects_bad_linear_inputs(
+    ejkernel.gla,
+    VALID,
     [
-        *lc.common_bad_inputs(VALID),
         pytest.param(
             {"g": jnp.zeros((2, 37, 3))}, ValueError, r"`g` must be \[B, S, H, K\]", id="g-shape"
         ),
@@ -200,7 +200,3 @@ VALID = make_inputs(2, 37, 3, 16, 24)
         ),
     ],
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    changes: dict[str, Any], error: type, match: str
-) -> None:
-    lc.check_rejects(ejkernel.gla, VALID, changes, error, match)

@@ -188,10 +188,10 @@ VALID = inputs(2, 9, 2, 4, 3, per_channel=False)
 ONE_ROW = inputs(1, 9, 2, 4, 3, per_channel=False)
 
 
-@pytest.mark.parametrize(
-    ("changes", "error", "match"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = lc.rejects_bad_linear_inputs(
+    ejkernel.kernel_delta_attention,
+    VALID,
     [
-        *lc.common_bad_inputs(VALID),
         pytest.param(
             {"beta": jnp.ones((2, 9, 3))}, ValueError, r"`beta` must be \[B, S, H\]", id="beta"
         ),
@@ -212,10 +212,6 @@ ONE_ROW = inputs(1, 9, 2, 4, 3, per_channel=False)
         ),
     ],
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    changes: dict[str, Any], error: type, match: str
-) -> None:
-    lc.check_rejects(ejkernel.kernel_delta_attention, VALID, changes, error, match)
 
 
 def test_bad_flags_raise_type_errors() -> None:

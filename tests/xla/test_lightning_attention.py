@@ -148,10 +148,10 @@ def test_configs_offer_chunks_no_longer_than_the_sequence() -> None:
 VALID = make_inputs(2, 37, 4, 16, 24)
 
 
-@pytest.mark.parametrize(
-    ("changes", "error", "match"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = lc.rejects_bad_linear_inputs(
+    ejkernel.lightning_attention,
+    VALID,
     [
-        *lc.common_bad_inputs(VALID),
         pytest.param(
             {"slopes": None},
             ValueError,
@@ -190,7 +190,3 @@ VALID = make_inputs(2, 37, 4, 16, 24)
         ),
     ],
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    changes: dict[str, Any], error: type, match: str
-) -> None:
-    lc.check_rejects(ejkernel.lightning_attention, VALID, changes, error, match)

@@ -146,8 +146,9 @@ def test_synthetic_inputs_are_valid() -> None:
     assert_close(page_attention_xla(**inputs), reference(**inputs))
 
 
-@pytest.mark.parametrize(
-    ("name", "value", "message"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = helpers.rejects_bad_inputs(
+    SPEC,
+    lambda: make_inputs(GQA),
     [
         ("query", jnp.ones((6, 6)), r"`query` must be \[S, Hq, D\]"),
         (
@@ -177,9 +178,4 @@ def test_synthetic_inputs_are_valid() -> None:
         ("logits_soft_cap", 0.0, r"`logits_soft_cap` must be > 0"),
         ("sliding_window", (1, 2, 3), r"`sliding_window` must be an int or \(left, right\)"),
     ],
-    ids=helpers.error_id,
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    name: str, value: Any, message: str
-) -> None:
-    helpers.assert_rejected(SPEC, {**make_inputs(GQA), name: value}, message)

@@ -146,8 +146,9 @@ def test_synthetic_inputs_are_valid() -> None:
     assert_close(prefill_page_attention_xla(**inputs), reference(**inputs))
 
 
-@pytest.mark.parametrize(
-    ("name", "value", "message"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = helpers.rejects_bad_inputs(
+    SPEC,
+    lambda: make_inputs(CHUNKED),
     [
         ("query", jnp.ones((13, 6)), r"`query` must be \[C, Hq, D\]"),
         (
@@ -173,9 +174,4 @@ def test_synthetic_inputs_are_valid() -> None:
         ("page_indices", jnp.ones((0,), jnp.int32), r"`page_indices` must be \[P\] with P >= 1"),
         ("sliding_window", -3, r"`sliding_window` must be non-negative"),
     ],
-    ids=helpers.error_id,
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    name: str, value: Any, message: str
-) -> None:
-    helpers.assert_rejected(SPEC, {**make_inputs(CHUNKED), name: value}, message)

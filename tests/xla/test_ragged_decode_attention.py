@@ -138,8 +138,9 @@ def test_synthetic_inputs_are_valid() -> None:
     assert_close(ragged_decode_attention_xla(**inputs), reference(**inputs))
 
 
-@pytest.mark.parametrize(
-    ("name", "value", "message"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = helpers.rejects_bad_inputs(
+    SPEC,
+    lambda: make_inputs(GQA),
     [
         ("query", jnp.ones((6, 6)), r"`query` must be \[B, Hq, D\]"),
         ("query", jnp.ones((6, 5, 40)), r"`key` must be \[B, Sk, Hkv, D\] with Hq % Hkv == 0"),
@@ -160,9 +161,4 @@ def test_synthetic_inputs_are_valid() -> None:
         ),
         ("logits_soft_cap", "big", r"`logits_soft_cap` must be a number"),
     ],
-    ids=helpers.error_id,
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    name: str, value: Any, message: str
-) -> None:
-    helpers.assert_rejected(SPEC, {**make_inputs(GQA), name: value}, message)

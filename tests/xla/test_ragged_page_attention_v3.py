@@ -14,7 +14,6 @@ import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from tests.xla import _attention_helpers as helpers
 
 import ejkernel
@@ -206,8 +205,9 @@ def test_synthetic_inputs_write_distinct_slots() -> None:
     np.testing.assert_array_equal(np.asarray(ours[1]), np.asarray(ref[1]))
 
 
-@pytest.mark.parametrize(
-    ("name", "value", "message"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = helpers.rejects_bad_inputs(
+    SPEC,
+    lambda: {**make_inputs(MIXED), "num_seqs": 8},
     [
         ("keys", jnp.ones((33, 2)), r"`keys` must be \[T, Hkv, D\]"),
         ("keys", jnp.ones((32, 2, 40)), r"`keys` must be \[T, Hkv, D\]=\(33, 2, 40\)"),
@@ -220,9 +220,4 @@ def test_synthetic_inputs_write_distinct_slots() -> None:
         ("num_seqs", 9, r"`num_seqs` must be in \[0, 8\]"),
         ("block_tables", jnp.ones((8, 11)), r"`block_tables` must be an integer"),
     ],
-    ids=helpers.error_id,
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    name: str, value: Any, message: str
-) -> None:
-    helpers.assert_rejected(SPEC, {**make_inputs(MIXED), "num_seqs": 8, name: value}, message)

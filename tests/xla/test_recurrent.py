@@ -169,10 +169,10 @@ def test_a_config_whose_sub_chunk_does_not_divide_the_chunk_is_refused() -> None
 VALID = make_inputs(2, 37, 3, 16, 24, gates=("g",))
 
 
-@pytest.mark.parametrize(
-    ("changes", "error", "match"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = lc.rejects_bad_linear_inputs(
+    ejkernel.recurrent,
+    VALID,
     [
-        *lc.common_bad_inputs(VALID),
         pytest.param(
             {"g": jnp.zeros((2, 37, 3, 1))}, ValueError, r"`g` must be \[B, S, H\]", id="g-shape"
         ),
@@ -191,10 +191,6 @@ VALID = make_inputs(2, 37, 3, 16, 24, gates=("g",))
         pytest.param({"reverse": 1}, TypeError, "`reverse` must be a bool", id="reverse-int"),
     ],
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    changes: dict[str, Any], error: type, match: str
-) -> None:
-    lc.check_rejects(ejkernel.recurrent, VALID, changes, error, match)
 
 
 def test_packed_initial_state_needs_one_row_per_sequence() -> None:

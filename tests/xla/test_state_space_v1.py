@@ -126,8 +126,9 @@ def _bad(**changes: Any) -> dict[str, Any]:
     return arrays
 
 
-@pytest.mark.parametrize(
-    ("arrays", "error", "match"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = lc.rejects_bad_inputs(
+    ejkernel.state_space_v1,
+    {},
     [
         (_bad(x=jnp.ones((1, 9, 4, 1))), ValueError, r"`x` must be \[B, S, I\]"),
         (_bad(A=jnp.ones((3, 5))), ValueError, r"`A` must be \[I, N\]"),
@@ -146,10 +147,6 @@ def _bad(**changes: Any) -> dict[str, Any]:
     ],
     ids=["x", "A", "B", "C", "D", "dt", "gate", "dt_bias", "initial_state", "int-B"],
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    arrays: dict[str, Any], error: type, match: str
-) -> None:
-    lc.check_rejects(ejkernel.state_space_v1, arrays, {}, error, match)
 
 
 def test_bad_flags_raise_type_errors() -> None:

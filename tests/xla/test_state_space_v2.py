@@ -154,8 +154,9 @@ def _bad(**changes: Any) -> dict[str, Any]:
     return arrays
 
 
-@pytest.mark.parametrize(
-    ("arrays", "error", "match"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = lc.rejects_bad_inputs(
+    ejkernel.state_space_v2,
+    {},
     [
         (_bad(x=jnp.ones((1, 9, 4))), ValueError, r"`x` must be \[B, S, H, P\]"),
         (
@@ -178,10 +179,6 @@ def _bad(**changes: Any) -> dict[str, Any]:
     ],
     ids=["x", "B-groups", "C", "A", "D", "dt", "gate", "dt_bias", "initial_state", "int-x"],
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    arrays: dict[str, Any], error: type, match: str
-) -> None:
-    lc.check_rejects(ejkernel.state_space_v2, arrays, {}, error, match)
 
 
 def test_bad_statics_raise_errors() -> None:

@@ -140,8 +140,9 @@ def test_synthetic_inputs_are_valid() -> None:
     assert_close(unified_attention_xla(**inputs), reference(**inputs))
 
 
-@pytest.mark.parametrize(
-    ("name", "value", "message"),
+test_bad_inputs_raise_clear_errors_before_any_kernel = helpers.rejects_bad_inputs(
+    SPEC,
+    lambda: make_inputs(MIXED),
     [
         ("alibi_slopes", jnp.ones((5,)), r"`alibi_slopes` must be floating \[Hq\] with Hq=6"),
         ("alibi_slopes", jnp.ones((6,), jnp.int32), r"`alibi_slopes` must be floating \[Hq\]"),
@@ -164,9 +165,4 @@ def test_synthetic_inputs_are_valid() -> None:
             r"`kv_lens` must be \[num_seqs\] with num_seqs >= 1",
         ),
     ],
-    ids=helpers.error_id,
 )
-def test_bad_inputs_raise_clear_errors_before_any_kernel(
-    name: str, value: Any, message: str
-) -> None:
-    helpers.assert_rejected(SPEC, {**make_inputs(MIXED), name: value}, message)

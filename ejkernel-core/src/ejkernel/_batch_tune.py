@@ -34,7 +34,7 @@ import numpy as np
 
 from ejkernel import _env
 from ejkernel._autotune import _agrees, on_device, progress_logger, time_candidate
-from ejkernel._chain import _dedupe
+from ejkernel._chain import unique_configs
 from ejkernel._compile_workers import WorkerPool, WorkerUnavailable
 from ejkernel._executor import Executor, default_executor
 from ejkernel._invocation import Invocation, abstract_value, current_backend
@@ -116,7 +116,9 @@ def _cotangent(abstract: Any) -> Any:
 
 def _candidates(heuristic: Any, space: Any, inv: Invocation) -> list[Any]:
     first = heuristic(inv) if heuristic is not None else None
-    return _dedupe(([first] if first is not None else []) + list(space(inv) if space else []))
+    return unique_configs(
+        ([first] if first is not None else []) + list(space(inv) if space else [])
+    )
 
 
 def _op_targets(

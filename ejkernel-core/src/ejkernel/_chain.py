@@ -15,8 +15,8 @@ import contextlib
 import contextvars
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
@@ -28,7 +28,16 @@ from ejkernel._registry import resolve
 from ejkernel._shipped import ShippedIndex, ShippedTable, load_shipped_table, registry_index
 from ejkernel.errors import ConfigError
 
-__all__ = ["Choice", "ConfigSelectorChain", "Tunable", "overlay_cache", "policy_override"]
+__all__ = [
+    "Choice",
+    "ConfigSelectorChain",
+    "Tunable",
+    "overlay_cache",
+    "policy_override",
+    "unique_configs",
+]
+
+C = TypeVar("C")
 
 SOURCES = ("override", "overlay", "memory", "persistent", "shipped", "autotune", "heuristic")
 
@@ -254,7 +263,9 @@ class ConfigSelectorChain:
         heuristic = tunable.heuristic(inv) if tunable.heuristic is not None else None
         space = tunable.config_space
         if tunes and not peek and space is not None:
-            configs = _dedupe(([heuristic] if heuristic is not None else []) + list(space(inv)))
+            configs = unique_configs(
+                ([heuristic] if heuristic is not None else []) + list(space(inv))
+            )
             if len(configs) > 1:
                 best, timings = tunable.tune(inv, configs)
                 meta = {
@@ -310,8 +321,18 @@ def _undifferentiated(inv: Invocation) -> Invocation:
     return attrs.evolve(inv, metadata={**inv.metadata, "grad": False})
 
 
-def _dedupe(configs: list[Any]) -> list[Any]:
-    out: list[Any] = []
+def unique_configs(configs: Iterable[C]) -> list[C]:
+    """``configs`` in order, each once (by ``==``, so unhashable configs too): how the chain
+    reads a config space (the heuristic's config first), and how a plugin can build one.
+
+    Example (a plugin's config space)::
+
+        from ejkernel.ops import unique_configs
+
+        def config_space(inv):
+            return unique_configs([heuristic(inv), *CANDIDATES])
+    """
+    out: list[C] = []
     for c in configs:
         if c not in out:
             out.append(c)

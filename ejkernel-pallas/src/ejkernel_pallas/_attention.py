@@ -14,6 +14,7 @@ import attrs
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import Geometry
+from ejkernel.ops import unique_configs
 from ejkernel.plugins import BwdParams, FwdParams
 
 __all__ = [
@@ -49,15 +50,6 @@ def blocks_config(fwd: Sequence[int], bwd: Sequence[int]) -> FlashAttentionConfi
         fwd_params=FwdParams(**dict(zip(names, fwd))),
         bwd_params=BwdParams(**dict(zip(names, bwd))),
     )
-
-
-def unique_configs(configs: Iterable[FlashAttentionConfig]) -> list[FlashAttentionConfig]:
-    """``configs`` in order, each once: a config space (the heuristic's first)."""
-    out: list[FlashAttentionConfig] = []
-    for cfg in configs:
-        if cfg not in out:
-            out.append(cfg)
-    return out
 
 
 #: Arguments no Pallas kernel implements, and how a reason names them.

@@ -10,7 +10,13 @@ from __future__ import annotations
 from ejkernel._autotune import benchmark
 from ejkernel._batch_tune import autotune_recorded
 from ejkernel._cache import CacheEntry, ConfigCache, PersistentCache, file_lock
-from ejkernel._chain import Choice, ConfigSelectorChain, overlay_cache, policy_override
+from ejkernel._chain import (
+    Choice,
+    ConfigSelectorChain,
+    overlay_cache,
+    policy_override,
+    unique_configs,
+)
 from ejkernel._executor import Executor, Selection, default_executor
 from ejkernel._hardware import prune_by_shared_memory, shared_memory_limit
 from ejkernel._invocation import (
@@ -112,6 +118,7 @@ __all__ = [
     "stable_json",
     "to_json",
     "undo_zigzag_layout",
+    "unique_configs",
     "vmap_with_config",
     "write_shipped_table",
     "zigzag_layout",

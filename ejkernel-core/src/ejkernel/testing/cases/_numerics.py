@@ -20,6 +20,7 @@ __all__ = [
     "RESET_TOKENS",
     "TOKEN",
     "linear_numerics",
+    "nan_entry",
     "set_tokens",
     "state_space_numerics",
 ]
@@ -55,6 +56,17 @@ def set_tokens(
     return fill
 
 
+def nan_entry(name: str) -> dict[str, Any]:
+    """The ``fill``, ``dtypes`` and ``grad`` of a NaN example: one entry of ``name`` at
+    :data:`TOKEN` is NaN, in float32 only, with no gradients (they are NaN wherever the NaN
+    reaches)."""
+    return {
+        "fill": set_tokens(np.nan, (name,), (TOKEN,), entry=True),
+        "dtypes": ("float32",),
+        "grad": False,
+    }
+
+
 def linear_numerics(
     *,
     extra: dict[str, str],
@@ -87,9 +99,7 @@ def linear_numerics(
             tags=f"{prefix}nan-value",
             extra=extra,
             options=options,
-            fill=set_tokens(np.nan, ("value",), (TOKEN,), entry=True),
-            dtypes=("float32",),
-            grad=False,
+            **nan_entry("value"),
             **kwargs,
         ),
         linear_example(
@@ -144,9 +154,7 @@ def state_space_numerics(
             name=f"{name}-nan-x",
             arrays=arrays,
             options=options,
-            fill=set_tokens(np.nan, ("x",), (TOKEN,), entry=True),
-            dtypes=("float32",),
-            grad=False,
+            **nan_entry("x"),
         ),
         Example(
             name=f"{sizes_id(long_sizes)}-decay-20",
