@@ -53,7 +53,14 @@ def pytest_configure(config):
     (``jax_disable_most_optimizations``): these tests spend most of their time compiling small
     programs, which then run on inputs of a few kilobytes; and share one persistent
     compilation cache among the run's processes, so a program another test (or the other
-    worker) compiled is read back. GPU runs keep the usual compiler and no cache."""
+    worker) compiled is read back. GPU runs keep the usual compiler and no cache.
+
+    With ``EJKERNEL_TEST_GPUS=n`` (``benchmarks/gpu_tests.sh``), pytest-xdist worker ``i``
+    sees GPU ``i mod n`` only, so the workers spread their memory over the host's GPUs."""
+    gpus = int(os.environ.get("EJKERNEL_TEST_GPUS") or 0)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if gpus > 1 and worker.startswith("gw"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker[2:]) % gpus)
     import jax
 
     jax.config.update("jax_cpu_enable_async_dispatch", False)
