@@ -57,8 +57,8 @@ def run(mode: str, args: dict[str, Any], d_out: jax.Array, cfg: Any) -> Any:
     if jax.default_backend() != "cpu":
         pytest.skip("interpret mode is exercised on the CPU")
     out = module.grouped_matmul_pallas(**args, cfg=cfg)
-    _, residuals = module._grouped_matmul_fwd(**args, cfg=cfg)
-    grads = module._grouped_matmul_bwd(residuals, d_out, cfg=cfg, **static)
+    _, residuals = module.grouped_matmul_pallas.fwd(**args, cfg=cfg)
+    grads = module.grouped_matmul_pallas.bwd(residuals, d_out, cfg=cfg, **static)
     return out, (grads["lhs"], grads["rhs"])
 
 

@@ -139,8 +139,8 @@ def test_matches_jax_megablox_gmm_and_tgmm_in_interpret_mode() -> None:
     lhs, rhs, sizes = args["lhs"], args["rhs"], args["group_sizes"]
     d_out = jnp.asarray(np.random.default_rng(2).normal(size=(256, 128)), jnp.float32)
     ours = grouped_matmul_pallas(**args, cfg=SMALL)
-    _, residuals = module._grouped_matmul_fwd(**args, cfg=SMALL)
-    grads = module._grouped_matmul_bwd(
+    _, residuals = module.grouped_matmul_pallas.fwd(**args, cfg=SMALL)
+    grads = module.grouped_matmul_pallas.bwd(
         residuals, d_out, cfg=SMALL, preferred_element_type="float32", transpose_rhs=False
     )
     with _megablox_interpret():

@@ -22,7 +22,7 @@ This is the ``lax.ragged_dot`` contract (``group_offset`` aside), so a model wri
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -42,6 +42,7 @@ from ejkernel.specs._base import (
 
 __all__ = [
     "SPEC",
+    "define_grouped_matmul_vjp",
     "grouped_matmul",
     "grouped_matmul_reference",
     "grouped_matmul_synthetic",
@@ -181,3 +182,41 @@ def grouped_matmul(
 SPEC = builtin_op_spec(
     grouped_matmul, differentiable=("lhs", "rhs"), synthetic=grouped_matmul_synthetic
 )
+
+
+def define_grouped_matmul_vjp(
+    fn: Callable[..., jax.Array],
+    backward: Callable[[jax.Array, Any, dict[str, Any]], tuple[jax.Array, jax.Array]],
+) -> Callable[..., jax.Array]:
+    """Give a grouped_matmul implementation its custom VJP (:func:`ejkernel.plugins.defvjp`).
+
+    The forward runs ``fn`` and keeps ``lhs``, ``rhs`` and ``group_sizes``; the backward
+    returns ``{"lhs": d_lhs, "rhs": d_rhs}`` from ``backward``.
+
+    Args:
+        fn: the implementation, ``fn(**args, cfg=cfg) -> out``.
+        backward: ``backward(d_out, cfg, args) -> (d_lhs, d_rhs)``, each in its input's dtype;
+            ``args`` holds ``lhs``, ``rhs``, ``group_sizes``, ``transpose_rhs`` and
+            ``preferred_element_type`` by name, ``cfg`` is the forward's config.
+
+    Returns:
+        ``fn``, carrying its forward and backward.
+    """
+    from ejkernel.plugins import defvjp  # ejkernel.plugins imports the specs
+
+    def fwd(**args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return fn(**args), {n: args[n] for n in ("lhs", "rhs", "group_sizes")}
+
+    def bwd(
+        residuals: dict[str, jax.Array],
+        d_out: jax.Array,
+        *,
+        cfg: Any = None,
+        preferred_element_type: Any = None,
+        transpose_rhs: bool = False,
+    ) -> dict[str, jax.Array]:
+        statics = {"preferred_element_type": preferred_element_type, "transpose_rhs": transpose_rhs}
+        d_lhs, d_rhs = backward(d_out, cfg, {**residuals, **statics})
+        return {"lhs": d_lhs, "rhs": d_rhs}
+
+    return defvjp(fn, fwd, bwd)

@@ -36,7 +36,8 @@ warpgroups, TMA copies and barriers; the matmuls are ``jnp.dot`` on the same sha
 (its ``wgmma`` takes no transposed operand), and ``lhs``/``d_out`` get zero rows and K, N zero
 columns appended first, standing in for the TMA zero fill it does not model.
 
-The backward is the executor's custom VJP (``defvjp``), each gradient in its input's dtype.
+The backward is the executor's custom VJP (``define_grouped_matmul_vjp``), each gradient in its
+input's dtype.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.ops import prune_by_shared_memory
-from ejkernel.plugins import defvjp
+from ejkernel.specs.grouped_matmul import define_grouped_matmul_vjp
 
 # Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
 from ejkernel_pallas import _compat as compat
@@ -273,39 +274,23 @@ def grouped_matmul_pallas(*, cfg: GroupedMatmulConfig | None = None, **args: Any
     )
 
 
-def _grouped_matmul_fwd(**args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Forward: ``(out, residuals)``; residuals are the arrays."""
-    residuals = {n: args[n] for n in ("lhs", "rhs", "group_sizes")}
-    return grouped_matmul_pallas(**args), residuals
-
-
 def _grouped_matmul_bwd(
-    residuals: dict[str, jax.Array],
-    d_out: jax.Array,
-    *,
-    cfg: GroupedMatmulConfig | None = None,
-    preferred_element_type: Any = None,
-    transpose_rhs: bool = False,
-) -> dict[str, jax.Array]:
-    """Backward: ``d_lhs = gmm(d_out, rhsᵀ)``, ``d_rhs = tgmm(lhs, d_out)`` (``tgmm(d_out,
-    lhs)`` in the transposed layout), each in its input's dtype."""
-    lhs, rhs, sizes = residuals["lhs"], residuals["rhs"], residuals["group_sizes"]
-    kw = {
-        "lhs": lhs,
-        "rhs": rhs,
-        "transpose_rhs": transpose_rhs,
-        "preferred_element_type": preferred_element_type,
-    }
-    lp = _launch(kw, cfg)
+    d_out: jax.Array, cfg: GroupedMatmulConfig | None, args: dict[str, Any]
+) -> tuple[jax.Array, jax.Array]:
+    """``d_lhs = gmm(d_out, rhsᵀ)``, ``d_rhs = tgmm(lhs, d_out)`` (``tgmm(d_out, lhs)`` in the
+    transposed layout), each in its input's dtype."""
+    lhs, rhs, sizes = args["lhs"], args["rhs"], args["group_sizes"]
+    transpose_rhs = args["transpose_rhs"]
+    lp = _launch(args, cfg)
     d_out = d_out.astype(lhs.dtype)
     dtype = jnp.dtype(lhs.dtype).name
     d_lhs = _gmm(d_out, rhs, sizes, lp=lp, transpose_w=not transpose_rhs, out_dtype=dtype)
     a, b = (d_out, lhs) if transpose_rhs else (lhs, d_out)
     d_rhs = _tgmm(a, b, sizes, lp=lp, out_dtype=dtype)
-    return {"lhs": d_lhs, "rhs": d_rhs}
+    return d_lhs, d_rhs
 
 
-defvjp(grouped_matmul_pallas, _grouped_matmul_fwd, _grouped_matmul_bwd)
+define_grouped_matmul_vjp(grouped_matmul_pallas, _grouped_matmul_bwd)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,9 +28,9 @@ grid steps fit the VMEM budget of the device kind (:func:`._paged.vmem_budget`: 
 v5p 64 MiB, three quarters claimable) and whose metadata fits SMEM; ``supports()`` declines a
 call nothing fits, and dtypes other than float32 and bfloat16 (the XLA plugin serves them).
 
-The backward is the executor's custom VJP (``defvjp``): ``d_lhs = gmm(d_out, rhsᵀ)`` and
-``d_rhs = tgmm(lhsᵀ, d_out)`` (``tgmm(d_outᵀ, lhs)`` for ``transpose_rhs``), each in its
-input's dtype. Accumulation is float32 throughout.
+The backward is the executor's custom VJP (``define_grouped_matmul_vjp``):
+``d_lhs = gmm(d_out, rhsᵀ)`` and ``d_rhs = tgmm(lhsᵀ, d_out)`` (``tgmm(d_outᵀ, lhs)`` for
+``transpose_rhs``), each in its input's dtype. Accumulation is float32 throughout.
 
 Verified without a TPU: ``tests/pallas/test_tpu_grouped_matmul.py`` runs both kernels in Pallas's
 TPU interpret mode against the spec's reference and JAX's own megablox ``gmm``/``tgmm``, and
@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel.plugins import defvjp
+from ejkernel.specs.grouped_matmul import define_grouped_matmul_vjp
 
 # Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
 from ejkernel_pallas import _compat as compat
@@ -263,27 +263,15 @@ def grouped_matmul_pallas(*, cfg: GroupedMatmulConfig | None = None, **args: Any
     return _forward(args["lhs"], args["rhs"], args["group_sizes"], lp=lp)
 
 
-def _grouped_matmul_fwd(**args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    residuals = {n: args[n] for n in ("lhs", "rhs", "group_sizes")}
-    return grouped_matmul_pallas(**args), residuals
-
-
 def _grouped_matmul_bwd(
-    residuals: dict[str, jax.Array],
-    d_out: jax.Array,
-    *,
-    cfg: GroupedMatmulConfig | None = None,
-    preferred_element_type: Any = None,
-    transpose_rhs: bool = False,
-) -> dict[str, jax.Array]:
+    d_out: jax.Array, cfg: GroupedMatmulConfig | None, args: dict[str, Any]
+) -> tuple[jax.Array, jax.Array]:
     """``d_lhs = gmm(d_out, rhsᵀ)`` and ``d_rhs = tgmm(lhsᵀ, d_out)``, in the inputs' dtypes."""
-    kw = {**residuals, "preferred_element_type": preferred_element_type}
-    lp = _launch({**kw, "transpose_rhs": transpose_rhs}, cfg)
-    arrays = (residuals[n] for n in ("lhs", "rhs", "group_sizes"))
-    return dict(zip(("lhs", "rhs"), _backward(*arrays, d_out, lp=lp), strict=True))
+    arrays = (args[n] for n in ("lhs", "rhs", "group_sizes"))
+    return _backward(*arrays, d_out, lp=_launch(args, cfg))
 
 
-defvjp(grouped_matmul_pallas, _grouped_matmul_fwd, _grouped_matmul_bwd)
+define_grouped_matmul_vjp(grouped_matmul_pallas, _grouped_matmul_bwd)
 
 
 def _pad(x: jax.Array, *sizes: int) -> jax.Array:

@@ -50,7 +50,6 @@ import numpy as np
 
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
-from ejkernel_triton._launch import BATCH, OTHER
 from ejkernel_triton.ops.gla_config import (
     SUB_CHUNK,
     GlaConfig,
@@ -191,11 +190,10 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dic
     lay = Layout.of(s, st.chunk, a["cu_seqlens"])
     q, k, v, gates = (lay.to_chunks(a[n]) for n in ("query", "key", "value", "g"))
     init_rows = lay.state_rows(init, (b, h, dk, dv))
-    run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks), _modes(lay, 6))
+    run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks), lay.fold_modes(6))
     g, hs, final_rows, amat, o = run(q, k, v, gates, init_rows, lay.flags)
     out = lay.from_chunks(o)
-    empty = init_rows[: final_rows.shape[0] - (1 if lay.packed else 0)]
-    final = lay.op_states(final_rows, empty)
+    final = lay.op_states(final_rows, init_rows)
     res = {
         "layout": lay,
         "q": q,
@@ -295,15 +293,6 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
     return run
 
 
-def _modes(lay: Layout, arrays: int) -> tuple[str, ...]:
-    """How :func:`~ejkernel_triton._launch.fold_vmap` folds a launch function's arguments
-    (the flags last): dense, a vmapped axis folds into the batch (state rows are one per batch
-    row); packed, the state rows are the sequences', so a vmapped call runs once per index."""
-    if lay.packed:
-        return (OTHER,) * arrays
-    return (BATCH,) * (arrays - 1) + (OTHER,)
-
-
 def _common(st: _Statics) -> dict[str, Any]:
     return {
         "num_warps": st.num_warps,
@@ -341,7 +330,7 @@ def _backward(
     do = lay.to_chunks(d_o.astype(q.dtype))
     dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
     kernels = _backward_kernels(st, lay.num_chunks, split_diagonal)
-    run = _launch.fold_vmap(kernels, _modes(lay, 10))
+    run = _launch.fold_vmap(kernels, lay.fold_modes(10))
     dinit_rows, d_q, d_k, d_v, d_gamma, d_end = run(
         q,
         res["k"],
@@ -366,8 +355,7 @@ def _backward(
         "g": lay.from_chunks(d_g).astype(res["dtypes"]["g"].dtype),
     }
     if "init_rows" in res:
-        empty = dfinal_rows[: dinit_rows.shape[0] - (1 if lay.packed else 0)]
-        d_init = lay.op_states(dinit_rows, empty)
+        d_init = lay.op_states(dinit_rows, dfinal_rows)
         grads["initial_state"] = d_init.astype(res["dtypes"]["initial_state"].dtype)
     return grads
 

@@ -19,6 +19,8 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel_triton._launch import BATCH, OTHER
+
 __all__ = ["Layout"]
 
 
@@ -143,12 +145,22 @@ class Layout:
             x = jnp.concatenate([x, jnp.zeros((1, *rest), jnp.float32)])
         return x
 
-    def op_states(self, rows: jax.Array, empty: jax.Array) -> jax.Array:
+    def op_states(self, rows: jax.Array, fallback: jax.Array) -> jax.Array:
         """Kernel rows -> the op's [N, H, K, V]; an empty sequence's (never written) row is
-        replaced by its entry of ``empty`` [N, H, K, V]."""
+        replaced by its row of ``fallback`` (kernel rows, as :meth:`state_rows` gives)."""
         if not self.packed:
             return rows
+        empty = fallback[: rows.shape[0] - 1]
         return jnp.where(self.nonempty[:, None, None, None], rows[:-1], empty)
+
+    def fold_modes(self, arrays: int) -> tuple[str, ...]:
+        """How :func:`~ejkernel_triton._launch.fold_vmap` folds a launch function's ``arrays``
+        arguments (the flags last): dense, a vmapped axis folds into the batch (state rows are
+        one per batch row); packed, the state rows are the sequences', so a vmapped call runs
+        once per index."""
+        if self.packed:
+            return (OTHER,) * arrays
+        return (BATCH,) * (arrays - 1) + (OTHER,)
 
 
 def _flags(sid: jax.Array, first: jax.Array, last: jax.Array) -> jax.Array:

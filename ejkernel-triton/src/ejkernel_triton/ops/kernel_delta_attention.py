@@ -47,9 +47,9 @@ import numpy as np
 
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch, _smem
-from ejkernel_triton._launch import BATCH, OTHER
 from ejkernel_triton.ops.gla_config import kernel_limits
 from ejkernel_triton.ops.gla_layout import Layout
+from ejkernel_triton.ops.recurrent_fused import fused_launch, fused_states
 
 __all__ = [
     "GATE_FLOOR",
@@ -288,11 +288,8 @@ class _Inv:
 
 def _fused(args: dict[str, Any], cfg: KernelDeltaAttentionConfig) -> Any:
     """The call's forward through :mod:`ejkernel_triton.kernels.kda_fused`."""
-    q, v, init, cu = args["query"], args["value"], args.get("initial_state"), args.get("cu_seqlens")
-    b, _, h, dk = q.shape
-    dv = v.shape[-1]
-    n = b if cu is None else cu.shape[0] - 1
-    init = jnp.zeros((n, h, dk, dv), jnp.float32) if init is None else init.astype(jnp.float32)
+    q, v, cu = args["query"], args["value"], args.get("cu_seqlens")
+    init, offsets = fused_states(q, v, args.get("initial_state"), cu)
     g = args["g"] if args["g"].ndim == 4 else args["g"][..., None]
     scale = args.get("softmax_scale")
     out, final = _fused_run(
@@ -302,10 +299,10 @@ def _fused(args: dict[str, Any], cfg: KernelDeltaAttentionConfig) -> Any:
         args["beta"],
         g,
         init,
-        jnp.zeros((2,), jnp.int32) if cu is None else cu.astype(jnp.int32),
-        scale=float(dk**-0.5 if scale is None else scale),
+        offsets,
+        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
         l2norm=bool(args.get("use_qk_l2norm", True)),
-        block_v=min(cfg.block_v, _pow2(dv)),
+        block_v=min(cfg.block_v, _pow2(v.shape[-1])),
         num_warps=cfg.num_warps,
         packed=cu is not None,
     )
@@ -314,46 +311,26 @@ def _fused(args: dict[str, Any], cfg: KernelDeltaAttentionConfig) -> Any:
 
 @functools.partial(jax.jit, static_argnames=("scale", "l2norm", "block_v", "num_warps", "packed"))
 def _fused_run(q, k, v, beta, g, init, cu, *, scale, l2norm, block_v, num_warps, packed):
-    """One launch (vmappable: dense calls fold a mapped axis into the batch)."""
+    """The delta-rule kernel's launch."""
     from ejkernel_triton.kernels.kda_fused import kda_fused_fwd_kernel
 
-    def run(q, k, v, beta, g, init, cu):
-        b, s, h, dk = q.shape
-        dv = v.shape[-1]
-        return tuple(
-            _launch.launch(
-                kda_fused_fwd_kernel,
-                q,
-                k,
-                v,
-                beta,
-                g,
-                init,
-                cu,
-                np.float32(scale),
-                s,
-                h,
-                out_shape=[
-                    jax.ShapeDtypeStruct((b, s, h, dv), q.dtype),
-                    jax.ShapeDtypeStruct(init.shape, jnp.float32),
-                ],
-                grid=(-(-dv // block_v), init.shape[0], h),
-                zeroed_outputs=(0,) if packed else (),
-                K=dk,
-                V=dv,
-                GK=g.shape[-1],
-                BK=_pow2(dk),
-                BV=block_v,
-                L2NORM=l2norm,
-                GATE_FLOOR=GATE_FLOOR,
-                PACKED=packed,
-                num_warps=num_warps,
-                num_stages=1,
-            )
-        )
-
-    modes = (OTHER,) * 7 if packed else (BATCH,) * 6 + (OTHER,)
-    return _launch.fold_vmap(run, modes)(q, k, v, beta, g, init, cu)
+    return fused_launch(
+        kda_fused_fwd_kernel,
+        q,
+        k,
+        v,
+        beta,
+        g,
+        init,
+        cu,
+        scale=scale,
+        block_v=block_v,
+        num_warps=num_warps,
+        packed=packed,
+        GK=g.shape[-1],
+        L2NORM=l2norm,
+        GATE_FLOOR=GATE_FLOOR,
+    )
 
 
 # -- forward --------------------------------------------------------------------------------
@@ -374,11 +351,10 @@ def _forward(
         lay.to_chunks(x) for x in (query, a["key"], value, a["beta"][..., None], g)
     )
     init_rows = lay.state_rows(init, (b, h, dk, dv))
-    run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks, keep), _modes(lay, 7))
+    run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks, keep), lay.fold_modes(7))
     o, final_rows, *saved = run(q, k, v, beta, gates, init_rows, lay.flags)
     out = lay.from_chunks(o)
-    empty = init_rows[: final_rows.shape[0] - (1 if lay.packed else 0)]
-    final = lay.op_states(final_rows, empty)
+    final = lay.op_states(final_rows, init_rows)
     if not keep:
         return out, final, None
     res = dict(zip(("qg", "kg", "w", "p", "decay", "h", "vn", "t", "kk"), saved, strict=True))
@@ -586,15 +562,6 @@ def _sizes(
     return {**sizes, "BV": bv, "L2NORM": st.l2norm, "GATE_FLOOR": GATE_FLOOR}
 
 
-def _modes(lay: Layout, arrays: int) -> tuple[str, ...]:
-    """How :func:`~ejkernel_triton._launch.fold_vmap` folds the launch function's arguments
-    (the flags last): dense, a vmapped axis folds into the batch (state rows are one per batch
-    row); packed, the state rows are the sequences', so a vmapped call runs once per index."""
-    if lay.packed:
-        return (OTHER,) * arrays
-    return (BATCH,) * (arrays - 1) + (OTHER,)
-
-
 # -- backward -------------------------------------------------------------------------------
 
 
@@ -608,7 +575,7 @@ def _backward(
     dv = v.shape[-1]
     do = lay.to_chunks(d_o.astype(q.dtype))
     dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
-    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), _modes(lay, 17))
+    run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), lay.fold_modes(17))
     names = ("q", "k", "v", "beta", "g", "qg", "kg", "w", "p", "decay", "h", "vn", "t", "kk")
     dinit_rows, d_q, d_k, d_v, d_beta, d_g = run(
         *(res[n] for n in names),
@@ -628,8 +595,7 @@ def _backward(
         "g": d_g.astype(dtypes["g"].dtype),
     }
     if "initial_state" in dtypes:
-        empty = dfinal_rows[: dinit_rows.shape[0] - (1 if lay.packed else 0)]
-        d_init = lay.op_states(dinit_rows, empty)
+        d_init = lay.op_states(dinit_rows, dfinal_rows)
         grads["initial_state"] = d_init.astype(dtypes["initial_state"].dtype)
     return grads
 

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel.plugins import defvjp
+from ejkernel.specs.grouped_matmul import define_grouped_matmul_vjp
 from ejkernel_xla.ops._tuning import backend, distinct, pow2_ceil
 
 __all__ = [
@@ -114,31 +114,20 @@ def grouped_matmul_xla(*, cfg: GroupedMatmulConfig | None = None, **args: Any) -
     )
 
 
-def _grouped_matmul_fwd(**args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Forward of :func:`grouped_matmul_xla`: ``(out, residuals)``; residuals are the arrays."""
-    residuals = {n: args[n] for n in ("lhs", "rhs", "group_sizes")}
-    return grouped_matmul_xla(**args), residuals
-
-
 def _grouped_matmul_bwd(
-    residuals: dict[str, jax.Array],
-    d_out: jax.Array,
-    *,
-    cfg: GroupedMatmulConfig | None = None,
-    preferred_element_type: Any = None,
-    transpose_rhs: bool = False,
-) -> dict[str, jax.Array]:
+    d_out: jax.Array, cfg: GroupedMatmulConfig | None, args: dict[str, Any]
+) -> tuple[jax.Array, jax.Array]:
     """Backward of :func:`grouped_matmul_xla`.
 
     Returns:
-        ``lhs``: ``d_out · rhs[g]ᵀ`` per row (a grouped matmul contracting N), zero past the
-        total; ``rhs``: ``lhs_gᵀ · d_out_g`` per group ([G, N, K] layout with
-        ``transpose_rhs``), zero for empty groups. Each in its input's dtype.
+        ``d_lhs``: ``d_out · rhs[g]ᵀ`` per row (a grouped matmul contracting N), zero past the
+        total; ``d_rhs``: ``lhs_gᵀ · d_out_g`` per group ([G, N, K] layout with
+        ``transpose_rhs``), zero for empty groups. Each in its input's dtype; ``d_out`` arrives
+        in ``preferred_element_type``, the matmuls run in the input dtype.
     """
-    del preferred_element_type  # d_out arrives in it; the matmuls run in the input dtype
-    lhs, rhs = residuals["lhs"], residuals["rhs"]
+    lhs, rhs, transpose_rhs = args["lhs"], args["rhs"], args["transpose_rhs"]
     d_out = d_out.astype(lhs.dtype)
-    sizes = residuals["group_sizes"]
+    sizes = args["group_sizes"]
     block_m = _block_m(cfg, lhs.shape[0], rhs.shape[0])
     # rhs[g] is [K, N] (contract its N, dim 1) or, transposed, [N, K] (contract dim 0).
     d_lhs = _gmm(
@@ -153,10 +142,10 @@ def _grouped_matmul_bwd(
         d_rhs = _tgmm(d_out, lhs, sizes, block_m=block_m)  # [G, N, K]
     else:
         d_rhs = _tgmm(lhs, d_out, sizes, block_m=block_m)  # [G, K, N]
-    return {"lhs": d_lhs, "rhs": d_rhs.astype(rhs.dtype)}
+    return d_lhs, d_rhs.astype(rhs.dtype)
 
 
-defvjp(grouped_matmul_xla, _grouped_matmul_fwd, _grouped_matmul_bwd)
+define_grouped_matmul_vjp(grouped_matmul_xla, _grouped_matmul_bwd)
 
 
 # --------------------------------------------------------------------------------------------
