@@ -305,11 +305,9 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
     parser.add_argument(
-        "--serving", default="", help="time the serving shapes on these platforms (xla,triton)"
+        "--serving", default="", help="time the serving shapes on these platforms (or default)"
     )
-    parser.add_argument(
-        "--anchors", action="store_true", help="with --serving: roofline, fp8, cuDNN, Pallas"
-    )
+    parser.add_argument("--anchors", action="store_true", help="with --serving: the anchors")
     args = parser.parse_args()
     if args.serving:
         serving(args.serving.split(","), args.quick, args.anchors)
