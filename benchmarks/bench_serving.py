@@ -18,7 +18,12 @@ page 16, bfloat16) on each platform named, with the K/V read rate: decode B 32 a
 8k contexts (``page_attention``), decode B 1 over 128k, a mixed batch of 12 decodes and 4
 prefill chunks of 512 over 2k–4k contexts and a vLLM-like step of 64 decodes and 2 chunks
 of 2048 over 1k–16k (``ragged_page_attention``); a platform that cannot serve a case says
-why in its cell.
+why in its cell (``default``: the usual selection). ``--anchors`` adds issue 30's anchors:
+the run's roofline (copy bandwidth and the bf16 matmul ceiling measured in the run), the
+default selection on a float8 cache, cuDNN decode on a dense cache and JAX's Pallas GPU
+``paged_attention`` and ``decode_attention`` (decode batches), and a 2048-query prefill chunk
+on an 8k context against flash attention's forward:
+``python benchmarks/bench_serving.py --serving default,triton,cuda --anchors``.
 """
 
 from __future__ import annotations
