@@ -292,10 +292,10 @@ def _gram_bwd(res: Any, cot: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ..
     lower = t[:, None] >= t[None, :]
     d_qk, d_kk = (jnp.where(lower, d, 0.0) for d in cot)
     bridges = _bridges(g)
-    dq = _decayed_rows(d_qk, k, bridges)
-    dk_cols = _decayed_cols(d_qk, q, bridges)
-    dk_rows_kk = _decayed_rows(d_kk, k, bridges)
-    dk_cols_kk = _decayed_cols(d_kk, k, bridges)
+    dq = _decayed(d_qk, k, bridges, transpose=False)
+    dk_cols = _decayed(d_qk, q, bridges, transpose=True)
+    dk_rows_kk = _decayed(d_kk, k, bridges, transpose=False)
+    dk_cols_kk = _decayed(d_kk, k, bridges, transpose=True)
     d_cum = q * dq - k * dk_cols + k * (dk_rows_kk - dk_cols_kk)
     d_g = dot("ts,...tk->...sk", lower.astype(jnp.float32), d_cum)
     return dq, dk_cols + dk_rows_kk + dk_cols_kk, d_g
@@ -304,29 +304,21 @@ def _gram_bwd(res: Any, cot: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ..
 _gram.defvjp(_gram_fwd, _gram_bwd)
 
 
-def _decayed_rows(m: jax.Array, y: jax.Array, bridges: list[Any]) -> jax.Array:
-    """``out_t = Σ_{j ≤ t} m_tj y_j exp(G_t - G_j)`` for lower-triangular ``m`` [..., C, C]."""
+def _decayed(m: jax.Array, y: jax.Array, bridges: list[Any], *, transpose: bool) -> jax.Array:
+    """``D(m, y)_t = Σ_{j ≤ t} m_tj y_j exp(G_t - G_j)`` for lower-triangular ``m`` [..., C, C];
+    with ``transpose``, ``Dᵀ(m, y)_j = Σ_{t ≥ j} m_tj y_t exp(G_t - G_j)``.
+
+    At each level the lower block couples one half to the other: ``D`` reads the first half
+    and writes the second, ``Dᵀ`` the reverse, each bridge factor on its side.
+    """
     out = dot("...tt,...tk->...tk", m, y)
+    spec = "...ij,...ik->...jk" if transpose else "...ij,...jk->...ik"
+    read = 1 if transpose else 0
     for b, (rows, cols) in zip(_levels(m.shape[-1]), bridges):
-        part = rows * dot(
-            "...ij,...jk->...ik", _lower_blocks(m, b), _halves(y, b)[..., 0, :, :] * cols
-        )
-        out = out + jnp.concatenate(
-            [jnp.zeros_like(part)[..., None, :, :], part[..., None, :, :]], axis=-3
-        ).reshape(out.shape)
-    return out
-
-
-def _decayed_cols(m: jax.Array, x: jax.Array, bridges: list[Any]) -> jax.Array:
-    """``out_j = Σ_{t ≥ j} m_tj x_t exp(G_t - G_j)`` for lower-triangular ``m`` [..., C, C]."""
-    out = dot("...tt,...tk->...tk", m, x)
-    for b, (rows, cols) in zip(_levels(m.shape[-1]), bridges):
-        part = cols * dot(
-            "...ij,...ik->...jk", _lower_blocks(m, b), _halves(x, b)[..., 1, :, :] * rows
-        )
-        out = out + jnp.concatenate(
-            [part[..., None, :, :], jnp.zeros_like(part)[..., None, :, :]], axis=-3
-        ).reshape(out.shape)
+        inner, outer = (rows, cols) if transpose else (cols, rows)
+        part = outer * dot(spec, _lower_blocks(m, b), _halves(y, b)[..., read, :, :] * inner)
+        halves = [(jnp.zeros_like(part) if h == read else part)[..., None, :, :] for h in (0, 1)]
+        out = out + jnp.concatenate(halves, axis=-3).reshape(out.shape)
     return out
 
 
