@@ -50,6 +50,7 @@ import numpy as np
 
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
+from ejkernel_triton.ops import _chunked
 from ejkernel_triton.ops.gla_config import (
     SUB_CHUNK,
     GlaConfig,
@@ -103,8 +104,6 @@ def gla_triton(*, cfg: GlaConfig | None = None, **args: Any) -> Any:
 def fused_gla(args: dict[str, Any], cfg: GlaConfig, g: jax.Array) -> Any:
     """The call's forward through the fused recurrent kernel with the key gate ``g``
     ``[B, S, H, K]`` (the other arguments gla's, by name, in ``args``)."""
-    dk = args["query"].shape[-1]
-    scale = args.get("softmax_scale")
     return fused_forward(
         args["query"],
         args["key"],
@@ -112,66 +111,23 @@ def fused_gla(args: dict[str, Any], cfg: GlaConfig, g: jax.Array) -> Any:
         g,
         initial_state=args.get("initial_state"),
         cu_seqlens=args.get("cu_seqlens"),
-        scale=float(dk**-0.5 if scale is None else scale),
+        scale=_chunked.softmax_scale(args),
         block_v=cfg.block_v,
         num_warps=cfg.num_warps,
         return_state=bool(args.get("return_state")),
     )
 
 
-def _gla_fwd(*, cfg: GlaConfig | None = None, **args: Any) -> tuple[Any, dict[str, Any]]:
-    """Forward: ``(out or (out, final_state), residuals)``."""
-    st = _Statics.of(args, cfg)
-    arrays = {n: args.get(n) for n in _ARRAY_NAMES}
-    out, final, res = _forward(arrays, st)
-    return ((out, final) if st.return_state else out), res
-
-
-def _gla_bwd(
-    residuals: dict[str, Any], d_out: Any, *, cfg: GlaConfig | None = None, **statics: Any
-) -> dict[str, jax.Array | None]:
-    """Backward: gradients of query, key, value, g and initial_state."""
-    lay: Layout = residuals["layout"]
-    st = _Statics.of({**statics, "query": residuals["q"], "value": residuals["v"]}, cfg)
-    st = attrs.evolve(st, chunk=lay.chunk)
-    d_o, d_final = d_out if st.return_state else (d_out, None)
-    return _backward(residuals, d_o, d_final, st)
-
-
-defvjp(gla_triton, _gla_fwd, _gla_bwd)
-
-
-@attrs.frozen
-class _Statics:
+@attrs.frozen(kw_only=True)
+class _Statics(_chunked.Statics):
     """The call's static facts and the config, resolved for the launches."""
-
-    scale: float
-    return_state: bool
-    chunk: int
-    block_k: int
-    block_v: int
-    num_warps: int
-    num_stages: int
-    precision: str
 
     @classmethod
     def of(cls, args: dict[str, Any], cfg: GlaConfig | None) -> _Statics:
-        q, v = args["query"], args["value"]
         if cfg is None:
             cfg = heuristic(_Inv(args))
-        dk, dv = q.shape[-1], v.shape[-1]
-        scale = args.get("softmax_scale")
-        bk, bv = cfg.blocks(dk, dv)
-        return cls(
-            scale=float(dk**-0.5 if scale is None else scale),
-            return_state=bool(args.get("return_state")),
-            chunk=cfg.chunk_size,
-            block_k=bk,
-            block_v=bv,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            precision="ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32",
-        )
+        bk, bv = cfg.blocks(args["query"].shape[-1], args["value"].shape[-1])
+        return cls(block_k=bk, block_v=bv, **_chunked.call_statics(args, cfg))
 
 
 @attrs.frozen
@@ -184,12 +140,9 @@ class _Inv:
 
 @functools.partial(jax.jit, static_argnames=("st",))
 def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
-    query, value, init = a["query"], a["value"], a["initial_state"]
-    b, s, h, dk = query.shape
-    dv = value.shape[-1]
-    lay = Layout.of(s, st.chunk, a["cu_seqlens"])
+    init = a["initial_state"]
+    lay, init_rows = _chunked.chunk_layout(a, st.chunk)
     q, k, v, gates = (lay.to_chunks(a[n]) for n in ("query", "key", "value", "g"))
-    init_rows = lay.state_rows(init, (b, h, dk, dv))
     run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks), lay.fold_modes(6))
     g, hs, final_rows, amat, o = run(q, k, v, gates, init_rows, lay.flags)
     out = lay.from_chunks(o)
@@ -206,7 +159,6 @@ def _forward(a: dict[str, Any], st: _Statics) -> tuple[jax.Array, jax.Array, dic
     }
     res["dtypes"] = {"g": jnp.zeros((0,), a["g"].dtype)}  # the gradients' dtypes
     if init is not None:  # the key's presence says the initial state has a gradient
-        res["init_rows"] = init_rows
         res["dtypes"]["initial_state"] = jnp.zeros((0,), init.dtype)
     return out, final, res
 
@@ -225,7 +177,6 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
         b, t, h, dk = q.shape
         dv = v.shape[-1]
         c = st.chunk
-        common = _common(st)
         tiles = _tiles(st, dk, dv)
         (g,) = _launch.launch(
             gla_fwd_cumsum_kernel,
@@ -268,11 +219,7 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
             h,
             out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
             grid=(nt * (c // SUB_CHUNK), b * h),
-            K=dk,
-            C=c,
-            BC=SUB_CHUNK,
-            BK=st.block_k,
-            **common,
+            **_sub_chunks(st, dk),
         )
         (o,) = _launch.launch(
             gla_fwd_o_kernel,
@@ -307,6 +254,13 @@ def _tiles(st: _Statics, dk: int, dv: int) -> dict[str, Any]:
     return {"K": dk, "V": dv, "C": st.chunk, "BK": st.block_k, "BV": st.block_v, **_common(st)}
 
 
+def _sub_chunks(st: _Statics, dk: int) -> dict[str, Any]:
+    """:func:`_common` and the tiling of a launch over the intra-chunk matrix in
+    :data:`SUB_CHUNK` x :data:`SUB_CHUNK` tiles: the head size ``K``, the chunk ``C``, the
+    sub-chunk ``BC`` and the ``BK`` block."""
+    return {"K": dk, "C": st.chunk, "BC": SUB_CHUNK, "BK": st.block_k, **_common(st)}
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -324,17 +278,15 @@ def _backward(
 ) -> dict[str, jax.Array | None]:
     """The gradients; ``split_diagonal``: see :func:`_backward_kernels`."""
     lay: Layout = res["layout"]
-    q, v = res["q"], res["v"]
+    q = res["q"]
     b, _, h, dk = q.shape
-    dv = v.shape[-1]
-    do = lay.to_chunks(d_o.astype(q.dtype))
-    dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
+    do, dfinal_rows = _chunked.cotangents(res, d_o, d_final)
     kernels = _backward_kernels(st, lay.num_chunks, split_diagonal)
     run = _launch.fold_vmap(kernels, lay.fold_modes(10))
     dinit_rows, d_q, d_k, d_v, d_gamma, d_end = run(
         q,
         res["k"],
-        v,
+        res["v"],
         res["g"],
         res["h"],
         res["a"],
@@ -348,16 +300,15 @@ def _backward(
     d_g = (d_gamma.reshape(b, lay.num_chunks, lay.chunk, h, dk) + through_end[:, :, None]).reshape(
         d_gamma.shape
     )
-    grads: dict[str, jax.Array | None] = {
-        "query": lay.from_chunks(d_q),
-        "key": lay.from_chunks(d_k),
-        "value": lay.from_chunks(d_v),
-        "g": lay.from_chunks(d_g).astype(res["dtypes"]["g"].dtype),
-    }
-    if "init_rows" in res:
-        d_init = lay.op_states(dinit_rows, dfinal_rows)
-        grads["initial_state"] = d_init.astype(res["dtypes"]["initial_state"].dtype)
+    grads = _chunked.gradients(res, d_q, d_k, d_v, dinit_rows, dfinal_rows)
+    grads["g"] = lay.from_chunks(d_g).astype(res["dtypes"]["g"].dtype)
     return grads
+
+
+#: Forward ``(out or (out, final_state), residuals)`` and backward (gradients of query, key,
+#: value, g and initial_state) of the custom VJP.
+_gla_fwd, _gla_bwd = _chunked.vjp_rules(_Statics.of, _forward, _backward, _ARRAY_NAMES)
+defvjp(gla_triton, _gla_fwd, _gla_bwd)
 
 
 def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> Any:
@@ -450,11 +401,7 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
             h,
             out_shape=[tokens, tokens],
             grid=(nt * (c // SUB_CHUNK), _cdiv(dk, st.block_k), b * h),
-            K=dk,
-            C=c,
-            BC=SUB_CHUNK,
-            BK=st.block_k,
-            **common,
+            **_sub_chunks(st, dk),
         )
         d_q, d_k, d_gamma = _launch.launch(
             gla_bwd_dqk_kernel,

@@ -47,6 +47,7 @@ import numpy as np
 
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch, _smem
+from ejkernel_triton.ops import _chunked
 from ejkernel_triton.ops.gla_config import kernel_limits
 from ejkernel_triton.ops.gla_layout import Layout
 from ejkernel_triton.ops.recurrent_fused import fused_launch, fused_states
@@ -214,67 +215,25 @@ def kernel_delta_attention_triton(
     return (out, final) if st.return_state else out
 
 
-def _kda_fwd(
-    *, cfg: KernelDeltaAttentionConfig | None = None, **args: Any
-) -> tuple[Any, dict[str, Any]]:
-    """Forward: ``(out or (out, final_state), residuals)``; the residuals are the chunk
-    layout's inputs, the per-chunk factors and each chunk's starting state."""
-    st = _Statics.of(args, cfg)
-    out, final, res = _forward({n: args.get(n) for n in _ARRAY_NAMES}, st, keep=True)
-    return ((out, final) if st.return_state else out), res
+@attrs.frozen(kw_only=True)
+class _Statics(_chunked.Statics):
+    """The call's static facts and the config, resolved for the launches: the shared ones,
+    whether q and k are L2-normalised and the value block of the per-chunk passes."""
 
-
-def _kda_bwd(
-    residuals: dict[str, Any],
-    d_out: Any,
-    *,
-    cfg: KernelDeltaAttentionConfig | None = None,
-    **statics: Any,
-) -> dict[str, jax.Array | None]:
-    """Backward: gradients of query, key, value, beta, g and initial_state."""
-    lay: Layout = residuals["layout"]
-    st = _Statics.of({**statics, "query": residuals["q"], "value": residuals["v"]}, cfg)
-    st = attrs.evolve(st, chunk=lay.chunk)
-    d_o, d_final = d_out if st.return_state else (d_out, None)
-    return _backward(residuals, d_o, d_final, st)
-
-
-defvjp(kernel_delta_attention_triton, _kda_fwd, _kda_bwd)
-
-
-@attrs.frozen
-class _Statics:
-    """The call's static facts and the config, resolved for the launches."""
-
-    scale: float
     l2norm: bool
-    return_state: bool
-    chunk: int
-    block_k: int
-    block_v: int
     block_v_prep: int
-    num_warps: int
-    num_stages: int
-    precision: str
 
     @classmethod
     def of(cls, args: dict[str, Any], cfg: KernelDeltaAttentionConfig | None) -> _Statics:
-        q, v = args["query"], args["value"]
         if cfg is None:
             cfg = heuristic(_Inv(args))
-        dk, dv = q.shape[-1], v.shape[-1]
-        scale = args.get("softmax_scale")
+        dk, dv = args["query"].shape[-1], args["value"].shape[-1]
         return cls(
-            scale=float(dk**-0.5 if scale is None else scale),
             l2norm=bool(args.get("use_qk_l2norm", True)),
-            return_state=bool(args.get("return_state")),
-            chunk=cfg.chunk_size,
             block_k=_pow2(dk),
             block_v=min(cfg.block_v, _pow2(dv)),
             block_v_prep=_pow2(dv),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            precision="ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32",
+            **_chunked.call_statics(args, cfg),
         )
 
 
@@ -291,7 +250,6 @@ def _fused(args: dict[str, Any], cfg: KernelDeltaAttentionConfig) -> Any:
     q, v, cu = args["query"], args["value"], args.get("cu_seqlens")
     init, offsets = fused_states(q, v, args.get("initial_state"), cu)
     g = args["g"] if args["g"].ndim == 4 else args["g"][..., None]
-    scale = args.get("softmax_scale")
     out, final = _fused_run(
         q,
         args["key"],
@@ -300,7 +258,7 @@ def _fused(args: dict[str, Any], cfg: KernelDeltaAttentionConfig) -> Any:
         g,
         init,
         offsets,
-        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+        scale=_chunked.softmax_scale(args),
         l2norm=bool(args.get("use_qk_l2norm", True)),
         block_v=min(cfg.block_v, _pow2(v.shape[-1])),
         num_warps=cfg.num_warps,
@@ -342,15 +300,12 @@ def _forward(
 ) -> tuple[jax.Array, jax.Array, dict[str, Any] | None]:
     """``(out, final_state, residuals)``; the residuals (``keep``) are what the backward
     reads, else ``None``."""
-    query, value, init = a["query"], a["value"], a["initial_state"]
-    b, s, h, dk = query.shape
-    dv = value.shape[-1]
-    lay = Layout.of(s, st.chunk, a["cu_seqlens"])
+    init = a["initial_state"]
+    lay, init_rows = _chunked.chunk_layout(a, st.chunk)
     g = a["g"] if a["g"].ndim == 4 else a["g"][..., None]
     q, k, v, beta, gates = (
-        lay.to_chunks(x) for x in (query, a["key"], value, a["beta"][..., None], g)
+        lay.to_chunks(x) for x in (a["query"], a["key"], a["value"], a["beta"][..., None], g)
     )
-    init_rows = lay.state_rows(init, (b, h, dk, dv))
     run = _launch.fold_vmap(_forward_kernels(st, lay.num_chunks, keep), lay.fold_modes(7))
     o, final_rows, *saved = run(q, k, v, beta, gates, init_rows, lay.flags)
     out = lay.from_chunks(o)
@@ -434,32 +389,22 @@ def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> 
     and ``kk`` only with ``keep``)."""
     from ejkernel_triton.kernels.kda_fwd import kda_fwd_prep_kernel
 
-    b, t, h, dk = q.shape
-    dv, c = v.shape[-1], st.chunk
+    b, t, h, _ = q.shape
+    c = st.chunk
     factors = (b, t, h, c) if keep else (1,)
-    return _launch.launch(
+    return _factor_pass(
         kda_fwd_prep_kernel,
-        q,
-        k,
-        v,
-        beta,
-        gates,
-        np.float32(st.scale),
+        st,
         nt,
-        h,
+        keep,
+        (q, k, v, beta, gates),
         out_shape=[
-            *_factor_shapes(q, dv),
             jax.ShapeDtypeStruct((b, t, h, c), jnp.float32),
             jax.ShapeDtypeStruct((b, nt, h, 1), jnp.float32),
             jax.ShapeDtypeStruct(factors, jnp.float32),
             jax.ShapeDtypeStruct(factors, jnp.float32),
         ],
-        grid=(nt, b * h),
-        **_sizes(st, dk, dv, 1, chunk_pass=True),
-        STORE_FACTORS=keep,
-        num_stages=1,
-        num_warps=st.num_warps,
-        DOT_PRECISION=st.precision,
+        GK=1,
     )
 
 
@@ -475,7 +420,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
     )
 
     b, t, h, dk = q.shape
-    dv, c = v.shape[-1], st.chunk
+    c = st.chunk
     tokens_f32 = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
     sizes = {"K": dk, "C": c, "BK": st.block_k}
     numerics = {"L2NORM": st.l2norm, "GATE_FLOOR": GATE_FLOOR}
@@ -513,41 +458,56 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         num_warps=_TILE_WARPS,
         num_stages=1,
     )
-    qg, kg, w, u, decay, tt = _launch.launch(
+    qg, kg, w, u, decay, tt = _factor_pass(
         kda_fwd_wy_kernel,
-        q,
-        k,
-        v,
-        beta,
-        gates,
-        kk,
-        tdiag,
-        np.float32(st.scale),
+        st,
         nt,
-        h,
+        keep,
+        (q, k, v, beta, gates, kk, tdiag),
         out_shape=[
-            *_factor_shapes(q, dv),
             jax.ShapeDtypeStruct((b, nt, h, dk), jnp.float32),
             jax.ShapeDtypeStruct((b, t, h, c) if keep else (1,), jnp.float32),
         ],
+    )
+    return [qg, kg, w, u, p, decay, tt, kk]
+
+
+def _factor_pass(
+    kernel: Any,
+    st: _Statics,
+    nt: int,
+    keep: bool,
+    reads: tuple[Any, ...],
+    out_shape: list[jax.ShapeDtypeStruct],
+    **constexprs: Any,
+) -> list[Any]:
+    """A forward chunk pass that writes the factors, one program per chunk and head: it reads
+    ``reads`` (``q, k, v, beta, gates`` first) and the scale, and writes ``qg``, ``kg``, ``w``
+    and ``u`` (the input dtype), then ``out_shape``'s; all of V in one block, with the input
+    numerics (``STORE_FACTORS``: ``keep``)."""
+    q, v = reads[0], reads[2]
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    tokens_k = jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)
+    factors = [tokens_k, tokens_k, tokens_k, jax.ShapeDtypeStruct((b, t, h, dv), q.dtype)]
+    sizes = {"K": dk, "V": dv, "C": st.chunk, "BK": st.block_k, "BV": st.block_v_prep}
+    numerics = {"L2NORM": st.l2norm, "GATE_FLOOR": GATE_FLOOR}
+    return _launch.launch(
+        kernel,
+        *reads,
+        np.float32(st.scale),
+        nt,
+        h,
+        out_shape=[*factors, *out_shape],
         grid=(nt, b * h),
         **sizes,
-        V=dv,
-        BV=st.block_v_prep,
         **numerics,
         STORE_FACTORS=keep,
         DOT_PRECISION=st.precision,
         num_warps=st.num_warps,
         num_stages=1,
+        **constexprs,
     )
-    return [qg, kg, w, u, p, decay, tt, kk]
-
-
-def _factor_shapes(q: Any, dv: int) -> list[jax.ShapeDtypeStruct]:
-    """The shapes of ``qg``, ``kg``, ``w`` and ``u`` (the input dtype)."""
-    b, t, h, dk = q.shape
-    tokens_k = jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)
-    return [tokens_k, tokens_k, tokens_k, jax.ShapeDtypeStruct((b, t, h, dv), q.dtype)]
 
 
 def _sizes(
@@ -570,11 +530,7 @@ def _backward(
     res: dict[str, Any], d_o: jax.Array, d_final: jax.Array | None, st: _Statics
 ) -> dict[str, jax.Array | None]:
     lay: Layout = res["layout"]
-    q, v = res["q"], res["v"]
-    b, _, h, dk = q.shape
-    dv = v.shape[-1]
-    do = lay.to_chunks(d_o.astype(q.dtype))
-    dfinal_rows = lay.state_rows(d_final, (b, h, dk, dv))
+    do, dfinal_rows = _chunked.cotangents(res, d_o, d_final)
     run = _launch.fold_vmap(_backward_kernels(st, lay.num_chunks), lay.fold_modes(17))
     names = ("q", "k", "v", "beta", "g", "qg", "kg", "w", "p", "decay", "h", "vn", "t", "kk")
     dinit_rows, d_q, d_k, d_v, d_beta, d_g = run(
@@ -587,17 +543,19 @@ def _backward(
     if res["gate_per_head"] is not None:
         d_g = d_g[..., 0]
     dtypes = res["dtypes"]
-    grads: dict[str, jax.Array | None] = {
-        "query": lay.from_chunks(d_q),
-        "key": lay.from_chunks(d_k),
-        "value": lay.from_chunks(d_v),
-        "beta": lay.from_chunks(d_beta)[..., 0].astype(dtypes["beta"].dtype),
-        "g": d_g.astype(dtypes["g"].dtype),
-    }
-    if "initial_state" in dtypes:
-        d_init = lay.op_states(dinit_rows, dfinal_rows)
-        grads["initial_state"] = d_init.astype(dtypes["initial_state"].dtype)
+    grads = _chunked.gradients(res, d_q, d_k, d_v, dinit_rows, dfinal_rows)
+    grads["beta"] = lay.from_chunks(d_beta)[..., 0].astype(dtypes["beta"].dtype)
+    grads["g"] = d_g.astype(dtypes["g"].dtype)
     return grads
+
+
+#: Forward ``(out or (out, final_state), residuals)``, the residuals the chunk layout's
+#: inputs, the per-chunk factors and each chunk's starting state; backward: gradients of
+#: query, key, value, beta, g and initial_state.
+_kda_fwd, _kda_bwd = _chunked.vjp_rules(
+    _Statics.of, functools.partial(_forward, keep=True), _backward, _ARRAY_NAMES
+)
+defvjp(kernel_delta_attention_triton, _kda_fwd, _kda_bwd)
 
 
 def _backward_kernels(st: _Statics, nt: int) -> Any:
@@ -683,13 +641,31 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
         )
         chunk_sizes = {n: sizes[n] for n in ("K", "C", "BK", "GK", "L2NORM", "GATE_FLOOR")}
         scale = np.float32(st.scale)
-        if gk == 1:
-            d_q, d_k, d_beta, d_g, _ = _launch.launch(
-                kda_bwd_chunk_kernel,
+
+        def chunk_pass(kernel, *reads, out_shape, **params):
+            """A pass over the chunks of the inputs (one program per chunk and head), reading
+            ``q, k, beta, gates, *reads, scale``."""
+            return _launch.launch(
+                kernel,
                 q,
                 k,
                 beta,
                 gates,
+                *reads,
+                scale,
+                nt,
+                h,
+                out_shape=out_shape,
+                grid=(nt, b * h),
+                **chunk_sizes,
+                num_stages=1,
+                **params,
+            )
+
+        d_qk = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)]
+        if gk == 1:
+            d_q, d_k, d_beta, d_g, _ = chunk_pass(
+                kda_bwd_chunk_kernel,
                 tt,
                 kk,
                 dqg,
@@ -699,42 +675,20 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
                 dtt,
                 dbeta_v,
                 ddecay,
-                scale,
-                nt,
-                h,
-                out_shape=[
-                    jax.ShapeDtypeStruct(q.shape, q.dtype),
-                    jax.ShapeDtypeStruct(k.shape, k.dtype),
-                    f32(beta.shape),
-                    f32(gates.shape),
-                    f32((b, nt, h, c * c)),
-                ],
-                grid=(nt, b * h),
-                **chunk_sizes,
-                num_stages=1,
+                out_shape=[*d_qk, f32(beta.shape), f32(gates.shape), f32((b, nt, h, c * c))],
                 **common,
             )
             return dinit_rows, d_q, d_k, d_v, d_beta, d_g
         # a per-channel gate: the decayed products' backward over blocks of key channels,
         # between a pass that prepares it and one that finishes the gradients
-        qs, kn, gc, dkn, dgc, dm, d_beta = _launch.launch(
+        qs, kn, gc, dkn, dgc, dm, d_beta = chunk_pass(
             kda_bwd_chunk_in_kernel,
-            q,
-            k,
-            beta,
-            gates,
             tt,
             kk,
             dw,
             dtt,
             dbeta_v,
-            scale,
-            nt,
-            h,
             out_shape=[*(f32((b, t, h, dk)) for _ in range(5)), f32((b, t, h, c)), f32(beta.shape)],
-            grid=(nt, b * h),
-            **chunk_sizes,
-            num_stages=1,
             **common,
         )
         bks = min(_PRODUCT_CHANNELS, st.block_k)
@@ -759,29 +713,15 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             num_warps=_TILE_WARPS,
             DOT_PRECISION=st.precision,
         )
-        d_q, d_k, d_g = _launch.launch(
+        d_q, d_k, d_g = chunk_pass(
             kda_bwd_chunk_out_kernel,
-            q,
-            k,
-            beta,
-            gates,
             dqs,
             dkn,
             dgc,
             dqg,
             dkg,
             ddecay,
-            scale,
-            nt,
-            h,
-            out_shape=[
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct(k.shape, k.dtype),
-                f32(gates.shape),
-            ],
-            grid=(nt, b * h),
-            **chunk_sizes,
-            num_stages=1,
+            out_shape=[*d_qk, f32(gates.shape)],
             num_warps=st.num_warps,
         )
         return dinit_rows, d_q, d_k, d_v, d_beta, d_g
