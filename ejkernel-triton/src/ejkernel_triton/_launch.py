@@ -29,13 +29,19 @@ import numpy as np
 
 from ejkernel import env
 
-__all__ = ["fold_vmap", "interpreting", "launch"]
+__all__ = ["fold_vmap", "interpreting", "launch", "pow2"]
 
 _interpreted_modules: dict[str, Any] = {}
 _interpret_lock = threading.RLock()
 #: The launch the interpreter is running: the kernel's name and the [start, end) byte ranges
 #: of the buffers it was handed (:func:`_guard_memory` checks every access against them).
 _launch_state: dict[str, Any] = {"kernel": None, "starts": None, "ends": None}
+
+
+def pow2(n: int) -> int:
+    """The power-of-two block (at least 16, a tensor core's smallest tile) that covers a
+    dimension of ``n``."""
+    return max(16, 1 << (int(n) - 1).bit_length())
 
 
 def interpreting() -> bool:

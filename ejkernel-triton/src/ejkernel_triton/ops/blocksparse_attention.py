@@ -34,7 +34,7 @@ import numpy as np
 from ejkernel.attention_semantics import Geometry
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
-from ejkernel_triton._launch import BATCH, BROADCAST
+from ejkernel_triton._launch import BATCH, BROADCAST, pow2
 from ejkernel_triton.ops.blocksparse_attention_config import (
     BlocksparseAttentionConfig,
     config_space,
@@ -48,7 +48,7 @@ from ejkernel_triton.ops.flash_attention import (
     _pow2_factor,
     _strides,
 )
-from ejkernel_triton.ops.flash_attention_config import bwd_launch_params, fit_stages, fwd_smem, pow2
+from ejkernel_triton.ops.flash_attention_config import bwd_launch_params, fit_stages, fwd_smem
 
 __all__ = [
     "BlocksparseAttentionConfig",

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from ejkernel.ops import BwdParams, FwdParams, prune_by_shared_memory
 from ejkernel_triton import _launch
-from ejkernel_triton.ops.flash_attention_config import bwd_smem, fwd_smem, pow2, qkv_supported
+from ejkernel_triton._launch import pow2
+from ejkernel_triton.ops.flash_attention_config import bwd_smem, fwd_smem, qkv_supported
 
 __all__ = [
     "BlocksparseAttentionConfig",

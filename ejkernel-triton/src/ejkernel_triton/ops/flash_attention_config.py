@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from ejkernel.ops import BwdParams, FwdParams, prune_by_shared_memory
 from ejkernel_triton import _launch, _smem, _tuned
+from ejkernel_triton._launch import pow2
 
 __all__ = [
     "BWD_VARIANTS",
@@ -594,10 +595,6 @@ def persistent_programs() -> int:
 @functools.cache
 def _sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
-def pow2(n: int) -> int:
-    return max(16, 1 << (int(n) - 1).bit_length())
 
 
 def clamp(block: int, seq: int) -> int:

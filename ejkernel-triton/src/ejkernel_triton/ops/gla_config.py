@@ -15,6 +15,7 @@ import attrs
 import jax.numpy as jnp
 
 from ejkernel_triton import _launch
+from ejkernel_triton._launch import pow2
 from ejkernel_triton.ops.recurrent_fused import FUSED_MAX_TOKENS
 
 __all__ = ["SUB_CHUNK", "GlaConfig", "config_space", "heuristic", "supports"]
@@ -24,10 +25,6 @@ SUB_CHUNK = 16
 _CHUNKS = (16, 32, 64)
 _MAX_DIM = 256
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (int(n) - 1).bit_length())
 
 
 @attrs.frozen(kw_only=True)
@@ -55,7 +52,7 @@ class GlaConfig:
 
     def blocks(self, dk: int, dv: int) -> tuple[int, int]:
         """``(block_k, block_v)`` clamped to the call's dims rounded up to powers of two."""
-        return min(self.block_k, _pow2(dk)), min(self.block_v, _pow2(dv))
+        return min(self.block_k, pow2(dk)), min(self.block_v, pow2(dv))
 
 
 def _power_of_two(config: Any, attribute: Any, value: int) -> None:
@@ -107,8 +104,8 @@ def heuristic(inv: Any) -> GlaConfig:
     if _launch.interpreting():
         return GlaConfig(
             chunk_size=min(chunk, 32),
-            block_k=_pow2(dk),
-            block_v=_pow2(dv),
+            block_k=pow2(dk),
+            block_v=pow2(dv),
             num_stages=1,
             fused=fused,
         )
@@ -116,8 +113,8 @@ def heuristic(inv: Any) -> GlaConfig:
     fused = s <= FUSED_GPU_MAX_TOKENS
     return GlaConfig(
         chunk_size=chunk,
-        block_k=min(64, _pow2(dk)),
-        block_v=min(16 if fused else 64, _pow2(dv)),
+        block_k=min(64, pow2(dk)),
+        block_v=min(16 if fused else 64, pow2(dv)),
         num_warps=4,
         num_stages=2 if dtype.itemsize == 2 else 1,
         fused=fused,
@@ -138,15 +135,15 @@ def config_space(inv: Any) -> list[GlaConfig]:
                 cfg = attrs.evolve(
                     base,
                     chunk_size=min(chunk, base.chunk_size),
-                    block_k=min(bk, _pow2(dk)),
-                    block_v=min(bv, _pow2(dv)),
+                    block_k=min(bk, pow2(dk)),
+                    block_v=min(bv, pow2(dv)),
                     num_warps=warps,
                 )
                 if cfg not in out:
                     out.append(cfg)
     if base.fused:  # decoding: the fused kernel's value blocks
         for bv in (16, 32, 64):
-            cfg = attrs.evolve(base, block_v=min(bv, _pow2(dv)), num_warps=4)
+            cfg = attrs.evolve(base, block_v=min(bv, pow2(dv)), num_warps=4)
             if cfg not in out:
                 out.append(cfg)
     return out

@@ -47,6 +47,7 @@ import numpy as np
 
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch, _smem
+from ejkernel_triton._launch import pow2
 from ejkernel_triton.ops import _chunked
 from ejkernel_triton.ops.gla_config import kernel_limits
 from ejkernel_triton.ops.gla_layout import Layout
@@ -79,10 +80,6 @@ _PRODUCT_CHANNELS = 32
 #: Warps of a program on one ``[16, _PRODUCT_CHANNELS]`` tile of the decayed products.
 _TILE_WARPS = 2
 _ARRAY_NAMES = ("query", "key", "value", "beta", "g", "initial_state", "cu_seqlens")
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (int(n) - 1).bit_length())
 
 
 def _power_of_two(config: Any, attribute: Any, value: int) -> None:
@@ -127,7 +124,7 @@ def shared_memory(cfg: KernelDeltaAttentionConfig, dk: int, dv: int) -> int:
     (``[C, K]`` and its streamed ``[C, BV]`` tiles) and its chunk pass (``[C, K]`` and
     ``[C, C]`` tiles), all float32. An upper bound of what Triton 3.6 allocates for sm_90,
     which ``tests/triton/test_kernel_delta_attention.py`` holds it to."""
-    c, bk, vp = cfg.chunk_size, _pow2(dk), _pow2(dv)
+    c, bk, vp = cfg.chunk_size, pow2(dk), pow2(dv)
     bv = min(cfg.block_v, vp)
     return 4 * max(
         2 * c * (bk + vp),
@@ -150,16 +147,16 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     length = s if cu is None else s / max(1, cu.shape[0] - 1)  # mean packed length
     if _launch.interpreting():
         return KernelDeltaAttentionConfig(
-            chunk_size=16, block_v=_pow2(dv), fused=s <= FUSED_MAX_TOKENS
+            chunk_size=16, block_v=pow2(dv), fused=s <= FUSED_MAX_TOKENS
         )
     if s <= FUSED_GPU_MAX_TOKENS:
         return KernelDeltaAttentionConfig(
-            chunk_size=16, block_v=min(64, _pow2(dv)), num_warps=4, fused=True
+            chunk_size=16, block_v=min(64, pow2(dv)), num_warps=4, fused=True
         )
     limit = _smem.launch_limit()
     for chunk in (64, 32, 16):
         cfg = KernelDeltaAttentionConfig(
-            chunk_size=chunk, block_v=min(32, _pow2(dv)), num_warps=8 if chunk == 64 else 4
+            chunk_size=chunk, block_v=min(32, pow2(dv)), num_warps=8 if chunk == 64 else 4
         )
         if chunk == 16 or (length >= chunk and shared_memory(cfg, dk, dv) <= limit):
             return cfg
@@ -174,14 +171,14 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
         return [base]
     dk, dv = inv.kwargs["query"].shape[-1], inv.kwargs["value"].shape[-1]
     if base.fused:  # decoding: the fused kernel's value blocks
-        return [attrs.evolve(base, block_v=min(bv, _pow2(dv))) for bv in (16, 32, 64)]
+        return [attrs.evolve(base, block_v=min(bv, pow2(dv))) for bv in (16, 32, 64)]
     limit = _smem.launch_limit()
     out = [base]
     for chunk in _CHUNKS:
         for bv in (32, 64):
             for warps in (4, 8):
                 cfg = attrs.evolve(
-                    base, chunk_size=chunk, block_v=min(bv, _pow2(dv)), num_warps=warps
+                    base, chunk_size=chunk, block_v=min(bv, pow2(dv)), num_warps=warps
                 )
                 if cfg not in out and shared_memory(cfg, dk, dv) <= limit:
                     out.append(cfg)
@@ -230,9 +227,9 @@ class _Statics(_chunked.Statics):
         dk, dv = args["query"].shape[-1], args["value"].shape[-1]
         return cls(
             l2norm=bool(args.get("use_qk_l2norm", True)),
-            block_k=_pow2(dk),
-            block_v=min(cfg.block_v, _pow2(dv)),
-            block_v_prep=_pow2(dv),
+            block_k=pow2(dk),
+            block_v=min(cfg.block_v, pow2(dv)),
+            block_v_prep=pow2(dv),
             **_chunked.call_statics(args, cfg),
         )
 
@@ -260,7 +257,7 @@ def _fused(args: dict[str, Any], cfg: KernelDeltaAttentionConfig) -> Any:
         offsets,
         scale=_chunked.softmax_scale(args),
         l2norm=bool(args.get("use_qk_l2norm", True)),
-        block_v=min(cfg.block_v, _pow2(v.shape[-1])),
+        block_v=min(cfg.block_v, pow2(v.shape[-1])),
         num_warps=cfg.num_warps,
         packed=cu is not None,
     )

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from ejkernel.ops import prune_by_shared_memory
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch, _smem
-from ejkernel_triton._launch import BATCH, OTHER
+from ejkernel_triton._launch import BATCH, OTHER, pow2
 
 __all__ = ["MeanPoolingConfig", "config_space", "heuristic", "mean_pooling_triton", "supports"]
 
@@ -67,7 +67,7 @@ def heuristic(inv: Any) -> MeanPoolingConfig:
     """64-token steps over up to 128 columns, the split left to the launch; in the
     interpreter, whose cost is per program, whole columns and 32-token steps."""
     x = inv.kwargs["x"]
-    d = _pow2(x.shape[-1])
+    d = pow2(x.shape[-1])
     if _launch.interpreting():
         return MeanPoolingConfig(block_t=32, block_d=d, split=1, num_stages=1)
     return MeanPoolingConfig(block_t=64, block_d=min(128, d), num_warps=4, num_stages=2)
@@ -79,7 +79,7 @@ def config_space(inv: Any) -> list[MeanPoolingConfig]:
     base = heuristic(inv)
     if _launch.interpreting():
         return [base]
-    d = _pow2(inv.kwargs["x"].shape[-1])
+    d = pow2(inv.kwargs["x"].shape[-1])
     configs = [base]
     for t, c, w, s in ((32, 256, 4, 2), (128, 64, 4, 2), (64, 256, 8, 3), (128, 128, 8, 3)):
         configs.append(MeanPoolingConfig(block_t=t, block_d=min(c, d), num_warps=w, num_stages=s))
@@ -175,8 +175,8 @@ def _pool(cfg: MeanPoolingConfig, tokens: jax.Array, offsets: jax.Array, mean_le
     from ejkernel_triton.kernels.mean_pooling import mean_pooling_fwd_kernel
 
     num_seqs, d = offsets.shape[0] - 1, tokens.shape[-1]
-    block_d = min(_pow2(cfg.block_d), _pow2(d))
-    block_t = _pow2(cfg.block_t)
+    block_d = min(pow2(cfg.block_d), pow2(d))
+    block_t = pow2(cfg.block_t)
     col_blocks = -(-d // block_d)
     split = cfg.split or _split(num_seqs * col_blocks, mean_len, block_t)
     stages = cfg.num_stages
@@ -250,8 +250,8 @@ def _spread(
     inside = (position >= offsets[0]) & (position < offsets[-1])
     seq = jnp.where(inside, seq, -1).astype(jnp.int32)
     inv_length = 1.0 / jnp.maximum(offsets[1:] - offsets[:-1], 1).astype(jnp.float32)
-    block_d = min(_pow2(cfg.block_d), _pow2(d))
-    block_t = _pow2(cfg.block_t)
+    block_d = min(pow2(cfg.block_d), pow2(d))
+    block_t = pow2(cfg.block_t)
     (dx,) = _launch.launch(
         mean_pooling_bwd_kernel,
         d_out,
@@ -267,7 +267,3 @@ def _spread(
         BLOCK_D=block_d,
     )
     return dx
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (int(n) - 1).bit_length())

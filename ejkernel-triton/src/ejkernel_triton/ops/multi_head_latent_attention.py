@@ -36,6 +36,7 @@ import ejkernel
 from ejkernel.attention_semantics import finite_or_zero
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch, _smem
+from ejkernel_triton._launch import pow2
 
 __all__ = [
     "FORMS",
@@ -150,17 +151,13 @@ def splits_for(rows: int, batch: int, sk: int, cfg: Any) -> int:
     return max(1, min(-(-_TARGET_PROGRAMS // programs), blocks // _MIN_BLOCKS_PER_SPLIT))
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (int(n) - 1).bit_length())
-
-
 def absorbed_shared_memory(
     cfg: MultiHeadLatentAttentionConfig, r: int, dr: int, itemsize: int
 ) -> int:
     """Bytes of shared memory the absorbed kernel takes: the block's query rows
     (``[block_m, R + Dr]``) once and ``num_stages`` buffers of latent and rotary-key rows
     (``[block_n, R + Dr]``), in the input dtype (what Triton 3.6 allocates for sm_90)."""
-    width = _pow2(r) + (_pow2(dr) if dr else 0)
+    width = pow2(r) + (pow2(dr) if dr else 0)
     return itemsize * width * (cfg.block_m + cfg.num_stages * cfg.block_n)
 
 
@@ -366,8 +363,8 @@ def _absorbed(args: dict[str, Any], cfg: MultiHeadLatentAttentionConfig) -> jax.
         num_stages=cfg.num_stages,
         R=r,
         DR=dr,
-        BR=_pow2(r),
-        BDR=_pow2(max(dr, 1)),
+        BR=pow2(r),
+        BDR=pow2(max(dr, 1)),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         CAUSAL=st["causal"],

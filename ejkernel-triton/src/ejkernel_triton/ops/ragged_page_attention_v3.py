@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from ejkernel.attention_semantics import quantize_kv
 from ejkernel.specs.ragged_page_attention_v3 import cache_destinations
 from ejkernel_triton import _launch
-from ejkernel_triton.ops.flash_attention_config import pow2
+from ejkernel_triton._launch import pow2
 from ejkernel_triton.ops.ragged_page_attention import ragged_page_attention_triton
 from ejkernel_triton.ops.unified_attention_config import (
     UnifiedAttentionConfig,

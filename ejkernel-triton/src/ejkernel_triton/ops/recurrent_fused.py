@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel_triton import _launch
-from ejkernel_triton._launch import BATCH, OTHER
+from ejkernel_triton._launch import BATCH, OTHER, pow2
 
 __all__ = ["FUSED_MAX_TOKENS", "fused_forward", "fused_launch", "fused_states"]
 
@@ -113,7 +113,7 @@ def fused_launch(
                 zeroed_outputs=(0,) if packed else (),
                 K=dk,
                 V=dv,
-                BK=_pow2(dk),
+                BK=pow2(dk),
                 BV=block_v,
                 PACKED=packed,
                 **constexprs,
@@ -145,7 +145,7 @@ def _run(
     """The gla-form kernel's launch."""
     from ejkernel_triton.kernels.recurrent_fused import recurrent_fused_fwd_kernel
 
-    bv = min(block_v, _pow2(v.shape[-1]))
+    bv = min(block_v, pow2(v.shape[-1]))
     return fused_launch(
         recurrent_fused_fwd_kernel,
         q,
@@ -159,7 +159,3 @@ def _run(
         num_warps=num_warps,
         packed=packed,
     )
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (int(n) - 1).bit_length())

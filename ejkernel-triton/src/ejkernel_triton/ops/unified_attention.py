@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel_triton import _launch
-from ejkernel_triton.ops.flash_attention_config import pow2
+from ejkernel_triton._launch import pow2
 from ejkernel_triton.ops.unified_attention_config import (
     Problem,
     UnifiedAttentionConfig,

@@ -258,25 +258,18 @@ def linear_attention_backward(
     return _backward(residuals["arrays"], residuals["h_start"], d_o, d_final, st, gates)
 
 
-def _in_chosen_mode(pass_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The jitted ``pass_fn(a, ..., st, gates)``: ``pass_fn(a, ..., st, gates, mode)`` in the
-    mode :func:`factorable_call` allows (:func:`_by_mode`), ``st`` and ``gates`` static."""
-
-    def entry(a: dict[str, Any], *rest: Any) -> Any:
-        st, gates = rest[-2:]
-        return _by_mode(factorable_call(a, st, gates), lambda mode: pass_fn(a, *rest, mode))
-
-    entry.__name__ = entry.__qualname__ = pass_fn.__name__
-    entry.__doc__ = pass_fn.__doc__
-    return jax.jit(entry, static_argnums=(-2, -1))
-
-
-@_in_chosen_mode
+@functools.partial(jax.jit, static_argnames=("st", "gates"))
 def _forward(
-    a: dict[str, Any], st: LinearStatics, gates: Gates, mode: str
+    a: dict[str, Any], st: LinearStatics, gates: Gates
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """``out [B, S, H, V]``, final states [N, H, K, V] (or None) and chunk-start states
     [N, B, H, K, V]."""
+    return _by_mode(factorable_call(a, st, gates), lambda mode: _forward_pass(a, st, gates, mode))
+
+
+def _forward_pass(
+    a: dict[str, Any], st: LinearStatics, gates: Gates, mode: str
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     plan = Plan.of(a, st)
     x = layout(a, st, gates, plan)
     q, k, v, gk, gv = (_flat(x[n]) for n in ("q", "k", "v", "gk", "gv"))
@@ -294,8 +287,22 @@ def _forward(
     return out, final, h_start
 
 
-@_in_chosen_mode
+@functools.partial(jax.jit, static_argnames=("st", "gates"))
 def _backward(
+    a: dict[str, Any],
+    h_start: jax.Array,
+    d_out: jax.Array,
+    d_final: jax.Array | None,
+    st: LinearStatics,
+    gates: Gates,
+) -> dict[str, jax.Array | None]:
+    return _by_mode(
+        factorable_call(a, st, gates),
+        lambda mode: _backward_pass(a, h_start, d_out, d_final, st, gates, mode),
+    )
+
+
+def _backward_pass(
     a: dict[str, Any],
     h_start: jax.Array,
     d_out: jax.Array,
