@@ -9,6 +9,7 @@
 #   GROUP=rest     tests/core, cuda, pallas and xla but the default-call sweep
 #   GROUP=sweep    tests/cuda/test_default_call_sweep.py (tunes: fewer workers)
 #   GROUP=ring     tests/triton/test_ring_attention_gpu.py, one test at a time (every GPU)
+#   GROUP=ids      the test ids or paths in TESTS (space-separated)
 # Here, before the call: pip wheel --no-deps ./ejkernel-* -w .whl (see benchmarks/RESULTS.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,7 +24,8 @@ case ${GROUP:-triton} in
   rest) tests=(tests/core tests/cuda tests/pallas tests/xla --ignore=$sweep); n=${N:-$((4 * gpus))} ;;
   sweep) tests=($sweep); n=${N:-$((2 * gpus))} ;;
   ring) tests=($ring); n=${N:-0} ;;
-  *) echo "GROUP: triton, rest, sweep or ring"; exit 2 ;;
+  ids) read -ra tests <<< "${TESTS:?TESTS: the test ids}"; n=${N:-$((4 * gpus))} ;;
+  *) echo "GROUP: triton, rest, sweep, ring or ids"; exit 2 ;;
 esac
 workers=(); [ "$n" -gt 0 ] && workers=(-n "$n") && export EJKERNEL_TEST_GPUS=$gpus
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu_tests.log"
@@ -33,5 +35,6 @@ echo "pytest rc $?" | tee -a "$OUT/gpu_tests.log"
 {
   cut -d' ' -f1 "$OUT/tests.txt" | sort | uniq -c
   grep -v "^passed\|^skipped" "$OUT/tests.txt"
+  [ -f "$OUT/tests.txt.failures" ] && grep "^E  " "$OUT/tests.txt.failures" | head -40
   echo "slowest:"; sort -k3 -t' ' -rn <(awk '{sub("s$","",$3); print $1, $2, $3}' "$OUT/tests.txt") | head -8
 } | tee -a "$OUT/gpu_tests.log"

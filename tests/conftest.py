@@ -112,7 +112,8 @@ def pytest_collection_modifyitems(config, items):
 
 #: A file each test's outcome is appended to as it ends (``outcome nodeid seconds [why]``), by
 #: the controlling process (pytest-xdist's workers report to it): what a run cut short by a
-#: time limit still tells (``benchmarks/gpu_tests.sh``).
+#: time limit still tells (``benchmarks/gpu_tests.sh``). A failure's whole report goes to the
+#: same path with ``.failures`` appended.
 _OUTCOME_LOG = "EJKERNEL_TEST_LOG"
 
 
@@ -125,6 +126,10 @@ def pytest_runtest_logreport(report):
     ):
         return
     crash = getattr(report.longrepr, "reprcrash", None)
-    why = f" {crash.message.splitlines()[0][:200]}" if crash and report.failed else ""
+    why = ""
+    if crash and report.failed:
+        why = " " + " | ".join(line.strip() for line in crash.message.splitlines() if line.strip())
+        with open(f"{path}.failures", "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
     with open(path, "a") as f:
-        f.write(f"{report.outcome} {report.nodeid} {report.duration:.1f}s{why}\n")
+        f.write(f"{report.outcome} {report.nodeid} {report.duration:.1f}s{why[:400]}\n")
