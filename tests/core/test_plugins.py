@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import jax.numpy as jnp
 import pytest
@@ -93,6 +95,24 @@ def test_broken_plugin_warns_and_others_still_load(site):
     assert (
         status["broken"] == "failed" and status["raises"] == "failed" and status["good"] == "loaded"
     )
+
+
+def test_another_thread_waits_for_discovery_to_end(site):
+    # A thread asking for the registry while discovery runs gets it whole, not half filled.
+    slow = GOOD.format(name="late", priority=7).replace(
+        "def ejkernel_register(registry):",
+        "def ejkernel_register(registry):\n    started.set()\n    time.sleep(0.3)",
+    )
+    site("late", "late_plugin", "import threading, time\nstarted = threading.Event()\n" + slow)
+    discovering = threading.Thread(target=get_registry)
+    discovering.start()
+    for _ in range(500):
+        if "late_plugin" in sys.modules and sys.modules["late_plugin"].started.is_set():
+            break
+        time.sleep(0.01)
+    assert sys.modules["late_plugin"].started.is_set()
+    assert "late" in get_registry().platforms()
+    discovering.join()
 
 
 @pytest.mark.parametrize(

@@ -76,12 +76,15 @@ def test_cudnn_short_query_sees_the_whole_cache() -> None:
     check(*inputs(sq=2, sk=1000), grad=False)
 
 
-def test_a_single_query_is_declined_for_its_odd_length() -> None:
+@pytest.mark.parametrize(
+    ("causal", "why"), [(False, "even sequence lengths"), (True, "top-left aligned")]
+)
+def test_a_single_query_is_declined_for_its_odd_length_or_its_causal_mask(causal, why) -> None:
     q, k, v = inputs(sq=1, sk=1000)
-    record = ejkernel.explain("flash_attention", q, k, v, causal=True)
-    assert record.platform != "cuda" and "even sequence lengths" in record.rejected["cuda"]
-    out = ejkernel.flash_attention(q, k, v, causal=True)
-    assert_close(out, reference(q, k, v, causal=True))
+    record = ejkernel.explain("flash_attention", q, k, v, causal=causal)
+    assert record.platform != "cuda" and why in record.rejected["cuda"], record.rejected
+    out = ejkernel.flash_attention(q, k, v, causal=causal)
+    assert_close(out, reference(q, k, v, causal=causal))
 
 
 def test_cudnn_bias_and_mask_with_a_fully_masked_row() -> None:

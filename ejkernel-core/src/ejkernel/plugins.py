@@ -83,6 +83,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.registry: Registry | None = None
+        self.loading: Registry | None = None  # while discovery runs (under ``lock``)
         self.pm: pluggy.PluginManager | None = None
         self.infos: dict[str, PluginInfo] = {}
 
@@ -97,18 +98,29 @@ def _new_manager() -> pluggy.PluginManager:
 
 
 def get_registry() -> Registry:
-    """The process-wide registry, discovering plugins on first use."""
+    """The process-wide registry, discovering plugins on first use.
+
+    Other threads see it only once discovery has ended (they wait for it); a plugin's hook that
+    asks for it during discovery gets the registry being filled.
+    """
     reg = _state.registry
     if reg is not None:
         return reg
     with _state.lock:
-        if _state.registry is None:
-            _state.pm = _new_manager()
-            registry = Registry(builtin_spec(name) for name in builtin_ops())
-            _state.registry = registry
+        if _state.registry is not None:
+            return _state.registry
+        if _state.loading is not None:  # re-entered from a plugin's hook, on this thread
+            return _state.loading
+        _state.pm = _new_manager()
+        registry = Registry(builtin_spec(name) for name in builtin_ops())
+        _state.loading = registry
+        try:
             if _env.plugins_autoload():
                 _load_entry_points(registry)
-        return _state.registry
+        finally:
+            _state.loading = None
+        _state.registry = registry
+        return registry
 
 
 def plugin_infos() -> list[PluginInfo]:
@@ -124,6 +136,7 @@ def reset() -> None:
     """
     with _state.lock:
         _state.registry = None
+        _state.loading = None
         _state.pm = None
         _state.infos = {}
 

@@ -29,7 +29,15 @@ def check_lse_step(platform: str, cfg: Any = None, *, batch: int = 1, seed: int 
         cfg: its config for both passes (``None``: its heuristic's).
         batch: batch size.
         seed: the inputs' key.
+
+    The XLA step and the reference run at float32 matmul precision ``highest`` (a GPU's
+    default is TF32, a thousandth off).
     """
+    with jax.default_matmul_precision("highest"):
+        _check_lse_step(platform, cfg, batch=batch, seed=seed)
+
+
+def _check_lse_step(platform: str, cfg: Any, *, batch: int, seed: int) -> None:
     from ejkernel.plugins import flash_attention_lse_step
     from ejkernel.specs.flash_attention import flash_attention_reference
 
