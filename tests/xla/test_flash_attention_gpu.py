@@ -31,11 +31,11 @@ def test_xla_flash_attention_runs_at_16k_where_dense_xla_attention_does_not_fit(
     ours = _fwd_bwd(
         lambda q, k, v: ejkernel.flash_attention(q, k, v, causal=causal, platform="xla")
     )
-    # Dense attention holds at least the [B, H, S, S] scores (bf16: 8 GiB here); compiling it
-    # would autotune at that size too, on a GPU other test processes share.
-    scores_bytes = q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * q.dtype.itemsize
+    # Dense XLA attention holds at least the [B, H, S, S] float32 scores (16 GiB here: its
+    # compile autotunes at that size, too much for a GPU other test processes share).
+    scores_bytes = q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * 4
     ours_bytes = ours.lower(q, k, v, do).compile().memory_analysis().temp_size_in_bytes
-    assert ours_bytes * 10 < scores_bytes, (ours_bytes, scores_bytes)
+    assert ours_bytes * 8 < scores_bytes, (ours_bytes, scores_bytes)
     out, (dq, dk, dv) = jax.block_until_ready(ours(q, k, v, do))
     ref = flash_attention_reference(
         *(x[:, :, :1].astype(jnp.float32) for x in (q, k, v)), causal=causal
