@@ -6,6 +6,7 @@ laid out chunk-aligned, and where each sequence's state starts and ends.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -61,15 +62,13 @@ class Plan:
     @classmethod
     def of(cls, a: dict[str, Any], st: LinearStatics) -> Plan:
         s, c = a["query"].shape[1], st.chunk
+        plan = functools.partial(cls, seq=s, chunk=c, reverse=st.reverse)  # both layouts' fields
         cu = a.get("cu_seqlens")
         if cu is None:
             n = -(-s // c)
             idx = jnp.arange(n)
-            return cls(
-                seq=s,
-                chunk=c,
+            return plan(
                 num_chunks=n,
-                reverse=st.reverse,
                 packed=False,
                 sid=jnp.zeros(n, jnp.int32),
                 reset=idx == 0,
@@ -103,11 +102,8 @@ class Plan:
         token_valid = (tok >= cu[0]) & (tok_sid < m)
         tok_sid = jnp.minimum(tok_sid, m - 1)
         token_slot = jnp.clip(off[tok_sid] * c + tok - cu[tok_sid], 0, n * c - 1)
-        return cls(
-            seq=s,
-            chunk=c,
+        return plan(
             num_chunks=n,
-            reverse=st.reverse,
             packed=True,
             slot_token=slot_token,
             slot_valid=slot_valid,
