@@ -11,7 +11,9 @@ The platform is available on NVIDIA GPUs (``ejkernel_cuda._device:available``). 
 implementation's ``supports()`` declines, with the reason, what it cannot run: shapes and
 features outside cuDNN's, and for the native kernels a missing nvcc or a failed build (the
 compiler's message). Priorities sit above the XLA fallback, so a GPU picks this platform
-where it can run. ``ejkernel build cuda`` builds the native kernels ahead of time through
+where it can run; the native decode kernels sit below the Triton serving kernels, which read
+the cache faster at large batches and long contexts (``benchmarks/RESULTS.md``), and lead
+where ejkernel-triton is not installed or a shipped table measured them faster. ``ejkernel build cuda`` builds the native kernels ahead of time through
 :func:`ejkernel_build`.
 """
 
@@ -26,6 +28,11 @@ PLATFORM = "cuda"
 
 #: Priority of the CUDA implementations (the XLA fallback registers 0).
 PRIORITY = 200
+
+#: Priority of the native decode kernels: above the XLA fallback, below the Triton plugin's
+#: serving kernels (20).
+DECODE_PRIORITY = 10
+DECODE_OPS = frozenset({"ragged_decode_attention", "page_attention"})
 
 #: Every op this plugin implements, each in ``ejkernel_cuda.ops.<op>``, registered with
 #: ``registry.register_module`` (core finds ``<op>_cuda``, its config class if any,
@@ -53,8 +60,9 @@ def ejkernel_register(registry: Any) -> None:
     )
     registry.add_shipped_table("ejkernel_cuda:shipped")
     for op in OPS:
+        priority = DECODE_PRIORITY if op in DECODE_OPS else PRIORITY
         registry.register_module(
-            op, f"ejkernel_cuda.ops.{op}", platform=PLATFORM, backend="gpu", priority=PRIORITY
+            op, f"ejkernel_cuda.ops.{op}", platform=PLATFORM, backend="gpu", priority=priority
         )
 
 

@@ -7,7 +7,8 @@ finds ``flash_attention_triton``, ``FlashAttentionConfig``, ``heuristic``, ``con
 ``page_attention``, ``prefill_page_attention``, ``ragged_decode_attention``,
 ``ragged_page_attention_v3``) share one kernel
 (``ejkernel_triton.ops.unified_attention``); each op's module maps its arguments onto it. On
-an NVIDIA GPU the CUDA plugin's decode (priority 200) stays first for ``page_attention``.
+an NVIDIA GPU they come before the CUDA plugin's native decode kernels (priority 10) unless a
+shipped table measured those faster.
 
 The platform is available on a CUDA or ROCm GPU when jax-triton imports, and on a CPU when
 ``EJKERNEL_INTERPRET=1`` asks for Triton's interpreter; otherwise ``ejkernel info`` and every

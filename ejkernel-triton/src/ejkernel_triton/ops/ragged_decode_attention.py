@@ -6,7 +6,8 @@ its page ``b`` (the table is ``arange(B)[:, None]``; no copy of the cache): row 
 sequence of ``kv_len = end`` keys whose one query sits at ``end - 1``, and ``sequence_start``
 bounds its keys from below. :func:`ejkernel_triton.ops.unified_attention.paged_attention`
 runs it in its decode mode (one program per row and KV head; split-K where the batch does not
-fill the GPU). The CUDA plugin's decode ranks above this on NVIDIA GPUs where it serves.
+fill the GPU). It ranks above the CUDA plugin's native decode unless a shipped table measured
+that faster.
 """
 
 from __future__ import annotations
