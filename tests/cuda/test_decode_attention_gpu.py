@@ -132,8 +132,11 @@ def test_ragged_any_split_count_gives_the_same_result(splits: int) -> None:
 
 
 def _default_platform(op: str, record: Any) -> str:
-    """The platform the default call should take: the Triton serving kernels where they are
-    installed and serve (above the native decode), else this plugin's."""
+    """The platform the default call should take: a shipped table's measured choice, else the
+    Triton serving kernels where they are installed and serve (above the native decode), else
+    this plugin's."""
+    if record.reason.startswith("shipped table"):
+        return str(record.platform)
     installed = {i.platform for i in get_registry().implementations(op)}
     return "triton" if "triton" in installed and "triton" not in record.rejected else "cuda"
 
