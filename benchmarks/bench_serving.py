@@ -180,6 +180,21 @@ def _ours(c: dict[str, Any], platform: str | None, **scales: Any) -> tuple[Any, 
     return fn, (c["q"], c["kc"], c["vc"], c["lens"], c["table"], c["qsl"])
 
 
+def _chosen(c: dict[str, Any], **scales: Any) -> str:
+    """What the default call of :func:`_ours` runs: platform, config and where it came from."""
+    decode = c["q"].shape[0] == c["lens"].shape[0]
+    args = (c["q"], c["kc"], c["vc"], c["lens"], c["table"])
+    try:
+        if decode:
+            rec = ejkernel.explain("page_attention", *args, **scales)
+        else:
+            n = c["lens"].shape[0]
+            rec = ejkernel.explain("ragged_page_attention", *args, c["qsl"], n, **scales)
+    except Exception as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+    return f"{rec.platform} ({rec.reason}; {rec.source}) {rec.config}"
+
+
 def _anchor(c: dict[str, Any], name: str) -> tuple[Any, tuple]:
     """A decode batch's anchor on the same inputs: cuDNN decode on a dense cache (one query
     token), or JAX's Pallas GPU kernels, paged (``[Hkv, pages, page, D]`` caches) and dense."""
@@ -234,6 +249,7 @@ def serving(platforms: list[str], quick: bool, anchors: bool) -> None:
     )
     print("\n| case | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
+    chosen: list[str] = []
     for name, kv_lens, q_lens in serving_cases(quick):
         rng = np.random.default_rng(1)
         max_pages = max(-(-n // page) for n in kv_lens)
@@ -260,12 +276,16 @@ def serving(platforms: list[str], quick: bool, anchors: bool) -> None:
             f8 = {"kc": kc.astype(jnp.float8_e4m3fn), "vc": vc.astype(jnp.float8_e4m3fn)}
             scales = {"k_scale": 0.5, "v_scale": 0.5}
             cells.append(_cell(_ours, call | f8, None, nbytes=kv_bytes // 2, warm_s=warm, **scales))
+            chosen.append(f"- {name}, fp8 cache: {_chosen(call | f8, **scales)}")
             for anchor in ("cuDNN", "pallas paged", "pallas decode"):
                 decode = all(n == 1 for n in q_lens)
                 cells.append(
                     _cell(_anchor, call, anchor, nbytes=kv_bytes, warm_s=warm) if decode else ""
                 )
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        if "default" in platforms:
+            chosen.append(f"- {name}: {_chosen(call)}")
+    print("\nChosen by the default call (after the timed calls):\n" + "\n".join(sorted(chosen)))
     if anchors:
         prefill_chunk(quick)
 
