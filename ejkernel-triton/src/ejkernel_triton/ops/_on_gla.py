@@ -1,5 +1,5 @@
 """What the ops that run on the gla kernels (recurrent, lightning_attention) share: gla's
-argument dict for a key gate, gla's limits, and the config a call runs with."""
+argument dict for a key gate, gla's limits, and the config a call runs with (gla's own too)."""
 
 from __future__ import annotations
 

@@ -23,18 +23,17 @@ float16 and float32 with head dims up to 256; ``jit``, ``grad`` and ``vmap`` com
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ejkernel.attention_semantics import Geometry
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, BROADCAST, pow2
+from ejkernel_triton.ops import flash_attention as flash
 from ejkernel_triton.ops.blocksparse_attention_config import (
     BlocksparseAttentionConfig,
     config_space,
@@ -42,12 +41,7 @@ from ejkernel_triton.ops.blocksparse_attention_config import (
     kernel_blocks,
     supports,
 )
-from ejkernel_triton.ops.flash_attention import (
-    _Arrays,
-    _broadcast_strides,
-    _pow2_factor,
-    _strides,
-)
+from ejkernel_triton.ops.flash_attention import _Arrays, _Options
 from ejkernel_triton.ops.flash_attention_config import bwd_launch_params, fit_stages, fwd_smem
 
 __all__ = [
@@ -96,11 +90,7 @@ def _blocksparse_bwd(
     **statics: Any,
 ) -> dict[str, jax.Array | None]:
     """Backward: gradients of query, key, value and bias (in its own shape)."""
-    arrays: _Arrays = residuals["arrays"]
-    out, lse = residuals["out"], residuals["lse"]
-    # A row that sees a NaN or Inf key has a NaN lse (the forward cleans only V): as +inf its
-    # probabilities are all 0, never NaN at its hidden entries, whose keys other rows may own.
-    lse = jnp.where(jnp.isnan(lse), jnp.inf, lse)
+    arrays, out, lse = flash._grad_inputs(residuals)
     st = _Statics.of(arrays, cfg, **_static_args(statics))
     modes = (*arrays.modes(), BROADCAST, BATCH, BATCH, BATCH)
     call = _backward_call(st, modes)
@@ -112,27 +102,17 @@ defvjp(blocksparse_attention_triton, _blocksparse_fwd, _blocksparse_bwd)
 
 
 def _static_args(args: dict[str, Any]) -> dict[str, Any]:
-    """The call's options the kernels take as scalars and constexprs (spec defaults filled)."""
-    return {
-        "block_size": tuple(args["block_size"]),
-        "softmax_scale": args.get("softmax_scale"),
-        "causal": bool(args.get("causal", False)),
-        "sliding_window": args.get("sliding_window"),
-        "logits_soft_cap": args.get("logits_soft_cap"),
-    }
+    """The call's options the kernels take as scalars and constexprs (spec defaults filled):
+    flash attention's and the mask's ``block_size``."""
+    return {"block_size": tuple(args["block_size"]), **flash._static_args(args)}
 
 
 @attrs.frozen
-class _Statics:
+class _Statics(_Options):
     """What the kernels take as scalars and constexprs: the call's options, the mask's blocks
     and the config's tiles (as :func:`kernel_blocks` fits them to the blocks)."""
 
     block_size: tuple[int, int]
-    sm_scale: float
-    soft_cap: float | None
-    causal: bool
-    window: tuple[int, int] | None
-    precision: str
     cfg: BlocksparseAttentionConfig
 
     @classmethod
@@ -142,24 +122,17 @@ class _Statics:
         cfg: BlocksparseAttentionConfig | None,
         *,
         block_size: tuple[int, int],
-        softmax_scale: float | None,
-        causal: bool,
-        sliding_window: tuple[int, int] | None,
-        logits_soft_cap: float | None,
+        **options: Any,
     ) -> _Statics:
-        query = arrays.query
+        """From the arrays, the config (``None``: the heuristic's), the mask's ``block_size``
+        and flash attention's ``options`` (:meth:`_Options.fields`)."""
         if cfg is None:
-            kwargs = {"query": query, "key": arrays.key, "value": arrays.value}
+            kwargs = {"query": arrays.query, "key": arrays.key, "value": arrays.value}
             kwargs.update(block_size=block_size, bias=arrays.bias, attention_mask=arrays.mask)
             cfg = heuristic(_Inv(kwargs))
-        scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         return cls(
+            **_Options.fields(arrays.query, **options),
             block_size=(int(block_size[0]), int(block_size[1])),
-            sm_scale=scale,
-            soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-            causal=causal,
-            window=None if sliding_window is None else tuple(int(w) for w in sliding_window),
-            precision="ieee" if query.dtype == jnp.float32 else "tf32",
             cfg=cfg,
         )
 
@@ -227,31 +200,37 @@ def _list_strides(index: jax.Array, counts: jax.Array) -> list[int]:
 
 
 def _common(
-    st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, qseg: Any
+    st: _Statics, q: jax.Array, v: jax.Array, bias: jax.Array, mask: jax.Array, qseg: jax.Array
 ) -> tuple[list[Any], dict[str, Any]]:
-    """Scalars shared by the kernels (before ``num_blocks``) and their constexprs."""
-    _, sq, hq, d = q.shape
-    _, sk, hkv, dv = v.shape
-    left, right = st.window or (0, 0)
-    scalars = [np.float32(st.sm_scale), np.float32(st.soft_cap or 1.0), sq, sk, hq, hkv]
-    scalars += [left, right]
-    constexprs = {
-        "HEAD_DIM": d,
-        "HEAD_DIM_V": dv,
-        "BLOCK_D": pow2(d),
-        "BLOCK_DV": pow2(dv),
-        "BQ": st.block_size[0],
-        "BK": st.block_size[1],
-        "CAUSAL": st.causal,
-        "WINDOW": st.window is not None,
-        "SOFT_CAP": st.soft_cap is not None,
-        "HAS_BIAS": bias.ndim == 4,
-        "HAS_MASK": mask.ndim == 4,
-        "HAS_SEG": qseg.ndim == 2,
-        "DOT_PRECISION": st.precision,
-        "ALIGN": _pow2_factor(math.gcd(d, dv), 16),
-    }
+    """Scalars shared by the kernels (before ``num_blocks``) and their constexprs: flash
+    attention's, with the mask's block size."""
+    scalars, constexprs = flash._common(st, q, v, bias, mask, qseg)
+    constexprs.update(BQ=st.block_size[0], BK=st.block_size[1])
     return scalars, constexprs
+
+
+def _launch_args(
+    arrays: tuple[jax.Array, ...],
+    lists: tuple[jax.Array, jax.Array],
+    rows: tuple[jax.Array, ...],
+    scalars: list[Any],
+    align: int,
+) -> tuple[Any, ...]:
+    """Both kernels' arguments, in order: ``arrays`` (Q, K, V, bias, mask and the segment ids),
+    the block lists, ``rows`` (the backward's dO, lse and out or delta; none in the forward),
+    the scalars, the lists' length, then the lists' and the arrays' strides."""
+    q, k, v, bias, mask, _, _ = arrays
+    index, counts = lists
+    return (
+        *arrays,
+        index,
+        counts,
+        *rows,
+        *scalars,
+        index.shape[-1],
+        *_list_strides(index, counts),
+        *flash._layout_strides(align, q, k, v, bias, mask),
+    )
 
 
 def _geometry(st: _Statics, q: jax.Array, k: jax.Array) -> Geometry:
@@ -269,32 +248,17 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         del aux
         b, sq, hq, _ = q.shape
         dv = v.shape[-1]
-        align = _pow2_factor(math.gcd(q.shape[-1], dv), 16)
-        scalars, constexprs = _common(st, q, k, v, bias, mask, qseg)
-        index, counts = block_lists(block_mask, st.block_size, _geometry(st, q, k))
+        scalars, constexprs = _common(st, q, v, bias, mask, qseg)
+        lists = block_lists(block_mask, st.block_size, _geometry(st, q, k))
+        index = lists[0]
         bm, bn = kernel_blocks(st.cfg.fwd_params, st.block_size, 64, 64)
         plain = not any(constexprs[f] for f in ("SOFT_CAP", "HAS_BIAS", "HAS_MASK", "HAS_SEG"))
         p = st.cfg.fwd_params
         out, lse = _launch.launch(
             blocksparse_attention_fwd_kernel,
-            q,
-            k,
-            v,
-            bias,
-            mask,
-            qseg,
-            kseg,
-            index,
-            counts,
-            *scalars,
-            index.shape[-1],
-            *_list_strides(index, counts),
-            *_strides(q.shape, align),
-            *_strides(k.shape, align),
-            *_strides(v.shape, align),
-            *_strides((b, sq, hq, dv), align),
-            *_broadcast_strides(bias),
-            *_broadcast_strides(mask),
+            *_launch_args(
+                (q, k, v, bias, mask, qseg, kseg), lists, (), scalars, constexprs["ALIGN"]
+            ),
             out_shape=[
                 jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
@@ -331,36 +295,16 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         do = do.astype(q.dtype)
         b, sq, hq, _ = q.shape
         _, sk, hkv, _ = k.shape
-        align = _pow2_factor(math.gcd(q.shape[-1], v.shape[-1]), 16)
-        scalars, constexprs = _common(st, q, k, v, bias, mask, qseg)
+        scalars, constexprs = _common(st, q, v, bias, mask, qseg)
         geometry = _geometry(st, q, k)
 
         def launch(kernel, lists, rows, params, blocks, step, own, out_shape, grid, **extra):
-            index, counts = lists
             dkdv = kernel is blocksparse_attention_bwd_dkdv_kernel
+            arrays = (q, k, v, bias, mask, qseg, kseg)
+            args = _launch_args(arrays, lists, (do, lse, rows), scalars, constexprs["ALIGN"])
             return _launch.launch(
                 kernel,
-                q,
-                k,
-                v,
-                bias,
-                mask,
-                qseg,
-                kseg,
-                index,
-                counts,
-                do,
-                lse,
-                rows,
-                *scalars,
-                index.shape[-1],
-                *_list_strides(index, counts),
-                *_strides(q.shape, align),
-                *_strides(k.shape, align),
-                *_strides(v.shape, align),
-                *_strides(do.shape, align),
-                *_broadcast_strides(bias),
-                *_broadcast_strides(mask),
+                *args,
                 out_shape=out_shape,
                 grid=grid,
                 **bwd_launch_params(params, step, own, q, v, bias, mask, dkdv=dkdv),

@@ -127,11 +127,7 @@ def _flash_attention_bwd(
 ) -> dict[str, jax.Array | None]:
     """Backward: gradients of query, key, value, bias (its own shape) and softmax_aux;
     ``statics``: the call's static arguments, by name."""
-    arrays: _Arrays = residuals["arrays"]
-    out, lse = residuals["out"], residuals["lse"]
-    # A row that sees a NaN or Inf key has a NaN lse (the forward cleans only V): as +inf its
-    # probabilities are all 0, never NaN at its hidden entries, whose keys other rows may own.
-    lse = jnp.where(jnp.isnan(lse), jnp.inf, lse)
+    arrays, out, lse = _grad_inputs(residuals)
     st = _Statics.of(arrays, cfg, "bwd", **_static_args(statics))
     call = _backward_call(st, arrays.modes())
     dq, dk, dv, dbias, delta = call(*arrays.launch_args(), d_out, lse, out)
@@ -142,6 +138,16 @@ def _flash_attention_bwd(
 
 
 defvjp(flash_attention_triton, _flash_attention_fwd, _flash_attention_bwd)
+
+
+def _grad_inputs(residuals: dict[str, Any]) -> tuple[_Arrays, jax.Array, jax.Array]:
+    """The forward's ``(arrays, out, lse)`` from its residuals, a NaN lse read as +inf.
+
+    A row that sees a NaN or Inf key has a NaN lse (the forward cleans only V): as +inf its
+    probabilities are all 0, never NaN at its hidden entries, whose keys other rows may own.
+    """
+    lse = residuals["lse"]
+    return residuals["arrays"], residuals["out"], jnp.where(jnp.isnan(lse), jnp.inf, lse)
 
 
 def _flash_attention_lse_fwd(
@@ -177,28 +183,53 @@ deflse(flash_attention_triton, _flash_attention_lse_fwd, _flash_attention_lse_bw
 
 
 @attrs.frozen
-class _Statics:
-    """What the kernels take as scalars and constexprs, from the call and its config (the
-    variants checked against the call, the params resolved by the variants)."""
+class _Options:
+    """The call's options that every kernel of this argument layout takes (:func:`_common`)."""
 
     sm_scale: float
     soft_cap: float | None
     causal: bool
     window: tuple[int, int] | None
-    fwd: FwdParams
-    bwd: Any
-    dq: FwdParams
     precision: str
-    fwd_variant: str
-    bwd_variant: str
-    fwd_head_group: int
-    bwd_head_group: int
-    scale_in_exponent: bool
 
     def scale_and_cap(self) -> tuple[np.float32, np.float32]:
         """The first two scalars of every kernel: the softmax scale and the soft cap (1 when
         there is none), as np.float32 (jax-triton would pass a Python float as fp64)."""
         return np.float32(self.sm_scale), np.float32(self.soft_cap or 1.0)
+
+    @staticmethod
+    def fields(
+        query: jax.Array,
+        *,
+        softmax_scale: float | None,
+        causal: bool,
+        sliding_window: tuple[int, int] | None,
+        logits_soft_cap: float | None,
+    ) -> dict[str, Any]:
+        """The options' fields, by name, from the query and the call's options."""
+        scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        return {
+            "sm_scale": scale,
+            "soft_cap": None if logits_soft_cap is None else float(logits_soft_cap),
+            "causal": bool(causal),
+            "window": None if sliding_window is None else tuple(int(w) for w in sliding_window),
+            "precision": "ieee" if query.dtype == jnp.float32 else "tf32",
+        }
+
+
+@attrs.frozen
+class _Statics(_Options):
+    """What the kernels take as scalars and constexprs, from the call and its config (the
+    variants checked against the call, the params resolved by the variants)."""
+
+    fwd: FwdParams
+    bwd: Any
+    dq: FwdParams
+    fwd_variant: str
+    bwd_variant: str
+    fwd_head_group: int
+    bwd_head_group: int
+    scale_in_exponent: bool
 
     @classmethod
     def of(
@@ -246,14 +277,10 @@ class _Statics:
             )
         dq_variant = "warp_specialized" if cfg.bwd_variant == "warp_specialized" else "usual"
         return cls(
-            sm_scale=call.scale,
-            soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-            causal=bool(causal),
-            window=None if sliding_window is None else tuple(int(w) for w in sliding_window),
+            **_Options.fields(query, **_static_args(kwargs)),
             fwd=resolve("fwd", cfg.fwd_variant, cfg.fwd_params, interp)[0],
             bwd=resolve("bwd", cfg.bwd_variant, cfg.bwd_params, interp)[0],
             dq=resolve("dq", dq_variant, dq, interp)[0],
-            precision="ieee" if query.dtype == jnp.float32 else "tf32",
             fwd_variant=cfg.fwd_variant,
             bwd_variant=cfg.bwd_variant,
             fwd_head_group=cfg.fwd_head_group,
@@ -388,8 +415,24 @@ def _broadcast_strides(x: jax.Array) -> list[int]:
     return strides[::-1]
 
 
+def _layout_strides(
+    align: int, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, mask: jax.Array
+) -> list[int]:
+    """The strides the usual kernels (and blocksparse attention's) take after their scalars:
+    those of Q, K, V and the output (and dO, of the output's shape ``[B, Sq, Hq, Dv]``) in
+    units of ``align``, then the bias's and the mask's."""
+    return [
+        *_strides(q.shape, align),
+        *_strides(k.shape, align),
+        *_strides(v.shape, align),
+        *_strides((*q.shape[:3], v.shape[-1]), align),
+        *_broadcast_strides(bias),
+        *_broadcast_strides(mask),
+    ]
+
+
 def _common(
-    st: _Statics, q: jax.Array, v: jax.Array, bias: jax.Array, mask: jax.Array, qseg: jax.Array
+    st: _Options, q: jax.Array, v: jax.Array, bias: jax.Array, mask: jax.Array, qseg: jax.Array
 ) -> tuple[list[Any], dict[str, Any]]:
     """Scalars shared by the kernels (after the arrays) and their constexprs."""
     _, sq, hq, d = q.shape
@@ -461,12 +504,7 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
             aux,
             *scalars,
             num_aux,
-            *_strides(q.shape, constexprs["ALIGN"]),
-            *_strides(k.shape, constexprs["ALIGN"]),
-            *_strides(v.shape, constexprs["ALIGN"]),
-            *_strides((b, sq, hq, dv), constexprs["ALIGN"]),
-            *_broadcast_strides(bias),
-            *_broadcast_strides(mask),
+            *_layout_strides(constexprs["ALIGN"], q, k, v, bias, mask),
             out_shape=[
                 jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
@@ -526,12 +564,7 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
                 lse,
                 rows,
                 *scalars,
-                *_strides(q.shape, constexprs["ALIGN"]),
-                *_strides(k.shape, constexprs["ALIGN"]),
-                *_strides(v.shape, constexprs["ALIGN"]),
-                *_strides(do.shape, constexprs["ALIGN"]),
-                *_broadcast_strides(bias),
-                *_broadcast_strides(mask),
+                *_layout_strides(constexprs["ALIGN"], q, k, v, bias, mask),
             )
 
         def launch(kernel, rows, params, step, own, out_shape, grid, **extra):

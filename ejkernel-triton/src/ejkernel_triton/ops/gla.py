@@ -50,7 +50,7 @@ import numpy as np
 
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
-from ejkernel_triton.ops import _chunked
+from ejkernel_triton.ops import _chunked, _on_gla
 from ejkernel_triton.ops.gla_config import (
     SUB_CHUNK,
     GlaConfig,
@@ -94,8 +94,7 @@ def gla_triton(*, cfg: GlaConfig | None = None, **args: Any) -> Any:
         ``out [B, S, H, V]`` in the query dtype, or ``(out, final_state [N, H, K, V] float32)``
         when ``return_state``.
     """
-    if cfg is None:
-        cfg = heuristic(_Inv(args))
+    cfg = _on_gla.config(cfg, args)
     if cfg.fused:
         return fused_gla(args, cfg, args["g"])
     return _gla_fwd(cfg=cfg, **args)[0]
@@ -124,15 +123,9 @@ class _Statics(_chunked.Statics):
 
     @classmethod
     def of(cls, args: dict[str, Any], cfg: GlaConfig | None) -> _Statics:
-        if cfg is None:
-            cfg = heuristic(_Inv(args))
+        cfg = _on_gla.config(cfg, args)
         bk, bv = cfg.blocks(args["query"].shape[-1], args["value"].shape[-1])
         return cls(block_k=bk, block_v=bv, **_chunked.call_statics(args, cfg))
-
-
-@attrs.frozen
-class _Inv:
-    kwargs: dict[str, Any]
 
 
 # -- forward --------------------------------------------------------------------------------
@@ -177,7 +170,6 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
         b, t, h, dk = q.shape
         dv = v.shape[-1]
         c = st.chunk
-        tiles = _tiles(st, dk, dv)
         (g,) = _launch.launch(
             gla_fwd_cumsum_kernel,
             gates,
@@ -192,23 +184,8 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
             num_warps=st.num_warps,
             num_stages=1,
         )
-        hs, final_rows = _launch.launch(
-            gla_fwd_h_kernel,
-            k,
-            v,
-            g,
-            init_rows,
-            flags,
-            nt,
-            h,
-            init_rows.shape[0] // b,
-            out_shape=[
-                jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
-                jax.ShapeDtypeStruct(init_rows.shape, jnp.float32),
-            ],
-            grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
-            **tiles,
-        )
+        walk = (k, v, g, init_rows, flags)
+        hs, final_rows = _state_walk(st, gla_fwd_h_kernel, walk, init_rows, q, nt, dv)
         (amat,) = _launch.launch(
             gla_fwd_a_kernel,
             q,
@@ -233,7 +210,7 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
             h,
             out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype)],
             grid=(_cdiv(dv, st.block_v), nt, b * h),
-            **tiles,
+            **_tiles(st, dk, dv),
         )
         return g, hs, final_rows, amat, o
 
@@ -252,6 +229,41 @@ def _tiles(st: _Statics, dk: int, dv: int) -> dict[str, Any]:
     """:func:`_common` and the chunk tiling of a launch over both K and V: the head sizes
     ``K``/``V``, the chunk ``C`` and the ``BK``/``BV`` blocks."""
     return {"K": dk, "V": dv, "C": st.chunk, "BK": st.block_k, "BV": st.block_v, **_common(st)}
+
+
+def _state_walk(
+    st: _Statics,
+    kernel: Any,
+    args: tuple[Any, ...],
+    rows: jax.Array,
+    q: jax.Array,
+    nt: int,
+    dv: int,
+    extra_out: tuple[jax.ShapeDtypeStruct, ...] = (),
+) -> list[jax.Array]:
+    """Launch a walk of the state over the chunks (``gla_fwd_h`` or ``gla_bwd_dh``).
+
+    One program per (K block, V block, batch·head) takes ``args``, then the chunk count, the
+    heads and the sequences per batch row (``rows``: the float32 per-sequence states the walk
+    starts from, one row per sequence). The outputs are the per-chunk states
+    ``[B, H, NT, K, V]`` in the query dtype, the per-sequence states it ends with (shaped as
+    ``rows``), then ``extra_out``.
+    """
+    b, _, h, dk = q.shape
+    return _launch.launch(
+        kernel,
+        *args,
+        nt,
+        h,
+        rows.shape[0] // b,
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
+            jax.ShapeDtypeStruct(rows.shape, jnp.float32),
+            *extra_out,
+        ],
+        grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
+        **_tiles(st, dk, dv),
+    )
 
 
 def _sub_chunks(st: _Statics, dk: int) -> dict[str, Any]:
@@ -339,26 +351,10 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
         scale = np.float32(st.scale)
         tokens = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
         nv = _cdiv(dv, st.block_v)
-        dh, dinit_rows, d_end = _launch.launch(
-            gla_bwd_dh_kernel,
-            q,
-            g,
-            do,
-            hs,
-            final_rows,
-            dfinal_rows,
-            flags,
-            scale,
-            nt,
-            h,
-            dfinal_rows.shape[0] // b,
-            out_shape=[
-                jax.ShapeDtypeStruct((b, h, nt, dk, dv), q.dtype),
-                jax.ShapeDtypeStruct(dfinal_rows.shape, jnp.float32),
-                jax.ShapeDtypeStruct((b, h, nt, nv, dk), jnp.float32),
-            ],
-            grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
-            **tiles,
+        walk = (q, g, do, hs, final_rows, dfinal_rows, flags, scale)
+        d_end_shape = jax.ShapeDtypeStruct((b, h, nt, nv, dk), jnp.float32)
+        dh, dinit_rows, d_end = _state_walk(
+            st, gla_bwd_dh_kernel, walk, dfinal_rows, q, nt, dv, (d_end_shape,)
         )
         (da,) = _launch.launch(
             gla_bwd_da_kernel,
