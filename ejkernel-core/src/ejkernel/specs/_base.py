@@ -8,6 +8,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import typing
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
@@ -311,6 +312,12 @@ def synthetic_normals(
 def even_offsets(total: int, n: int) -> np.ndarray:
     """``[n + 1]`` offsets cutting ``total`` tokens into n nearly equal packed sequences."""
     return np.linspace(0, total, n + 1).round()
+
+
+def letter_shape(letters: str, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """The shape that OPS.md ``letters`` spell with ``sizes`` (letter -> size):
+    ``"[B, S, I]"`` is ``(sizes["B"], sizes["S"], sizes["I"])``."""
+    return tuple(sizes[letter] for letter in re.findall(r"\w+", letters))
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
