@@ -293,17 +293,21 @@ def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, A
 
 
 def synthetic_normals(
-    abstract: Mapping[str, Any], seed: int, adjust: Callable[[str, np.ndarray], np.ndarray]
+    abstract: Mapping[str, Any],
+    seed: int,
+    adjust: Mapping[str, Callable[[np.ndarray], np.ndarray]],
 ) -> dict[str, Any]:
     """Concrete inputs from standard normal float32 draws, one per array in order;
-    ``adjust(name, normal)`` turns an array's draw into a valid value of that argument (a
-    decay, offsets) or returns it. Statics pass unchanged."""
+    ``adjust[name](normal)`` turns the draw of an array named there into a valid value of that
+    argument (a decay, offsets); the other arrays keep their draws. Statics pass unchanged."""
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {}
     for name, value in abstract.items():
         if isinstance(value, jax.ShapeDtypeStruct):
             normal = normal_draw(rng, value.shape, np.float32)
-            out[name] = jax.numpy.asarray(adjust(name, normal), value.dtype)
+            if name in adjust:
+                normal = adjust[name](normal)
+            out[name] = jax.numpy.asarray(normal, value.dtype)
         else:
             out[name] = value
     return out
@@ -318,6 +322,12 @@ def letter_shape(letters: str, sizes: Mapping[str, int]) -> tuple[int, ...]:
     """The shape that OPS.md ``letters`` spell with ``sizes`` (letter -> size):
     ``"[B, S, I]"`` is ``(sizes["B"], sizes["S"], sizes["I"])``."""
     return tuple(sizes[letter] for letter in re.findall(r"\w+", letters))
+
+
+def even_cu_seqlens(abstract: Mapping[str, Any]) -> Callable[[np.ndarray], np.ndarray]:
+    """The :func:`synthetic_normals` transform of ``cu_seqlens`` ``[N + 1]``: offsets cutting
+    the query's tokens into N nearly equal packed sequences."""
+    return lambda normal: even_offsets(abstract["query"].shape[1], normal.shape[0] - 1)
 
 
 def shape_of(x: Any) -> tuple[int, ...]:

@@ -170,14 +170,8 @@ def check_state_space_arrays(
 
 def synthetic_state_space(abstract: Any, seed: int = 0) -> dict[str, Any]:
     """Valid inputs for autotuning a state-space op: ``A < 0``, positive steps ``dt``."""
-
-    def adjust(name: str, x: np.ndarray) -> np.ndarray:
-        if name == "A":
-            return -np.exp(0.5 * x)
-        if name in ("dt", "dt_bias"):
-            return 0.1 * np.logaddexp(0.0, x)  # small positive steps
-        return x
-
+    small_steps = lambda x: 0.1 * np.logaddexp(0.0, x)  # small positive steps
+    adjust = {"A": lambda x: -np.exp(0.5 * x), "dt": small_steps, "dt_bias": small_steps}
     return synthetic_normals(abstract, seed, adjust)
 
 
