@@ -8,6 +8,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import typing
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
@@ -292,17 +293,21 @@ def default_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, A
 
 
 def synthetic_normals(
-    abstract: Mapping[str, Any], seed: int, adjust: Callable[[str, np.ndarray], np.ndarray]
+    abstract: Mapping[str, Any],
+    seed: int,
+    adjust: Mapping[str, Callable[[np.ndarray], np.ndarray]],
 ) -> dict[str, Any]:
     """Concrete inputs from standard normal float32 draws, one per array in order;
-    ``adjust(name, normal)`` turns an array's draw into a valid value of that argument (a
-    decay, offsets) or returns it. Statics pass unchanged."""
+    ``adjust[name](normal)`` turns the draw of an array named there into a valid value of that
+    argument (a decay, offsets); the other arrays keep their draws. Statics pass unchanged."""
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {}
     for name, value in abstract.items():
         if isinstance(value, jax.ShapeDtypeStruct):
             normal = normal_draw(rng, value.shape, np.float32)
-            out[name] = jax.numpy.asarray(adjust(name, normal), value.dtype)
+            if name in adjust:
+                normal = adjust[name](normal)
+            out[name] = jax.numpy.asarray(normal, value.dtype)
         else:
             out[name] = value
     return out
@@ -311,6 +316,18 @@ def synthetic_normals(
 def even_offsets(total: int, n: int) -> np.ndarray:
     """``[n + 1]`` offsets cutting ``total`` tokens into n nearly equal packed sequences."""
     return np.linspace(0, total, n + 1).round()
+
+
+def letter_shape(letters: str, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """The shape that OPS.md ``letters`` spell with ``sizes`` (letter -> size):
+    ``"[B, S, I]"`` is ``(sizes["B"], sizes["S"], sizes["I"])``."""
+    return tuple(sizes[letter] for letter in re.findall(r"\w+", letters))
+
+
+def even_cu_seqlens(abstract: Mapping[str, Any]) -> Callable[[np.ndarray], np.ndarray]:
+    """The :func:`synthetic_normals` transform of ``cu_seqlens`` ``[N + 1]``: offsets cutting
+    the query's tokens into N nearly equal packed sequences."""
+    return lambda normal: even_offsets(abstract["query"].shape[1], normal.shape[0] - 1)
 
 
 def shape_of(x: Any) -> tuple[int, ...]:

@@ -141,13 +141,9 @@ def _output_dtype(op: str, preferred: Any, default: Any) -> str:
 
 def grouped_matmul_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     """Valid autotuning inputs: normal ``lhs``/``rhs`` and M spread evenly over the G groups."""
-
-    def adjust(name: str, x: np.ndarray) -> np.ndarray:
-        if name == "group_sizes":
-            return np.diff(even_offsets(abstract["lhs"].shape[0], x.shape[0]))
-        return x
-
-    return synthetic_normals(abstract, seed, adjust)
+    num_rows = abstract["lhs"].shape[0]
+    even_groups = lambda x: np.diff(even_offsets(num_rows, x.shape[0]))
+    return synthetic_normals(abstract, seed, {"group_sizes": even_groups})
 
 
 def grouped_matmul(

@@ -46,7 +46,7 @@ from ejkernel.specs._base import (
     check_flag,
     check_floating,
     check_softmax_scale,
-    even_offsets,
+    even_cu_seqlens,
     synthetic_normals,
 )
 from ejkernel.specs.recurrent import (
@@ -180,16 +180,11 @@ def validate_kernel_delta_attention(a: dict[str, Any]) -> dict[str, Any]:
 
 def synthetic_kernel_delta_attention(abstract: Any, seed: int = 0) -> dict[str, Any]:
     """Valid inputs for autotuning: decays ``g ≤ 0``, ``beta`` in (0, 1), evenly cut sequences."""
-
-    def adjust(name: str, x: np.ndarray) -> np.ndarray:
-        if name == "cu_seqlens":
-            return even_offsets(abstract["query"].shape[1], x.shape[0] - 1)
-        if name == "g":
-            return -np.logaddexp(0.0, x)  # -softplus: a decay in log space
-        if name == "beta":
-            return 1.0 / (1.0 + np.exp(-x))
-        return x
-
+    adjust = {
+        "cu_seqlens": even_cu_seqlens(abstract),
+        "g": lambda x: -np.logaddexp(0.0, x),  # -softplus: a decay in log space
+        "beta": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    }
     return synthetic_normals(abstract, seed, adjust)
 
 

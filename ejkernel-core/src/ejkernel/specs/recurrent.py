@@ -53,7 +53,7 @@ from ejkernel.specs._base import (
     check_flag,
     check_qkv,
     check_softmax_scale,
-    even_offsets,
+    even_cu_seqlens,
     is_floating,
     synthetic_normals,
 )
@@ -320,16 +320,12 @@ GATE_NAMES = ("g", "gk", "gv")
 def linear_synthetic(abstract: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     """Valid concrete inputs: normal q/k/v, decaying gates, evenly spread ``cu_seqlens``,
     positive ``slopes``."""
-
-    def adjust(name: str, x: np.ndarray) -> np.ndarray:
-        if name == "cu_seqlens":
-            return even_offsets(abstract["query"].shape[1], x.shape[0] - 1)
-        if name in GATE_NAMES:
-            return -np.logaddexp(0.0, -x)  # log-sigmoid
-        if name == "slopes":
-            return np.abs(x) + 0.01
-        return x
-
+    log_sigmoid = lambda x: -np.logaddexp(0.0, -x)
+    adjust = {
+        "cu_seqlens": even_cu_seqlens(abstract),
+        **dict.fromkeys(GATE_NAMES, log_sigmoid),
+        "slopes": lambda x: np.abs(x) + 0.01,
+    }
     return synthetic_normals(abstract, seed, adjust)
 
 

@@ -35,10 +35,12 @@ from ejkernel.specs._base import (
     check_array,
     check_flag,
     check_floating,
+    letter_shape,
     synthetic_normals,
 )
 
 __all__ = [
+    "LETTERS",
     "SPEC",
     "check_state_space_arrays",
     "decay_rate",
@@ -49,6 +51,19 @@ __all__ = [
 ]
 
 OP = "state_space_v1"
+
+#: Every array argument's shape in OPS.md letters.
+LETTERS = {
+    "x": "[B, S, I]",
+    "A": "[I, N]",
+    "B": "[B, S, N]",
+    "C": "[B, S, N]",
+    "D": "[I]",
+    "dt": "[B, S, I]",
+    "gate": "[B, S, I]",
+    "dt_bias": "[I]",
+    "initial_state": "[B, I, N]",
+}
 
 
 def state_space_v1_reference(
@@ -111,8 +126,8 @@ def validate_state_space_v1(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument of the selective scan. Raises ValueError/TypeError."""
     op = OP
     x, A = a["x"], a["A"]
-    check_array(op, "x", x, ndim=3, letters="[B, S, I]")
-    check_array(op, "A", A, ndim=2, letters="[I, N]")
+    check_array(op, "x", x, ndim=3, letters=LETTERS["x"])
+    check_array(op, "A", A, ndim=2, letters=LETTERS["A"])
     b, s, i = x.shape
     if min(s, i) == 0:
         raise ValueError(f"{op}: `x` must have non-empty S and I; got x.shape={tuple(x.shape)}")
@@ -120,35 +135,32 @@ def validate_state_space_v1(a: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"{op}: `A` must be [I, N] with I={i}, N >= 1; got A.shape={tuple(A.shape)}"
         )
-    n = A.shape[1]
-    shapes = {
-        "B": ("[B, S, N]", (b, s, n)),
-        "C": ("[B, S, N]", (b, s, n)),
-        "D": ("[I]", (i,)),
-        "dt": ("[B, S, I]", (b, s, i)),
-        "gate": ("[B, S, I]", (b, s, i)),
-        "dt_bias": ("[I]", (i,)),
-        "initial_state": ("[B, I, N]", (b, i, n)),
-    }
-    return check_state_space_arrays(op, a, ("x", "A"), shapes)
+    sizes = {"B": b, "S": s, "I": i, "N": A.shape[1]}
+    return check_state_space_arrays(op, a, LETTERS, sizes, checked=("x", "A"))
 
 
 def check_state_space_arrays(
-    op: str, a: dict[str, Any], checked: tuple[str, ...], shapes: dict[str, Any]
+    op: str,
+    a: dict[str, Any],
+    letters: dict[str, str],
+    sizes: dict[str, int],
+    *,
+    checked: tuple[str, ...],
 ) -> dict[str, Any]:
-    """The checks every state-space op shares: each array of ``shapes`` (name -> (letters,
-    shape)) given has that shape, every array is floating (``checked`` ones already have
-    their shapes checked), and ``dt_softplus``/``return_state`` are bools."""
-    for name in (*checked, *shapes):
+    """The checks every state-space op shares: each array of ``letters`` (name -> shape in
+    OPS.md letters) that is given is floating and, unless its shape is already ``checked``,
+    has the shape those letters spell with ``sizes``; ``dt_softplus``/``return_state`` are
+    bools."""
+    for name, spelled in letters.items():
         v = a.get(name)
         if v is None:
             continue
-        if name in shapes:
-            letters, want = shapes[name]
-            check_array(op, name, v, ndim=len(want), letters=letters)
+        if name not in checked:
+            want = letter_shape(spelled, sizes)
+            check_array(op, name, v, ndim=len(want), letters=spelled)
             if tuple(v.shape) != want:
                 raise ValueError(
-                    f"{op}: `{name}` must be {letters}={want}; got {name}.shape={tuple(v.shape)}"
+                    f"{op}: `{name}` must be {spelled}={want}; got {name}.shape={tuple(v.shape)}"
                 )
         check_floating(op, ((name, v),))
     for flag in ("dt_softplus", "return_state"):
@@ -158,14 +170,8 @@ def check_state_space_arrays(
 
 def synthetic_state_space(abstract: Any, seed: int = 0) -> dict[str, Any]:
     """Valid inputs for autotuning a state-space op: ``A < 0``, positive steps ``dt``."""
-
-    def adjust(name: str, x: np.ndarray) -> np.ndarray:
-        if name == "A":
-            return -np.exp(0.5 * x)
-        if name in ("dt", "dt_bias"):
-            return 0.1 * np.logaddexp(0.0, x)  # small positive steps
-        return x
-
+    small_steps = lambda x: 0.1 * np.logaddexp(0.0, x)  # small positive steps
+    adjust = {"A": lambda x: -np.exp(0.5 * x), "dt": small_steps, "dt_bias": small_steps}
     return synthetic_normals(abstract, seed, adjust)
 
 

@@ -39,6 +39,7 @@ from ejkernel.specs.state_space_v1 import (
 )
 
 __all__ = [
+    "LETTERS",
     "SPEC",
     "state_space_v2",
     "state_space_v2_reference",
@@ -46,6 +47,19 @@ __all__ = [
 ]
 
 OP = "state_space_v2"
+
+#: Every array argument's shape in OPS.md letters.
+LETTERS = {
+    "x": "[B, S, H, P]",
+    "A": "[H]",
+    "B": "[B, S, G, N]",
+    "C": "[B, S, G, N]",
+    "D": "[H]",
+    "dt": "[B, S, H]",
+    "gate": "[B, S, H, P]",
+    "dt_bias": "[H]",
+    "initial_state": "[B, H, P, N]",
+}
 
 
 def state_space_v2_reference(
@@ -92,8 +106,8 @@ def validate_state_space_v2(a: dict[str, Any]) -> dict[str, Any]:
     """Check every argument of SSD. Raises ValueError/TypeError."""
     op = OP
     x, B = a["x"], a["B"]
-    check_array(op, "x", x, ndim=4, letters="[B, S, H, P]")
-    check_array(op, "B", B, ndim=4, letters="[B, S, G, N]")
+    check_array(op, "x", x, ndim=4, letters=LETTERS["x"])
+    check_array(op, "B", B, ndim=4, letters=LETTERS["B"])
     b, s, h, p = x.shape
     if min(s, h, p) == 0:
         raise ValueError(f"{op}: `x` must have non-empty S, H, P; got x.shape={tuple(x.shape)}")
@@ -103,16 +117,8 @@ def validate_state_space_v2(a: dict[str, Any]) -> dict[str, Any]:
             f"{op}: `B` must be [B, S, G, N] with H % G == 0; got B.shape={tuple(B.shape)}, "
             f"x.shape={tuple(x.shape)}"
         )
-    shapes = {
-        "A": ("[H]", (h,)),
-        "C": ("[B, S, G, N]", (b, s, g, n)),
-        "D": ("[H]", (h,)),
-        "dt": ("[B, S, H]", (b, s, h)),
-        "gate": ("[B, S, H, P]", (b, s, h, p)),
-        "dt_bias": ("[H]", (h,)),
-        "initial_state": ("[B, H, P, N]", (b, h, p, n)),
-    }
-    check_state_space_arrays(op, a, ("x", "B"), shapes)
+    sizes = {"B": b, "S": s, "H": h, "P": p, "G": g, "N": n}
+    check_state_space_arrays(op, a, LETTERS, sizes, checked=("x", "B"))
     chunk = a.get("chunk_size")
     if chunk is not None:
         if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:

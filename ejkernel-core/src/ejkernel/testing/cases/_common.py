@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from ejkernel.specs._base import letter_shape
 from ejkernel.testing._examples import FLOAT, Example
 
 __all__ = [
@@ -25,10 +25,7 @@ def arrays_of(
 ) -> dict[str, tuple[tuple[int, ...], str]]:
     """:attr:`Example.arrays` entries from shapes in OPS.md letters: ``x="[B, S, I]"`` is
     ``(sizes["B"], sizes["S"], sizes["I"])`` of ``dtype``."""
-    return {
-        name: (tuple(sizes[letter] for letter in re.findall(r"\w+", letters)), dtype)
-        for name, letters in shapes.items()
-    }
+    return {name: (letter_shape(letters, sizes), dtype) for name, letters in shapes.items()}
 
 
 def sizes_id(sizes: Mapping[str, int]) -> str:

@@ -9,30 +9,31 @@ from ejkernel.testing._examples import Example, Invalid
 from ejkernel.testing.cases._common import arrays_of, sizes_id
 from ejkernel.testing.cases._numerics import state_space_numerics
 
-__all__ = ["state_space_examples"]
+__all__ = ["CORE", "state_space_examples"]
+
+
+#: The arrays every state-space op requires; the others are optional.
+CORE = ("x", "A", "B", "C", "D", "dt")
 
 
 def state_space_examples(
     sizes: Mapping[str, int],
+    letters: Mapping[str, str],
     *,
-    core: dict[str, str],
-    extra: dict[str, str],
     tags: str,
     options: dict[str, Any],
     invalid: Invalid,
 ) -> list[Example | Invalid]:
-    """Examples named after ``sizes``: the ``core`` arrays alone (``-plain``), with the
-    ``extra`` arrays and ``options`` (``-<tags>``); then ``x`` with an extra axis and the op's
+    """Examples named after ``sizes``, every array of the shape its ``letters`` (name ->
+    shape in OPS.md letters) spell: the :data:`CORE` arrays alone (``-plain``), with the
+    optional arrays and ``options`` (``-<tags>``); then ``x`` with an extra axis and the op's
     own ``invalid`` change; then the numerics examples (:func:`state_space_numerics`) under
-    ``options``. Arrays are given by their shapes in OPS.md letters."""
-    core_arrays, extra_arrays = arrays_of(sizes, **core), arrays_of(sizes, **extra)
+    ``options``."""
+    core = {name: letters[name] for name in CORE}
+    core_arrays, all_arrays = arrays_of(sizes, **core), arrays_of(sizes, **letters)
     return [
         Example(name=f"{sizes_id(sizes)}-plain", arrays=core_arrays),
-        Example(
-            name=f"{sizes_id(sizes)}-{tags}",
-            arrays={**core_arrays, **extra_arrays},
-            options=options,
-        ),
+        Example(name=f"{sizes_id(sizes)}-{tags}", arrays=all_arrays, options=options),
         Invalid.extra_axis("x"),
         invalid,
         *state_space_numerics(sizes, core=core, options=options),

@@ -3,27 +3,19 @@ initial and final states, numerics (no memory where A = -inf, a NaN, strong deca
 
 from __future__ import annotations
 
+from ejkernel.specs.state_space_v1 import LETTERS
 from ejkernel.testing._examples import Example, Invalid
 from ejkernel.testing.cases._state_space import state_space_examples
 
 __all__ = ["examples"]
 
 SIZES = {"B": 2, "S": 37, "I": 6, "N": 5}
-CORE = {
-    "x": "[B, S, I]",
-    "A": "[I, N]",
-    "B": "[B, S, N]",
-    "C": "[B, S, N]",
-    "D": "[I]",
-    "dt": "[B, S, I]",
-}
 
 
 def examples() -> list[Example | Invalid]:
     return state_space_examples(
         SIZES,
-        core=CORE,
-        extra={"gate": "[B, S, I]", "dt_bias": "[I]", "initial_state": "[B, I, N]"},
+        LETTERS,
         tags="gate-dtbias-softplus-state",
         options={"dt_softplus": True, "return_state": True},
         invalid=Invalid.replace("A-wrong-channels", A=lambda a: a["A"][1:]),

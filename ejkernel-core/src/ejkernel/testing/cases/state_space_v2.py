@@ -3,27 +3,19 @@ softplus, states, a chunk size that does not divide the length, numerics (no mem
 
 from __future__ import annotations
 
+from ejkernel.specs.state_space_v2 import LETTERS
 from ejkernel.testing._examples import Example, Invalid
 from ejkernel.testing.cases._state_space import state_space_examples
 
 __all__ = ["examples"]
 
 SIZES = {"B": 2, "S": 37, "H": 4, "P": 8, "G": 2, "N": 6}
-CORE = {
-    "x": "[B, S, H, P]",
-    "A": "[H]",
-    "B": "[B, S, G, N]",
-    "C": "[B, S, G, N]",
-    "D": "[H]",
-    "dt": "[B, S, H]",
-}
 
 
 def examples() -> list[Example | Invalid]:
     return state_space_examples(
         SIZES,
-        core=CORE,
-        extra={"gate": "[B, S, H, P]", "dt_bias": "[H]", "initial_state": "[B, H, P, N]"},
+        LETTERS,
         tags="gate-dtbias-softplus-state-chunk16",
         options={"dt_softplus": True, "return_state": True, "chunk_size": 16},
         invalid=Invalid.replace(
