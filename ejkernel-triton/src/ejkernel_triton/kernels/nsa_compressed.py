@@ -26,10 +26,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE, LOG2E, MASK_VALUE
-from ejkernel_triton.kernels.nsa_selected import (
+from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE, LOG2E
+from ejkernel_triton.kernels.nsa_common import (
+    add_dkv,
+    dkv_step,
+    dq_step,
     group_tiles,
-    probs_and_ds,
+    key_tiles,
+    load_kv,
+    load_lse_delta,
+    load_rows,
+    query_heads,
+    query_rows,
+    softmax_init,
     softmax_step,
     store_softmax,
 )
@@ -76,22 +85,11 @@ def nsa_compressed_fwd_kernel(
     )
     b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0).to(tl.float32)
     qk_scale = scale * LOG2E
-    m_i = tl.full([BG], MASK_VALUE, dtype=tl.float32)
-    l_i = tl.zeros([BG], dtype=tl.float32)
-    acc = tl.zeros([BG, BDV], dtype=tl.float32)
+    m_i, l_i, acc = softmax_init(BG, BDV)
     cnt = tl.load(cnt_ptr + t)
     for m0 in range(0, cnt, BM):
         rows, seen, _ = _compressed_rows(lo_ptr, cnt_ptr, t, m0, i_b, i_h, TC, HKV, BM)
-        b_k = tl.load(
-            kc_ptr + rows[:, None] * D + o_d[None, :],
-            mask=seen[:, None] & (o_d < D)[None, :],
-            other=0.0,
-        )
-        b_v = tl.load(
-            vc_ptr + rows[:, None] * DV + o_dv[None, :],
-            mask=seen[:, None] & (o_dv < DV)[None, :],
-            other=0.0,
-        )
+        b_k, b_v = load_kv(kc_ptr, vc_ptr, rows, seen, o_d, o_dv, D, DV)
         m_i, l_i, acc = softmax_step(b_q, b_k, b_v, seen, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     store_softmax(o_ptr, lse_ptr, p_o, m_o, q_rows, m_g, m_i, l_i, acc)
 
@@ -129,11 +127,7 @@ def nsa_compressed_scores_kernel(
     cnt = tl.load(cnt_ptr + t)
     for m0 in range(0, cnt, BM):
         rows, seen, o_m = _compressed_rows(lo_ptr, cnt_ptr, t, m0, i_b, i_h, TC, HKV, BM)
-        b_k = tl.load(
-            kc_ptr + rows[:, None] * D + o_d[None, :],
-            mask=seen[:, None] & (o_d < D)[None, :],
-            other=0.0,
-        )
+        b_k = load_rows(kc_ptr, rows, seen, o_d, D)
         s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.where(m_g[:, None] & seen[None, :], tl.exp2(s - b_lse[:, None]), 0.0)
         tl.store(out + o_m, tl.sum(p, axis=0) / G, mask=seen & (o_m < NB))
@@ -170,21 +164,14 @@ def nsa_compressed_bwd_dq_kernel(
     )
     b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0).to(tl.float32)
     b_do = tl.load(do_ptr + p_o, mask=m_o, other=0.0).to(tl.float32)
-    b_lse = tl.load(lse_ptr + q_rows, mask=m_g, other=EMPTY_LSE)
-    b_delta = tl.load(delta_ptr + q_rows, mask=m_g, other=0.0)
+    b_lse, b_delta = load_lse_delta(lse_ptr, delta_ptr, q_rows, m_g)
     qk_scale = scale * LOG2E
     b_dq = tl.zeros([BG, BD], dtype=tl.float32)
     cnt = tl.load(cnt_ptr + t)
     for m0 in range(0, cnt, BM):
         rows, seen, _ = _compressed_rows(lo_ptr, cnt_ptr, t, m0, i_b, i_h, TC, HKV, BM)
-        m_k = seen[:, None] & (o_d < D)[None, :]
-        m_v = seen[:, None] & (o_dv < DV)[None, :]
-        b_k = tl.load(kc_ptr + rows[:, None] * D + o_d[None, :], mask=m_k, other=0.0)
-        b_v = tl.load(vc_ptr + rows[:, None] * DV + o_dv[None, :], mask=m_v, other=0.0)
-        _, ds = probs_and_ds(
-            b_q, b_k, b_v, b_do, b_lse, b_delta, seen[None, :], qk_scale, DOT_PRECISION
-        )
-        b_dq += tl.dot(ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
+        b_k, b_v = load_kv(kc_ptr, vc_ptr, rows, seen, o_d, o_dv, D, DV)
+        b_dq = dq_step(b_dq, b_q, b_k, b_v, b_do, b_lse, b_delta, seen, qk_scale, DOT_PRECISION)
     tl.store(dq_ptr + p_q, b_dq * scale, mask=m_q)
 
 
@@ -226,44 +213,27 @@ def nsa_compressed_bwd_dkv_kernel(
     o_dv = tl.arange(0, BDV)
     m_m = o_m < TC
     kv_rows = (i_b.to(tl.int64) * TC + tl.where(m_m, o_m, 0)) * HKV + i_h
-    m_k = m_m[:, None] & (o_d < D)[None, :]
-    m_v = m_m[:, None] & (o_dv < DV)[None, :]
-    p_k = kv_rows[:, None] * D + o_d[None, :]
-    p_v = kv_rows[:, None] * DV + o_dv[None, :]
-    b_k = tl.load(kc_ptr + p_k, mask=m_k, other=0.0)
-    b_v = tl.load(vc_ptr + p_v, mask=m_v, other=0.0)
+    p_k, m_k, p_v, m_v, b_k, b_v, b_dk, b_dv = key_tiles(
+        kc_ptr, vc_ptr, kv_rows, m_m, o_d, o_dv, D, DV
+    )
     qk_scale = scale * LOG2E
-    o_r = tl.arange(0, BT * BG)  # rows: BT tokens' BG query heads each
-    head = o_r % BG
-    hq = HKV * G
-    b_dk = tl.zeros([BM, BD], dtype=tl.float32)
-    b_dv = tl.zeros([BM, BDV], dtype=tl.float32)
+    o_r, head, hq = query_heads(HKV, G, BT, BG)
     for t0 in range(i_t * TQ, tl.minimum(i_t * TQ + TQ, S), BT):
         t = t0 + o_r // BG
         ok = (t < S) & (head < G)
         lo = tl.load(lo_ptr + t, mask=ok, other=0)
         cnt = tl.load(cnt_ptr + t, mask=ok, other=0)
-        q_rows = (i_b.to(tl.int64) * S + t) * hq + i_h * G + head
-        b_q = tl.load(
-            q_ptr + q_rows[:, None] * D + o_d[None, :],
-            mask=ok[:, None] & (o_d < D)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        b_do = tl.load(
-            do_ptr + q_rows[:, None] * DV + o_dv[None, :],
-            mask=ok[:, None] & (o_dv < DV)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        b_lse = tl.load(lse_ptr + q_rows, mask=ok, other=EMPTY_LSE)
-        b_delta = tl.load(delta_ptr + q_rows, mask=ok, other=0.0)
+        q_rows = query_rows(i_b, i_h, t, head, S, hq, G)
+        b_q = load_rows(q_ptr, q_rows, ok, o_d, D).to(tl.float32)
+        b_do = load_rows(do_ptr, q_rows, ok, o_dv, DV).to(tl.float32)
+        b_lse, b_delta = load_lse_delta(lse_ptr, delta_ptr, q_rows, ok)
         seen = (
             ok[:, None]
             & m_m[None, :]
             & (o_m[None, :] >= lo[:, None])
             & (o_m[None, :] < (lo + cnt)[:, None])
         )
-        p, ds = probs_and_ds(b_q, b_k, b_v, b_do, b_lse, b_delta, seen, qk_scale, DOT_PRECISION)
-        b_dk += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION)
-        b_dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
-    tl.atomic_add(dkc_ptr + p_k, b_dk * scale, mask=m_k)
-    tl.atomic_add(dvc_ptr + p_v, b_dv, mask=m_v)
+        b_dk, b_dv = dkv_step(
+            b_dk, b_dv, b_k, b_v, b_q, b_do, b_lse, b_delta, seen, qk_scale, DOT_PRECISION
+        )
+    add_dkv(dkc_ptr, dvc_ptr, p_k, m_k, p_v, m_v, b_dk, b_dv, scale)
