@@ -60,7 +60,7 @@ from ejkernel.attention_semantics import (
 
 # Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
 from ejkernel_pallas import _compat as compat
-from ejkernel_pallas.tpu._numerics import finite_or_zero
+from ejkernel_pallas.tpu._numerics import finite_or_zero, precision, when
 
 LANES = 128
 SUBLANES = 8
@@ -418,18 +418,6 @@ class Refs(NamedTuple):
     acc: Any  # VMEM [Hkv, R, D]
 
 
-def when(cond: Any) -> Callable[[Callable[[], None]], None]:
-    """``pl.when`` that also takes a Python bool (resolved at trace time)."""
-
-    def run(fn: Callable[[], None]) -> None:
-        if cond is True:
-            fn()
-        elif cond is not False:
-            compat.pl.when(cond)(fn)
-
-    return run
-
-
 def init_state(refs: Refs) -> None:
     refs.m[...] = jnp.full(refs.m.shape, MASK_VALUE, jnp.float32)
     refs.denom[...] = jnp.zeros(refs.denom.shape, jnp.float32)
@@ -472,10 +460,6 @@ def _copies(refs: Refs, lp: Launch, seq: Any, kv_len: Any, block: Any, slot: Any
 def _head_tile(buf: Any, slot: Any, h: int, lp: Launch) -> Any:
     """KV head ``h`` of the block in ``slot``: ``[pages_per_block · page_size, D]``."""
     return buf[slot, :, :, h, :].reshape(lp.block_keys, lp.d)
-
-
-def _precision(dtype: Any) -> Any:
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def attend_sequence(
@@ -546,7 +530,7 @@ def _update_head(
         q,
         k,
         (((1,), (1,)), ((), ())),
-        precision=_precision(k.dtype),
+        precision=precision(k.dtype),
         preferred_element_type=jnp.float32,
     )
     s = mask_scores(soft_cap(s * lp.scale, lp.cap), vis)
@@ -559,7 +543,7 @@ def _update_head(
         p.astype(v.dtype),
         v,
         (((1,), (0,)), ((), ())),
-        precision=_precision(v.dtype),
+        precision=precision(v.dtype),
         preferred_element_type=jnp.float32,
     )
     acc_next = acc_prev * alpha[:, :1] + pv

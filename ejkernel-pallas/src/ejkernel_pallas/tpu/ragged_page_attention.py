@@ -43,6 +43,7 @@ from ejkernel.plugins import FwdParams
 # Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
 from ejkernel_pallas import _compat as compat
 from ejkernel_pallas.tpu import _paged
+from ejkernel_pallas.tpu._numerics import when
 from ejkernel_pallas.tpu._paged import SUBLANES, Launch, Refs
 
 __all__ = [
@@ -248,7 +249,7 @@ def _ragged_page_attention_kernel(
         t_lo = jnp.maximum(q_start, blk_start)
         t_hi = jnp.minimum(q_end, blk_end) - 1
 
-        @_paged.when(t_hi >= t_lo)
+        @when(t_hi >= t_lo)
         def _rows() -> None:
             _paged.attend_sequence(
                 refs,
