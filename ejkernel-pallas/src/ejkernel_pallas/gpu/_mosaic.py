@@ -121,6 +121,17 @@ def producer(wg: Any) -> Callable[[Callable[[], None]], None]:
     return run
 
 
+def copy_own(wg: Any, *copies: tuple[Any, Any, Any]) -> None:
+    """Load consumer ``wg``'s own tiles: for each ``(source, smem, landed)`` copy the
+    global-memory ``source`` into ``smem.at[wg]`` signalling ``landed.at[wg]``, all copies in
+    flight together, then wait for every one."""
+    plgpu = _compat.plgpu()
+    for source, smem, landed in copies:
+        plgpu.copy_gmem_to_smem(source, smem.at[wg], landed.at[wg])
+    for _, _, landed in copies:
+        plgpu.barrier_wait(landed.at[wg])
+
+
 #: Named barriers of the consumers' ping-pong (Mosaic GPU itself uses the low IDs).
 SCHEDULE_BARRIERS = (8, 9)
 

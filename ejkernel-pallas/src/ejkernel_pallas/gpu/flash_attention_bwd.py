@@ -98,18 +98,15 @@ def _bwd_dq_kernel(*refs, pr: Problem):
     def _consumer():
         q0 = tile_q0 + wg * bq
         steps, full = pr.kv_blocks(q0)
+        rows, vec = (b, pl.ds(q0, bq), h), (b, h, pl.ds(q0, bq))
+        mg.copy_own(
+            wg,
+            (q_ref.at[rows], q_smem2, q_landed),
+            (do_ref.at[rows], do_smem2, do_landed),
+            (lse_ref.at[vec], lse_smem2, lse_landed),
+            (delta_ref.at[vec], delta_smem2, delta_landed),
+        )
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-        rows = (b, pl.ds(q0, bq), h)
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_landed.at[wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_landed.at[wg])
-        plgpu.copy_gmem_to_smem(
-            lse_ref.at[b, h, pl.ds(q0, bq)], lse_smem2.at[wg], lse_landed.at[wg]
-        )
-        plgpu.copy_gmem_to_smem(
-            delta_ref.at[b, h, pl.ds(q0, bq)], delta_smem2.at[wg], delta_landed.at[wg]
-        )
-        for barrier in (q_landed, do_landed, lse_landed, delta_landed):
-            plgpu.barrier_wait(barrier.at[wg])
         lse = mg.load_row_vector(pr, lse_smem2.at[wg], 1)
         delta = mg.load_row_vector(pr, delta_smem2.at[wg], 1)
         dq = mg.layout(pr, jnp.full((bq, d), 0.0, jnp.float32), "WGMMA")
@@ -185,12 +182,9 @@ def _bwd_dkv_kernel(*refs, pr: Problem, out_dtype: Any):
     def _consumer():
         k0 = tile_k0 + wg * bk
         start, full_from = pr.q_blocks(k0)
-        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         rows = (b, pl.ds(k0, bk), kv_h)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_landed.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, v_landed.at[wg])
-        plgpu.barrier_wait(k_landed.at[wg])
-        plgpu.barrier_wait(v_landed.at[wg])
+        mg.copy_own(wg, (k_ref.at[rows], k_smem2, k_landed), (v_ref.at[rows], v_smem2, v_landed))
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         zeros = jnp.full((bk, d), 0.0, jnp.float32)
         carry = (mg.layout(pr, zeros, "WGMMA"), mg.layout(pr, zeros, "WGMMA"))
         if pr.causal:

@@ -190,9 +190,8 @@ def _flash_attention_fwd_kernel(
     def _consumer():
         q0 = tile_q0 + wg * bq
         steps, full = pr.kv_blocks(q0)
+        mg.copy_own(wg, (q_ref.at[b, pl.ds(q0, bq), h], qo_smem2, q_landed))
         qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_landed.at[wg])
-        plgpu.barrier_wait(q_landed.at[wg])
         m = mg.layout(pr, jnp.full((bq,), mg.M_INIT, jnp.float32), "WGMMA", reduce=1)
         denom = mg.layout(pr, jnp.full((bq,), 0.0, jnp.float32), "WGMMA", reduce=1)
         acc = mg.layout(pr, jnp.full((bq, d), 0.0, jnp.float32), "WGMMA")

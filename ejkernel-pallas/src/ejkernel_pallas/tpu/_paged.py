@@ -60,7 +60,7 @@ from ejkernel.attention_semantics import (
 
 # Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
 from ejkernel_pallas import _compat as compat
-from ejkernel_pallas.tpu._numerics import finite_or_zero
+from ejkernel_pallas.tpu._numerics import finite_or_zero, precision, when
 
 LANES = 128
 SUBLANES = 8
@@ -306,20 +306,36 @@ def _fold_lanes(aux: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
-def pallas_call(
-    kernel: Callable[..., None],
+def serve(
+    attend: Callable[..., None],
     lp: Launch,
-    *,
+    q: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    *scalars: jax.Array,
     name: str,
     grid: tuple[int, ...],
-    num_scalar_prefetch: int,
-    in_specs: list[Any],
-    out_specs: Any,
-    out_shape: Any,
-) -> Any:
-    """``pl.pallas_call`` of ``kernel`` with scalar prefetch, the K/V page buffers, their DMA
-    semaphores and the softmax state as scratch, a "parallel" grid and the VMEM limit."""
+    rows: Any,
+    aux: jax.Array | None = None,
+) -> jax.Array:
+    """Run a serving kernel: ``pl.pallas_call`` over a "parallel" ``grid`` with the VMEM limit.
+
+    ``kv_lens`` and the flattened ``block_tables`` (int32), then ``scalars``, are
+    scalar-prefetched; ``q`` and the output (shaped like ``q``) are pipelined by the BlockSpec
+    ``rows``; the caches stay in HBM; ``aux`` (sink rows, :func:`sink_rows`) is one whole block.
+    The K/V page buffers, their DMA semaphores and the softmax state are scratch. A grid step
+    starts the state, runs ``attend(refs, lp, *scalar_refs)`` and writes each KV head's
+    normalised rows (:func:`finish`).
+    """
     pltpu = compat.pltpu()
+    any_space = compat.pl.BlockSpec(memory_space=compat.pl.ANY)
+    in_specs = [rows, any_space, any_space]
+    extra = []
+    if aux is not None:
+        in_specs.append(compat.pl.BlockSpec(aux.shape, lambda *_: (0, 0, 0)))
+        extra.append(aux)
     pages = (2, lp.pages_per_block, lp.page_size, lp.hkv, lp.d)
     scratch = [
         compat.vmem(pages, lp.dtype),  # K blocks, two slots
@@ -329,16 +345,19 @@ def pallas_call(
         compat.vmem((lp.hkv, lp.rows, LANES), jnp.float32),  # running denominator
         compat.vmem((lp.hkv, lp.rows, lp.d), jnp.float32),  # output accumulator
     ]
+    kernel = functools.partial(
+        _serving_kernel, attend=attend, lp=lp, scalars=2 + len(scalars), sinks=aux is not None
+    )
     call = compat.pl.pallas_call(
-        functools.partial(kernel, lp=lp),
+        kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=num_scalar_prefetch,
+            num_scalar_prefetch=2 + len(scalars),
             grid=grid,
             in_specs=in_specs,
-            out_specs=out_specs,
+            out_specs=rows,
             scratch_shapes=scratch,
         ),
-        out_shape=out_shape,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=compat.tpu_compiler_params(
             dimension_semantics=("parallel",) * len(grid),
             vmem_limit_bytes=vmem_budget(),
@@ -346,7 +365,36 @@ def pallas_call(
         interpret=compat.tpu_interpret_params() if lp.interpret else False,
         name=name,
     )
-    return jax.custom_batching.sequential_vmap(call) if lp.interpret else call
+    call = jax.custom_batching.sequential_vmap(call) if lp.interpret else call
+    return call(
+        kv_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32).reshape(-1),
+        *scalars,
+        q,
+        key_cache,
+        value_cache,
+        *extra,
+    )
+
+
+def _serving_kernel(
+    *refs: Any, attend: Callable[..., None], lp: Launch, scalars: int, sinks: bool
+) -> None:
+    """The body of :func:`serve`: ``refs`` are the ``scalars`` prefetched refs (``kv_lens``
+    and the tables first), the query block, the caches, the sink rows when ``sinks``, the
+    output block and the scratch."""
+    kv_lens_ref, tables_ref, *scalar_refs = refs[:scalars]
+    q_ref, k_hbm, v_hbm = refs[scalars : scalars + 3]
+    rest = refs[scalars + 3 :]
+    aux_ref = rest[0] if sinks else None
+    o_ref, k_buf, v_buf, sems, m_sc, l_sc, acc_sc = rest[sinks:]
+    state = Refs(
+        kv_lens_ref, tables_ref, q_ref, k_hbm, v_hbm, k_buf, v_buf, sems, m_sc, l_sc, acc_sc
+    )
+    init_state(state)
+    attend(state, lp, *scalar_refs)
+    for h in range(lp.hkv):
+        o_ref[h] = finish(state, lp, aux_ref, h).astype(o_ref.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,6 +407,7 @@ class Refs(NamedTuple):
 
     kv_lens: Any  # SMEM [S]
     tables: Any  # SMEM [S · max_pages]
+    q: Any  # VMEM [Hkv, R, D]: ``q[h]`` holds the query rows of KV head ``h``
     k_hbm: Any  # HBM [num_pages, page_size, Hkv, D]
     v_hbm: Any
     k_buf: Any  # VMEM [2, pages_per_block, page_size, Hkv, D]
@@ -367,18 +416,6 @@ class Refs(NamedTuple):
     m: Any  # VMEM [Hkv, R, 128]
     denom: Any  # VMEM [Hkv, R, 128]
     acc: Any  # VMEM [Hkv, R, D]
-
-
-def when(cond: Any) -> Callable[[Callable[[], None]], None]:
-    """``pl.when`` that also takes a Python bool (resolved at trace time)."""
-
-    def run(fn: Callable[[], None]) -> None:
-        if cond is True:
-            fn()
-        elif cond is not False:
-            compat.pl.when(cond)(fn)
-
-    return run
 
 
 def init_state(refs: Refs) -> None:
@@ -425,17 +462,12 @@ def _head_tile(buf: Any, slot: Any, h: int, lp: Launch) -> Any:
     return buf[slot, :, :, h, :].reshape(lp.block_keys, lp.d)
 
 
-def _precision(dtype: Any) -> Any:
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def attend_sequence(
     refs: Refs,
     lp: Launch,
     *,
     seq: Any,
     kv_len: Any,
-    q_tile: Callable[[int], Any],
     q_pos: Any,
     rows_in_seq: Any,
     p_lo: Any,
@@ -446,7 +478,6 @@ def attend_sequence(
     block's DMA in flight while the current one computes.
 
     Args:
-        q_tile: ``h -> [R, D]`` queries of the rows of KV head ``h``.
         q_pos: ``[R, 1]`` int32 key positions of the rows.
         rows_in_seq: ``[R, 1]`` bool, the rows of ``seq`` (others keep their state), or
             ``None`` when every row is.
@@ -479,7 +510,7 @@ def attend_sequence(
         if rows_in_seq is not None:
             vis = jnp.logical_and(vis, rows_in_seq)
         for h in range(lp.hkv):
-            _update_head(refs, lp, h, q_tile(h), slot, vis, rows_in_seq)
+            _update_head(refs, lp, h, refs.q[h], slot, vis, rows_in_seq)
         return carry
 
     @when(hi > lo)
@@ -499,7 +530,7 @@ def _update_head(
         q,
         k,
         (((1,), (1,)), ((), ())),
-        precision=_precision(k.dtype),
+        precision=precision(k.dtype),
         preferred_element_type=jnp.float32,
     )
     s = mask_scores(soft_cap(s * lp.scale, lp.cap), vis)
@@ -512,7 +543,7 @@ def _update_head(
         p.astype(v.dtype),
         v,
         (((1,), (0,)), ((), ())),
-        precision=_precision(v.dtype),
+        precision=precision(v.dtype),
         preferred_element_type=jnp.float32,
     )
     acc_next = acc_prev * alpha[:, :1] + pv

@@ -20,7 +20,7 @@ from ejkernel.attention_semantics import (
 )
 from ejkernel_pallas import _compat
 from ejkernel_pallas._attention import kv_block_span, q_block_span
-from ejkernel_pallas.tpu._numerics import finite_or_zero
+from ejkernel_pallas.tpu._numerics import finite_or_zero, precision, when
 from ejkernel_pallas.tpu._problem import LANES, SUBLANES, Problem
 
 __all__ = ["dkv_call", "dq_call", "fwd_call"]
@@ -169,29 +169,13 @@ def _pallas_call(
     return jax.custom_batching.sequential_vmap(call) if pr.interpret else call
 
 
-def _when(cond: Any) -> Callable[[Callable[[], None]], None]:
-    """``pl.when`` that also takes a Python bool (resolved at trace time)."""
-
-    def run(fn: Callable[[], None]) -> None:
-        if cond is True:
-            fn()
-        elif cond is not False:
-            _compat.pl.when(cond)(fn)
-
-    return run
-
-
-def _precision(dtype: Any) -> Any:
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def _dot(a: Any, b: Any, contract: tuple[int, int]) -> Any:
     """``a · b`` contracting ``a``'s axis ``contract[0]`` with ``b``'s ``contract[1]``, f32."""
     return lax.dot_general(
         a,
         b,
         (((contract[0],), (contract[1],)), ((), ())),
-        precision=_precision(a.dtype),
+        precision=precision(a.dtype),
         preferred_element_type=jnp.float32,
     )
 
@@ -234,13 +218,13 @@ def _flash_attention_fwd_kernel(*refs: Any, pr: Problem) -> None:
     o_ref, lse_ref, m_sc, l_sc, acc_sc = out
     i, j = _compat.pl.program_id(2), _compat.pl.program_id(3)
 
-    @_when(j == 0)
+    @when(j == 0)
     def _init() -> None:
         m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @_when(pr.geo.block_may_see(i, j, pr.bq, pr.bk))
+    @when(pr.geo.block_may_see(i, j, pr.bq, pr.bk))
     def _step() -> None:
         v = v_ref[...]
         s, _ = _logits(q_ref[...], k_ref[...], pr)
@@ -258,7 +242,7 @@ def _flash_attention_fwd_kernel(*refs: Any, pr: Problem) -> None:
         m_sc[...] = m_next
         acc_sc[...] = acc_sc[...] * alpha[:, :1] + _dot(p.astype(v.dtype), v, (1, 0))
 
-    @_when(j == pr.nk - 1)
+    @when(j == pr.nk - 1)
     def _finish() -> None:
         denom = l_sc[...]
         empty = denom == 0.0
@@ -287,11 +271,11 @@ def _bwd_dq_kernel(*refs: Any, pr: Problem) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     i, j = _compat.pl.program_id(2), _compat.pl.program_id(3)
 
-    @_when(j == 0)
+    @when(j == 0)
     def _init() -> None:
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    @_when(pr.geo.block_may_see(i, j, pr.bq, pr.bk))
+    @when(pr.geo.block_may_see(i, j, pr.bq, pr.bk))
     def _step() -> None:
         k = k_ref[...]
         vis = _visible(i, j, qs_ref, ks_ref, pr)
@@ -302,7 +286,7 @@ def _bwd_dq_kernel(*refs: Any, pr: Problem) -> None:
             k = finite_or_zero(k)
         dq_sc[...] += _dot(ds.astype(k.dtype), k, (1, 0))
 
-    @_when(j == pr.nk - 1)
+    @when(j == pr.nk - 1)
     def _finish() -> None:
         dq_ref[...] = (dq_sc[...] * pr.scale).astype(dq_ref.dtype)
 
@@ -313,12 +297,12 @@ def _bwd_dkv_kernel(*refs: Any, pr: Problem) -> None:
     pl = _compat.pl
     j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
-    @_when(jnp.logical_and(g == 0, i == 0))
+    @when(jnp.logical_and(g == 0, i == 0))
     def _init() -> None:
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    @_when(pr.geo.block_may_see(i, j, pr.bq, pr.bk))
+    @when(pr.geo.block_may_see(i, j, pr.bq, pr.bk))
     def _step() -> None:
         q, do = q_ref[...], do_ref[...]
         vis = _visible(i, j, qs_ref, ks_ref, pr)
@@ -330,7 +314,7 @@ def _bwd_dkv_kernel(*refs: Any, pr: Problem) -> None:
         dv_sc[...] += _dot(p.astype(do.dtype), do, (0, 0))
         dk_sc[...] += _dot(ds.astype(q.dtype), q, (0, 0))
 
-    @_when(jnp.logical_and(g == pr.group - 1, i == pr.nq - 1))
+    @when(jnp.logical_and(g == pr.group - 1, i == pr.nq - 1))
     def _finish() -> None:
         dk_ref[...] = (dk_sc[...] * pr.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)

@@ -54,6 +54,7 @@ from ejkernel.specs.grouped_matmul import define_grouped_matmul_vjp
 from ejkernel_pallas import _compat as compat
 from ejkernel_pallas.tpu import _gmm_metadata as metadata
 from ejkernel_pallas.tpu import _paged
+from ejkernel_pallas.tpu._numerics import precision
 
 __all__ = [
     "GroupedMatmulConfig",
@@ -462,10 +463,6 @@ def _tgmm(
 # --------------------------------------------------------------------------------------------
 
 
-def _precision(dtype: Any) -> Any:
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def _rows_in_group(offsets: Any, g: Any, tile: Any, block_m: int, shape: tuple[int, int]) -> Any:
     """``shape`` bool: whether each row of row tile ``tile`` lies in group ``g``."""
     rows = tile * block_m + lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -500,7 +497,7 @@ def _gmm_kernel(
         x, w = x_ref[...], w_ref[...]
         dims = (((1,), (1,)), ((), ())) if transpose_w else (((1,), (0,)), ((), ()))
         acc_ref[...] += lax.dot_general(
-            x, w, dims, precision=_precision(x.dtype), preferred_element_type=jnp.float32
+            x, w, dims, precision=precision(x.dtype), preferred_element_type=jnp.float32
         )
 
     @compat.pl.when(jnp.logical_and(live, c == c_steps - 1))
@@ -547,7 +544,7 @@ def _tgmm_kernel(
             a32.swapaxes(0, 1).astype(a.dtype),
             b32.astype(b.dtype),
             (((1,), (0,)), ((), ())),
-            precision=_precision(a.dtype),
+            precision=precision(a.dtype),
             preferred_element_type=jnp.float32,
         )
 

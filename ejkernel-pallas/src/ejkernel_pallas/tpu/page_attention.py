@@ -143,46 +143,24 @@ def _forward(
 ) -> jax.Array:
     s, hq, d = query.shape
     q = query.reshape(s, lp.hkv, lp.group, d)
-    rows = compat.pl.BlockSpec((None, lp.hkv, lp.group, d), lambda i, *_: (i, 0, 0, 0))
-    any_space = compat.pl.BlockSpec(memory_space=compat.pl.ANY)
-    out = _paged.pallas_call(
+    out = _paged.serve(
         _page_attention_kernel,
         lp,
-        name="ejkernel_page_attention_fwd",
-        grid=(s,),
-        num_scalar_prefetch=2,
-        in_specs=[rows, any_space, any_space],
-        out_specs=rows,
-        out_shape=jax.ShapeDtypeStruct(q.shape, query.dtype),
-    )(
-        kv_lens.astype(jnp.int32),
-        block_tables.astype(jnp.int32).reshape(-1),
         q,
         key_cache,
         value_cache,
+        kv_lens,
+        block_tables,
+        name="ejkernel_page_attention_fwd",
+        grid=(s,),
+        rows=compat.pl.BlockSpec((None, lp.hkv, lp.group, d), lambda i, *_: (i, 0, 0, 0)),
     )
     return out.reshape(s, hq, d)
 
 
-def _page_attention_kernel(
-    kv_lens_ref: Any,
-    tables_ref: Any,
-    q_ref: Any,
-    k_hbm: Any,
-    v_hbm: Any,
-    o_ref: Any,
-    k_buf: Any,
-    v_buf: Any,
-    sems: Any,
-    m_sc: Any,
-    l_sc: Any,
-    acc_sc: Any,
-    *,
-    lp: Launch,
-) -> None:
-    refs = Refs(kv_lens_ref, tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, m_sc, l_sc, acc_sc)
+def _page_attention_kernel(refs: Refs, lp: Launch) -> None:
+    """Grid step ``seq``: the decode token of sequence ``seq`` over its visible kv blocks."""
     seq = compat.pl.program_id(0)
-    _paged.init_state(refs)
     kv_len = _paged.seq_kv_len(refs, seq, lp)
     position = kv_len - 1  # the decode token is the newest one
     _paged.attend_sequence(
@@ -190,11 +168,8 @@ def _page_attention_kernel(
         lp,
         seq=seq,
         kv_len=kv_len,
-        q_tile=lambda h: q_ref[h],
         q_pos=jnp.full((lp.rows, 1), position, jnp.int32),
         rows_in_seq=None,
         p_lo=position,
         p_hi=position,
     )
-    for h in range(lp.hkv):
-        o_ref[h] = _paged.finish(refs, lp, None, h).astype(o_ref.dtype)

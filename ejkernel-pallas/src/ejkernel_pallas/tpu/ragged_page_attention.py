@@ -43,6 +43,7 @@ from ejkernel.plugins import FwdParams
 # Not `_compat`: the `__repr__` attrs generates reads attrs' own `_compat` from this module.
 from ejkernel_pallas import _compat as compat
 from ejkernel_pallas.tpu import _paged
+from ejkernel_pallas.tpu._numerics import when
 from ejkernel_pallas.tpu._paged import SUBLANES, Launch, Refs
 
 __all__ = [
@@ -205,60 +206,38 @@ def _forward(
     # The first live sequence ending after each block's first token (dead ones never match).
     ends = jnp.where(jnp.arange(seqs) < num_seqs, qsl[1:], jnp.iinfo(jnp.int32).max)
     first = jnp.searchsorted(ends, jnp.arange(blocks) * bq, side="right").astype(jnp.int32)
-    rows = compat.pl.BlockSpec((lp.hkv, lp.rows, d), lambda i, *_: (0, i, 0))
-    any_space = compat.pl.BlockSpec(memory_space=compat.pl.ANY)
-    in_specs = [rows, any_space, any_space]
-    extra = []
-    aux = _paged.sink_rows(softmax_aux, lp.hkv, bq)
-    if aux is not None:
-        in_specs.append(compat.pl.BlockSpec(aux.shape, lambda i, *_: (0, 0, 0)))
-        extra.append(aux)
-    out = _paged.pallas_call(
+    out = _paged.serve(
         _ragged_page_attention_kernel,
         lp,
-        name="ejkernel_ragged_page_attention_fwd",
-        grid=(blocks,),
-        num_scalar_prefetch=5,
-        in_specs=in_specs,
-        out_specs=rows,
-        out_shape=jax.ShapeDtypeStruct(q.shape, queries.dtype),
-    )(
-        kv_lens.astype(jnp.int32),
-        block_tables.astype(jnp.int32).reshape(-1),
-        qsl,
-        first,
-        num_seqs.reshape(1),
         q,
         key_cache,
         value_cache,
-        *extra,
+        kv_lens,
+        block_tables,
+        qsl,
+        first,
+        num_seqs.reshape(1),
+        name="ejkernel_ragged_page_attention_fwd",
+        grid=(blocks,),
+        rows=compat.pl.BlockSpec((lp.hkv, lp.rows, d), lambda i, *_: (0, i, 0)),
+        aux=_paged.sink_rows(softmax_aux, lp.hkv, bq),
     )
     out = out.reshape(lp.hkv, t_pad, lp.group, d).transpose(1, 0, 2, 3)
     return out.reshape(t_pad, hq, d)[:tokens]
 
 
 def _ragged_page_attention_kernel(
-    kv_lens_ref: Any,
-    tables_ref: Any,
-    qsl_ref: Any,
-    first_ref: Any,
-    num_seqs_ref: Any,
-    q_ref: Any,
-    k_hbm: Any,
-    v_hbm: Any,
-    *rest: Any,
-    lp: Launch,
+    refs: Refs, lp: Launch, qsl_ref: Any, first_ref: Any, num_seqs_ref: Any
 ) -> None:
-    aux_ref = rest[0] if lp.sinks else None
-    o_ref, k_buf, v_buf, sems, m_sc, l_sc, acc_sc = rest[lp.sinks :]
-    refs = Refs(kv_lens_ref, tables_ref, k_hbm, v_hbm, k_buf, v_buf, sems, m_sc, l_sc, acc_sc)
+    """Grid step ``block``: the rows of query block ``block``, attended by each live sequence
+    that owns tokens of the block (from its first, ``first_ref[block]``) over its visible kv
+    blocks."""
     block = compat.pl.program_id(0)
     bq = _q_block(lp)
     blk_start = block * bq
     blk_end = blk_start + bq
     num_seqs = num_seqs_ref[0]
     token = blk_start + lax.div(lax.broadcasted_iota(jnp.int32, (lp.rows, 1), 0), lp.group)
-    _paged.init_state(refs)
 
     def owns_tokens_here(seq: Any) -> Any:
         return jnp.logical_and(seq < num_seqs, qsl_ref[seq] < blk_end)
@@ -270,14 +249,13 @@ def _ragged_page_attention_kernel(
         t_lo = jnp.maximum(q_start, blk_start)
         t_hi = jnp.minimum(q_end, blk_end) - 1
 
-        @_paged.when(t_hi >= t_lo)
+        @when(t_hi >= t_lo)
         def _rows() -> None:
             _paged.attend_sequence(
                 refs,
                 lp,
                 seq=seq,
                 kv_len=kv_len,
-                q_tile=lambda h: q_ref[h],
                 q_pos=token + offset,
                 rows_in_seq=jnp.logical_and(token >= q_start, token < q_end),
                 p_lo=t_lo + offset,
@@ -287,5 +265,3 @@ def _ragged_page_attention_kernel(
         return seq + 1
 
     lax.while_loop(owns_tokens_here, attend, first_ref[block])
-    for h in range(lp.hkv):
-        o_ref[h] = _paged.finish(refs, lp, aux_ref, h).astype(o_ref.dtype)
