@@ -3,8 +3,8 @@
 Sequence ``s`` is a packed batch's sequence of one token (``query_start_loc = arange(S + 1)``,
 every row live), at position ``kv_lens[s] - 1``: :func:`ejkernel_triton.ops.unified_attention.
 paged_attention` runs it in its decode mode (one program per sequence and KV head, no search
-for the sequence), split-K where the batch does not fill the GPU. The CUDA plugin's
-decode kernel ranks above this on NVIDIA GPUs; this serves where it declines or is absent.
+for the sequence), split-K where the batch does not fill the GPU. It ranks above the CUDA
+plugin's native decode unless a shipped table measured that faster.
 """
 
 from __future__ import annotations
