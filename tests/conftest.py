@@ -34,12 +34,29 @@ def _isolated_ejkernel(tmp_path, monkeypatch):
     _executor._default = None
     errors._reset_warnings_for_tests()
     _recording.clear_invocations()
+    _reset_mosaic_gpu_interpreter()
     yield
     plugins.reset()
     _executor._default = None
     errors._reset_warnings_for_tests()
     _recording.clear_invocations()
     _labels.forget_stamps()
+
+
+#: JAX's Mosaic GPU interpreter keeps the simulated GPU's memory and barriers in module globals.
+#: Some interpretations leave them behind (the Pallas grouped matmul's forward and backward in
+#: one test), and the next interpreted kernel then waits on a stale barrier for ever: each test
+#: starts from a fresh simulated GPU.
+_MOSAIC_GPU_INTERPRETER = "jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks"
+
+
+def _reset_mosaic_gpu_interpreter() -> None:
+    import sys
+
+    module = sys.modules.get(_MOSAIC_GPU_INTERPRETER)  # only where a test has loaded it
+    reset = getattr(module, "reset_gpu_interpret_mode_state", None)
+    if reset is not None:
+        reset()
 
 
 def pytest_configure(config):
