@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -51,8 +52,6 @@ _MOSAIC_GPU_INTERPRETER = "jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks"
 
 
 def _reset_mosaic_gpu_interpreter() -> None:
-    import sys
-
     module = sys.modules.get(_MOSAIC_GPU_INTERPRETER)  # only where a test has loaded it
     reset = getattr(module, "reset_gpu_interpret_mode_state", None)
     if reset is not None:

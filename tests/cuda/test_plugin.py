@@ -49,6 +49,12 @@ def test_the_plugin_registers_every_op_above_the_xla_fallback() -> None:
     assert registry.platform("cuda").distribution == "ejkernel-cuda"
 
 
+@pytest.mark.parametrize("op", ["page_attention", "ragged_decode_attention"])
+def test_the_native_decode_ranks_below_the_triton_serving_kernels(op: str) -> None:
+    impls = {i.platform: i.priority for i in get_registry().implementations(op)}
+    assert impls["triton"] > impls["cuda"] > impls["xla"], impls
+
+
 ON_GPU = jax.default_backend() == "gpu"
 
 
