@@ -19,7 +19,10 @@ those offering the (out, lse) contract (:func:`ejkernel.plugins.flash_attention_
   shard (s < r) is seen by both query chunks through its first chunk only (all queries × the
   first half of the keys); a later shard (s > r) only by the second query chunk (the second half
   of the queries × all keys). Every off-diagonal step is then half a pair's work on every
-  device: causal work is even across the ring.
+  device: causal work is even across the ring. Each branch returns full-size float32 arrays
+  (its rows placed, the rest empty) and the merge happens outside the switch: branches that take
+  the accumulator and update their rows in place make XLA's GPU compiler crash (jaxlib 0.11.2,
+  two GPUs; benchmarks/RESULTS.md).
 
 What this path serves: segment ids, GQA, soft cap and scale; causal needs ``Sq == Sk``
 locally. Masks that need global positions inside a step (sliding window), bias, attention mask,
@@ -103,6 +106,14 @@ def _rotate(tree: Any, n: int, axis: Any) -> Any:
     return jax.tree.map(lambda x: lax.ppermute(x, axis, perm), tree)
 
 
+def _place(part: jax.Array, full_shape: tuple[int, ...], where: slice, fill: float) -> jax.Array:
+    """``part`` at rows ``where`` of axis 1 of a ``full_shape`` array filled with ``fill``."""
+    if part.shape[1] == full_shape[1]:
+        return part
+    full = jnp.full(full_shape, fill, part.dtype)
+    return lax.dynamic_update_slice_in_dim(full, part, where.start, axis=1)
+
+
 def _merge_lse(lse: jax.Array) -> jax.Array:
     """A step's lse for merging: an empty row (``EMPTY_ROW_LSE`` or +inf) weighs nothing."""
     return jnp.where(lse >= EMPTY_ROW_LSE, -jnp.inf, lse.astype(jnp.float32))
@@ -125,19 +136,17 @@ def forward(a: dict[str, Any], axis: Any) -> tuple[jax.Array, dict[str, Any]]:
     shard = {"key": a["key"], "value": a["value"], "segments": a.get("kv_segment_ids")}
 
     def branch(kind: int) -> Any:
-        def run(shard: dict[str, Any], acc: Any) -> tuple[jax.Array, jax.Array]:
+        def run(shard: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
             if kind == _SKIP:
-                return acc
+                out = jnp.zeros((b, s, hq, dv), jnp.float32)
+                lse = jnp.full((b, s, hq), -jnp.inf, jnp.float32)
+                return vary_like((out, lse), q, axis)
             args = _step_args(a, q, q_seg, shard, kind)
-            out_s, lse_s = flash_attention_lse_step(**args).forward(**args)
+            out, lse = flash_attention_lse_step(**args).forward(**args)
             rows, _ = _parts(kind, s)
-            out, lse = acc[0][:, rows], acc[1][:, rows]
-            lse_s = _merge_lse(lse_s)
-            new = jnp.logaddexp(lse, lse_s)
-            safe = jnp.where(jnp.isneginf(new), 0.0, new)
-            merged = out * jnp.exp(lse - safe)[..., None]
-            merged += out_s.astype(jnp.float32) * jnp.exp(lse_s - safe)[..., None]
-            return acc[0].at[:, rows].set(merged), acc[1].at[:, rows].set(new)
+            out = _place(out.astype(jnp.float32), (b, s, hq, dv), rows, 0.0)
+            lse = _place(_merge_lse(lse), (b, s, hq), rows, -jnp.inf)
+            return vary_like((out, lse), q, axis)
 
         return run
 
@@ -145,13 +154,14 @@ def forward(a: dict[str, Any], axis: Any) -> tuple[jax.Array, dict[str, Any]]:
     branches = [branch(k) for k in kinds]
 
     def visit(acc: Any, shard: dict[str, Any], t: Any) -> Any:
-        """Merge the step's partial softmax into the rows it computed (``acc``: float32
-        output and lse of every row so far)."""
         src = (rank - t) % n
         index = jnp.searchsorted(jnp.asarray(kinds), _kind(a, rank, src))
-        if len(kinds) == 1:
-            return branches[0](shard, acc)
-        return lax.switch(index, branches, shard, acc)
+        out_s, lse_s = lax.switch(index, branches, shard) if len(kinds) > 1 else branches[0](shard)
+        out, lse = acc
+        new = jnp.logaddexp(lse, lse_s)
+        safe = jnp.where(jnp.isneginf(new), 0.0, new)
+        out = out * jnp.exp(lse - safe)[..., None] + out_s * jnp.exp(lse_s - safe)[..., None]
+        return out, new
 
     init = vary_like(
         (jnp.zeros((b, s, hq, dv), jnp.float32), jnp.full((b, s, hq), -jnp.inf, jnp.float32)),
@@ -193,20 +203,18 @@ def backward(
     zero = functools.partial(jnp.zeros, dtype=jnp.float32)
 
     def branch(kind: int) -> Any:
-        def run(step: dict[str, Any], grads: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        def run(shard: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:
             if kind == _SKIP:
-                return grads
-            args = _step_args(a, q, q_seg, step, kind)
+                return vary_like((zero(q.shape), zero(k.shape), zero(v.shape)), q, axis)
+            args = _step_args(a, q, q_seg, shard, kind)
             rows, cols = _parts(kind, s)
-            g = flash_attention_lse_step(**args).backward(
+            grads = flash_attention_lse_step(**args).backward(
                 out[:, rows], lse[:, rows], d_out[:, rows], **args
             )
-            dq, dk, dv = grads
-            return (
-                dq.at[:, rows].add(g["query"].astype(jnp.float32)),
-                dk.at[:, cols].add(g["key"].astype(jnp.float32)),
-                dv.at[:, cols].add(g["value"].astype(jnp.float32)),
-            )
+            dq = _place(grads["query"].astype(jnp.float32), q.shape, rows, 0.0)
+            dk = _place(grads["key"].astype(jnp.float32), k.shape, cols, 0.0)
+            dv = _place(grads["value"].astype(jnp.float32), v.shape, cols, 0.0)
+            return vary_like((dq, dk, dv), q, axis)
 
         return run
 
@@ -214,16 +222,13 @@ def backward(
     branches = [branch(kind) for kind in kinds]
 
     def visit(dq: Any, shard: dict[str, Any], t: Any) -> tuple[Any, dict[str, Any]]:
-        """Add the step's gradients to the rows it computed: dQ stays, dK and dV travel."""
         src = (rank - t) % n
         index = jnp.searchsorted(jnp.asarray(kinds), _kind(a, rank, src))
         step = {n_: shard[n_] for n_ in ("key", "value", "segments")}
-        grads = (dq, shard["dk"], shard["dv"])
-        if len(kinds) == 1:
-            dq, dk, dv = branches[0](step, grads)
-        else:
-            dq, dk, dv = lax.switch(index, branches, step, grads)
-        return dq, {**shard, "dk": dk, "dv": dv}
+        dq_s, dk_s, dv_s = (
+            lax.switch(index, branches, step) if len(kinds) > 1 else branches[0](step)
+        )
+        return dq + dq_s, {**shard, "dk": shard["dk"] + dk_s, "dv": shard["dv"] + dv_s}
 
     shard = {
         "key": k,
