@@ -222,13 +222,27 @@ def _key_ranges(
     ``[start, end)`` holds every key some row sees; ``[full_start, full_end)`` (multiples of
     ``BLOCK_N``) the blocks every row sees whole, within bounds. ``geo`` as :func:`_visible`'s.
     """
+    return _key_ranges_from(m_lo, 0, geo, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+
+
+@triton.jit
+def _key_ranges_from(
+    m_lo,
+    kv_lo,
+    geo,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """:func:`_key_ranges` over the keys from ``kv_lo`` on (a paged split's first key)."""
     q_pos_offset, seqlen_q, seqlen_k, window_left, window_right = geo
     m_hi = tl.minimum(m_lo + BLOCK_M, seqlen_q)
     p_first = m_lo + q_pos_offset
     p_last = m_hi - 1 + q_pos_offset
-    lo = 0
+    lo = kv_lo
     hi = seqlen_k
-    full_lo = 0
+    full_lo = kv_lo
     full_hi = seqlen_k
     if CAUSAL:
         hi = tl.minimum(hi, p_last + 1)

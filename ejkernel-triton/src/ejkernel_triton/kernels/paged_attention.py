@@ -47,8 +47,8 @@ import triton.language as tl
 from ejkernel_triton.kernels.flash_attention_common import (
     LOG2E,
     MASK_VALUE,
-    _block_ranges,
     _finite_or_zero_if,
+    _key_ranges_from,
     _load_tile,
     _scores,
     _visible,
@@ -69,38 +69,6 @@ def _sequence_of(QStart, num_live, block, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _paged_key_ranges(
-    m_lo,
-    geo,
-    kv_lo,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
-    """``(start, full_start, full_end, end)`` of the query block at ``m_lo``
-    (:func:`~ejkernel_triton.kernels.flash_attention_common._key_ranges`), keys from ``kv_lo``
-    on."""
-    q_pos_offset, seqlen_q, seqlen_k, window_left, window_right = geo
-    m_hi = tl.minimum(m_lo + BLOCK_Q, seqlen_q)
-    p_first = m_lo + q_pos_offset
-    p_last = m_hi - 1 + q_pos_offset
-    lo = kv_lo
-    hi = seqlen_k
-    full_lo = kv_lo
-    full_hi = seqlen_k
-    if CAUSAL:
-        hi = tl.minimum(hi, p_last + 1)
-        full_hi = tl.minimum(full_hi, p_first + 1)
-    if WINDOW:
-        lo = tl.maximum(lo, p_first - window_left)
-        hi = tl.minimum(hi, p_last + window_right + 1)
-        full_lo = tl.maximum(full_lo, p_last - window_left)
-        full_hi = tl.minimum(full_hi, p_first + window_right + 1)
-    return _block_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
 
 
 @triton.jit
@@ -266,8 +234,8 @@ def unified_attention_kernel(
     if HAS_ALIBI:
         slope = tl.load(Slopes + head, mask=g < GROUP, other=0.0).to(tl.float32) * LOG2E
 
-    start, full_start, full_end, end = _paged_key_ranges(
-        m_lo, geo, kv_lo, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW
+    start, full_start, full_end, end = _key_ranges_from(
+        m_lo, kv_lo, geo, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW
     )
     ranges = (start, full_start, full_end, end)
     split_lo = start
