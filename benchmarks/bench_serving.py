@@ -21,14 +21,27 @@ of 2048 over 1k–16k (``ragged_page_attention``); a platform that cannot serve 
 why in its cell (``default``: the usual selection). ``--anchors`` adds issue 30's anchors:
 the run's roofline (copy bandwidth and the bf16 matmul ceiling measured in the run), the
 default selection on a float8 cache, cuDNN decode on a dense cache and JAX's Pallas GPU
-``paged_attention`` and ``decode_attention`` (decode batches), and a 2048-query prefill chunk
-on an 8k context against flash attention's forward:
+``paged_attention`` and ``decode_attention`` (decode batches), vLLM's Triton
+``unified_attention`` (mixed and vLLM-like batches, on torch through dlpack, timed with CUDA
+events; below the table, its output's max abs difference from the default call's) and a
+2048-query prefill chunk on an 8k context against flash attention's forward:
 ``python benchmarks/bench_serving.py --serving default,triton,cuda --anchors``.
+
+The vLLM anchor needs torch and triton and ``.whl-vllm`` on ``PYTHONPATH`` (its cell says why
+otherwise): ``bash benchmarks/fetch_vllm_anchor.sh`` here writes it (vLLM 0.33's kernel module
+and stand-ins, ~130 kB); the GPU call carries ``.whl`` and ``.whl-vllm`` and runs
+``bash benchmarks/gpu_serving.sh`` (it copies ``.whl-vllm/vllm`` into the install folder), or
+``PYTHONPATH=/tmp/site:.whl-vllm python benchmarks/bench_serving.py --serving default,triton
+--anchors``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -230,14 +243,89 @@ def _cell(
     return f"{ms:.3f} ({nbytes / ms / 1e6:.0f})"
 
 
+def _vllm_call(c: dict[str, Any]) -> Callable[[], Any]:
+    """vLLM's Triton ``unified_attention`` (``benchmarks/fetch_vllm_anchor.sh``) on the case's
+    arrays, shared through dlpack in its layouts: queries ``[T, Hq, D]``, caches
+    ``[pages, page, Hkv, D]``, ``cu_seqlens_q``, ``seqused_k`` and a block table whose unused
+    slots are page 0 (padded by 8 pages: its kernel reads whole key tiles of table entries)."""
+    import torch
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    if not os.environ.get("TRITON_CACHE_DIR"):  # jax-triton leaves it empty
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-vllm-triton-")
+    table = jnp.pad(jnp.maximum(c["table"], 0), ((0, 0), (0, 8)))
+    arrays = jax.block_until_ready([c["q"], c["kc"], c["vc"], c["qsl"], c["lens"], table])
+    q, kc, vc, qsl, lens, table = (torch.from_dlpack(a) for a in arrays)
+    out = torch.empty_like(q)
+    kw = {
+        "max_seqlen_q": int(np.diff(np.asarray(c["qsl"])).max()),
+        "max_seqlen_k": int(np.asarray(c["lens"]).max()),
+        "softmax_scale": q.shape[-1] ** -0.5,
+        "causal": True,
+        "window_size": (-1, -1),
+        "softcap": 0,
+        "q_descale": None,
+        "k_descale": None,
+        "v_descale": None,
+    }
+
+    def call() -> Any:
+        unified_attention(
+            q=q, k=kc, v=vc, out=out, cu_seqlens_q=qsl, seqused_k=lens, block_table=table, **kw
+        )
+        return out
+
+    return call
+
+
+def _torch_timed(
+    call: Callable[[], Any], warm_s: float, iters: int = 10, repeats: int = 5
+) -> float:
+    """Median ms per call over ``repeats`` batches of ``iters``, timed with CUDA events after
+    one call and ``warm_s`` seconds of calls."""
+    import torch
+
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < warm_s:
+        call()
+        torch.cuda.synchronize()
+    runs = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(iters):
+            call()
+        end.record()
+        end.synchronize()
+        runs.append(begin.elapsed_time(end) / iters)
+    return statistics.median(runs)
+
+
+def _vllm_cell(c: dict[str, Any], nbytes: int, warm_s: float) -> tuple[str, str]:
+    """``ms (GB/s)`` of vLLM's unified attention and the max abs difference of its output from
+    the default call's, or why it cannot run."""
+    try:
+        call = _vllm_call(c)
+        ms = _torch_timed(call, warm_s)
+    except Exception as err:  # no .whl-vllm, or a kernel that cannot serve the case
+        return f"n/a: {type(err).__name__}: {str(err).splitlines()[0][:60]}", "not run"
+    fn, args = _ours(c, None)
+    ours = np.asarray(fn(*args), np.float32)
+    theirs = np.asarray(call().float().cpu())
+    return f"{ms:.3f} ({nbytes / ms / 1e6:.0f})", f"{np.abs(theirs - ours).max():.2e}"
+
+
 def serving(platforms: list[str], quick: bool, anchors: bool) -> None:
     """Each serving shape on each platform (``default``: the usual selection): median ms and
     the K/V read rate (GB/s). With ``anchors``: the roofline of the same run (the larger of
     the K/V bytes over the copy bandwidth and the flops over the bf16 matmul ceiling), the
     default selection on a float8 cache, cuDNN decode and JAX's Pallas GPU kernels (decode
-    batches), and a 2048-query prefill chunk on an 8k context against flash attention."""
+    batches), vLLM's unified attention (mixed batches), and a 2048-query prefill chunk on an
+    8k context against flash attention."""
     page, hq, hkv, d = 16, 32, 8, 128
-    extra = ["roofline ms", "default fp8", "cuDNN", "pallas paged", "pallas decode"]
+    extra = ["roofline ms", "default fp8", "cuDNN", "pallas paged", "pallas decode", "vLLM unified"]
     columns = [f"{p} ms (GB/s)" for p in platforms] + (extra if anchors else [])
     bw = peak = 0.0
     if anchors:
@@ -250,6 +338,7 @@ def serving(platforms: list[str], quick: bool, anchors: bool) -> None:
     print("\n| case | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
     chosen: list[str] = []
+    checks: list[str] = []
     for name, kv_lens, q_lens in serving_cases(quick):
         rng = np.random.default_rng(1)
         max_pages = max(-(-n // page) for n in kv_lens)
@@ -277,15 +366,21 @@ def serving(platforms: list[str], quick: bool, anchors: bool) -> None:
             scales = {"k_scale": 0.5, "v_scale": 0.5}
             cells.append(_cell(_ours, call | f8, None, nbytes=kv_bytes // 2, warm_s=warm, **scales))
             chosen.append(f"- {name}, fp8 cache: {_chosen(call | f8, **scales)}")
+            decode = all(n == 1 for n in q_lens)
             for anchor in ("cuDNN", "pallas paged", "pallas decode"):
-                decode = all(n == 1 for n in q_lens)
                 cells.append(
                     _cell(_anchor, call, anchor, nbytes=kv_bytes, warm_s=warm) if decode else ""
                 )
+            vllm, diff = ("", "") if decode else _vllm_cell(call, kv_bytes, warm)
+            cells.append(vllm)
+            checks += [f"- {name}: {diff}"] if diff else []
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
         if "default" in platforms:
             chosen.append(f"- {name}: {_chosen(call)}")
     print("\nChosen by the default call (after the timed calls):\n" + "\n".join(sorted(chosen)))
+    if checks:
+        print("\nvLLM unified attention, max abs difference from the default call's output:")
+        print("\n".join(checks))
     if anchors:
         prefill_chunk(quick)
 
