@@ -139,6 +139,27 @@ def test_configs_use_one_token_items_and_whole_pages(batch: PagedBatch) -> None:
         )
 
 
+def test_the_reference_is_one_program_per_set_of_static_arguments() -> None:
+    """The paged references jit their body (arrays traced, everything else static): a call
+    with other arrays and the same statics compiles nothing new, another window compiles once
+    more, and an unhashable argument runs op by op to the same result."""
+    from ejkernel.specs import _base
+    from ejkernel.specs.page_attention import page_attention_reference
+
+    first, second = make_inputs(GQA), make_inputs(MQA)
+    page_attention_reference(**first, sliding_window=(3, 0))
+    before = _base._jitted_over_arrays.cache_info()
+    page_attention_reference(**first, sliding_window=(3, 0))
+    same = _base._jitted_over_arrays.cache_info()
+    page_attention_reference(**first, sliding_window=(5, 0))
+    assert (same.hits, same.misses) == (before.hits + 1, before.misses)
+    assert _base._jitted_over_arrays.cache_info().misses == before.misses + 1
+    jitted = page_attention_reference(**second, sliding_window=(3, 0))
+    by_op = page_attention_reference(**second, sliding_window=[3, 0])
+    assert np.isfinite(np.asarray(jitted)).all()
+    assert_close(jitted, by_op)
+
+
 def test_synthetic_inputs_are_valid() -> None:
     inputs = helpers.synthetic(SPEC, make_inputs(MQA), seed=1)
     kv_lens = np.asarray(inputs["kv_lens"])

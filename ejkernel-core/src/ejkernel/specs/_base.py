@@ -177,6 +177,32 @@ class OpSpec:
 CHUNKED_TOLERANCES: Mapping[str, tuple[float, float]] = {"float32": (1e-4, 1e-4)}
 
 
+def jit_over_arrays(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as one jitted program per set of non-array arguments: the array arguments are
+    traced, every other argument is static: a reference called eagerly (as tests do) would
+    otherwise compile each of its operations on its own. An unhashable non-array argument runs
+    ``fn`` op by op."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(*args, **kwargs).arguments
+        arrays = {k: v for k, v in arguments.items() if isinstance(v, jax.Array | np.ndarray)}
+        statics = tuple(sorted((k, v) for k, v in arguments.items() if k not in arrays))
+        try:
+            jitted = _jitted_over_arrays(fn, statics)
+        except TypeError:
+            return fn(*args, **kwargs)
+        return jitted(arrays)
+
+    return run
+
+
+@functools.lru_cache(maxsize=1024)
+def _jitted_over_arrays(fn: Callable[..., Any], statics: tuple[Any, ...]) -> Any:
+    return jax.jit(lambda arrays: fn(**dict(statics), **arrays))
+
+
 def builtin_op_spec(fn: Callable[..., Any], **fields: Any) -> OpSpec:
     """:meth:`OpSpec.from_function` for an op that ships with core, laid out by the finding
     rule: ``validate`` and ``reference`` default to ``validate_<op>`` and ``<op>_reference`` of

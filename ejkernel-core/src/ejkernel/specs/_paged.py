@@ -44,6 +44,7 @@ from ejkernel.specs._base import (
     default_synthetic,
     is_floating,
     is_integer,
+    jit_over_arrays,
 )
 
 __all__ = [
@@ -299,7 +300,7 @@ def reference_of(
 
     The reference takes ``op``'s arguments (``platform`` and ``cfg`` aside), positionally or by
     name, under ``op``'s signature; ``body`` receives them as one dict by name, the defaults
-    filled, as the op's implementations do.
+    filled, as the op's implementations do; it runs as one program (:func:`jit_over_arrays`).
     """
     full = inspect.signature(op)
     signature = full.replace(
@@ -314,7 +315,7 @@ def reference_of(
             return body(dict(bound.arguments))
 
         reference.__signature__ = signature  # type: ignore[attr-defined]
-        return reference
+        return jit_over_arrays(reference)
 
     return decorate
 
