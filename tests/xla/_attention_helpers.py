@@ -29,13 +29,6 @@ from ejkernel.testing.cases._paged import GARBAGE, PagedBatch
 from ejkernel.testing.cases.ragged_page_attention import MIXED as CASES_MIXED
 
 
-def jitted_reference(spec: OpSpec) -> Callable[..., Any]:
-    """The op's oracle under ``jax.jit`` (eager, its many small ops would each compile on first
-    use), its static arguments static."""
-    statics = tuple(a.name for a in spec.args if not a.array)
-    return jax.jit(spec.reference, static_argnames=statics)
-
-
 def validated(spec: OpSpec, arrays: dict[str, Any], **options: Any) -> dict[str, Any]:
     """Every argument as the core passes it to an implementation."""
     return spec.validate(spec.bind((), {**arrays, **options}))

@@ -12,7 +12,6 @@ checked against autodiff of the op's reference; float32 is held to 1e-4 relative
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from ejkernel.specs import lightning_attention as lightning_spec
 from ejkernel.specs import recurrent as recurrent_spec
 from ejkernel.specs import state_space_v1 as ssv1_spec
 from ejkernel.specs import state_space_v2 as ssv2_spec
+from ejkernel.specs._base import jit_over_arrays
 from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal
 from ejkernel_xla.ops.gla import GlaConfig
@@ -84,9 +84,7 @@ class Op:
         return bool(self.statics.get("reverse"))
 
     def reference(self, **kwargs: Any) -> Any:
-        arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.Array)}
-        statics = tuple(sorted((n, x) for n, x in kwargs.items() if n not in arrays))
-        return _jitted_reference(self.spec.SPEC.reference, statics)(**arrays)
+        return jit_over_arrays(self.spec.SPEC.reference)(**kwargs)
 
     def check(self, arrays: dict[str, Any], **statics: Any) -> tuple[Any, dict[str, Any]]:
         """Output and gradients against the reference's (:func:`lc.check_vjp`)."""
@@ -94,13 +92,6 @@ class Op:
         return lc.check_vjp(
             self.fn, self.reference, names, arrays, cfg=self.cfg, **self.statics, **statics
         )
-
-
-@functools.cache
-def _jitted_reference(reference: Callable[..., Any], statics: tuple[tuple[str, Any], ...]) -> Any:
-    """``reference`` with ``statics`` bound, compiled once per shapes (run op by op, each of its
-    primitives would compile on its own)."""
-    return jax.jit(functools.partial(reference, **dict(statics)))
 
 
 RECURRENT = RecurrentConfig(chunk_size=16, sub_chunk_size=4)

@@ -26,7 +26,7 @@ from ejkernel_xla.ops.page_attention import (
     page_attention_xla,
 )
 
-reference = helpers.jitted_reference(SPEC)
+reference = SPEC.reference
 
 #: Lengths 0 and 1, a whole page (5), whole capacity (45), odd lengths; sequences 0 and 4
 #: share their first 3 pages.
@@ -140,9 +140,9 @@ def test_configs_use_one_token_items_and_whole_pages(batch: PagedBatch) -> None:
 
 
 def test_the_reference_is_one_program_per_set_of_static_arguments() -> None:
-    """The paged references jit their body (arrays traced, everything else static): a call
-    with other arrays and the same statics compiles nothing new, another window compiles once
-    more, and an unhashable argument runs op by op to the same result."""
+    """The paged references jit their body (arrays traced, everything else static): a second
+    call with the same statics compiles nothing new, another window compiles once more, and an
+    unhashable argument runs op by op to the same result."""
     from ejkernel.specs import _base
     from ejkernel.specs.page_attention import page_attention_reference
 

@@ -26,7 +26,7 @@ from ejkernel_xla.ops.prefill_page_attention import (
     prefill_page_attention_xla,
 )
 
-reference = helpers.jitted_reference(SPEC)
+reference = SPEC.reference
 
 
 def chunk(c: int, kv_len: int, **sizes: int) -> PagedBatch:

@@ -23,7 +23,7 @@ from ejkernel_xla.ops.ragged_decode_attention import (
     ragged_decode_attention_xla,
 )
 
-reference = helpers.jitted_reference(SPEC)
+reference = SPEC.reference
 
 #: The whole cache, a middle range, an empty range, one token at either end, a range ending
 #: one short of the cache; D ≠ Dv.

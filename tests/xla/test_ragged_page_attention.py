@@ -28,7 +28,7 @@ from ejkernel_xla.ops.ragged_page_attention import (
     ragged_page_attention_xla,
 )
 
-reference = helpers.jitted_reference(SPEC)
+reference = SPEC.reference
 
 MIXED = helpers.MIXED
 #: MQA, large pages, a sequence filling its capacity exactly (144 = 9 × 16).

@@ -28,7 +28,7 @@ from ejkernel_xla.ops.ragged_page_attention_v3 import (
     ragged_page_attention_v3_xla,
 )
 
-reference = helpers.jitted_reference(SPEC)
+reference = SPEC.reference
 
 #: Lengths 0 and 1, a whole-page prefill (8), chunked prefills, decode, a sequence with more
 #: new tokens than positions (its 2 first tokens are neither written nor see anything),

@@ -85,7 +85,7 @@ def dequantised(op: str, args: dict[str, Any], sc: dict[str, Any]) -> dict[str, 
 
 def reference(op: str, args: dict[str, Any]) -> Any:
     spec = builtin_spec(op)
-    return helpers.jitted_reference(spec)(**helpers.validated(spec, args))
+    return spec.reference(**helpers.validated(spec, args))
 
 
 def call(op: str, args: dict[str, Any]) -> Any:

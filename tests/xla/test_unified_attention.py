@@ -27,7 +27,7 @@ from ejkernel_xla.ops.unified_attention import (
     unified_attention_xla,
 )
 
-reference = helpers.jitted_reference(SPEC)
+reference = SPEC.reference
 
 #: The shared ragged batch (lengths 0 and 1, whole pages, chunked and full prefills, decode, more
 #: queries than keys, a 2-page prefix shared by sequences 0 and 3) without padding tokens.
