@@ -19,7 +19,10 @@ Other modes (``--mode``), each printing its table:
   causal and not, in rotating rounds (which function runs first changes every round): the
   spread of one harness row's ratio.
 - ``configs``: the forward with every config of a platform's config space (its heuristic
-  first), against the reference, in rotating rounds: does another config beat the heuristic?
+  first) and the default call (the config chain's choice, a shipped table's where one applies),
+  against the reference, in rotating rounds: does another config beat the chosen one?
+
+Both take ``--grad`` (forward+backward instead) and ``--causal no|yes`` (one of the two).
 - ``startup``: the cold and warm start of a new shape, ``--repeat`` times, fresh caches each.
 
 Run (GPU): ``python benchmarks/bench_attention.py [--quick] [--out benchmarks/results/attention]``,
@@ -421,20 +424,35 @@ ROUNDS_SHAPE = (8, 2048, 16, 64)
 STARTUP_SHAPE = (2, 3072, 16, 128)
 
 
-def forward_rounds(
-    attns: dict[str, Callable[..., Any]], shape: tuple[int, ...], causal: bool, rounds: int
+def timed_rounds(
+    attns: dict[str, Callable[..., Any]],
+    shape: tuple[int, ...],
+    causal: bool,
+    rounds: int,
+    grad: bool = False,
 ) -> dict[str, list[float]]:
-    """Forward TFLOP/s of each ``attn(q, k, v, causal)`` per round (:func:`rotating_rounds`),
-    on one set of bf16 inputs."""
-    keys = jax.random.split(jax.random.PRNGKey(sum(shape)), 3)
-    q, k, v = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in keys)
-    fns = {n: jax.jit(lambda q, k, v, f=f: f(q, k, v, causal)) for n, f in attns.items()}
-    return rotating_rounds(fns, (q, k, v), rounds, flops(*shape, causal) / 1e9)
+    """TFLOP/s of each ``attn(q, k, v, causal)`` per round (:func:`rotating_rounds`), on one set
+    of bf16 inputs: its forward, or with ``grad`` its forward+backward (a VJP of a random
+    cotangent, 3.5× the forward's flops)."""
+    keys = jax.random.split(jax.random.PRNGKey(sum(shape)), 4)
+    q, k, v, do = (jax.random.normal(x, shape, jnp.float32).astype(jnp.bfloat16) for x in keys)
+    gflop = flops(*shape, causal) / 1e9
+    if not grad:
+        fns = {n: jax.jit(lambda q, k, v, f=f: f(q, k, v, causal)) for n, f in attns.items()}
+        return rotating_rounds(fns, (q, k, v), rounds, gflop)
+    fns = {
+        n: jax.jit(lambda q, k, v, do, f=f: jax.vjp(lambda *a: f(*a, causal), q, k, v)[1](do))
+        for n, f in attns.items()
+    }
+    return rotating_rounds(fns, (q, k, v, do), rounds, 3.5 * gflop)
 
 
-def config_space(platform: str, shape: tuple[int, ...], causal: bool) -> dict[str, Any]:
+def config_space(
+    platform: str, shape: tuple[int, ...], causal: bool, grad: bool = False
+) -> dict[str, Any]:
     """Label -> config: the heuristic of ``platform``'s flash attention, then every config of its
-    config space, for a bf16 forward at ``shape`` (through the registry, as the autotuner asks)."""
+    config space, for a bf16 forward (``grad``: forward+backward) at ``shape`` (through the
+    registry, as the autotuner asks)."""
     from ejkernel.ops import Invocation, stable_json
     from ejkernel.plugins import get_registry
 
@@ -445,7 +463,7 @@ def config_space(platform: str, shape: tuple[int, ...], causal: bool) -> dict[st
         raise SystemExit(f"no {platform!r} implementation of flash_attention is installed")
     x = jnp.zeros(shape, jnp.bfloat16)
     args = spec.validate(spec.bind((), {"query": x, "key": x, "value": x, "causal": causal}))
-    inv = Invocation(kernel=spec.name, kwargs=args, metadata={"grad": False})
+    inv = Invocation(kernel=spec.name, kwargs=args, metadata={"grad": grad})
     heuristic, space = impls[0].get_heuristic(), impls[0].get_config_space()
     configs = ([heuristic(inv)] if heuristic else []) + (list(space(inv)) if space else [])
     configs = list(dict.fromkeys(configs))  # the space usually starts with the heuristic
@@ -455,31 +473,41 @@ def config_space(platform: str, shape: tuple[int, ...], causal: bool) -> dict[st
     return dict(zip(labels, configs, strict=True))
 
 
-def rounds_mode(platform: str, ref: str, shape: tuple[int, ...], rounds: int) -> None:
-    """``--mode rounds``: ejkernel's forward on ``platform`` against ``ref``, causal and not."""
+def rounds_mode(
+    platform: str, ref: str, shape: tuple[int, ...], rounds: int, causals: tuple[bool, ...], grad: bool
+) -> None:
+    """``--mode rounds``: ejkernel's default call on ``platform`` against ``ref``."""
     anchor = implementations()[ref]
-    for causal in (False, True):
-        res = forward_rounds(
-            {f"ejkernel {platform}": ours(platform), ref: anchor}, shape, causal, rounds
+    what = "forward+backward" if grad else "forward"
+    for causal in causals:
+        res = timed_rounds(
+            {f"ejkernel {platform}": ours(platform), ref: anchor}, shape, causal, rounds, grad
         )
-        print_rounds(f"{shape} causal={causal} forward, {rounds} rounds", res, ref)
+        print_rounds(f"{shape} causal={causal} {what}, {rounds} rounds", res, ref)
 
 
-def configs_mode(platform: str, ref: str, shape: tuple[int, ...], rounds: int) -> None:
-    """``--mode configs``: the forward with each config of the config space against ``ref``."""
+def configs_mode(
+    platform: str, ref: str, shape: tuple[int, ...], rounds: int, causals: tuple[bool, ...], grad: bool
+) -> None:
+    """``--mode configs``: each config of the config space, and the default call (the config
+    chain's choice: a shipped table's, where one applies), against ``ref``."""
     import ejkernel
 
     anchor = implementations()[ref]
-    for causal in (False, True):
+    what = "forward+backward" if grad else "forward"
+    for causal in causals:
         attns: dict[str, Callable[..., Any]] = {
             label: lambda q, k, v, causal, c=cfg: ejkernel.flash_attention(
                 q, k, v, causal=causal, platform=platform, cfg=c
             )
-            for label, cfg in config_space(platform, shape, causal).items()
+            for label, cfg in config_space(platform, shape, causal, grad).items()
         }
+        attns["default call"] = ours(platform)
         attns[ref] = anchor
-        res = forward_rounds(attns, shape, causal, rounds)
-        print_rounds(f"{shape} causal={causal} forward, {rounds} rounds", res, ref)
+        res = timed_rounds(attns, shape, causal, rounds, grad)
+        print_rounds(f"{shape} causal={causal} {what}, {rounds} rounds", res, ref)
+        row = {"impl": "default call", "shape": shape, "causal": causal}
+        print(chosen_line({**row, "chosen": chosen(platform, shape, causal)}), flush=True)
 
 
 def startup_mode(shape: tuple[int, ...], repeat: int, platform: str) -> None:
@@ -589,13 +617,20 @@ def main() -> None:
     parser.add_argument("--shape", type=_shape, default=None, help="B,S,H,D (other modes)")
     parser.add_argument("--rounds", type=int, default=6, help="rotating rounds (rounds, configs)")
     parser.add_argument("--repeat", type=int, default=1, help="starts of each kind (startup)")
+    parser.add_argument(
+        "--grad", action="store_true", help="forward+backward instead of forward (rounds, configs)"
+    )
+    parser.add_argument(
+        "--causal", choices=("both", "no", "yes"), default="both", help="(rounds, configs)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
     print(json.dumps(versions()), flush=True)
-    if args.mode == "rounds":
-        return rounds_mode(args.platform, args.ref, args.shape or ROUNDS_SHAPE, args.rounds)
-    if args.mode == "configs":
-        return configs_mode(args.platform, args.ref, args.shape or ROUNDS_SHAPE, args.rounds)
+    causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    if args.mode in ("rounds", "configs"):
+        mode = rounds_mode if args.mode == "rounds" else configs_mode
+        shape = args.shape or ROUNDS_SHAPE
+        return mode(args.platform, args.ref, shape, args.rounds, causals, args.grad)
     if args.mode == "startup":
         return startup_mode(args.shape or STARTUP_SHAPE, args.repeat, args.platform)
 

@@ -3,8 +3,8 @@
 # on the baseline (.whl-base) and on the candidate (.whl), alternating ROUNDS times, each in a
 # fresh process with a fresh cache, with cuDNN in every run. Arguments go to the harness
 # (default: the two main shapes, Triton and Pallas against cuDNN). Tables land in $OUT. ORDER
-# names a round's runs (default "base new"); "new:heuristics" runs a build under
-# EJKERNEL_AUTOTUNE_POLICY=heuristics (the candidate's code without its shipped tables).
+# names a round's runs (default "base new"); "new:heuristics" runs a build on its heuristics
+# alone (EJKERNEL_SHIPPED=0: the candidate's code without its shipped tables).
 # Here, before the call (BASE: the baseline commit):
 #   pip wheel --no-deps ./ejkernel-core ./ejkernel-xla ./ejkernel-triton ./ejkernel-pallas -w .whl
 #   git worktree add /tmp/base BASE && pip wheel --no-deps /tmp/base/ejkernel-{core,xla,triton,pallas} -w .whl-base
@@ -25,7 +25,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     [ "$policy" = "$run" ] && policy=""
     cache=$(mktemp -d)
     EJKERNEL_CACHE_DIR=$cache PYTHONPATH=/tmp/$build:/tmp/deps \
-      env ${policy:+EJKERNEL_AUTOTUNE_POLICY=$policy} timeout "${BENCH_TIMEOUT:-280}" \
+      env ${policy:+EJKERNEL_AUTOTUNE_POLICY=$policy EJKERNEL_SHIPPED=0} timeout "${BENCH_TIMEOUT:-280}" \
       python3 benchmarks/bench_attention.py --out "$OUT/$name-$round" "${ARGS[@]}" 2>&1 | grep -v '^{' | tee "$OUT/$name-$round.log" | tail -22
   done
 done

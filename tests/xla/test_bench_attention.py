@@ -87,15 +87,29 @@ def test_config_space_lists_the_heuristic_first_then_the_other_candidates(
     assert len(set(space.values())) == len(space)
 
 
-def test_forward_rounds_time_every_function_in_every_round(
-    harness: ModuleType, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+def test_timed_rounds_time_every_function_in_every_round(
+    harness: ModuleType, monkeypatch: pytest.MonkeyPatch, grad: bool
 ) -> None:
     monkeypatch.setattr(harness, "WARM_S", 0.0)
 
     def xla(q: Any, k: Any, v: Any, causal: bool) -> Any:
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
 
-    res = harness.forward_rounds({"ours": harness.ours("xla"), "XLA": xla}, SHAPE, True, 2)
+    res = harness.timed_rounds({"ours": harness.ours("xla"), "XLA": xla}, SHAPE, True, 2, grad)
 
     assert set(res) == {"ours", "XLA"}
     assert all(len(xs) == 2 and min(xs) > 0 for xs in res.values())
+
+
+def test_configs_mode_times_each_config_and_the_default_call_forward_and_backward(
+    harness: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(harness, "WARM_S", 0.0)
+
+    harness.configs_mode("xla", "XLA", SHAPE, 1, (True,), True)
+
+    out = capsys.readouterr().out
+    assert f"{SHAPE} causal=True forward+backward, 1 rounds" in out
+    assert "  heuristic {" in out and "  default call " in out
+    assert "chosen default call" in out
