@@ -474,7 +474,12 @@ def config_space(
 
 
 def rounds_mode(
-    platform: str, ref: str, shape: tuple[int, ...], rounds: int, causals: tuple[bool, ...], grad: bool
+    platform: str,
+    ref: str,
+    shape: tuple[int, ...],
+    rounds: int,
+    causals: tuple[bool, ...],
+    grad: bool,
 ) -> None:
     """``--mode rounds``: ejkernel's default call on ``platform`` against ``ref``."""
     anchor = implementations()[ref]
@@ -487,7 +492,12 @@ def rounds_mode(
 
 
 def configs_mode(
-    platform: str, ref: str, shape: tuple[int, ...], rounds: int, causals: tuple[bool, ...], grad: bool
+    platform: str,
+    ref: str,
+    shape: tuple[int, ...],
+    rounds: int,
+    causals: tuple[bool, ...],
+    grad: bool,
 ) -> None:
     """``--mode configs``: each config of the config space, and the default call (the config
     chain's choice: a shipped table's, where one applies), against ``ref``."""
