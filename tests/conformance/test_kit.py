@@ -260,3 +260,27 @@ def test_the_documented_command_runs_the_kit_for_one_platform(tmp_path: Any) -> 
     )
     assert bad.returncode == 4, bad.stdout + bad.stderr
     assert "no implementation of any op is registered for platform 'nope'" in bad.stderr
+
+
+def test_the_reference_is_one_jitted_function_for_each_set_of_statics() -> None:
+    from ejkernel.testing import _checks
+
+    spec = builtin_spec("flash_attention")
+    same = _checks._jitted_reference(spec, {"causal": True, "softmax_scale": 0.5})
+    again = _checks._jitted_reference(spec, {"softmax_scale": 0.5, "causal": True})
+    other = _checks._jitted_reference(spec, {"causal": 1, "softmax_scale": 0.5})
+    unhashable = {"causal": True, "softmax_scale": [0.5]}
+
+    assert same is again
+    assert other is not same  # 1 and True are different statics
+    # an unhashable static: a function of its own each time, never a cache error
+    assert _checks._jitted_reference(spec, unhashable) is not _checks._jitted_reference(
+        spec, unhashable
+    )
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 5, 2, 8))
+    want = spec.reference(query=x, key=x, value=x, causal=True, softmax_scale=0.5)
+    got = same({"query": x, "key": x, "value": x})
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert _checks._reference_vjp(spec, {"causal": True}) is _checks._reference_vjp(
+        spec, {"causal": True}
+    )

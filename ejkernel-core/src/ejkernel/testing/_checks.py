@@ -10,6 +10,7 @@ them into tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -93,9 +94,54 @@ def _run(spec: OpSpec, platform: str, args: Mapping[str, Any], cfg: Any = None) 
 def _reference(spec: OpSpec, args: Mapping[str, Any]) -> Any:
     """The spec's reference on validated arguments, jitted (eager, its many small ops would
     each compile), with the statics closed over."""
-    validated = spec.validate(spec.bind((), dict(args)))
-    arrays, statics = _split(validated)
-    return jax.jit(lambda arrs: spec.reference(**statics, **arrs))(arrays)
+    arrays, statics = _split(spec.validate(spec.bind((), dict(args))))
+    return _jitted_reference(spec, statics)(arrays)
+
+
+def _jitted_reference(spec: OpSpec, statics: Mapping[str, Any]) -> Callable[..., Any]:
+    """``arrays -> spec.reference(**statics, **arrays)``, jitted: one function (and so one
+    compile a set of shapes) for every check of the op with these statics."""
+    try:
+        return _jitted_reference_of(spec.reference, _frozen(statics))
+    except TypeError:  # an unhashable static: a function of its own
+        return jax.jit(lambda arrs: spec.reference(**statics, **arrs))
+
+
+def _reference_vjp(spec: OpSpec, statics: Mapping[str, Any]) -> Callable[..., Any]:
+    """``(primals, arrays, cotangent) -> the VJP of the reference``, jitted, over validated
+    arguments: one function for every gradient check of the op with these statics."""
+    try:
+        return _reference_vjp_of(spec, _frozen(statics))
+    except TypeError:
+        return _vjp_of_reference(spec, dict(statics))
+
+
+def _frozen(statics: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A cache key of ``statics`` (``TypeError`` when one is unhashable); each value's type
+    is part of it, so ``1``, ``1.0`` and ``True`` stay apart."""
+    key = tuple(sorted((k, type(v).__name__, v) for k, v in statics.items()))
+    hash(key)
+    return key
+
+
+@functools.lru_cache(maxsize=512)
+def _jitted_reference_of(reference: Callable[..., Any], statics: tuple[Any, ...]) -> Any:
+    kwargs = {k: v for k, _, v in statics}
+    return jax.jit(lambda arrs: reference(**kwargs, **arrs))
+
+
+@functools.lru_cache(maxsize=512)
+def _reference_vjp_of(spec: OpSpec, statics: tuple[Any, ...]) -> Any:
+    return _vjp_of_reference(spec, {k: v for k, _, v in statics})
+
+
+def _vjp_of_reference(spec: OpSpec, statics: dict[str, Any]) -> Any:
+    def run(p: dict[str, Any], arrs: dict[str, Any], ct: Any) -> Any:
+        validated = lambda q: spec.validate(spec.bind((), {**statics, **arrs, **q}))
+        _, pullback = jax.vjp(lambda q: spec.reference(**validated(q)), p)
+        return pullback(ct)[0]
+
+    return jax.jit(run)
 
 
 def _split(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -212,7 +258,7 @@ def check_gradients(
 
     out_shape = jax.eval_shape(lambda p: ref_fn(p, arrays), primals)
     ct = _cotangent(out_shape, seed)
-    expected = vjp_of(ref_fn)(primals, arrays, ct)
+    expected = _reference_vjp(spec, statics)(primals, arrays, ct)
     actual = vjp_of(impl_fn)(primals, arrays, ct)
     for name in names:
         _compare(
