@@ -10,7 +10,9 @@ compiled update and serving shapes against XLA.
 
 from __future__ import annotations
 
+import collections
 import functools
+import re
 from typing import Any
 
 import jax
@@ -91,6 +93,23 @@ def test_fp8_bf16_queries_every_paged_op(interpret: None) -> None:
     opts = SCALES["tensor"]
     out = ejkernel.prefill_page_attention(**pargs, **opts, platform="triton", cfg=small())
     check(out, prefill_page_attention_reference(**pargs, **opts))
+
+
+def test_fp8_with_bf16_queries_beyond_float16s_range(interpret: None) -> None:
+    """bfloat16 queries over float8 caches take products in float16 (``F16_PRODUCTS``): rows
+    whose entries reach 3e5, 1e7 and 6e4, past float16's 65504, are scaled down and back
+    exactly, as is a row of zeros; the others are untouched."""
+    a = packed([29, 1, 18], [6, 1, 3], dtype=jnp.bfloat16, cache_dtype=FP8, seed=3)
+    q = np.asarray(a["queries"], np.float32)
+    q[0, 0] *= 3e5 / np.abs(q[0, 0]).max()
+    q[2, 1] *= 1e7 / np.abs(q[2, 1]).max()
+    q[7, 3] *= 6e4 / np.abs(q[7, 3]).max()
+    q[5, 2] = 0.0
+    a["queries"] = jnp.asarray(q, jnp.bfloat16)
+    opts = {**SCALES["head"], "softmax_scale": 1e-4}
+    out = ejkernel.unified_attention(**a, **opts, platform="triton", cfg=small(splits=2))
+    ref = unified_attention_reference(**{**a, "queries": _f32(a["queries"])}, **opts)
+    check(out, ref, dtype=jnp.bfloat16)
 
 
 # -- ragged_decode_attention ----------------------------------------------------------------
@@ -288,7 +307,9 @@ def test_v3_update_aliases_the_caches() -> None:
 
 def test_fp8_kernel_compiles_for_hopper(hopper_compile: None) -> None:
     """The float8 decode compiles for sm_90 with 16-byte pipelined K/V copies (the tile of
-    float8 is half the bytes of bfloat16's) and matrix instructions."""
+    float8 is half the bytes of bfloat16's) and matrix instructions; with bfloat16 queries the
+    products run in float16, to which float8 converts in one instruction a pair of entries
+    (to bfloat16: two more, one an entry)."""
     rows, max_pages, hq, hkv, d = 32, 512, 32, 8, 128
     cache = jnp.ones((rows * max_pages + 1, 16, hkv, d), FP8)
     compiled = _paged_helpers.hopper_launch(
@@ -303,6 +324,9 @@ def test_fp8_kernel_compiles_for_hopper(hopper_compile: None) -> None:
         decode=True,
     )
     _paged_helpers.assert_pipelined_matrix_code(compiled)
+    cvt = collections.Counter(re.findall(r"\bcvt(?:\.\w+)+", compiled.ptx))
+    assert cvt["cvt.rn.f16x2.e4m3x2"] > 0 and cvt["cvt.bf16.f16"] == 0, cvt
+    assert re.search(r"\bmma\.sync\.aligned\.[\w.]*\.f32\.f16\.f16\.f32\b", compiled.ptx)
 
 
 # -- GPU --------------------------------------------------------------------------------------

@@ -29,7 +29,12 @@ Layout (OPS.md): packed ``queries [T, Hq, D]``; ``key_cache``/``value_cache``
 - Quantised caches (``SCALED``): K/V tiles load in the cache dtype (``float8_e4m3fn``: half
   the bytes of bfloat16) and are cast to the query dtype in registers; the program's KV head
   scale ``k_scale[h]`` joins the score scale and ``v_scale[h]`` the final normalisation, so
-  ``cache · scale`` is never formed (scales come as float32 ``[Hkv]``).
+  ``cache · scale`` is never formed (scales come as float32 ``[Hkv]``). ``F16_PRODUCTS``
+  (bfloat16 queries over a float8 cache): both products run in float16 instead, to which a
+  float8 tile converts exactly in one instruction a pair (to bfloat16 it takes two); each
+  query row is divided by a power of two that brings its largest magnitude within 2^15
+  (usually 1) and the row's scores are multiplied back, exactly, so no query overflows
+  float16, and the probabilities enter the second product in float16.
 - ALiBi adds ``slope[h] · (key_pos - query_pos)`` after the soft cap; sinks
   (``softmax_aux [Hq, n]``) join the maximum and denominator once, after the walk.
 - Split-K (``NUM_SPLITS > 1``): split ``k`` walks the ``k``-th of ``NUM_SPLITS`` equal runs of
@@ -117,6 +122,17 @@ def _kv_tile(
 
 
 @triton.jit
+def _to_float16_rows(q):
+    """``(q / r, r)``: ``q`` in float16, each row divided by the power of two ``r`` (1 unless
+    the row's largest magnitude exceeds 2^15) that keeps it within float16's range."""
+    x = q.to(tl.float32)
+    big = tl.maximum(tl.max(tl.abs(x), 1), 1.0)
+    shift = tl.maximum(tl.ceil(tl.log2(big)) - 15.0, 0.0)
+    r = tl.exp2(shift)
+    return (x / r[:, None]).to(tl.float16), r
+
+
+@triton.jit
 def unified_attention_kernel(
     Q,
     KCache,
@@ -170,6 +186,7 @@ def unified_attention_kernel(
     HAS_START: tl.constexpr = False,
     ONE_PAGE: tl.constexpr = False,
     SCALED: tl.constexpr = False,
+    F16_PRODUCTS: tl.constexpr = False,
 ):
     """One program: ``BLOCK_Q`` query tokens of one sequence × the query heads of KV head
     ``program_id(1)``, over split ``program_id(2)`` of their keys. Strides (``stride_qt`` and
@@ -229,6 +246,8 @@ def unified_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_ptrs = Q + token[:, None] * stride_qt + head[:, None] * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if F16_PRODUCTS:
+        q, row_scale = _to_float16_rows(q)
     q_pos = tok + (kv_len - q_len)
     slope = tl.zeros([BLOCK_M], tl.float32)
     if HAS_ALIBI:
@@ -264,6 +283,8 @@ def unified_attention_kernel(
             if SCALED:  # dequantised in registers; the scale joined qk_scale
                 k = k.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if F16_PRODUCTS:
+                qk = qk * row_scale[:, None]
             s, _ = _scores(qk, qk_scale, soft_cap, SOFT_CAP)
             if HAS_ALIBI:
                 s = s + slope[:, None] * (cols[None, :] - q_pos[:, None]).to(tl.float32)

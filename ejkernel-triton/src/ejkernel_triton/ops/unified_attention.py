@@ -181,6 +181,10 @@ def paged_attention(
         HAS_START=kv_starts is not None,
         ONE_PAGE=max_pages == 1,
         SCALED=scaled,
+        F16_PRODUCTS=scaled
+        and queries.dtype == jnp.bfloat16
+        and jnp.dtype(key_cache.dtype).itemsize == 1
+        and jnp.dtype(value_cache.dtype).itemsize == 1,
     )
     if splits == 1:
         return out
