@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -12,6 +13,12 @@ import pytest
 #: The compilation cache the run's processes share (pytest-xdist workers and the children
 #: some tests start inherit it): a temporary folder the first process makes and removes.
 _JAX_CACHE = "EJKERNEL_TESTS_JAX_CACHE"
+
+#: XLA's CPU fusions by its older emitters: about half the compile time of these tests' small
+#: programs. Set where the default backend is the CPU and this jaxlib knows the flag (XLA
+#: stops a process at an unknown flag), found out once, by the first process of the run.
+_CPU_FLAG = "--xla_cpu_use_fusion_emitters=false"
+_CPU_FLAG_CHECKED = "EJKERNEL_TESTS_XLA_FLAG_CHECKED"
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +73,8 @@ def pytest_configure(config):
     anything starts a backend.
 
     On a CPU, compile without XLA's and LLVM's expensive optimisations
-    (``jax_disable_most_optimizations``): these tests spend most of their time compiling small
+    (``jax_disable_most_optimizations``) and with XLA's older fusion emitters (:data:`_CPU_FLAG`):
+    these tests spend most of their time compiling small
     programs, which then run on inputs of a few kilobytes; and share one persistent
     compilation cache among the run's processes, so a program another test (or the other
     worker) compiled is read back. GPU runs keep the usual compiler and no cache.
@@ -77,6 +85,18 @@ def pytest_configure(config):
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if gpus > 1 and worker.startswith("gw"):
         os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker[2:]) % gpus)
+    if not gpus and not os.environ.get(_CPU_FLAG_CHECKED):
+        os.environ[_CPU_FLAG_CHECKED] = "1"
+        flags = f"{os.environ.get('XLA_FLAGS', '')} {_CPU_FLAG}".strip()
+        probe = subprocess.run(
+            [sys.executable, "-c", "import jax; print(jax.default_backend())"],
+            env={**os.environ, "XLA_FLAGS": flags},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == "cpu":
+            os.environ["XLA_FLAGS"] = flags
     import jax
 
     jax.config.update("jax_cpu_enable_async_dispatch", False)
