@@ -480,44 +480,32 @@ def rounds_mode(
     rounds: int,
     causals: tuple[bool, ...],
     grad: bool,
+    every_config: bool = False,
 ) -> None:
-    """``--mode rounds``: ejkernel's default call on ``platform`` against ``ref``."""
-    anchor = implementations()[ref]
-    what = "forward+backward" if grad else "forward"
-    for causal in causals:
-        res = timed_rounds(
-            {f"ejkernel {platform}": ours(platform), ref: anchor}, shape, causal, rounds, grad
-        )
-        print_rounds(f"{shape} causal={causal} {what}, {rounds} rounds", res, ref)
-
-
-def configs_mode(
-    platform: str,
-    ref: str,
-    shape: tuple[int, ...],
-    rounds: int,
-    causals: tuple[bool, ...],
-    grad: bool,
-) -> None:
-    """``--mode configs``: each config of the config space, and the default call (the config
-    chain's choice: a shipped table's, where one applies), against ``ref``."""
+    """``--mode rounds``: ejkernel's default call on ``platform`` against ``ref``;
+    ``every_config`` (``--mode configs``): also each config of the config space, and the
+    default call is the config chain's choice (a shipped table's, where one applies)."""
     import ejkernel
 
     anchor = implementations()[ref]
     what = "forward+backward" if grad else "forward"
     for causal in causals:
-        attns: dict[str, Callable[..., Any]] = {
-            label: lambda q, k, v, causal, c=cfg: ejkernel.flash_attention(
-                q, k, v, causal=causal, platform=platform, cfg=c
-            )
-            for label, cfg in config_space(platform, shape, causal, grad).items()
-        }
-        attns["default call"] = ours(platform)
+        attns: dict[str, Callable[..., Any]] = {}
+        if every_config:
+            attns = {
+                label: lambda q, k, v, causal, c=cfg: ejkernel.flash_attention(
+                    q, k, v, causal=causal, platform=platform, cfg=c
+                )
+                for label, cfg in config_space(platform, shape, causal, grad).items()
+            }
+        default = "default call" if every_config else f"ejkernel {platform}"
+        attns[default] = ours(platform)
         attns[ref] = anchor
         res = timed_rounds(attns, shape, causal, rounds, grad)
         print_rounds(f"{shape} causal={causal} {what}, {rounds} rounds", res, ref)
-        row = {"impl": "default call", "shape": shape, "causal": causal}
-        print(chosen_line({**row, "chosen": chosen(platform, shape, causal)}), flush=True)
+        if every_config:
+            row = {"impl": default, "shape": shape, "causal": causal}
+            print(chosen_line({**row, "chosen": chosen(platform, shape, causal)}), flush=True)
 
 
 def startup_mode(shape: tuple[int, ...], repeat: int, platform: str) -> None:
@@ -638,9 +626,9 @@ def main() -> None:
     print(json.dumps(versions()), flush=True)
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     if args.mode in ("rounds", "configs"):
-        mode = rounds_mode if args.mode == "rounds" else configs_mode
         shape = args.shape or ROUNDS_SHAPE
-        return mode(args.platform, args.ref, shape, args.rounds, causals, args.grad)
+        every = args.mode == "configs"
+        return rounds_mode(args.platform, args.ref, shape, args.rounds, causals, args.grad, every)
     if args.mode == "startup":
         return startup_mode(args.shape or STARTUP_SHAPE, args.repeat, args.platform)
 

@@ -107,7 +107,7 @@ def test_configs_mode_times_each_config_and_the_default_call_forward_and_backwar
 ) -> None:
     monkeypatch.setattr(harness, "WARM_S", 0.0)
 
-    harness.configs_mode("xla", "XLA", SHAPE, 1, (True,), True)
+    harness.rounds_mode("xla", "XLA", SHAPE, 1, (True,), True, every_config=True)
 
     out = capsys.readouterr().out
     assert f"{SHAPE} causal=True forward+backward, 1 rounds" in out
