@@ -178,3 +178,54 @@ def test_large_synthetic_draws_depend_on_the_seed_only(monkeypatch: pytest.Monke
     assert abs(float(c.mean())) < 0.05 and abs(float(c.std()) - 1) < 0.05
     first, *others = np.array_split(c.ravel(), 16)  # each slice from a generator of its own
     assert not any(np.array_equal(first[:500], other[:500]) for other in others)
+
+
+def test_finalists_are_timed_again_in_rotating_rounds_and_chosen_by_their_median():
+    from ejkernel import _autotune
+
+    first = {"a": 1.00, "b": 0.98, "c": 1.05, "d": 1.30}  # d is no finalist (30 % slower)
+    true = {"a": 1.00, "b": 1.04, "c": 1.06}
+    order: list[str] = []
+
+    def time_one(k):
+        order.append(k)
+        return true[k] * (0.98 if len(order) % 3 == 1 else 1.0)  # a round's first gains 2 %
+
+    got = _autotune.confirm_finalists(first, time_one)
+
+    assert order == ["b", "a", "c", "a", "c", "b", "c", "b", "a"]  # fastest first, then rotated
+    assert min(got, key=got.__getitem__) == "a"  # not b, which the single timing favoured
+    assert got["d"] == 1.30 and got["a"] == pytest.approx(1.00)
+    assert _autotune.confirm_finalists({"a": 1.0, "b": 2.0}, time_one) == {"a": 1.0, "b": 2.0}
+    assert _autotune.confirm_finalists({}, time_one) == {}
+
+
+def test_a_finalist_whose_second_timing_fails_keeps_its_first_time():
+    from ejkernel import _autotune
+
+    def time_one(k):
+        if k == "b":
+            raise RuntimeError("out of memory this time")
+        return 1.5
+
+    got = _autotune.confirm_finalists({"a": 1.0, "b": 0.95}, time_one)
+
+    assert got == {"a": 1.5, "b": 0.95}
+
+
+def test_tune_candidates_chooses_among_the_finalists_by_their_rounds(monkeypatch):
+    from ejkernel import _autotune
+
+    runners = {"fast": lambda: jnp.ones(2), "slow": lambda: jnp.ones(2)}
+    true = {runners["fast"]: 1.0, runners["slow"]: 1.1}
+    first_pass = iter([1.00, 0.97])  # one timing each: "slow" looks 3 % faster
+
+    def fake_time(runner, **kw):
+        return next(first_pass, None) or true[runner]
+
+    monkeypatch.setattr(_autotune, "time_candidate", fake_time)
+
+    best, timings = _autotune.tune_candidates("toy", ["fast", "slow"], runners.__getitem__)
+
+    assert best == "fast"
+    assert timings['"fast"'] == pytest.approx(1.0) and timings['"slow"'] == pytest.approx(1.1)

@@ -344,7 +344,7 @@ def test_compiles_run_on_several_threads_and_timings_one_at_a_time(toy, monkeypa
     assert len(Sleepy.threads) == 6
     assert all(name.startswith("ejkernel-compile") for name in Sleepy.threads)
     assert len(set(Sleepy.threads)) >= 2
-    assert len(spans) == 6
+    assert len(spans) >= 6  # each candidate, then the finalists again
     assert {name for name, _, _ in spans} == {threading.current_thread().name}
     spans.sort(key=lambda s: s[1])
     assert all(a[2] <= b[1] for a, b in itertools.pairwise(spans))

@@ -33,7 +33,13 @@ import jax
 import numpy as np
 
 from ejkernel import _env
-from ejkernel._autotune import _agrees, on_device, progress_logger, time_candidate
+from ejkernel._autotune import (
+    _agrees,
+    confirm_finalists,
+    on_device,
+    progress_logger,
+    time_candidate,
+)
 from ejkernel._chain import unique_configs
 from ejkernel._compile_workers import WorkerPool, WorkerUnavailable
 from ejkernel._executor import Executor, default_executor
@@ -380,7 +386,8 @@ class _Compiler:
 def _time_target(
     t: _Target, num_iters: int, num_warmup: int, failures: list[TuneFailure]
 ) -> dict[int, float]:
-    """Milliseconds per candidate of ``t`` that runs and agrees with the first one."""
+    """Milliseconds per candidate of ``t`` that runs and agrees with the first one (the
+    finalists' after :func:`~ejkernel._autotune.confirm_finalists`)."""
     timings: dict[int, float] = {}
     if not t.compiled:
         return timings
@@ -393,8 +400,9 @@ def _time_target(
         _fail(failures, t, None, "run", err)
         return timings
     baseline: Any = None
+    timed: dict[int, Any] = {}  # the executables, released once the finalists are timed
     for i in sorted(t.compiled):
-        compiled = t.compiled.pop(i)[0]  # released once timed
+        compiled = t.compiled.pop(i)[0]
         label = stable_json(t.configs[i])
         with _reported_if_stuck(f"{t.op}/{t.platform} candidate {label}"):
             try:
@@ -421,9 +429,13 @@ def _time_target(
                 _fail(failures, t, label, "run", err)
                 continue
         timings[i] = ms
+        timed[i] = compiled
         if _env.log_autotune():
             progress_logger.info("autotune_recorded: %s/%s %s %.3f ms", t.op, t.platform, label, ms)
-    return timings
+    return confirm_finalists(
+        timings,
+        lambda i: time_candidate(timed[i], *feed, num_iters=num_iters, num_warmup=num_warmup),
+    )
 
 
 @contextlib.contextmanager
