@@ -25,7 +25,9 @@ default selection on a float8 cache, cuDNN decode on a dense cache and JAX's Pal
 ``unified_attention`` (mixed and vLLM-like batches, on torch through dlpack, timed with CUDA
 events; below the table, its output's max abs difference from the default call's) and a
 2048-query prefill chunk on an 8k context against flash attention's forward:
-``python benchmarks/bench_serving.py --serving default,triton,cuda --anchors``.
+``python benchmarks/bench_serving.py --serving default,triton,cuda --anchors``. ``--parts``
+adds, after each mixed batch, its decodes alone and its prefill chunks alone (where the
+batch's time goes, each beside its own roofline).
 
 The vLLM anchor needs torch and triton and ``.whl-vllm`` on ``PYTHONPATH`` (its cell says why
 otherwise): ``bash benchmarks/fetch_vllm_anchor.sh`` here writes it (vLLM 0.33's kernel module
@@ -155,19 +157,31 @@ def mixed_lengths(seqs: int, decode_len: int) -> tuple[list[int], list[int]]:
     return kv_lens, q_lens
 
 
-def serving_cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
-    """The serving shapes as ``(name, kv_lens, q_lens)``; ``quick``: contexts and chunks / 8."""
+def serving_cases(quick: bool, parts: bool = False) -> list[tuple[str, list[int], list[int]]]:
+    """The serving shapes as ``(name, kv_lens, q_lens)``; ``quick``: contexts and chunks / 8;
+    ``parts``: after each mixed batch, its decodes alone and its chunks alone."""
     rng = np.random.default_rng(0)
     scale = 8 if quick else 1
     mixed = [int(n) for n in rng.integers(2048, 4097, 16) // scale]
     vllm = [int(n) for n in rng.integers(1024, 16385, 66) // scale]
-    return [
+    cases = [
         ("decode B32 8k", [8192 // scale] * 32, [1] * 32),
         ("decode B128 8k", [8192 // scale] * 128, [1] * 128),
         ("decode B1 128k", [131072 // scale], [1]),
         ("mixed 12 dec + 4x512", mixed, [1] * 12 + [512 // scale] * 4),
         ("vllm-like 64 dec + 2x2048", vllm, [1] * 64 + [2048 // scale] * 2),
     ]
+    if not parts:
+        return cases
+    out = []
+    for name, kv_lens, q_lens in cases:
+        out.append((name, kv_lens, q_lens))
+        if len(set(q_lens)) > 1:  # a mixed batch
+            for part, keep in (("its decodes", lambda q: q == 1), ("its chunks", lambda q: q > 1)):
+                idx = [i for i, q in enumerate(q_lens) if keep(q)]
+                kv, q = [kv_lens[i] for i in idx], [q_lens[i] for i in idx]
+                out.append((f"{name.split()[0]}: {part}", kv, q))
+    return out
 
 
 def _causal_flops(kv_lens: list[int], q_lens: list[int], hq: int, d: int) -> int:
@@ -317,7 +331,7 @@ def _vllm_cell(c: dict[str, Any], nbytes: int, warm_s: float) -> tuple[str, str]
     return f"{ms:.3f} ({nbytes / ms / 1e6:.0f})", f"{np.abs(theirs - ours).max():.2e}"
 
 
-def serving(platforms: list[str], quick: bool, anchors: bool) -> None:
+def serving(platforms: list[str], quick: bool, anchors: bool, parts: bool = False) -> None:
     """Each serving shape on each platform (``default``: the usual selection): median ms and
     the K/V read rate (GB/s). With ``anchors``: the roofline of the same run (the larger of
     the K/V bytes over the copy bandwidth and the flops over the bf16 matmul ceiling), the
@@ -339,7 +353,7 @@ def serving(platforms: list[str], quick: bool, anchors: bool) -> None:
     print("|---|" + "---|" * len(columns))
     chosen: list[str] = []
     checks: list[str] = []
-    for name, kv_lens, q_lens in serving_cases(quick):
+    for name, kv_lens, q_lens in serving_cases(quick, parts):
         rng = np.random.default_rng(1)
         max_pages = max(-(-n // page) for n in kv_lens)
         num_pages = sum(-(-n // page) for n in kv_lens) + 8
@@ -428,9 +442,12 @@ def main() -> None:
         "--serving", default="", help="time the serving shapes on these platforms (or default)"
     )
     parser.add_argument("--anchors", action="store_true", help="with --serving: the anchors")
+    parser.add_argument(
+        "--parts", action="store_true", help="with --serving: each mixed batch's two halves too"
+    )
     args = parser.parse_args()
     if args.serving:
-        serving(args.serving.split(","), args.quick, args.anchors)
+        serving(args.serving.split(","), args.quick, args.anchors, args.parts)
         return
     dtype = jnp.dtype(args.dtype)
     s = args.seqs
