@@ -12,6 +12,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +70,13 @@ UNIFIED_CASES = {
     "tile-in-page": ([70, 12], [9, 1], {"page_size": 32}, {}, small(keys=16)),
     "tile-across-pages": ([70, 12], [9, 1], {"page_size": 16}, {}, small(keys=32)),
     "wide-rows": ([45, 9], [17, 2], {"hq": 8, "hkv": 2}, {}, small(rows=64, splits=2)),
+    "decode-launch": (
+        [37, 1, 20, 0, 45, 2],
+        [5, 1, 20, 0, 1, 1],
+        {"hq": 8, "hkv": 2},
+        {"softmax_aux": "sinks"},
+        attrs.evolve(small(splits=2), decode_launch=True),
+    ),
 }
 
 
@@ -84,6 +92,25 @@ def test_unified_attention(interpret: None, case: str) -> None:
         opts = {**opts, "alibi_slopes": 2.0 ** -jnp.arange(1, hq + 1, dtype=jnp.float32)}
     out = ejkernel.unified_attention(**args, **opts, platform="triton", cfg=cfg)
     check(out, unified_attention_reference(**args, **opts))
+
+
+def test_a_mixed_batch_with_a_decode_launch_runs_two_kernels_serving_each_kind() -> None:
+    """``decode_launch``: the decodes at 16 rows a program and split-K, the chunks at the
+    config's rows, one launch each; a decode-like batch keeps one launch."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops.unified_attention import paged_attention
+
+    args = packed([37, 1, 20, 45], [5, 1, 20, 1], hq=8, hkv=2)
+    cfg = attrs.evolve(small(rows=64), decode_launch=True)
+    with _codegen.recorded_launches() as record:
+        paged_attention(cfg, args)
+    assert [launch.constexprs["SERVE"] for launch in record] == [1, 2]
+    assert [launch.constexprs["BLOCK_M"] for launch in record] == [16, 64]
+
+    decodes = packed([37, 1, 20, 45], [1, 1, 1, 1], hq=8, hkv=2)
+    with _codegen.recorded_launches() as record:
+        paged_attention(cfg, decodes)
+    assert [launch.constexprs["SERVE"] for launch in record] == [0]
 
 
 def test_unified_attention_bf16_default_config(interpret: None) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,8 +92,6 @@ def paged_attention(
     if t == 0 or rows == 0:
         return jnp.zeros((t, hq, dv), queries.dtype)
     problem = Problem.of(queries, key_cache, rows, max_pages)
-    r = resolve(problem, cfg)
-    splits = r["num_splits"]
     group = hq // problem.hkv
     align = min(d & -d, dv & -dv, 16)
     left, right = (int(w) for w in sliding_window) if sliding_window is not None else (0, 0)
@@ -110,85 +109,100 @@ def paged_attention(
     scaled = k_scale is not None or v_scale is not None
     k_scales, v_scales = (_per_head(x, problem.hkv) for x in (k_scale, v_scale))
     starts = jnp.zeros((1,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
-    if splits == 1:
-        out_shape = [
-            jax.ShapeDtypeStruct((t, hq, dv), queries.dtype),
-            jax.ShapeDtypeStruct((1,), jnp.float32),
-        ]
-    else:
-        out_shape = [
-            jax.ShapeDtypeStruct((splits, t, hq, dv), jnp.float32),
-            jax.ShapeDtypeStruct((splits, t, hq), jnp.float32),
-        ]
-    from ejkernel_triton.kernels.paged_attention import unified_attention_kernel
 
-    num_aux = int(aux.shape[1]) if softmax_aux is not None else 1
-    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = _launch.launch(
-        unified_attention_kernel,
-        queries,
-        key_cache,
-        value_cache,
-        kv_lens.astype(jnp.int32),
-        block_tables.astype(jnp.int32),
-        query_start_loc.astype(jnp.int32),
-        live,
-        aux,
-        slopes,
-        starts,
-        k_scales,
-        v_scales,
-        np.float32(scale),
-        np.float32(logits_soft_cap or 1.0),
-        left,
-        right,
-        num_aux,
-        t,
-        hq,
-        problem.num_pages,
-        max_pages,
-        hq * d // align,
-        problem.page_size * problem.hkv * d // align,
-        problem.hkv * d // align,
-        problem.page_size * problem.hkv * dv // align,
-        problem.hkv * dv // align,
-        hq * dv // align,
-        out_shape=out_shape,
-        grid=(rows if decode else t // r["block_q"] + rows, problem.hkv, splits),
-        num_warps=r["num_warps"],
-        num_stages=fit_stages(problem, r["block_m"], r["block_n"], r["num_stages"]),
-        zeroed_outputs=(0, 1),
-        HEAD_DIM=d,
-        BLOCK_D=pow2(d),
-        HEAD_DV=dv,
-        BLOCK_DV=pow2(dv),
-        PAGE_SIZE=problem.page_size,
-        GROUP=group,
-        GROUP_PAD=problem.group_pad,
-        BLOCK_Q=r["block_q"],
-        BLOCK_M=r["block_m"],
-        BLOCK_N=r["block_n"],
-        NUM_SPLITS=splits,
-        CAUSAL=bool(causal),
-        WINDOW=sliding_window is not None,
-        SOFT_CAP=logits_soft_cap is not None,
-        HAS_AUX=softmax_aux is not None,
-        BLOCK_AUX=pow2(num_aux),
-        HAS_ALIBI=alibi_slopes is not None,
-        DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32",
-        ALIGN=align,
-        DECODE=bool(decode),
-        HAS_START=kv_starts is not None,
-        ONE_PAGE=max_pages == 1,
-        SCALED=scaled,
-        F16_PRODUCTS=scaled
-        and queries.dtype == jnp.bfloat16
-        and jnp.dtype(key_cache.dtype).itemsize == 1
-        and jnp.dtype(value_cache.dtype).itemsize == 1,
-    )
-    if splits == 1:
-        return out
-    return merge_splits(out, lse).astype(queries.dtype)
+    def run(r: dict[str, int], serve: int) -> jax.Array:
+        """One launch with ``r``'s tiles over the sequences ``serve`` names (0 every one,
+        1 those of one query, 2 the others)."""
+        splits = r["num_splits"]
+        if splits == 1:
+            out_shape = [
+                jax.ShapeDtypeStruct((t, hq, dv), queries.dtype),
+                jax.ShapeDtypeStruct((1,), jnp.float32),
+            ]
+        else:
+            out_shape = [
+                jax.ShapeDtypeStruct((splits, t, hq, dv), jnp.float32),
+                jax.ShapeDtypeStruct((splits, t, hq), jnp.float32),
+            ]
+        from ejkernel_triton.kernels.paged_attention import unified_attention_kernel
+
+        num_aux = int(aux.shape[1]) if softmax_aux is not None else 1
+        scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+        out, lse = _launch.launch(
+            unified_attention_kernel,
+            queries,
+            key_cache,
+            value_cache,
+            kv_lens.astype(jnp.int32),
+            block_tables.astype(jnp.int32),
+            query_start_loc.astype(jnp.int32),
+            live,
+            aux,
+            slopes,
+            starts,
+            k_scales,
+            v_scales,
+            np.float32(scale),
+            np.float32(logits_soft_cap or 1.0),
+            left,
+            right,
+            num_aux,
+            t,
+            hq,
+            problem.num_pages,
+            max_pages,
+            hq * d // align,
+            problem.page_size * problem.hkv * d // align,
+            problem.hkv * d // align,
+            problem.page_size * problem.hkv * dv // align,
+            problem.hkv * dv // align,
+            hq * dv // align,
+            out_shape=out_shape,
+            grid=(rows if decode else t // r["block_q"] + rows, problem.hkv, splits),
+            num_warps=r["num_warps"],
+            num_stages=fit_stages(problem, r["block_m"], r["block_n"], r["num_stages"]),
+            zeroed_outputs=(0, 1),
+            HEAD_DIM=d,
+            BLOCK_D=pow2(d),
+            HEAD_DV=dv,
+            BLOCK_DV=pow2(dv),
+            PAGE_SIZE=problem.page_size,
+            GROUP=group,
+            GROUP_PAD=problem.group_pad,
+            BLOCK_Q=r["block_q"],
+            BLOCK_M=r["block_m"],
+            BLOCK_N=r["block_n"],
+            NUM_SPLITS=splits,
+            CAUSAL=bool(causal),
+            WINDOW=sliding_window is not None,
+            SOFT_CAP=logits_soft_cap is not None,
+            HAS_AUX=softmax_aux is not None,
+            BLOCK_AUX=pow2(num_aux),
+            HAS_ALIBI=alibi_slopes is not None,
+            DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32",
+            ALIGN=align,
+            DECODE=bool(decode),
+            HAS_START=kv_starts is not None,
+            ONE_PAGE=max_pages == 1,
+            SCALED=scaled,
+            SERVE=serve,
+            F16_PRODUCTS=scaled
+            and queries.dtype == jnp.bfloat16
+            and jnp.dtype(key_cache.dtype).itemsize == 1
+            and jnp.dtype(value_cache.dtype).itemsize == 1,
+        )
+        if splits == 1:
+            return out
+        return merge_splits(out, lse).astype(queries.dtype)
+
+    r = resolve(problem, cfg)
+    if decode or problem.decode_like or rows < 2 or not getattr(cfg, "decode_launch", False):
+        return run(r, 0)
+    # the decodes in a launch of their own, at a decode-like batch's tiles and splits (every
+    # program of the other launch's sequences returns at once; each leaves the other's tokens
+    # zero)
+    decodes = attrs.evolve(problem, tokens=rows)
+    return run(resolve(decodes, None), 1) + run(r, 2)
 
 
 def _per_head(scale: Any, hkv: int) -> jax.Array:

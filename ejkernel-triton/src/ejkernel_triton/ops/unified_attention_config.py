@@ -70,10 +70,15 @@ class UnifiedAttentionConfig:
             keys per step (a power of two, at least 16), ``num_warps``, ``num_stages``.
         num_splits: key-range splits per program (split-K, merged after the kernel); 1 turns
             splitting off, 0 takes the heuristic's count.
+        decode_launch: in a batch that is not decode-like, the sequences of one query (the
+            decodes) in a launch of their own at a decode batch's heuristic tiles and splits,
+            the others at these (else every sequence gets these rows, most of them unused by
+            a decode).
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
     num_splits: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    decode_launch: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -224,7 +229,8 @@ _TILES = (
 
 def config_space_of(problem: Problem, config: type[Any]) -> list[Any]:
     """The heuristic's config; its tile with twice and half the splits (decode) or none; a
-    few other tiles at the heuristic's splits; minus those over the device's shared memory."""
+    few other tiles at the heuristic's splits; a mixed batch's decodes in a launch of their
+    own; minus those over the device's shared memory."""
     base = heuristic_config(problem, config)
     if _launch.interpreting() or problem.itemsize == 4:
         return [base]
@@ -235,6 +241,8 @@ def config_space_of(problem: Problem, config: type[Any]) -> list[Any]:
     for rows, keys, warps, stages in _TILES:
         params = FwdParams(q_blocksize=rows, kv_blocksize=keys, num_warps=warps, num_stages=stages)
         configs.append(attrs.evolve(base, fwd_params=params))
+    if not problem.decode_like and problem.rows > 1:
+        configs.append(attrs.evolve(base, decode_launch=True))
     return prune_by_shared_memory(
         list(dict.fromkeys(configs)),
         functools.partial(smem_need, problem),
