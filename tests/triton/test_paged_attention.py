@@ -340,6 +340,21 @@ def _rel(a: jax.Array, b: jax.Array) -> float:
 
 
 @pytest.mark.gpu
+def test_gpu_mixed_batch_with_a_decode_launch() -> None:
+    """12 decodes and 4 chunks of 512 over 2k-4k contexts, the decodes in a launch of their
+    own (``decode_launch``), against XLA."""
+    rng = np.random.default_rng(4)
+    b = _serving_batch([int(n) for n in rng.integers(2048, 4097, 16)], [1] * 12 + [512] * 4)
+    problem = Problem.of(b["queries"], b["key_cache"], *b["block_tables"].shape)
+    cfg = attrs.evolve(heuristic_config(problem, UnifiedAttentionConfig), decode_launch=True)
+    run = jax.jit(lambda a: ejkernel.unified_attention(**a, platform="triton", cfg=cfg))
+    ours = run(b)
+    ref = jax.jit(lambda a: ejkernel.unified_attention(**a, platform="xla"))(b)
+    assert bool(jnp.all(jnp.isfinite(ours)))
+    assert _rel(ours, ref) < 1e-2
+
+
+@pytest.mark.gpu
 def test_gpu_decode_serving_shape() -> None:
     """Decode, B 32 over 8k contexts (split-K by the heuristic), against XLA."""
     b = _serving_batch([8192] * 32, [1] * 32)
