@@ -73,9 +73,9 @@ def pytest_configure(config):
     anything starts a backend.
 
     On a CPU, compile without XLA's and LLVM's expensive optimisations
-    (``jax_disable_most_optimizations``) and with XLA's older fusion emitters (:data:`_CPU_FLAG`):
-    these tests spend most of their time compiling small
-    programs, which then run on inputs of a few kilobytes; and share one persistent
+    (``jax_disable_most_optimizations``) and with XLA's older fusion emitters
+    (:data:`_CPU_FLAG`): these tests spend most of their time compiling small programs, which
+    then run on inputs of a few kilobytes; and share one persistent
     compilation cache among the run's processes, so a program another test (or the other
     worker) compiled is read back. GPU runs keep the usual compiler and no cache.
 

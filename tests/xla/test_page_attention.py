@@ -148,12 +148,12 @@ def test_the_reference_is_one_program_per_set_of_static_arguments() -> None:
 
     first, second = make_inputs(GQA), make_inputs(MQA)
     page_attention_reference(**first, sliding_window=(3, 0))
-    before = _base._jitted_over_arrays.cache_info()
+    before = _base.jitted_with_statics.cache_info()
     page_attention_reference(**first, sliding_window=(3, 0))
-    same = _base._jitted_over_arrays.cache_info()
+    same = _base.jitted_with_statics.cache_info()
     page_attention_reference(**first, sliding_window=(5, 0))
     assert (same.hits, same.misses) == (before.hits + 1, before.misses)
-    assert _base._jitted_over_arrays.cache_info().misses == before.misses + 1
+    assert _base.jitted_with_statics.cache_info().misses == before.misses + 1
     jitted = page_attention_reference(**second, sliding_window=(3, 0))
     by_op = page_attention_reference(**second, sliding_window=[3, 0])
     assert np.isfinite(np.asarray(jitted)).all()

@@ -188,9 +188,10 @@ def jit_over_arrays(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(*args, **kwargs).arguments
         arrays = {k: v for k, v in arguments.items() if isinstance(v, jax.Array | np.ndarray)}
-        statics = tuple(sorted((k, v) for k, v in arguments.items() if k not in arrays))
         try:
-            jitted = _jitted_over_arrays(fn, statics)
+            jitted = jitted_with_statics(
+                fn, static_key(arguments.keys() - arrays.keys(), arguments)
+            )
         except TypeError:
             return fn(*args, **kwargs)
         return jitted(arrays)
@@ -198,9 +199,21 @@ def jit_over_arrays(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def static_key(names: Iterable[str], values: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The cache key of the static arguments ``names`` of ``values`` (``TypeError`` when one
+    is unhashable); each value's type is part of it, so ``1``, ``1.0`` and ``True`` stay
+    apart."""
+    key = tuple(sorted((k, type(values[k]).__name__, values[k]) for k in names))
+    hash(key)
+    return key
+
+
 @functools.lru_cache(maxsize=1024)
-def _jitted_over_arrays(fn: Callable[..., Any], statics: tuple[Any, ...]) -> Any:
-    return jax.jit(lambda arrays: fn(**dict(statics), **arrays))
+def jitted_with_statics(fn: Callable[..., Any], key: tuple[Any, ...]) -> Any:
+    """``arrays -> fn(**statics, **arrays)`` jitted, the statics those of :func:`static_key`'s
+    ``key``: one function, so one compile a set of shapes, for every call with them."""
+    statics = {k: v for k, _, v in key}
+    return jax.jit(lambda arrays: fn(**statics, **arrays))
 
 
 def builtin_op_spec(fn: Callable[..., Any], **fields: Any) -> OpSpec:

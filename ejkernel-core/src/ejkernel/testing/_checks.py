@@ -21,6 +21,7 @@ import numpy as np
 from ejkernel._invocation import Invocation, current_backend
 from ejkernel._registry import Implementation
 from ejkernel.specs import OpSpec
+from ejkernel.specs._base import jitted_with_statics, static_key
 from ejkernel.testing._examples import Example, Invalid
 from ejkernel.testing._helpers import TOLERANCES, assert_close
 
@@ -102,7 +103,7 @@ def _jitted_reference(spec: OpSpec, statics: Mapping[str, Any]) -> Callable[...,
     """``arrays -> spec.reference(**statics, **arrays)``, jitted: one function (and so one
     compile a set of shapes) for every check of the op with these statics."""
     try:
-        return _jitted_reference_of(spec.reference, _frozen(statics))
+        return jitted_with_statics(spec.reference, static_key(statics, statics))
     except TypeError:  # an unhashable static: a function of its own
         return jax.jit(lambda arrs: spec.reference(**statics, **arrs))
 
@@ -111,28 +112,14 @@ def _reference_vjp(spec: OpSpec, statics: Mapping[str, Any]) -> Callable[..., An
     """``(primals, arrays, cotangent) -> the VJP of the reference``, jitted, over validated
     arguments: one function for every gradient check of the op with these statics."""
     try:
-        return _reference_vjp_of(spec, _frozen(statics))
+        return _reference_vjp_of(spec, static_key(statics, statics))
     except TypeError:
         return _vjp_of_reference(spec, dict(statics))
 
 
-def _frozen(statics: Mapping[str, Any]) -> tuple[Any, ...]:
-    """A cache key of ``statics`` (``TypeError`` when one is unhashable); each value's type
-    is part of it, so ``1``, ``1.0`` and ``True`` stay apart."""
-    key = tuple(sorted((k, type(v).__name__, v) for k, v in statics.items()))
-    hash(key)
-    return key
-
-
 @functools.lru_cache(maxsize=512)
-def _jitted_reference_of(reference: Callable[..., Any], statics: tuple[Any, ...]) -> Any:
-    kwargs = {k: v for k, _, v in statics}
-    return jax.jit(lambda arrs: reference(**kwargs, **arrs))
-
-
-@functools.lru_cache(maxsize=512)
-def _reference_vjp_of(spec: OpSpec, statics: tuple[Any, ...]) -> Any:
-    return _vjp_of_reference(spec, {k: v for k, _, v in statics})
+def _reference_vjp_of(spec: OpSpec, key: tuple[Any, ...]) -> Any:
+    return _vjp_of_reference(spec, {k: v for k, _, v in key})
 
 
 def _vjp_of_reference(spec: OpSpec, statics: dict[str, Any]) -> Any:

@@ -109,6 +109,8 @@ def paged_attention(
     scaled = k_scale is not None or v_scale is not None
     k_scales, v_scales = (_per_head(x, problem.hkv) for x in (k_scale, v_scale))
     starts = jnp.zeros((1,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
+    f16_products = scaled and queries.dtype == jnp.bfloat16 and key_cache.dtype.itemsize == 1
+    f16_products = f16_products and value_cache.dtype.itemsize == 1
 
     def run(r: dict[str, int], serve: int) -> jax.Array:
         """One launch with ``r``'s tiles over the sequences ``serve`` names (0 every one,
@@ -186,10 +188,7 @@ def paged_attention(
             ONE_PAGE=max_pages == 1,
             SCALED=scaled,
             SERVE=serve,
-            F16_PRODUCTS=scaled
-            and queries.dtype == jnp.bfloat16
-            and jnp.dtype(key_cache.dtype).itemsize == 1
-            and jnp.dtype(value_cache.dtype).itemsize == 1,
+            F16_PRODUCTS=f16_products,
         )
         if splits == 1:
             return out
