@@ -31,6 +31,8 @@ from ejkernel_triton.ops.unified_attention_config import (
     Problem,
     UnifiedAttentionConfig,
     fit_stages,
+    pingpong_refusal,
+    pingpong_tile,
     resolve,
     selection,
     table_problem,
@@ -194,6 +196,63 @@ def paged_attention(
             return out
         return merge_splits(out, lse).astype(queries.dtype)
 
+    def run_pingpong(min_q_len: int, block_n: int, stages: int) -> jax.Array:
+        """The sequences of ``min_q_len`` queries or more on the Gluon ping-pong kernel."""
+        from ejkernel_triton._kernel_cache import GLOBAL_SCRATCH_BYTES
+        from ejkernel_triton.kernels.paged_attention_hopper import (
+            paged_attention_pingpong_kernel,
+        )
+
+        grid = (t // 128 + rows, hq)
+        out, _, _ = _launch.launch(
+            paged_attention_pingpong_kernel,
+            queries,
+            key_cache,
+            value_cache,
+            kv_lens.astype(jnp.int32),
+            block_tables.astype(jnp.int32),
+            query_start_loc.astype(jnp.int32),
+            live,
+            np.float32(d**-0.5 if softmax_scale is None else float(softmax_scale)),
+            np.float32(logits_soft_cap or 1.0),
+            t,
+            hq,
+            problem.hkv,
+            problem.num_pages,
+            max_pages,
+            out_shape=[
+                jax.ShapeDtypeStruct((t, hq, d), queries.dtype),
+                jax.ShapeDtypeStruct((t * hq,), jnp.float32),
+                jax.ShapeDtypeStruct((grid[0] * grid[1] * GLOBAL_SCRATCH_BYTES,), jnp.int8),
+            ],
+            grid=grid,
+            num_warps=4,
+            num_stages=stages,
+            zeroed_outputs=(0,),
+            HEAD_DIM=d,
+            CAUSAL=bool(causal),
+            SOFT_CAP=logits_soft_cap is not None,
+            PAGE_SIZE=problem.page_size,
+            BLOCK_N=block_n,
+            STAGES=stages,
+            MIN_Q_LEN=min_q_len,
+            HEAD_GROUP=8 if causal else 0,
+        )
+        return out
+
+    if getattr(cfg, "chunk_kernel", "unified") == "pingpong":
+        why = (
+            "a decode call"
+            if decode
+            else pingpong_refusal({**a, "sequence_start": kv_starts}, problem, "queries")
+        )
+        if why:
+            raise ValueError(f"chunk_kernel='pingpong' cannot serve this call: {why}")
+        tile = pingpong_tile(cfg)
+        if rows == 1:
+            return run_pingpong(1, *tile)
+        decodes = attrs.evolve(problem, tokens=rows)
+        return run(resolve(decodes, None), 1) + run_pingpong(2, *tile)
     r = resolve(problem, cfg)
     if decode or problem.decode_like or rows < 2 or not getattr(cfg, "decode_launch", False):
         return run(r, 0)

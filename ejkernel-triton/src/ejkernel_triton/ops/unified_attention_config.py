@@ -15,6 +15,9 @@ context a sequence can hold).
   ``_PROGRAMS_PER_SM`` programs per SM split their keys (at most :data:`MAX_SPLITS`, each
   split at least :data:`MIN_SPLIT_KEYS` keys); prefill-heavy batches (many programs
   already) do not.
+- Chunks (``chunk_kernel``): on Hopper, a batch that is not decode-like runs its sequences of
+  two queries or more on the Gluon ping-pong kernel (128 keys a step, 2 stages) where the
+  call is one it takes (:func:`pingpong_refusal`), its decodes in a launch of their own.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 
 from ejkernel.ops import FwdParams, prune_by_shared_memory
 from ejkernel_triton import _launch, _smem
+from ejkernel_triton.ops import flash_attention_config
 from ejkernel_triton.ops.flash_attention_config import (
     _compute_capability,
     _sm_count,
@@ -36,11 +40,14 @@ from ejkernel_triton.ops.flash_attention_config import (
 )
 
 __all__ = [
+    "CHUNK_KERNELS",
     "MAX_SPLITS",
     "MIN_SPLIT_KEYS",
+    "PINGPONG_TILE",
     "Problem",
     "UnifiedAttentionConfig",
     "fit_stages",
+    "pingpong_refusal",
     "resolve",
     "selection",
     "serving_supports",
@@ -58,6 +65,12 @@ _PROGRAMS_PER_SM = 4
 _MAX_HEAD_DIM = 256
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
+#: What serves a batch's query chunks: the unified kernel, or the Gluon ping-pong kernel
+#: (:mod:`ejkernel_triton.kernels.paged_attention_hopper`; Hopper only).
+CHUNK_KERNELS: tuple[str, ...] = ("unified", "pingpong")
+#: The ping-pong kernel's tile when the config leaves it open: 128 query rows (two consumer
+#: warp groups of 64), 128 keys a step, 2 stages of K and V.
+PINGPONG_TILE = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
 
 
 @attrs.frozen(kw_only=True)
@@ -74,11 +87,19 @@ class UnifiedAttentionConfig:
             decodes) in a launch of their own at a decode batch's heuristic tiles and splits,
             the others at these (else every sequence gets these rows, most of them unused by
             a decode).
+        chunk_kernel: ``"unified"``, or ``"pingpong"``: the sequences of two queries or more
+            on the Gluon ping-pong kernel (Hopper; :func:`pingpong_refusal` says which calls),
+            at ``fwd_params``' ``kv_blocksize`` (64 or 128) and ``num_stages`` (2 or 3; 128
+            query rows and 4 warps a consumer, fixed), the decodes in a launch of their own
+            as with ``decode_launch``.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
     num_splits: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     decode_launch: bool = False
+    chunk_kernel: str = attrs.field(
+        default="unified", validator=attrs.validators.in_(CHUNK_KERNELS)
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -196,13 +217,67 @@ def fit_stages(problem: Problem, block_m: int, block_n: int, stages: int) -> int
 
 
 def smem_need(problem: Problem, cfg: UnifiedAttentionConfig) -> int:
-    """Bytes of shared memory ``cfg``'s kernel asks for on ``problem``."""
+    """Bytes of shared memory ``cfg``'s kernel asks for on ``problem`` (the chunks' kernel's,
+    with ``chunk_kernel="pingpong"``: Q's 128 rows once, K and V ``num_stages`` times)."""
+    if cfg.chunk_kernel == "pingpong":
+        block_n, stages = pingpong_tile(cfg)
+        return (128 + 2 * stages * block_n) * problem.head_dim * problem.itemsize + 1024
     r = resolve(problem, cfg)
     return kernel_smem(problem, r["block_m"], r["block_n"], r["num_stages"])
 
 
-def heuristic_config(problem: Problem, config: type[Any]) -> Any:
-    """The heuristic's settings, spelled out in ``config``'s class."""
+def pingpong_tile(cfg: UnifiedAttentionConfig) -> tuple[int, int]:
+    """``(BLOCK_N, STAGES)`` of the ping-pong kernel from ``cfg``'s ``fwd_params``
+    (:data:`PINGPONG_TILE`'s where 0); a ``ValueError`` for a tile it does not take."""
+    p = cfg.fwd_params
+    block_n = p.kv_blocksize or PINGPONG_TILE.kv_blocksize
+    stages = p.num_stages or PINGPONG_TILE.num_stages
+    if p.q_blocksize not in (None, 0, 128) or block_n not in (64, 128) or stages not in (2, 3):
+        raise ValueError(
+            "chunk_kernel='pingpong' takes fwd_params q_blocksize 128, kv_blocksize 64 or 128 "
+            f"and num_stages 2 or 3, not {p}"
+        )
+    return block_n, stages
+
+
+def pingpong_refusal(kw: Mapping[str, Any], problem: Problem, query: str) -> str | None:
+    """Why the ping-pong kernel cannot serve this call's chunks, or ``None``: it needs a Hopper
+    GPU (sm_90), a batch that is not decode-like, bfloat16 or float16 queries and caches of
+    that dtype, D = Dv of 64 or 128, pages of a power of two of at least 8 slots, a softmax
+    scale > 0, and none of a sliding window, sinks, ALiBi slopes, cache scales or sequence
+    starts."""
+    if _launch.interpreting():
+        return "the interpreter does not run Gluon kernels"
+    if flash_attention_config._compute_capability() != (9, 0):
+        return "Hopper (sm_90) only"
+    if problem.decode_like:
+        return "a decode-like batch (at most two queries a sequence on average)"
+    dtype = jnp.dtype(kw[query].dtype)
+    caches = (jnp.dtype(kw["key_cache"].dtype), jnp.dtype(kw["value_cache"].dtype))
+    if dtype not in (jnp.bfloat16, jnp.float16) or caches != (dtype, dtype):
+        return f"{query} and caches in one of bfloat16 and float16, not {dtype}, {caches}"
+    d, dv = problem.head_dim, int(kw["value_cache"].shape[-1])
+    if d not in (64, 128) or dv != d:
+        return f"head dims {d}, {dv} (64 or 128, equal)"
+    ps = problem.page_size
+    if ps < 8 or ps & (ps - 1):
+        return f"page size {ps} (a power of two, at least 8)"
+    for name in ("sliding_window", "softmax_aux", "alibi_slopes", "k_scale", "v_scale"):
+        if kw.get(name) is not None:
+            return f"{name} is given"
+    if kw.get("sequence_start") is not None:
+        return "sequence_start is given"
+    scale = kw.get("softmax_scale")
+    if scale is not None and float(scale) <= 0:
+        return f"softmax_scale {scale} (the kernel takes a scale > 0)"
+    return None
+
+
+def heuristic_config(problem: Problem, config: type[Any], *, pingpong: bool = False) -> Any:
+    """The heuristic's settings, spelled out in ``config``'s class (``pingpong``: the call is
+    one the ping-pong kernel serves, which then takes the chunks)."""
+    if pingpong:
+        return config(fwd_params=PINGPONG_TILE, num_splits=1, chunk_kernel="pingpong")
     r = resolve(problem, None)
     return config(
         fwd_params=FwdParams(
@@ -227,13 +302,19 @@ _TILES = (
 )
 
 
-def config_space_of(problem: Problem, config: type[Any]) -> list[Any]:
+def config_space_of(problem: Problem, config: type[Any], *, pingpong: bool = False) -> list[Any]:
     """The heuristic's config; its tile with twice and half the splits (decode) or none; a
     few other tiles at the heuristic's splits; a mixed batch's decodes in a launch of their
-    own; minus those over the device's shared memory."""
+    own; where ``pingpong``, the ping-pong kernel's tiles; minus those over the device's
+    shared memory."""
     base = heuristic_config(problem, config)
     if _launch.interpreting() or problem.itemsize == 4:
         return [base]
+    chunks = []
+    if pingpong:
+        for keys, stages in ((128, 2), (128, 3), (64, 3)):
+            params = FwdParams(q_blocksize=128, kv_blocksize=keys, num_warps=4, num_stages=stages)
+            chunks.append(config(fwd_params=params, num_splits=1, chunk_kernel="pingpong"))
     splits = base.num_splits
     configs = [base]
     for n in {1, max(1, splits // 2), min(MAX_SPLITS, splits * 2)} - {splits}:
@@ -244,9 +325,9 @@ def config_space_of(problem: Problem, config: type[Any]) -> list[Any]:
     if not problem.decode_like and problem.rows > 1:
         configs.append(attrs.evolve(base, decode_launch=True))
     return prune_by_shared_memory(
-        list(dict.fromkeys(configs)),
+        list(dict.fromkeys([*chunks, *configs])),
         functools.partial(smem_need, problem),
-        keep=(base,),
+        keep=(chunks or [base])[:1],
         what="serving attention (triton)",
     )
 
@@ -263,17 +344,23 @@ def table_problem(query: str) -> Callable[[Mapping[str, Any]], Problem]:
 
 
 def tuning(
-    config: type[Any], problem: Callable[[Mapping[str, Any]], Problem]
+    config: type[Any], problem: Callable[[Mapping[str, Any]], Problem], query: str | None = None
 ) -> tuple[Callable[[Any], Any], Callable[[Any], list[Any]]]:
-    """An op's ``(heuristic, config_space)`` for ``config``'s class on ``problem(inv.kwargs)``."""
+    """An op's ``(heuristic, config_space)`` for ``config``'s class on ``problem(inv.kwargs)``;
+    with the name of its ``query`` argument, the ping-pong kernel serves chunks where it can."""
+
+    def pingpong(inv: Any, p: Problem) -> bool:
+        return query is not None and pingpong_refusal(inv.kwargs, p, query) is None
 
     def heuristic(inv: Any) -> Any:
         """Rows, keys per step and splits from the batch's shape (see the module's notes)."""
-        return heuristic_config(problem(inv.kwargs), config)
+        p = problem(inv.kwargs)
+        return heuristic_config(p, config, pingpong=pingpong(inv, p))
 
     def config_space(inv: Any) -> list[Any]:
         """The heuristic's config and a few neighbours, pruned by shared memory."""
-        return config_space_of(problem(inv.kwargs), config)
+        p = problem(inv.kwargs)
+        return config_space_of(p, config, pingpong=pingpong(inv, p))
 
     return heuristic, config_space
 
@@ -286,7 +373,7 @@ def selection(
 ) -> tuple[Callable[[Any], Any], Callable[[Any], list[Any]], Callable[[Any], bool | str]]:
     """A serving op's ``(heuristic, config_space, supports)``: :func:`tuning` of ``config`` on
     ``problem``, and :func:`serving_supports` of its query argument ``query`` and ``caches``."""
-    heuristic, config_space = tuning(config, problem)
+    heuristic, config_space = tuning(config, problem, query)
 
     def supports(inv: Any) -> bool | str:
         """True, or why not (dtypes, head dims over 256)."""

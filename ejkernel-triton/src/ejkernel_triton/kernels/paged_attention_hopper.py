@@ -1,0 +1,230 @@
+"""Paged attention for Hopper in Gluon: the query chunks of a ragged batch (prefill and
+mixed batches) on flash attention's ping-pong schedule, with K and V gathered page by page.
+
+The consumers are :mod:`ejkernel_triton.kernels.flash_attention_hopper_fwd`'s (two warp
+groups of 64 query rows taking turns on the tensor cores, the online softmax, the masking of
+cut blocks and the hidden-NaN rule); this module adds the loader and the program's place in
+the batch:
+
+- Layout as :mod:`ejkernel_triton.kernels.paged_attention`'s: packed queries ``[T, Hq, D]``,
+  caches ``[num_pages, page_size, Hkv, D]``, ``block_tables [rows, max_pages]``,
+  ``query_start_loc [rows + 1]``, ``kv_lens [rows]``; a sequence's queries are its last
+  tokens (bottom-right causal).
+- A program is 128 query tokens of one sequence and one query head. Grid ``(T // 128 +
+  rows, Hq)``: query block ``b`` belongs to the last sequence ``s`` with
+  ``query_start_loc[s] // 128 + s <= b`` (a binary search; blocks past a sequence's queries
+  exit). Under a causal mask the blocks run longest first, in groups of ``HEAD_GROUP`` heads
+  (flash attention's order). Sequences with fewer than ``MIN_Q_LEN`` queries are left to
+  another launch (a mixed batch's decodes) and their tokens to zero.
+- The loader warp brings a key block of ``BLOCK_N`` keys as ``BLOCK_N / PAGE_SIZE`` TMA copies
+  of one page each into row slices of the ring's slot (or one copy of ``BLOCK_N`` rows of a
+  page when pages are longer), over the cache seen as ``[num_pages · page_size, Hkv · D]``.
+  Page ids come from the table, clamped to ``[0, num_pages)``; table slots past the
+  sequence's live pages are never read (page 0 is copied instead, and masked).
+- The tile's query rows past the sequence's queries belong to the next sequence (or lie past
+  ``T``, where TMA reads zeros): computed, never stored.
+
+The log2-sum-exp ``Lse`` is written per sequence as ``[Hq, q_len]`` at offset
+``query_start_loc[s] · Hq`` (scratch; callers drop it). GPU only, as every Gluon kernel (the
+CPU tests compile it for sm_90).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from ejkernel_triton.kernels.flash_attention_common import _program_tile
+from ejkernel_triton.kernels.flash_attention_hopper_fwd import (
+    CONSUMER_REGS,
+    HALF,
+    LOADER_REGS,
+    _barriers,
+    _consumer,
+)
+
+
+@gluon.jit
+def _sequence_of(QStart, num_live, block, BLOCK_Q: gl.constexpr):
+    """The sequence owning query block ``block``: the last ``s < num_live`` with
+    ``query_start_loc[s] // BLOCK_Q + s <= block`` (-1 when none)."""
+    lo = block * 0
+    hi = num_live
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = gl.load(QStart + mid) // BLOCK_Q + mid
+        if first <= block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@gluon.jit
+def _cache_row(table_row, live_pages, num_pages, key, PAGE_SIZE: gl.constexpr):
+    """The row of the cache seen as ``[num_pages · page_size, Hkv · D]`` that holds the
+    sequence's key ``key``: through its table row, the page id clamped to ``[0, num_pages)``,
+    page 0 for a slot past the live pages (whose table entry is never read)."""
+    slot = key // PAGE_SIZE
+    page = gl.load(table_row + slot, mask=slot < live_pages, other=0)
+    page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
+    return page * PAGE_SIZE + key % PAGE_SIZE
+
+
+@gluon.jit
+def _paged_loader(
+    descs, smem, bars, place, n_blocks, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr
+):
+    """The loader warp: both halves of Q, then each key block's K and V, page by page."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = smem
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    q_row, q_col, kv_col, table_row, live_pages, num_pages = place
+    COPY: gl.constexpr = k_desc.block_type.shape[0]  # rows a copy: a page, or BLOCK_N of one
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    COPIES: gl.constexpr = BLOCK_N // COPY
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            q_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), q_smem.index(wg)
+        )
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes * COPIES)
+        for c in gl.static_range(COPIES):
+            row = _cache_row(table_row, live_pages, num_pages, j * BLOCK_N + c * COPY, PAGE_SIZE)
+            dest = k_smem.index(slot).slice(c * COPY, COPY)
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot), dest)
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes * COPIES)
+        for c in gl.static_range(COPIES):
+            row = _cache_row(table_row, live_pages, num_pages, j * BLOCK_N + c * COPY, PAGE_SIZE)
+            dest = v_smem.index(slot).slice(c * COPY, COPY)
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), dest)
+
+
+@gluon.jit
+def paged_attention_pingpong_kernel(
+    Q,
+    KCache,
+    VCache,
+    KvLens,
+    Tables,
+    QStart,
+    NumSeqs,
+    sm_scale,
+    soft_cap,
+    num_tokens,
+    num_heads,
+    num_kv_heads,
+    num_pages,
+    max_pages,
+    Out,
+    Lse,
+    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
+    HEAD_DIM: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SOFT_CAP: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    MIN_Q_LEN: gl.constexpr,
+    HEAD_GROUP: gl.constexpr = 0,
+):
+    """One program per (128-token query block of a sequence, query head): see the module
+    docstring. ``NumSeqs``: the live sequences (int32 ``[1]``)."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    COPY: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    block, h = _program_tile(HEAD_GROUP)
+    seq = _sequence_of(QStart, gl.load(NumSeqs), block, 2 * HALF)
+    if seq < 0:
+        return
+    q_start = gl.load(QStart + seq)
+    q_len = gl.load(QStart + seq + 1) - q_start
+    start_m = block - (q_start // (2 * HALF) + seq)
+    if start_m * (2 * HALF) >= q_len or q_len < MIN_Q_LEN:
+        return
+    kv_len = gl.minimum(gl.maximum(gl.load(KvLens + seq), 0), max_pages * PAGE_SIZE)
+    hi = kv_len
+    if CAUSAL:  # the last key the block's last row sees
+        hi = gl.maximum(gl.minimum(hi, (start_m + 1) * (2 * HALF) + kv_len - q_len), 0)
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+
+    pages_rows = num_pages * PAGE_SIZE
+    q_desc = tma.make_tensor_descriptor(
+        Q,
+        shape=[num_tokens, num_heads * HEAD_DIM],
+        strides=[num_heads * HEAD_DIM, 1],
+        block_shape=[HALF, HEAD_DIM],
+        layout=q_sl,
+    )
+    k_desc = tma.make_tensor_descriptor(
+        KCache,
+        shape=[pages_rows, num_kv_heads * HEAD_DIM],
+        strides=[num_kv_heads * HEAD_DIM, 1],
+        block_shape=[COPY, HEAD_DIM],
+        layout=kv_sl,
+    )
+    v_desc = tma.make_tensor_descriptor(
+        VCache,
+        shape=[pages_rows, num_kv_heads * HEAD_DIM],
+        strides=[num_kv_heads * HEAD_DIM, 1],
+        block_shape=[COPY, HEAD_DIM],
+        layout=kv_sl,
+    )
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    q_bar = _barriers(2, 1)
+    turn = _barriers(2, 1)
+    k_ready = _barriers(STAGES, 1)
+    v_ready = _barriers(STAGES, 1)
+    k_empty = _barriers(STAGES, 2)  # both consumers release a slot
+    v_empty = _barriers(STAGES, 2)
+    fence_async_shared()
+
+    group = num_heads // num_kv_heads
+    token0 = q_start.to(gl.int64)
+    tile = (
+        Out + token0 * num_heads * HEAD_DIM,
+        Lse + token0 * num_heads,
+        sm_scale,
+        soft_cap,
+        q_len,
+        kv_len,
+        num_heads,
+        start_m,
+        0,
+        h,
+    )
+    table_row = Tables + seq.to(gl.int64) * max_pages
+    live_pages = gl.cdiv(kv_len, PAGE_SIZE)
+    place = (
+        q_start + start_m * (2 * HALF),
+        h * HEAD_DIM,
+        (h // group) * HEAD_DIM,
+        table_row,
+        live_pages,
+        num_pages,
+    )
+    descs = (q_desc, k_desc, v_desc)
+    smem = (q_smem, k_smem, v_smem)
+    bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
+    gl.warp_specialize(
+        [  # (constexprs inside a tuple variable would become tensors: spelled out each time)
+            (_consumer, (smem, bars, turn, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, False)),
+            (_consumer, (smem, bars, turn, tile, n_blocks, 1, STAGES, CAUSAL, SOFT_CAP, False)),
+            (_paged_loader, (descs, smem, bars, place, n_blocks, STAGES, PAGE_SIZE)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
+
+
+#: 3 warp groups at 168 registers each (65536 per SM), redistributed as 240 / 240 / 24
+paged_attention_pingpong_kernel.ejkernel_compile_options = {"maxnreg": 168}
