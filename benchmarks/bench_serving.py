@@ -18,7 +18,9 @@ page 16, bfloat16) on each platform named, with the K/V read rate: decode B 32 a
 8k contexts (``page_attention``), decode B 1 over 128k, a mixed batch of 12 decodes and 4
 prefill chunks of 512 over 2k–4k contexts and a vLLM-like step of 64 decodes and 2 chunks
 of 2048 over 1k–16k (``ragged_page_attention``); a platform that cannot serve a case says
-why in its cell (``default``: the usual selection). ``--anchors`` adds issue 30's anchors:
+why in its cell (``default``: the usual selection; ``triton:unified`` and ``triton:pingpong``:
+a mixed batch's query chunks on that Triton kernel, at its heuristic tile, and the prefill
+chunk below on each). ``--anchors`` adds issue 30's anchors:
 the run's roofline (copy bandwidth and the bf16 matmul ceiling measured in the run), the
 default selection on a float8 cache, cuDNN decode on a dense cache and JAX's Pallas GPU
 ``paged_attention`` and ``decode_attention`` (decode batches), vLLM's Triton
@@ -190,8 +192,31 @@ def _causal_flops(kv_lens: list[int], q_lens: list[int], hq: int, d: int) -> int
     return 4 * pairs * hq * d
 
 
+def chunk_config(kernel: str, q: Any, kc: Any, rows: int, max_pages: int, config: Any) -> Any:
+    """The Triton serving config of ``config``'s class whose query chunks run on ``kernel``
+    (``unified``: the heuristic's tiles without the ping-pong kernel; ``pingpong``: its tile)."""
+    from ejkernel_triton.ops.unified_attention_config import (
+        PINGPONG_TILE,
+        Problem,
+        heuristic_config,
+    )
+
+    if kernel == "pingpong":
+        return config(fwd_params=PINGPONG_TILE, num_splits=1, chunk_kernel="pingpong")
+    return heuristic_config(Problem.of(q, kc, rows, max_pages), config)
+
+
 def _ours(c: dict[str, Any], platform: str | None, **scales: Any) -> tuple[Any, tuple]:
-    """``page_attention`` for a decode batch (one query each), else ``ragged_page_attention``."""
+    """``page_attention`` for a decode batch (one query each), else ``ragged_page_attention``;
+    ``platform`` ``triton:<chunk kernel>`` runs a mixed batch's chunks on that kernel."""
+    cfg = None
+    if platform and ":" in platform:
+        from ejkernel_triton.ops.ragged_page_attention import RaggedPageAttentionConfig
+
+        if c["q"].shape[0] == c["lens"].shape[0]:
+            raise ValueError("a decode batch has no chunks")
+        platform, kernel = platform.split(":")
+        cfg = chunk_config(kernel, c["q"], c["kc"], *c["table"].shape, RaggedPageAttentionConfig)
     if c["q"].shape[0] == c["lens"].shape[0]:
         fn = jax.jit(
             lambda q, kc, vc, n, t: ejkernel.page_attention(
@@ -201,7 +226,7 @@ def _ours(c: dict[str, Any], platform: str | None, **scales: Any) -> tuple[Any, 
         return fn, (c["q"], c["kc"], c["vc"], c["lens"], c["table"])
     fn = jax.jit(
         lambda q, kc, vc, n, t, s: ejkernel.ragged_page_attention(
-            q, kc, vc, n, t, s, n.shape[0], platform=platform, **scales
+            q, kc, vc, n, t, s, n.shape[0], platform=platform, cfg=cfg, **scales
         )
     )
     return fn, (c["q"], c["kc"], c["vc"], c["lens"], c["table"], c["qsl"])
@@ -395,13 +420,16 @@ def serving(platforms: list[str], quick: bool, anchors: bool, parts: bool = Fals
     if checks:
         print("\nvLLM unified attention, max abs difference from the default call's output:")
         print("\n".join(checks))
-    if anchors:
-        prefill_chunk(quick)
+    if anchors or any(":" in p for p in platforms):
+        prefill_chunk(quick, [p.split(":")[1] for p in platforms if ":" in p])
 
 
-def prefill_chunk(quick: bool) -> None:
+def prefill_chunk(quick: bool, chunk_kernels: list[str]) -> None:
     """``prefill_page_attention``: a chunk of 2048 queries at the end of an 8k context, against
-    flash attention's forward on the same dense shape (causal, bottom-right), in TFLOP/s."""
+    flash attention's forward on the same dense shape (causal, bottom-right), in TFLOP/s; the
+    default call, then on each of ``chunk_kernels``."""
+    from ejkernel_triton.ops.prefill_page_attention import PrefillPageAttentionConfig
+
     scale = 8 if quick else 1
     page, hq, hkv, d, c, s = 16, 32, 8, 128, 2048 // scale, 8192 // scale
     keys = jax.random.split(jax.random.PRNGKey(2), 3)
@@ -420,15 +448,22 @@ def prefill_chunk(quick: bool) -> None:
         .set(v.reshape(-1, page, hkv, d))
     )
     flops = _causal_flops([s], [c], hq, d)
-    paged = jax.jit(lambda q, kc, vc, p: ejkernel.prefill_page_attention(q, kc, vc, s, p))
+
+    def paged(cfg: Any) -> Any:
+        return jax.jit(
+            lambda q, kc, vc, p: ejkernel.prefill_page_attention(q, kc, vc, s, p, cfg=cfg)
+        )
+
     flash = jax.jit(
         lambda q, k, v: ejkernel.flash_attention(q[None], k[None], v[None], causal=True)[0]
     )
+    table = jnp.asarray(order, jnp.int32)
+    rows = [("prefill_page_attention", paged(None), (q, kc, vc, table))]
+    for kernel in chunk_kernels:
+        cfg = chunk_config(kernel, q, kc, 1, s // page, PrefillPageAttentionConfig)
+        rows.append((f"prefill_page_attention, {kernel}", paged(cfg), (q, kc, vc, table)))
     print(f"\n| prefill chunk {c} on a {s} context | ms | TFLOP/s |\n|---|---|---|")
-    for label, fn, args in (
-        ("prefill_page_attention", paged, (q, kc, vc, jnp.asarray(order, jnp.int32))),
-        ("flash_attention (dense)", flash, (q, k, v)),
-    ):
+    for label, fn, args in (*rows, ("flash_attention (dense)", flash, (q, k, v))):
         ms = timed(fn, *args, warm_s=0.2)
         print(f"| {label} | {ms:.3f} | {flops / ms / 1e9:.0f} |", flush=True)
 
