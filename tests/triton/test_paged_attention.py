@@ -104,13 +104,16 @@ def test_a_mixed_batch_with_a_decode_launch_runs_two_kernels_serving_each_kind()
     cfg = attrs.evolve(small(rows=64), decode_launch=True)
     with _codegen.recorded_launches() as record:
         paged_attention(cfg, args)
-    assert [launch.constexprs["SERVE"] for launch in record] == [1, 2]
-    assert [launch.constexprs["BLOCK_M"] for launch in record] == [16, 64]
+    # the chunks (the decodes' programs return at once), then the decodes: one row a table row
+    assert [launch.constexprs["SKIP_DECODES"] for launch in record] == [True, False]
+    assert [launch.constexprs["DECODE"] for launch in record] == [False, True]
+    assert [launch.constexprs["BLOCK_M"] for launch in record] == [64, 16]
+    assert record[1].grid[0] == 4
 
     decodes = packed([37, 1, 20, 45], [1, 1, 1, 1], hq=8, hkv=2)
     with _codegen.recorded_launches() as record:
         paged_attention(cfg, decodes)
-    assert [launch.constexprs["SERVE"] for launch in record] == [0]
+    assert [launch.constexprs["SKIP_DECODES"] for launch in record] == [False]
 
 
 def test_unified_attention_bf16_default_config(interpret: None) -> None:

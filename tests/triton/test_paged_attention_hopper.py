@@ -130,11 +130,12 @@ def test_the_launches_compile_for_hopper(
     with _codegen.recorded_launches() as record:
         rpa.ragged_page_attention_triton(cfg=pingpong(keys), **args)
     assert [launch.kernel.fn.__name__ for launch in record] == [
-        "unified_attention_kernel",
         "paged_attention_pingpong_kernel",
+        "unified_attention_kernel",
     ]
-    decodes, chunks = record
-    assert decodes.constexprs["SERVE"] == 1 and chunks.constexprs["MIN_Q_LEN"] == 2
+    chunks, decodes = record
+    assert decodes.constexprs["DECODE"] and decodes.grid[0] == 14  # one row a table row
+    assert chunks.constexprs["MIN_Q_LEN"] == 2
     assert chunks.grid == (args["queries"].shape[0] // 128 + 14, 32)
     compiled = _codegen.compile_launch(chunks, capability=90)
     assert compiled.num_warps == 12

@@ -187,7 +187,7 @@ def unified_attention_kernel(
     ONE_PAGE: tl.constexpr = False,
     SCALED: tl.constexpr = False,
     F16_PRODUCTS: tl.constexpr = False,
-    SERVE: tl.constexpr = 0,
+    SKIP_DECODES: tl.constexpr = False,
 ):
     """One program: ``BLOCK_Q`` query tokens of one sequence × the query heads of KV head
     ``program_id(1)``, over split ``program_id(2)`` of their keys. Strides (``stride_qt`` and
@@ -198,8 +198,8 @@ def unified_attention_kernel(
     of sequence ``s`` (``page_attention``): the grid's first axis is the sequences, every one
     live, and ``QStart`` is not read. ``KvStarts`` (int32 ``[rows]``, read with
     ``HAS_START``): each sequence's first key; ``KScale``/``VScale`` (float32 ``[Hkv]``, read
-    when ``SCALED``): the caches' scales. ``SERVE``: the sequences served, 0 every one, 1
-    those of one query, 2 the others (a mixed batch in two launches with their own tiles).
+    when ``SCALED``): the caches' scales. ``SKIP_DECODES``: the sequences of one query return at once (a mixed batch's decodes run
+    in a launch of their own).
     """
     stride_qt = stride_qt * ALIGN
     stride_cp = stride_cp * ALIGN
@@ -225,10 +225,7 @@ def unified_attention_kernel(
         m_lo = (block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
         if m_lo >= q_len:
             return
-        if SERVE == 1:  # noqa: SIM102 (a constexpr: no code at all otherwise)
-            if q_len > 1:
-                return
-        if SERVE == 2:  # noqa: SIM102
+        if SKIP_DECODES:  # noqa: SIM102 (a constexpr: no code at all otherwise)
             if q_len < 2:
                 return
     kv_len = tl.load(KvLens + seq)

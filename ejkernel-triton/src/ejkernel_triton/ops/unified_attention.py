@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,9 +113,9 @@ def paged_attention(
     f16_products = scaled and queries.dtype == jnp.bfloat16 and key_cache.dtype.itemsize == 1
     f16_products = f16_products and value_cache.dtype.itemsize == 1
 
-    def run(r: dict[str, int], serve: int) -> jax.Array:
-        """One launch with ``r``'s tiles over the sequences ``serve`` names (0 every one,
-        1 those of one query, 2 the others)."""
+    def run(r: dict[str, int], skip_decodes: bool = False) -> jax.Array:
+        """One launch with ``r``'s tiles (``skip_decodes``: over the sequences of two queries
+        or more)."""
         splits = r["num_splits"]
         if splits == 1:
             out_shape = [
@@ -189,7 +188,7 @@ def paged_attention(
             HAS_START=kv_starts is not None,
             ONE_PAGE=max_pages == 1,
             SCALED=scaled,
-            SERVE=serve,
+            SKIP_DECODES=skip_decodes,
             F16_PRODUCTS=f16_products,
         )
         if splits == 1:
@@ -240,6 +239,9 @@ def paged_attention(
         )
         return out
 
+    def with_decodes(others: jax.Array) -> jax.Array:
+        return _decodes_added(a, live, others)
+
     if getattr(cfg, "chunk_kernel", "unified") == "pingpong":
         why = (
             "a decode call"
@@ -251,16 +253,33 @@ def paged_attention(
         tile = pingpong_tile(cfg)
         if rows == 1:
             return run_pingpong(1, *tile)
-        decodes = attrs.evolve(problem, tokens=rows)
-        return run(resolve(decodes, None), 1) + run_pingpong(2, *tile)
+        return with_decodes(run_pingpong(2, *tile))
     r = resolve(problem, cfg)
     if decode or problem.decode_like or rows < 2 or not getattr(cfg, "decode_launch", False):
-        return run(r, 0)
-    # the decodes in a launch of their own, at a decode-like batch's tiles and splits (every
-    # program of the other launch's sequences returns at once; each leaves the other's tokens
-    # zero)
-    decodes = attrs.evolve(problem, tokens=rows)
-    return run(resolve(decodes, None), 1) + run(r, 2)
+        return run(r)
+    return with_decodes(run(r, skip_decodes=True))
+
+
+def _decodes_added(a: Mapping[str, Any], live: jax.Array, others: jax.Array) -> jax.Array:
+    """``others`` (the output of the sequences of two queries or more, zeros at the decodes'
+    tokens) plus the decodes' (the live sequences of one query): a decode batch of one token
+    per table row, ``[rows, Hq, D]`` (a row that is not a live decode gets no keys), on the
+    heuristic's decode tiles and splits, added at the decodes' tokens."""
+    qsl = a["query_start_loc"].astype(jnp.int32)
+    rows = a["block_tables"].shape[0]
+    t = others.shape[0]
+    starts = qsl[:-1]
+    is_decode = (qsl[1:] - starts == 1) & (jnp.arange(rows) < live[0])
+    token = jnp.clip(starts, 0, t - 1)
+    batch = {
+        **a,
+        "queries": a["queries"][token],
+        "kv_lens": jnp.where(is_decode, a["kv_lens"], 0),
+        "query_start_loc": jnp.arange(rows + 1, dtype=jnp.int32),
+        "num_seqs": None,
+    }
+    out = paged_attention(None, batch, decode=True)
+    return others.at[jnp.where(is_decode, token, t)].add(out, mode="drop")
 
 
 def _per_head(scale: Any, hkv: int) -> jax.Array:
