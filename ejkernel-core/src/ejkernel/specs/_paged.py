@@ -518,6 +518,10 @@ def paged_block_tables(
     return tables.astype(np.int32)
 
 
+#: Queries per prefill chunk in a synthetic serving step (:func:`synthetic_paged_batch`).
+SYNTHETIC_CHUNK = 512
+
+
 def synthetic_paged_batch(
     rng: np.random.Generator,
     *,
@@ -527,19 +531,21 @@ def synthetic_paged_batch(
     page_size: int,
     max_pages: int,
 ) -> dict[str, np.ndarray]:
-    """A valid packed batch: ``kv_lens``, ``block_tables``, ``query_start_loc`` (int32).
+    """A valid packed batch shaped like a serving step: ``kv_lens``, ``block_tables``,
+    ``query_start_loc`` (int32).
 
-    Query lengths split ``num_tokens`` among the sequences (as far as their capacity allows);
-    each sequence holds at least its queries; pages come from :func:`paged_block_tables`.
+    Every sequence has one query (a decode) while tokens last; the tokens past one a sequence
+    go to the last sequences as prefill chunks of about :data:`SYNTHETIC_CHUNK` queries
+    (as far as their capacity allows); each sequence holds at least its queries, its length
+    drawn up to the capacity; pages come from :func:`paged_block_tables`.
     """
     capacity = max_pages * page_size
-    q_lens = np.zeros(num_seqs, np.int64)
-    left = min(num_tokens, num_seqs * capacity)
-    weights = rng.random(num_seqs) + 0.1
-    for s in range(num_seqs):
-        share = left if s == num_seqs - 1 else round(left * weights[s] / weights[s:].sum())
-        q_lens[s] = min(capacity, share)
-        left -= q_lens[s]
+    q_lens = (np.arange(num_seqs) < num_tokens).astype(np.int64)
+    extra = max(num_tokens - num_seqs, 0)
+    chunks = min(num_seqs, -(-extra // SYNTHETIC_CHUNK))
+    for i, s in enumerate(range(num_seqs - chunks, num_seqs)):
+        share = extra // chunks + (i < extra % chunks)
+        q_lens[s] = min(capacity, 1 + share)
     kv_lens = np.array([rng.integers(q, capacity + 1) for q in q_lens], np.int64)
     tables = paged_block_tables(
         rng, kv_lens, num_pages=num_pages, page_size=page_size, max_pages=max_pages
