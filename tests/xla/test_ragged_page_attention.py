@@ -185,6 +185,31 @@ def test_synthetic_inputs_are_valid() -> None:
     assert_close(out, reference(**inputs))
 
 
+@pytest.mark.parametrize(
+    ("rows", "tokens", "q_lens"),
+    [
+        (16, 2060, [1] * 12 + [512] * 4),  # 12 decodes and 4 chunks
+        (66, 4160, [1] * 58 + [513] * 6 + [512] * 2),
+        (32, 32, [1] * 32),  # a decode batch
+        (4, 2048, [512] * 4),  # chunks only
+        (8, 5, [1] * 5 + [0] * 3),  # fewer tokens than rows
+    ],
+)
+def test_synthetic_batches_look_like_a_serving_step(
+    rows: int, tokens: int, q_lens: list[int]
+) -> None:
+    """What the tuner times: one query a sequence, the tokens past that in chunks of about
+    512 queries on the last sequences."""
+    from ejkernel.specs._paged import synthetic_paged_batch
+
+    batch = synthetic_paged_batch(
+        np.random.default_rng(0), num_seqs=rows, num_tokens=tokens, num_pages=rows * 256 + 3,
+        page_size=16, max_pages=256,
+    )  # fmt: skip
+    assert np.diff(batch["query_start_loc"]).tolist() == q_lens
+    assert np.all(batch["kv_lens"] >= q_lens)
+
+
 @pytest.mark.parametrize("batch", [MIXED, MQA, DECODE], ids=str)
 def test_configs_use_whole_pages_and_the_heuristic_comes_first(batch: PagedBatch) -> None:
     args = helpers.validated(SPEC, make_inputs(batch), num_seqs=len(batch.kv_lens))

@@ -3,7 +3,11 @@
 :func:`paged_attention` launches :func:`ejkernel_triton.kernels.paged_attention.
 unified_attention_kernel` on a packed batch (queries ``[T, Hq, D]``, a paged cache, the
 table, ``query_start_loc`` and the live ``num_seqs``) and, with split-K, merges the splits'
-float32 partial outputs by their log2-sum-exp in JAX. ``page_attention``,
+float32 partial outputs by their log2-sum-exp in JAX. With ``chunk_kernel="pingpong"``
+(Hopper) the sequences of two queries or more run on
+:func:`ejkernel_triton.kernels.paged_attention_hopper.paged_attention_pingpong_kernel`, and
+the decodes, there and with ``decode_launch``, as a decode batch of one row a table row whose
+outputs are added at their tokens. ``page_attention``,
 ``ragged_page_attention`` and ``prefill_page_attention`` map their arguments onto it in
 their own modules (:mod:`ejkernel_triton.ops.page_attention`, ...). The config, heuristic and
 config space are in :mod:`ejkernel_triton.ops.unified_attention_config`.
