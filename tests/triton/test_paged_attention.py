@@ -105,7 +105,7 @@ def test_a_mixed_batch_with_a_decode_launch_runs_two_kernels_serving_each_kind()
     with _codegen.recorded_launches() as record:
         paged_attention(cfg, args)
     # the chunks (the decodes' programs return at once), then the decodes: one row a table row
-    assert [launch.constexprs["SKIP_DECODES"] for launch in record] == [True, False]
+    assert [launch.constexprs["MIN_Q_LEN"] for launch in record] == [2, 1]
     assert [launch.constexprs["DECODE"] for launch in record] == [False, True]
     assert [launch.constexprs["BLOCK_M"] for launch in record] == [64, 16]
     assert record[1].grid[0] == 4
@@ -113,7 +113,37 @@ def test_a_mixed_batch_with_a_decode_launch_runs_two_kernels_serving_each_kind()
     decodes = packed([37, 1, 20, 45], [1, 1, 1, 1], hq=8, hkv=2)
     with _codegen.recorded_launches() as record:
         paged_attention(cfg, decodes)
-    assert [launch.constexprs["SKIP_DECODES"] for launch in record] == [False]
+    assert [launch.constexprs["MIN_Q_LEN"] for launch in record] == [1]
+
+
+def test_the_kernel_serves_the_sequences_its_query_length_bounds_name(interpret: None) -> None:
+    """``MIN_Q_LEN``/``MAX_Q_LEN``: each launch serves its sequences and leaves the others'
+    tokens zero; the launches of disjoint bounds add up to the one of every sequence."""
+    from ejkernel_triton import _codegen, _launch
+    from ejkernel_triton.ops.unified_attention import paged_attention
+
+    q_lens = [5, 1, 20, 3, 9]
+    args = packed([37, 1, 20, 45, 9], q_lens, hq=8, hkv=2)
+    with _codegen.recorded_launches() as record:
+        paged_attention(small(), args)
+    (launch,) = record
+
+    def served(lo: int, hi: int) -> jax.Array:
+        (out, _) = _launch.launch(
+            launch.kernel, *launch.args, out_shape=launch.out_shape, grid=launch.grid,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
+            zeroed_outputs=launch.zeroed_outputs,
+            **{**launch.constexprs, "MIN_Q_LEN": lo, "MAX_Q_LEN": hi},
+        )  # fmt: skip
+        return out
+
+    every = served(1, 0)
+    parts = [served(1, 1), served(2, 5), served(6, 0)]
+    token_len = np.repeat(q_lens, q_lens)
+    for (lo, hi), part in zip([(1, 1), (2, 5), (6, 10**9)], parts, strict=True):
+        mine = (token_len >= lo) & (token_len <= hi)
+        assert bool(jnp.all(part[~mine] == 0)) and bool(jnp.all(part[mine] == every[mine]))
+    check(sum(parts), unified_attention_reference(**args))
 
 
 def test_unified_attention_bf16_default_config(interpret: None) -> None:

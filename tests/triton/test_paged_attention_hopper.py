@@ -121,8 +121,8 @@ def test_the_pingpong_tile_is_checked(sm90: None) -> None:
 def test_the_launches_compile_for_hopper(
     sm90: None, page_size: int, keys: int, d: int, copies: int
 ) -> None:
-    """The decodes on the unified kernel, the chunks on the ping-pong kernel: a loader warp
-    and two consumer warp groups, K and V by one TMA copy a page (two where a row is wider
+    """The chunks of 64 queries or more on the ping-pong kernel, shorter chunks and decodes
+    on the unified kernel; the ping-pong kernel a loader warp and two consumer warp groups, K and V by one TMA copy a page (two where a row is wider
     than the 128-byte swizzle), wgmma, within the H100's shared memory."""
     from ejkernel_triton import _codegen
 
@@ -132,10 +132,13 @@ def test_the_launches_compile_for_hopper(
     assert [launch.kernel.fn.__name__ for launch in record] == [
         "paged_attention_pingpong_kernel",
         "unified_attention_kernel",
+        "unified_attention_kernel",
     ]
-    chunks, decodes = record
+    chunks, short, decodes = record
+    assert chunks.constexprs["MIN_Q_LEN"] == 64  # the chunk of 300; the one of 45 is short
+    assert (short.constexprs["MIN_Q_LEN"], short.constexprs["MAX_Q_LEN"]) == (2, 63)
+    assert short.constexprs["BLOCK_M"] == 64 and not short.constexprs["DECODE"]
     assert decodes.constexprs["DECODE"] and decodes.grid[0] == 14  # one row a table row
-    assert chunks.constexprs["MIN_Q_LEN"] == 2
     assert chunks.grid == (args["queries"].shape[0] // 128 + 14, 32)
     compiled = _codegen.compile_launch(chunks, capability=90)
     assert compiled.num_warps == 12
@@ -170,8 +173,8 @@ GPU_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_unified_attention_on_the_pingpong_kernel(case: str) -> None:
-    """Decodes, chunks of 2 to 300 queries (not multiples of 128), a length-1 context, rows
-    past the live ones, tokens of no sequence."""
+    """Decodes, chunks of 2 to 300 queries (not multiples of 128; those under 64 on the
+    unified kernel), a length-1 context, tokens of no sequence."""
     batch_opts, opts, cfg = GPU_CASES[case]
     shape = {"hq": 32, "hkv": 8, "d": 128, **batch_opts}
     kv_lens = [700, 1, 1000, 45, 260, 3, 129, 900]

@@ -187,7 +187,8 @@ def unified_attention_kernel(
     ONE_PAGE: tl.constexpr = False,
     SCALED: tl.constexpr = False,
     F16_PRODUCTS: tl.constexpr = False,
-    SKIP_DECODES: tl.constexpr = False,
+    MIN_Q_LEN: tl.constexpr = 1,
+    MAX_Q_LEN: tl.constexpr = 0,
 ):
     """One program: ``BLOCK_Q`` query tokens of one sequence × the query heads of KV head
     ``program_id(1)``, over split ``program_id(2)`` of their keys. Strides (``stride_qt`` and
@@ -198,8 +199,8 @@ def unified_attention_kernel(
     of sequence ``s`` (``page_attention``): the grid's first axis is the sequences, every one
     live, and ``QStart`` is not read. ``KvStarts`` (int32 ``[rows]``, read with
     ``HAS_START``): each sequence's first key; ``KScale``/``VScale`` (float32 ``[Hkv]``, read
-    when ``SCALED``): the caches' scales. ``SKIP_DECODES``: the sequences of one query return at once (a mixed batch's decodes run
-    in a launch of their own).
+    when ``SCALED``): the caches' scales. ``MIN_Q_LEN``, ``MAX_Q_LEN``: the sequences served, those of ``MIN_Q_LEN`` queries or more and
+    (``MAX_Q_LEN`` > 0) at most ``MAX_Q_LEN`` (a mixed batch's kinds in launches of their own).
     """
     stride_qt = stride_qt * ALIGN
     stride_cp = stride_cp * ALIGN
@@ -225,8 +226,11 @@ def unified_attention_kernel(
         m_lo = (block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
         if m_lo >= q_len:
             return
-        if SKIP_DECODES:  # noqa: SIM102 (a constexpr: no code at all otherwise)
-            if q_len < 2:
+        if MIN_Q_LEN > 1:  # noqa: SIM102 (a constexpr: no code at all otherwise)
+            if q_len < MIN_Q_LEN:
+                return
+        if MAX_Q_LEN > 0:  # noqa: SIM102
+            if q_len > MAX_Q_LEN:
                 return
     kv_len = tl.load(KvLens + seq)
     kv_hi = tl.minimum(tl.maximum(kv_len, 0), max_pages * PAGE_SIZE)

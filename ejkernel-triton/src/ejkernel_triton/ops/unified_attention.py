@@ -4,10 +4,11 @@
 unified_attention_kernel` on a packed batch (queries ``[T, Hq, D]``, a paged cache, the
 table, ``query_start_loc`` and the live ``num_seqs``) and, with split-K, merges the splits'
 float32 partial outputs by their log2-sum-exp in JAX. With ``chunk_kernel="pingpong"``
-(Hopper) the sequences of two queries or more run on
-:func:`ejkernel_triton.kernels.paged_attention_hopper.paged_attention_pingpong_kernel`, and
-the decodes, there and with ``decode_launch``, as a decode batch of one row a table row whose
-outputs are added at their tokens. ``page_attention``,
+(Hopper) the sequences of :data:`PINGPONG_MIN_QUERIES` queries or more run on
+:func:`ejkernel_triton.kernels.paged_attention_hopper.paged_attention_pingpong_kernel`, the
+shorter chunks on the unified kernel at :data:`SHORT_CHUNKS`' tile, and the decodes, there
+and with ``decode_launch``, as a decode batch of one row a table row whose outputs are added
+at their tokens. ``page_attention``,
 ``ragged_page_attention`` and ``prefill_page_attention`` map their arguments onto it in
 their own modules (:mod:`ejkernel_triton.ops.page_attention`, ...). The config, heuristic and
 config space are in :mod:`ejkernel_triton.ops.unified_attention_config`.
@@ -31,6 +32,8 @@ import numpy as np
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import pow2
 from ejkernel_triton.ops.unified_attention_config import (
+    PINGPONG_MIN_QUERIES,
+    SHORT_CHUNKS,
     Problem,
     UnifiedAttentionConfig,
     fit_stages,
@@ -117,9 +120,9 @@ def paged_attention(
     f16_products = scaled and queries.dtype == jnp.bfloat16 and key_cache.dtype.itemsize == 1
     f16_products = f16_products and value_cache.dtype.itemsize == 1
 
-    def run(r: dict[str, int], skip_decodes: bool = False) -> jax.Array:
-        """One launch with ``r``'s tiles (``skip_decodes``: over the sequences of two queries
-        or more)."""
+    def run(r: dict[str, int], q_lens: tuple[int, int] = (1, 0)) -> jax.Array:
+        """One launch with ``r``'s tiles over the sequences of ``q_lens[0]`` queries or more
+        and (``q_lens[1]`` > 0) at most ``q_lens[1]``."""
         splits = r["num_splits"]
         if splits == 1:
             out_shape = [
@@ -192,7 +195,8 @@ def paged_attention(
             HAS_START=kv_starts is not None,
             ONE_PAGE=max_pages == 1,
             SCALED=scaled,
-            SKIP_DECODES=skip_decodes,
+            MIN_Q_LEN=q_lens[0],
+            MAX_Q_LEN=q_lens[1],
             F16_PRODUCTS=f16_products,
         )
         if splits == 1:
@@ -257,11 +261,13 @@ def paged_attention(
         tile = pingpong_tile(cfg)
         if rows == 1:
             return run_pingpong(1, *tile)
-        return with_decodes(run_pingpong(2, *tile))
+        chunks = run_pingpong(PINGPONG_MIN_QUERIES, *tile)
+        short = run(resolve(problem, SHORT_CHUNKS), (2, PINGPONG_MIN_QUERIES - 1))
+        return with_decodes(chunks + short)
     r = resolve(problem, cfg)
     if decode or problem.decode_like or rows < 2 or not getattr(cfg, "decode_launch", False):
         return run(r)
-    return with_decodes(run(r, skip_decodes=True))
+    return with_decodes(run(r, (2, 0)))
 
 
 def _decodes_added(a: Mapping[str, Any], live: jax.Array, others: jax.Array) -> jax.Array:

@@ -43,7 +43,9 @@ __all__ = [
     "CHUNK_KERNELS",
     "MAX_SPLITS",
     "MIN_SPLIT_KEYS",
+    "PINGPONG_MIN_QUERIES",
     "PINGPONG_TILE",
+    "SHORT_CHUNKS",
     "Problem",
     "UnifiedAttentionConfig",
     "fit_stages",
@@ -71,6 +73,10 @@ CHUNK_KERNELS: tuple[str, ...] = ("unified", "pingpong")
 #: The ping-pong kernel's tile when the config leaves it open: 128 query rows (two consumer
 #: warp groups of 64), 128 keys a step, 2 stages of K and V.
 PINGPONG_TILE = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=2)
+#: Fewest queries of a sequence the ping-pong kernel serves: its programs are 128 query rows
+#: of one head, which a shorter chunk (speculative decoding's few tokens) would mostly leave
+#: idle; from about 64 on, half a tile at its rate beats the unified kernel's full tiles.
+PINGPONG_MIN_QUERIES = 64
 
 
 @attrs.frozen(kw_only=True)
@@ -87,11 +93,13 @@ class UnifiedAttentionConfig:
             decodes) in a launch of their own at a decode batch's heuristic tiles and splits,
             the others at these (else every sequence gets these rows, most of them unused by
             a decode).
-        chunk_kernel: ``"unified"``, or ``"pingpong"``: the sequences of two queries or more
-            on the Gluon ping-pong kernel (Hopper; :func:`pingpong_refusal` says which calls),
-            at ``fwd_params``' ``kv_blocksize`` (64 or 128) and ``num_stages`` (2 or 3; 128
-            query rows and 4 warps a consumer, fixed), the decodes in a launch of their own
-            as with ``decode_launch``.
+        chunk_kernel: ``"unified"``, or ``"pingpong"``: the sequences of
+            :data:`PINGPONG_MIN_QUERIES` queries or more on the Gluon ping-pong kernel
+            (Hopper; :func:`pingpong_refusal` says which calls), at ``fwd_params``'
+            ``kv_blocksize`` (64 or 128) and ``num_stages`` (2 or 3; 128 query rows and 4
+            warps a consumer, fixed), shorter chunks on the unified kernel at
+            :data:`SHORT_CHUNKS`' tile, the decodes in a launch of their own as with
+            ``decode_launch``.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
@@ -100,6 +108,13 @@ class UnifiedAttentionConfig:
     chunk_kernel: str = attrs.field(
         default="unified", validator=attrs.validators.in_(CHUNK_KERNELS)
     )
+
+
+#: The unified kernel's tile for the chunks too short for the ping-pong kernel (2 to 63
+#: queries) in a ``chunk_kernel="pingpong"`` call: 64 rows (16 tokens of a 4-head group).
+SHORT_CHUNKS = UnifiedAttentionConfig(
+    fwd_params=FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3), num_splits=1
+)
 
 
 @attrs.frozen(kw_only=True)
