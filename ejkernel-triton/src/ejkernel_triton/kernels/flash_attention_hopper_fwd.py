@@ -101,6 +101,25 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
+def _ring(dtype: gl.constexpr, q_sl, kv_sl, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+          STAGES: gl.constexpr):  # fmt: skip
+    """The forward's shared memory: ``(smem, bars, turn)``, the two halves of Q and ``STAGES``
+    K and V slots, their barriers (a slot's ``*_empty`` completes when both consumers release
+    it) and the two consumers' ``turn`` barriers, fenced."""
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    q_bar = _barriers(2, 1)
+    turn = _barriers(2, 1)
+    k_ready = _barriers(STAGES, 1)
+    v_ready = _barriers(STAGES, 1)
+    k_empty = _barriers(STAGES, 2)
+    v_empty = _barriers(STAGES, 2)
+    fence_async_shared()
+    return (q_smem, k_smem, v_smem), (q_bar, k_ready, v_ready, k_empty, v_empty), turn
+
+
+@gluon.jit
 def _finite_or_zero_smem(tile):
     """A K or V tile in shared memory through ``_finite_or_zero``, in place, by the 4 warps of
     a consumer; fenced, so that the tensor cores' reads issued next see it."""
@@ -124,6 +143,16 @@ def _finite_or_zero_v(v, start_n, mask_from, MASKED: gl.constexpr):
 
 
 @gluon.jit
+def _load_q(q_desc, q_smem, q_bar, q_row, q_col):
+    """Both consumers' halves of the program's Q tile, from row ``q_row``, column ``q_col``."""
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            q_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), q_smem.index(wg)
+        )
+
+
+@gluon.jit
 def _loader(descs, smem, bars, loads, n_blocks, STAGES: gl.constexpr):
     """The loader warp: both halves of Q, then K and V of each key block into the ring."""
     q_desc, k_desc, v_desc = descs
@@ -131,11 +160,7 @@ def _loader(descs, smem, bars, loads, n_blocks, STAGES: gl.constexpr):
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     q_row, q_col, k_row, k_col = loads
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            q_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), q_smem.index(wg)
-        )
+    _load_q(q_desc, q_smem, q_bar, q_row, q_col)
     for j in range(n_blocks):
         slot = j % STAGES
         phase = (j // STAGES) & 1
@@ -332,16 +357,7 @@ def flash_attention_fwd_pingpong_kernel(
     q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, HALF, q_sl)
     k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N, kv_sl)
     v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N, kv_sl)
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    q_bar = _barriers(2, 1)
-    turn = _barriers(2, 1)
-    k_ready = _barriers(STAGES, 1)
-    v_ready = _barriers(STAGES, 1)
-    k_empty = _barriers(STAGES, 2)  # both consumers release a slot
-    v_empty = _barriers(STAGES, 2)
-    fence_async_shared()
+    smem, bars, turn = _ring(dtype, q_sl, kv_sl, HEAD_DIM, BLOCK_N, STAGES)
 
     start_m, off_bh = _program_tile(HEAD_GROUP)
     off_b, off_h, off_hk = _heads(off_bh, num_heads, num_kv_heads)
@@ -350,8 +366,6 @@ def flash_attention_fwd_pingpong_kernel(
         hi = gl.maximum(gl.minimum(hi, (start_m + 1) * (2 * HALF) + seqlen_k - seqlen_q), 0)
     n_blocks = gl.cdiv(hi, BLOCK_N)
     descs = (q_desc, k_desc, v_desc)
-    smem = (q_smem, k_smem, v_smem)
-    bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
     tile = (Out, Lse, sm_scale, soft_cap, seqlen_q, seqlen_k, num_heads, start_m, off_b, off_h)
     q_row = off_b * seqlen_q + start_m * (2 * HALF)
     loads = (q_row, off_h * HEAD_DIM, off_b * seqlen_k, off_hk * HEAD_DIM)

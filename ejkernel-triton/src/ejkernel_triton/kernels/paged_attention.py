@@ -63,8 +63,9 @@ from ejkernel_triton.kernels.flash_attention_common import (
 @triton.jit
 def _sequence_of(QStart, num_live, block, BLOCK_Q: tl.constexpr):
     """The sequence owning query block ``block``: the last ``s < num_live`` with
-    ``query_start_loc[s] // BLOCK_Q + s <= block`` (-1 when none)."""
-    lo = tl.full([], 0, tl.int32)  # a tensor from the start: the loop carries it
+    ``query_start_loc[s] // BLOCK_Q + s <= block`` (-1 when none). Gluon kernels call it too
+    (:mod:`ejkernel_triton.kernels.paged_attention_hopper`)."""
+    lo = block * 0  # a tensor from the start (the loop carries it), in Triton and in Gluon
     hi = num_live
     while lo < hi:
         mid = (lo + hi) // 2

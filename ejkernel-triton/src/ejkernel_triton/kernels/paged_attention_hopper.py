@@ -33,32 +33,19 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ejkernel_triton.kernels.flash_attention_common import _program_tile
 from ejkernel_triton.kernels.flash_attention_hopper_fwd import (
     CONSUMER_REGS,
     HALF,
     LOADER_REGS,
-    _barriers,
     _consumer,
+    _head_rows,
+    _load_q,
+    _ring,
 )
-
-
-@gluon.jit
-def _sequence_of(QStart, num_live, block, BLOCK_Q: gl.constexpr):
-    """The sequence owning query block ``block``: the last ``s < num_live`` with
-    ``query_start_loc[s] // BLOCK_Q + s <= block`` (-1 when none)."""
-    lo = block * 0
-    hi = num_live
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = gl.load(QStart + mid) // BLOCK_Q + mid
-        if first <= block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+from ejkernel_triton.kernels.paged_attention import _sequence_of
 
 
 @gluon.jit
@@ -73,6 +60,20 @@ def _cache_row(table_row, live_pages, num_pages, key, PAGE_SIZE: gl.constexpr):
 
 
 @gluon.jit
+def _copy_block(desc, dest, bar, where, key, PAGE_SIZE: gl.constexpr):
+    """The K or V block of the sequence's keys from ``key`` into the ring slot ``dest``: one
+    TMA copy a page (or one of the slot's rows from a longer page), all completing ``bar``.
+    ``where``: the KV head's column, the table row, the live pages, the cache's pages."""
+    col, table_row, live_pages, num_pages = where
+    COPY: gl.constexpr = desc.block_type.shape[0]
+    COPIES: gl.constexpr = dest.type.shape[0] // COPY
+    mbarrier.expect(bar, desc.block_type.nbytes * COPIES)
+    for c in gl.static_range(COPIES):
+        row = _cache_row(table_row, live_pages, num_pages, key + c * COPY, PAGE_SIZE)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, dest.slice(c * COPY, COPY))
+
+
+@gluon.jit
 def _paged_loader(
     descs, smem, bars, place, n_blocks, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr
 ):
@@ -80,30 +81,16 @@ def _paged_loader(
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = smem
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
-    q_row, q_col, kv_col, table_row, live_pages, num_pages = place
-    COPY: gl.constexpr = k_desc.block_type.shape[0]  # rows a copy: a page, or BLOCK_N of one
+    q_row, q_col, where = place
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    COPIES: gl.constexpr = BLOCK_N // COPY
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            q_desc, [q_row + wg * HALF, q_col], q_bar.index(wg), q_smem.index(wg)
-        )
+    _load_q(q_desc, q_smem, q_bar, q_row, q_col)
     for j in range(n_blocks):
         slot = j % STAGES
         phase = (j // STAGES) & 1
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes * COPIES)
-        for c in gl.static_range(COPIES):
-            row = _cache_row(table_row, live_pages, num_pages, j * BLOCK_N + c * COPY, PAGE_SIZE)
-            dest = k_smem.index(slot).slice(c * COPY, COPY)
-            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot), dest)
+        _copy_block(k_desc, k_smem.index(slot), k_ready.index(slot), where, j * BLOCK_N, PAGE_SIZE)
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes * COPIES)
-        for c in gl.static_range(COPIES):
-            row = _cache_row(table_row, live_pages, num_pages, j * BLOCK_N + c * COPY, PAGE_SIZE)
-            dest = v_smem.index(slot).slice(c * COPY, COPY)
-            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), dest)
+        _copy_block(v_desc, v_smem.index(slot), v_ready.index(slot), where, j * BLOCK_N, PAGE_SIZE)
 
 
 @gluon.jit
@@ -155,38 +142,11 @@ def paged_attention_pingpong_kernel(
         hi = gl.maximum(gl.minimum(hi, (start_m + 1) * (2 * HALF) + kv_len - q_len), 0)
     n_blocks = gl.cdiv(hi, BLOCK_N)
 
+    q_desc = _head_rows(Q, num_tokens, num_heads, HEAD_DIM, HALF, q_sl)
     pages_rows = num_pages * PAGE_SIZE
-    q_desc = tma.make_tensor_descriptor(
-        Q,
-        shape=[num_tokens, num_heads * HEAD_DIM],
-        strides=[num_heads * HEAD_DIM, 1],
-        block_shape=[HALF, HEAD_DIM],
-        layout=q_sl,
-    )
-    k_desc = tma.make_tensor_descriptor(
-        KCache,
-        shape=[pages_rows, num_kv_heads * HEAD_DIM],
-        strides=[num_kv_heads * HEAD_DIM, 1],
-        block_shape=[COPY, HEAD_DIM],
-        layout=kv_sl,
-    )
-    v_desc = tma.make_tensor_descriptor(
-        VCache,
-        shape=[pages_rows, num_kv_heads * HEAD_DIM],
-        strides=[num_kv_heads * HEAD_DIM, 1],
-        block_shape=[COPY, HEAD_DIM],
-        layout=kv_sl,
-    )
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_sl)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    q_bar = _barriers(2, 1)
-    turn = _barriers(2, 1)
-    k_ready = _barriers(STAGES, 1)
-    v_ready = _barriers(STAGES, 1)
-    k_empty = _barriers(STAGES, 2)  # both consumers release a slot
-    v_empty = _barriers(STAGES, 2)
-    fence_async_shared()
+    k_desc = _head_rows(KCache, pages_rows, num_kv_heads, HEAD_DIM, COPY, kv_sl)
+    v_desc = _head_rows(VCache, pages_rows, num_kv_heads, HEAD_DIM, COPY, kv_sl)
+    smem, bars, turn = _ring(dtype, q_sl, kv_sl, HEAD_DIM, BLOCK_N, STAGES)
 
     group = num_heads // num_kv_heads
     token0 = q_start.to(gl.int64)
@@ -204,17 +164,9 @@ def paged_attention_pingpong_kernel(
     )
     table_row = Tables + seq.to(gl.int64) * max_pages
     live_pages = gl.cdiv(kv_len, PAGE_SIZE)
-    place = (
-        q_start + start_m * (2 * HALF),
-        h * HEAD_DIM,
-        (h // group) * HEAD_DIM,
-        table_row,
-        live_pages,
-        num_pages,
-    )
+    where = ((h // group) * HEAD_DIM, table_row, live_pages, num_pages)
+    place = (q_start + start_m * (2 * HALF), h * HEAD_DIM, where)
     descs = (q_desc, k_desc, v_desc)
-    smem = (q_smem, k_smem, v_smem)
-    bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
     gl.warp_specialize(
         [  # (constexprs inside a tuple variable would become tensors: spelled out each time)
             (_consumer, (smem, bars, turn, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, False)),

@@ -120,6 +120,18 @@ def paged_attention(
     f16_products = scaled and queries.dtype == jnp.bfloat16 and key_cache.dtype.itemsize == 1
     f16_products = f16_products and value_cache.dtype.itemsize == 1
 
+    # what every launch takes first: queries, caches, lengths, table, starts, live sequences
+    batch = (
+        queries,
+        key_cache,
+        value_cache,
+        kv_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        live,
+    )
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+
     def run(r: dict[str, int], q_lens: tuple[int, int] = (1, 0)) -> jax.Array:
         """One launch with ``r``'s tiles over the sequences of ``q_lens[0]`` queries or more
         and (``q_lens[1]`` > 0) at most ``q_lens[1]``."""
@@ -137,16 +149,9 @@ def paged_attention(
         from ejkernel_triton.kernels.paged_attention import unified_attention_kernel
 
         num_aux = int(aux.shape[1]) if softmax_aux is not None else 1
-        scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
         out, lse = _launch.launch(
             unified_attention_kernel,
-            queries,
-            key_cache,
-            value_cache,
-            kv_lens.astype(jnp.int32),
-            block_tables.astype(jnp.int32),
-            query_start_loc.astype(jnp.int32),
-            live,
+            *batch,
             aux,
             slopes,
             starts,
@@ -213,14 +218,8 @@ def paged_attention(
         grid = (t // 128 + rows, hq)
         out, _, _ = _launch.launch(
             paged_attention_pingpong_kernel,
-            queries,
-            key_cache,
-            value_cache,
-            kv_lens.astype(jnp.int32),
-            block_tables.astype(jnp.int32),
-            query_start_loc.astype(jnp.int32),
-            live,
-            np.float32(d**-0.5 if softmax_scale is None else float(softmax_scale)),
+            *batch,
+            np.float32(scale),
             np.float32(logits_soft_cap or 1.0),
             t,
             hq,
