@@ -293,3 +293,17 @@ def test_every_candidate_of_the_hopper_config_space_launches_what_it_names(hoppe
             )
             assert fwd.num_warps == cfg.fwd_params.num_warps
             assert fwd.constexprs["HEAD_GROUP"] == cfg.fwd_head_group
+
+
+def test_decode_step_reads_shared_memory_in_matrix_fragments():
+    """The bfloat16 decode kernel (B 32 tile) feeds its products by ``ldmatrix``, never by
+    narrow shared-memory loads; the float8 one compiles at half the copies."""
+    bf16 = _codegen.compile_launch(_codegen.decode_launches(jnp.bfloat16))
+    mix = _codegen.shared_memory_mix(bf16.ptx)
+    assert any(k.startswith("ldmatrix") for k in mix), mix
+    assert not any(k.startswith("ld.shared") and k.endswith((".b8", ".b16")) for k in mix), mix
+    fp8 = _codegen.compile_launch(_codegen.decode_launches(jnp.float8_e4m3fn))
+    copies = _codegen.instruction_mix(bf16.ptx)["cp.async.cg.shared.global"]
+    fp8_mix = _codegen.instruction_mix(fp8.ptx)
+    assert 0 < fp8_mix["cp.async.cg.shared.global"] < copies
+    assert fp8.shared <= H100_SHARED

@@ -10,7 +10,9 @@ counts the instructions that decide speed: global loads by width, ``cp.async`` c
 
 Used by ``tests/triton/test_codegen.py`` (a check that tile loads stay vectorised and
 pipelined) and handy when tuning: ``python -m ejkernel_triton._codegen`` prints the mix of the
-heuristic configs.
+heuristic flash configs, ``python -m ejkernel_triton._codegen --decode`` the decode kernel's on a
+bfloat16 and a float8 cache (with the shared-memory loads by width,
+:func:`shared_memory_mix`).
 """
 
 from __future__ import annotations
@@ -199,6 +201,43 @@ def instruction_mix(ptx: str) -> dict[str, int]:
     return dict(collections.Counter(re.findall(pattern, ptx)))
 
 
+def shared_memory_mix(ptx: str) -> dict[str, int]:
+    """Counts of the shared-memory loads and stores by width (``ld.shared.b8`` one byte at a
+    time, ``ldmatrix`` a matrix fragment), by mnemonic."""
+    pattern = r"\b((?:ld|st)\.shared[.\w]*|ldmatrix[.\w]*)"
+    return dict(collections.Counter(re.findall(pattern, ptx)))
+
+
+def decode_launches(cache_dtype: Any = jnp.bfloat16, batch: int = 32, pages: int = 512) -> Launch:
+    """The launch of a ``page_attention`` decode step (``batch`` sequences of ``pages`` pages of
+    16, 32/8 heads, D 128, bfloat16 queries) over a cache of ``cache_dtype`` (``float8_e4m3fn``
+    with scales), at the B 32, 8k tile: 16 rows, 128 keys, 4 warps, 2 stages, 3 splits."""
+    from ejkernel.ops import FwdParams
+    from ejkernel_triton.ops.page_attention import PageAttentionConfig
+    from ejkernel_triton.ops.unified_attention import paged_attention
+
+    hq, hkv, d = 32, 8, 128
+    params = FwdParams(q_blocksize=16, kv_blocksize=128, num_warps=4, num_stages=2)
+    cfg = PageAttentionConfig(fwd_params=params, num_splits=3)
+    scales = {}
+    if jnp.dtype(cache_dtype).itemsize == 1:
+        scales = {"k_scale": jnp.float32(1.0), "v_scale": jnp.float32(1.0)}
+    cache = jnp.ones((batch * pages + 1, 16, hkv, d), cache_dtype)
+    call = {
+        "queries": jnp.ones((batch, hq, d), jnp.bfloat16),
+        "key_cache": cache,
+        "value_cache": cache,
+        "kv_lens": jnp.ones((batch,), jnp.int32),
+        "block_tables": jnp.zeros((batch, pages), jnp.int32),
+        "query_start_loc": jnp.arange(batch + 1, dtype=jnp.int32),
+        **scales,
+    }
+    with recorded_launches() as record:
+        paged_attention(cfg, call, decode=True)
+    (launch,) = record
+    return launch
+
+
 def flash_attention_launches(
     shape: tuple[int, int, int, int] = (1, 256, 2, 128),
     dtype: Any = jnp.bfloat16,
@@ -225,7 +264,18 @@ def flash_attention_launches(
     return record
 
 
-if __name__ == "__main__":
+def _print_mix(launch: Launch, label: str) -> None:
+    compiled = compile_launch(launch)
+    print(f"{label}: shared {compiled.shared} B")
+    mix = {**instruction_mix(compiled.ptx), **shared_memory_mix(compiled.ptx)}
+    for name, count in sorted(mix.items()):
+        print(f"  {name:60s} {count}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--decode"]:
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        _print_mix(decode_launches(dtype), f"page_attention decode, {jnp.dtype(dtype).name} cache")
+elif __name__ == "__main__":
     for d in (64, 80, 128):
         print(f"--- D {d}")
         for launch in flash_attention_launches((1, 256, 2, d)):
