@@ -13,6 +13,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -375,6 +376,36 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
         if name not in ("kda_fwd_norm_kernel", "kda_bwd_chunk_out_kernel"):
             assert any(k.startswith(("wgmma", "mma")) for k in mix), name
         assert compiled.shared <= kda.shared_memory(cfg, 128, 128) <= 232448, name
+
+
+def test_the_walks_pipeline_their_loads_with_two_stages(monkeypatch, tmp_path) -> None:
+    """The space's 2-stage configs: the sequential walks, forward and backward, bring their
+    tiles by 16-byte async copies, within :func:`shared_memory`'s bound."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import kernel_delta_attention as kda
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    q = jax.ShapeDtypeStruct((2, 8192, 16, 128), jnp.bfloat16)
+    space = config_space(types.SimpleNamespace(kwargs={"query": q, "key": q, "value": q}))
+    piped = [cfg for cfg in space if cfg.num_stages == 2]
+    assert piped and all(cfg.chunk_size == space[0].chunk_size for cfg in piped)
+    cfg = attrs.evolve(space[0], num_stages=2)
+    assert cfg in piped
+    call = inputs(1, 128, 2, 128, 128, dtype=jnp.bfloat16)
+    jax.clear_caches()
+    with _codegen.recorded_launches() as record:
+        out, res = kda._kda_fwd(cfg=cfg, **call)
+        kda._kda_bwd(res, out, cfg=cfg)
+    walks = [launch for launch in record if launch.num_stages == 2]
+    assert [launch.kernel.fn.__name__ for launch in walks] == [
+        "kda_fwd_h_kernel",
+        "kda_bwd_dh_kernel",
+    ]
+    for launch in walks:
+        compiled = _codegen.compile_launch(launch, capability=90)
+        assert _codegen.instruction_mix(compiled.ptx).get("cp.async.cg.shared.global", 0) > 0
+        assert compiled.shared <= kda.shared_memory(cfg, 128, 128) <= 232448
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------

@@ -122,13 +122,15 @@ def shared_memory(cfg: KernelDeltaAttentionConfig, dk: int, dv: int) -> int:
     the largest of the per-chunk forward (``[C, K]`` and ``[C, V]`` operand tiles), the
     sequential walks (the ``[K, BV]`` state and ``[C, BV]`` tiles), the backward's V pass
     (``[C, K]`` and its streamed ``[C, BV]`` tiles) and its chunk pass (``[C, K]`` and
-    ``[C, C]`` tiles), all float32. An upper bound of what Triton 3.6 allocates for sm_90,
-    which ``tests/triton/test_kernel_delta_attention.py`` holds it to."""
+    ``[C, C]`` tiles), all float32, the walks' streamed tiles once more a pipelining stage.
+    An upper bound of what Triton 3.6 allocates for sm_90, which
+    ``tests/triton/test_kernel_delta_attention.py`` holds it to."""
     c, bk, vp = cfg.chunk_size, pow2(dk), pow2(dv)
     bv = min(cfg.block_v, vp)
+    walk_stage = 3 * c * bk // 2 + c * bv  # a walk step's streamed tiles, once a stage
     return 4 * max(
         2 * c * (bk + vp),
-        2 * bk * bv + 2 * c * bv,
+        2 * bk * bv + 2 * c * bv + (cfg.num_stages - 1) * walk_stage,
         c * bk + 8 * c * bv,
         4 * c * bk + c * c,
     )
@@ -165,7 +167,8 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
 
 def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
     """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps,
-    without those over the device's shared memory (:func:`shared_memory`)."""
+    and those of the heuristic's chunk size with 2 stages in the sequential walks, without
+    those over the device's shared memory (:func:`shared_memory`)."""
     base = heuristic(inv)
     if _launch.interpreting():
         return [base]
@@ -182,6 +185,12 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
                 )
                 if cfg not in out and shared_memory(cfg, dk, dv) <= limit:
                     out.append(cfg)
+    # the sequential walks with their loads pipelined a step ahead (128 programs in all at
+    # B 2, H 16, K = V = 128: nothing else hides their memory latency)
+    for cfg in [c for c in out if c.chunk_size == base.chunk_size]:
+        piped = attrs.evolve(cfg, num_stages=2)
+        if piped not in out and shared_memory(piped, dk, dv) <= limit:
+            out.append(piped)
     return out
 
 
