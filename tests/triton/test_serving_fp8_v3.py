@@ -15,6 +15,7 @@ import functools
 import re
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +94,24 @@ def test_fp8_bf16_queries_every_paged_op(interpret: None) -> None:
     opts = SCALES["tensor"]
     out = ejkernel.prefill_page_attention(**pargs, **opts, platform="triton", cfg=small())
     check(out, prefill_page_attention_reference(**pargs, **opts))
+
+
+@pytest.mark.parametrize("d", [64, 80])
+def test_fp8_v_tiles_as_words(interpret: None, d: int) -> None:
+    """``fp8_v_words``: the float8 V tile loaded as 32-bit words and widened in registers
+    gives the reference's output, bfloat16 queries (float16 products) and float32 ones, a
+    decode batch with splits and a ragged one, pages past the lengths holding NaN."""
+    cfg = attrs.evolve(small(splits=2), fp8_v_words=True)
+    a = packed([37, 1, 20, 0], [5, 1, 20, 0], d=d, dtype=jnp.bfloat16, cache_dtype=FP8)
+    opts = SCALES["head"]
+    out = ejkernel.unified_attention(**a, **opts, platform="triton", cfg=cfg)
+    ref = unified_attention_reference(**{**a, "queries": _f32(a["queries"])}, **opts)
+    check(out, ref, dtype=jnp.bfloat16)
+    f = packed([29, 47, 1], [1, 1, 1], hq=8, d=d, cache_dtype=FP8, seed=1)
+    names = ("key_cache", "value_cache", "kv_lens", "block_tables")
+    dargs = {"query": f["queries"], **{n: f[n] for n in names}}
+    out = ejkernel.page_attention(**dargs, **SCALES["tensor"], platform="triton", cfg=cfg)
+    check(out, page_attention_reference(**dargs, **SCALES["tensor"]))
 
 
 def test_fp8_with_bf16_queries_beyond_float16s_range(interpret: None) -> None:
@@ -327,6 +346,23 @@ def test_fp8_kernel_compiles_for_hopper(hopper_compile: None) -> None:
     cvt = collections.Counter(re.findall(r"\bcvt(?:\.\w+)+", compiled.ptx))
     assert cvt["cvt.rn.f16x2.e4m3x2"] > 0 and cvt["cvt.bf16.f16"] == 0, cvt
     assert re.search(r"\bmma\.sync\.aligned\.[\w.]*\.f32\.f16\.f16\.f32\b", compiled.ptx)
+
+
+def test_fp8_v_tiles_as_words_reach_the_product_by_matrix_fragments(hopper_compile: None) -> None:
+    """A float8 V tile loaded as float8 reaches P·V one byte at a time (``ld.shared.b8``: the
+    transposed operand has no 8-bit ``ldmatrix``); as 32-bit words widened in registers it
+    goes by ``ldmatrix.trans``, and every K/V copy is 16 bytes."""
+    from ejkernel_triton import _codegen
+
+    mix = _codegen.shared_memory_mix(_codegen.compile_launch(_codegen.decode_launches(FP8)).ptx)
+    assert mix.get("ld.shared.b8", 0) > 0  # the default path, as measured
+    words = _codegen.decode_launches(FP8, fp8_v_words=True)
+    assert words.constexprs["V_WORDS"]
+    compiled = _codegen.compile_launch(words)
+    mix = _codegen.shared_memory_mix(compiled.ptx)
+    assert "ld.shared.b8" not in mix and mix["ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"] > 0
+    copies = _codegen.instruction_mix(compiled.ptx)
+    assert {k for k in copies if k.startswith("cp.async")} == {"cp.async.cg.shared.global"}
 
 
 # -- GPU --------------------------------------------------------------------------------------

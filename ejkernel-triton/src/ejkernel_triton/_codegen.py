@@ -208,17 +208,20 @@ def shared_memory_mix(ptx: str) -> dict[str, int]:
     return dict(collections.Counter(re.findall(pattern, ptx)))
 
 
-def decode_launches(cache_dtype: Any = jnp.bfloat16, batch: int = 32, pages: int = 512) -> Launch:
+def decode_launches(
+    cache_dtype: Any = jnp.bfloat16, batch: int = 32, pages: int = 512, *, fp8_v_words: bool = False
+) -> Launch:
     """The launch of a ``page_attention`` decode step (``batch`` sequences of ``pages`` pages of
     16, 32/8 heads, D 128, bfloat16 queries) over a cache of ``cache_dtype`` (``float8_e4m3fn``
-    with scales), at the B 32, 8k tile: 16 rows, 128 keys, 4 warps, 2 stages, 3 splits."""
+    with scales), at the B 32, 8k tile: 16 rows, 128 keys, 4 warps, 2 stages, 3 splits (and
+    the config's ``fp8_v_words``)."""
     from ejkernel.ops import FwdParams
     from ejkernel_triton.ops.page_attention import PageAttentionConfig
     from ejkernel_triton.ops.unified_attention import paged_attention
 
     hq, hkv, d = 32, 8, 128
     params = FwdParams(q_blocksize=16, kv_blocksize=128, num_warps=4, num_stages=2)
-    cfg = PageAttentionConfig(fwd_params=params, num_splits=3)
+    cfg = PageAttentionConfig(fwd_params=params, num_splits=3, fp8_v_words=fp8_v_words)
     scales = {}
     if jnp.dtype(cache_dtype).itemsize == 1:
         scales = {"k_scale": jnp.float32(1.0), "v_scale": jnp.float32(1.0)}
@@ -275,6 +278,7 @@ def _print_mix(launch: Launch, label: str) -> None:
 if __name__ == "__main__" and sys.argv[1:] == ["--decode"]:
     for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
         _print_mix(decode_launches(dtype), f"page_attention decode, {jnp.dtype(dtype).name} cache")
+    _print_mix(decode_launches(jnp.float8_e4m3fn, fp8_v_words=True), "the same, fp8_v_words")
 elif __name__ == "__main__":
     for d in (64, 80, 128):
         print(f"--- D {d}")

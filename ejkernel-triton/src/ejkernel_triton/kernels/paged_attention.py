@@ -34,7 +34,10 @@ Layout (OPS.md): packed ``queries [T, Hq, D]``; ``key_cache``/``value_cache``
   float8 tile converts exactly in one instruction a pair (to bfloat16 it takes two); each
   query row is divided by a power of two that brings its largest magnitude within 2^15
   (usually 1) and the row's scores are multiplied back, exactly, so no query overflows
-  float16, and the probabilities enter the second product in float16.
+  float16, and the probabilities enter the second product in float16. ``V_WORDS``: a float8
+  V tile loads as 32-bit words and is widened to float16 in registers before the product,
+  which then reads it from shared memory by matrix fragments (loaded as float8, the
+  transposed operand of P·V is read one byte at a time).
 - ALiBi adds ``slope[h] · (key_pos - query_pos)`` after the soft cap; sinks
   (``softmax_aux [Hq, n]``) join the maximum and denominator once, after the walk.
 - Split-K (``NUM_SPLITS > 1``): split ``k`` walks the ``k``-th of ``NUM_SPLITS`` equal runs of
@@ -123,6 +126,18 @@ def _kv_tile(
 
 
 @triton.jit
+def _fp8_words_to_f16(w):
+    """A float8 (e4m3) tile loaded as 32-bit words ``[N, D / 4]`` (entry ``4j + i`` in byte
+    ``i`` of word ``j``), widened to float16 ``[N, D]`` (exact)."""
+    e0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    e1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    e2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    e3 = (w >> 24).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    x = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [N, D / 4, 2, 2]: entry 4j + 2b + a
+    return tl.reshape(x, [w.shape[0], w.shape[1] * 4])
+
+
+@triton.jit
 def _to_float16_rows(q):
     """``(q / r, r)``: ``q`` in float16, each row divided by the power of two ``r`` (1 unless
     the row's largest magnitude exceeds 2^15) that keeps it within float16's range."""
@@ -188,6 +203,7 @@ def unified_attention_kernel(
     ONE_PAGE: tl.constexpr = False,
     SCALED: tl.constexpr = False,
     F16_PRODUCTS: tl.constexpr = False,
+    V_WORDS: tl.constexpr = False,
     MIN_Q_LEN: tl.constexpr = 1,
     MAX_Q_LEN: tl.constexpr = 0,
 ):
@@ -306,11 +322,20 @@ def unified_attention_kernel(
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = _kv_tile(
-                VCache, table_row, cols, start_n, kv_hi, num_pages, kvh * HEAD_DV, stride_vp,
-                stride_vs, offs_dv, HEAD_DV, BLOCK_DV, PAGE_SIZE, BLOCK_N, MASKED, ONE_PAGE,
-            )  # fmt: skip
-            if SCALED:
+            if V_WORDS:  # a float8 V tile as 32-bit words, widened in registers
+                v = _kv_tile(
+                    VCache.to(tl.pointer_type(tl.uint32)), table_row, cols, start_n, kv_hi,
+                    num_pages, kvh * (HEAD_DV // 4), stride_vp // 4, stride_vs // 4,
+                    tl.arange(0, BLOCK_DV // 4), HEAD_DV // 4, BLOCK_DV // 4, PAGE_SIZE,
+                    BLOCK_N, MASKED, ONE_PAGE,
+                )  # fmt: skip
+                v = _fp8_words_to_f16(v).to(q.dtype)
+            else:
+                v = _kv_tile(
+                    VCache, table_row, cols, start_n, kv_hi, num_pages, kvh * HEAD_DV, stride_vp,
+                    stride_vs, offs_dv, HEAD_DV, BLOCK_DV, PAGE_SIZE, BLOCK_N, MASKED, ONE_PAGE,
+                )  # fmt: skip
+            if SCALED and not V_WORDS:
                 v = v.to(q.dtype)
             v = _finite_or_zero_if(v, MASKED)
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)

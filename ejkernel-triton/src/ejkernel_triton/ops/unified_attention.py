@@ -119,6 +119,8 @@ def paged_attention(
     starts = jnp.zeros((1,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
     f16_products = scaled and queries.dtype == jnp.bfloat16 and key_cache.dtype.itemsize == 1
     f16_products = f16_products and value_cache.dtype.itemsize == 1
+    v_words = bool(getattr(cfg, "fp8_v_words", False)) and value_cache.dtype.itemsize == 1
+    v_words = v_words and dv % 16 == 0 and align % 4 == 0
 
     # what every launch takes first: queries, caches, lengths, table, starts, live sequences
     batch = (
@@ -203,6 +205,7 @@ def paged_attention(
             MIN_Q_LEN=q_lens[0],
             MAX_Q_LEN=q_lens[1],
             F16_PRODUCTS=f16_products,
+            V_WORDS=v_words,
         )
         if splits == 1:
             return out

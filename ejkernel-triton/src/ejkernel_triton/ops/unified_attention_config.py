@@ -100,6 +100,9 @@ class UnifiedAttentionConfig:
             warps a consumer, fixed), shorter chunks on the unified kernel at
             :data:`SHORT_CHUNKS`' tile, the decodes in a launch of their own as with
             ``decode_launch``.
+        fp8_v_words: float8 caches (head dims a multiple of 16): the unified kernel loads V
+            tiles as 32-bit words and widens them to float16 in registers, so P·V reads them
+            by matrix fragments instead of one byte at a time; ignored for other caches.
     """
 
     fwd_params: FwdParams = attrs.field(factory=FwdParams)
@@ -108,6 +111,7 @@ class UnifiedAttentionConfig:
     chunk_kernel: str = attrs.field(
         default="unified", validator=attrs.validators.in_(CHUNK_KERNELS)
     )
+    fp8_v_words: bool = False
 
 
 #: The unified kernel's tile for the chunks too short for the ping-pong kernel (2 to 63
@@ -339,6 +343,8 @@ def config_space_of(problem: Problem, config: type[Any], *, pingpong: bool = Fal
         configs.append(attrs.evolve(base, fwd_params=params))
     if not problem.decode_like and problem.rows > 1:
         configs.append(attrs.evolve(base, decode_launch=True))
+    if problem.itemsize == 1 and problem.head_dim % 16 == 0:
+        configs.append(attrs.evolve(base, fp8_v_words=True))
     return prune_by_shared_memory(
         list(dict.fromkeys([*chunks, *configs])),
         functools.partial(smem_need, problem),
