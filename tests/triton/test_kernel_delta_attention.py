@@ -418,7 +418,9 @@ def _bf16_inputs(*sizes: int, vector: bool = True) -> dict[str, jax.Array]:
     return arrays
 
 
-def _against_xla(arrays: dict[str, jax.Array], grads: bool, **statics: Any) -> None:
+def _against_xla(
+    arrays: dict[str, jax.Array], grads: bool, cfg: Any = None, **statics: Any
+) -> None:
     def run(fn: Any, a: dict[str, jax.Array]) -> Any:
         def loss(a: dict[str, jax.Array]) -> Any:
             out = fn(**a, **statics)
@@ -430,7 +432,7 @@ def _against_xla(arrays: dict[str, jax.Array], grads: bool, **statics: Any) -> N
         (_, out), g = jax.value_and_grad(loss, has_aux=True)(a)
         return out, g
 
-    out, got = jax.jit(lambda a: run(triton_kda(None), a))(arrays)
+    out, got = jax.jit(lambda a: run(triton_kda(cfg), a))(arrays)
     up = jax.tree.map(lambda x: x.astype(jnp.float32), arrays)
     xla = lambda **kw: ejkernel.kernel_delta_attention(**kw, platform="xla")
     with jax.default_matmul_precision("highest"):
@@ -454,6 +456,16 @@ def test_gpu_bf16_forward_matches_the_xla_path(vector: bool) -> None:
 @pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
 def test_gpu_bf16_gradients_match_the_xla_path(vector: bool) -> None:
     _against_xla(_bf16_inputs(*GPU_SHAPE, vector=vector), grads=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+def test_gpu_two_stage_walks_match_the_xla_path(vector: bool) -> None:
+    """The config space's pipelined walks (2 stages), forward and gradients."""
+    arrays = _bf16_inputs(*GPU_SHAPE, vector=vector)
+    call = {k: arrays[k] for k in ("query", "key", "value")}
+    cfg = attrs.evolve(heuristic(types.SimpleNamespace(kwargs=call)), num_stages=2)
+    _against_xla(arrays, grads=True, cfg=cfg)
 
 
 @pytest.mark.gpu

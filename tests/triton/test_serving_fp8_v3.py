@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import re
+import types
 from typing import Any
 
 import attrs
@@ -419,6 +420,16 @@ def test_gpu_v3_update_in_place() -> None:
         assert bool(jnp.all(ours == theirs))
 
 
+def _heuristic(q: Any, kc: Any, vc: Any, lens: Any, tables: Any) -> Any:
+    """The Triton page attention's heuristic config for these arguments."""
+    from ejkernel_triton.ops import page_attention
+
+    kwargs = {"query": q, "key_cache": kc, "value_cache": vc, "kv_lens": lens}
+    return page_attention.heuristic(
+        types.SimpleNamespace(kwargs={**kwargs, "block_tables": tables})
+    )
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_and_ragged_decode_serving_shapes() -> None:
     """fp8 page attention (B 32, 8k, per-head scales) and the dense ragged decode (B 32, 8k),
@@ -446,3 +457,11 @@ def test_gpu_fp8_and_ragged_decode_serving_shapes() -> None:
     ours, ref = paged(q, kc, vc, lens, tables, p="triton"), paged(q, kc, vc, lens, tables, p="xla")
     assert bool(jnp.all(jnp.isfinite(ours)))
     assert _rel(ours, ref) < 1e-2
+    words = attrs.evolve(_heuristic(q, kc, vc, lens, tables), fp8_v_words=True)
+    run = jax.jit(
+        lambda *xs: ejkernel.page_attention(
+            *xs, k_scale=scale, v_scale=scale, platform="triton", cfg=words
+        )
+    )
+    ours = run(q, kc, vc, lens, tables)
+    assert bool(jnp.all(jnp.isfinite(ours))) and _rel(ours, ref) < 1e-2
