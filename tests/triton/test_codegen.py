@@ -307,3 +307,22 @@ def test_decode_step_reads_shared_memory_in_matrix_fragments():
     fp8_mix = _codegen.instruction_mix(fp8.ptx)
     assert 0 < fp8_mix["cp.async.cg.shared.global"] < copies
     assert fp8.shared <= H100_SHARED
+
+
+@pytest.mark.parametrize(
+    ("op", "first", "last"),
+    [
+        ("kda", "kda_fwd_norm_kernel", "kda_bwd_chunk_out_kernel"),
+        ("gla", "gla_fwd_cumsum_kernel", None),
+    ],
+)
+def test_linear_launches_record_the_forward_and_backward(hopper, op, first, last):
+    """``_codegen.linear_launches``: the op's launches in order, its sequential walk among
+    them, each compiling for sm_90 (the first here)."""
+    launches = _codegen.linear_launches(op, (1, 128, 2, 64))
+    names = [launch.kernel.fn.__name__ for launch in launches]
+    assert names[0] == first and (last is None or names[-1] == last)
+    assert any("_h_kernel" in name for name in names)
+    assert _codegen.compile_launch(launches[0]).shared <= H100_SHARED
+    with pytest.raises(ValueError, match="op"):
+        _codegen.linear_launches("mamba")

@@ -12,7 +12,8 @@ Used by ``tests/triton/test_codegen.py`` (a check that tile loads stay vectorise
 pipelined) and handy when tuning: ``python -m ejkernel_triton._codegen`` prints the mix of the
 heuristic flash configs, ``python -m ejkernel_triton._codegen --decode`` the decode kernel's on a
 bfloat16 and a float8 cache (with the shared-memory loads by width,
-:func:`shared_memory_mix`).
+:func:`shared_memory_mix`), ``--linear kda|gdn|gla`` a linear-attention op's forward and
+backward launches at B 2, T 8192, H 16, D 128 (:func:`linear_launches`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ __all__ = [
     "Compiled",
     "Launch",
     "compile_launch",
+    "decode_launches",
     "flash_attention_launches",
     "instruction_mix",
+    "linear_launches",
     "recorded_launches",
+    "shared_memory_mix",
 ]
 
 _POINTER_TYPES = {
@@ -241,6 +245,39 @@ def decode_launches(
     return launch
 
 
+def linear_launches(
+    op: str, shape: tuple[int, int, int, int] = (2, 8192, 16, 128), cfg: Any = None
+) -> list[Launch]:
+    """The launches of a chunked linear-attention op's forward and backward, in launch order,
+    bfloat16 ``[B, T, H, D]`` (K = V = D), by ``cfg`` or the heuristic's: ``kda``
+    (``kernel_delta_attention`` with a per-channel gate and ``use_qk_l2norm``), ``gdn`` (its
+    per-head gate) or ``gla``."""
+    from ejkernel_triton.ops import gla, kernel_delta_attention
+
+    b, t, h, _ = shape
+    x = jnp.ones(shape, jnp.bfloat16)
+    if op == "gla":
+        module, fwd, bwd = gla, gla._gla_fwd, gla._gla_bwd
+        call: dict[str, Any] = {"query": x, "key": x, "value": x}
+        call["g"] = jnp.full(shape, -0.1, jnp.float32)
+        extra: dict[str, Any] = {}
+    elif op in ("kda", "gdn"):
+        module = kernel_delta_attention
+        fwd, bwd = module._kda_fwd, module._kda_bwd
+        gate = jnp.full(shape if op == "kda" else (b, t, h), -0.1, jnp.bfloat16)
+        call = {"query": x, "key": x, "value": x, "beta": jnp.full((b, t, h), 0.5, jnp.bfloat16)}
+        call.update(g=gate, use_qk_l2norm=True)
+        extra = {"use_qk_l2norm": True}
+    else:
+        raise ValueError(f"op: 'kda', 'gdn' or 'gla', not {op!r}")
+    cfg = cfg or module.heuristic(types.SimpleNamespace(kwargs=call))
+    jax.clear_caches()  # the forward is jitted: trace it under the recorder
+    with recorded_launches() as record:
+        out, res = fwd(cfg=cfg, **call)
+        bwd(res, out, cfg=cfg, **extra)
+    return record
+
+
 def flash_attention_launches(
     shape: tuple[int, int, int, int] = (1, 256, 2, 128),
     dtype: Any = jnp.bfloat16,
@@ -275,7 +312,12 @@ def _print_mix(launch: Launch, label: str) -> None:
         print(f"  {name:60s} {count}")
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--decode"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["--linear"]:
+    for launch in linear_launches(sys.argv[2] if len(sys.argv) > 2 else "kda"):
+        name = launch.kernel.fn.__name__
+        _print_mix(launch, f"{name} grid {launch.grid}, {launch.num_warps} warps, "
+                   f"{launch.num_stages} stages")  # fmt: skip
+elif __name__ == "__main__" and sys.argv[1:] == ["--decode"]:
     for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
         _print_mix(decode_launches(dtype), f"page_attention decode, {jnp.dtype(dtype).name} cache")
     _print_mix(decode_launches(jnp.float8_e4m3fn, fp8_v_words=True), "the same, fp8_v_words")
