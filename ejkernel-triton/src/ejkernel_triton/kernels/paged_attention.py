@@ -216,8 +216,9 @@ def unified_attention_kernel(
     of sequence ``s`` (``page_attention``): the grid's first axis is the sequences, every one
     live, and ``QStart`` is not read. ``KvStarts`` (int32 ``[rows]``, read with
     ``HAS_START``): each sequence's first key; ``KScale``/``VScale`` (float32 ``[Hkv]``, read
-    when ``SCALED``): the caches' scales. ``MIN_Q_LEN``, ``MAX_Q_LEN``: the sequences served, those of ``MIN_Q_LEN`` queries or more and
-    (``MAX_Q_LEN`` > 0) at most ``MAX_Q_LEN`` (a mixed batch's kinds in launches of their own).
+    when ``SCALED``): the caches' scales. ``MIN_Q_LEN``, ``MAX_Q_LEN``: the sequences served,
+    those of ``MIN_Q_LEN`` queries or more and (``MAX_Q_LEN`` > 0) at most ``MAX_Q_LEN`` (a
+    mixed batch's kinds in launches of their own).
     """
     stride_qt = stride_qt * ALIGN
     stride_cp = stride_cp * ALIGN

@@ -249,9 +249,6 @@ def paged_attention(
         )
         return out
 
-    def with_decodes(others: jax.Array) -> jax.Array:
-        return _decodes_added(a, live, others)
-
     if getattr(cfg, "chunk_kernel", "unified") == "pingpong":
         why = (
             "a decode call"
@@ -265,11 +262,11 @@ def paged_attention(
             return run_pingpong(1, *tile)
         chunks = run_pingpong(PINGPONG_MIN_QUERIES, *tile)
         short = run(resolve(problem, SHORT_CHUNKS), (2, PINGPONG_MIN_QUERIES - 1))
-        return with_decodes(chunks + short)
+        return _decodes_added(a, live, chunks + short)
     r = resolve(problem, cfg)
     if decode or problem.decode_like or rows < 2 or not getattr(cfg, "decode_launch", False):
         return run(r)
-    return with_decodes(run(r, (2, 0)))
+    return _decodes_added(a, live, run(r, (2, 0)))
 
 
 def _decodes_added(a: Mapping[str, Any], live: jax.Array, others: jax.Array) -> jax.Array:

@@ -16,8 +16,9 @@ context a sequence can hold).
   split at least :data:`MIN_SPLIT_KEYS` keys); prefill-heavy batches (many programs
   already) do not.
 - Chunks (``chunk_kernel``): on Hopper, a batch that is not decode-like runs its sequences of
-  two queries or more on the Gluon ping-pong kernel (128 keys a step, 2 stages) where the
-  call is one it takes (:func:`pingpong_refusal`), its decodes in a launch of their own.
+  :data:`PINGPONG_MIN_QUERIES` queries or more on the Gluon ping-pong kernel (128 keys a
+  step, 2 stages) where the call is one it takes (:func:`pingpong_refusal`), its shorter
+  chunks and its decodes in launches of their own.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from ejkernel.ops import FwdParams, prune_by_shared_memory
 from ejkernel_triton import _launch, _smem
 from ejkernel_triton.ops import flash_attention_config
 from ejkernel_triton.ops.flash_attention_config import (
-    _compute_capability,
     _sm_count,
     fwd_smem,
     pow2,
@@ -415,7 +415,8 @@ def serving_supports(
     for name in caches:
         x = kw[name]
         if jnp.dtype(x.dtype) == _FP8:
-            if not _launch.interpreting() and _compute_capability() < (8, 9):
+            capability = flash_attention_config._compute_capability()
+            if not _launch.interpreting() and capability < (8, 9):
                 return f"{name}: float8_e4m3fn caches need sm_89 or later"
         elif jnp.dtype(x.dtype) not in _DTYPES:
             return (
