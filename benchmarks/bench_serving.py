@@ -20,7 +20,8 @@ prefill chunks of 512 over 2k–4k contexts and a vLLM-like step of 64 decodes a
 of 2048 over 1k–16k (``ragged_page_attention``); a platform that cannot serve a case says
 why in its cell (``default``: the usual selection; ``triton:unified`` and ``triton:pingpong``:
 a mixed batch's query chunks on that Triton kernel, at its heuristic tile, and the prefill
-chunk below on each). ``--anchors`` adds issue 30's anchors:
+chunk below on each; ``fp8:heuristic`` and ``fp8:words``: float8 caches (scale 0.5) on the
+Triton heuristic's config, its V tiles loaded as bytes or as words, ``fp8_v_words``). ``--anchors`` adds issue 30's anchors:
 the run's roofline (copy bandwidth and the bf16 matmul ceiling measured in the run), the
 default selection on a float8 cache, cuDNN decode on a dense cache and JAX's Pallas GPU
 ``paged_attention`` and ``decode_attention`` (decode batches), vLLM's Triton
@@ -46,6 +47,7 @@ import os
 import statistics
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -210,6 +212,28 @@ def _ours(c: dict[str, Any], platform: str | None, **scales: Any) -> tuple[Any, 
     """``page_attention`` for a decode batch (one query each), else ``ragged_page_attention``;
     ``platform`` ``triton:<chunk kernel>`` runs a mixed batch's chunks on that kernel."""
     cfg = None
+    if platform and platform.startswith("fp8:"):  # the Triton heuristic's config on fp8 caches
+        import attrs
+
+        from ejkernel_triton.ops import page_attention, ragged_page_attention
+
+        decode = c["q"].shape[0] == c["lens"].shape[0]
+        kwargs = {"query" if decode else "queries": c["q"], "key_cache": c["kc"]}
+        kwargs |= {"value_cache": c["vc"], "kv_lens": c["lens"], "block_tables": c["table"]}
+        kwargs |= scales
+        if not decode:
+            kwargs |= {"query_start_loc": c["qsl"], "num_seqs": c["lens"].shape[0]}
+        op = page_attention if decode else ragged_page_attention
+        cfg = op.heuristic(types.SimpleNamespace(kwargs=kwargs))
+        cfg = attrs.evolve(cfg, fp8_v_words=platform == "fp8:words")
+        platform = "triton"
+        if decode:
+            fn = jax.jit(
+                lambda q, kc, vc, n, t: ejkernel.page_attention(
+                    q, kc, vc, n, t, platform=platform, cfg=cfg, **scales
+                )
+            )
+            return fn, (c["q"], c["kc"], c["vc"], c["lens"], c["table"])
     if platform and ":" in platform:
         from ejkernel_triton.ops.ragged_page_attention import RaggedPageAttentionConfig
 
@@ -394,15 +418,17 @@ def serving(platforms: list[str], quick: bool, anchors: bool, parts: bool = Fals
         kv_bytes = sum(kv_lens) * hkv * d * 2 * 2
         call = {"q": q, "kc": kc, "vc": vc, "lens": lens, "table": table, "qsl": qsl}
         warm = 0.2 if anchors else 0.0
+        f8 = {"kc": kc.astype(jnp.float8_e4m3fn), "vc": vc.astype(jnp.float8_e4m3fn)}
+        scales = {"k_scale": 0.5, "v_scale": 0.5}
         cells = [
-            _cell(_ours, call, None if p == "default" else p, nbytes=kv_bytes, warm_s=warm)
+            _cell(_ours, call | f8, p, nbytes=kv_bytes // 2, warm_s=warm, **scales)
+            if p.startswith("fp8:")
+            else _cell(_ours, call, None if p == "default" else p, nbytes=kv_bytes, warm_s=warm)
             for p in platforms
         ]
         if anchors:
             flops = _causal_flops(kv_lens, q_lens, hq, d)
             cells.append(f"{max(kv_bytes / bw / 1e6, flops / peak / 1e9):.3f}")
-            f8 = {"kc": kc.astype(jnp.float8_e4m3fn), "vc": vc.astype(jnp.float8_e4m3fn)}
-            scales = {"k_scale": 0.5, "v_scale": 0.5}
             cells.append(_cell(_ours, call | f8, None, nbytes=kv_bytes // 2, warm_s=warm, **scales))
             chosen.append(f"- {name}, fp8 cache: {_chosen(call | f8, **scales)}")
             decode = all(n == 1 for n in q_lens)
@@ -420,8 +446,8 @@ def serving(platforms: list[str], quick: bool, anchors: bool, parts: bool = Fals
     if checks:
         print("\nvLLM unified attention, max abs difference from the default call's output:")
         print("\n".join(checks))
-    if anchors or any(":" in p for p in platforms):
-        prefill_chunk(quick, [p.split(":")[1] for p in platforms if ":" in p])
+    if anchors or any(p.startswith("triton:") for p in platforms):
+        prefill_chunk(quick, [p.split(":")[1] for p in platforms if p.startswith("triton:")])
 
 
 def prefill_chunk(quick: bool, chunk_kernels: list[str]) -> None:

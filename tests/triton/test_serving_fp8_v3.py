@@ -457,10 +457,11 @@ def test_gpu_fp8_and_ragged_decode_serving_shapes() -> None:
     ours, ref = paged(q, kc, vc, lens, tables, p="triton"), paged(q, kc, vc, lens, tables, p="xla")
     assert bool(jnp.all(jnp.isfinite(ours)))
     assert _rel(ours, ref) < 1e-2
-    words = attrs.evolve(_heuristic(q, kc, vc, lens, tables), fp8_v_words=True)
+    assert _heuristic(q, kc, vc, lens, tables).fp8_v_words
+    byte_loads = attrs.evolve(_heuristic(q, kc, vc, lens, tables), fp8_v_words=False)
     run = jax.jit(
         lambda *xs: ejkernel.page_attention(
-            *xs, k_scale=scale, v_scale=scale, platform="triton", cfg=words
+            *xs, k_scale=scale, v_scale=scale, platform="triton", cfg=byte_loads
         )
     )
     ours = run(q, kc, vc, lens, tables)
