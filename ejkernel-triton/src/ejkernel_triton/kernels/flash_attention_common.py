@@ -184,14 +184,18 @@ def _visible(s, qi, kj, geo, masks, MASKED: tl.constexpr, FEATURES: tl.constexpr
             other=0.0,
         )
         s = s + b.to(tl.float32) * LOG2E
-    keep = (qi >= 0) & (kj >= 0)  # all true, of the tile's shape
-    if MASKED:
-        keep = keep & (kj < seqlen_k)  # kv_valid
+    if MASKED:  # the positional terms as one bound a query (two with a window)
         q_pos = qi + q_pos_offset
+        last = qi * 0 + (seqlen_k - 1)  # kv_valid, of the queries' shape
         if CAUSAL:
-            keep = keep & (kj <= q_pos)
+            last = tl.minimum(last, q_pos)
         if WINDOW:
-            keep = keep & (kj >= q_pos - window_left) & (kj <= q_pos + window_right)
+            last = tl.minimum(last, q_pos + window_right)
+        keep = kj <= last
+        if WINDOW:
+            keep = keep & (kj >= q_pos - window_left)
+    else:
+        keep = (qi >= 0) & (kj >= 0)  # all true, of the tile's shape
     if HAS_MASK:
         m = tl.load(
             mask_ptr + qi * stride_maskq + kj * stride_maskk,

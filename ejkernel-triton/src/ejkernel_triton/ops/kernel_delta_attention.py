@@ -137,9 +137,11 @@ def shared_memory(cfg: KernelDeltaAttentionConfig, dk: int, dv: int) -> int:
 
 
 def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
-    """Chunks of 64 with 32-wide V blocks and 8 warps (the backward's reverse walk has
-    ``T / C`` sequential steps, so longer chunks pay off most there), shorter chunks for short
-    packed sequences or where shared memory is too small; in the interpreter (whose cost is
+    """Chunks of 64 with 32-wide V blocks, 2 stages in the sequential walks where shared
+    memory holds them, 8 warps for a call being differentiated and 4 for a forward alone (the
+    backward's reverse walk has ``T / C`` sequential steps, so longer chunks pay off most
+    there, and wants the wider programs; the forward does better with the narrower ones),
+    shorter chunks for short packed sequences or where shared memory is too small; in the interpreter (whose cost is
     per program and per loop step) chunks of 16 and whole-V blocks. Decoding calls (at most
     :data:`FUSED_GPU_MAX_TOKENS` tokens on a GPU, :data:`FUSED_MAX_TOKENS` in the
     interpreter) take the fused recurrent kernel, with value blocks of up to 64 on a GPU."""
@@ -156,9 +158,10 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
             chunk_size=16, block_v=min(64, pow2(dv)), num_warps=4, fused=True
         )
     limit = _smem.launch_limit()
-    for chunk in (64, 32, 16):
+    for chunk, stages in ((64, 2), (64, 1), (32, 1), (16, 1)):
+        warps = (8 if getattr(inv, "grad", False) else 4) if chunk == 64 else 4
         cfg = KernelDeltaAttentionConfig(
-            chunk_size=chunk, block_v=min(32, pow2(dv)), num_warps=8 if chunk == 64 else 4
+            chunk_size=chunk, block_v=min(32, pow2(dv)), num_warps=warps, num_stages=stages
         )
         if chunk == 16 or (length >= chunk and shared_memory(cfg, dk, dv) <= limit):
             return cfg
@@ -166,8 +169,8 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
 
 
 def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
-    """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps,
-    and those of the heuristic's chunk size with 2 stages in the sequential walks, without
+    """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps
+    in 1 stage, and those of the heuristic's chunk size with 2 stages in the sequential walks, without
     those over the device's shared memory (:func:`shared_memory`)."""
     base = heuristic(inv)
     if _launch.interpreting():
@@ -181,7 +184,11 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
         for bv in (32, 64):
             for warps in (4, 8):
                 cfg = attrs.evolve(
-                    base, chunk_size=chunk, block_v=min(bv, pow2(dv)), num_warps=warps
+                    base,
+                    chunk_size=chunk,
+                    block_v=min(bv, pow2(dv)),
+                    num_warps=warps,
+                    num_stages=1,
                 )
                 if cfg not in out and shared_memory(cfg, dk, dv) <= limit:
                     out.append(cfg)
