@@ -89,7 +89,7 @@ FUSED_GPU_MAX_TOKENS = 8
 
 
 def heuristic(inv: Any) -> GlaConfig:
-    """Chunks of 64 with 64 x 64 state tiles; smaller chunks for short sequences (packed: by
+    """Chunks of 64 with 64 x 64 state tiles (32 x 64 from K 128 on); smaller chunks for short sequences (packed: by
     their mean length, since each is padded to whole chunks), and in the interpreter (whose
     cost is per program and per loop step) whole-dim blocks. Decoding calls take the fused
     recurrent kernel: of at most :data:`FUSED_GPU_MAX_TOKENS` tokens on a GPU, with 16-wide value
@@ -113,7 +113,7 @@ def heuristic(inv: Any) -> GlaConfig:
     fused = s <= FUSED_GPU_MAX_TOKENS
     return GlaConfig(
         chunk_size=chunk,
-        block_k=min(64, pow2(dk)),
+        block_k=min(32 if dk >= 128 else 64, pow2(dk)),
         block_v=min(16 if fused else 64, pow2(dv)),
         num_warps=4,
         num_stages=2 if dtype.itemsize == 2 else 1,
