@@ -105,7 +105,6 @@ def _fwd_step(
     if rows != pr.bk:
         part = pl.ds(step * 0, rows)  # a traced start: see mma_acc in _mosaic
         k_tile, v_tile = k_smem.at[slot, part], v_smem.at[slot, part]
-
     def after_issue() -> None:
         issued()
         if mask is not None:  # a partially visible block: its hidden values must not reach
@@ -212,7 +211,7 @@ def _flash_attention_fwd_kernel(
         ring = (k_smem, v_smem, k_landed, v_landed, k_free, v_free)
 
         def causal_mask(j: Any, s: Any) -> Any:
-            return jnp.where(mg.causal_visible(pr, s.shape, q0, j * bk), s, -jnp.inf)
+            return jnp.where(mg.causal_visible(pr, (bq, bk), q0, j * bk), s, -jnp.inf)
 
         def step(j, carry, masked: bool, rows: int | None = None):
             mask = functools.partial(causal_mask, j) if masked else None
@@ -235,16 +234,7 @@ def _flash_attention_fwd_kernel(
             tail_step = functools.partial(step, masked=False, rows=pb.TAIL_ROWS)
             carry = lax.fori_loop(full - pr.tail, full, tail_step, carry)
         if pr.causal:
-            # A last block whose keys past its first half no row here sees runs as a half step
-            # (bk 128: its Q·Kᵀ, softmax, value cleaning and P·V over 64 keys).
-            half = bk // 2 if bk >= 128 else 0
-            end = q0 + bq + pr.offset  # the keys these rows see end here
-            trim = (steps > full) & (end - (steps - 1) * bk <= half)
-            wide_end = steps - trim.astype(jnp.int32)
-            carry = lax.fori_loop(full, wide_end, functools.partial(step, masked=True), carry)
-            if half:
-                half_step = functools.partial(step, masked=True, rows=half)
-                carry = lax.fori_loop(wide_end, steps, half_step, carry)
+            carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
 
             def release(j, _):
                 # Slots this consumer's rows never see: hand them back in step with the other.
