@@ -94,7 +94,7 @@ def _fwd_step(
     ``step`` is the block's position in the ring's stream and ``end`` where the stream stops
     (the K of ``step + 1`` is awaited when it exists); ``ring`` holds the K and V slots with
     their landed and free barriers; ``mask`` sets hidden scores to -inf (a partially visible
-    block: its value tile is read through ``finite_or_zero`` too, while ``Q·Kᵀ`` runs); ``rows`` (default
+    block: its value tile is read through ``finite_or_zero`` too); ``rows`` (default
     ``bk``) is how many leading rows of the slots the block fills (a tail step's pb.TAIL_ROWS)."""
     pl, plgpu = _compat.pl, _compat.plgpu()
     k_smem, v_smem, k_landed, v_landed, k_free, v_free = ring
@@ -105,14 +105,7 @@ def _fwd_step(
     if rows != pr.bk:
         part = pl.ds(step * 0, rows)  # a traced start: see mma_acc in _mosaic
         k_tile, v_tile = k_smem.at[slot, part], v_smem.at[slot, part]
-    def after_issue() -> None:
-        issued()
-        if mask is not None:  # a partially visible block: its hidden values must not reach
-            # P·V; cleaned while S = Q·Kᵀ runs, off the step's critical path
-            plgpu.barrier_wait(v_landed.at[slot])
-            mg.finite_or_zero_smem(pr, v_tile)
-
-    s = mg.mma(pr, q_smem, k_tile, (pr.bq, rows), transpose_b=True, after_issue=after_issue)
+    s = mg.mma(pr, q_smem, k_tile, (pr.bq, rows), transpose_b=True, after_issue=issued)
     plgpu.barrier_arrive(k_free.at[slot])
     # The softmax scale (base 2) folds into the exponent's argument: one FMA a logit. The
     # running maximum is max(s) · scale only for a positive scale; otherwise scale first.
@@ -130,8 +123,9 @@ def _fwd_step(
     # Pin the order: the softmax finishes before the barriers below.
     acc, p16 = lax.optimization_barrier((acc, p16))
     denom, m_new = lax.optimization_barrier((denom, m_new))
-    if mask is None:
-        plgpu.barrier_wait(v_landed.at[slot])
+    plgpu.barrier_wait(v_landed.at[slot])
+    if mask is not None:  # a partially visible block: its hidden values must not reach P·V
+        mg.finite_or_zero_smem(pr, v_tile)
     wait_other()
     nxt = step + 1
 
