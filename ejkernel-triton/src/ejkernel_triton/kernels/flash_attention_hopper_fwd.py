@@ -153,27 +153,55 @@ def _load_q(q_desc, q_smem, q_bar, q_row, q_col):
 
 
 @gluon.jit
-def _loader(descs, smem, bars, loads, n_blocks, STAGES: gl.constexpr):
-    """The loader warp: both halves of Q, then K and V of each key block into the ring."""
+def _cache_row(table_row, live_pages, num_pages, key, PAGE_SIZE: gl.constexpr):
+    """The row of a paged cache seen as ``[num_pages · page_size, Hkv · D]`` that holds the
+    sequence's key ``key``: through its table row, the page id clamped to ``[0, num_pages)``,
+    page 0 for a slot past the live pages (whose table entry is never read)."""
+    slot = key // PAGE_SIZE
+    page = gl.load(table_row + slot, mask=slot < live_pages, other=0)
+    page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
+    return page * PAGE_SIZE + key % PAGE_SIZE
+
+
+@gluon.jit
+def _copy_keys(desc, dest, bar, where, key, PAGE_SIZE: gl.constexpr):
+    """The K or V block of the keys from ``key`` into the ring slot ``dest``, all its copies
+    completing ``bar``. ``PAGE_SIZE`` 0: one TMA copy of contiguous rows, ``where`` = (the
+    first key's row, the KV head's column). Else a paged cache's: one copy a page (or one of
+    the slot's rows from a longer page), ``where`` = (the KV head's column, the table row, the
+    live pages, the cache's pages)."""
+    if PAGE_SIZE == 0:
+        row, col = where
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row + key, col], bar, dest)
+    else:
+        col, table_row, live_pages, num_pages = where
+        COPY: gl.constexpr = desc.block_type.shape[0]
+        COPIES: gl.constexpr = dest.type.shape[0] // COPY
+        mbarrier.expect(bar, desc.block_type.nbytes * COPIES)
+        for c in gl.static_range(COPIES):
+            row = _cache_row(table_row, live_pages, num_pages, key + c * COPY, PAGE_SIZE)
+            tma.async_copy_global_to_shared(desc, [row, col], bar, dest.slice(c * COPY, COPY))
+
+
+@gluon.jit
+def _loader(descs, smem, bars, place, n_blocks, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """The loader warp: both halves of Q, then K and V of each key block into the ring
+    (:func:`_copy_keys`, contiguous rows or, with ``PAGE_SIZE``, a paged cache's pages).
+    ``place``: Q's row and column, and the keys' ``where``."""
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = smem
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
-    q_row, q_col, k_row, k_col = loads
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    q_row, q_col, where = place
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     _load_q(q_desc, q_smem, q_bar, q_row, q_col)
     for j in range(n_blocks):
         slot = j % STAGES
         phase = (j // STAGES) & 1
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            k_desc, [k_row + j * BLOCK_N, k_col], k_ready.index(slot), k_smem.index(slot)
-        )
+        _copy_keys(k_desc, k_smem.index(slot), k_ready.index(slot), where, j * BLOCK_N, PAGE_SIZE)
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            v_desc, [k_row + j * BLOCK_N, k_col], v_ready.index(slot), v_smem.index(slot)
-        )
+        _copy_keys(v_desc, v_smem.index(slot), v_ready.index(slot), where, j * BLOCK_N, PAGE_SIZE)
 
 
 @gluon.jit
@@ -368,12 +396,12 @@ def flash_attention_fwd_pingpong_kernel(
     descs = (q_desc, k_desc, v_desc)
     tile = (Out, Lse, sm_scale, soft_cap, seqlen_q, seqlen_k, num_heads, start_m, off_b, off_h)
     q_row = off_b * seqlen_q + start_m * (2 * HALF)
-    loads = (q_row, off_h * HEAD_DIM, off_b * seqlen_k, off_hk * HEAD_DIM)
+    place = (q_row, off_h * HEAD_DIM, (off_b * seqlen_k, off_hk * HEAD_DIM))
     gl.warp_specialize(
         [  # (constexprs inside a tuple variable would become tensors: spelled out each time)
             (_consumer, (smem, bars, turn, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, EVEN_K)),
             (_consumer, (smem, bars, turn, tile, n_blocks, 1, STAGES, CAUSAL, SOFT_CAP, EVEN_K)),
-            (_loader, (descs, smem, bars, loads, n_blocks, STAGES)),
+            (_loader, (descs, smem, bars, place, n_blocks, STAGES, 0)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ejkernel_triton.kernels.flash_attention_common import _program_tile
 from ejkernel_triton.kernels.flash_attention_hopper_fwd import (
@@ -42,55 +41,10 @@ from ejkernel_triton.kernels.flash_attention_hopper_fwd import (
     LOADER_REGS,
     _consumer,
     _head_rows,
-    _load_q,
+    _loader,
     _ring,
 )
 from ejkernel_triton.kernels.paged_attention import _sequence_of
-
-
-@gluon.jit
-def _cache_row(table_row, live_pages, num_pages, key, PAGE_SIZE: gl.constexpr):
-    """The row of the cache seen as ``[num_pages · page_size, Hkv · D]`` that holds the
-    sequence's key ``key``: through its table row, the page id clamped to ``[0, num_pages)``,
-    page 0 for a slot past the live pages (whose table entry is never read)."""
-    slot = key // PAGE_SIZE
-    page = gl.load(table_row + slot, mask=slot < live_pages, other=0)
-    page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
-    return page * PAGE_SIZE + key % PAGE_SIZE
-
-
-@gluon.jit
-def _copy_block(desc, dest, bar, where, key, PAGE_SIZE: gl.constexpr):
-    """The K or V block of the sequence's keys from ``key`` into the ring slot ``dest``: one
-    TMA copy a page (or one of the slot's rows from a longer page), all completing ``bar``.
-    ``where``: the KV head's column, the table row, the live pages, the cache's pages."""
-    col, table_row, live_pages, num_pages = where
-    COPY: gl.constexpr = desc.block_type.shape[0]
-    COPIES: gl.constexpr = dest.type.shape[0] // COPY
-    mbarrier.expect(bar, desc.block_type.nbytes * COPIES)
-    for c in gl.static_range(COPIES):
-        row = _cache_row(table_row, live_pages, num_pages, key + c * COPY, PAGE_SIZE)
-        tma.async_copy_global_to_shared(desc, [row, col], bar, dest.slice(c * COPY, COPY))
-
-
-@gluon.jit
-def _paged_loader(
-    descs, smem, bars, place, n_blocks, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr
-):
-    """The loader warp: both halves of Q, then each key block's K and V, page by page."""
-    q_desc, k_desc, v_desc = descs
-    q_smem, k_smem, v_smem = smem
-    q_bar, k_ready, v_ready, k_empty, v_empty = bars
-    q_row, q_col, where = place
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    _load_q(q_desc, q_smem, q_bar, q_row, q_col)
-    for j in range(n_blocks):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        _copy_block(k_desc, k_smem.index(slot), k_ready.index(slot), where, j * BLOCK_N, PAGE_SIZE)
-        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        _copy_block(v_desc, v_smem.index(slot), v_ready.index(slot), where, j * BLOCK_N, PAGE_SIZE)
 
 
 @gluon.jit
@@ -171,7 +125,7 @@ def paged_attention_pingpong_kernel(
         [  # (constexprs inside a tuple variable would become tensors: spelled out each time)
             (_consumer, (smem, bars, turn, tile, n_blocks, 0, STAGES, CAUSAL, SOFT_CAP, False)),
             (_consumer, (smem, bars, turn, tile, n_blocks, 1, STAGES, CAUSAL, SOFT_CAP, False)),
-            (_paged_loader, (descs, smem, bars, place, n_blocks, STAGES, PAGE_SIZE)),
+            (_loader, (descs, smem, bars, place, n_blocks, STAGES, PAGE_SIZE)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
