@@ -380,6 +380,77 @@ def _vllm_cell(c: dict[str, Any], nbytes: int, warm_s: float) -> tuple[str, str]
     return f"{ms:.3f} ({nbytes / ms / 1e6:.0f})", f"{np.abs(theirs - ours).max():.2e}"
 
 
+def _case_arrays(
+    kv_lens: list[int], q_lens: list[int], page: int, hq: int, hkv: int, d: int
+) -> tuple[dict[str, Any], int]:
+    """A serving case's arrays (bf16 queries and caches, shuffled tables, ``query_start_loc``)
+    and the bytes of K and V its sequences hold."""
+    rng = np.random.default_rng(1)
+    max_pages = max(-(-n // page) for n in kv_lens)
+    num_pages = sum(-(-n // page) for n in kv_lens) + 8
+    tables = paged_block_tables(
+        rng, kv_lens, num_pages=num_pages, page_size=page, max_pages=max_pages, unused=-1
+    )
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(keys[0], (sum(q_lens), hq, d), jnp.bfloat16)
+    kc = jax.random.normal(keys[1], (num_pages, page, hkv, d), jnp.bfloat16)
+    vc = jax.random.normal(keys[2], (num_pages, page, hkv, d), jnp.bfloat16)
+    lens, table = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables)
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    call = {"q": q, "kc": kc, "vc": vc, "lens": lens, "table": table, "qsl": qsl}
+    return call, sum(kv_lens) * hkv * d * 2 * 2
+
+
+def _decode_at(args: tuple, cfg: Any, scales: dict[str, Any]) -> tuple[Any, tuple]:
+    """Triton ``page_attention`` at ``cfg`` on ``args`` (query, caches, lengths, table)."""
+    fn = jax.jit(
+        lambda q, kc, vc, n, t: ejkernel.page_attention(
+            q, kc, vc, n, t, platform="triton", cfg=cfg, **scales
+        )
+    )
+    return fn, args
+
+
+#: The decode tiles ``--fp8-tiles`` times on float8 caches: (keys, warps, stages).
+FP8_TILES = ((128, 4, 2), (128, 4, 3), (256, 4, 2), (256, 8, 2), (256, 4, 3), (64, 4, 4))
+
+
+def fp8_tiles(quick: bool) -> None:
+    """``--fp8-tiles``: each decode case's ``page_attention`` on float8 caches (scale 0.5,
+    V loaded as words) at the Triton heuristic's rows and splits and each of
+    :data:`FP8_TILES`, beside the bf16 default call: ms (GB/s of the bytes read)."""
+    import attrs
+
+    from ejkernel_triton.ops import page_attention
+
+    page, hq, hkv, d = 16, 32, 8, 128
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; fp8 decode tiles")
+    cases = [c for c in serving_cases(quick) if all(n == 1 for n in c[2])]
+    head = " | ".join(f"fp8 {k} keys w{w} s{st}" for k, w, st in FP8_TILES)
+    print(f"\n| case | bf16 default | {head} |")
+    print("|---|---|" + "---|" * len(FP8_TILES))
+    for name, kv_lens, q_lens in cases:
+        call, kv_bytes = _case_arrays(kv_lens, q_lens, page, hq, hkv, d)
+        cells = [_cell(_ours, call, None, nbytes=kv_bytes, warm_s=0.2)]
+        f8 = {
+            "kc": call["kc"].astype(jnp.float8_e4m3fn),
+            "vc": call["vc"].astype(jnp.float8_e4m3fn),
+        }
+        scales = {"k_scale": 0.5, "v_scale": 0.5}
+        kw = {"query": call["q"], "key_cache": f8["kc"], "value_cache": f8["vc"]}
+        kw |= {"kv_lens": call["lens"], "block_tables": call["table"], **scales}
+        base = page_attention.heuristic(types.SimpleNamespace(kwargs=kw))
+        args = (call["q"], f8["kc"], f8["vc"], call["lens"], call["table"])
+        for keys, warps, stages in FP8_TILES:
+            params = attrs.evolve(
+                base.fwd_params, kv_blocksize=keys, num_warps=warps, num_stages=stages
+            )
+            cfg = attrs.evolve(base, fwd_params=params)
+            cells.append(_cell(_decode_at, args, cfg, scales, nbytes=kv_bytes // 2, warm_s=0.2))
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        print(f"  (heuristic: {base})", flush=True)
+
+
 def serving(platforms: list[str], quick: bool, anchors: bool, parts: bool = False) -> None:
     """Each serving shape on each platform (``default``: the usual selection): median ms and
     the K/V read rate (GB/s). With ``anchors``: the roofline of the same run (the larger of
@@ -403,20 +474,8 @@ def serving(platforms: list[str], quick: bool, anchors: bool, parts: bool = Fals
     chosen: list[str] = []
     checks: list[str] = []
     for name, kv_lens, q_lens in serving_cases(quick, parts):
-        rng = np.random.default_rng(1)
-        max_pages = max(-(-n // page) for n in kv_lens)
-        num_pages = sum(-(-n // page) for n in kv_lens) + 8
-        tables = paged_block_tables(
-            rng, kv_lens, num_pages=num_pages, page_size=page, max_pages=max_pages, unused=-1
-        )
-        keys = jax.random.split(jax.random.PRNGKey(0), 3)
-        q = jax.random.normal(keys[0], (sum(q_lens), hq, d), jnp.bfloat16)
-        kc = jax.random.normal(keys[1], (num_pages, page, hkv, d), jnp.bfloat16)
-        vc = jax.random.normal(keys[2], (num_pages, page, hkv, d), jnp.bfloat16)
-        lens, table = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables)
-        qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-        kv_bytes = sum(kv_lens) * hkv * d * 2 * 2
-        call = {"q": q, "kc": kc, "vc": vc, "lens": lens, "table": table, "qsl": qsl}
+        call, kv_bytes = _case_arrays(kv_lens, q_lens, page, hq, hkv, d)
+        kc, vc = call["kc"], call["vc"]
         warm = 0.2 if anchors else 0.0
         f8 = {"kc": kc.astype(jnp.float8_e4m3fn), "vc": vc.astype(jnp.float8_e4m3fn)}
         scales = {"k_scale": 0.5, "v_scale": 0.5}
@@ -506,7 +565,13 @@ def main() -> None:
     parser.add_argument(
         "--parts", action="store_true", help="with --serving: each mixed batch's two halves too"
     )
+    parser.add_argument(
+        "--fp8-tiles", action="store_true", help="decode on float8 caches at several tiles"
+    )
     args = parser.parse_args()
+    if args.fp8_tiles:
+        fp8_tiles(args.quick)
+        return
     if args.serving:
         serving(args.serving.split(","), args.quick, args.anchors, args.parts)
         return
