@@ -141,6 +141,14 @@ def test_half_precision_within_a_half_precision_tolerance(interpret) -> None:
 
 
 @pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+def test_narrow_products_within_a_half_precision_tolerance(interpret, vector: bool) -> None:
+    # the forward's products on bf16 operands, over two chunks of 32 and an odd tail
+    cfg = attrs.evolve(C32, narrow_products=True)
+    arrays = inputs(2, 77, 2, 16, 32, vector=vector, dtype=jnp.bfloat16)
+    check(arrays, cfg, tol=1e-2, grads=True, return_state=True)
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
 def test_log_decays_down_to_minus_20_per_step_stay_finite_and_right(interpret, vector) -> None:
     arrays = inputs(1, 40, 2, 16, 16, vector=vector)
     arrays["g"] = -20.0 * jax.random.uniform(jax.random.PRNGKey(5), arrays["g"].shape)
@@ -408,6 +416,33 @@ def test_the_walks_pipeline_their_loads_with_two_stages(monkeypatch, tmp_path) -
         assert compiled.shared <= kda.shared_memory(cfg, 128, 128) <= 232448
 
 
+def test_narrow_products_run_on_bf16_matrix_instructions(monkeypatch, tmp_path) -> None:
+    """``narrow_products`` (bf16, per-head gate): the chunk pass's and the outputs' products on
+    bf16 operands; only the inverse's stay in tf32."""
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import kernel_delta_attention as kda
+
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    call = inputs(1, 128, 2, 128, 128, vector=False, dtype=jnp.bfloat16)
+    cfg = attrs.evolve(heuristic(types.SimpleNamespace(kwargs=call)), narrow_products=True)
+    jax.clear_caches()
+    with _codegen.recorded_launches() as record:
+        kda.kernel_delta_attention_triton(cfg=cfg, **call)
+    mixes = {
+        launch.kernel.fn.__name__: _codegen.instruction_mix(
+            _codegen.compile_launch(launch, capability=90).ptx
+        )
+        for launch in record
+        if launch.kernel.fn.__name__ in ("kda_fwd_prep_kernel", "kda_fwd_o_kernel")
+    }
+    count = lambda mix, kind: sum(n for name, n in mix.items() if kind in name)
+    prep, out = mixes["kda_fwd_prep_kernel"], mixes["kda_fwd_o_kernel"]
+    assert count(prep, "bf16") > 0 and count(out, "bf16") > 0
+    assert count(out, "tf32") == 0
+    assert 0 < count(prep, "tf32") <= 40  # the inverse: 15 substitution steps, 2 doublings
+
+
 # -- GPU, realistic shapes ------------------------------------------------------------------
 
 
@@ -456,6 +491,16 @@ def test_gpu_bf16_forward_matches_the_xla_path(vector: bool) -> None:
 @pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
 def test_gpu_bf16_gradients_match_the_xla_path(vector: bool) -> None:
     _against_xla(_bf16_inputs(*GPU_SHAPE, vector=vector), grads=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+def test_gpu_narrow_products_match_the_xla_path(vector: bool) -> None:
+    """The config space's ``narrow_products`` (the forward's products on bf16 operands)."""
+    arrays = _bf16_inputs(*GPU_SHAPE, vector=vector)
+    call = {k: arrays[k] for k in ("query", "key", "value")}
+    cfg = attrs.evolve(heuristic(types.SimpleNamespace(kwargs=call)), narrow_products=True)
+    _against_xla(arrays, grads=True, cfg=cfg)
 
 
 @pytest.mark.gpu

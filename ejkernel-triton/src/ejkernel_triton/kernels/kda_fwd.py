@@ -115,23 +115,29 @@ def kda_fwd_prep_kernel(
     GATE_FLOOR: tl.constexpr,
     STORE_FACTORS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     """Grid ``(NT, B·H)``, a per-head gate's (``GK = 1``): one chunk's ``P`` [B, T, H, C]
     (float32) and, through :func:`chunk_factors`, the rest; with ``STORE_FACTORS`` (for the
-    backward) also the decayed ``K Kᵀ`` [B, T, H, C] (float32)."""
+    backward) also the decayed ``K Kᵀ`` [B, T, H, C] (float32). ``NARROW``: the products
+    take the input dtype's operands (:func:`chunk_factors`), ``P`` and ``K Kᵀ`` too."""
     tl.static_assert(GK == 1, "a per-channel gate takes the norm, intra and WY kernels")
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
     b_q, b_k, b_beta, b_gc, bad = normalised_chunk(
         q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, GK, L2NORM, GATE_FLOOR
     )
-    b_p, b_kk = decayed_products(b_q, b_k, b_gc, o_c, DOT_PRECISION)
+    if NARROW:
+        dt = qg_ptr.dtype.element_ty
+        b_p, b_kk = decayed_products(b_q.to(dt), b_k.to(dt), b_gc, o_c, DOT_PRECISION)
+    else:
+        b_p, b_kk = decayed_products(b_q, b_k, b_gc, o_c, DOT_PRECISION)
     tl.store(p_ptr + rows[:, None] * C + o_c[None, :], b_p)
     if STORE_FACTORS:
         tl.store(kk_ptr + rows[:, None] * C + o_c[None, :], b_kk)
     chunk_factors(
         b_q, b_k, b_beta, b_gc, bad, b_kk, None, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
         qg_ptr, kg_ptr, w_ptr, u_ptr, decay_ptr, t_ptr,
-        K, V, C, BV, GK, STORE_FACTORS, DOT_PRECISION,
+        K, V, C, BV, GK, STORE_FACTORS, DOT_PRECISION, NARROW,
     )  # fmt: skip
 
 
@@ -272,6 +278,7 @@ def kda_fwd_wy_kernel(
     GATE_FLOOR: tl.constexpr,
     STORE_FACTORS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     """Grid ``(NT, B·H)``, a per-channel gate's: :func:`chunk_factors` of one chunk from its
     inputs, and the decayed ``K Kᵀ`` and diagonal blocks' inverses of
@@ -286,7 +293,7 @@ def kda_fwd_wy_kernel(
     chunk_factors(
         b_q, b_k, b_beta, b_gc, bad, b_kk, b_tdiag, v_ptr, rows, p_k, slot, o_c, o_k, m_k,
         qg_ptr, kg_ptr, w_ptr, u_ptr, decay_ptr, t_ptr,
-        K, V, C, BV, K, STORE_FACTORS, DOT_PRECISION,
+        K, V, C, BV, K, STORE_FACTORS, DOT_PRECISION, NARROW,
     )  # fmt: skip
 
 
@@ -319,12 +326,15 @@ def chunk_factors(
     GK: tl.constexpr,
     STORE_FACTORS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     """From one chunk's ``q``, ``k`` (normalised, ``q`` scaled), ``β``, cumulative gate,
     decayed ``K Kᵀ`` and, where given, the inverses of ``I + A``'s diagonal blocks
     (``b_tdiag``; ``None``: computed here): ``q ⊙ exp(G)``, ``k ⊙ exp(G_C − G)`` ([B, T, H, K], the input dtype),
     ``W`` [B, T, H, K], ``U`` [B, T, H, V] (input dtype), the decay ``exp(G_C)``
-    [B, NT, H, GK] and, with ``STORE_FACTORS``, ``T`` [B, T, H, C] (float32)."""
+    [B, NT, H, GK] and, with ``STORE_FACTORS``, ``T`` [B, T, H, C] (float32). ``NARROW``:
+    ``W`` and ``U``'s products take operands in the factors' dtype (bf16 for bf16 inputs)
+    instead of float32; ``T`` itself is float32 either way."""
     # each tile is stored as soon as it is final, which keeps few of them live at once
     dt = qg_ptr.dtype.element_ty
     if GK == 1:
@@ -347,7 +357,9 @@ def chunk_factors(
         b_t = merge_block_inverses(b_tdiag, b_a, o_c, C, DOT_PRECISION)
     if STORE_FACTORS:
         tl.store(t_ptr + rows[:, None] * C + o_c[None, :], b_t)
-    b_w = tl.dot(b_t, b_beta[:, None] * b_k * b_gamma, input_precision=DOT_PRECISION)
+    b_tw = b_t.to(dt) if NARROW else b_t
+    b_kb = b_beta[:, None] * b_k * b_gamma
+    b_w = tl.dot(b_tw, b_kb.to(b_tw.dtype), input_precision=DOT_PRECISION)
     tl.store(w_ptr + p_k, b_w.to(dt), mask=m_k[None, :])
     # a token with a non-finite key, beta or gate has its value NaN-marked
     o_v = tl.arange(0, BV)
@@ -357,7 +369,7 @@ def chunk_factors(
     ok_v = finite(b_v) & ~bad[:, None]
     b_v = tl.where(ok_v, b_v, 0.0)
     first = tl.min(tl.where(ok_v, C, o_c[:, None]), axis=0)  # [BV]: first non-finite token
-    b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
+    b_u = tl.dot(b_tw, (b_beta[:, None] * b_v).to(b_tw.dtype), input_precision=DOT_PRECISION)
     b_u = tl.where(o_c[:, None] >= first[None, :], float("nan"), b_u)
     tl.store(u_ptr + p_v, b_u.to(dt), mask=m_v[None, :])
 
@@ -429,9 +441,11 @@ def kda_fwd_o_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     """Grid ``(NT, cdiv(V, BV), B·H)``: one chunk's outputs ``o = (q ⊙ exp(G)) S + P V'``
-    ``[B, T, H, V]`` for a V block, from its starting state ``S`` and ``V'``."""
+    ``[B, T, H, V]`` for a V block, from its starting state ``S`` and ``V'`` (``NARROW``:
+    ``P V'`` on operands in ``V'``'s dtype)."""
     i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     o_c, o_k = tl.arange(0, C), tl.arange(0, BK)
@@ -449,6 +463,9 @@ def kda_fwd_o_kernel(
     nan_v = b_vn != b_vn
     poisoned = tl.cumsum(nan_v.to(tl.int32), axis=0) > 0
     b_o = tl.dot(b_qg, b_h.to(b_qg.dtype), input_precision=DOT_PRECISION)
-    b_o += tl.dot(b_p, tl.where(nan_v, 0.0, b_vn), input_precision=DOT_PRECISION)
+    b_vc = tl.where(nan_v, 0.0, b_vn)
+    if NARROW:
+        b_p, b_vc = b_p.to(vn_ptr.dtype.element_ty), b_vc.to(vn_ptr.dtype.element_ty)
+    b_o += tl.dot(b_p, b_vc, input_precision=DOT_PRECISION)
     b_o = tl.where(poisoned, float("nan"), b_o)
     tl.store(o_ptr + p_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v[None, :])

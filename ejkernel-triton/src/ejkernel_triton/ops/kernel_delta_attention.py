@@ -103,6 +103,11 @@ class KernelDeltaAttentionConfig:
         fused: run an undifferentiated call through the fused recurrent kernel (one token at
             a time, :mod:`ejkernel_triton.kernels.kda_fused`; for decoding a few tokens), with
             ``block_v`` its value block; a differentiated call always runs the chunked kernels.
+        narrow_products: the forward's per-chunk products (``W`` and ``U`` from ``T``, a
+            per-head gate's ``P`` and ``K Kᵀ``, the outputs' ``P V'``) take operands in the
+            factors' dtype (bf16 for bf16 inputs: the tensor cores' bf16 rate) instead of
+            float32 (tf32); the inverse ``T`` and the state stay float32. No effect on float32
+            inputs.
     """
 
     chunk_size: int = attrs.field(default=32, validator=attrs.validators.in_(_CHUNKS))
@@ -110,6 +115,7 @@ class KernelDeltaAttentionConfig:
     num_warps: int = 4
     num_stages: int = 1
     fused: bool = False
+    narrow_products: bool = False
 
 
 def supports(inv: Any) -> bool | str:
@@ -170,8 +176,9 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
 
 def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
     """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps
-    in 1 stage, and those of the heuristic's chunk size with 2 stages in the sequential walks, without
-    those over the device's shared memory (:func:`shared_memory`)."""
+    in 1 stage, and those of the heuristic's chunk size with 2 stages in the sequential walks,
+    without those over the device's shared memory (:func:`shared_memory`); for 16-bit inputs
+    the heuristic's with ``narrow_products``."""
     base = heuristic(inv)
     if _launch.interpreting():
         return [base]
@@ -198,6 +205,8 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
         piped = attrs.evolve(cfg, num_stages=2)
         if piped not in out and shared_memory(piped, dk, dv) <= limit:
             out.append(piped)
+    if jnp.dtype(inv.kwargs["query"].dtype).itemsize == 2:  # the products on 16-bit operands
+        out.append(attrs.evolve(base, narrow_products=True))
     return out
 
 
@@ -235,6 +244,7 @@ class _Statics(_chunked.Statics):
 
     l2norm: bool
     block_v_prep: int
+    narrow: bool
 
     @classmethod
     def of(cls, args: dict[str, Any], cfg: KernelDeltaAttentionConfig | None) -> _Statics:
@@ -246,6 +256,7 @@ class _Statics(_chunked.Statics):
             block_k=pow2(dk),
             block_v=min(cfg.block_v, pow2(dv)),
             block_v_prep=pow2(dv),
+            narrow=cfg.narrow_products,
             **_chunked.call_statics(args, cfg),
         )
 
@@ -387,6 +398,7 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
             C=c,
             BK=st.block_k,
             BV=st.block_v,
+            NARROW=st.narrow,
             num_stages=1,
             **common,
         )
@@ -517,6 +529,7 @@ def _factor_pass(
         **numerics,
         STORE_FACTORS=keep,
         DOT_PRECISION=st.precision,
+        NARROW=st.narrow,
         num_warps=st.num_warps,
         num_stages=1,
         **constexprs,
