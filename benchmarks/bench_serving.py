@@ -565,9 +565,7 @@ def main() -> None:
     parser.add_argument(
         "--parts", action="store_true", help="with --serving: each mixed batch's two halves too"
     )
-    parser.add_argument(
-        "--fp8-tiles", action="store_true", help="decode on float8 caches at several tiles"
-    )
+    parser.add_argument("--fp8-tiles", action="store_true", help="fp8 decode at several tiles")
     args = parser.parse_args()
     if args.fp8_tiles:
         fp8_tiles(args.quick)
