@@ -416,31 +416,36 @@ def test_the_walks_pipeline_their_loads_with_two_stages(monkeypatch, tmp_path) -
         assert compiled.shared <= kda.shared_memory(cfg, 128, 128) <= 232448
 
 
-def test_narrow_products_run_on_bf16_matrix_instructions(monkeypatch, tmp_path) -> None:
-    """``narrow_products`` (bf16, per-head gate): the chunk pass's and the outputs' products on
-    bf16 operands; only the inverse's stay in tf32."""
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+def test_narrow_products_run_on_bf16_matrix_instructions(monkeypatch, tmp_path, vector) -> None:
+    """``narrow_products`` (bf16): the chunk pass's and the outputs' products on bf16
+    operands; only the inverse's stay in tf32 (a per-channel gate's normalised q and k are
+    written in bf16 too)."""
     from ejkernel_triton import _codegen
     from ejkernel_triton.ops import kernel_delta_attention as kda
 
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    call = inputs(1, 128, 2, 128, 128, vector=False, dtype=jnp.bfloat16)
+    call = inputs(1, 128, 2, 128, 128, vector=vector, dtype=jnp.bfloat16)
     cfg = attrs.evolve(heuristic(types.SimpleNamespace(kwargs=call)), narrow_products=True)
     jax.clear_caches()
     with _codegen.recorded_launches() as record:
         kda.kernel_delta_attention_triton(cfg=cfg, **call)
-    mixes = {
-        launch.kernel.fn.__name__: _codegen.instruction_mix(
-            _codegen.compile_launch(launch, capability=90).ptx
-        )
-        for launch in record
-        if launch.kernel.fn.__name__ in ("kda_fwd_prep_kernel", "kda_fwd_o_kernel")
-    }
-    count = lambda mix, kind: sum(n for name, n in mix.items() if kind in name)
-    prep, out = mixes["kda_fwd_prep_kernel"], mixes["kda_fwd_o_kernel"]
-    assert count(prep, "bf16") > 0 and count(out, "bf16") > 0
-    assert count(out, "tf32") == 0
-    assert 0 < count(prep, "tf32") <= 40  # the inverse: 15 substitution steps, 2 doublings
+    launches = {launch.kernel.fn.__name__: launch for launch in record}
+    count = lambda name, kind: sum(
+        n
+        for op, n in _codegen.instruction_mix(
+            _codegen.compile_launch(launches[name], capability=90).ptx
+        ).items()
+        if kind in op
+    )
+    chunk = "kda_fwd_wy_kernel" if vector else "kda_fwd_prep_kernel"
+    assert count(chunk, "bf16") > 0 and count("kda_fwd_o_kernel", "bf16") > 0
+    assert count("kda_fwd_o_kernel", "tf32") == 0
+    assert 0 < count(chunk, "tf32") <= 40  # the inverse: its doublings (and substitution)
+    if vector:
+        assert count("kda_fwd_intra_kernel", "tf32") == 0
+        assert launches["kda_fwd_norm_kernel"].out_shape[0].dtype == jnp.bfloat16
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------

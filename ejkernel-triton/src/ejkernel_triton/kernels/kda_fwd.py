@@ -160,16 +160,16 @@ def kda_fwd_norm_kernel(
     L2NORM: tl.constexpr,
     GATE_FLOOR: tl.constexpr,
 ):
-    """Grid ``(NT, B·H)``, a per-channel gate's: one chunk's float32 ``q̂`` (L2-normalised
-    with ``use_qk_l2norm``, times the scale), ``k̂`` and cumulative log gate ``G``
-    [B, T, H, K] and ``β`` [B, T, H], read with :func:`chunk_inputs`' numerics, for
-    :func:`kda_fwd_intra_kernel`."""
+    """Grid ``(NT, B·H)``, a per-channel gate's: one chunk's ``q̂`` (L2-normalised with
+    ``use_qk_l2norm``, times the scale) and ``k̂`` in their outputs' dtype, the float32
+    cumulative log gate ``G`` [B, T, H, K] and ``β`` [B, T, H], read with
+    :func:`chunk_inputs`' numerics, for :func:`kda_fwd_intra_kernel`."""
     _, _, m_k, rows, p_k, _ = chunk_tiles(H, NT, K, C, BK)
     b_q, b_k, b_beta, b_gc, _ = normalised_chunk(
         q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, K, L2NORM, GATE_FLOOR
     )
-    tl.store(qn_ptr + p_k, b_q, mask=m_k[None, :])
-    tl.store(kn_ptr + p_k, b_k, mask=m_k[None, :])
+    tl.store(qn_ptr + p_k, b_q.to(qn_ptr.dtype.element_ty), mask=m_k[None, :])
+    tl.store(kn_ptr + p_k, b_k.to(kn_ptr.dtype.element_ty), mask=m_k[None, :])
     tl.store(gc_ptr + p_k, b_gc, mask=m_k[None, :])
     tl.store(bn_ptr + rows, b_beta)
 
@@ -189,11 +189,14 @@ def kda_fwd_intra_kernel(
     C: tl.constexpr,
     BKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     """Grid ``(NT, (C / SUB)², B·H)``: the ``[SUB, SUB]`` tile (row block ``i``, column block
     ``j``) of one chunk's ``P`` and decayed ``K Kᵀ`` [B, T, H, C] (float32; zero for
     ``j > i``), from :func:`kda_fwd_norm_kernel`'s ``q̂``, ``k̂``, ``G``, over the key
-    channels in blocks of ``BKS``.
+    channels in blocks of ``BKS``. ``NARROW``: the products below the diagonal take operands
+    in ``q̂``'s dtype (16-bit: the norm kernel then writes ``q̂`` and ``k̂`` in the inputs'
+    dtype).
 
     Below the diagonal the decays factor through the block's first row ``ρ``:
     ``exp(G_t − G_ρ) · exp(G_ρ − G_s)``, both at most 1 for a decay. On the diagonal they are
@@ -223,6 +226,9 @@ def kda_fwd_intra_kernel(
             b_kb = tl.load(kn_ptr + p_j, mask=m_k, other=0.0) * b_out
             b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0) * b_in
             b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0) * b_in
+            if NARROW:
+                dt = qn_ptr.dtype.element_ty
+                b_kb, b_qi, b_ki = b_kb.to(dt), b_qi.to(dt), b_ki.to(dt)
             b_p += tl.dot(b_qi, tl.trans(b_kb), input_precision=DOT_PRECISION)
             b_kk += tl.dot(b_ki, tl.trans(b_kb), input_precision=DOT_PRECISION)
     elif i_j == i_i:

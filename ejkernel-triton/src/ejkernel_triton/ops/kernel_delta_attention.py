@@ -103,11 +103,12 @@ class KernelDeltaAttentionConfig:
         fused: run an undifferentiated call through the fused recurrent kernel (one token at
             a time, :mod:`ejkernel_triton.kernels.kda_fused`; for decoding a few tokens), with
             ``block_v`` its value block; a differentiated call always runs the chunked kernels.
-        narrow_products: the forward's per-chunk products (``W`` and ``U`` from ``T``, a
-            per-head gate's ``P`` and ``K Kᵀ``, the outputs' ``P V'``) take operands in the
-            factors' dtype (bf16 for bf16 inputs: the tensor cores' bf16 rate) instead of
-            float32 (tf32); the inverse ``T`` and the state stay float32. No effect on float32
-            inputs.
+        narrow_products: the forward's per-chunk products (``W`` and ``U`` from ``T``, the
+            decayed ``P`` and ``K Kᵀ`` (a per-channel gate's below its diagonal blocks, from
+            normalised q and k written in the inputs' dtype), the outputs' ``P V'``) take
+            operands in the inputs' 16-bit dtype (the tensor cores' bf16 rate) instead of
+            float32 (tf32); the inverse ``T``, the gates and the state stay float32. No
+            effect on float32 inputs.
     """
 
     chunk_size: int = attrs.field(default=32, validator=attrs.validators.in_(_CHUNKS))
@@ -447,6 +448,8 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
     b, t, h, dk = q.shape
     c = st.chunk
     tokens_f32 = jax.ShapeDtypeStruct((b, t, h, dk), jnp.float32)
+    # q̂ and k̂ in the inputs' dtype where the products take 16-bit operands anyway
+    normalised = jax.ShapeDtypeStruct((b, t, h, dk), q.dtype) if st.narrow else tokens_f32
     sizes = {"K": dk, "C": c, "BK": st.block_k}
     numerics = {"L2NORM": st.l2norm, "GATE_FLOOR": GATE_FLOOR}
     qn, kn, gc, bn = _launch.launch(
@@ -458,7 +461,12 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         np.float32(st.scale),
         nt,
         h,
-        out_shape=[tokens_f32] * 3 + [jax.ShapeDtypeStruct((b, t, h), jnp.float32)],
+        out_shape=[
+            normalised,
+            normalised,
+            tokens_f32,
+            jax.ShapeDtypeStruct((b, t, h), jnp.float32),
+        ],
         grid=(nt, b * h),
         **sizes,
         **numerics,
@@ -480,6 +488,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         C=c,
         BKS=min(_PRODUCT_CHANNELS, st.block_k),
         DOT_PRECISION=st.precision,
+        NARROW=st.narrow,
         num_warps=_TILE_WARPS,
         num_stages=1,
     )
