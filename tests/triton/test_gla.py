@@ -175,7 +175,8 @@ def test_supports_declines_what_the_kernels_do_not_hold() -> None:
 
 def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkeypatch) -> None:
     fields = ("chunk_size", "block_k")
-    check_config_and_gpu_space(monkeypatch, GlaConfig, fields, config_space, heuristic, "g")
+    inv = check_config_and_gpu_space(monkeypatch, GlaConfig, fields, config_space, heuristic, "g")
+    assert heuristic(inv).blocks(128, 128) == (32, 64)  # 32-wide key blocks from K 128 on
 
 
 def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_path) -> None:

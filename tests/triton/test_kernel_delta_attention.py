@@ -317,6 +317,12 @@ def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkey
         monkeypatch, KernelDeltaAttentionConfig, fields, config_space, heuristic
     )
     assert heuristic(inv).chunk_size == 64  # the backward's walk: T / 64 steps
+    # 2-stage walks; the forward alone in 4 warps, a differentiated call in 8
+    alone, differentiated = heuristic(inv), heuristic(types.SimpleNamespace(**vars(inv), grad=True))
+    assert (alone.num_warps, alone.num_stages) == (4, 2)
+    assert (differentiated.num_warps, differentiated.num_stages) == (8, 2)
+    assert attrs.evolve(alone, narrow_products=True) in config_space(inv)
+    assert not alone.narrow_products
 
 
 @pytest.mark.parametrize("limit", [232448, 101376], ids=["hopper", "sm86"])

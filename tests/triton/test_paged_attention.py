@@ -282,14 +282,8 @@ def test_hidden_nan_contributes_nothing(interpret: None, where: str) -> None:
 
 def _problem(tokens: int, rows: int, capacity: int, **kw: Any) -> Problem:
     sizes = {"hq": 32, "hkv": 8, "head_dim": 128, "page_size": 16, "num_pages": 1 << 16}
-    sizes.update(kw)
-    return Problem(
-        tokens=tokens,
-        rows=rows,
-        max_pages=capacity // sizes["page_size"],
-        itemsize=2,
-        **sizes,
-    )
+    sizes.update({"itemsize": 2, **kw})
+    return Problem(tokens=tokens, rows=rows, max_pages=capacity // sizes["page_size"], **sizes)
 
 
 def test_heuristic_splits_decode_not_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -308,6 +302,11 @@ def test_heuristic_splits_decode_not_prefill(monkeypatch: pytest.MonkeyPatch) ->
         _problem(32, 32, 8192, head_dim=256), UnifiedAttentionConfig
     )
     assert len(space) >= 3
+    # float8 caches: V tiles loaded as words; the space keeps the byte loads
+    fp8 = _problem(32, 32, 8192, itemsize=1)
+    assert heuristic_config(fp8, UnifiedAttentionConfig).fp8_v_words
+    assert not long_decode.fp8_v_words
+    assert any(not cfg.fp8_v_words for cfg in config_space_of(fp8, UnifiedAttentionConfig))
 
 
 def test_config_space_drops_tiles_over_the_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
