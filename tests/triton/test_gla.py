@@ -195,6 +195,8 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
         name = launch.kernel.fn.__name__
         if name != "gla_fwd_cumsum_kernel":
             assert any(k.startswith(("wgmma", "mma")) for k in mix), name
+        if name == "gla_fwd_h_kernel":  # the walk's tiles by 16-byte copies, the gate's too
+            assert "cp.async.ca.shared.global" not in mix and mix["cp.async.cg.shared.global"]
         assert compiled.shared <= 232448, name  # the H100's shared memory per block
 
 

@@ -97,14 +97,13 @@ def gla_fwd_h_kernel(
         b_h = tl.where(first, b_init, b_h)
         tl.store(p_h + i_n * K * V + o_kv, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
         rows = row0 + (i_n * C + o_c) * H
-        b_k = tl.load(k_ptr + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        p_kt = rows[None, :] * K + o_k[:, None]  # K and the gate as [BK, C]: Kᵀ's operand
+        b_kt = tl.load(k_ptr + p_kt, mask=m_k[:, None], other=0.0)
         b_v = tl.load(v_ptr + rows[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-        b_g = tl.load(g_ptr + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_gt = tl.load(g_ptr + p_kt, mask=m_k[:, None], other=0.0)
         b_glast = tl.load(g_ptr + (row0 + (i_n * C + C - 1) * H) * K + o_k, mask=m_k, other=0.0)
-        b_kd = (b_k * tl.exp(b_glast[None, :] - b_g)).to(b_v.dtype)
-        b_h = b_h * tl.exp(b_glast)[:, None] + tl.dot(
-            tl.trans(b_kd), b_v, input_precision=DOT_PRECISION
-        )
+        b_kdt = (b_kt * tl.exp(b_glast[:, None] - b_gt)).to(b_v.dtype)
+        b_h = b_h * tl.exp(b_glast)[:, None] + tl.dot(b_kdt, b_v, input_precision=DOT_PRECISION)
         tl.store(final_ptr + state + o_kv, b_h, mask=m_kv & last)
 
 
