@@ -21,7 +21,8 @@ of 2048 over 1k–16k (``ragged_page_attention``); a platform that cannot serve 
 why in its cell (``default``: the usual selection; ``triton:unified`` and ``triton:pingpong``:
 a mixed batch's query chunks on that Triton kernel, at its heuristic tile, and the prefill
 chunk below on each; ``fp8:heuristic`` and ``fp8:words``: float8 caches (scale 0.5) on the
-Triton heuristic's config, its V tiles loaded as bytes or as words, ``fp8_v_words``). ``--anchors`` adds issue 30's anchors:
+Triton heuristic's config, its V tiles loaded as bytes or as words, ``fp8_v_words``).
+``--anchors`` adds issue 30's anchors:
 the run's roofline (copy bandwidth and the bf16 matmul ceiling measured in the run), the
 default selection on a float8 cache, cuDNN decode on a dense cache and JAX's Pallas GPU
 ``paged_attention`` and ``decode_attention`` (decode batches), vLLM's Triton
@@ -30,7 +31,9 @@ events; below the table, its output's max abs difference from the default call's
 2048-query prefill chunk on an 8k context against flash attention's forward:
 ``python benchmarks/bench_serving.py --serving default,triton,cuda --anchors``. ``--parts``
 adds, after each mixed batch, its decodes alone and its prefill chunks alone (where the
-batch's time goes, each beside its own roofline).
+batch's time goes, each beside its own roofline). ``--fp8-tiles`` times the decode batches on
+float8 caches at several key tiles, warps and stages (:data:`FP8_TILES`) beside the bf16
+default call.
 
 The vLLM anchor needs torch and triton and ``.whl-vllm`` on ``PYTHONPATH`` (its cell says why
 otherwise): ``bash benchmarks/fetch_vllm_anchor.sh`` here writes it (vLLM 0.33's kernel module

@@ -89,12 +89,12 @@ FUSED_GPU_MAX_TOKENS = 8
 
 
 def heuristic(inv: Any) -> GlaConfig:
-    """Chunks of 64 with 64 x 64 state tiles (32 x 64 from K 128 on); smaller chunks for short sequences (packed: by
-    their mean length, since each is padded to whole chunks), and in the interpreter (whose
-    cost is per program and per loop step) whole-dim blocks. Decoding calls take the fused
-    recurrent kernel: of at most :data:`FUSED_GPU_MAX_TOKENS` tokens on a GPU, with 16-wide value
-    blocks (more programs over a state that is read and written once), and of at most
-    :data:`FUSED_MAX_TOKENS` in the interpreter."""
+    """Chunks of 64 with 64 x 64 state tiles (32 x 64 from K 128 on); smaller chunks for
+    short sequences (packed: by their mean length, since each is padded to whole chunks), and
+    in the interpreter (whose cost is per program and per loop step) whole-dim blocks.
+    Decoding calls take the fused recurrent kernel: of at most :data:`FUSED_GPU_MAX_TOKENS`
+    tokens on a GPU, with 16-wide value blocks (more programs over a state that is read and
+    written once), and of at most :data:`FUSED_MAX_TOKENS` in the interpreter."""
     a = inv.kwargs
     s, dk, dv = a["query"].shape[1], a["query"].shape[-1], a["value"].shape[-1]
     cu = a.get("cu_seqlens")
