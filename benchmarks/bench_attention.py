@@ -137,17 +137,7 @@ def implementations() -> dict[str, Callable[..., Any]]:
     except Exception as err:
         print(f"JAX Pallas mha unavailable: {err}")
     try:
-        _stand_in_xprof()
-        import tokamax
-        from absl import flags
-
-        if tuple(int(x) for x in tokamax.__version__.split(".")[:3]) < (0, 0, 17):
-            # tokamax looks these up at call time, so bridging after its import works
-            bridged = _bridge_pallas_renames()
-            if bridged:
-                print(f"tokamax {tokamax.__version__}: bridged for this jax: {', '.join(bridged)}")
-
-        flags.FLAGS(sys.argv[:1], known_only=True)  # tokamax reads absl flags; ours are not
+        tokamax = _common.import_tokamax()
 
         def tokamax_attention(kind: str) -> Callable[..., Any]:
             return lambda q, k, v, causal: tokamax.dot_product_attention(
@@ -159,52 +149,6 @@ def implementations() -> dict[str, Callable[..., Any]]:
     except Exception as err:
         print(f"tokamax unavailable: {type(err).__name__}: {err}")
     return impls
-
-
-def _bridge_pallas_renames() -> list[str]:
-    """tokamax 0.0.12 predates two Pallas renames of jax 0.11: ``plgpu.kernel`` took
-    ``out_shape``/``scratch_shapes`` (now ``out_type``/``scratch_types``), and ``pl.dot``
-    existed (a float32-accumulating matmul). Bridge both, only where missing, so the anchor runs
-    on the lent machine's jax; returns what was bridged (printed with the results)."""
-    import functools
-    import inspect
-
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    bridged = []
-    params = inspect.signature(plgpu.kernel).parameters
-    if "out_shape" not in params and "out_type" in params:
-        kernel = plgpu.kernel
-        renames = {"out_shape": "out_type", "scratch_shapes": "scratch_types"}
-
-        @functools.wraps(kernel)
-        def renamed(*args: Any, **kwargs: Any) -> Any:
-            return kernel(*args, **{renames.get(k, k): v for k, v in kwargs.items()})
-
-        plgpu.kernel = renamed
-        bridged.append("plgpu.kernel(out_shape=, scratch_shapes=)")
-    if not hasattr(pl, "dot"):
-
-        def dot(a: Any, b: Any, trans_a: bool = False, trans_b: bool = False, **kw: Any) -> Any:
-            a, b = (a.T if trans_a else a), (b.T if trans_b else b)
-            return jnp.dot(a, b, precision=kw.get("precision"), preferred_element_type=jnp.float32)
-
-        pl.dot = dot
-        bridged.append("pl.dot")
-    return bridged
-
-
-def _stand_in_xprof() -> None:
-    """tokamax imports ``xprof.cli.tools.get_kernel_stats_tool`` at start (its own profiling
-    timer, unused here); the GPU image lacks xprof."""
-    import types
-
-    for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    tools = sys.modules["xprof.cli.tools"]
-    if not hasattr(tools, "get_kernel_stats_tool"):
-        tools.get_kernel_stats_tool = None
 
 
 # -- one measurement ----------------------------------------------------------------------------

@@ -16,13 +16,14 @@ Run: ``python benchmarks/bench_grouped_matmul.py [--gpu] [--shapes M,K,N,G ...] 
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import timed
+from _common import import_tokamax, timed
 
 import ejkernel
 from ejkernel.specs.grouped_matmul import grouped_matmul_reference
@@ -190,9 +191,11 @@ def gpu(
         try:
             if not anchors:
                 raise ImportError
-            import tokamax
-
-            impls["tokamax ragged_dot"] = (lambda x, w, s: tokamax.ragged_dot(x, w, s), True)
+            ragged_dot = import_tokamax().ragged_dot
+            impls["tokamax ragged_dot"] = (
+                functools.partial(ragged_dot, implementation="mosaic"),
+                True,
+            )
         except ImportError:
             if anchors:
                 print(f"| {label} | tokamax ragged_dot | not installed | | | | | | |")
