@@ -230,13 +230,6 @@ def _ours(c: dict[str, Any], platform: str | None, **scales: Any) -> tuple[Any, 
         cfg = op.heuristic(types.SimpleNamespace(kwargs=kwargs))
         cfg = attrs.evolve(cfg, fp8_v_words=platform == "fp8:words")
         platform = "triton"
-        if decode:
-            fn = jax.jit(
-                lambda q, kc, vc, n, t: ejkernel.page_attention(
-                    q, kc, vc, n, t, platform=platform, cfg=cfg, **scales
-                )
-            )
-            return fn, (c["q"], c["kc"], c["vc"], c["lens"], c["table"])
     if platform and ":" in platform:
         from ejkernel_triton.ops.ragged_page_attention import RaggedPageAttentionConfig
 
@@ -245,12 +238,7 @@ def _ours(c: dict[str, Any], platform: str | None, **scales: Any) -> tuple[Any, 
         platform, kernel = platform.split(":")
         cfg = chunk_config(kernel, c["q"], c["kc"], *c["table"].shape, RaggedPageAttentionConfig)
     if c["q"].shape[0] == c["lens"].shape[0]:
-        fn = jax.jit(
-            lambda q, kc, vc, n, t: ejkernel.page_attention(
-                q, kc, vc, n, t, platform=platform, **scales
-            )
-        )
-        return fn, (c["q"], c["kc"], c["vc"], c["lens"], c["table"])
+        return _decode_at((c["q"], c["kc"], c["vc"], c["lens"], c["table"]), cfg, scales, platform)
     fn = jax.jit(
         lambda q, kc, vc, n, t, s: ejkernel.ragged_page_attention(
             q, kc, vc, n, t, s, n.shape[0], platform=platform, cfg=cfg, **scales
@@ -404,11 +392,14 @@ def _case_arrays(
     return call, sum(kv_lens) * hkv * d * 2 * 2
 
 
-def _decode_at(args: tuple, cfg: Any, scales: dict[str, Any]) -> tuple[Any, tuple]:
-    """Triton ``page_attention`` at ``cfg`` on ``args`` (query, caches, lengths, table)."""
+def _decode_at(
+    args: tuple, cfg: Any, scales: dict[str, Any], platform: str | None = "triton"
+) -> tuple[Any, tuple]:
+    """``page_attention`` on ``platform`` (``None``: the usual selection) at ``cfg`` (``None``:
+    the selection's) on ``args`` (query, caches, lengths, table)."""
     fn = jax.jit(
         lambda q, kc, vc, n, t: ejkernel.page_attention(
-            q, kc, vc, n, t, platform="triton", cfg=cfg, **scales
+            q, kc, vc, n, t, platform=platform, cfg=cfg, **scales
         )
     )
     return fn, args
