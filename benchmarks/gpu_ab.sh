@@ -4,7 +4,8 @@
 # fresh process with a fresh cache, with cuDNN in every run. Arguments go to the harness
 # (default: the two main shapes, Triton and Pallas against cuDNN). Tables land in $OUT. ORDER
 # names a round's runs (default "base new"); "new:heuristics" runs a build on its heuristics
-# alone (EJKERNEL_SHIPPED=0: the candidate's code without its shipped tables).
+# alone (EJKERNEL_SHIPPED=0: the candidate's code without its shipped tables); any other build
+# name X in ORDER runs the wheels of .whl-X (carry it).
 # Here, before the call (BASE: the baseline commit):
 #   pip wheel --no-deps ./ejkernel-core ./ejkernel-xla ./ejkernel-triton ./ejkernel-pallas -w .whl
 #   git worktree add /tmp/base BASE && pip wheel --no-deps /tmp/base/ejkernel-{core,xla,triton,pallas} -w .whl-base
@@ -14,8 +15,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 pip() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "$@"; }
 pip --target /tmp/deps .whl/jax_triton-*.whl .whl/cattrs-*.whl || exit 1
-pip --target /tmp/new $(ls .whl/ejkernel_*.whl) || exit 1
-pip --target /tmp/base $(ls .whl-base/ejkernel_*.whl) || exit 1
+for build in $(printf '%s\n' ${ORDER:-base new} | sed 's/:.*//' | sort -u); do
+  dir=.whl-$build; [ "$build" = new ] && dir=.whl
+  pip --target /tmp/$build $(ls $dir/ejkernel_*.whl) || exit 1
+done
 export PYTHONUNBUFFERED=1
 ARGS=("$@")
 [ ${#ARGS[@]} -eq 0 ] && ARGS=(--quick --no-startup --shapes 2 --impls "ejkernel triton" "ejkernel pallas" cuDNN)

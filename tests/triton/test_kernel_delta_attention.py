@@ -314,15 +314,21 @@ def test_supports_declines_what_the_kernels_do_not_hold() -> None:
 def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkeypatch) -> None:
     fields = ("chunk_size", "block_v")
     inv = check_config_and_gpu_space(
-        monkeypatch, KernelDeltaAttentionConfig, fields, config_space, heuristic
+        monkeypatch, KernelDeltaAttentionConfig, fields, config_space, heuristic, "g"
     )
     assert heuristic(inv).chunk_size == 64  # the backward's walk: T / 64 steps
     # 2-stage walks; the forward alone in 4 warps, a differentiated call in 8
     alone, differentiated = heuristic(inv), heuristic(types.SimpleNamespace(**vars(inv), grad=True))
     assert (alone.num_warps, alone.num_stages) == (4, 2)
     assert (differentiated.num_warps, differentiated.num_stages) == (8, 2)
-    assert attrs.evolve(alone, narrow_products=True) in config_space(inv)
-    assert not alone.narrow_products
+    # bf16 products for a per-channel gate's forward alone; the space has the other choice
+    assert alone.narrow_products and not differentiated.narrow_products
+    assert attrs.evolve(alone, narrow_products=False) in config_space(inv)
+    scalar = jax.ShapeDtypeStruct((2, 8192, 16), jnp.bfloat16)
+    head_gate = types.SimpleNamespace(kwargs={**inv.kwargs, "g": scalar})
+    assert not heuristic(head_gate).narrow_products
+    float32 = {n: jax.ShapeDtypeStruct(x.shape, jnp.float32) for n, x in inv.kwargs.items()}
+    assert not heuristic(types.SimpleNamespace(kwargs=float32)).narrow_products
 
 
 @pytest.mark.parametrize("limit", [232448, 101376], ids=["hopper", "sm86"])

@@ -180,16 +180,37 @@ def causal_visible(
     return visible(q_pos, k_pos, causal=True)
 
 
-def finite_or_zero_smem(pr: Problem, ref: Any) -> None:
+def finite_or_zero_smem(pr: Problem, ref: Any, rows: int | None = None) -> None:
     """Rewrite a shared-memory operand tile with its NaN and ±Inf entries as 0
     (:func:`ejkernel.attention_semantics.finite_or_zero` in place), before a matmul reads it
     against probabilities of a partially visible block: ``0 · NaN`` is NaN, so a hidden
-    non-finite key or value would otherwise reach the rows that cannot see it. A ring slot
-    both consumers read may be rewritten by both: they write the same values."""
-    x = ref[...] if pr.interpret else _compat.gpu_load(ref, layout=_compat.gpu_layout("WGMMA"))
-    # |x| <= max is False for NaN and ±Inf alike (``isfinite`` has no Mosaic GPU lowering).
-    ref[...] = jnp.where(jnp.abs(x) <= jnp.finfo(x.dtype).max, x, jnp.zeros((), x.dtype))
-    _compat.plgpu().commit_smem()  # the writes, before the wgmma reads the tile
+    non-finite key or value would otherwise reach the rows that cannot see it. ``rows`` (a
+    multiple of 64) passes the tile in slices of that many rows, to hold fewer registers (the
+    producer warpgroup's share is small)."""
+    pl = _compat.pl
+    step = rows or ref.shape[0]
+    for r in range(0, ref.shape[0], step):
+        # A traced start: see mma_acc.
+        part = ref if step == ref.shape[0] else ref.at[pl.ds(lax.axis_index("wg") * 0 + r, step)]
+        x = (
+            part[...]
+            if pr.interpret
+            else _compat.gpu_load(part, layout=_compat.gpu_layout("WGMMA"))
+        )
+        # |x| <= max is False for NaN and ±Inf alike (``isfinite`` has no Mosaic GPU lowering).
+        part[...] = jnp.where(jnp.abs(x) <= jnp.finfo(x.dtype).max, x, jnp.zeros((), x.dtype))
+    _compat.plgpu().commit_smem()  # the writes, before a wgmma reads the tile
+
+
+def clean_landed(pr: Problem, tile: Any, copied: Any, landed: Any) -> None:
+    """The producer's part in a ring tile of a block the causal diagonal cuts: await its copy
+    (``copied``), clean it (:func:`finite_or_zero_smem`), then signal ``landed`` to the
+    consumers, which read it as any other tile. Cleaning in the producer keeps the
+    shared-memory pass off the consumers' instruction stream and does it once for both."""
+    plgpu = _compat.plgpu()
+    plgpu.barrier_wait(copied)
+    finite_or_zero_smem(pr, tile, rows=64)
+    plgpu.barrier_arrive(landed)
 
 
 def smem(pr: Problem, shape: tuple[int, ...], dtype: Any, tiled: bool = True) -> Any:
@@ -250,16 +271,27 @@ def release_slots(
 
 
 def produce(
-    pr: Problem, end: Any, load: Callable[[Any, Any], None], free: tuple[Any, ...], *, start: Any
+    pr: Problem,
+    end: Any,
+    load: Callable[[Any, Any], None],
+    free: tuple[Any, ...],
+    *,
+    start: Any,
+    landed: Callable[[Any, Any], None] | None = None,
 ) -> None:
     """Producer loop over steps ``[start, end)``: fill the ring, refill each slot once both
     consumers released it (every barrier of ``free``), and at the end wait for the last
     releases, so the producer observes every phase of the barriers it waits on.
-    ``load(step, slot)`` issues the copies of one step."""
+    ``load(step, slot)`` issues the copies of one step; ``landed(step, slot)``, when given,
+    runs after them (after the whole first fill), before the producer waits for that slot's
+    release: work on a tile the producer itself awaits."""
     pl, plgpu = _compat.pl, _compat.plgpu()
     stages = jnp.int32(pr.stages)
     for i in range(pr.stages):
         pl.when(start + i < end)(functools.partial(load, start + i, i))
+    if landed is not None:
+        for i in range(pr.stages):
+            pl.when(start + i < end)(functools.partial(landed, start + i, i))
 
     def wait_free(t: Any) -> None:
         for barrier in free:
@@ -268,7 +300,10 @@ def produce(
     @pl.loop(0, jnp.maximum(end - start - pr.stages, 0))
     def _(t):
         wait_free(t)
-        load(start + t + pr.stages, lax.rem(t, stages))
+        slot = lax.rem(t, stages)
+        load(start + t + pr.stages, slot)
+        if landed is not None:
+            landed(start + t + pr.stages, slot)
 
     @pl.loop(jnp.maximum(end - start - pr.stages, 0), jnp.maximum(end - start, 0))
     def _(t):

@@ -1,6 +1,11 @@
 """The Mosaic GPU flash-attention backward: ``dQ`` (consumers own query rows and stream K/V)
 and ``dK``/``dV`` (consumers own key rows and stream Q, dO, logsumexp and Δ; causal starts each
 consumer at its first visible query block), with the forward's producer/consumer structure.
+When causal, the tile that multiplies ``dS`` in a block the diagonal cuts is cleaned
+(:func:`mg.finite_or_zero_smem`): the streamed K of dQ by the producer
+(:func:`mg.clean_landed`: its cut blocks come last, and both consumers read them), the streamed
+Q of dK by its one consumer (its cut blocks come first, where the producer's pass would delay
+the ring's next copies).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ __all__ = ["bwd_smem", "dkv_call", "dkv_scratch", "dq_call", "dq_scratch"]
 
 def dq_scratch(pr: Problem) -> list[Any]:
     """The dQ kernel's shared memory (:mod:`._smem`): per consumer Q (then dQ out), dO,
-    logsumexp and Δ; the K and V ring; then its barriers."""
+    logsumexp and Δ; the K and V ring; then its barriers (when causal, K copied last)."""
     rows = sm.Buffer((2, pr.bq, pr.d), pr.dtype)
     vector = sm.Buffer((2, pr.bq), jnp.float32, tiled=False)
     ring = sm.Buffer((pr.stages, pr.bk, pr.d), pr.dtype)
@@ -36,6 +41,7 @@ def dq_scratch(pr: Problem) -> list[Any]:
         sm.Barriers(pr.stages),  # K landed
         sm.Barriers(pr.stages),  # V landed
         sm.Barriers(pr.stages, num_arrivals=2),  # K/V slot free
+        *([sm.Barriers(pr.stages)] if pr.causal else []),  # K copied, before the cleaning
     ]
 
 
@@ -87,7 +93,7 @@ def _bwd_dq_kernel(*refs, pr: Problem):
     pl, plgpu = _compat.pl, _compat.plgpu()
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, *barriers = refs
     q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
-    q_landed, do_landed, lse_landed, delta_landed, k_landed, v_landed, kv_free = barriers
+    q_landed, do_landed, lse_landed, delta_landed, k_landed, v_landed, kv_free, *k_copied = barriers
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     tile_q0 = lax.axis_index("q_tiles") * (2 * pr.bq)
@@ -123,9 +129,8 @@ def _bwd_dq_kernel(*refs, pr: Problem):
             plgpu.barrier_wait(v_landed.at[slot])
             dp = mg.mma(pr, do_smem, v_smem.at[slot], (bq, bk), transpose_b=True)
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-            if masked:  # dP of a hidden non-finite value is NaN, and 0 · NaN too
+            if masked:  # dP of a hidden non-finite value is NaN, and 0 · NaN too (K is clean)
                 ds = hide(ds, vis)
-                mg.finite_or_zero_smem(pr, k_smem.at[slot])
             dq = mg.mma_acc(pr, dq, ds.astype(pr.dtype), k_smem.at[slot])
             plgpu.barrier_arrive(kv_free.at[slot])
             return dq
@@ -142,13 +147,27 @@ def _bwd_dq_kernel(*refs, pr: Problem):
     @mg.producer(wg)
     def _producer():
         kv_h = lax.div(h, jnp.int32(pr.group))
+        masked_from = pr.kv_full_steps(tile_q0, cta_steps)  # the first consumer's first cut
 
-        def load(j, slot):
+        def copy(j, slot, k_barrier):
             rows = (b, pl.ds(j * bk, bk), kv_h)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_landed.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_barrier.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_landed.at[slot])
 
-        mg.produce(pr, cta_steps, load, (kv_free,), start=jnp.int32(0))
+        def load(j, slot):
+            if not pr.causal:
+                copy(j, slot, k_landed)
+                return
+            pl.when(j < masked_from)(lambda: copy(j, slot, k_landed))
+            pl.when(j >= masked_from)(lambda: copy(j, slot, k_copied[0]))
+
+        def landed(j, slot):
+            @pl.when(j >= masked_from)
+            def _():
+                mg.clean_landed(pr, k_smem.at[slot], k_copied[0].at[slot], k_landed.at[slot])
+
+        clean = landed if pr.causal else None
+        mg.produce(pr, cta_steps, load, (kv_free,), start=jnp.int32(0), landed=clean)
 
 
 def dkv_call(q, k, v, do, lse, delta, pr: Problem) -> tuple[jax.Array, jax.Array]:

@@ -3,7 +3,8 @@ persistent (one CTA per SM walking the tiles) for non-causal D 64 with more tile
 
 Each CTA runs three warpgroups: a producer streaming K/V tiles by TMA into a ring of
 ``stages`` slots, and two consumers of ``bq`` query rows each running ``S = QKᵀ``, the online
-softmax (base 2) and ``O += PV`` with FA3's ping-pong between them.
+softmax (base 2) and ``O += PV`` with FA3's ping-pong between them. When causal, the producer
+also cleans the value tiles of the blocks the diagonal cuts (:func:`mg.clean_landed`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def _q_tile(pr: Problem) -> Any:
 def fwd_scratch(pr: Problem) -> list[Any]:
     """The forward's shared memory (:mod:`._smem`): its buffers (Q and O, shared or separate
     for the persistent kernel; the K and V ring of ``stages`` slots of ``bk`` rows; the
-    logsumexp rows per consumer), then its barriers: K landed, V landed, Q landed (per
-    consumer), K slot free, V slot free."""
+    logsumexp rows per consumer), then its barriers: K landed, V landed (for the consumers),
+    Q landed (per consumer), K slot free, V slot free, and when causal V copied (for the
+    producer, which cleans the tile before it signals V landed)."""
     q = sm.Buffer((2, pr.bq, pr.d), pr.dtype)  # per consumer
     ring = sm.Buffer((pr.stages, pr.bk, pr.d), pr.dtype)
     lse = sm.Buffer((2, pr.bq), jnp.float32, tiled=False)
@@ -57,6 +59,7 @@ def fwd_scratch(pr: Problem) -> list[Any]:
         sm.Barriers(2),
         sm.Barriers(pr.stages, num_arrivals=2),
         sm.Barriers(pr.stages, num_arrivals=2),
+        *([sm.Barriers(pr.stages)] if pr.causal else []),
     ]
 
 
@@ -95,7 +98,8 @@ def _fwd_step(
     (the K of ``step + 1`` is awaited when it exists); ``ring`` holds the K and V slots with
     their landed and free barriers; ``mask`` sets hidden scores to -inf (a partially visible
     block: its value tile is read through ``finite_or_zero`` too); ``rows`` (default
-    ``bk``) is how many leading rows of the slots the block fills (a tail step's pb.TAIL_ROWS)."""
+    ``bk``) is how many leading rows of the slots the block fills (a tail step's pb.TAIL_ROWS).
+    The value tile of a masked block arrives clean (:func:`mg.clean_landed`)."""
     pl, plgpu = _compat.pl, _compat.plgpu()
     k_smem, v_smem, k_landed, v_landed, k_free, v_free = ring
     acc, m, denom = carry
@@ -124,8 +128,6 @@ def _fwd_step(
     acc, p16 = lax.optimization_barrier((acc, p16))
     denom, m_new = lax.optimization_barrier((denom, m_new))
     plgpu.barrier_wait(v_landed.at[slot])
-    if mask is not None:  # a partially visible block: its hidden values must not reach P·V
-        mg.finite_or_zero_smem(pr, v_tile)
     wait_other()
     nxt = step + 1
 
@@ -173,7 +175,7 @@ def _flash_attention_fwd_kernel(
 ):
     pl, plgpu = _compat.pl, _compat.plgpu()
     qo_smem2, k_smem, v_smem, lse_smem2 = smem
-    k_landed, v_landed, q_landed, k_free, v_free = barriers
+    k_landed, v_landed, q_landed, k_free, v_free, *v_copied = barriers  # V copied: causal
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     tile_q0 = _q_tile(pr) * (2 * pr.bq)
@@ -256,13 +258,18 @@ def _flash_attention_fwd_kernel(
     @mg.producer(wg)
     def _producer():
         kv_h = lax.div(h, jnp.int32(pr.group))
+        masked_from = pr.kv_full_steps(tile_q0, cta_steps)  # the first consumer's first cut
 
-        def copy(start, n, slot, rows):
+        def copy(start, n, slot, rows, v_barrier=v_landed):
             src = (b, pl.ds(start, n), kv_h)
             plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[rows], k_landed.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[rows], v_landed.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[rows], v_barrier.at[slot])
 
         def load(j, slot):
+            if pr.causal:  # no tail
+                pl.when(j < masked_from)(lambda: copy(j * bk, bk, slot, slot))
+                pl.when(j >= masked_from)(lambda: copy(j * bk, bk, slot, slot, *v_copied))
+                return
             if not pr.tail:
                 copy(j * bk, bk, slot, slot)
                 return
@@ -272,7 +279,13 @@ def _flash_attention_fwd_kernel(
             tail_start = wide * bk + (j - wide) * pb.TAIL_ROWS
             pl.when(j >= wide)(lambda: copy(tail_start, pb.TAIL_ROWS, slot, tail_rows))
 
-        mg.produce(pr, cta_steps, load, (k_free, v_free), start=jnp.int32(0))
+        def landed(j, slot):
+            @pl.when(j >= masked_from)
+            def _():
+                mg.clean_landed(pr, v_smem.at[slot], v_copied[0].at[slot], v_landed.at[slot])
+
+        clean = landed if pr.causal else None
+        mg.produce(pr, cta_steps, load, (k_free, v_free), start=jnp.int32(0), landed=clean)
 
 
 #: Non-causal forwards at these head dims with more tiles than SMs run persistent
@@ -309,7 +322,7 @@ def _fwd_persistent_kernel(
 ):
     pl, plgpu = _compat.pl, _compat.plgpu()
     q_smem2, o_smem2, k_smem, v_smem, lse_smem2 = smem
-    k_landed, v_landed, q_landed, k_free, v_free = barriers
+    k_landed, v_landed, q_landed, k_free, v_free = barriers  # non-causal: no V copied
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     bq, bk, d, nk = pr.bq, pr.bk, pr.d, pr.nk
     q_tiles = pr.sq // (2 * bq)

@@ -148,7 +148,7 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     memory holds them, 8 warps for a call being differentiated and 4 for a forward alone (the
     backward's reverse walk has ``T / C`` sequential steps, so longer chunks pay off most
     there, and wants the wider programs; the forward does better with the narrower ones),
-    shorter chunks for short packed sequences or where shared memory is too small; in the
+    a per-channel gate's forward alone on 16-bit inputs with ``narrow_products``, shorter chunks for short packed sequences or where shared memory is too small; in the
     interpreter (whose cost is per program and per loop step) chunks of 16 and whole-V
     blocks. Decoding calls (at most
     :data:`FUSED_GPU_MAX_TOKENS` tokens on a GPU, :data:`FUSED_MAX_TOKENS` in the
@@ -166,10 +166,17 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
             chunk_size=16, block_v=min(64, pow2(dv)), num_warps=4, fused=True
         )
     limit = _smem.launch_limit()
+    grad = getattr(inv, "grad", False)
+    per_channel = a.get("g") is not None and a["g"].ndim == 4
+    narrow = not grad and per_channel and jnp.dtype(a["query"].dtype).itemsize == 2
     for chunk, stages in ((64, 2), (64, 1), (32, 1), (16, 1)):
-        warps = (8 if getattr(inv, "grad", False) else 4) if chunk == 64 else 4
+        warps = (8 if grad else 4) if chunk == 64 else 4
         cfg = KernelDeltaAttentionConfig(
-            chunk_size=chunk, block_v=min(32, pow2(dv)), num_warps=warps, num_stages=stages
+            chunk_size=chunk,
+            block_v=min(32, pow2(dv)),
+            num_warps=warps,
+            num_stages=stages,
+            narrow_products=narrow,
         )
         if chunk == 16 or (length >= chunk and shared_memory(cfg, dk, dv) <= limit):
             return cfg
@@ -180,7 +187,7 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
     """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps
     in 1 stage, and those of the heuristic's chunk size with 2 stages in the sequential walks,
     without those over the device's shared memory (:func:`shared_memory`); for 16-bit inputs
-    the heuristic's with ``narrow_products``."""
+    the heuristic's with ``narrow_products`` the other way."""
     base = heuristic(inv)
     if _launch.interpreting():
         return [base]
@@ -208,7 +215,7 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
         if piped not in out and shared_memory(piped, dk, dv) <= limit:
             out.append(piped)
     if jnp.dtype(inv.kwargs["query"].dtype).itemsize == 2:  # the products on 16-bit operands
-        out.append(attrs.evolve(base, narrow_products=True))
+        out.append(attrs.evolve(base, narrow_products=not base.narrow_products))
     return out
 
 
