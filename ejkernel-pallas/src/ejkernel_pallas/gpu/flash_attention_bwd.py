@@ -1,11 +1,10 @@
 """The Mosaic GPU flash-attention backward: ``dQ`` (consumers own query rows and stream K/V)
 and ``dK``/``dV`` (consumers own key rows and stream Q, dO, logsumexp and Δ; causal starts each
 consumer at its first visible query block), with the forward's producer/consumer structure.
-When causal, the tile that multiplies ``dS`` in a block the diagonal cuts is cleaned
-(:func:`mg.finite_or_zero_smem`): the streamed K of dQ by the producer
-(:func:`mg.clean_landed`: its cut blocks come last, and both consumers read them), the streamed
-Q of dK by its one consumer (its cut blocks come first, where the producer's pass would delay
-the ring's next copies).
+When causal, the producer of dQ cleans the K tiles of the blocks the diagonal cuts
+(:func:`mg.clean_landed`): ``dS·K`` must not read a hidden non-finite key into a row. dK/dV
+needs no cleaning (as the Triton kernels): its own K and V meet the streamed rows only
+through ``dS`` and ``P``, selected to zero where hidden.
 """
 
 from __future__ import annotations
@@ -229,9 +228,8 @@ def _bwd_dkv_kernel(*refs, pr: Problem, out_dtype: Any):
             plgpu.barrier_wait(delta_landed.at[slot])
             delta = mg.load_row_vector(pr, delta_smem.at[slot], 0)
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-            if masked:  # likewise its Δ, and a hidden query's non-finite entries
+            if masked:  # likewise its Δ, and dP of a non-finite value
                 ds_t = hide(ds_t, vis)
-                mg.finite_or_zero_smem(pr, q_smem.at[slot])
             dk = mg.mma_acc(pr, dk, ds_t.astype(pr.dtype), q_smem.at[slot])
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv
