@@ -26,12 +26,16 @@ dense flash attention's TFLOP/s (the default call's kernels, and the usual Trito
 and the time against the all-live mask (the claim: time ∝ computed blocks). The output is
 checked against flash attention (XLA platform) under the block mask expanded to a dense
 attention mask, in the same run (the XLA block-sparse schedule compiles slowly at this size).
-``python benchmarks/bench_blocksparse.py --gpu [--seq 8192] [--heads 16] [--dim 128]``
+A row per forward variant (``--fwd-variants``: ``default``, the heuristic's config, and
+``warp_specialized``, the Hopper forward; the backward is the heuristic's in both).
+``python benchmarks/bench_blocksparse.py --gpu [--seq 8192] [--heads 16] [--dim 128]
+[--fwd-variants default,warp_specialized]``
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -88,8 +92,10 @@ def balanced_mask(b: int, h: int, n: int, live: float, seed: int = 0) -> np.ndar
     return mask
 
 
-def gpu(b: int, s: int, h: int, d: int, blk: int) -> None:
-    """The Triton kernels against dense flash attention (see the module docstring)."""
+def gpu(b: int, s: int, h: int, d: int, blk: int, variants: list[str]) -> None:
+    """The Triton kernels against dense flash attention (see the module docstring), a row per
+    live fraction and forward variant (``default``: the heuristic's config)."""
+    from ejkernel_triton.ops.blocksparse_attention import BlocksparseAttentionConfig
     from ejkernel_triton.ops.flash_attention import FlashAttentionConfig
 
     n = -(-s // blk)
@@ -123,23 +129,24 @@ def gpu(b: int, s: int, h: int, d: int, blk: int) -> None:
             f"({anchors[name][1]:.0f} TFLOP/s)"
         )
     print(
-        "| live blocks | fwd ms | fwd TFLOP/s | vs flash default / usual | fwd+bwd ms "
+        "| live blocks | forward | fwd ms | fwd TFLOP/s | vs flash default / usual | fwd+bwd ms "
         "| fwd+bwd TFLOP/s | vs flash default / usual | time vs all live (fwd / fwd+bwd) "
         "| rel err vs dense |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    base = None
-    for live in (1.0, 0.5, 0.1):
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    base: dict[str, tuple[float, float]] = {}
+    for live, variant in itertools.product((1.0, 0.5, 0.1), variants):
         mask = jnp.asarray(balanced_mask(b, h, n, live))
         flops = 4 * d * blk * blk * int(mask.sum())  # mask: [B, H, n, n]
+        cfg = None if variant == "default" else BlocksparseAttentionConfig(fwd_variant=variant)
 
-        def attn(q: Any, k: Any, v: Any, mask: Any = mask, platform: str = "triton") -> Any:
+        def attn(q: Any, k: Any, v: Any, mask: Any = mask, cfg: Any = cfg) -> Any:
             return ejkernel.blocksparse_attention(
-                q, k, v, block_mask=mask, block_size=blk, platform=platform
+                q, k, v, block_mask=mask, block_size=blk, platform="triton", cfg=cfg
             )
 
         fwd, both = ms(jax.jit(attn), q, k, v), ms(fwd_bwd(attn), q, k, v, do)
-        base = base or (fwd, both)
+        base.setdefault(variant, (fwd, both))
         got = jax.jit(attn)(q, k, v).astype(jnp.float32)
         want = jax.jit(
             lambda q, k, v, m: ejkernel.flash_attention(
@@ -154,8 +161,9 @@ def gpu(b: int, s: int, h: int, d: int, blk: int) -> None:
         tf = (flops / fwd / 1e9, 3.5 * flops / both / 1e9)
         vs = [" / ".join(f"{tf[i] / a[i]:.2f}" for a in anchors.values()) for i in range(2)]
         print(
-            f"| {float(mask.mean()):.0%} | {fwd:.2f} | {tf[0]:.0f} | {vs[0]} | {both:.2f} "
-            f"| {tf[1]:.0f} | {vs[1]} | {fwd / base[0]:.3f} / {both / base[1]:.3f} | {err:.1e} |",
+            f"| {float(mask.mean()):.0%} | {variant} | {fwd:.2f} | {tf[0]:.0f} | {vs[0]} "
+            f"| {both:.2f} | {tf[1]:.0f} | {vs[1]} "
+            f"| {fwd / base[variant][0]:.3f} / {both / base[variant][1]:.3f} | {err:.1e} |",
             flush=True,
         )
 
@@ -169,12 +177,17 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=None, help="default 64 (CPU), 128 (GPU)")
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--fraction", type=float, default=0.1)
+    parser.add_argument(
+        "--fwd-variants",
+        default="default,warp_specialized",
+        help="--gpu: the block-sparse forwards to time (default: the heuristic's config)",
+    )
     args = parser.parse_args()
     defaults = (8192, 16, 128) if args.gpu else (5120, 8, 64)
     s, h, d = (x or y for x, y in zip((args.seq, args.heads, args.dim), defaults, strict=True))
     b, blk = args.batch, args.block
     if args.gpu:
-        gpu(b, s, h, d, blk)
+        gpu(b, s, h, d, blk, args.fwd_variants.split(","))
         return
     n = -(-s // blk)
     print(f"jax {jax.__version__}, devices {jax.devices()}, ejkernel {ejkernel.__version__}")

@@ -242,6 +242,97 @@ def test_the_default_call_runs_the_kernel_where_triton_runs(interpret: None) -> 
     assert_close(out, blocksparse_attention_reference(q, k, v, **args))
 
 
+#: The warp-specialized forward: the mask's blocks its tiles; the backward the usual kernels'.
+WS = BlocksparseAttentionConfig(
+    fwd_variant="warp_specialized",
+    bwd_params=SMALL.bwd_params,
+    dq_params=SMALL.dq_params,
+)
+
+
+@pytest.mark.parametrize(
+    ("shape", "causal", "cap"),
+    [
+        ((2, 64, 64, 4, 2, 64), False, None),
+        ((1, 80, 64, 2, 1, 64), True, None),  # Sq > Sk: empty rows
+        ((1, 64, 72, 2, 2, 64), True, None),  # a cut last key block
+        ((2, 48, 80, 2, 1, 128), False, 4.0),  # cut blocks of both, soft cap
+    ],
+    ids=["gqa", "sq>sk-causal", "cut-keys-causal", "mqa-cut-softcap"],
+)
+def test_warp_specialized_forward_walks_the_lists(
+    interpret: None,
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, ...],
+    causal: bool,
+    cap: float | None,
+) -> None:
+    from ejkernel_triton import _launch
+
+    jax.clear_caches()  # a call traced by an earlier test is traced (and launched) again
+    names: list[str] = []
+    real = _launch.launch
+    monkeypatch.setattr(
+        _launch,
+        "launch",
+        lambda kernel, *a, **kw: names.append(kernel.fn.__name__) or real(kernel, *a, **kw),
+    )
+    b, sq, sk, hq, _, _ = shape
+    nq, nk = -(-sq // 16), -(-sk // 16)
+    mask = random_mask((b, hq, nq, nk), 0.5, seed=sq + sk)
+    mask = mask.at[:, :, 0].set(False)  # a query block with nothing to see
+    q, k, v = qkv(*shape, jnp.bfloat16)
+    compare(q, k, v, cfg=WS, block_mask=mask, block_size=16, causal=causal, logits_soft_cap=cap)
+    assert names[0] == "blocksparse_attention_fwd_ws_kernel"
+
+
+def test_warp_specialized_forward_reads_no_hidden_nan(interpret: None) -> None:
+    """NaN in dead blocks and beside the causal diagonal reaches no row."""
+    q, k, v = qkv(1, 64, 64, 2, 1, 64, jnp.bfloat16)
+    mask = np.ones((1, 1, 4, 4), bool)
+    mask[0, 0, :, 1] = False  # keys 16..31: dead
+    kw = {"block_mask": jnp.asarray(mask), "block_size": 16, "causal": True, "platform": "triton"}
+    bad = (k.at[:, 16:32].set(jnp.nan), v.at[:, 16:32].set(jnp.nan))
+    bad = (bad[0].at[:, 63].set(jnp.inf), bad[1].at[:, 63].set(jnp.nan))  # the last query's own key
+    out = ejkernel.blocksparse_attention(q, *bad, cfg=WS, **kw)
+    want = ejkernel.blocksparse_attention(q, k, v, cfg=SMALL, **kw)
+    assert_close(out[:, :63], want[:, :63], name="rows that cannot see key 63")
+
+
+def test_a_variant_that_cannot_serve_the_call_is_refused(interpret: None) -> None:
+    q, k, v = qkv(1, 64, 64, 2, 1, 64, jnp.bfloat16)
+    mask = jnp.ones((1, 1, 4, 4), bool)
+    call = {"block_mask": mask, "block_size": 16, "platform": "triton", "cfg": WS}
+    with pytest.raises(ValueError, match=r"fwd_variant='warp_specialized'.*no bias"):
+        ejkernel.blocksparse_attention(q, k, v, bias=jnp.zeros((1, 2, 64, 64)), **call)
+    with pytest.raises(ValueError, match=r"warp_specialized.*powers of two"):
+        odd = jnp.ones((1, 1, 6, 6), bool)
+        ejkernel.blocksparse_attention(q, k, v, **{**call, "block_mask": odd, "block_size": 12})
+    with pytest.raises(ValueError, match="fwd_variant"):
+        BlocksparseAttentionConfig(fwd_variant="pingpong")
+
+
+def test_the_warp_specialized_forward_joins_the_space_where_it_serves(monkeypatch) -> None:
+    import types
+
+    from ejkernel_triton.ops import blocksparse_attention_config as config
+    from ejkernel_triton.ops import flash_attention_config as flash_config
+
+    monkeypatch.setattr(config._launch, "interpreting", lambda: False)
+    monkeypatch.setattr(flash_config._launch, "interpreting", lambda: False)
+    monkeypatch.setattr(flash_config, "_compute_capability", lambda: (9, 0))
+    x = jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16)
+    call = {"query": x, "key": x, "value": x, "block_size": (128, 128)}
+    variants = lambda **kw: [
+        c.fwd_variant for c in config.config_space(types.SimpleNamespace(kwargs={**call, **kw}))
+    ]
+    assert variants()[0] == "usual" and variants().count("warp_specialized") == 1
+    assert "warp_specialized" not in variants(block_size=(64, 128))  # not its tile
+    assert "warp_specialized" not in variants(sliding_window=(64, 64))
+    monkeypatch.setattr(flash_config, "_compute_capability", lambda: (8, 0))
+    assert "warp_specialized" not in variants()
+
+
 def test_config_space_prunes_by_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
@@ -298,6 +389,28 @@ def test_kernels_compile_for_sm90_with_pipelined_tile_loads(
         assert mix.get("cp.async.cg.shared.global", 0) > 0, (name, mix)
         assert any(m.startswith("wgmma") for m in mix), (name, mix)
         assert 0 <= needs[names[name]] - compiled.shared <= 512, (name, compiled.shared)
+
+
+def test_warp_specialized_forward_compiles_to_a_producer_and_two_consumers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from ejkernel_triton import _codegen
+    from ejkernel_triton.ops import blocksparse_attention as op
+    from ejkernel_triton.ops import flash_attention_config as flash_config
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
+    monkeypatch.setattr(flash_config, "_compute_capability", lambda: (9, 0))
+    x = jnp.ones((1, 512, 2, 128), jnp.bfloat16)
+    call = {"query": x, "key": x, "value": x, "block_size": (128, 128), "causal": True}
+    with _codegen.recorded_launches() as launches:
+        op._blocksparse_fwd(**call, block_mask=jnp.ones((1, 1, 4, 4), bool), cfg=WS)
+    (launch,) = launches
+    assert launch.kernel.fn.__name__ == "blocksparse_attention_fwd_ws_kernel"
+    compiled = _codegen.compile_launch(launch)
+    assert compiled.num_warps == 12  # 4 asked for: the producer and two consumers of 4
+    assert compiled.ptx.count("setmaxnreg") > 0
+    assert any(m.startswith("wgmma") for m in _codegen.instruction_mix(compiled.ptx))
 
 
 # -- GPU: realistic shapes against the XLA platform -------------------------------------------

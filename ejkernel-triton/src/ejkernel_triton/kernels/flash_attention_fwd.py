@@ -225,7 +225,6 @@ def flash_attention_fwd_ws_kernel(
     k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
     v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
     q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
-    offs_d = tl.arange(0, HEAD_DIM)
     for tile in tl.range(tl.program_id(0), num_m * heads, tl.num_programs(0), warp_specialize=True):
         start_m, off_bh, off_b, off_h, off_hk = _ws_tile(
             tile, num_m, heads, num_heads, num_kv_heads, CAUSAL
@@ -238,28 +237,77 @@ def flash_attention_fwd_ws_kernel(
         end = seqlen_k
         if CAUSAL:
             end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
-        k_row = off_b * seqlen_k
+        kv_at = (k_desc, v_desc, off_b * seqlen_k, off_hk * HEAD_DIM)
         for start_n in tl.range(0, end, BLOCK_N):
-            k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
-            s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
-            s = _ws_mask(s, start_n, offs_m, q_pos_offset, seqlen_k, BLOCK_N, CAUSAL, EVEN_K)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = v_desc.load([k_row + start_n, off_hk * HEAD_DIM])
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            m_i = m_new
-
-        empty = m_i <= MASK_VALUE * 0.5
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
-        lse = tl.where(empty, EMPTY_LSE, m_i + tl.log2(l_safe))
-        rows = (off_b * seqlen_q + offs_m[:, None]) * (num_heads * HEAD_DIM) + off_h * HEAD_DIM
-        tl.store(
-            Out + rows + offs_d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=offs_m[:, None] < seqlen_q,
+            m_i, l_i, acc = ws_key_step(
+                q,
+                kv_at,
+                start_n,
+                offs_m,
+                (m_i, l_i, acc),
+                (sm_scale, soft_cap),
+                (q_pos_offset, seqlen_k),
+                BLOCK_N,
+                CAUSAL,
+                SOFT_CAP,
+                EVEN_K,
+            )
+        ws_store(
+            Out, Lse, (m_i, l_i, acc), offs_m, off_b, off_h, off_bh, seqlen_q, num_heads, HEAD_DIM
         )
-        tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def ws_key_step(
+    q,
+    kv_at,
+    start_n,
+    offs_m,
+    state,
+    scale,
+    bounds,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """One key block of a warp-specialized forward: the block at key ``start_n`` of
+    ``kv_at = (k_desc, v_desc, first key row of this batch, this key head's column)`` (TMA
+    loads), masked as :func:`_ws_mask` says; ``state = (m_i, l_i, acc)`` in and out;
+    ``scale = (sm_scale, soft_cap)``; ``bounds = (q_pos_offset, seqlen_k)``."""
+    k_desc, v_desc, k_row, col = kv_at
+    m_i, l_i, acc = state
+    sm_scale, soft_cap = scale
+    q_pos_offset, seqlen_k = bounds
+    k = k_desc.load([k_row + start_n, col])
+    s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
+    s = _ws_mask(s, start_n, offs_m, q_pos_offset, seqlen_k, BLOCK_N, CAUSAL, EVEN_K)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = v_desc.load([k_row + start_n, col])
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def ws_store(
+    Out, Lse, state, offs_m, off_b, off_h, off_bh, seqlen_q, num_heads, HEAD_DIM: tl.constexpr
+):
+    """A warp-specialized forward's epilogue: the rows ``offs_m`` of query head ``off_h`` as
+    output (zeros for a row that saw no key) and logsumexp, rows past ``seqlen_q`` not stored."""
+    m_i, l_i, acc = state
+    empty = m_i <= MASK_VALUE * 0.5
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    lse = tl.where(empty, EMPTY_LSE, m_i + tl.log2(l_safe))
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = (off_b * seqlen_q + offs_m[:, None]) * (num_heads * HEAD_DIM) + off_h * HEAD_DIM
+    tl.store(
+        Out + rows + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=offs_m[:, None] < seqlen_q,
+    )
+    tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)

@@ -15,7 +15,7 @@ positional mask. The mask may be traced (``jit``); broadcast batch and head axes
 
 The kernels (:mod:`ejkernel_triton.kernels.blocksparse_attention_fwd`,
 :mod:`ejkernel_triton.kernels.blocksparse_attention_bwd`) are flash attention's usual kernels
-walking the lists; the argument layout, the bias and mask handling and the NaN rule are flash
+walking the lists (the config's ``fwd_variant`` ``warp_specialized``: its Hopper forward); the argument layout, the bias and mask handling and the NaN rule are flash
 attention's (:mod:`ejkernel_triton.ops.flash_attention`). Everything of the op is served
 (``bias``, ``attention_mask``, segment ids, causal, sliding window, soft cap, GQA), in bfloat16,
 float16 and float32 with head dims up to 256; ``jit``, ``grad`` and ``vmap`` compose with it.
@@ -30,19 +30,28 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import Geometry
+from ejkernel.ops import FwdParams
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, BROADCAST, pow2
 from ejkernel_triton.ops import flash_attention as flash
+from ejkernel_triton.ops import flash_attention_specialized as specialized
 from ejkernel_triton.ops.blocksparse_attention_config import (
     BlocksparseAttentionConfig,
     config_space,
+    fwd_variant_problem,
     heuristic,
     kernel_blocks,
     supports,
 )
 from ejkernel_triton.ops.flash_attention import _Arrays, _Options
-from ejkernel_triton.ops.flash_attention_config import bwd_launch_params, fit_stages, fwd_smem
+from ejkernel_triton.ops.flash_attention_config import (
+    bwd_launch_params,
+    fit_stages,
+    fwd_smem,
+    persistent_programs,
+    resolve,
+)
 
 __all__ = [
     "BlocksparseAttentionConfig",
@@ -77,6 +86,12 @@ def _blocksparse_fwd(
     """Forward: ``(out, residuals)``; residuals are the inputs, the mask, the output and lse."""
     arrays = _Arrays.of(args)
     st = _Statics.of(arrays, cfg, **_static_args(args))
+    why = fwd_variant_problem(st.cfg, args)
+    if why:
+        raise ValueError(
+            f"blocksparse_attention (triton): fwd_variant={st.cfg.fwd_variant!r} cannot serve"
+            f" this call: {why}"
+        )
     mask = args["block_mask"]
     out, lse = _forward_call(st, (*arrays.modes(), BROADCAST))(*arrays.launch_args(), mask)
     return out, {"arrays": arrays, "block_mask": mask, "out": out, "lse": lse}
@@ -248,8 +263,10 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         del aux
         b, sq, hq, _ = q.shape
         dv = v.shape[-1]
-        scalars, constexprs = _common(st, q, v, bias, mask, qseg)
         lists = block_lists(block_mask, st.block_size, _geometry(st, q, k))
+        if st.cfg.fwd_variant == "warp_specialized":
+            return _forward_ws(st, q, k, v, lists)
+        scalars, constexprs = _common(st, q, v, bias, mask, qseg)
         index = lists[0]
         bm, bn = kernel_blocks(st.cfg.fwd_params, st.block_size, 64, 64)
         plain = not any(constexprs[f] for f in ("SOFT_CAP", "HAS_BIAS", "HAS_MASK", "HAS_SEG"))
@@ -280,6 +297,34 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
         return out, lse
 
     return _launch.fold_vmap(run, modes)
+
+
+def _forward_ws(
+    st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array, lists: tuple[jax.Array, jax.Array]
+) -> list[Any]:
+    """Output and lse by ``blocksparse_attention_fwd_ws_kernel``, persistent (one program per
+    SM), the mask's blocks its tiles; K and V through ``finite_or_zero`` where its loop masks
+    blocks (flash attention's rule for that kernel)."""
+    from ejkernel_triton.kernels.blocksparse_attention_fwd import (
+        blocksparse_attention_fwd_ws_kernel,
+    )
+
+    (b, sq, hq, _), sk = q.shape, k.shape[1]
+    bq, bk = st.block_size
+    index, counts = lists
+    return specialized.launch_specialized(
+        st,
+        blocksparse_attention_fwd_ws_kernel,
+        (q, *specialized.masked_loop_kv(st, k, v, bk), index, counts),
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
+        (min(_cdiv(sq, bq) * b * hq, persistent_programs()),),
+        resolve("fwd", "warp_specialized", FwdParams(), _launch.interpreting())[0],
+        index.shape[-1],
+        *_list_strides(index, counts),
+        BLOCK_M=bq,
+        BLOCK_N=bk,
+        EVEN_K=sk % bk == 0,
+    )
 
 
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:

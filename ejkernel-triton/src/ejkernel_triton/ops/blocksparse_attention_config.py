@@ -5,7 +5,8 @@ The kernels' tiles live inside the mask's blocks: a program's ``BLOCK_M`` rows b
 query block and each step's ``BLOCK_N`` keys to one key block (:func:`kernel_blocks` fits a
 config's tiles to the blocks: at most the block rounded up to a power of two, at least 16,
 the smallest ``tl.dot``). A block larger than a tile is walked in several tiles; a tile that
-overruns a block that is not a multiple of it is masked at the block's end.
+overruns a block that is not a multiple of it is masked at the block's end. The
+``warp_specialized`` forward takes the mask's blocks as its tiles (:func:`fwd_variant_problem`).
 """
 
 from __future__ import annotations
@@ -19,16 +20,29 @@ import jax.numpy as jnp
 from ejkernel.ops import BwdParams, FwdParams, prune_by_shared_memory
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import pow2
-from ejkernel_triton.ops.flash_attention_config import bwd_smem, fwd_smem, qkv_supported
+from ejkernel_triton.ops.flash_attention_config import (
+    Call,
+    bwd_smem,
+    fwd_problem,
+    fwd_smem,
+    qkv_supported,
+    resolve,
+)
 
 __all__ = [
+    "FWD_VARIANTS",
     "BlocksparseAttentionConfig",
     "config_space",
+    "fwd_variant_problem",
     "heuristic",
     "kernel_blocks",
     "kernel_smem",
     "supports",
 ]
+
+
+#: The forward kernels a config can name (:attr:`BlocksparseAttentionConfig.fwd_variant`).
+FWD_VARIANTS = ("usual", "warp_specialized")
 
 
 @attrs.frozen(kw_only=True)
@@ -44,6 +58,11 @@ class BlocksparseAttentionConfig:
             step, warps, stages.
         scale_in_exponent: the forward folds the softmax scale into the exponent on whole
             blocks when nothing is masked or added and the scale is ≥ 0.
+        fwd_variant: the forward kernel: ``usual`` (every feature, ``fwd_params``' tiles) or
+            ``warp_specialized`` (Hopper: flash attention's persistent warp-specialized
+            forward walking the lists, for plain calls whose mask blocks are its tile; see
+            :func:`fwd_variant_problem`; ``fwd_params`` unused). A variant that cannot serve
+            the call raises ``ValueError``.
 
     Block sizes are fitted to the mask's blocks (:func:`kernel_blocks`); ``None`` fields take
     the defaults (64 × 64 forward, 32-row steps × 64 keys for dK/dV, 64 × 32 for dQ, 4 warps,
@@ -54,6 +73,27 @@ class BlocksparseAttentionConfig:
     bwd_params: BwdParams = attrs.field(factory=BwdParams)
     dq_params: FwdParams = attrs.field(factory=FwdParams)
     scale_in_exponent: bool = True
+    fwd_variant: str = attrs.field(default="usual", validator=attrs.validators.in_(FWD_VARIANTS))
+
+
+def fwd_variant_problem(cfg: BlocksparseAttentionConfig, kw: Any) -> str | None:
+    """Why ``cfg``'s forward variant cannot serve the call ``kw`` (``None``: it can). The
+    ``warp_specialized`` forward takes flash attention's plain case on Hopper
+    (:func:`ejkernel_triton.ops.flash_attention_config.fwd_problem`) with the mask's blocks as
+    its tiles, which on a GPU are the ones it is validated in (128 × 128); the interpreter
+    takes any blocks of a power of two from 16."""
+    if cfg.fwd_variant == "usual":
+        return None
+    call = Call.of(kw)
+    why = fwd_problem(cfg.fwd_variant, call)
+    if why:
+        return why
+    bq, bk = tuple(kw.get("block_size") or (128, 128))
+    if min(bq, bk) < 16 or bq & (bq - 1) or bk & (bk - 1):
+        return f"its tiles are the mask's blocks, powers of two from 16; got {(bq, bk)}"
+    blocks = FwdParams(q_blocksize=bq, kv_blocksize=bk)
+    why = resolve("fwd", cfg.fwd_variant, blocks, call.interpreting)[1]
+    return f"its tiles are the mask's blocks: {why}" if why else None
 
 
 def kernel_blocks(
@@ -110,7 +150,8 @@ _DQ_BLOCKS = ((64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2))
 
 def config_space(inv: Any) -> list[BlocksparseAttentionConfig]:
     """The heuristic's config, then each pass's tiles from :data:`_FWD_BLOCKS`,
-    :data:`_BWD_BLOCKS` and :data:`_DQ_BLOCKS` (a candidate changes one pass), minus those whose
+    :data:`_BWD_BLOCKS` and :data:`_DQ_BLOCKS` (a candidate changes one pass) and the
+    ``warp_specialized`` forward where it can serve the call, minus those whose
     kernels need more shared memory than the device grants; the interpreter and float32 get
     the heuristic's only."""
     base = heuristic(inv)
@@ -125,6 +166,9 @@ def config_space(inv: Any) -> list[BlocksparseAttentionConfig]:
         for m, n, w, s in blocks:
             tile = params(q_blocksize=m, kv_blocksize=n, num_warps=w, num_stages=s)
             configs.append(attrs.evolve(base, **{field: tile}))
+    specialized = attrs.evolve(base, fwd_variant="warp_specialized")
+    if fwd_variant_problem(specialized, inv.kwargs) is None:
+        configs.append(specialized)
     return prune_by_shared_memory(
         list(dict.fromkeys(configs)),
         functools.partial(_need, inv.kwargs, getattr(inv, "grad", True)),

@@ -21,10 +21,18 @@ from ejkernel_triton.ops.flash_attention_config import clamp, persistent_program
 if TYPE_CHECKING:
     from ejkernel_triton.ops.flash_attention import _Statics
 
-__all__ = ["bwd_gluon", "dkdv_ws", "dq_ws", "forward_pingpong", "forward_ws"]
+__all__ = [
+    "bwd_gluon",
+    "dkdv_ws",
+    "dq_ws",
+    "forward_pingpong",
+    "forward_ws",
+    "launch_specialized",
+    "masked_loop_kv",
+]
 
 
-def _launch_specialized(
+def launch_specialized(
     st: _Statics,
     kernel: Any,
     arrays: tuple[jax.Array, ...],
@@ -69,7 +77,7 @@ def _launch_specialized(
     return outs
 
 
-def _masked_loop_kv(st: _Statics, k: jax.Array, v: jax.Array, bk: int) -> tuple[Any, Any]:
+def masked_loop_kv(st: _Statics, k: jax.Array, v: jax.Array, bk: int) -> tuple[Any, Any]:
     """K and V for a warp-specialized kernel's key loop: through ``finite_or_zero`` where the
     loop masks its blocks (causal, or a cut last block, whose keys are the next batch's), so a
     hidden NaN or Inf reaches no row through ``0 · NaN``. Here, not in the loop: Triton's
@@ -87,10 +95,10 @@ def forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[A
     (b, sq, hq, _), sk = q.shape, k.shape[1]
     params = st.fwd
     bq, bk = clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk)
-    return _launch_specialized(
+    return launch_specialized(
         st,
         flash_attention_fwd_ws_kernel,
-        (q, *_masked_loop_kv(st, k, v, bk)),
+        (q, *masked_loop_kv(st, k, v, bk)),
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
         (min(_cdiv(sq, bq) * b * hq, persistent_programs()),),
         params,
@@ -109,7 +117,7 @@ def forward_pingpong(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> 
 
     (b, sq, hq, _), sk = q.shape, k.shape[1]
     params = st.fwd
-    return _launch_specialized(
+    return launch_specialized(
         st,
         flash_attention_fwd_pingpong_kernel,
         (q, k, v),
@@ -130,7 +138,7 @@ def dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
     sq, (b, sk, hkv, _) = q.shape[1], k.shape
     params = st.bwd
     bq, bk = clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk)
-    return _launch_specialized(
+    return launch_specialized(
         st,
         flash_attention_bwd_dkdv_ws_kernel,
         (q, k, v, do, lse, delta),
@@ -159,7 +167,7 @@ def bwd_gluon(st: _Statics, q, k, v, do, lse, delta, fuse_dq: bool = True) -> An
         pad = ((0, 0), (0, 0), (0, stats_len - sq))
         lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
         delta = jnp.pad(delta, pad)
-    dk, dv, dq = _launch_specialized(
+    dk, dv, dq = launch_specialized(
         st,
         flash_attention_bwd_gluon_kernel,
         (q, k, v, do, lse, delta),
@@ -193,10 +201,10 @@ def dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
         pad = ((0, 0), (0, 0), (0, blocks * bq - sq))
         lse = jnp.pad(lse, pad, constant_values=EMPTY_LSE.value)
         delta = jnp.pad(delta, pad)
-    (dq,) = _launch_specialized(
+    (dq,) = launch_specialized(
         st,
         flash_attention_bwd_dq_ws_kernel,
-        (q, *_masked_loop_kv(st, k, v, bk), do, lse, delta),
+        (q, *masked_loop_kv(st, k, v, bk), do, lse, delta),
         [jax.ShapeDtypeStruct(q.shape, q.dtype)],
         (blocks, b * hq),
         params,
