@@ -283,7 +283,7 @@ def test_warp_specialized_forward_walks_the_lists(
     mask = mask.at[:, :, 0].set(False)  # a query block with nothing to see
     q, k, v = qkv(*shape, jnp.bfloat16)
     compare(q, k, v, cfg=WS, block_mask=mask, block_size=16, causal=causal, logits_soft_cap=cap)
-    assert names[0] == "blocksparse_attention_fwd_ws_kernel"
+    assert names[0] == "flash_attention_fwd_ws_kernel"
 
 
 def test_warp_specialized_forward_reads_no_hidden_nan(interpret: None) -> None:
@@ -406,7 +406,7 @@ def test_warp_specialized_forward_compiles_to_a_producer_and_two_consumers(
     with _codegen.recorded_launches() as launches:
         op._blocksparse_fwd(**call, block_mask=jnp.ones((1, 1, 4, 4), bool), cfg=WS)
     (launch,) = launches
-    assert launch.kernel.fn.__name__ == "blocksparse_attention_fwd_ws_kernel"
+    assert launch.kernel.fn.__name__ == "flash_attention_fwd_ws_kernel"
     compiled = _codegen.compile_launch(launch)
     assert compiled.num_warps == 12  # 4 asked for: the producer and two consumers of 4
     assert compiled.ptx.count("setmaxnreg") > 0

@@ -1,6 +1,7 @@
 """Triton block-sparse attention forward: :func:`blocksparse_attention_fwd_kernel` (every
-feature) and, for the plain case on Hopper, :func:`blocksparse_attention_fwd_ws_kernel` (flash
-attention's warp-specialized forward walking the lists).
+feature; for the plain case on Hopper, flash attention's warp-specialized forward walks the
+same lists: ``LISTED`` in
+:func:`ejkernel_triton.kernels.flash_attention_fwd.flash_attention_fwd_ws_kernel`).
 
 A program owns ``BLOCK_M`` query rows inside one query block of the mask (``BQ`` rows) and
 walks only that block's live key blocks, read from a list built outside the kernel
@@ -29,12 +30,9 @@ from ejkernel_triton.kernels.flash_attention_common import (
     MASK_VALUE,
     _aligned,
     _fwd_step,
-    _head_rows,
     _heads,
     _load_tile,
-    _ws_tile,
 )
-from ejkernel_triton.kernels.flash_attention_fwd import ws_key_step, ws_store
 
 
 @triton.jit
@@ -249,77 +247,3 @@ def blocksparse_attention_fwd_kernel(
             mask=(offs_m[:, None] < q_end) & (offs_dv[None, :] < HEAD_DIM_V),
         )
     tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=offs_m < q_end)
-
-
-@triton.jit
-def blocksparse_attention_fwd_ws_kernel(
-    Q,
-    K,
-    V,
-    Index,
-    Count,
-    sm_scale,
-    soft_cap,
-    batch,
-    seqlen_q,
-    seqlen_k,
-    num_heads,
-    num_kv_heads,
-    num_blocks,
-    stride_ib,
-    stride_ih,
-    stride_cb,
-    stride_ch,
-    Out,
-    Lse,
-    GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """The plain case (no bias, mask, segments, window or sinks; D = Dv of 64 or 128, 16-bit)
-    with the mask's blocks as the tiles (``BLOCK_M × BLOCK_N`` = ``BQ × BK``): flash
-    attention's warp-specialized forward
-    (:func:`ejkernel_triton.kernels.flash_attention_fwd.flash_attention_fwd_ws_kernel`,
-    persistent over the (query block, batch·head) tiles, TMA loads, a producer and two
-    consumer warp groups) whose key loop walks the tile's list of live key blocks. Every block
-    is masked when ``CAUSAL`` or a cut last block (``EVEN_K`` false) needs it (one loop: the
-    specialization takes no second); K and V come through ``finite_or_zero`` then."""
-    num_m = tl.cdiv(seqlen_q, BLOCK_M)
-    heads = batch * num_heads
-    q_desc = _head_rows(Q, batch * seqlen_q, num_heads, HEAD_DIM, BLOCK_M)
-    k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
-    v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
-    q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
-    lists = (Index, Count, stride_ib, stride_ih, stride_cb, stride_ch)
-    for tile in tl.range(tl.program_id(0), num_m * heads, tl.num_programs(0), warp_specialize=True):
-        start_m, off_bh, off_b, off_h, off_hk = _ws_tile(
-            tile, num_m, heads, num_heads, num_kv_heads, CAUSAL
-        )
-        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        q = q_desc.load([off_b * seqlen_q + start_m * BLOCK_M, off_h * HEAD_DIM])
-        m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        index, counts = _row_lists(lists, off_b, off_h, start_m, num_blocks)
-        kv_at = (k_desc, v_desc, off_b * seqlen_k, off_hk * HEAD_DIM)
-        for t in tl.range(0, tl.load(counts + 1)):
-            m_i, l_i, acc = ws_key_step(
-                q,
-                kv_at,
-                tl.load(index + t) * BLOCK_N,
-                offs_m,
-                (m_i, l_i, acc),
-                (sm_scale, soft_cap),
-                (q_pos_offset, seqlen_k),
-                BLOCK_N,
-                CAUSAL,
-                SOFT_CAP,
-                EVEN_K,
-            )
-        ws_store(
-            Out, Lse, (m_i, l_i, acc), offs_m, off_b, off_h, off_bh, seqlen_q, num_heads, HEAD_DIM
-        )

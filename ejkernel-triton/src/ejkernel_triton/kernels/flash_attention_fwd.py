@@ -188,6 +188,8 @@ def flash_attention_fwd_ws_kernel(
     Q,
     K,
     V,
+    Index,
+    Count,
     sm_scale,
     soft_cap,
     batch,
@@ -195,6 +197,11 @@ def flash_attention_fwd_ws_kernel(
     seqlen_k,
     num_heads,
     num_kv_heads,
+    num_blocks,
+    stride_ib,
+    stride_ih,
+    stride_cb,
+    stride_ch,
     Out,
     Lse,
     GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
@@ -204,6 +211,7 @@ def flash_attention_fwd_ws_kernel(
     CAUSAL: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     EVEN_K: tl.constexpr,
+    LISTED: tl.constexpr = False,
 ):
     """The forward for the plain case (no bias, mask, segments, window or sinks; D = Dv, a
     power of two), written for Triton's Hopper warp specialization. Persistent: the grid's
@@ -218,6 +226,12 @@ def flash_attention_fwd_ws_kernel(
     matmul, so the caller passes K and V through ``finite_or_zero`` when blocks are masked. Rows and blocks are addressed in 2-D views ``[B·S, H·D]``; a key block
     that runs into the next batch's rows is masked like one past the end, and query rows past
     ``seqlen_q`` are never stored.
+
+    ``LISTED`` (block-sparse attention, the mask's blocks its ``BLOCK_M × BLOCK_N`` tiles): the
+    key loop walks the tile's list of live key blocks instead of every block it may see:
+    ``Index [B|1, Hq|1, nq, num_blocks]`` the blocks, ``Count [B|1, Hq|1, nq, 2]`` their
+    counts (the live one second), with batch and head strides (0 where the mask broadcasts;
+    :func:`ejkernel_triton.ops.blocksparse_attention.block_lists`). Otherwise they are unused.
     """
     num_m = tl.cdiv(seqlen_q, BLOCK_M)
     heads = batch * num_heads
@@ -225,6 +239,8 @@ def flash_attention_fwd_ws_kernel(
     k_desc = _head_rows(K, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
     v_desc = _head_rows(V, batch * seqlen_k, num_kv_heads, HEAD_DIM, BLOCK_N)
     q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
+    ctx = (sm_scale, soft_cap, q_pos_offset, seqlen_k)
+    FLAGS: tl.constexpr = (BLOCK_N, CAUSAL, SOFT_CAP, EVEN_K)
     for tile in tl.range(tl.program_id(0), num_m * heads, tl.num_programs(0), warp_specialize=True):
         start_m, off_bh, off_b, off_h, off_hk = _ws_tile(
             tile, num_m, heads, num_heads, num_kv_heads, CAUSAL
@@ -234,51 +250,37 @@ def flash_attention_fwd_ws_kernel(
         m_i = tl.full([BLOCK_M], MASK_VALUE, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        end = seqlen_k
-        if CAUSAL:
-            end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
         kv_at = (k_desc, v_desc, off_b * seqlen_k, off_hk * HEAD_DIM)
-        for start_n in tl.range(0, end, BLOCK_N):
-            m_i, l_i, acc = ws_key_step(
-                q,
-                kv_at,
-                start_n,
-                offs_m,
-                (m_i, l_i, acc),
-                (sm_scale, soft_cap),
-                (q_pos_offset, seqlen_k),
-                BLOCK_N,
-                CAUSAL,
-                SOFT_CAP,
-                EVEN_K,
-            )
+        if LISTED:
+            index = Index + off_b * stride_ib + off_h * stride_ih + start_m * num_blocks
+            live = tl.load(Count + off_b * stride_cb + off_h * stride_ch + start_m * 2 + 1)
+            for t in tl.range(0, live):
+                start_n = tl.load(index + t) * BLOCK_N
+                m_i, l_i, acc = ws_key_step(q, kv_at, start_n, offs_m, (m_i, l_i, acc), ctx, FLAGS)
+        else:
+            end = seqlen_k
+            if CAUSAL:
+                end = tl.maximum(
+                    tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0
+                )
+            for start_n in tl.range(0, end, BLOCK_N):
+                m_i, l_i, acc = ws_key_step(q, kv_at, start_n, offs_m, (m_i, l_i, acc), ctx, FLAGS)
         ws_store(
             Out, Lse, (m_i, l_i, acc), offs_m, off_b, off_h, off_bh, seqlen_q, num_heads, HEAD_DIM
         )
 
 
 @triton.jit
-def ws_key_step(
-    q,
-    kv_at,
-    start_n,
-    offs_m,
-    state,
-    scale,
-    bounds,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
+def ws_key_step(q, kv_at, start_n, offs_m, state, ctx, FLAGS: tl.constexpr):
     """One key block of a warp-specialized forward: the block at key ``start_n`` of
     ``kv_at = (k_desc, v_desc, first key row of this batch, this key head's column)`` (TMA
     loads), masked as :func:`_ws_mask` says; ``state = (m_i, l_i, acc)`` in and out;
-    ``scale = (sm_scale, soft_cap)``; ``bounds = (q_pos_offset, seqlen_k)``."""
+    ``ctx = (sm_scale, soft_cap, q_pos_offset, seqlen_k)``; ``FLAGS = (BLOCK_N, CAUSAL,
+    SOFT_CAP, EVEN_K)``."""
+    BLOCK_N, CAUSAL, SOFT_CAP, EVEN_K = FLAGS
     k_desc, v_desc, k_row, col = kv_at
     m_i, l_i, acc = state
-    sm_scale, soft_cap = scale
-    q_pos_offset, seqlen_k = bounds
+    sm_scale, soft_cap, q_pos_offset, seqlen_k = ctx
     k = k_desc.load([k_row + start_n, col])
     s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
     s = _ws_mask(s, start_n, offs_m, q_pos_offset, seqlen_k, BLOCK_N, CAUSAL, EVEN_K)

@@ -49,7 +49,6 @@ from ejkernel_triton.ops.flash_attention_config import (
     bwd_launch_params,
     fit_stages,
     fwd_smem,
-    persistent_programs,
     resolve,
 )
 
@@ -302,29 +301,12 @@ def _forward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
 def _forward_ws(
     st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array, lists: tuple[jax.Array, jax.Array]
 ) -> list[Any]:
-    """Output and lse by ``blocksparse_attention_fwd_ws_kernel``, persistent (one program per
-    SM), the mask's blocks its tiles; K and V through ``finite_or_zero`` where its loop masks
-    blocks (flash attention's rule for that kernel)."""
-    from ejkernel_triton.kernels.blocksparse_attention_fwd import (
-        blocksparse_attention_fwd_ws_kernel,
-    )
-
-    (b, sq, hq, _), sk = q.shape, k.shape[1]
-    bq, bk = st.block_size
+    """Output and lse by flash attention's warp-specialized forward walking the lists, the
+    mask's blocks its tiles (:func:`ejkernel_triton.ops.flash_attention_specialized.forward_ws`)."""
     index, counts = lists
-    return specialized.launch_specialized(
-        st,
-        blocksparse_attention_fwd_ws_kernel,
-        (q, *specialized.masked_loop_kv(st, k, v, bk), index, counts),
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
-        (min(_cdiv(sq, bq) * b * hq, persistent_programs()),),
-        resolve("fwd", "warp_specialized", FwdParams(), _launch.interpreting())[0],
-        index.shape[-1],
-        *_list_strides(index, counts),
-        BLOCK_M=bq,
-        BLOCK_N=bk,
-        EVEN_K=sk % bk == 0,
-    )
+    params = resolve("fwd", "warp_specialized", FwdParams(), _launch.interpreting())[0]
+    listed = (index, counts, _list_strides(index, counts))
+    return specialized.forward_ws(st, q, k, v, listed, (*st.block_size, params))
 
 
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:

@@ -87,24 +87,39 @@ def masked_loop_kv(st: _Statics, k: jax.Array, v: jax.Array, bk: int) -> tuple[A
     return k, v
 
 
-def forward_ws(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> list[Any]:
+def forward_ws(
+    st: _Statics,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lists: tuple[jax.Array, jax.Array, list[int]] | None = None,
+    tile: tuple[int, int, Any] | None = None,
+) -> list[Any]:
     """Output and lse by ``flash_attention_fwd_ws_kernel``, persistent: one program per SM
-    walks the (query block, batch·head) tiles."""
+    walks the (query block, batch·head) tiles. ``lists``: a block-sparse call's ``(index,
+    counts, their batch and head strides)``, walked in ``tile = (rows, keys, params)`` (the
+    mask's blocks, the variant's warps and stages); ``None``: every key block a tile may see,
+    in the config's tiles (``st.fwd``)."""
     from ejkernel_triton.kernels.flash_attention_fwd import flash_attention_fwd_ws_kernel
 
     (b, sq, hq, _), sk = q.shape, k.shape[1]
-    params = st.fwd
-    bq, bk = clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk)
+    params = st.fwd if tile is None else tile[2]
+    bq, bk = tile[:2] if tile else (clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk))
+    unlisted = jnp.zeros((1,), jnp.int32)
+    index, counts, strides = lists or (unlisted, unlisted, [0, 0, 0, 0])
     return launch_specialized(
         st,
         flash_attention_fwd_ws_kernel,
-        (q, *masked_loop_kv(st, k, v, bk)),
+        (q, *masked_loop_kv(st, k, v, bk), index, counts),
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)],
         (min(_cdiv(sq, bq) * b * hq, persistent_programs()),),
         params,
+        index.shape[-1],
+        *strides,
         BLOCK_M=bq,
         BLOCK_N=bk,
         EVEN_K=sk % bk == 0,
+        LISTED=lists is not None,
     )
 
 
