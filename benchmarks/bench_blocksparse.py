@@ -160,12 +160,15 @@ def gpu(b: int, s: int, h: int, d: int, blk: int, variants: list[str]) -> None:
         err = float(jnp.linalg.norm(got - want.astype(jnp.float32)) / jnp.linalg.norm(want))
         tf = (flops / fwd / 1e9, 3.5 * flops / both / 1e9)
         vs = [" / ".join(f"{tf[i] / a[i]:.2f}" for a in anchors.values()) for i in range(2)]
-        print(
-            f"| {float(mask.mean()):.0%} | {variant} | {fwd:.2f} | {tf[0]:.0f} | {vs[0]} "
-            f"| {both:.2f} | {tf[1]:.0f} | {vs[1]} "
-            f"| {fwd / base[variant][0]:.3f} / {both / base[variant][1]:.3f} | {err:.1e} |",
-            flush=True,
-        )
+        first = base[variant]
+        cells = [f"{float(mask.mean()):.0%}", variant, f"{fwd:.2f}", f"{tf[0]:.0f}", vs[0]]
+        cells += [
+            f"{both:.2f}",
+            f"{tf[1]:.0f}",
+            vs[1],
+            f"{fwd / first[0]:.3f} / {both / first[1]:.3f}",
+        ]
+        print("| " + " | ".join([*cells, f"{err:.1e}"]) + " |", flush=True)
 
 
 def main() -> None:
