@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,14 +213,18 @@ def test_nan_in_dead_blocks_is_never_read(interpret: None) -> None:
     assert_close(dv, dv_w, name="dv")
 
 
-def test_jit_and_vmap_with_a_traced_mask(interpret: None) -> None:
-    q, k, v = qkv(1, 37, 37, 2, 1, 16)
+@pytest.mark.parametrize("forward", ["usual", "warp_specialized"])
+def test_jit_and_vmap_with_a_traced_mask(interpret: None, forward: str) -> None:
+    q, k, v = qkv(1, 37, 37, 2, 1, 64)
+    if forward == "warp_specialized":  # its case: 16-bit, D 64 or 128
+        q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     qs = jnp.stack([q, 0.5 - q])  # [2, 1, Sq, Hq, D]: vmapped over the leading axis
     masks = random_mask((2, 1, 1, 3, 3), 0.6, seed=8)  # one mask per vmapped entry
+    cfg = attrs.evolve(SMALL, fwd_variant=forward)
 
     def f(q, m):
         return ejkernel.blocksparse_attention(
-            q, k, v, block_mask=m, block_size=16, causal=True, platform="triton", cfg=SMALL
+            q, k, v, block_mask=m, block_size=16, causal=True, platform="triton", cfg=cfg
         )
 
     def r(q, m):
