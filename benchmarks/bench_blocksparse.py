@@ -26,10 +26,10 @@ dense flash attention's TFLOP/s (the default call's kernels, and the usual Trito
 and the time against the all-live mask (the claim: time ∝ computed blocks). The output is
 checked against flash attention (XLA platform) under the block mask expanded to a dense
 attention mask, in the same run (the XLA block-sparse schedule compiles slowly at this size).
-A row per forward variant (``--fwd-variants``: ``default``, the heuristic's config, and
-``warp_specialized``, the Hopper forward; the backward is the heuristic's in both).
+A row per kernel variant (``--variants``: ``default``, the heuristic's config, and
+``warp_specialized``, the Hopper kernels of both passes).
 ``python benchmarks/bench_blocksparse.py --gpu [--seq 8192] [--heads 16] [--dim 128]
-[--fwd-variants default,warp_specialized]``
+[--variants default,warp_specialized]``
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def balanced_mask(b: int, h: int, n: int, live: float, seed: int = 0) -> np.ndar
 
 def gpu(b: int, s: int, h: int, d: int, blk: int, variants: list[str]) -> None:
     """The Triton kernels against dense flash attention (see the module docstring), a row per
-    live fraction and forward variant (``default``: the heuristic's config)."""
+    live fraction and kernel variant (``default``: the heuristic's config)."""
     from ejkernel_triton.ops.blocksparse_attention import BlocksparseAttentionConfig
     from ejkernel_triton.ops.flash_attention import FlashAttentionConfig
 
@@ -129,7 +129,7 @@ def gpu(b: int, s: int, h: int, d: int, blk: int, variants: list[str]) -> None:
             f"({anchors[name][1]:.0f} TFLOP/s)"
         )
     print(
-        "| live blocks | forward | fwd ms | fwd TFLOP/s | vs flash default / usual | fwd+bwd ms "
+        "| live blocks | kernels | fwd ms | fwd TFLOP/s | vs flash default / usual | fwd+bwd ms "
         "| fwd+bwd TFLOP/s | vs flash default / usual | time vs all live (fwd / fwd+bwd) "
         "| rel err vs dense |"
     )
@@ -138,7 +138,9 @@ def gpu(b: int, s: int, h: int, d: int, blk: int, variants: list[str]) -> None:
     for live, variant in itertools.product((1.0, 0.5, 0.1), variants):
         mask = jnp.asarray(balanced_mask(b, h, n, live))
         flops = 4 * d * blk * blk * int(mask.sum())  # mask: [B, H, n, n]
-        cfg = None if variant == "default" else BlocksparseAttentionConfig(fwd_variant=variant)
+        cfg = None
+        if variant != "default":  # the variant's kernels in both passes
+            cfg = BlocksparseAttentionConfig(fwd_variant=variant, bwd_variant=variant)
 
         def attn(q: Any, k: Any, v: Any, mask: Any = mask, cfg: Any = cfg) -> Any:
             return ejkernel.blocksparse_attention(
@@ -181,16 +183,16 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--fraction", type=float, default=0.1)
     parser.add_argument(
-        "--fwd-variants",
+        "--variants",
         default="default,warp_specialized",
-        help="--gpu: the block-sparse forwards to time (default: the heuristic's config)",
+        help="--gpu: the block-sparse kernels to time (default: the heuristic's config)",
     )
     args = parser.parse_args()
     defaults = (8192, 16, 128) if args.gpu else (5120, 8, 64)
     s, h, d = (x or y for x, y in zip((args.seq, args.heads, args.dim), defaults, strict=True))
     b, blk = args.batch, args.block
     if args.gpu:
-        gpu(b, s, h, d, blk, args.fwd_variants.split(","))
+        gpu(b, s, h, d, blk, args.variants.split(","))
         return
     n = -(-s // blk)
     print(f"jax {jax.__version__}, devices {jax.devices()}, ejkernel {ejkernel.__version__}")

@@ -332,6 +332,36 @@ def flash_attention_bwd_dq_kernel(
 
 @compile_directly
 @triton.jit
+def _dkdv_ws_step(dk, dv, kv, rows_at, off_h, start_m, ctx, FLAGS: tl.constexpr):
+    """One query step of the warp-specialized dK/dV kernel: ``dk``, ``dv`` in and out; ``kv =
+    (k, v, offs_n)`` the program's keys; the ``BLOCK_M`` query rows from ``start_m`` of query
+    head ``off_h``, from ``rows_at = (q_desc, do_desc, Lse, Delta, off_b, seqlen_q,
+    num_heads)``; ``ctx = (sm_scale, soft_cap, q_pos_offset)``; ``FLAGS = (BLOCK_M, HEAD_DIM,
+    CAUSAL, SOFT_CAP)``."""
+    BLOCK_M, HEAD_DIM, CAUSAL, SOFT_CAP = FLAGS
+    k, v, offs_n = kv
+    q_desc, do_desc, Lse, Delta, off_b, seqlen_q, num_heads = rows_at
+    sm_scale, soft_cap, q_pos_offset = ctx
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([off_b * seqlen_q + start_m, off_h * HEAD_DIM])
+    stats = (off_b * num_heads + off_h) * seqlen_q + rows
+    lse = tl.load(Lse + stats, mask=rows < seqlen_q, other=EMPTY_LSE)
+    # transposed scores, [BLOCK_N, BLOCK_M], as in the usual dK/dV kernel
+    s_t, t_t = _scores(tl.dot(k, tl.trans(q)), sm_scale, soft_cap, SOFT_CAP)
+    if CAUSAL:
+        s_t = tl.where(offs_n[:, None] <= rows[None, :] + q_pos_offset, s_t, MASK_VALUE)
+    p_t = tl.exp2(s_t - lse[None, :])
+    do = do_desc.load([off_b * seqlen_q + start_m, off_h * HEAD_DIM])
+    dv = tl.dot(p_t.to(do.dtype), do, dv)
+    delta = tl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+    if SOFT_CAP:
+        ds_t = ds_t * (1.0 - t_t * t_t)
+    dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
 def flash_attention_bwd_dkdv_ws_kernel(
     Q,
     K,
@@ -339,6 +369,8 @@ def flash_attention_bwd_dkdv_ws_kernel(
     DO,
     Lse,
     Delta,
+    Index,
+    Count,
     sm_scale,
     soft_cap,
     batch,
@@ -346,6 +378,11 @@ def flash_attention_bwd_dkdv_ws_kernel(
     seqlen_k,
     num_heads,
     num_kv_heads,
+    num_blocks,
+    stride_ib,
+    stride_ih,
+    stride_cb,
+    stride_ch,
     DK,
     DV,
     GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
@@ -354,6 +391,8 @@ def flash_attention_bwd_dkdv_ws_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    LISTED: tl.constexpr = False,
+    BQ: tl.constexpr = 0,
 ):
     """The dK/dV kernel for the plain case, written for Triton's Hopper warp specialization
     (as :func:`flash_attention_fwd_ws_kernel`): Q and dO arrive by TMA and the compiler splits
@@ -362,6 +401,12 @@ def flash_attention_bwd_dkdv_ws_kernel(
     One specialized loop walks (query head of the group, query block) pairs. Query rows past
     ``seqlen_q`` (read from the next batch, or zeros) get ``lse = EMPTY_LSE`` and so ``p = 0``;
     key rows past ``seqlen_k`` are computed and not stored.
+
+    ``LISTED`` (block-sparse attention; the program's keys one key block of the mask): the loop
+    walks the key block's list of live (query head of the group, query block of ``BQ`` rows)
+    pairs, each in ``BLOCK_M``-row steps. ``Index [B|1, Hkv, nk, num_blocks]`` holds them as
+    ``head · nq + block`` (``num_blocks = group · nq``), ``Count [B|1, Hkv, nk, 2]`` their
+    number second; batch and key-head strides (0 where the mask broadcasts).
     """
     start_n = tl.program_id(0)
     off_bhk = tl.program_id(1)
@@ -378,29 +423,29 @@ def flash_attention_bwd_dkdv_ws_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
-    lo = 0
-    if CAUSAL:  # the first query block that sees this program's first key
-        lo = tl.maximum(start_n * BLOCK_N - q_pos_offset, 0) // BLOCK_M * BLOCK_M
-    blocks = tl.cdiv(seqlen_q - lo, BLOCK_M)
-    for it in tl.range(0, group * blocks, warp_specialize=True):
-        off_h = off_hk * group + it // blocks
-        start_m = lo + (it % blocks) * BLOCK_M
-        rows = start_m + tl.arange(0, BLOCK_M)
-        q = q_desc.load([off_b * seqlen_q + start_m, off_h * HEAD_DIM])
-        stats = (off_b * num_heads + off_h) * seqlen_q + rows
-        lse = tl.load(Lse + stats, mask=rows < seqlen_q, other=EMPTY_LSE)
-        # transposed scores, [BLOCK_N, BLOCK_M], as in the usual dK/dV kernel
-        s_t, t_t = _scores(tl.dot(k, tl.trans(q)), sm_scale, soft_cap, SOFT_CAP)
-        if CAUSAL:
-            s_t = tl.where(offs_n[:, None] <= rows[None, :] + q_pos_offset, s_t, MASK_VALUE)
-        p_t = tl.exp2(s_t - lse[None, :])
-        do = do_desc.load([off_b * seqlen_q + start_m, off_h * HEAD_DIM])
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
-        delta = tl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
-        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        if SOFT_CAP:
-            ds_t = ds_t * (1.0 - t_t * t_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    rows_at = (q_desc, do_desc, Lse, Delta, off_b, seqlen_q, num_heads)
+    kv = (k, v, offs_n)
+    ctx = (sm_scale, soft_cap, q_pos_offset)
+    FLAGS: tl.constexpr = (BLOCK_M, HEAD_DIM, CAUSAL, SOFT_CAP)
+    if LISTED:
+        SUB: tl.constexpr = BQ // BLOCK_M
+        nq = num_blocks // group
+        index = Index + off_b * stride_ib + off_hk * stride_ih + start_n * num_blocks
+        live = tl.load(Count + off_b * stride_cb + off_hk * stride_ch + start_n * 2 + 1)
+        for it in tl.range(0, live * SUB, warp_specialize=True):
+            pair = tl.load(index + it // SUB)
+            off_h = off_hk * group + pair // nq
+            start_m = (pair % nq) * BQ + (it % SUB) * BLOCK_M
+            dk, dv = _dkdv_ws_step(dk, dv, kv, rows_at, off_h, start_m, ctx, FLAGS)
+    else:
+        lo = 0
+        if CAUSAL:  # the first query block that sees this program's first key
+            lo = tl.maximum(start_n * BLOCK_N - q_pos_offset, 0) // BLOCK_M * BLOCK_M
+        blocks = tl.cdiv(seqlen_q - lo, BLOCK_M)
+        for it in tl.range(0, group * blocks, warp_specialize=True):
+            off_h = off_hk * group + it // blocks
+            start_m = lo + (it % blocks) * BLOCK_M
+            dk, dv = _dkdv_ws_step(dk, dv, kv, rows_at, off_h, start_m, ctx, FLAGS)
 
     offs_d = tl.arange(0, HEAD_DIM)
     rows_k = (off_b * seqlen_k + offs_n[:, None]) * (num_kv_heads * HEAD_DIM)
@@ -412,6 +457,28 @@ def flash_attention_bwd_dkdv_ws_kernel(
 # -- backward dQ, warp-specialized (Hopper) --------------------------------------------------
 
 
+@triton.jit
+def _dq_ws_step(dq, rows, kv_at, start_n, ctx, FLAGS: tl.constexpr):
+    """One key block of the warp-specialized dQ kernel: ``dq`` in and out; ``rows = (q, do,
+    lse, delta, offs_m)`` of the program's query rows; the block at key ``start_n`` of
+    ``kv_at = (k_desc, v_desc, first key row of this batch, this key head's column)``;
+    ``ctx = (sm_scale, soft_cap, q_pos_offset, seqlen_k)``; ``FLAGS = (BLOCK_N, CAUSAL,
+    SOFT_CAP, EVEN_K)``."""
+    BLOCK_N, CAUSAL, SOFT_CAP, EVEN_K = FLAGS
+    q, do, lse, delta, offs_m = rows
+    k_desc, v_desc, k_row, col = kv_at
+    sm_scale, soft_cap, q_pos_offset, seqlen_k = ctx
+    k = k_desc.load([k_row + start_n, col])
+    s, t = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
+    s = _ws_mask(s, start_n, offs_m, q_pos_offset, seqlen_k, BLOCK_N, CAUSAL, EVEN_K)
+    p = tl.exp2(s - lse[:, None])
+    v = v_desc.load([k_row + start_n, col])
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    if SOFT_CAP:
+        ds = ds * (1.0 - t * t)
+    return tl.dot(ds.to(k.dtype), k, dq)
+
+
 @compile_directly
 @triton.jit
 def flash_attention_bwd_dq_ws_kernel(
@@ -421,6 +488,8 @@ def flash_attention_bwd_dq_ws_kernel(
     DO,
     Lse,
     Delta,
+    Index,
+    Count,
     sm_scale,
     soft_cap,
     batch,
@@ -429,6 +498,11 @@ def flash_attention_bwd_dq_ws_kernel(
     num_heads,
     num_kv_heads,
     stats_len,
+    num_blocks,
+    stride_ib,
+    stride_ih,
+    stride_cb,
+    stride_ch,
     DQ,
     GlobalScratch,  # TMA descriptors are built here, per program (see _kernel_cache)
     HEAD_DIM: tl.constexpr,
@@ -438,6 +512,7 @@ def flash_attention_bwd_dq_ws_kernel(
     SOFT_CAP: tl.constexpr,
     EVEN_K: tl.constexpr,
     HEAD_GROUP: tl.constexpr,
+    LISTED: tl.constexpr = False,
 ):
     """The dQ kernel for the plain case, written for Triton's Hopper warp specialization (as
     :func:`flash_attention_fwd_ws_kernel`, whose loop it follows): K and V arrive by TMA and
@@ -447,7 +522,8 @@ def flash_attention_bwd_dq_ws_kernel(
     so every TMA offset is 16-byte aligned). Query rows past ``seqlen_q`` are computed from
     the padding (or the next batch's rows) and not stored; key rows past ``seqlen_k`` (the
     next batch's, or zeros) are masked like the forward's. ``HEAD_GROUP``: the program order
-    of :func:`_program_tile`.
+    of :func:`_program_tile`. ``LISTED``: the key loop walks the query block's list of live key
+    blocks (block-sparse attention; as the forward's ``LISTED``).
     """
     start_m, off_bh = _program_tile(HEAD_GROUP)
     off_b, off_h, off_hk = _heads(off_bh, num_heads, num_kv_heads)
@@ -465,20 +541,21 @@ def flash_attention_bwd_dq_ws_kernel(
     delta = _row_stats(Delta, batch * num_heads * stats_len, BLOCK_M).load([stats])
     q_pos_offset = seqlen_k - seqlen_q  # bottom-right causal alignment
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    end = seqlen_k
-    if CAUSAL:
-        end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
-    k_row = off_b * seqlen_k
-    for start_n in tl.range(0, end, BLOCK_N, warp_specialize=True):
-        k = k_desc.load([k_row + start_n, off_hk * HEAD_DIM])
-        s, t = _scores(tl.dot(q, tl.trans(k)), sm_scale, soft_cap, SOFT_CAP)
-        s = _ws_mask(s, start_n, offs_m, q_pos_offset, seqlen_k, BLOCK_N, CAUSAL, EVEN_K)
-        p = tl.exp2(s - lse[:, None])
-        v = v_desc.load([k_row + start_n, off_hk * HEAD_DIM])
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        if SOFT_CAP:
-            ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+    kv_at = (k_desc, v_desc, off_b * seqlen_k, off_hk * HEAD_DIM)
+    rows = (q, do, lse, delta, offs_m)
+    ctx = (sm_scale, soft_cap, q_pos_offset, seqlen_k)
+    FLAGS: tl.constexpr = (BLOCK_N, CAUSAL, SOFT_CAP, EVEN_K)
+    if LISTED:
+        index = Index + off_b * stride_ib + off_h * stride_ih + start_m * num_blocks
+        live = tl.load(Count + off_b * stride_cb + off_h * stride_ch + start_m * 2 + 1)
+        for t in tl.range(0, live, warp_specialize=True):
+            dq = _dq_ws_step(dq, rows, kv_at, tl.load(index + t) * BLOCK_N, ctx, FLAGS)
+    else:
+        end = seqlen_k
+        if CAUSAL:
+            end = tl.maximum(tl.minimum(start_m * BLOCK_M + BLOCK_M + q_pos_offset, seqlen_k), 0)
+        for start_n in tl.range(0, end, BLOCK_N, warp_specialize=True):
+            dq = _dq_ws_step(dq, rows, kv_at, start_n, ctx, FLAGS)
 
     offs_d = tl.arange(0, HEAD_DIM)
     ptrs = (off_b * seqlen_q + offs_m[:, None]) * (num_heads * HEAD_DIM) + off_h * HEAD_DIM

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.attention_semantics import Geometry
-from ejkernel.ops import FwdParams
 from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, BROADCAST, pow2
@@ -39,17 +38,17 @@ from ejkernel_triton.ops import flash_attention_specialized as specialized
 from ejkernel_triton.ops.blocksparse_attention_config import (
     BlocksparseAttentionConfig,
     config_space,
-    fwd_variant_problem,
     heuristic,
     kernel_blocks,
     supports,
+    variant_problem,
+    ws_tiles,
 )
 from ejkernel_triton.ops.flash_attention import _Arrays, _Options
 from ejkernel_triton.ops.flash_attention_config import (
     bwd_launch_params,
     fit_stages,
     fwd_smem,
-    resolve,
 )
 
 __all__ = [
@@ -85,12 +84,7 @@ def _blocksparse_fwd(
     """Forward: ``(out, residuals)``; residuals are the inputs, the mask, the output and lse."""
     arrays = _Arrays.of(args)
     st = _Statics.of(arrays, cfg, **_static_args(args))
-    why = fwd_variant_problem(st.cfg, args)
-    if why:
-        raise ValueError(
-            f"blocksparse_attention (triton): fwd_variant={st.cfg.fwd_variant!r} cannot serve"
-            f" this call: {why}"
-        )
+    _check_variants(st.cfg, args, "fwd,bwd")
     mask = args["block_mask"]
     out, lse = _forward_call(st, (*arrays.modes(), BROADCAST))(*arrays.launch_args(), mask)
     return out, {"arrays": arrays, "block_mask": mask, "out": out, "lse": lse}
@@ -105,7 +99,7 @@ def _blocksparse_bwd(
 ) -> dict[str, jax.Array | None]:
     """Backward: gradients of query, key, value and bias (in its own shape)."""
     arrays, out, lse = flash._grad_inputs(residuals)
-    st = _Statics.of(arrays, cfg, **_static_args(statics))
+    st = _Statics.of(arrays, cfg, **_static_args(statics))  # the forward checked its variants
     modes = (*arrays.modes(), BROADCAST, BATCH, BATCH, BATCH)
     call = _backward_call(st, modes)
     dq, dk, dv, dbias = call(*arrays.launch_args(), residuals["block_mask"], d_out, lse, out)
@@ -113,6 +107,14 @@ def _blocksparse_bwd(
 
 
 defvjp(blocksparse_attention_triton, _blocksparse_fwd, _blocksparse_bwd)
+
+
+def _check_variants(cfg: BlocksparseAttentionConfig, kw: dict[str, Any], passes: str) -> None:
+    """``ValueError`` if ``cfg``'s variants of ``passes`` cannot serve the call ``kw``, before
+    anything runs (the forward checks the backward's too)."""
+    why = variant_problem(cfg, kw, passes)
+    if why:
+        raise ValueError(f"blocksparse_attention (triton): a variant cannot serve this call: {why}")
 
 
 def _static_args(args: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +199,27 @@ def block_lists(
         [jnp.sum(whole, -1, dtype=jnp.int32), jnp.sum(live, -1, dtype=jnp.int32)], axis=-1
     )
     return index, counts
+
+
+def _group_lists(
+    index: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The by-key lists of the query heads of each key head's group merged into one list per
+    (batch, key head, key block) of ``head · nq + block`` pairs, live ones first (the
+    warp-specialized dK/dV kernel walks one loop): ``index [B|1, Hkv, nk, group · nq]``,
+    ``counts [B|1, Hkv, nk, 2]`` (the live pairs second)."""
+    hq, hkv = q.shape[2], k.shape[2]
+    group = hq // hkv
+    b1, _, nk, nq = index.shape
+    index = jnp.broadcast_to(index, (b1, hq, nk, nq)).reshape(b1, hkv, group, nk, nq)
+    live = jnp.broadcast_to(counts[..., 1], (b1, hq, nk)).reshape(b1, hkv, group, nk)
+    heads = jnp.arange(group)[None, None, :, None, None]
+    pairs = jnp.moveaxis(heads * nq + index, 2, 3).reshape(b1, hkv, nk, group * nq)
+    dead = jnp.moveaxis(jnp.arange(nq) >= live[..., None], 2, 3).reshape(pairs.shape)
+    order = jnp.argsort(dead * pairs.shape[-1] + jnp.arange(pairs.shape[-1]), axis=-1)
+    merged = jnp.take_along_axis(pairs, order, axis=-1).astype(jnp.int32)
+    total = jnp.sum(~dead, axis=-1, dtype=jnp.int32)
+    return merged, jnp.stack([jnp.zeros_like(total), total], axis=-1)
 
 
 def _list_strides(index: jax.Array, counts: jax.Array) -> list[int]:
@@ -304,9 +327,25 @@ def _forward_ws(
     """Output and lse by flash attention's warp-specialized forward walking the lists, the
     mask's blocks its tiles (:func:`ejkernel_triton.ops.flash_attention_specialized.forward_ws`)."""
     index, counts = lists
-    params = resolve("fwd", "warp_specialized", FwdParams(), _launch.interpreting())[0]
+    params = ws_tiles(st.block_size, _launch.interpreting())["fwd"][0]
     listed = (index, counts, _list_strides(index, counts))
     return specialized.forward_ws(st, q, k, v, listed, (*st.block_size, params))
+
+
+def _backward_ws(st: _Statics, q, k, v, do, lse, out, block_mask) -> tuple[Any, ...]:
+    """``(dQ, dK, dV)`` by flash attention's warp-specialized dQ and dK/dV kernels walking the
+    lists (by query block, by key block), the mask's blocks their tiles (:func:`ws_tiles`)."""
+    geometry = _geometry(st, q, k)
+    tiles = ws_tiles(st.block_size, _launch.interpreting())
+    delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+    pairs = _group_lists(*block_lists(block_mask, st.block_size, geometry, by_key=True), q, k)
+    rows = block_lists(block_mask, st.block_size, geometry)
+    grads = (q, k, v, do, lse, delta)
+    listed = {n: (*x, _list_strides(*x)) for n, x in (("bwd", pairs), ("dq", rows))}
+    tile = {n: (*st.block_size, tiles[n][0]) for n in ("bwd", "dq")}
+    dk, dv = specialized.dkdv_ws(st, *grads, listed["bwd"], tile["bwd"])
+    dq = specialized.dq_ws(st, *grads, listed["dq"], tile["dq"])
+    return dq, dk, dv
 
 
 def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
@@ -320,6 +359,9 @@ def _backward_call(st: _Statics, modes: tuple[str, ...]) -> Any:
 
         del aux
         do = do.astype(q.dtype)
+        if st.cfg.bwd_variant == "warp_specialized":
+            dq, dk, dv = _backward_ws(st, q, k, v, do, lse, out, block_mask)
+            return dq, dk, dv, jnp.zeros((1,), jnp.float32)
         b, sq, hq, _ = q.shape
         _, sk, hkv, _ = k.shape
         scalars, constexprs = _common(st, q, v, bias, mask, qseg)

@@ -6,7 +6,7 @@ query block and each step's ``BLOCK_N`` keys to one key block (:func:`kernel_blo
 config's tiles to the blocks: at most the block rounded up to a power of two, at least 16,
 the smallest ``tl.dot``). A block larger than a tile is walked in several tiles; a tile that
 overruns a block that is not a multiple of it is masked at the block's end. The
-``warp_specialized`` forward takes the mask's blocks as its tiles (:func:`fwd_variant_problem`).
+``warp_specialized`` kernels take the mask's blocks as their tiles (:func:`ws_tiles`).
 """
 
 from __future__ import annotations
@@ -30,19 +30,21 @@ from ejkernel_triton.ops.flash_attention_config import (
 )
 
 __all__ = [
-    "FWD_VARIANTS",
+    "VARIANTS",
     "BlocksparseAttentionConfig",
     "config_space",
-    "fwd_variant_problem",
     "heuristic",
     "kernel_blocks",
     "kernel_smem",
     "supports",
+    "variant_problem",
+    "ws_tiles",
 ]
 
 
-#: The forward kernels a config can name (:attr:`BlocksparseAttentionConfig.fwd_variant`).
-FWD_VARIANTS = ("usual", "warp_specialized")
+#: The kernels a config can name (:attr:`BlocksparseAttentionConfig.fwd_variant`,
+#: ``bwd_variant``).
+VARIANTS = ("usual", "warp_specialized")
 
 
 @attrs.frozen(kw_only=True)
@@ -61,8 +63,11 @@ class BlocksparseAttentionConfig:
         fwd_variant: the forward kernel: ``usual`` (every feature, ``fwd_params``' tiles) or
             ``warp_specialized`` (Hopper: flash attention's persistent warp-specialized
             forward walking the lists, for plain calls whose mask blocks are its tile; see
-            :func:`fwd_variant_problem`; ``fwd_params`` unused). A variant that cannot serve
-            the call raises ``ValueError``.
+            :func:`variant_problem`; ``fwd_params`` unused). A variant that cannot serve the
+            call raises ``ValueError``.
+        bwd_variant: the backward kernels: ``usual`` (``bwd_params`` and ``dq_params``) or
+            ``warp_specialized`` (flash attention's warp-specialized dQ and dK/dV kernels
+            walking the lists, the same calls; the params unused).
 
     Block sizes are fitted to the mask's blocks (:func:`kernel_blocks`); ``None`` fields take
     the defaults (64 × 64 forward, 32-row steps × 64 keys for dK/dV, 64 × 32 for dQ, 4 warps,
@@ -73,27 +78,48 @@ class BlocksparseAttentionConfig:
     bwd_params: BwdParams = attrs.field(factory=BwdParams)
     dq_params: FwdParams = attrs.field(factory=FwdParams)
     scale_in_exponent: bool = True
-    fwd_variant: str = attrs.field(default="usual", validator=attrs.validators.in_(FWD_VARIANTS))
+    fwd_variant: str = attrs.field(default="usual", validator=attrs.validators.in_(VARIANTS))
+    bwd_variant: str = attrs.field(default="usual", validator=attrs.validators.in_(VARIANTS))
 
 
-def fwd_variant_problem(cfg: BlocksparseAttentionConfig, kw: Any) -> str | None:
-    """Why ``cfg``'s forward variant cannot serve the call ``kw`` (``None``: it can). The
-    ``warp_specialized`` forward takes flash attention's plain case on Hopper
-    (:func:`ejkernel_triton.ops.flash_attention_config.fwd_problem`) with the mask's blocks as
-    its tiles, which on a GPU are the ones it is validated in (128 × 128); the interpreter
-    takes any blocks of a power of two from 16."""
-    if cfg.fwd_variant == "usual":
-        return None
-    call = Call.of(kw)
-    why = fwd_problem(cfg.fwd_variant, call)
-    if why:
-        return why
-    bq, bk = tuple(kw.get("block_size") or (128, 128))
-    if min(bq, bk) < 16 or bq & (bq - 1) or bk & (bk - 1):
-        return f"its tiles are the mask's blocks, powers of two from 16; got {(bq, bk)}"
-    blocks = FwdParams(q_blocksize=bq, kv_blocksize=bk)
-    why = resolve("fwd", cfg.fwd_variant, blocks, call.interpreting)[1]
-    return f"its tiles are the mask's blocks: {why}" if why else None
+def ws_tiles(block_size: tuple[int, int], interpreting: bool) -> dict[str, tuple[Any, Any]]:
+    """The warp-specialized kernels' tiles for the mask's blocks ``(bq, bk)``, by pass
+    (``"fwd"``, ``"dq"``, ``"bwd"``): ``(params, why they cannot run)``. The forward and dQ
+    tiles are the blocks; dK/dV steps half a query block (``BLOCK_M = bq / 2``) over a key
+    block. On a GPU they must be the tiles the kernels are validated in (flash attention's
+    :func:`ejkernel_triton.ops.flash_attention_config.resolve`: 128 × 128 blocks)."""
+    bq, bk = block_size
+    rows = FwdParams(q_blocksize=bq, kv_blocksize=bk)
+    steps = BwdParams(q_blocksize=max(16, bq // 2), kv_blocksize=bk)
+    return {
+        "fwd": resolve("fwd", "warp_specialized", rows, interpreting),
+        "dq": resolve("dq", "warp_specialized", rows, interpreting),
+        "bwd": resolve("bwd", "warp_specialized", steps, interpreting),
+    }
+
+
+def variant_problem(cfg: BlocksparseAttentionConfig, kw: Any, passes: str) -> str | None:
+    """Why ``cfg``'s variants of ``passes`` (``"fwd"``, ``"bwd"``) cannot serve the call ``kw``
+    (``None``: they can). The ``warp_specialized`` kernels take flash attention's plain case on
+    Hopper (:func:`ejkernel_triton.ops.flash_attention_config.fwd_problem`) with the mask's
+    blocks as their tiles (:func:`ws_tiles`); the interpreter takes any blocks of a power of
+    two from 16."""
+    variants = {"fwd": cfg.fwd_variant, "bwd": cfg.bwd_variant}
+    for kind in passes.split(","):
+        if variants[kind] == "usual":
+            continue
+        call = Call.of(kw)
+        why = fwd_problem("warp_specialized", call)
+        bq, bk = tuple(kw.get("block_size") or (128, 128))
+        if not why and (min(bq, bk) < 16 or bq & (bq - 1) or bk & (bk - 1)):
+            why = f"its tiles are the mask's blocks, powers of two from 16; got {(bq, bk)}"
+        if not why:
+            tiles = ws_tiles((bq, bk), call.interpreting)
+            wrong = [tiles[k][1] for k in (("fwd",) if kind == "fwd" else ("dq", "bwd"))]
+            why = next((f"its tiles are the mask's blocks: {w}" for w in wrong if w), None)
+        if why:
+            return f"{kind}_variant={variants[kind]!r}: {why}"
+    return None
 
 
 def kernel_blocks(
@@ -151,7 +177,7 @@ _DQ_BLOCKS = ((64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2))
 def config_space(inv: Any) -> list[BlocksparseAttentionConfig]:
     """The heuristic's config, then each pass's tiles from :data:`_FWD_BLOCKS`,
     :data:`_BWD_BLOCKS` and :data:`_DQ_BLOCKS` (a candidate changes one pass) and the
-    ``warp_specialized`` forward where it can serve the call, minus those whose
+    ``warp_specialized`` forward or backward where it can serve the call, minus those whose
     kernels need more shared memory than the device grants; the interpreter and float32 get
     the heuristic's only."""
     base = heuristic(inv)
@@ -166,9 +192,10 @@ def config_space(inv: Any) -> list[BlocksparseAttentionConfig]:
         for m, n, w, s in blocks:
             tile = params(q_blocksize=m, kv_blocksize=n, num_warps=w, num_stages=s)
             configs.append(attrs.evolve(base, **{field: tile}))
-    specialized = attrs.evolve(base, fwd_variant="warp_specialized")
-    if fwd_variant_problem(specialized, inv.kwargs) is None:
-        configs.append(specialized)
+    for variants in ({"fwd_variant": "warp_specialized"}, {"bwd_variant": "warp_specialized"}):
+        specialized = attrs.evolve(base, **variants)
+        if variant_problem(specialized, inv.kwargs, "fwd,bwd") is None:
+            configs.append(specialized)
     return prune_by_shared_memory(
         list(dict.fromkeys(configs)),
         functools.partial(_need, inv.kwargs, getattr(inv, "grad", True)),

@@ -105,8 +105,7 @@ def forward_ws(
     (b, sq, hq, _), sk = q.shape, k.shape[1]
     params = st.fwd if tile is None else tile[2]
     bq, bk = tile[:2] if tile else (clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk))
-    unlisted = jnp.zeros((1,), jnp.int32)
-    index, counts, strides = lists or (unlisted, unlisted, [0, 0, 0, 0])
+    index, counts, strides = lists or _UNLISTED
     return launch_specialized(
         st,
         flash_attention_fwd_ws_kernel,
@@ -146,22 +145,31 @@ def forward_pingpong(st: _Statics, q: jax.Array, k: jax.Array, v: jax.Array) -> 
     )
 
 
-def dkdv_ws(st: _Statics, q, k, v, do, lse, delta) -> list[Any]:
-    """dK and dV by ``flash_attention_bwd_dkdv_ws_kernel``."""
+def dkdv_ws(st: _Statics, q, k, v, do, lse, delta, lists=None, tile=None) -> list[Any]:
+    """dK and dV by ``flash_attention_bwd_dkdv_ws_kernel``; ``lists`` (a block-sparse call's
+    by-key lists, as :func:`forward_ws`'s) walked with ``tile = (query block rows, keys,
+    params)``: the mask's blocks, the variant's params."""
     from ejkernel_triton.kernels.flash_attention_bwd import flash_attention_bwd_dkdv_ws_kernel
 
     sq, (b, sk, hkv, _) = q.shape[1], k.shape
-    params = st.bwd
+    params = st.bwd if tile is None else tile[2]
     bq, bk = clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk)
+    if tile is not None:
+        bk = tile[1]
+    index, counts, strides = lists or _UNLISTED
     return launch_specialized(
         st,
         flash_attention_bwd_dkdv_ws_kernel,
-        (q, k, v, do, lse, delta),
+        (q, k, v, do, lse, delta, index, counts),
         [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         (_cdiv(sk, bk), b * hkv),
         params,
+        index.shape[-1],
+        *strides,
         BLOCK_M=bq,
         BLOCK_N=bk,
+        LISTED=lists is not None,
+        BQ=tile[0] if tile else 0,
     )
 
 
@@ -203,14 +211,16 @@ def bwd_gluon(st: _Statics, q, k, v, do, lse, delta, fuse_dq: bool = True) -> An
     return ((dq * st.sm_scale).astype(q.dtype) if fuse_dq else None), dk, dv
 
 
-def dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
-    """dQ by ``flash_attention_bwd_dq_ws_kernel``."""
+def dq_ws(st: _Statics, q, k, v, do, lse, delta, lists=None, tile=None) -> Any:
+    """dQ by ``flash_attention_bwd_dq_ws_kernel``; ``lists`` (a block-sparse call's, as
+    :func:`forward_ws`'s) walked in ``tile = (rows, keys, params)``, the mask's blocks."""
     from ejkernel_triton.kernels.flash_attention_bwd import flash_attention_bwd_dq_ws_kernel
     from ejkernel_triton.kernels.flash_attention_common import EMPTY_LSE
 
     (b, sq, hq, _), sk = q.shape, k.shape[1]
-    params = st.dq
-    bq, bk = clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk)
+    params = st.dq if tile is None else tile[2]
+    bq, bk = tile[:2] if tile else (clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk))
+    index, counts, strides = lists or _UNLISTED
     blocks = _cdiv(sq, bq)
     if blocks * bq != sq:  # whole blocks of row statistics
         pad = ((0, 0), (0, 0), (0, blocks * bq - sq))
@@ -219,17 +229,24 @@ def dq_ws(st: _Statics, q, k, v, do, lse, delta) -> Any:
     (dq,) = launch_specialized(
         st,
         flash_attention_bwd_dq_ws_kernel,
-        (q, *masked_loop_kv(st, k, v, bk), do, lse, delta),
+        (q, *masked_loop_kv(st, k, v, bk), do, lse, delta, index, counts),
         [jax.ShapeDtypeStruct(q.shape, q.dtype)],
         (blocks, b * hq),
         params,
         blocks * bq,
+        index.shape[-1],
+        *strides,
         BLOCK_M=bq,
         BLOCK_N=bk,
         EVEN_K=sk % bk == 0,
-        HEAD_GROUP=st.bwd_head_group if st.causal else 0,
+        HEAD_GROUP=st.bwd_head_group if st.causal and lists is None else 0,
+        LISTED=lists is not None,
     )
     return dq
+
+
+#: What a kernel that can walk block lists takes when it walks none: no lists, zero strides.
+_UNLISTED = (jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), [0, 0, 0, 0])
 
 
 def _cdiv(a: int, b: int) -> int:
