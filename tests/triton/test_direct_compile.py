@@ -97,9 +97,12 @@ _kernel_cache.install()
 kw = dict(num_warps=4, num_stages=2, num_ctas=1, compute_capability=90, enable_fp_fusion=True,
           metaparams=dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, CAUSAL=True, SOFT_CAP=False,
                           EVEN_K=True), dump=False)
-dtypes = ["*bf16"] * 3 + ["fp32"] * 2 + ["i32"] * 5 + ["*bf16", "*fp32", "*i8"]
-scalars = [(3, "fp32", 0.1), (4, "fp32", 30.0), (5, "i32", 2), (6, "i32", 4096),
-           (7, "i32", 4096), (8, "i32", 16), (9, "i32", 1)]  # num_kv_heads 1: a constant
+# Q, K, V, the (unused) block lists, scale, cap, B, Sq, Sk, Hq, Hkv, the lists' length and
+# strides (1 and 0 when the lists are unused), Out, Lse, GlobalScratch
+dtypes = ["*bf16"] * 3 + ["*i32"] * 2 + ["fp32"] * 2 + ["i32"] * 10 + ["*bf16", "*fp32", "*i8"]
+scalars = [(5, "fp32", 0.1), (6, "fp32", 30.0), (7, "i32", 2), (8, "i32", 4096),
+           (9, "i32", 4096), (10, "i32", 16), (11, "i32", 1)]  # num_kv_heads 1: a constant
+scalars += [(12, "i32", 1)] + [(i, "i32", 0) for i in range(13, 17)]
 kernel, attrs = lib.get_or_create_triton_kernel(None, "cuda", fn, dtypes, scalars, **kw)
 _kernel_cache._memory.clear()  # a new process: from the disk cache
 again, _ = lib.get_or_create_triton_kernel(None, "cuda", fn, dtypes, scalars, **kw)
@@ -121,7 +124,8 @@ def test_the_warp_specialized_forward_launches_its_warps_and_reads_our_scratch(t
     out = json.loads(res.stdout.splitlines()[-1])
     assert out["warps"] == 12 and out["again_warps"] == 12
     assert out["ttir_route"] == []
-    # 12 runtime parameters (num_kv_heads folded), then the hidden scratch and profile ones
-    assert out["params"] == list(range(14))
-    assert "11" in out["loads"]  # GlobalScratch
-    assert "12" not in out["loads"] and "13" not in out["loads"]
+    # 18 runtime parameters (num_kv_heads and the lists' length folded), then the hidden
+    # scratch and profile ones
+    assert out["params"] == list(range(20))
+    assert "17" in out["loads"]  # GlobalScratch
+    assert "18" not in out["loads"] and "19" not in out["loads"]
