@@ -15,10 +15,12 @@ positional mask. The mask may be traced (``jit``); broadcast batch and head axes
 
 The kernels (:mod:`ejkernel_triton.kernels.blocksparse_attention_fwd`,
 :mod:`ejkernel_triton.kernels.blocksparse_attention_bwd`) are flash attention's usual kernels
-walking the lists (the config's ``fwd_variant`` ``warp_specialized``: its Hopper forward); the argument layout, the bias and mask handling and the NaN rule are flash
-attention's (:mod:`ejkernel_triton.ops.flash_attention`). Everything of the op is served
-(``bias``, ``attention_mask``, segment ids, causal, sliding window, soft cap, GQA), in bfloat16,
-float16 and float32 with head dims up to 256; ``jit``, ``grad`` and ``vmap`` compose with it.
+walking the lists (the config's ``fwd_variant``/``bwd_variant`` ``warp_specialized``: its
+Hopper kernels walking them); the argument layout, the bias and mask handling and the NaN
+rule are flash attention's (:mod:`ejkernel_triton.ops.flash_attention`). Everything of the
+op is served (``bias``, ``attention_mask``, segment ids, causal, sliding window, soft cap,
+GQA), in bfloat16, float16 and float32 with head dims up to 256; ``jit``, ``grad`` and
+``vmap`` compose with it.
 """
 
 from __future__ import annotations
@@ -45,11 +47,7 @@ from ejkernel_triton.ops.blocksparse_attention_config import (
     ws_tiles,
 )
 from ejkernel_triton.ops.flash_attention import _Arrays, _Options
-from ejkernel_triton.ops.flash_attention_config import (
-    bwd_launch_params,
-    fit_stages,
-    fwd_smem,
-)
+from ejkernel_triton.ops.flash_attention_config import bwd_launch_params, fit_stages, fwd_smem
 
 __all__ = [
     "BlocksparseAttentionConfig",

@@ -105,12 +105,13 @@ def variant_problem(cfg: BlocksparseAttentionConfig, kw: Any, passes: str) -> st
     blocks as their tiles (:func:`ws_tiles`); the interpreter takes any blocks of a power of
     two from 16."""
     variants = {"fwd": cfg.fwd_variant, "bwd": cfg.bwd_variant}
-    for kind in passes.split(","):
-        if variants[kind] == "usual":
-            continue
-        call = Call.of(kw)
+    kinds = [kind for kind in passes.split(",") if variants[kind] != "usual"]
+    if not kinds:
+        return None
+    call = Call.of(kw)
+    bq, bk = tuple(kw.get("block_size") or (128, 128))
+    for kind in kinds:
         why = fwd_problem("warp_specialized", call)
-        bq, bk = tuple(kw.get("block_size") or (128, 128))
         if not why and (min(bq, bk) < 16 or bq & (bq - 1) or bk & (bk - 1)):
             why = f"its tiles are the mask's blocks, powers of two from 16; got {(bq, bk)}"
         if not why:

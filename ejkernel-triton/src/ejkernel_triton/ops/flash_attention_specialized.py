@@ -105,7 +105,7 @@ def forward_ws(
     (b, sq, hq, _), sk = q.shape, k.shape[1]
     params = st.fwd if tile is None else tile[2]
     bq, bk = tile[:2] if tile else (clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk))
-    index, counts, strides = lists or _UNLISTED
+    index, counts, strides = lists or _unlisted()
     return launch_specialized(
         st,
         flash_attention_fwd_ws_kernel,
@@ -153,10 +153,9 @@ def dkdv_ws(st: _Statics, q, k, v, do, lse, delta, lists=None, tile=None) -> lis
 
     sq, (b, sk, hkv, _) = q.shape[1], k.shape
     params = st.bwd if tile is None else tile[2]
-    bq, bk = clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk)
-    if tile is not None:
-        bk = tile[1]
-    index, counts, strides = lists or _UNLISTED
+    bq = clamp(params.q_blocksize, sq)  # query rows a step: half a mask block when listed
+    bk = tile[1] if tile else clamp(params.kv_blocksize, sk)
+    index, counts, strides = lists or _unlisted()
     return launch_specialized(
         st,
         flash_attention_bwd_dkdv_ws_kernel,
@@ -220,7 +219,7 @@ def dq_ws(st: _Statics, q, k, v, do, lse, delta, lists=None, tile=None) -> Any:
     (b, sq, hq, _), sk = q.shape, k.shape[1]
     params = st.dq if tile is None else tile[2]
     bq, bk = tile[:2] if tile else (clamp(params.q_blocksize, sq), clamp(params.kv_blocksize, sk))
-    index, counts, strides = lists or _UNLISTED
+    index, counts, strides = lists or _unlisted()
     blocks = _cdiv(sq, bq)
     if blocks * bq != sq:  # whole blocks of row statistics
         pad = ((0, 0), (0, 0), (0, blocks * bq - sq))
@@ -245,8 +244,11 @@ def dq_ws(st: _Statics, q, k, v, do, lse, delta, lists=None, tile=None) -> Any:
     return dq
 
 
-#: What a kernel that can walk block lists takes when it walks none: no lists, zero strides.
-_UNLISTED = (jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), [0, 0, 0, 0])
+def _unlisted() -> tuple[jax.Array, jax.Array, list[int]]:
+    """What a kernel that can walk block lists takes when it walks none: placeholder lists
+    (never read), zero strides."""
+    none = jnp.zeros((1,), jnp.int32)
+    return none, none, [0, 0, 0, 0]
 
 
 def _cdiv(a: int, b: int) -> int:

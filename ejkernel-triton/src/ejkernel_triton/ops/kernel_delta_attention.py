@@ -148,9 +148,10 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     memory holds them, 8 warps for a call being differentiated and 4 for a forward alone (the
     backward's reverse walk has ``T / C`` sequential steps, so longer chunks pay off most
     there, and wants the wider programs; the forward does better with the narrower ones),
-    a per-channel gate's forward alone on 16-bit inputs with ``narrow_products``, shorter chunks for short packed sequences or where shared memory is too small; in the
-    interpreter (whose cost is per program and per loop step) chunks of 16 and whole-V
-    blocks. Decoding calls (at most
+    a per-channel gate's forward alone on 16-bit inputs with ``narrow_products``, shorter
+    chunks for short packed sequences or where shared memory is too small; in the interpreter
+    (whose cost is per program and per loop step) chunks of 16 and whole-V blocks. Decoding
+    calls (at most
     :data:`FUSED_GPU_MAX_TOKENS` tokens on a GPU, :data:`FUSED_MAX_TOKENS` in the
     interpreter) take the fused recurrent kernel, with value blocks of up to 64 on a GPU."""
     a = inv.kwargs
