@@ -129,3 +129,26 @@ def test_the_warp_specialized_forward_launches_its_warps_and_reads_our_scratch(t
     assert out["params"] == list(range(20))
     assert "17" in out["loads"]  # GlobalScratch
     assert "18" not in out["loads"] and "19" not in out["loads"]
+
+
+def test_every_warp_specialized_kernel_and_no_helper_is_compiled_directly():
+    """jax-triton's own route launches a warp-specialized kernel with the config's warps, not
+    the compiler's (a launch error on the GPU): each kernel whose loop is specialized carries
+    :func:`~ejkernel_triton._kernel_cache.compile_directly`, and no ``@triton.jit`` helper
+    (inlined into its caller) does."""
+    import importlib
+
+    triton = pytest.importorskip("triton")
+    marked, unmarked = [], []
+    for name in ("flash_attention_fwd", "flash_attention_bwd"):
+        module = importlib.import_module(f"ejkernel_triton.kernels.{name}")
+        for attr, fn in vars(module).items():
+            if not isinstance(fn, triton.runtime.JITFunction) or fn.__module__ != module.__name__:
+                continue
+            direct = getattr(fn, "ejkernel_compile_directly", False)
+            specialized = "warp_specialize=True" in fn.src
+            if attr.endswith("_kernel") and specialized:
+                (marked if direct else unmarked).append(attr)
+            elif direct:
+                unmarked.append(f"{attr} (a helper)")
+    assert len(marked) == 3 and not unmarked, (marked, unmarked)

@@ -27,10 +27,11 @@ logsumexp saved in base 2 for the backward.
   and summed over the group in float32.
 
 Masking is :func:`ejkernel.attention_semantics.visible` (the causal term; the kernels take no
-other). Hidden scores are selected out; on a diagonal (partially visible) block the shared-memory
-operand that multiplies probabilities (V in the forward, K in ``dQ``, Q in ``dK``) is rewritten
-through ``finite_or_zero`` and hidden ``P``/``dS`` are selected to zero, so a hidden NaN or Inf
-reaches no row (:mod:`ejkernel.attention_semantics`); fully visible blocks run untouched.
+other). Hidden scores are selected out; on a diagonal (partially visible) block the streamed
+shared-memory operand that multiplies probabilities (V in the forward, K in ``dQ``) is
+rewritten through ``finite_or_zero`` by the producer and hidden ``P``/``dS`` are exactly zero,
+so a hidden NaN or Inf reaches no row (:mod:`ejkernel.attention_semantics`); fully visible
+blocks run untouched.
 
 Declined in ``supports()`` (the XLA plugin serves them): everything but bf16/f16 inputs; head
 dims other than 64/128 or ``Dv != D``; sequence lengths that are not multiples of 128;

@@ -4,7 +4,12 @@ consumer at its first visible query block), with the forward's producer/consumer
 When causal, the producer of dQ cleans the K tiles of the blocks the diagonal cuts
 (:func:`mg.clean_landed`): ``dS·K`` must not read a hidden non-finite key into a row. dK/dV
 needs no cleaning (as the Triton kernels): its own K and V meet the streamed rows only
-through ``dS`` and ``P``, selected to zero where hidden.
+through ``dS`` and ``P``, zero where hidden. On a cut block the hidden scores are selected
+to ``-inf`` after the logsumexp is subtracted (``P`` is then exactly 0 there, whatever the
+row's logsumexp) and ``dS`` is selected to 0 where ``P`` is 0: that predicate is at hand,
+where the visibility tile would stay live across two matmuls (about 2 % of the D 64 causal
+backward, benchmarks/RESULTS.md). A visible entry whose ``P`` underflows to 0 has ``dS`` 0
+either way, unless its row is already non-finite.
 """
 
 from __future__ import annotations
@@ -128,8 +133,8 @@ def _bwd_dq_kernel(*refs, pr: Problem):
             plgpu.barrier_wait(v_landed.at[slot])
             dp = mg.mma(pr, do_smem, v_smem.at[slot], (bq, bk), transpose_b=True)
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-            if masked:  # dP of a hidden non-finite value is NaN, and 0 · NaN too (K is clean)
-                ds = hide(ds, vis)
+            if masked:  # hidden: p is 0, dP of a hidden non-finite value NaN (K is clean)
+                ds = hide(ds, p > 0.0)
             dq = mg.mma_acc(pr, dq, ds.astype(pr.dtype), k_smem.at[slot])
             plgpu.barrier_arrive(kv_free.at[slot])
             return dq
@@ -214,14 +219,13 @@ def _bwd_dkv_kernel(*refs, pr: Problem, out_dtype: Any):
             plgpu.barrier_wait(q_landed.at[slot])
             s_t = mg.mma(pr, k_smem, q_smem.at[slot], (bk, bq), transpose_b=True)
             s_t = s_t * (pr.scale * mg.LOG2E)
-            if masked:
-                vis = mg.causal_visible(pr, (bk, bq), i * bq, k0, q_axis=1)
-                s_t = jnp.where(vis, s_t, -jnp.inf)
             plgpu.barrier_wait(lse_landed.at[slot])
             lse = mg.load_row_vector(pr, lse_smem.at[slot], 0)
-            p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-            if masked:  # a row's non-finite logsumexp must not reach the keys it cannot see
-                p_t = hide(p_t, vis)
+            s_t = s_t - lax.broadcast_in_dim(lse, s_t.shape, [1])
+            if masked:  # after the lse: a row's non-finite lse must not reach keys it cannot see
+                vis = mg.causal_visible(pr, (bk, bq), i * bq, k0, q_axis=1)
+                s_t = jnp.where(vis, s_t, -jnp.inf)
+            p_t = jnp.exp2(s_t)
             plgpu.barrier_wait(do_landed.at[slot])
             dv = mg.mma_acc(pr, dv, p_t.astype(pr.dtype), do_smem.at[slot])
             dp_t = mg.mma(pr, v_smem, do_smem.at[slot], (bk, bq), transpose_b=True)
@@ -229,7 +233,7 @@ def _bwd_dkv_kernel(*refs, pr: Problem, out_dtype: Any):
             delta = mg.load_row_vector(pr, delta_smem.at[slot], 0)
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
             if masked:  # likewise its Δ, and dP of a non-finite value
-                ds_t = hide(ds_t, vis)
+                ds_t = hide(ds_t, p_t > 0.0)
             dk = mg.mma_acc(pr, dk, ds_t.astype(pr.dtype), q_smem.at[slot])
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv

@@ -330,7 +330,6 @@ def flash_attention_bwd_dq_kernel(
 # -- backward dK/dV, warp-specialized (Hopper) -----------------------------------------------
 
 
-@compile_directly
 @triton.jit
 def _dkdv_ws_step(dk, dv, kv, rows_at, off_h, start_m, ctx, FLAGS: tl.constexpr):
     """One query step of the warp-specialized dK/dV kernel: ``dk``, ``dv`` in and out; ``kv =
@@ -361,6 +360,7 @@ def _dkdv_ws_step(dk, dv, kv, rows_at, off_h, start_m, ctx, FLAGS: tl.constexpr)
     return dk, dv
 
 
+@compile_directly
 @triton.jit
 def flash_attention_bwd_dkdv_ws_kernel(
     Q,
