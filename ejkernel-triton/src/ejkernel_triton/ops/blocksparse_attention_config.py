@@ -147,8 +147,11 @@ def supports(inv: Any) -> bool | str:
 
 def heuristic(inv: Any) -> BlocksparseAttentionConfig:
     """Tiles by head dim and dtype: 64 × 64 for the forward (128 rows at D ≤ 64 in 16-bit),
-    32-row steps over 64 keys for dK/dV (64 at D ≤ 64), 64 × 32 for dQ; in the interpreter,
-    whose cost is per program, the mask's blocks whole (up to 64)."""
+    32-row steps over 64 keys for dK/dV (64 at D ≤ 64), 64 × 32 for dQ; the backward on the
+    ``warp_specialized`` kernels where they serve the call (Hopper, 128 × 128 blocks: faster
+    than the usual ones at every density measured, where their forward is not at low
+    density; benchmarks/RESULTS.md); in the interpreter, whose cost is per program, the mask's
+    blocks whole (up to 64)."""
     a = inv.kwargs
     q, v = a["query"], a["value"]
     bq, bk = a.get("block_size") or (128, 128)
@@ -166,7 +169,9 @@ def heuristic(inv: Any) -> BlocksparseAttentionConfig:
     )
     bwd = BwdParams(q_blocksize=64 if d <= 64 else 32, kv_blocksize=64, num_warps=4, num_stages=2)
     dq = FwdParams(q_blocksize=64, kv_blocksize=64 if d <= 64 else 32, num_warps=4, num_stages=2)
-    return BlocksparseAttentionConfig(fwd_params=fwd, bwd_params=bwd, dq_params=dq)
+    cfg = BlocksparseAttentionConfig(fwd_params=fwd, bwd_params=bwd, dq_params=dq)
+    specialized = attrs.evolve(cfg, bwd_variant="warp_specialized")
+    return specialized if variant_problem(specialized, a, "bwd") is None else cfg
 
 
 #: The tiles the config space tries: (rows, keys, warps, stages).
@@ -177,10 +182,11 @@ _DQ_BLOCKS = ((64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2))
 
 def config_space(inv: Any) -> list[BlocksparseAttentionConfig]:
     """The heuristic's config, then each pass's tiles from :data:`_FWD_BLOCKS`,
-    :data:`_BWD_BLOCKS` and :data:`_DQ_BLOCKS` (a candidate changes one pass) and the
-    ``warp_specialized`` forward or backward where it can serve the call, minus those whose
-    kernels need more shared memory than the device grants; the interpreter and float32 get
-    the heuristic's only."""
+    :data:`_BWD_BLOCKS` and :data:`_DQ_BLOCKS` (a candidate changes one pass; the backward's
+    on the usual kernels, the warp-specialized ones tile by the mask's blocks), the
+    ``warp_specialized`` forward and the other backward variant where they can serve the
+    call, minus those whose kernels need more shared memory than the device grants; the
+    interpreter and float32 get the heuristic's only."""
     base = heuristic(inv)
     if _launch.interpreting() or jnp.dtype(inv.kwargs["query"].dtype) == jnp.float32:
         return [base]
@@ -192,8 +198,10 @@ def config_space(inv: Any) -> list[BlocksparseAttentionConfig]:
     ):
         for m, n, w, s in blocks:
             tile = params(q_blocksize=m, kv_blocksize=n, num_warps=w, num_stages=s)
-            configs.append(attrs.evolve(base, **{field: tile}))
-    for variants in ({"fwd_variant": "warp_specialized"}, {"bwd_variant": "warp_specialized"}):
+            usual = {} if field == "fwd_params" else {"bwd_variant": "usual"}  # WS: mask tiles
+            configs.append(attrs.evolve(base, **{field: tile}, **usual))
+    other_bwd = "usual" if base.bwd_variant == "warp_specialized" else "warp_specialized"
+    for variants in ({"fwd_variant": "warp_specialized"}, {"bwd_variant": other_bwd}):
         specialized = attrs.evolve(base, **variants)
         if variant_problem(specialized, inv.kwargs, "fwd,bwd") is None:
             configs.append(specialized)
