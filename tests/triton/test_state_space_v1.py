@@ -14,16 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
-from tests.triton._linear_helpers import (
-    assert_launches_fit_hopper,
-    check_against,
-    check_against_xla,
-    check_fused_decode,
-    check_two_halves,
-    compare,
-    hopper_launches,
-    run,
-)
+from tests.triton import _linear_helpers as lh
 
 import ejkernel
 from ejkernel.specs.state_space_v1 import state_space_v1_reference
@@ -61,25 +52,25 @@ def test_every_argument_and_gradient_matches_the_sequential_reference(interpret)
     """Gate, dt_bias, softplus, both states; S 37 over chunks of 16."""
     arrays = inputs(2, 37, 5, 6)
     statics = {"dt_softplus": True, "return_state": True}
-    check_against(triton_scan(), state_space_v1_reference, arrays, strict=False, **statics)
+    lh.check_against(triton_scan(), state_space_v1_reference, arrays, strict=False, **statics)
 
 
 def test_bf16_and_the_heuristic_config(interpret) -> None:
     arrays = {n: v for n, v in inputs(1, 19, 3, 4, jnp.bfloat16).items() if n in CORE}
     arrays["dt"] = jax.nn.softplus(arrays["dt"])
     up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
-    compare(run(triton_scan(None), arrays), run(state_space_v1_reference, up), 2e-2)
+    lh.compare(lh.run(triton_scan(None), arrays), lh.run(state_space_v1_reference, up), 2e-2)
 
 
 def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
     timed = ("x", "B", "C", "dt", "gate")
-    check_two_halves(triton_scan(), inputs(1, 30, 3, 4), timed, dt_softplus=True)
+    lh.check_two_halves(triton_scan(), inputs(1, 30, 3, 4), timed, dt_softplus=True)
 
 
 def test_decoding_a_few_tokens_takes_the_fused_kernel(interpret) -> None:
     arrays = inputs(2, 4, 3, 5)
     statics = {"dt_softplus": True, "return_state": True}
-    check_fused_decode(
+    lh.check_fused_decode(
         ejkernel.state_space_v1, state_space_v1_reference, heuristic, arrays, **statics
     )
 
@@ -106,7 +97,7 @@ def test_supports_and_opt_in() -> None:
 def test_gpu_bf16_forward_and_gradients_match_the_xla_path() -> None:
     arrays = inputs(2, 2048, 512, 16, jnp.bfloat16)
     xla = lambda **kw: ejkernel.state_space_v1(**kw, platform="xla")
-    check_against_xla(triton_scan(None), xla, arrays, dt_softplus=True, return_state=True)
+    lh.check_against_xla(triton_scan(None), xla, arrays, dt_softplus=True, return_state=True)
 
 
 def test_kernels_compile_for_hopper_with_a_one_wide_value(monkeypatch, tmp_path) -> None:
@@ -115,5 +106,5 @@ def test_kernels_compile_for_hopper_with_a_one_wide_value(monkeypatch, tmp_path)
     from ejkernel_triton.ops.state_space_v1 import state_space_v1_triton as op
 
     arrays = {n: v for n, v in inputs(1, 256, 4, 16, jnp.bfloat16).items() if n in CORE}
-    compiled = hopper_launches(monkeypatch, tmp_path, heuristic, op.fwd, op.bwd, arrays)
-    assert_launches_fit_hopper(compiled, 9)
+    compiled = lh.hopper_launches(monkeypatch, tmp_path, heuristic, op.fwd, op.bwd, arrays)
+    lh.assert_launches_fit_hopper(compiled, 9)
