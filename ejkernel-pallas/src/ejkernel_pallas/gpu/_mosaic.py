@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -202,15 +202,27 @@ def finite_or_zero_smem(pr: Problem, ref: Any, rows: int | None = None) -> None:
     _compat.plgpu().commit_smem()  # the writes, before a wgmma reads the tile
 
 
-def clean_landed(pr: Problem, tile: Any, copied: Any, landed: Any) -> None:
-    """The producer's part in a ring tile of a block the causal diagonal cuts: await its copy
-    (``copied``), clean it (:func:`finite_or_zero_smem`), then signal ``landed`` to the
-    consumers, which read it as any other tile. Cleaning in the producer keeps the
-    shared-memory pass off the consumers' instruction stream and does it once for both."""
-    plgpu = _compat.plgpu()
-    plgpu.barrier_wait(copied)
-    finite_or_zero_smem(pr, tile, rows=64)
-    plgpu.barrier_arrive(landed)
+def clean_cut_tiles(
+    pr: Problem, masked_from: Any, ring: Any, copied: Sequence[Any], landed: Any
+) -> Callable[[Any, Any], None] | None:
+    """:func:`produce`'s ``landed`` for a causal kernel (``None`` otherwise): from step
+    ``masked_from`` on (the blocks the diagonal cuts, whose tiles were copied signalling
+    ``copied[0]``, the producer's own barriers) await the ``ring`` slot's copy, clean it
+    (:func:`finite_or_zero_smem`), then signal ``landed`` to the consumers, which read it as
+    any other tile. Cleaning in the producer keeps the shared-memory pass off the consumers'
+    instruction stream and does it once for both."""
+    if not pr.causal:
+        return None
+    pl, plgpu = _compat.pl, _compat.plgpu()
+
+    def clean(step: Any, slot: Any) -> None:
+        @pl.when(step >= masked_from)
+        def _() -> None:
+            plgpu.barrier_wait(copied[0].at[slot])
+            finite_or_zero_smem(pr, ring.at[slot], rows=64)
+            plgpu.barrier_arrive(landed.at[slot])
+
+    return clean
 
 
 def smem(pr: Problem, shape: tuple[int, ...], dtype: Any, tiled: bool = True) -> Any:

@@ -2,7 +2,7 @@
 and ``dK``/``dV`` (consumers own key rows and stream Q, dO, logsumexp and Δ; causal starts each
 consumer at its first visible query block), with the forward's producer/consumer structure.
 When causal, the producer of dQ cleans the K tiles of the blocks the diagonal cuts
-(:func:`mg.clean_landed`): ``dS·K`` must not read a hidden non-finite key into a row. dK/dV
+(:func:`mg.clean_cut_tiles`): ``dS·K`` must not read a hidden non-finite key into a row. dK/dV
 needs no cleaning (as the Triton kernels): its own K and V meet the streamed rows only
 through ``dS`` and ``P``, zero where hidden. On a cut block the hidden scores are selected
 to ``-inf`` after the logsumexp is subtracted (``P`` is then exactly 0 there, whatever the
@@ -165,12 +165,7 @@ def _bwd_dq_kernel(*refs, pr: Problem):
             pl.when(j < masked_from)(lambda: copy(j, slot, k_landed))
             pl.when(j >= masked_from)(lambda: copy(j, slot, k_copied[0]))
 
-        def landed(j, slot):
-            @pl.when(j >= masked_from)
-            def _():
-                mg.clean_landed(pr, k_smem.at[slot], k_copied[0].at[slot], k_landed.at[slot])
-
-        clean = landed if pr.causal else None
+        clean = mg.clean_cut_tiles(pr, masked_from, k_smem, k_copied, k_landed)
         mg.produce(pr, cta_steps, load, (kv_free,), start=jnp.int32(0), landed=clean)
 
 

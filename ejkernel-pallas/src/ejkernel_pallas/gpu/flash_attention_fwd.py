@@ -4,7 +4,7 @@ persistent (one CTA per SM walking the tiles) for non-causal D 64 with more tile
 Each CTA runs three warpgroups: a producer streaming K/V tiles by TMA into a ring of
 ``stages`` slots, and two consumers of ``bq`` query rows each running ``S = QKᵀ``, the online
 softmax (base 2) and ``O += PV`` with FA3's ping-pong between them. When causal, the producer
-also cleans the value tiles of the blocks the diagonal cuts (:func:`mg.clean_landed`).
+also cleans the value tiles of the blocks the diagonal cuts (:func:`mg.clean_cut_tiles`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _fwd_step(
     their landed and free barriers; ``mask`` sets hidden scores to -inf (a partially visible
     block: its value tile is read through ``finite_or_zero`` too); ``rows`` (default
     ``bk``) is how many leading rows of the slots the block fills (a tail step's pb.TAIL_ROWS).
-    The value tile of a masked block arrives clean (:func:`mg.clean_landed`)."""
+    The value tile of a masked block arrives clean (:func:`mg.clean_cut_tiles`)."""
     pl, plgpu = _compat.pl, _compat.plgpu()
     k_smem, v_smem, k_landed, v_landed, k_free, v_free = ring
     acc, m, denom = carry
@@ -279,12 +279,7 @@ def _flash_attention_fwd_kernel(
             tail_start = wide * bk + (j - wide) * pb.TAIL_ROWS
             pl.when(j >= wide)(lambda: copy(tail_start, pb.TAIL_ROWS, slot, tail_rows))
 
-        def landed(j, slot):
-            @pl.when(j >= masked_from)
-            def _():
-                mg.clean_landed(pr, v_smem.at[slot], v_copied[0].at[slot], v_landed.at[slot])
-
-        clean = landed if pr.causal else None
+        clean = mg.clean_cut_tiles(pr, masked_from, v_smem, v_copied, v_landed)
         mg.produce(pr, cta_steps, load, (k_free, v_free), start=jnp.int32(0), landed=clean)
 
 

@@ -22,6 +22,7 @@ from ejkernel_triton import _launch
 from ejkernel_triton._launch import pow2
 from ejkernel_triton.ops.flash_attention_config import (
     Call,
+    bwd_problem,
     bwd_smem,
     fwd_problem,
     fwd_smem,
@@ -111,7 +112,7 @@ def variant_problem(cfg: BlocksparseAttentionConfig, kw: Any, passes: str) -> st
     call = Call.of(kw)
     bq, bk = tuple(kw.get("block_size") or (128, 128))
     for kind in kinds:
-        why = fwd_problem("warp_specialized", call)
+        why = (fwd_problem if kind == "fwd" else bwd_problem)("warp_specialized", call)
         if not why and (min(bq, bk) < 16 or bq & (bq - 1) or bk & (bk - 1)):
             why = f"its tiles are the mask's blocks, powers of two from 16; got {(bq, bk)}"
         if not why:
