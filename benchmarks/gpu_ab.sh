@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Two builds of ejkernel side by side on the lent GPU, in one call: the flash-attention harness
-# on the baseline (.whl-base) and on the candidate (.whl), alternating ROUNDS times, each in a
-# fresh process with a fresh cache, with cuDNN in every run. Arguments go to the harness
-# (default: the two main shapes, Triton and Pallas against cuDNN). Tables land in $OUT. ORDER
+# Two builds of ejkernel side by side on the lent GPU, in one call: a harness (BENCH, default the
+# flash-attention one) on the baseline (.whl-base) and on the candidate (.whl), alternating
+# ROUNDS times, each in a fresh process with a fresh cache and the same anchors. Arguments go
+# to the harness (flash attention's default: the two main shapes, Triton and Pallas against
+# cuDNN; e.g. BENCH=benchmarks/bench_grouped_matmul.py with --gpu --no-anchors --routing zipf). Tables land in $OUT. ORDER
 # names a round's runs (default "base new"); "new:heuristics" runs a build on its heuristics
 # alone (EJKERNEL_SHIPPED=0: the candidate's code without its shipped tables); any other build
 # name X in ORDER runs the wheels of .whl-X (carry it).
@@ -20,15 +21,19 @@ for build in $(printf '%s\n' ${ORDER:-base new} | sed 's/:.*//' | sort -u); do
   pip --target /tmp/$build $(ls $dir/ejkernel_*.whl) || exit 1
 done
 export PYTHONUNBUFFERED=1
+BENCH=${BENCH:-benchmarks/bench_attention.py}
 ARGS=("$@")
-[ ${#ARGS[@]} -eq 0 ] && ARGS=(--quick --no-startup --shapes 2 --impls "ejkernel triton" "ejkernel pallas" cuDNN)
+if [ "$BENCH" = benchmarks/bench_attention.py ] && [ ${#ARGS[@]} -eq 0 ]; then
+  ARGS=(--quick --no-startup --shapes 2 --impls "ejkernel triton" "ejkernel pallas" cuDNN)
+fi
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for run in ${ORDER:-base new}; do
     build=${run%%:*} policy=${run#*:} name=${run/:/-}
     [ "$policy" = "$run" ] && policy=""
-    cache=$(mktemp -d)
+    cache=$(mktemp -d) out=()
+    [ "$BENCH" = benchmarks/bench_attention.py ] && out=(--out "$OUT/$name-$round")
     EJKERNEL_CACHE_DIR=$cache PYTHONPATH=/tmp/$build:/tmp/deps \
       env ${policy:+EJKERNEL_AUTOTUNE_POLICY=$policy EJKERNEL_SHIPPED=0} timeout "${BENCH_TIMEOUT:-280}" \
-      python3 benchmarks/bench_attention.py --out "$OUT/$name-$round" "${ARGS[@]}" 2>&1 | grep -v '^{' | tee "$OUT/$name-$round.log" | tail -22
+      python3 "$BENCH" "${out[@]}" "${ARGS[@]}" 2>&1 | grep -v '^{' | tee "$OUT/$name-$round.log" | tail -22
   done
 done
