@@ -15,9 +15,15 @@ import pytest
 _JAX_CACHE = "EJKERNEL_TESTS_JAX_CACHE"
 
 #: XLA's CPU fusions by its older emitters: about half the compile time of these tests' small
-#: programs. Set where the default backend is the CPU and this jaxlib knows the flag (XLA
-#: stops a process at an unknown flag), found out once, by the first process of the run.
-_CPU_FLAG = "--xla_cpu_use_fusion_emitters=false"
+#: programs. And no concurrency-optimized scheduling: with it, Mosaic GPU's interpreter (each
+#: warpgroup a computation on its own thread, synchronised by host callbacks) hung at random in
+#: the grouped-matmul tests on a 2-core machine, threads waiting on barriers and in
+#: ``execute_sharded``; without it those tests pass every time. Set where the default backend
+#: is the CPU and this jaxlib knows the flags (XLA stops a process at an unknown flag), found
+#: out once, by the first process of the run.
+_CPU_FLAG = (
+    "--xla_cpu_use_fusion_emitters=false --xla_cpu_enable_concurrency_optimized_scheduler=false"
+)
 _CPU_FLAG_CHECKED = "EJKERNEL_TESTS_XLA_FLAG_CHECKED"
 
 
@@ -73,9 +79,10 @@ def pytest_configure(config):
     anything starts a backend.
 
     On a CPU, compile without XLA's and LLVM's expensive optimisations
-    (``jax_disable_most_optimizations``) and with XLA's older fusion emitters
-    (:data:`_CPU_FLAG`): these tests spend most of their time compiling small programs, which
-    then run on inputs of a few kilobytes; and share one persistent
+    (``jax_disable_most_optimizations``) and with XLA's older fusion emitters and no
+    concurrency-optimized scheduling (:data:`_CPU_FLAG`): these tests spend most of their time
+    compiling small programs, which then run on inputs of a few kilobytes, and the scheduler
+    hangs Mosaic GPU's interpreter; and share one persistent
     compilation cache among the run's processes, so a program another test (or the other
     worker) compiled is read back. GPU runs keep the usual compiler and no cache.
 

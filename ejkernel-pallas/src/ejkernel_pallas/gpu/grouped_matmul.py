@@ -34,7 +34,10 @@ output dtype; everything else is declined (the XLA plugin serves it).
 **Interpret mode** (CPU, tests): the same kernels in Mosaic GPU's interpreter, which models the
 warpgroups, TMA copies and barriers; the matmuls are ``jnp.dot`` on the same shared-memory tiles
 (its ``wgmma`` takes no transposed operand), and ``lhs``/``d_out`` get zero rows and K, N zero
-columns appended first, standing in for the TMA zero fill it does not model.
+columns appended first, standing in for the TMA zero fill it does not model. With XLA's
+concurrency-optimized CPU scheduling on, the interpreted kernels can hang (warpgroup threads
+left waiting on barriers); run them with
+``XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false``, as the tests do.
 
 The backward is the executor's custom VJP (``define_grouped_matmul_vjp``), each gradient in its
 input's dtype.
