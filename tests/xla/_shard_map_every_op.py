@@ -25,18 +25,23 @@ from ejkernel.testing import assert_close
 from ejkernel.testing._examples import examples_of
 
 
-def split_arguments(op: str, arguments: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+def split_arguments(spec: Any, arguments: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
     """The arrays the op takes by position, in order (up to the first it is not given), and
-    the rest by name."""
-    params = inspect.signature(getattr(ejkernel, op)).parameters.values()
-    positional: list[Any] = []
-    for p in params:
-        if p.kind != p.POSITIONAL_OR_KEYWORD or not isinstance(arguments.get(p.name), jax.Array):
+    the rest by name. Positional: the parameters of the public ``ejkernel.<op>`` that are not
+    keyword-only, or for an op a plugin adds (no public function), its required arguments."""
+    public = getattr(ejkernel, spec.name, None)
+    if public is None:
+        order = [a.name for a in spec.args if a.required]
+    else:
+        params = inspect.signature(public).parameters.values()
+        order = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    names: list[str] = []
+    for name in order:
+        if not isinstance(arguments.get(name), jax.Array):
             break
-        positional.append(arguments[p.name])
-    names = [p.name for p in params][: len(positional)]
+        names.append(name)
     rest = {k: v for k, v in arguments.items() if k not in names}
-    return positional, rest
+    return [arguments[name] for name in names], rest
 
 
 def main(n: int) -> None:
@@ -54,7 +59,7 @@ def main(n: int) -> None:
         start = time.perf_counter()
         try:
             arguments = examples_of(spec)[0].build(spec)
-            args, kwargs = split_arguments(op, arguments)
+            args, kwargs = split_arguments(spec, arguments)
             kernel = type(f"{op}_kernel", (OpKernel,), {"spec": spec})()
             want = executor(kernel, *args, **kwargs)
             got = executor(
