@@ -4,9 +4,10 @@
 # ROUNDS times, each in a fresh process with a fresh cache and the same anchors. Arguments go
 # to the harness (flash attention's default: the two main shapes, Triton and Pallas against
 # cuDNN; e.g. BENCH=benchmarks/bench_grouped_matmul.py with --gpu --no-anchors --routing
-# zipf). Tables land in $OUT. ORDER names a round's runs (default "base new"); "new:heuristics" runs a build on its heuristics
-# alone (EJKERNEL_SHIPPED=0: the candidate's code without its shipped tables); any other build
-# name X in ORDER runs the wheels of .whl-X (carry it).
+# zipf). Tables land in $OUT. ORDER names a round's runs (default "base new");
+# "new:heuristics" runs a build on its heuristics alone (EJKERNEL_SHIPPED=0: the candidate's
+# code without its shipped tables); any other build name X in ORDER runs the wheels of .whl-X
+# (carry it).
 # Here, before the call (BASE: the baseline commit):
 #   pip wheel --no-deps ./ejkernel-core ./ejkernel-xla ./ejkernel-triton ./ejkernel-pallas -w .whl
 #   git worktree add /tmp/base BASE && pip wheel --no-deps /tmp/base/ejkernel-{core,xla,triton,pallas} -w .whl-base
