@@ -155,6 +155,21 @@ def test_heuristic_halves_the_tile_for_many_groups_and_fits_shared_memory() -> N
     assert module.smem_need(f32_out.kwargs, cfg) <= limit or cfg.stages == 2
 
 
+def test_heuristic_fills_the_ring_beside_a_half_tile_staging_so_pipelines_chain() -> None:
+    # bf16 at 128 x 2·128: 4 slots fit beside half-tile staging (3 beside a whole tile); 32 or
+    # 64 steps of 64 are multiples of 4, so a CTA's consecutive pipelines run as one.
+    for shape in ((32768, 2048, 1408, 64), (16384, 4096, 4096, 8)):
+        inv = _inv(*shape)
+        lp = module._launch(inv.kwargs, None)
+        assert (lp.block_m, lp.stages, lp.store_m) == (128, 4, 64)
+        assert module._chainable(lp, shape[1] // lp.block_k)
+        assert not module._chainable(lp, 30)  # 30 steps: a remainder in the ring
+        assert module.smem_need(inv.kwargs, module.heuristic(inv)) <= module.HOPPER_SMEM
+    # A config of 3 slots keeps a whole-tile staging.
+    three = module._launch(_inv(32768, 2048, 1408, 64).kwargs, GroupedMatmulConfig(stages=3))
+    assert (three.stages, three.store_m) == (3, 128)
+
+
 def test_config_space_starts_with_the_heuristic_and_names_distinct_configs() -> None:
     inv = _inv(4096, 1024, 1024, 8)
     space = module.config_space(inv)
@@ -187,6 +202,64 @@ def test_interpret_empty_groups_rows_past_the_total_and_odd_k_n() -> None:
     # M 150, K 72, N 136: rows 130..149 belong to no group (zeros, zero d_lhs).
     out = check("interpret", inputs(150, 72, 136, (0, 40, 1, 0, 70, 19, 0)))
     assert not np.any(np.asarray(out[130:]))
+
+
+@INTERPRET
+def test_interpret_heuristic_config_half_tile_stores_and_chained_pipelines() -> None:
+    # The heuristic's 128-row tiles, 4 slots and 64-row output staging; K 256 is 4 steps (the
+    # pipelines chain), so each of the 2 simulated SMs runs a first, middle and last pipeline.
+    # Groups end inside either half of a tile; rows 751..799 are unrouted.
+    args = inputs(800, 256, 136, (0, 300, 1, 350, 100))
+    lp = module._launch(args, None)
+    assert (lp.block_m, lp.stages, lp.store_m) == (128, 4, 64) and module._chainable(lp, 4)
+    out = check("interpret", args, cfg=None)
+    assert not np.any(np.asarray(out[751:]))
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_kernels_lower_to_mosaic_gpu_on_any_machine_within_the_estimate(
+    out_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CUDA lowering (wgmma accumulators, TMA, chained pipelines, half-tile stores), traced
+    # without a GPU; Mosaic GPU's own shared-memory figure is within the estimate.
+    import re
+
+    import attrs
+
+    core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
+    limit = getattr(core, "artificial_shared_memory_limit", None)
+    if limit is None:
+        pytest.skip("this jax has no artificial_shared_memory_limit")
+    monkeypatch.setattr(module, "_num_sms", lambda lp: 132)  # an H100's or H200's
+    inv = _inv(4096, 2048, 1408, 16, out=out_dtype)
+    lp = attrs.evolve(module._launch(inv.kwargs, None), interpret=False)
+    x = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((16, 2048, 1408), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((16,), jnp.int32)
+    assert module.smem_need(inv.kwargs, module.heuristic(inv)) <= module.HOPPER_SMEM
+    kernels = {
+        "gmm": (
+            out_dtype,
+            lambda x, w, s: module._gmm(x, w, s, lp=lp, transpose_w=False, out_dtype=out_dtype),
+        ),
+        "d_lhs": (
+            "bfloat16",
+            lambda x, w, s: module._gmm(
+                x[:, :1408], w, s, lp=lp, transpose_w=True, out_dtype="bfloat16"
+            ),
+        ),
+        "tgmm": (
+            "bfloat16",
+            lambda x, w, s: module._tgmm(x, x[:, :1408], s, lp=lp, out_dtype="bfloat16"),
+        ),
+    }
+    blocks = (lp.block_m, lp.block_n, lp.block_k, lp.stages)
+    for name, (dtype, fn) in kernels.items():
+        with limit(1), pytest.raises(ValueError, match="exceeds available shared memory") as err:
+            jax.jit(fn).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
+        allocated = int(re.search(r"smem_bytes=(\d+)", str(err.value))[1])
+        estimate = module._kernel_smem(blocks, jnp.bfloat16, jnp.dtype(dtype), lp.store_m)
+        assert estimate - 1024 <= allocated <= estimate, (name, allocated, estimate)
 
 
 @pytest.mark.slow

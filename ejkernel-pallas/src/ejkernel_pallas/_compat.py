@@ -16,6 +16,7 @@ __all__ = [
     "gpu_interpret_params",
     "gpu_load",
     "gpu_named_barrier",
+    "gpu_pipeline_states",
     "pl",
     "plgpu",
     "pltpu",
@@ -159,6 +160,17 @@ def gpu_load(ref: Any, *, layout: Any) -> Any:
     if idx is not None and idx.default is inspect.Parameter.empty:
         return load(ref, (), layout=layout)
     return load(ref, layout=layout)
+
+
+def gpu_pipeline_states() -> Any:
+    """``plgpu.PipelinePipeline`` (the ``pipeline_state`` of
+    ``emit_pipeline_warp_specialized`` that chains consecutive pipelines without a bubble), or
+    ``None`` in a jax without it."""
+    import inspect
+
+    states = getattr(plgpu(), "PipelinePipeline", None)
+    params = inspect.signature(plgpu().emit_pipeline_warp_specialized).parameters
+    return states if "pipeline_state" in params else None
 
 
 def transpose_ref(ref: Any, permutation: tuple[int, ...]) -> Any:

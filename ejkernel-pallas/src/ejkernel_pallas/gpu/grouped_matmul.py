@@ -128,6 +128,7 @@ class _Launch:
     block_n: int
     block_k: int
     stages: int
+    store_m: int
     interpret: bool
 
 
@@ -144,32 +145,50 @@ def _shapes(kw: Any) -> tuple[int, int, int, int]:
     return int(m), int(k), int(n), int(rhs[0])
 
 
-def _kernel_smem(blocks: tuple[int, int, int, int], in_dtype: Any, out_dtype: Any) -> int:
+def _kernel_smem(
+    blocks: tuple[int, int, int, int], in_dtype: Any, out_dtype: Any, store_m: int | None = None
+) -> int:
     """Shared memory of either kernel at ``(block_m, block_n, block_k, stages)``: the ring
     (an ``lhs`` slice and a ``2·block_n``-wide ``rhs`` slice a slot, or in ``tgmm`` the two
-    chunks), the consumers' output tiles and the ring's barriers."""
+    chunks), the consumers' output staging (``store_m`` rows each, ``block_m`` unless said)
+    and the ring's barriers."""
     bm, bn, bk, stages = blocks
     ring = [_smem.Buffer((stages, bm, bk), in_dtype), _smem.Buffer((stages, bk, 2 * bn), in_dtype)]
-    out = _smem.Buffer((2, bm, bn), out_dtype, tiled=False)
+    out = _smem.Buffer((2, store_m or bm, bn), out_dtype, tiled=False)
     return _smem.nbytes([*ring, out, _smem.Barriers(4 * stages)])
+
+
+def _both_smem(blocks: tuple[int, int, int, int], dtype: Any, out_dtype: Any, store_m: int) -> int:
+    """The larger of the forward's and the gradients' kernels (outputs in ``out_dtype``, and
+    gradients in the inputs' ``dtype``)."""
+    return max(_kernel_smem(blocks, dtype, o, store_m) for o in (out_dtype, dtype))
 
 
 def smem_need(kw: Any, cfg: GroupedMatmulConfig, *, grad: bool = True) -> int:
     """Bytes of shared memory the largest kernel of ``cfg`` allocates for the call ``kw``."""
     dtype = kw["lhs"].dtype
     out_dtype = kw.get("preferred_element_type") or dtype
-    blocks = _blocks(kw, cfg)
-    need = _kernel_smem(blocks, dtype, out_dtype)
+    *blocks, store_m = _blocks(kw, cfg)
+    need = _kernel_smem(tuple(blocks), dtype, out_dtype, store_m)
     if grad:
-        need = max(need, _kernel_smem(blocks, dtype, dtype))
+        need = max(need, _kernel_smem(tuple(blocks), dtype, dtype, store_m))
     return need
 
 
+def _store_rows_that_fit(blocks: tuple[int, int, int, int], dtype: Any, out_dtype: Any) -> int:
+    """Rows of the consumers' output staging: the whole tile, or half of it (stored in two
+    rounds) where the ring's slots and a whole tile do not fit together."""
+    bm = blocks[0]
+    return bm if _both_smem(blocks, dtype, out_dtype, bm) <= _smem_limit() else bm // 2
+
+
 def _stages_that_fit(blocks: tuple[int, int, int], dtype: Any, out_dtype: Any) -> int:
+    """The most ring slots (up to :data:`MAX_STAGES`) shared memory holds beside a half-tile
+    output staging: slots hide the loads' latency, and a ring of 4 lets consecutive tiles'
+    pipelines chain (:func:`_chainable`) where the steps are a multiple of 4."""
     limit = _smem_limit()
     for stages in range(MAX_STAGES, 1, -1):
-        need = max(_kernel_smem((*blocks, stages), dtype, o) for o in (out_dtype, dtype))
-        if need <= limit:
+        if _both_smem((*blocks, stages), dtype, out_dtype, blocks[0] // 2) <= limit:
             return stages
     return 2
 
@@ -182,8 +201,9 @@ def _smem_limit() -> int:
     return shared_memory_limit() or HOPPER_SMEM
 
 
-def _blocks(kw: Any, cfg: GroupedMatmulConfig | None) -> tuple[int, int, int, int]:
-    """``(block_m, block_n, block_k, stages)``: the config's, the heuristic's where ``None``."""
+def _blocks(kw: Any, cfg: GroupedMatmulConfig | None) -> tuple[int, int, int, int, int]:
+    """``(block_m, block_n, block_k, stages, store_m)``: the config's, the heuristic's where
+    ``None``; ``store_m`` the output staging's rows (:func:`_store_rows_that_fit`)."""
     m, _, n, g = _shapes(kw)
     bm = cfg.block_m if cfg is not None and cfg.block_m is not None else None
     bn = cfg.block_n if cfg is not None and cfg.block_n is not None else None
@@ -196,16 +216,18 @@ def _blocks(kw: Any, cfg: GroupedMatmulConfig | None) -> tuple[int, int, int, in
     if bn is None:
         bn = 128 if n > 64 * 2 else 64
     stages = cfg.stages if cfg is not None and cfg.stages is not None else None
+    dtype = kw["lhs"].dtype
+    out_dtype = kw.get("preferred_element_type") or dtype
     if stages is None:
-        dtype = kw["lhs"].dtype
-        stages = _stages_that_fit((bm, bn, bk), dtype, kw.get("preferred_element_type") or dtype)
-    return bm, bn, bk, stages
+        stages = _stages_that_fit((bm, bn, bk), dtype, out_dtype)
+    return bm, bn, bk, stages, _store_rows_that_fit((bm, bn, bk, stages), dtype, out_dtype)
 
 
 def heuristic(inv: Any) -> GroupedMatmulConfig:
-    """128-row tiles unless the short tiles of G groups would waste as much as M (then 64), 2 × 128 output columns a CTA (2 × 64 when N ≤ 128), steps of 64, and as many ring
-    slots (up to 4) as shared memory holds."""
-    bm, bn, bk, stages = _blocks(inv.kwargs, None)
+    """128-row tiles unless the short tiles of G groups would waste as much as M (then 64),
+    2 × 128 output columns a CTA (2 × 64 when N ≤ 128), steps of 64, and as many ring slots
+    (up to 4) as shared memory holds beside a half-tile output staging."""
+    bm, bn, bk, stages, _ = _blocks(inv.kwargs, None)
     return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=stages)
 
 
@@ -243,12 +265,13 @@ def supports(inv: Any) -> bool | str:
 
 
 def _launch(kw: Any, cfg: GroupedMatmulConfig | None) -> _Launch:
-    bm, bn, bk, stages = _blocks(kw, cfg)
+    bm, bn, bk, stages, store_m = _blocks(kw, cfg)
     return _Launch(
         block_m=bm,
         block_n=bn,
         block_k=bk,
         stages=stages,
+        store_m=store_m,
         interpret=jax.default_backend() == "cpu",
     )
 
@@ -421,8 +444,12 @@ def _mma(lp: _Launch, acc: Any, a: Any, b: Any, *, transpose_a: bool, transpose_
     return acc
 
 
-def _pipeline(lp: _Launch, steps: Any, specs: list[Any], step: Any, context: Any) -> Any:
-    """The producer/two-consumer pipeline of both kernels over ``steps`` (static or traced)."""
+def _pipeline(
+    lp: _Launch, steps: Any, specs: list[Any], step: Any, context: Any, state: Any = None
+) -> Any:
+    """The producer/two-consumer pipeline of both kernels over ``steps`` (static or traced);
+    ``state`` chains it to the CTA's previous and next pipelines (see :func:`_chainable`)."""
+    extra = {} if state is None else {"pipeline_state": state}
     return compat.plgpu().emit_pipeline_warp_specialized(
         step,
         grid=(steps,),
@@ -432,7 +459,18 @@ def _pipeline(lp: _Launch, steps: Any, specs: list[Any], step: Any, context: Any
         num_compute_wgs=2,
         max_concurrent_steps=lp.stages,
         compute_context=context,
+        **extra,
     )
+
+
+def _chainable(lp: _Launch, steps: int) -> bool:
+    """Whether a CTA's consecutive gmm pipelines (one per work item, ``steps`` steps each) can
+    run as one: the producer then streams the next item's first slices while the consumers
+    finish the last item's steps and store its tile, instead of waiting for the tile to be
+    consumed. Mosaic GPU chains pipelines of a static step count that is a multiple of the
+    ring's slots."""
+    slots = min(lp.stages, steps)
+    return compat.gpu_pipeline_states() is not None and steps % slots == 0
 
 
 def _ignore(*_: Any, **__: Any) -> None:
@@ -499,13 +537,13 @@ def _gmm(
         out=jax.ShapeDtypeStruct((x.shape[0], n_pad), out_dtype),
         lp=lp,
         name="ejkernel_grouped_matmul",
-    )(work, x, w)
+    )(work, jnp.sum((work[0] < group_sizes.shape[0]) & (work[3] > 0), keepdims=True), x, w)
     return out[:m, :n]
 
 
-def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: bool):
+def _gmm_kernel(work, matmul_tiles, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: bool):
     pl, plgpu = compat.pl, compat.plgpu()
-    bm, bn, bk = lp.block_m, lp.block_n, lp.block_k
+    bm, bn, bk, sm_rows = lp.block_m, lp.block_n, lp.block_k, lp.store_m
     cta_n = 2 * bn
     k = x_gmem.shape[1]
     n = out_gmem.shape[1]
@@ -520,18 +558,23 @@ def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: boo
         )
     x_spec = plgpu.BlockSpec((bm, bk), lambda s: (0, s), transforms=_transforms(dtype, bk))
 
-    pipeline = functools.partial(_pipeline, lp, -(-k // bk), [x_spec, w_spec])
+    steps = -(-k // bk)
+    pipeline = functools.partial(_pipeline, lp, steps, [x_spec, w_spec])
     w_slice = w_gmem.at[0]
     w_slice = w_slice.at[pl.ds(0, cta_n)] if transpose_w else w_slice.at[:, pl.ds(0, cta_n)]
 
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(_ignore, _ignore).get_allocations(x_gmem.at[pl.ds(0, bm)], w_slice),
-        out_smem=plgpu.SMEM((2, bm, bn), out_gmem.dtype),
+        out_smem=plgpu.SMEM((2, sm_rows, bn), out_gmem.dtype),
         collective_axes="wg",
     )
     def _(allocations: Any, out_smem: Any) -> None:
         wg = lax.axis_index("wg")
+        # The groups' tiles lead the work list, so a CTA's items that run a pipeline are the
+        # first `chained` of its round-robin share.
+        sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
+        chained = lax.div(jnp.maximum(matmul_tiles[0] * col_blocks - sm + num_sms - 1, 0), num_sms)
 
         @plgpu.nd_loop((work.shape[1] * col_blocks,), collective_axes="sm")
         def _(loop: Any) -> None:
@@ -542,11 +585,17 @@ def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: boo
 
             def store(value: Any) -> None:
                 def mine(i: int) -> None:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores
-                    out_smem[i] = value.astype(out_smem.dtype)
-                    plgpu.commit_smem()
                     out_cols = out_gmem.at[:, pl.ds(col * cta_n + i * bn, bn)]
-                    _store_rows(out_smem.at[i], out_cols, window, lead, rows, bm)
+                    for top in range(0, bm, sm_rows):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging's last use
+                        out_smem[i] = value[top : top + sm_rows].astype(out_smem.dtype)
+                        plgpu.commit_smem()
+                        # This part's rows of [lead, lead + rows).
+                        first = jnp.clip(lead - top, 0, sm_rows)
+                        last = jnp.clip(lead + rows - top, 0, sm_rows)
+                        _store_rows(
+                            out_smem.at[i], out_cols, window + top, first, last - first, sm_rows
+                        )
 
                 _per_consumer(wg, mine)
 
@@ -557,12 +606,32 @@ def _gmm_kernel(work, x_gmem, w_gmem, out_gmem, *, lp: _Launch, transpose_w: boo
                 b = w_smem.at[half] if transpose_w else w_smem.at[:, half]
                 return _mma(lp, acc, x_smem, b, transpose_a=False, transpose_b=transpose_w)
 
-            @pl.when((rows > 0) & (group < num_groups))
-            def _() -> None:
-                w_g = w_gmem.at[group]
-                cols = pl.ds(col * cta_n, cta_n)
-                w_g = w_g.at[cols] if transpose_w else w_g.at[:, cols]
-                pipeline(step, context)(x_gmem.at[pl.ds(window, bm)], w_g, allocations=allocations)
+            w_g = w_gmem.at[jnp.minimum(group, num_groups - 1)]
+            cols = pl.ds(col * cta_n, cta_n)
+            w_g = w_g.at[cols] if transpose_w else w_g.at[:, cols]
+            refs = (x_gmem.at[pl.ds(window, bm)], w_g)
+            matmul = (rows > 0) & (group < num_groups)
+
+            if not _chainable(lp, steps):
+                pl.when(matmul)(lambda: pipeline(step, context)(*refs, allocations=allocations))
+            else:
+                states = compat.gpu_pipeline_states()
+                nth = lax.div(item - sm, num_sms)
+                state = lax.select(
+                    nth == 0,
+                    jnp.int32(states.START),
+                    lax.select(
+                        nth == chained - 1, jnp.int32(states.STOP), jnp.int32(states.STEADY)
+                    ),
+                )
+
+                @pl.when(matmul & (chained == 1))
+                def _() -> None:
+                    pipeline(step, context)(*refs, allocations=allocations)
+
+                @pl.when(matmul & (chained > 1))
+                def _() -> None:
+                    pipeline(step, context, state)(*refs, allocations=allocations)
 
             @pl.when((rows > 0) & (group == num_groups) & (wg < 2))
             def _() -> None:
@@ -603,7 +672,7 @@ def _tgmm(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, lp: _Launch, ou
 
 def _tgmm_kernel(segments, a_gmem, b_gmem, out_gmem, *, lp: _Launch, span: int):
     pl, plgpu = compat.pl, compat.plgpu()
-    bm, bn, bk = lp.block_m, lp.block_n, lp.block_k
+    bm, bn, bk, sm_rows = lp.block_m, lp.block_n, lp.block_k, lp.store_m
     cta_n = 2 * bn
     num_groups, p, q = out_gmem.shape
     row_blocks, col_blocks = -(-p // bm), -(-q // cta_n)
@@ -621,7 +690,7 @@ def _tgmm_kernel(segments, a_gmem, b_gmem, out_gmem, *, lp: _Launch, span: int):
         allocations=pipeline(jnp.int32(1), _ignore, _ignore).get_allocations(
             a_gmem.at[:, pl.ds(0, bm)], b_gmem.at[:, pl.ds(0, cta_n)]
         ),
-        out_smem=plgpu.SMEM((2, bm, bn), out_gmem.dtype),
+        out_smem=plgpu.SMEM((2, sm_rows, bn), out_gmem.dtype),
         collective_axes="wg",
     )
     def _(allocations: Any, out_smem: Any) -> None:
@@ -642,13 +711,13 @@ def _tgmm_kernel(segments, a_gmem, b_gmem, out_gmem, *, lp: _Launch, span: int):
 
             def store(value: Any) -> None:
                 def mine(i: int) -> None:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    out_smem[i] = value.astype(out_smem.dtype)
-                    plgpu.commit_smem()
                     cols = pl.ds(col * cta_n + i * bn, bn)
-                    plgpu.copy_smem_to_gmem(
-                        out_smem.at[i], out_gmem.at[group, pl.ds(row * bm, bm), cols]
-                    )
+                    for top in range(0, bm, sm_rows):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[i] = value[top : top + sm_rows].astype(out_smem.dtype)
+                        plgpu.commit_smem()
+                        rows = pl.ds(row * bm + top, sm_rows)
+                        plgpu.copy_smem_to_gmem(out_smem.at[i], out_gmem.at[group, rows, cols])
 
                 _per_consumer(wg, mine)
 
