@@ -46,6 +46,35 @@ def timed(
     return statistics.median(runs)
 
 
+def rotating_rounds(
+    fns: dict[str, Callable[..., Any]],
+    args: tuple[Any, ...],
+    rounds: int,
+    gflop: float,
+    warm_s: float = 0.3,
+) -> dict[str, list[float]]:
+    """TFLOP/s of each function per round, timed by :func:`timed` in an order that rotates
+    by one each round (which function follows which changes the clock)."""
+    names = list(fns)
+    res: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            res[n].append(gflop / timed(fns[n], *args, warm_s=warm_s))
+    return res
+
+
+def print_rounds(title: str, res: dict[str, list[float]], ref: str) -> None:
+    """Each function's median TFLOP/s, its median ratio to ``ref`` and that ratio by round."""
+    print(f"== {title} (TFLOP/s, {ref} median {statistics.median(res[ref]):.0f})")
+    for n, xs in res.items():
+        ratios = [x / c for x, c in zip(xs, res[ref], strict=True)]
+        print(
+            f"  {n:26s} {statistics.median(xs):6.1f}  ÷ {ref} median "
+            f"{statistics.median(ratios):.3f}, by round: " + " ".join(f"{x:.2f}" for x in ratios),
+            flush=True,
+        )
+
+
 def fwd_bwd(attn: Callable[..., Any]) -> Callable[..., Any]:
     """``(q, k, v, dO) -> (out, (dq, dk, dv))``, jitted."""
     import jax

@@ -39,7 +39,6 @@ import importlib.metadata as md
 import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,31 +68,6 @@ WARM_S = float(os.environ.get("BENCH_WARM_S", "0.3"))
 def timed(fn: Callable[..., Any], *args: Any, iters: int = 10, repeats: int = 5) -> float:
     """Median milliseconds per call (compiled first, then run for ``WARM_S`` seconds)."""
     return _common.timed(fn, *args, iters=iters, repeats=repeats, warm_s=WARM_S)
-
-
-def rotating_rounds(
-    fns: dict[str, Callable[..., Any]], args: tuple[Any, ...], rounds: int, gflop: float
-) -> dict[str, list[float]]:
-    """TFLOP/s of each function per round, timed by :func:`timed` in an order that rotates
-    by one each round (which function follows which changes the clock)."""
-    names = list(fns)
-    res: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
-            res[n].append(gflop / timed(fns[n], *args))
-    return res
-
-
-def print_rounds(title: str, res: dict[str, list[float]], ref: str = "cuDNN") -> None:
-    """Each function's median TFLOP/s, its median ratio to ``ref`` and that ratio by round."""
-    print(f"== {title} (TFLOP/s, {ref} median {statistics.median(res[ref]):.0f})")
-    for n, xs in res.items():
-        ratios = [x / c for x, c in zip(xs, res[ref], strict=True)]
-        print(
-            f"  {n:22s} {statistics.median(xs):6.1f}  ÷ {ref} median "
-            f"{statistics.median(ratios):.3f}, by round: " + " ".join(f"{x:.2f}" for x in ratios),
-            flush=True,
-        )
 
 
 def flops(b: int, s: int, h: int, d: int, causal: bool) -> float:
@@ -375,7 +349,7 @@ def timed_rounds(
     rounds: int,
     grad: bool = False,
 ) -> dict[str, list[float]]:
-    """TFLOP/s of each ``attn(q, k, v, causal)`` per round (:func:`rotating_rounds`), on one set
+    """TFLOP/s of each ``attn(q, k, v, causal)`` per round (:func:`_common.rotating_rounds`), on one set
     of bf16 inputs: its forward, or with ``grad`` its forward+backward (a VJP of a random
     cotangent, 3.5× the forward's flops)."""
     keys = jax.random.split(jax.random.PRNGKey(sum(shape)), 4)
@@ -383,12 +357,12 @@ def timed_rounds(
     gflop = flops(*shape, causal) / 1e9
     if not grad:
         fns = {n: jax.jit(lambda q, k, v, f=f: f(q, k, v, causal)) for n, f in attns.items()}
-        return rotating_rounds(fns, (q, k, v), rounds, gflop)
+        return _common.rotating_rounds(fns, (q, k, v), rounds, gflop, warm_s=WARM_S)
     fns = {
         n: jax.jit(lambda q, k, v, do, f=f: jax.vjp(lambda *a: f(*a, causal), q, k, v)[1](do))
         for n, f in attns.items()
     }
-    return rotating_rounds(fns, (q, k, v, do), rounds, 3.5 * gflop)
+    return _common.rotating_rounds(fns, (q, k, v, do), rounds, 3.5 * gflop, warm_s=WARM_S)
 
 
 def config_space(
@@ -446,7 +420,7 @@ def rounds_mode(
         attns[default] = ours(platform)
         attns[ref] = anchor
         res = timed_rounds(attns, shape, causal, rounds, grad)
-        print_rounds(f"{shape} causal={causal} {what}, {rounds} rounds", res, ref)
+        _common.print_rounds(f"{shape} causal={causal} {what}, {rounds} rounds", res, ref)
         if every_config:
             row = {"impl": default, "shape": shape, "causal": causal}
             print(chosen_line({**row, "chosen": chosen(platform, shape, causal)}), flush=True)

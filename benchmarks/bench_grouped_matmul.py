@@ -11,6 +11,9 @@ several tile sizes) against ``lax.ragged_dot`` and one dense matmul, TFLOP/s, wi
 error against ``ragged_dot`` (the float32 reference is too large at these shapes).
 
 Run: ``python benchmarks/bench_grouped_matmul.py [--gpu] [--shapes M,K,N,G ...] [--dtype bfloat16]``
+``--gpu --rounds R [--grad] [--configs bm,bn,stages ...]``: the Pallas kernels at the heuristic's
+config and at each config beside the dense matmul in R rotating rounds of one process (the A/B
+of kernel variants a config selects).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import import_tokamax, timed
+from _common import import_tokamax, print_rounds, rotating_rounds, timed
 
 import ejkernel
 from ejkernel.specs.grouped_matmul import grouped_matmul_reference
@@ -222,6 +225,39 @@ def gpu(
             print(f"| {label} | {name} | {row} |", flush=True)
 
 
+def gpu_rounds(
+    shapes: list[tuple[int, int, int, int, str]], configs: list[str], rounds: int, grad: bool
+) -> None:
+    """The Pallas kernels at the heuristic's config and at each of ``configs`` beside the dense
+    matmul in ``rounds`` rotating rounds in one process: the A/B of kernel variants a config
+    selects, with the spread between rounds shown (the ratio to dense moves by several percent
+    between processes)."""
+    for m, k, n, g, kind in shapes:
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        rhs = jax.random.normal(keys[1], (g, k, n), jnp.bfloat16)
+        d_out = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+        sizes = jnp.asarray(routing(m, g, kind))
+        gmms: dict[str, Callable[..., jax.Array]] = {
+            "dense": lambda x, w, s: x @ w[0],
+            "ejkernel pallas": lambda x, w, s: ejkernel.grouped_matmul(x, w, s, platform="pallas"),
+        }
+        for text in configs:
+            cfg = pallas_config(text)
+            gmms[f"ejkernel pallas {text}"] = lambda x, w, s, cfg=cfg: ejkernel.grouped_matmul(
+                x, w, s, platform="pallas", cfg=cfg
+            )
+        if grad:
+            fns = {name: fwd_bwd(f) for name, f in gmms.items()}
+            args, gflop = (lhs, rhs, sizes, d_out), 3 * 2 * m * k * n / 1e9
+        else:
+            fns = {name: jax.jit(f) for name, f in gmms.items()}
+            args, gflop = (lhs, rhs, sizes), 2 * m * k * n / 1e9
+        res = rotating_rounds(fns, args, rounds, gflop)
+        what = "fwd+bwd" if grad else "fwd"
+        print_rounds(f"{m}, {k}, {n}, {g}, {kind} {what}, {rounds} rounds", res, "dense")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu", action="store_true")
@@ -232,6 +268,10 @@ def main() -> None:
         "--configs", nargs="*", default=[], help="gpu: Pallas configs bm,bn,stages to time too"
     )
     parser.add_argument("--no-anchors", action="store_true", help="gpu: ejkernel pallas only")
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="gpu: the Pallas configs beside dense, rotating"
+    )
+    parser.add_argument("--grad", action="store_true", help="gpu --rounds: forward+backward")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
     print(f"jax {jax.__version__}, devices {jax.devices()}, ejkernel {ejkernel.__version__}")
@@ -239,7 +279,10 @@ def main() -> None:
     if args.gpu:
         default = [(16384, 4096, 4096, 8, "even"), (32768, 2048, 1408, 64, "zipf")]
         gpu_shapes = [(*s[:4], args.routing) for s in shapes] if shapes else default
-        gpu(gpu_shapes, args.configs, anchors=not args.no_anchors)  # type: ignore[arg-type]
+        if args.rounds:
+            gpu_rounds(gpu_shapes, args.configs, args.rounds, args.grad)  # type: ignore[arg-type]
+        else:
+            gpu(gpu_shapes, args.configs, anchors=not args.no_anchors)  # type: ignore[arg-type]
     else:
         default = [(1024, 512, 512, 8), (1024, 512, 512, 32)]
         with ejkernel.ops.policy_override(autotune=False):  # the heuristic's tile, as shipped
