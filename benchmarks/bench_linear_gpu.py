@@ -32,7 +32,8 @@ float32 state, ``return_state``) for T = 1, 4, 8 and 16 tokens a call: the fused
 heuristic's chunked config) and the XLA platform, forward only.
 
 ``--configs``: instead, every config of the Triton op's config space (gla, kda, gdn), forward
-and forward+backward, against the heuristic's.
+and forward+backward, against the heuristic's; ``--config-match TEXT`` keeps the first config
+and those whose repr holds TEXT (e.g. ``narrow_products=True``).
 
 ``--once``: one forward+backward of each ``--op``'s Triton kernels after a warm-up, nothing
 timed: what ``benchmarks/gpu_kernels.sh`` runs under ncu for the per-kernel table.
@@ -414,7 +415,7 @@ def _device() -> str:
 SWEEPS = {"gla": "gla", "kda": "kernel_delta_attention", "gdn": "kernel_delta_attention"}
 
 
-def sweep(op: str, t: int, iters: int, repeats: int) -> None:
+def sweep(op: str, t: int, iters: int, repeats: int, match: str = "") -> None:
     """Every config of the Triton op's config space: forward and forward+backward times, and
     the largest relative error (output, gradients) against the heuristic's config."""
     import importlib
@@ -425,6 +426,7 @@ def sweep(op: str, t: int, iters: int, repeats: int) -> None:
     x = case.inputs(t)
     names, args = tuple(x), tuple(x.values())
     configs = module.config_space(types.SimpleNamespace(kwargs=x))
+    configs = configs[:1] + [c for c in configs[1:] if match in repr(c)]
     d_out = _normal(9, jax.eval_shape(ejkernel_fns(case, names, "triton")[0], *args).shape)
     _, base = ejkernel_fns(case, names, "triton", configs[0])
     want = jax.tree.leaves(base(*args, d_out))
@@ -497,6 +499,7 @@ def main() -> None:
     parser.add_argument(
         "--configs", action="store_true", help="every Triton config of the ops (gla, kda, gdn)"
     )
+    parser.add_argument("--config-match", default="", help="--configs: only configs with this")
     parser.add_argument(
         "--memory", action="store_true", help="B 1, T 8k to 64k: time and peak memory"
     )
@@ -510,7 +513,7 @@ def main() -> None:
         return
     if a.configs:
         for op in a.op or list(SWEEPS):
-            sweep(op, a.seq, a.iters, a.repeats)
+            sweep(op, a.seq, a.iters, a.repeats, a.config_match)
         return
     if a.memory:
         memory(a.op or ["gla", "kda"], a.iters, a.repeats)
