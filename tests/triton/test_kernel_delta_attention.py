@@ -321,12 +321,13 @@ def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkey
     alone, differentiated = heuristic(inv), heuristic(types.SimpleNamespace(**vars(inv), grad=True))
     assert (alone.num_warps, alone.num_stages) == (4, 2)
     assert (differentiated.num_warps, differentiated.num_stages) == (8, 2)
-    # bf16 products for a per-channel gate's forward alone; the space has the other choice
+    # bf16 products for a 16-bit forward alone, either gate; the space has the other choice
     assert alone.narrow_products and not differentiated.narrow_products
     assert attrs.evolve(alone, narrow_products=False) in config_space(inv)
     scalar = jax.ShapeDtypeStruct((2, 8192, 16), jnp.bfloat16)
     head_gate = types.SimpleNamespace(kwargs={**inv.kwargs, "g": scalar})
-    assert not heuristic(head_gate).narrow_products
+    assert heuristic(head_gate).narrow_products
+    assert not heuristic(types.SimpleNamespace(**vars(head_gate), grad=True)).narrow_products
     float32 = {n: jax.ShapeDtypeStruct(x.shape, jnp.float32) for n, x in inv.kwargs.items()}
     assert not heuristic(types.SimpleNamespace(kwargs=float32)).narrow_products
 

@@ -148,7 +148,7 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     memory holds them, 8 warps for a call being differentiated and 4 for a forward alone (the
     backward's reverse walk has ``T / C`` sequential steps, so longer chunks pay off most
     there, and wants the wider programs; the forward does better with the narrower ones),
-    a per-channel gate's forward alone on 16-bit inputs with ``narrow_products``, shorter
+    a forward alone on 16-bit inputs with ``narrow_products`` (either gate form), shorter
     chunks for short packed sequences or where shared memory is too small; in the interpreter
     (whose cost is per program and per loop step) chunks of 16 and whole-V blocks. Decoding
     calls (at most
@@ -168,8 +168,7 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
         )
     limit = _smem.launch_limit()
     grad = getattr(inv, "grad", False)
-    per_channel = a.get("g") is not None and a["g"].ndim == 4
-    narrow = not grad and per_channel and jnp.dtype(a["query"].dtype).itemsize == 2
+    narrow = not grad and jnp.dtype(a["query"].dtype).itemsize == 2
     for chunk, stages in ((64, 2), (64, 1), (32, 1), (16, 1)):
         warps = (8 if grad else 4) if chunk == 64 else 4
         cfg = KernelDeltaAttentionConfig(
