@@ -32,10 +32,13 @@ pytest.importorskip("triton")
 
 from ejkernel_triton.ops.gla import GlaConfig, config_space, heuristic, supports
 
-#: chunks of 16 (one sub-chunk) and 32 (two: the split between sub-chunks), several K/V blocks.
+#: chunks of 16 (one sub-chunk), 32 (two: the split between sub-chunks) and 64 (four: a query
+#: sub-chunk against several earlier ones), several K/V blocks.
 C16 = GlaConfig(chunk_size=16, block_k=16, block_v=16, num_stages=1)
 C32 = GlaConfig(chunk_size=32, block_k=16, block_v=32, num_stages=1)
-SMALL = [pytest.param(C16, id="C16"), pytest.param(C32, id="C32")]
+C64 = GlaConfig(chunk_size=64, block_k=16, block_v=32, num_stages=1)
+SMALL = [pytest.param(C16, id="C16"), pytest.param(C32, id="C32"), pytest.param(C64, id="C64")]
+SPLITS = [pytest.param(C32, id="C32"), pytest.param(C64, id="C64")]
 
 GPU_SHAPE = (2, 8192, 16, 128, 128)
 
@@ -93,10 +96,11 @@ def test_half_precision_within_a_half_precision_tolerance(interpret, dtype) -> N
     check({"query": q, "key": k, "value": v, "g": g}, C32, tol=1e-2)
 
 
-def test_log_decays_down_to_minus_20_per_step_stay_finite_and_right(interpret) -> None:
+@pytest.mark.parametrize("cfg", SPLITS)
+def test_log_decays_down_to_minus_20_per_step_stay_finite_and_right(interpret, cfg) -> None:
     q, k, v, _ = inputs(1, 70, 2, 16, 16)
     g = -20.0 * jax.random.uniform(jax.random.PRNGKey(5), q.shape)
-    check({"query": q, "key": k, "value": v, "g": g}, C32, return_state=True)
+    check({"query": q, "key": k, "value": v, "g": g}, cfg, return_state=True)
 
 
 def test_a_log_gate_of_minus_inf_resets_the_state(interpret) -> None:
@@ -105,13 +109,14 @@ def test_a_log_gate_of_minus_inf_resets_the_state(interpret) -> None:
     check({"query": q, "key": k, "value": v, "g": g}, C32, return_state=True)
 
 
-def test_a_nan_input_stays_in_its_causal_future(interpret) -> None:
+@pytest.mark.parametrize("cfg", SPLITS)
+def test_a_nan_input_stays_in_its_causal_future(interpret, cfg) -> None:
     q, k, v, g = inputs(2, 45, 2, 16, 16)
     q = q.at[1, 10, 0, 4].set(jnp.nan)
     k = k.at[0, 20, 0, 3].set(jnp.nan)
     v = v.at[1, 40, 1, 5].set(jnp.nan)
     g = g.at[0, 38, 1, 2].set(jnp.nan)
-    ours = triton_gla(C32)(q, k, v, g)
+    ours = triton_gla(cfg)(q, k, v, g)
     want = gla_reference(q, k, v, g)
     assert jnp.array_equal(jnp.isnan(ours), jnp.isnan(want))
     assert_close(ours, want, name="out")
