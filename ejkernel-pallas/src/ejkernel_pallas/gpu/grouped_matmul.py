@@ -16,7 +16,12 @@ without a matmul. There are at most ``ceil(M / block_m) + G + 1`` tiles whatever
 slots with TMA (``emit_pipeline_warp_specialized``); two consumers each own ``block_n`` output
 columns and accumulate with ``wgmma`` in float32. A tile's rows are stored as a binary ladder
 of TMA stores (``rows = Σ 2^i``: one store per set bit, ``block_m`` rows at once for a full
-tile), so a short tile writes exactly its rows and never touches the next group's.
+tile), so a short tile writes exactly its rows and never touches the next group's. A CTA's
+consecutive tiles run as one chained pipeline (Mosaic GPU's ``pipeline_state``, where the
+steps fill the ring's slots evenly): the producer streams the next tile's slices while the
+consumers finish and store the last one. The consumers stage their output through shared
+memory in halves of the tile where a whole tile and 4 ring slots would not fit together
+(bf16 at 128 × 2·128), so the ring keeps its 4 slots.
 
 **tgmm** (``d_rhs[g] = lhs_gᵀ · d_out_g``): persistent over (group, row block of the output,
 column block) items; the producer streams the group's rows in chunks of ``block_k``
