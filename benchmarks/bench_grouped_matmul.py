@@ -135,6 +135,15 @@ def pallas_config(text: str) -> Any:
     return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=64, stages=stages)
 
 
+def gpu_problem(m: int, k: int, n: int, g: int, kind: str) -> tuple[jax.Array, ...]:
+    """bf16 ``lhs [M, K]``, ``rhs [G, K, N]``, ``d_out [M, N]`` and ``kind``'s routing."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    rhs = jax.random.normal(keys[1], (g, k, n), jnp.bfloat16)
+    d_out = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+    return lhs, rhs, d_out, jnp.asarray(routing(m, g, kind))
+
+
 def gpu(
     shapes: list[tuple[int, int, int, int, str]], configs: list[str], anchors: bool = True
 ) -> None:
@@ -147,11 +156,7 @@ def gpu(
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for m, k, n, g, kind in shapes:
-        keys = jax.random.split(jax.random.PRNGKey(0), 3)
-        lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-        rhs = jax.random.normal(keys[1], (g, k, n), jnp.bfloat16)
-        d_out = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
-        sizes = jnp.asarray(routing(m, g, kind))
+        lhs, rhs, d_out, sizes = gpu_problem(m, k, n, g, kind)
         label = f"{m}, {k}, {n}, {g}, {kind}"
         flop = 2 * m * k * n
         f32 = jax.tree.map(lambda x: x.astype(jnp.float32), (lhs, rhs, d_out))
@@ -233,11 +238,7 @@ def gpu_rounds(
     selects, with the spread between rounds shown (the ratio to dense moves by several percent
     between processes)."""
     for m, k, n, g, kind in shapes:
-        keys = jax.random.split(jax.random.PRNGKey(0), 3)
-        lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-        rhs = jax.random.normal(keys[1], (g, k, n), jnp.bfloat16)
-        d_out = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
-        sizes = jnp.asarray(routing(m, g, kind))
+        lhs, rhs, d_out, sizes = gpu_problem(m, k, n, g, kind)
         gmms: dict[str, Callable[..., jax.Array]] = {
             "dense": lambda x, w, s: x @ w[0],
             "ejkernel pallas": lambda x, w, s: ejkernel.grouped_matmul(x, w, s, platform="pallas"),
