@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -254,6 +255,10 @@ def gpu_rounds(
         else:
             fns = {name: jax.jit(f) for name, f in gmms.items()}
             args, gflop = (lhs, rhs, sizes), 2 * m * k * n / 1e9
+        for name, fn in fns.items():  # compiled one by one, each reported as it ends
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            print(f"  compiled and ran {name} in {time.perf_counter() - start:.1f} s", flush=True)
         res = rotating_rounds(fns, args, rounds, gflop)
         what = "fwd+bwd" if grad else "fwd"
         print_rounds(f"{m}, {k}, {n}, {g}, {kind} {what}, {rounds} rounds", res, "dense")
