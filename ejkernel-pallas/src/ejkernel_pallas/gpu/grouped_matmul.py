@@ -173,11 +173,11 @@ def smem_need(kw: Any, cfg: GroupedMatmulConfig, *, grad: bool = True) -> int:
     """Bytes of shared memory the largest kernel of ``cfg`` allocates for the call ``kw``."""
     dtype = kw["lhs"].dtype
     out_dtype = kw.get("preferred_element_type") or dtype
-    *blocks, store_m = _blocks(kw, cfg)
-    need = _kernel_smem(tuple(blocks), dtype, out_dtype, store_m)
+    bm, bn, bk, stages, store_m = _blocks(kw, cfg)
+    blocks = (bm, bn, bk, stages)
     if grad:
-        need = max(need, _kernel_smem(tuple(blocks), dtype, dtype, store_m))
-    return need
+        return _both_smem(blocks, dtype, out_dtype, store_m)
+    return _kernel_smem(blocks, dtype, out_dtype, store_m)
 
 
 def _store_rows_that_fit(blocks: tuple[int, int, int, int], dtype: Any, out_dtype: Any) -> int:
