@@ -162,6 +162,23 @@ def test_gpu_decoding_matches_the_xla_path(s: int) -> None:
     close(got[0].astype(jnp.float32), want[0], tol=2e-2)
 
 
+@pytest.mark.gpu
+def test_gpu_a_donated_state_is_updated_in_place() -> None:
+    """A decoding step with its state donated: the final state takes the initial state's
+    buffer (no second state buffer, no copy), and the values are the undonated call's."""
+    a = inputs(64, 1, 16, 128, 128, dtype=jnp.bfloat16)
+    state = a.pop("initial_state")
+    step = jax.jit(lambda s, x: recurrent(cfg=None, **x, initial_state=s), donate_argnums=0)
+    compiled = step.lower(state, a).compile()
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= state.nbytes, memory
+    assert memory.temp_size_in_bytes < state.nbytes // 2, memory
+    want = jax.jit(lambda s, x: recurrent(cfg=None, **x, initial_state=s))(state, a)
+    got = step(jnp.copy(state), a)
+    for ours, theirs in zip(got, want, strict=True):
+        assert bool(jnp.all(ours == theirs))
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_the_kernel_compiles_for_hopper(monkeypatch, tmp_path, packed: bool) -> None:
     """The heuristic's launch (bf16, K = V = 128) compiled for sm_90 on any machine."""
@@ -180,4 +197,5 @@ def test_the_kernel_compiles_for_hopper(monkeypatch, tmp_path, packed: bool) -> 
     (launch,) = record
     compiled = _codegen.compile_launch(launch, capability=90)
     assert launch.kernel.fn.__name__ == "recurrent_fused_fwd_kernel"
+    assert launch.input_output_aliases == ((4, 1),)  # the final state is written over init
     assert compiled.shared <= 232448  # the H100's shared memory per block

@@ -91,7 +91,12 @@ def fused_launch(
     float32)``: ``arrays`` are ``(q, k, v, …, init, cu)`` in the kernel's order, one program per
     ``block_v`` values of a state row and head; ``constexprs`` are the kernel's own beyond the
     sizes ``K``, ``V``, ``BK``, ``BV`` and ``PACKED``. Vmappable: a dense call folds a mapped
-    axis into the batch, a packed one runs once per index."""
+    axis into the batch, a packed one runs once per index.
+
+    The final rows alias ``init`` (each program reads its state tile before it writes it), so
+    a state carried through ``lax.scan`` or donated to the call is updated in place: the
+    kernel's read and write are the step's only traffic on it. An undonated state is copied
+    first, by XLA."""
     q, v = arrays[0], arrays[2]
     dk, dv = q.shape[-1], v.shape[-1]
 
@@ -111,6 +116,7 @@ def fused_launch(
                 ],
                 grid=(-(-dv // block_v), init.shape[0], h),
                 zeroed_outputs=(0,) if packed else (),
+                input_output_aliases={len(arrays) - 2: 1},
                 K=dk,
                 V=dv,
                 BK=pow2(dk),
