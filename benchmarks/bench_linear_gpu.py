@@ -27,9 +27,9 @@ Timing: median of ``--repeats`` batches of ``--iters`` calls after a warm-up
 from the heuristics (``EJKERNEL_AUTOTUNE_POLICY=heuristics`` unless set).
 
 ``--decode``: instead, decoding with ``gla`` (B 32, H 16, K = V = 128, bf16, a carried
-float32 state, ``return_state``) for T = 1, 4, 8 and 16 tokens a call: the fused recurrent kernel
-(``GlaConfig(fused=True)``, 16/32/64-wide value blocks) against the chunked kernels (the
-heuristic's chunked config) and the XLA platform, forward only.
+float32 state, ``return_state``) for T = 1, 4, 8 and 16 tokens a call (``--tokens``): the
+fused recurrent kernel (``GlaConfig(fused=True)``, 16/32/64-wide value blocks) against the
+chunked kernels (the heuristic's chunked config) and the XLA platform, forward only.
 
 ``--configs``: instead, every config of the Triton op's config space (gla, kda, gdn), forward
 and forward+backward, against the heuristic's; ``--config-match TEXT`` keeps the first config
@@ -326,7 +326,7 @@ def bench(op: str, t: int, iters: int, repeats: int, anchors: str) -> None:
         print(f"| {case.anchor} | {f} | {fb} | | |")
 
 
-def decode(iters: int, repeats: int) -> None:
+def decode(iters: int, repeats: int, tokens: tuple[int, ...] = (1, 4, 8, 16)) -> None:
     """The fused recurrent kernel against the chunked kernels for a few tokens a call (gla at
     B 32, KDA at B 64; H 16, K = V = 128, bf16, a carried state), and the state's read and
     write rate (``B·H·K·V`` float32 each way) at the fused kernel's best value block; then
@@ -369,7 +369,7 @@ def decode(iters: int, repeats: int) -> None:
             "| rel err | best bv per scan step | state GB/s (scan) |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
-        for t in (1, 4, 8, 16):
+        for t in tokens:
             args = (*make(t, b).values(), state)
 
             def run(cfg: Any, platform: str = "triton", call: Any = call) -> Any:
@@ -504,6 +504,9 @@ def main() -> None:
         "--decode", action="store_true", help="fused against chunked, T ≤ 16 (gla, kda)"
     )
     parser.add_argument(
+        "--tokens", default="1,4,8,16", help="--decode: the tokens a call (comma-separated)"
+    )
+    parser.add_argument(
         "--configs", action="store_true", help="every Triton config of the ops (gla, kda, gdn)"
     )
     parser.add_argument("--config-match", default="", help="--configs: only configs with this")
@@ -526,7 +529,7 @@ def main() -> None:
         memory(a.op or ["gla", "kda"], a.iters, a.repeats)
         return
     if a.decode:
-        decode(a.iters, a.repeats)
+        decode(a.iters, a.repeats, tuple(int(t) for t in a.tokens.split(",")))
         return
     for op in a.op or list(CASES):
         bench(op, a.seq, a.iters, a.repeats, a.anchors)
