@@ -15,9 +15,10 @@ Three kernels:
   sequence's final state, and restarts from the initial state where a sequence begins.
 - :func:`gla_fwd_a_kernel` builds the intra-chunk matrix
   ``A[i, j] = scale · Σ_k q_ik k_jk exp(G_ik − G_jk)`` (j ≤ i) in sub-chunks of ``BC`` rows:
-  between sub-chunks the decay splits at the first row ``r`` of the query sub-chunk,
-  ``(q ⊙ exp(G − G_r)) (k ⊙ exp(G_r − G))ᵀ``, both exponents ≤ 0 for decaying gates; inside a
-  sub-chunk it is formed entry by entry from ``exp(G_i − G_j)``, masked before the exp. No
+  against the earlier sub-chunks the decay splits at the first row ``r`` of the query
+  sub-chunk, ``(q ⊙ exp(G − G_r)) (k ⊙ exp(G_r − G))ᵀ`` (one product over the chunk's rows
+  before ``r``), both exponents ≤ 0 for decaying gates; inside a sub-chunk it is formed entry
+  by entry from ``exp(G_i − G_j)``, masked before the exp. No
   exp ever sees the (positive) difference of a later and an earlier cumulative decay, so gates
   down to any log decay give no Inf or NaN (flash-linear-attention's ``chunk_gla`` scheme).
 - :func:`gla_fwd_o_kernel`: ``o = scale · (q ⊙ exp(G)) h_chunk + A v``.
@@ -123,52 +124,62 @@ def gla_fwd_a_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(NT · C / BC, B·H)``: rows ``[i·BC, (i+1)·BC)`` of one chunk's ``A [C, C]``
-    (float32, ``[B, T, H, C]``; zero above the diagonal)."""
+    (float32, ``[B, T, H, C]``; zero above the diagonal).
+
+    The columns of every earlier sub-chunk come from one product
+    ``(q ⊙ exp(G − G_r)) (k ⊙ exp(G_r − G))ᵀ`` against the chunk's key rows before ``r`` (the
+    query sub-chunk's first row; later rows are selected away before the product); the diagonal
+    sub-chunk's ``[BC, BC]`` entries come from ``[BC, BC, 16]`` products of key slices,
+    ``exp(G_i − G_j)`` masked to ``j ≤ i`` before the exp."""
     NC: tl.constexpr = C // BC
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_n, i_i = i_c // NC, i_c % NC
     i_b, i_h = i_bh // H, i_bh % H
     o_r = tl.arange(0, BC)
+    o_c = tl.arange(0, C)
     row0 = i_b.to(tl.int64) * NT * C * H + i_h
     t_i = i_n * C + i_i * BC  # first token of the query sub-chunk
     rows_i = row0 + (t_i + o_r) * H
-    p_a = a_ptr + rows_i[:, None] * C + o_r[None, :]
+    rows_c = row0 + (i_n * C + o_c) * H  # every key row of the chunk
+    earlier = o_c < i_i * BC
     dt = q_ptr.dtype.element_ty
-    for i_j in range(0, i_i):  # earlier sub-chunks: split at the query sub-chunk's first row
-        rows_j = row0 + (i_n * C + i_j * BC + o_r) * H
-        b_a = tl.zeros([BC, BC], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < K
-            b_q = tl.load(q_ptr + rows_i[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            b_gq = tl.load(g_ptr + rows_i[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            b_gr = tl.load(g_ptr + (row0 + t_i * H) * K + o_k, mask=m_k, other=0.0)
-            b_k = tl.load(k_ptr + rows_j[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            b_gk = tl.load(g_ptr + rows_j[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            b_qg = (b_q * tl.exp(b_gq - b_gr[None, :])).to(dt)
-            b_kg = (b_k * tl.exp(b_gr[None, :] - b_gk)).to(dt)
-            b_a += tl.dot(b_qg, tl.trans(b_kg), input_precision=DOT_PRECISION)
-        tl.store(p_a + i_j * BC, b_a * scale)
-    for i_j in range(i_i + 1, NC):
-        tl.store(p_a + i_j * BC, tl.zeros([BC, BC], dtype=tl.float32))
-    # the diagonal sub-chunk, one key column at a time
-    b_a = tl.zeros([BC, BC], dtype=tl.float32)
+    b_a = tl.zeros([BC, C], dtype=tl.float32)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         b_q = tl.load(q_ptr + rows_i[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         b_gq = tl.load(g_ptr + rows_i[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_q = b_q.to(tl.float32)
-        for j in range(0, BC):
-            row_j = row0 + (t_i + j) * H
-            b_k = tl.load(k_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_gk = tl.load(g_ptr + row_j * K + o_k, mask=m_k, other=0.0)
-            causal = o_r[:, None] >= j
-            b_d = tl.where(causal, b_gq - b_gk[None, :], float("-inf"))
-            # the product is masked too: a NaN key stays out of earlier rows
-            b_col = tl.sum(tl.where(causal, b_q * b_k[None, :] * tl.exp(b_d), 0.0), axis=1)
-            b_a = tl.where(o_r[None, :] == j, b_a + b_col[:, None], b_a)
-    tl.store(p_a + i_i * BC, b_a * scale)
+        b_gr = tl.load(g_ptr + (row0 + t_i * H) * K + o_k, mask=m_k, other=0.0)
+        m_j = earlier[:, None] & m_k[None, :]
+        b_k = tl.load(k_ptr + rows_c[:, None] * K + o_k[None, :], mask=m_j, other=0.0)
+        b_gk = tl.load(g_ptr + rows_c[:, None] * K + o_k[None, :], mask=m_j, other=0.0)
+        b_qg = (b_q * tl.exp(b_gq - b_gr[None, :])).to(dt)
+        # selected, never multiplied by 0: a NaN key of a later row stays out of these rows
+        b_kg = tl.where(earlier[:, None], b_k * tl.exp(b_gr[None, :] - b_gk), 0.0).to(dt)
+        b_a += tl.dot(b_qg, tl.trans(b_kg), input_precision=DOT_PRECISION)
+    # the diagonal sub-chunk, 16 key channels at a time
+    causal = (o_r[:, None] >= o_r[None, :])[:, :, None]
+    b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    for k0 in range(0, K, 16):
+        o_k = k0 + tl.arange(0, 16)
+        m_k = o_k < K
+        p_i = rows_i[:, None] * K + o_k[None, :]
+        b_q = tl.load(q_ptr + p_i, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_gq = tl.load(g_ptr + p_i, mask=m_k[None, :], other=0.0)
+        b_k = tl.load(k_ptr + p_i, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_gk = tl.load(g_ptr + p_i, mask=m_k[None, :], other=0.0)
+        b_e = tl.where(causal, b_gq[:, None, :] - b_gk[None, :, :], float("-inf"))
+        # the product is masked too: a NaN key stays out of earlier rows
+        b_p = tl.where(causal, b_q[:, None, :] * b_k[None, :, :] * tl.exp(b_e), 0.0)
+        b_d += tl.sum(b_p, axis=2)
+    # two stores to disjoint columns: the diagonal block, and the rest of the row block (the
+    # earlier sub-chunks' products, zeros after the diagonal)
+    in_diag = (o_c >= i_i * BC) & (o_c < i_i * BC + BC)
+    p_a = a_ptr + rows_i[:, None] * C
+    tl.store(
+        p_a + o_c[None, :], tl.where(earlier[None, :], b_a * scale, 0.0), mask=~in_diag[None, :]
+    )
+    tl.store(p_a + i_i * BC + o_r[None, :], b_d * scale)
 
 
 @triton.jit
