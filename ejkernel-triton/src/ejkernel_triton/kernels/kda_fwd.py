@@ -200,7 +200,8 @@ def kda_fwd_intra_kernel(
 
     Below the diagonal the decays factor through the block's first row ``ρ``:
     ``exp(G_t − G_ρ) · exp(G_ρ − G_s)``, both at most 1 for a decay. On the diagonal they are
-    taken entry by entry, one column ``s`` per step: ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``.
+    taken entry by entry from ``[SUB, SUB, 16]`` products of key-channel slices:
+    ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``, the exponent masked to ``s ≤ t`` before the exp.
     A diagonal tile's program also inverts its block of ``I + A``
     (``A_tj = β_t (K Kᵀ)_tj``, ``j < t``) into ``tdiag`` [B, T, H, C] (float32; only the
     diagonal blocks are written), for :func:`kda_fwd_wy_kernel`."""
@@ -232,22 +233,18 @@ def kda_fwd_intra_kernel(
             b_p += tl.dot(b_qi, tl.trans(b_kb), input_precision=DOT_PRECISION)
             b_kk += tl.dot(b_ki, tl.trans(b_kb), input_precision=DOT_PRECISION)
     elif i_j == i_i:
-        for k0 in range(0, K, BKS):
-            o_k = k0 + tl.arange(0, BKS)
+        seen = (o_s[:, None] >= o_s[None, :])[:, :, None]  # [t, s, κ]: s ≤ t
+        for k0 in range(0, K, 16):
+            o_k = k0 + tl.arange(0, 16)
             m_k = (o_k < K)[None, :]
             p_i = rows_i[:, None] * K + o_k[None, :]
-            b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0)
-            b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0)
+            b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0).to(tl.float32)
+            b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0).to(tl.float32)
             b_gi = tl.load(gc_ptr + p_i, mask=m_k, other=0.0)
-            for s in range(0, SUB):
-                p_s = (first + (i_i * SUB + s) * H) * K + o_k
-                b_ks = tl.load(kn_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
-                b_gs = tl.load(gc_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
-                seen = (o_s >= s)[:, None]
-                b_ke = b_ks * tl.exp(tl.where(seen, b_gi - b_gs, float("-inf")))
-                col = (o_s == s)[None, :]
-                b_p = tl.where(col, b_p + tl.sum(b_qi * b_ke, axis=1)[:, None], b_p)
-                b_kk = tl.where(col, b_kk + tl.sum(b_ki * b_ke, axis=1)[:, None], b_kk)
+            b_e = tl.exp(tl.where(seen, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
+            b_ke = b_ki[None, :, :] * b_e  # key s decayed to row t, [t, s, κ]
+            b_p += tl.sum(b_qi[:, None, :] * b_ke, axis=2)
+            b_kk += tl.sum(b_ki[:, None, :] * b_ke, axis=2)
     cols = i_j * SUB + o_s
     tl.store(p_ptr + rows_i[:, None] * C + cols[None, :], b_p)
     tl.store(kk_ptr + rows_i[:, None] * C + cols[None, :], b_kk)
