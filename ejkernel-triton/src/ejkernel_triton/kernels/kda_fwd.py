@@ -46,6 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ejkernel_triton.kernels.gla_fwd import DIAGONAL_PRODUCT_SPAN, DIAGONAL_PRODUCT_SPAN_F16
 from ejkernel_triton.kernels.kda_common import (
     SUB,
     block_inverse,
@@ -200,8 +201,10 @@ def kda_fwd_intra_kernel(
 
     Below the diagonal the decays factor through the block's first row ``ρ``:
     ``exp(G_t − G_ρ) · exp(G_ρ − G_s)``, both at most 1 for a decay. On the diagonal they are
-    taken entry by entry from ``[SUB, SUB, 16]`` products of key-channel slices:
-    ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``, the exponent masked to ``s ≤ t`` before the exp.
+    factored the same way where a block of key channels decays by at most
+    :data:`~ejkernel_triton.kernels.gla_fwd.DIAGONAL_PRODUCT_SPAN` across it (the entries above
+    the diagonal then selected away), and otherwise taken entry by entry, one column ``s`` per
+    step: ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``.
     A diagonal tile's program also inverts its block of ``I + A``
     (``A_tj = β_t (K Kᵀ)_tj``, ``j < t``) into ``tdiag`` [B, T, H, C] (float32; only the
     diagonal blocks are written), for :func:`kda_fwd_wy_kernel`."""
@@ -233,18 +236,45 @@ def kda_fwd_intra_kernel(
             b_p += tl.dot(b_qi, tl.trans(b_kb), input_precision=DOT_PRECISION)
             b_kk += tl.dot(b_ki, tl.trans(b_kb), input_precision=DOT_PRECISION)
     elif i_j == i_i:
-        seen = (o_s[:, None] >= o_s[None, :])[:, :, None]  # [t, s, κ]: s ≤ t
-        for k0 in range(0, K, 16):
-            o_k = k0 + tl.arange(0, 16)
+        # through the block's first row where the channels' decay span allows it (see
+        # gla_fwd.DIAGONAL_PRODUCT_SPAN), entry by entry otherwise
+        ref = first + i_i * SUB * H
+        for k0 in range(0, K, BKS):
+            o_k = k0 + tl.arange(0, BKS)
             m_k = (o_k < K)[None, :]
             p_i = rows_i[:, None] * K + o_k[None, :]
-            b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0).to(tl.float32)
-            b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0).to(tl.float32)
+            b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0)
+            b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0)
             b_gi = tl.load(gc_ptr + p_i, mask=m_k, other=0.0)
-            b_e = tl.exp(tl.where(seen, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
-            b_ke = b_ki[None, :, :] * b_e  # key s decayed to row t, [t, s, κ]
-            b_p += tl.sum(b_qi[:, None, :] * b_ke, axis=2)
-            b_kk += tl.sum(b_ki[:, None, :] * b_ke, axis=2)
+            b_gr = tl.load(gc_ptr + ref * K + o_k, mask=o_k < K, other=0.0)[None, :]
+            span = tl.max(b_gr - b_gi)
+            dt = qn_ptr.dtype.element_ty
+            limit: tl.constexpr = (
+                DIAGONAL_PRODUCT_SPAN_F16 if NARROW and dt == tl.float16 else DIAGONAL_PRODUCT_SPAN
+            )
+            if span <= limit:
+                b_in = tl.exp(b_gi - b_gr)
+                b_kb = b_ki * tl.exp(b_gr - b_gi)
+                b_qa = b_qi * b_in
+                b_ka = b_ki * b_in
+                if NARROW:
+                    b_kb, b_qa, b_ka = b_kb.to(dt), b_qa.to(dt), b_ka.to(dt)
+                b_p += tl.dot(b_qa, tl.trans(b_kb), input_precision=DOT_PRECISION)
+                b_kk += tl.dot(b_ka, tl.trans(b_kb), input_precision=DOT_PRECISION)
+            else:
+                for s in range(0, SUB):
+                    p_s = (first + (i_i * SUB + s) * H) * K + o_k
+                    b_ks = tl.load(kn_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
+                    b_gs = tl.load(gc_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
+                    seen = (o_s >= s)[:, None]
+                    b_ke = b_ks * tl.exp(tl.where(seen, b_gi - b_gs, float("-inf")))
+                    col = (o_s == s)[None, :]
+                    b_p = tl.where(col, b_p + tl.sum(b_qi * b_ke, axis=1)[:, None], b_p)
+                    b_kk = tl.where(col, b_kk + tl.sum(b_ki * b_ke, axis=1)[:, None], b_kk)
+        # selected: the entries above the diagonal (a NaN key's among them) are zeros
+        lower = o_s[:, None] >= o_s[None, :]
+        b_p = tl.where(lower, b_p, 0.0)
+        b_kk = tl.where(lower, b_kk, 0.0)
     cols = i_j * SUB + o_s
     tl.store(p_ptr + rows_i[:, None] * C + cols[None, :], b_p)
     tl.store(kk_ptr + rows_i[:, None] * C + cols[None, :], b_kk)
