@@ -39,6 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ejkernel_triton.kernels.gla_fwd import DIAGONAL_PRODUCT_SPAN
 from ejkernel_triton.kernels.kda_common import (
     SUB,
     chunk_flags,
@@ -523,25 +524,42 @@ def kda_bwd_products_kernel(
     b_in = tl.exp(b_g - b_gr)
     b_dq *= b_in
     b_dka *= b_in
-    # the diagonal block, one token s of it a step: as a column of the rows t ≥ s, as a row
-    # of the columns j ≤ s
+    # the diagonal block: through its first row where the channels' decay span allows it
+    # (see gla_fwd.DIAGONAL_PRODUCT_SPAN), as a column of the rows t ≥ s and as a row of the
+    # columns r ≤ s; otherwise one token s of it a step
     b_dkb = tl.zeros([SUB, BKS], dtype=tl.float32)
-    for s in range(0, SUB):
-        row_s = first + (i_i * SUB + s) * H
-        b_ks = tl.load(kn_ptr + row_s * K + o_k, mask=o_k < K, other=0.0)[None, :]
-        b_gs = tl.load(gc_ptr + row_s * K + o_k, mask=o_k < K, other=0.0)[None, :]
-        b_qs = tl.load(qs_ptr + row_s * K + o_k, mask=o_k < K, other=0.0)[None, :]
-        after = o_s >= s
-        b_dpc = tl.load(dpt_ptr + row_s * C + t_i, mask=after, other=0.0)[:, None]
-        b_dmc = tl.load(dm + t_i * C + i_i * SUB + s, mask=after, other=0.0)[:, None]
-        b_e = tl.exp(tl.where(after[:, None], b_g - b_gs, float("-inf")))
-        b_dq += b_dpc * b_ks * b_e
-        b_dka += b_dmc * b_ks * b_e
-        before = o_s <= s
-        b_dpr = tl.load(dpt_ptr + rows_i * C + i_i * SUB + s, mask=before, other=0.0)[:, None]
-        b_dmr = tl.load(dm + (i_i * SUB + s) * C + t_i, mask=before, other=0.0)[:, None]
-        b_e = tl.exp(tl.where(before[:, None], b_gs - b_g, float("-inf")))
-        b_dkb += (b_dpr * b_qs + b_dmr * b_ks) * b_e
+    span = tl.max(b_gr - b_g)
+    if span <= DIAGONAL_PRODUCT_SPAN:
+        t_s = i_i * SUB + o_s
+        lower = o_s[:, None] >= o_s[None, :]  # [t, s]: s ≤ t
+        b_dpd = tl.load(dpt_ptr + rows_i[None, :] * C + t_s[:, None], mask=lower, other=0.0)
+        b_dmd = tl.load(dm + t_s[:, None] * C + t_s[None, :], mask=lower, other=0.0)
+        b_kout = b_k * tl.exp(b_gr - b_g)
+        b_dq += b_in * tl.dot(b_dpd, b_kout, input_precision=DOT_PRECISION)
+        b_dka += b_in * tl.dot(b_dmd, b_kout, input_precision=DOT_PRECISION)
+        upper = o_s[:, None] <= o_s[None, :]  # [r, s]: r ≤ s
+        b_dpu = tl.load(dpt_ptr + rows_i[:, None] * C + t_s[None, :], mask=upper, other=0.0)
+        b_dmu = tl.load(dm + t_s[None, :] * C + t_s[:, None], mask=upper, other=0.0)
+        b_sum = tl.dot(b_dpu, b_q * b_in, input_precision=DOT_PRECISION)
+        b_sum += tl.dot(b_dmu, b_k * b_in, input_precision=DOT_PRECISION)
+        b_dkb += tl.exp(b_gr - b_g) * b_sum
+    else:
+        for s in range(0, SUB):
+            row_s = first + (i_i * SUB + s) * H
+            b_ks = tl.load(kn_ptr + row_s * K + o_k, mask=o_k < K, other=0.0)[None, :]
+            b_gs = tl.load(gc_ptr + row_s * K + o_k, mask=o_k < K, other=0.0)[None, :]
+            b_qs = tl.load(qs_ptr + row_s * K + o_k, mask=o_k < K, other=0.0)[None, :]
+            after = o_s >= s
+            b_dpc = tl.load(dpt_ptr + row_s * C + t_i, mask=after, other=0.0)[:, None]
+            b_dmc = tl.load(dm + t_i * C + i_i * SUB + s, mask=after, other=0.0)[:, None]
+            b_e = tl.exp(tl.where(after[:, None], b_g - b_gs, float("-inf")))
+            b_dq += b_dpc * b_ks * b_e
+            b_dka += b_dmc * b_ks * b_e
+            before = o_s <= s
+            b_dpr = tl.load(dpt_ptr + rows_i * C + i_i * SUB + s, mask=before, other=0.0)[:, None]
+            b_dmr = tl.load(dm + (i_i * SUB + s) * C + t_i, mask=before, other=0.0)[:, None]
+            b_e = tl.exp(tl.where(before[:, None], b_gs - b_g, float("-inf")))
+            b_dkb += (b_dpr * b_qs + b_dmr * b_ks) * b_e
     # the block's columns against the later blocks' rows, through each one's first row
     for tb in range(i_i + 1, C // SUB):
         t_t = tb * SUB + o_s
