@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ejkernel_triton.kernels.gla_fwd import DIAGONAL_PRODUCT_SPAN, DIAGONAL_PRODUCT_SPAN_F16
+
 
 @triton.jit
 def gla_bwd_dh_kernel(
@@ -226,19 +228,36 @@ def gla_bwd_intra_kernel(
         b_qg = (b_q * tl.exp(b_gq - b_ge[None, :])).to(dt)
         b_dk += tl.dot(tl.trans(b_da).to(dt), b_qg, input_precision=DOT_PRECISION)
     b_dk = b_dk * tl.exp(b_ge[None, :] - b_g)
-    # the diagonal sub-chunk, one token j at a time
-    for j in range(0, BC):
-        row_j = row0 + (t_i + j) * H
-        b_kj = tl.load(k_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_qj = tl.load(q_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_gj = tl.load(g_ptr + row_j * K + o_k, mask=m_k, other=0.0)
-        b_da_col = tl.load(da_ptr + rows_i * C + i_i * BC + j)  # dA[r, j]
-        b_da_row = tl.load(da_ptr + row_j * C + i_i * BC + o_r)  # dA[j, r]
-        after = o_r[:, None] >= j
-        b_eq = tl.exp(tl.where(after, b_g - b_gj[None, :], float("-inf")))
-        b_ek = tl.exp(tl.where(o_r[:, None] <= j, b_gj[None, :] - b_g, float("-inf")))
-        b_dq += b_da_col[:, None] * b_kj[None, :] * b_eq
-        b_dk += b_da_row[:, None] * b_qj[None, :] * b_ek
+    # the diagonal sub-chunk: through its first row where the channels' decay span allows
+    # it (gla_fwd.DIAGONAL_PRODUCT_SPAN), one token j at a time otherwise
+    span = tl.max(b_gr[None, :] - b_g)
+    limit: tl.constexpr = DIAGONAL_PRODUCT_SPAN_F16 if dt == tl.float16 else DIAGONAL_PRODUCT_SPAN
+    if span <= limit:
+        b_k = tl.load(k_ptr + p_i, mask=m_k[None, :], other=0.0)
+        b_q = tl.load(q_ptr + p_i, mask=m_k[None, :], other=0.0)
+        b_in = tl.exp(b_g - b_gr[None, :])  # ≤ 1
+        b_out = tl.exp(b_gr[None, :] - b_g)  # ≤ e^span
+        lower = o_r[:, None] >= o_r[None, :]
+        p_d = da_ptr + i_i * BC
+        b_dal = tl.load(p_d + rows_i[:, None] * C + o_r[None, :], mask=lower, other=0.0)  # [r, j]
+        b_dau = tl.load(
+            p_d + rows_i[None, :] * C + o_r[:, None], mask=o_r[:, None] <= o_r[None, :], other=0.0
+        )  # dA[j, r] as [r, j], j ≥ r
+        b_dq += b_in * tl.dot(b_dal.to(dt), (b_k * b_out).to(dt), input_precision=DOT_PRECISION)
+        b_dk += b_out * tl.dot(b_dau.to(dt), (b_q * b_in).to(dt), input_precision=DOT_PRECISION)
+    else:
+        for j in range(0, BC):
+            row_j = row0 + (t_i + j) * H
+            b_kj = tl.load(k_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_qj = tl.load(q_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_gj = tl.load(g_ptr + row_j * K + o_k, mask=m_k, other=0.0)
+            b_da_col = tl.load(da_ptr + rows_i * C + i_i * BC + j)  # dA[r, j]
+            b_da_row = tl.load(da_ptr + row_j * C + i_i * BC + o_r)  # dA[j, r]
+            after = o_r[:, None] >= j
+            b_eq = tl.exp(tl.where(after, b_g - b_gj[None, :], float("-inf")))
+            b_ek = tl.exp(tl.where(o_r[:, None] <= j, b_gj[None, :] - b_g, float("-inf")))
+            b_dq += b_da_col[:, None] * b_kj[None, :] * b_eq
+            b_dk += b_da_row[:, None] * b_qj[None, :] * b_ek
     tl.store(dq_ptr + p_i, b_dq, mask=m_k[None, :])
     tl.store(dk_ptr + p_i, b_dk, mask=m_k[None, :])
 
