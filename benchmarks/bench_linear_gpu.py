@@ -26,10 +26,12 @@ Timing: median of ``--repeats`` batches of ``--iters`` calls after a warm-up
 (:func:`benchmarks._common.timed`; torch the same with ``torch.cuda.synchronize``). Configs come
 from the heuristics (``EJKERNEL_AUTOTUNE_POLICY=heuristics`` unless set).
 
-``--decode``: instead, decoding with ``gla`` (B 32, H 16, K = V = 128, bf16, a carried
-float32 state, ``return_state``) for T = 1, 4, 8 and 16 tokens a call (``--tokens``): the
-fused recurrent kernel (``GlaConfig(fused=True)``, 16/32/64-wide value blocks) against the
-chunked kernels (the heuristic's chunked config) and the XLA platform, forward only.
+``--decode``: instead, decoding with ``gla`` and ``kernel_delta_attention`` (B 64, H 16,
+K = V = 128, bf16, a carried float32 state, ``return_state``) for T = 1, 4, 8 and 16 tokens a
+call (``--tokens``): the fused recurrent kernel (16/32/64-wide value blocks) against the
+chunked kernels (the heuristic's chunked config) and the XLA platform, forward only, and the
+fused kernel per step of a ``lax.scan`` beside an XLA copy of the state in the same kind of
+scan.
 
 ``--configs``: instead, every config of the Triton op's config space (gla, kda, gdn), forward
 and forward+backward, against the heuristic's; ``--config-match TEXT`` keeps the first config
@@ -327,9 +329,8 @@ def bench(op: str, t: int, iters: int, repeats: int, anchors: str) -> None:
 
 
 def decode(iters: int, repeats: int, tokens: tuple[int, ...] = (1, 4, 8, 16)) -> None:
-    """The fused recurrent kernel against the chunked kernels for a few tokens a call (gla at
-    B 32, KDA at B 64; H 16, K = V = 128, bf16, a carried state), and the state's read and
-    write rate (``B·H·K·V`` float32 each way) at the fused kernel's best value block; then
+    """The fused recurrent kernel against the chunked kernels for a few tokens a call (gla and
+    KDA at B 64, H 16, K = V = 128, bf16, a carried state), and the state's read and write rate (``B·H·K·V`` float32 each way) at the fused kernel's best value block; then
     the fused kernel at that block per step of :data:`SCAN_STEPS` calls in one ``lax.scan``
     that carries the state (no dispatch between steps, as in a serving loop), and the
     state's rate at that time; beside them, the rate of an XLA copy of the state (read and
@@ -355,15 +356,20 @@ def decode(iters: int, repeats: int, tokens: tuple[int, ...] = (1, 4, 8, 16)) ->
         return {**_qkv(t, b, h, d), "beta": beta, "g": _gate(3, (b, t, h, d))}
 
     tables = (
-        ("gla", 32, gla_call, gla_inputs, GlaConfig(chunk_size=16, block_k=64, block_v=64)),
+        ("gla", 64, gla_call, gla_inputs, GlaConfig(chunk_size=16, block_k=64, block_v=64)),
         ("kda", 64, kda_call, kda_inputs, KernelDeltaAttentionConfig(chunk_size=16, block_v=32)),
     )
     for name, b, call, make, chunked in tables:
         state = _normal(7, (b, h, d, d), jnp.float32)
+        nbytes = 2 * state.size * 4
         copy_ms = timed(jax.jit(lambda s: s + 1.0), state, iters=iters, repeats=repeats)
-        copy = 2 * state.size * 4 / (copy_ms * 1e-3) / 1e9
+        copies = timed(scanned_copy(), state, iters=iters, repeats=repeats) / SCAN_STEPS
         print(f"\n### {name} decoding: B {b}, H {h}, K = V = {d}, bf16 ({_device()})")
-        print(f"copy of the state (read and write, XLA): {copy_ms:.4f} ms, {copy:.0f} GB/s")
+        print(
+            f"XLA copy of the state (read and write): one call {copy_ms:.4f} ms "
+            f"({nbytes / copy_ms / 1e6:.0f} GB/s), per scan step {copies:.4f} ms "
+            f"({nbytes / copies / 1e6:.0f} GB/s)"
+        )
         print(
             "| T | chunked ms | fused bv16 | fused bv32 | fused bv64 | XLA ms | state GB/s "
             "| rel err | best bv per scan step | state GB/s (scan) |"
@@ -386,7 +392,7 @@ def decode(iters: int, repeats: int, tokens: tuple[int, ...] = (1, 4, 8, 16)) ->
             err = max(rel(a, e) for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
             cols = " | ".join(f"{c:.4f}" for c in cells)
             best = attrs.evolve(
-                chunked, fused=True, block_v=(16, 32, 64)[cells.index(min(cells[1:4]))]
+                chunked, fused=True, block_v=(16, 32, 64)[cells.index(min(cells[1:4])) - 1]
             )
             step = timed(scanned(call, best), *args, iters=iters, repeats=repeats) / SCAN_STEPS
             scan_rate = 2 * b * h * d * d * 4 / (step * 1e-3) / 1e9
@@ -410,6 +416,19 @@ def scanned(call: Any, cfg: Any) -> Any:
             return state, None
 
         return jax.lax.scan(step, args[-1], None, length=SCAN_STEPS)[0]
+
+    return jax.jit(steps)
+
+
+def scanned_copy() -> Any:
+    """``SCAN_STEPS`` XLA copies of a state (``s · a + b``: read and written once a step) in
+    one jitted ``lax.scan``: the rate a decoding step's state traffic is held to."""
+
+    def steps(state: jax.Array) -> jax.Array:
+        def step(s: jax.Array, _: Any) -> tuple[jax.Array, None]:
+            return s * 0.5 + 1.0, None
+
+        return jax.lax.scan(step, state, None, length=SCAN_STEPS)[0]
 
     return jax.jit(steps)
 
