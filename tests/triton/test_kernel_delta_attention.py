@@ -321,6 +321,9 @@ def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkey
     alone, differentiated = heuristic(inv), heuristic(types.SimpleNamespace(**vars(inv), grad=True))
     assert (alone.num_warps, alone.num_stages) == (4, 2)
     assert (differentiated.num_warps, differentiated.num_stages) == (8, 2)
+    # the whole-chunk passes in 8 warps either way; the space has them at the walks' 4
+    assert (alone.chunk_warps, differentiated.chunk_warps) == (8, None)
+    assert attrs.evolve(alone, chunk_warps=None) in config_space(inv)
     # bf16 products for a 16-bit forward alone, either gate; the space has the other choice
     assert alone.narrow_products and not differentiated.narrow_products
     assert attrs.evolve(alone, narrow_products=False) in config_space(inv)
@@ -379,6 +382,12 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
         "kda_bwd_products_kernel",
         "kda_bwd_chunk_out_kernel",
     ]
+    # the whole-chunk passes in the config's chunk_warps, the walks and outputs in num_warps
+    warps = {launch.kernel.fn.__name__: launch.num_warps for launch in record}
+    assert (cfg.num_warps, cfg.chunk_warps) == (4, 8)
+    wide = ("fwd_norm", "fwd_wy", "bwd_dv", "bwd_chunk_in", "bwd_chunk_out")
+    assert {warps[f"kda_{n}_kernel"] for n in wide} == {8}
+    assert {warps[f"kda_{n}_kernel"] for n in ("fwd_h", "fwd_o", "bwd_dvl", "bwd_dh")} == {4}
     decode = inputs(4, 1, 2, 128, 128, dtype=jnp.bfloat16)
     fused = heuristic(types.SimpleNamespace(kwargs=decode))
     assert fused.fused and fused.block_v == 64
@@ -440,25 +449,32 @@ def test_narrow_products_run_on_bf16_matrix_instructions(monkeypatch, tmp_path, 
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     call = inputs(1, 128, 2, 128, 128, vector=vector, dtype=jnp.bfloat16)
-    cfg = attrs.evolve(heuristic(types.SimpleNamespace(kwargs=call)), narrow_products=True)
-    jax.clear_caches()
-    with _codegen.recorded_launches() as record:
-        kda.kernel_delta_attention_triton(cfg=cfg, **call)
-    launches = {launch.kernel.fn.__name__: launch for launch in record}
-    count = lambda name, kind: sum(
-        n
-        for op, n in _codegen.instruction_mix(
-            _codegen.compile_launch(launches[name], capability=90).ptx
-        ).items()
-        if kind in op
-    )
+    base = heuristic(types.SimpleNamespace(kwargs=call))
+
+    def compiled(narrow: bool) -> dict[str, Any]:
+        """The forward's launches by kernel name: (launch, PTX instruction mix)."""
+        jax.clear_caches()
+        cfg = attrs.evolve(base, narrow_products=narrow)
+        with _codegen.recorded_launches() as record:
+            kda.kernel_delta_attention_triton(cfg=cfg, **call)
+        return {
+            one.kernel.fn.__name__: (
+                one,
+                _codegen.instruction_mix(_codegen.compile_launch(one, capability=90).ptx),
+            )
+            for one in record
+        }
+
+    narrow, wide = compiled(True), compiled(False)
+    count = lambda got, name, kind: sum(n for op, n in got[name][1].items() if kind in op)
     chunk = "kda_fwd_wy_kernel" if vector else "kda_fwd_prep_kernel"
-    assert count(chunk, "bf16") > 0 and count("kda_fwd_o_kernel", "bf16") > 0
-    assert count("kda_fwd_o_kernel", "tf32") == 0
-    assert 0 < count(chunk, "tf32") <= 40  # the inverse: its doublings (and substitution)
+    assert count(narrow, chunk, "bf16") > 0 and count(narrow, "kda_fwd_o_kernel", "bf16") > 0
+    assert count(narrow, "kda_fwd_o_kernel", "tf32") == 0
+    # the inverse alone (its doublings and substitution) stays in tf32
+    assert 0 < count(narrow, chunk, "tf32") < count(wide, chunk, "tf32")
     if vector:
-        assert count("kda_fwd_intra_kernel", "tf32") == 0
-        assert launches["kda_fwd_norm_kernel"].out_shape[0].dtype == jnp.bfloat16
+        assert count(narrow, "kda_fwd_intra_kernel", "tf32") == 0
+        assert narrow["kda_fwd_norm_kernel"][0].out_shape[0].dtype == jnp.bfloat16
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------

@@ -100,6 +100,11 @@ class KernelDeltaAttentionConfig:
             float32; a power of two ≥ 16, clamped to V rounded up to one).
         num_warps: warps per program.
         num_stages: software-pipelining stages.
+        chunk_warps: warps of the passes that hold a whole chunk's ``[C, K]`` tiles in one
+            program (the forward's normalisation and factor kernels, the backward's value and
+            chunk kernels); ``None``: ``num_warps``. At chunks of 64 with K = 128, 4 warps
+            spill those kernels' registers where 8 do not, while the sequential walks and
+            the output kernel of a forward alone do better with 4.
         fused: run an undifferentiated call through the fused recurrent kernel (one token at
             a time, :mod:`ejkernel_triton.kernels.kda_fused`; for decoding a few tokens), with
             ``block_v`` its value block; a differentiated call always runs the chunked kernels.
@@ -115,6 +120,7 @@ class KernelDeltaAttentionConfig:
     block_v: int = attrs.field(default=64, validator=_power_of_two)
     num_warps: int = 4
     num_stages: int = 1
+    chunk_warps: int | None = None
     fused: bool = False
     narrow_products: bool = False
 
@@ -147,7 +153,8 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     """Chunks of 64 with 32-wide V blocks, 2 stages in the sequential walks where shared
     memory holds them, 8 warps for a call being differentiated and 4 for a forward alone (the
     backward's reverse walk has ``T / C`` sequential steps, so longer chunks pay off most
-    there, and wants the wider programs; the forward does better with the narrower ones),
+    there, and wants the wider programs; the forward does better with the narrower ones)
+    but 8 in a forward's whole-chunk passes at chunks of 64 (``chunk_warps``),
     a forward alone on 16-bit inputs with ``narrow_products`` (either gate form), shorter
     chunks for short packed sequences or where shared memory is too small; in the interpreter
     (whose cost is per program and per loop step) chunks of 16 and whole-V blocks. Decoding
@@ -176,6 +183,7 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
             block_v=min(32, pow2(dv)),
             num_warps=warps,
             num_stages=stages,
+            chunk_warps=8 if chunk == 64 and warps < 8 else None,
             narrow_products=narrow,
         )
         if chunk == 16 or (length >= chunk and shared_memory(cfg, dk, dv) <= limit):
@@ -187,7 +195,8 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
     """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps
     in 1 stage, and those of the heuristic's chunk size with 2 stages in the sequential walks,
     without those over the device's shared memory (:func:`shared_memory`); for 16-bit inputs
-    the heuristic's with ``narrow_products`` the other way."""
+    the heuristic's with ``narrow_products`` the other way, and the heuristic's without
+    ``chunk_warps``."""
     base = heuristic(inv)
     if _launch.interpreting():
         return [base]
@@ -216,6 +225,8 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
             out.append(piped)
     if jnp.dtype(inv.kwargs["query"].dtype).itemsize == 2:  # the products on 16-bit operands
         out.append(attrs.evolve(base, narrow_products=not base.narrow_products))
+    if base.chunk_warps is not None:  # the chunk passes at the walks' warps
+        out.append(attrs.evolve(base, chunk_warps=None))
     return out
 
 
@@ -254,6 +265,7 @@ class _Statics(_chunked.Statics):
     l2norm: bool
     block_v_prep: int
     narrow: bool
+    chunk_warps: int
 
     @classmethod
     def of(cls, args: dict[str, Any], cfg: KernelDeltaAttentionConfig | None) -> _Statics:
@@ -266,6 +278,7 @@ class _Statics(_chunked.Statics):
             block_v=min(cfg.block_v, pow2(dv)),
             block_v_prep=pow2(dv),
             narrow=cfg.narrow_products,
+            chunk_warps=cfg.chunk_warps or cfg.num_warps,
             **_chunked.call_statics(args, cfg),
         )
 
@@ -478,7 +491,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         grid=(nt, b * h),
         **sizes,
         **numerics,
-        num_warps=st.num_warps,
+        num_warps=st.chunk_warps,
         num_stages=1,
     )
     per_chunk = jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)
@@ -547,7 +560,7 @@ def _factor_pass(
         STORE_FACTORS=keep,
         DOT_PRECISION=st.precision,
         NARROW=st.narrow,
-        num_warps=st.num_warps,
+        num_warps=st.chunk_warps,
         num_stages=1,
         **constexprs,
     )
@@ -619,6 +632,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
         dv, gk = v.shape[-1], gates.shape[-1]
         c = st.chunk
         common = {"num_warps": st.num_warps, "DOT_PRECISION": st.precision}
+        chunk_common = {**common, "num_warps": st.chunk_warps}
         f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
         (dvl,) = _launch.launch(
             kda_bwd_dvl_kernel,
@@ -680,7 +694,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             grid=(nt, b * h),
             **{n: sizes[n] for n in ("K", "V", "C", "BK", "BV", "GK", "GATE_FLOOR")},
             num_stages=1,
-            **common,
+            **chunk_common,
         )
         chunk_sizes = {n: sizes[n] for n in ("K", "C", "BK", "GK", "L2NORM", "GATE_FLOOR")}
         scale = np.float32(st.scale)
@@ -719,7 +733,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
                 dbeta_v,
                 ddecay,
                 out_shape=[*d_qk, f32(beta.shape), f32(gates.shape), f32((b, nt, h, c * c))],
-                **common,
+                **chunk_common,
             )
             return dinit_rows, d_q, d_k, d_v, d_beta, d_g
         # a per-channel gate: the decayed products' backward over blocks of key channels,
@@ -732,7 +746,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             dtt,
             dbeta_v,
             out_shape=[*(f32((b, t, h, dk)) for _ in range(5)), f32((b, t, h, c)), f32(beta.shape)],
-            **common,
+            **chunk_common,
         )
         bks = min(_PRODUCT_CHANNELS, st.block_k)
         kb = -(-dk // bks)
@@ -765,7 +779,7 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             dkg,
             ddecay,
             out_shape=[*d_qk, f32(gates.shape)],
-            num_warps=st.num_warps,
+            num_warps=st.chunk_warps,
         )
         return dinit_rows, d_q, d_k, d_v, d_beta, d_g
 
