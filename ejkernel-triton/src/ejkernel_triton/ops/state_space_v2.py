@@ -36,12 +36,16 @@ config's, taken as the largest of gla's chunks (16, 32, 64) not above it (16 bel
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel_triton import _launch
+from ejkernel_triton._launch import BATCH, OTHER
+from ejkernel_triton.ops import _chunked
 from ejkernel_triton.ops import state_space_gla as ssm
 from ejkernel_triton.ops.gla_config import GlaConfig
 
@@ -98,8 +102,23 @@ def _transpose(state: jax.Array) -> jax.Array:
     return jnp.swapaxes(state, -1, -2)
 
 
+def _chunked_primal(a: dict[str, Any], softplus: bool, cfg: GlaConfig, return_state: bool) -> Any:
+    """The undifferentiated chunked call on the SSD kernels (:func:`_forward`)."""
+    x, n = a["x"], a["B"].shape[-1]
+    bk, bv = cfg.blocks(n, x.shape[-1])
+    args = {"query": x, "softmax_scale": 1.0, "return_state": return_state}
+    st = _chunked.Statics(block_k=bk, block_v=bv, **_chunked.call_statics(args, cfg))
+    out, final = _forward(a, softplus, st)
+    return (out, final) if return_state else out
+
+
 MAPPING = ssm.Mapping(
-    shapes=_shapes, as_linear=_as_linear, finish=_finish, state=_transpose, state_back=_transpose
+    shapes=_shapes,
+    as_linear=_as_linear,
+    finish=_finish,
+    state=_transpose,
+    state_back=_transpose,
+    chunked_primal=_chunked_primal,
 )
 
 
@@ -135,3 +154,95 @@ def state_space_v2_triton(*, cfg: StateSpaceV2Config | None = None, **args: Any)
 
 
 ssm.define_vjp(state_space_v2_triton, MAPPING, StateSpaceV2Config)
+
+
+# -- the forward on the SSD kernels ---------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("softplus", "st"))
+def _forward(
+    a: dict[str, Any], softplus: bool, st: _chunked.Statics
+) -> tuple[jax.Array, jax.Array]:
+    """``(out [B, S, H, P] in x's dtype, final_state [B, H, P, N] float32)``: ``Δ`` and the
+    chunk-local cumulative log decay ``G`` (``[B, T, H]`` float32, zero past ``S``) in JAX,
+    then the state walk and the output kernels of :mod:`ejkernel_triton.kernels.ssd_fwd`."""
+    x = a["x"]
+    b, s, h, p = x.shape
+    c = st.chunk
+    nt = -(-s // c)
+    d = ssm.delta(a, softplus)
+    g = ssm.log_decay(d, a["A"])
+    pad = ((0, 0), (0, nt * c - s), (0, 0))
+    d = jnp.pad(d, pad)
+    g = jnp.cumsum(jnp.pad(g, pad).reshape(b, nt, c, h), axis=2).reshape(b, nt * c, h)
+    n = a["B"].shape[-1]
+    init = a["initial_state"]
+    init = jnp.zeros((b, h, p, n), jnp.float32) if init is None else init.astype(jnp.float32)
+    gate = a["gate"]
+    z = x if gate is None else gate.astype(x.dtype)  # x stands in: the kernel reads no gate
+    bc = (a["B"].astype(x.dtype), a["C"].astype(x.dtype))
+    run = _launch.fold_vmap(_forward_kernels(st, nt, gate is not None), (BATCH,) * 8 + (OTHER,))
+    return run(x, z, *bc, d, g, init, a["D"].astype(jnp.float32))
+
+
+def _forward_kernels(st: _chunked.Statics, nt: int, has_gate: bool) -> Any:
+    """``run(x, z, B, C, Δ, G, init, D) -> (out, final_state)``: the two launches."""
+    from ejkernel_triton.kernels.ssd_fwd import ssd_fwd_h_kernel, ssd_fwd_o_kernel
+
+    def run(x, z, b_, c_, d, g, init, skip):
+        b, s, h, p = x.shape
+        ng, n = b_.shape[2], b_.shape[3]
+        common = {
+            "N": n,
+            "P": p,
+            "C": st.chunk,
+            "BK": st.block_k,
+            "BV": st.block_v,
+            "DOT_PRECISION": st.precision,
+            "num_warps": st.num_warps,
+            "num_stages": st.num_stages,
+        }
+        hs, final = _launch.launch(
+            ssd_fwd_h_kernel,
+            x,
+            b_,
+            d,
+            g,
+            init,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, h, nt, n, p), x.dtype),
+                jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
+            ],
+            grid=(_cdiv(n, st.block_k), _cdiv(p, st.block_v), b * h),
+            **common,
+        )
+        (out,) = _launch.launch(
+            ssd_fwd_o_kernel,
+            x,
+            z,
+            b_,
+            c_,
+            d,
+            g,
+            hs,
+            skip,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+            grid=(_cdiv(p, st.block_v), nt, b * h),
+            HAS_GATE=has_gate,
+            **common,
+        )
+        return out, final
+
+    return run
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
