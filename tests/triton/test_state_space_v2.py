@@ -162,16 +162,23 @@ def test_forward_only_a_of_minus_inf_keeps_no_memory(interpret) -> None:
     check_against(triton_ssd(_cfg(16)), state_space_v2_reference, arrays, grads=False, **statics)
 
 
+@pytest.mark.parametrize("where", ["x", "B"])
 @pytest.mark.parametrize("t", [5, 21], ids=lambda t: f"t{t}")
-def test_forward_only_a_nan_reaches_only_its_own_and_later_outputs(interpret, t) -> None:
-    """A NaN in one channel of ``x`` at token t (chunks of 16): exactly that channel's
-    outputs from t on are NaN, as in the reference; the rest match it."""
-    arrays = inputs(1, 37, 2, 4, 1, 4)
-    arrays["x"] = arrays["x"].at[0, t, 1, 2].set(jnp.nan)
+def test_forward_only_a_nan_reaches_only_its_own_and_later_outputs(interpret, t, where) -> None:
+    """A NaN at token t (chunks of 16) in one channel of ``x`` (that channel's outputs from
+    t on are NaN) or in one state channel of ``B`` (every output of the group's heads from t
+    on), as in the reference; the rest match it."""
+    arrays = inputs(1, 37, 4, 4, 2, 4)
+    nan = jnp.zeros(arrays["x"].shape, bool)
+    if where == "x":
+        arrays["x"] = arrays["x"].at[0, t, 1, 2].set(jnp.nan)
+        nan = nan.at[0, t:, 1, 2].set(True)
+    else:
+        arrays["B"] = arrays["B"].at[0, t, 1, 3].set(jnp.nan)
+        nan = nan.at[0, t:, 2:].set(True)
     statics = {"dt_softplus": True}
     got = jax.jit(functools.partial(triton_ssd(_cfg(16)), **statics))(**arrays)
     want = state_space_v2_reference(**arrays, **statics)
-    nan = jnp.zeros(got.shape, bool).at[0, t:, 1, 2].set(True)
     assert bool((jnp.isnan(got) == nan).all())
     assert bool((jnp.isnan(want) == nan).all())
     assert rel(jnp.where(nan, 0.0, got), jnp.where(nan, 0.0, want)) < 1e-4
