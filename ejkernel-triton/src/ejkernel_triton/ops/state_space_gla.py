@@ -1,6 +1,7 @@
 """What the Triton state-space ops (``state_space_v1``, ``state_space_v2``) share: both run on
-the gla kernels (:mod:`ejkernel_triton.ops.gla`), with an op-specific mapping in JAX around
-them, and a backward that pulls the cotangent through the output's skip and gate, through
+the gla kernels (:mod:`ejkernel_triton.ops.gla`; ``state_space_v2``'s undifferentiated
+chunked forward has kernels of its own), with an op-specific mapping in JAX around them, and a
+backward that pulls the cotangent through the output's skip and gate, through
 gla's backward kernels, then through the mapping (JAX autodiff of its elementwise ops).
 
 A :class:`Mapping` says how one op's arrays become gla's (``as_linear``), how gla's output
@@ -8,8 +9,10 @@ becomes the op's (``finish``: the skip ``D x`` and the gate), and how the state 
 (``state``: gla's final state to the op's, and back for its cotangent). gla's backward runs
 with ``split_diagonal`` (its gate gradient free of the intra-chunk diagonal's rounding): the
 ops' gates are shared by gla's key channels or summed over many tokens, where that rounding
-would dominate the decay gradients under strong decays. An undifferentiated call whose
-config says ``fused`` runs gla's fused recurrent kernel instead (:func:`primal`).
+would dominate the decay gradients under strong decays. An undifferentiated call runs gla's
+fused recurrent kernel where its config says ``fused``, else the mapping's own chunked forward
+where it has one (``chunked_primal``: state_space_v2's SSD kernels), else gla's chunked
+forward (:func:`primal`).
 """
 
 from __future__ import annotations
