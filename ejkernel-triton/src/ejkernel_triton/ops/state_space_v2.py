@@ -188,7 +188,7 @@ def _forward(
     gate = a["gate"]
     z = x if gate is None else gate.astype(x.dtype)  # x stands in: the kernel reads no gate
     bc = (a["B"].astype(x.dtype), a["C"].astype(x.dtype))
-    run = _launch.fold_vmap(_forward_kernels(st, nt, gate is not None), (BATCH,) * 8 + (OTHER,))
+    run = _launch.fold_vmap(_forward_kernels(st, nt, gate is not None), (BATCH,) * 7 + (OTHER,))
     return run(x, z, *bc, d, g, init, a["D"].astype(jnp.float32))
 
 
