@@ -2,9 +2,10 @@
 head) (Dao and Gu, "Transformers are SSMs", ICML 2024, Sec. 6-7).
 
 Kernel signatures follow jax-triton's order: inputs (arrays, then scalars), outputs, constexprs.
-The kernels read the op's own arrays, unpadded: ``x`` [B, S, H, P] and the gate ``z``
-[B, S, H, P], ``B`` and ``C`` [B, S, NG, N] (head h reads group ``h // (H / NG)``; nothing is
-repeated per head), all in ``x``'s dtype; tokens past ``S`` in the last chunk load as zeros.
+The kernels read the op's own arrays, unpadded: ``x`` [B, S, H, P], ``B`` and ``C``
+[B, S, NG, N] in ``x``'s dtype (head h reads group ``h // (H / NG)``; nothing is repeated per
+head) and the gate ``z`` [B, S, H, P] in its own; tokens past ``S`` in the last chunk load as
+zeros.
 Two float32 arrays ``[B, T, H]`` with ``T = NT · C`` (zero past ``S``) carry the time step
 ``Δ`` and ``G``, the cumulative log decay *within* each chunk (``G[t] = Σ Δ A`` from the chunk
 start through ``t``): a zero step adds nothing to the state and a zero log decay keeps it.
@@ -114,7 +115,8 @@ def ssd_fwd_o_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(cdiv(P, BV), NT, B·H)``: ``out = (exp(G) ⊙ (C hᵀ) + M u + D x) ⊙ silu(z)``
-    of one chunk (``[B, S, H, P]``, ``x``'s dtype; ``z`` read only when ``HAS_GATE``)."""
+    of one chunk (``[B, S, H, P]``, ``x``'s dtype; ``z`` read only when ``HAS_GATE``; ``D``
+    float32 per head)."""
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_h // (H // NG)

@@ -186,7 +186,7 @@ def _forward(
     init = a["initial_state"]
     init = jnp.zeros((b, h, p, n), jnp.float32) if init is None else init.astype(jnp.float32)
     gate = a["gate"]
-    z = x if gate is None else gate.astype(x.dtype)  # x stands in: the kernel reads no gate
+    z = x if gate is None else gate  # x stands in: the kernel reads no gate
     bc = (a["B"].astype(x.dtype), a["C"].astype(x.dtype))
     run = _launch.fold_vmap(_forward_kernels(st, nt, gate is not None), (BATCH,) * 7 + (OTHER,))
     return run(x, z, *bc, d, g, init, a["D"].astype(jnp.float32))
