@@ -141,13 +141,14 @@ def test_forward_only_with_the_core_arguments_alone(interpret) -> None:
     check_against(triton_ssd(_cfg(16)), state_space_v2_reference, arrays, grads=False)
 
 
-def test_forward_only_bf16_within_a_half_precision_tolerance(interpret) -> None:
-    arrays = inputs(2, 37, 4, 8, 2, 6, jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_forward_only_half_precision_within_a_half_precision_tolerance(interpret, dtype) -> None:
+    arrays = inputs(2, 37, 4, 8, 2, 6, dtype)
     up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
     statics = {"dt_softplus": True, "return_state": True}
     got = jax.jit(functools.partial(triton_ssd(_cfg(16)), **statics))(**arrays)
     want = state_space_v2_reference(**up, **statics)
-    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+    assert got[0].dtype == dtype and got[1].dtype == jnp.float32
     for a, e in zip(got, want, strict=True):
         assert rel(a, e) < 1e-2, rel(a, e)
 
