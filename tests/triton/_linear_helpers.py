@@ -160,11 +160,13 @@ def hopper_launches(
     forward: Callable[..., Any],
     backward: Callable[..., Any],
     arrays: dict[str, jax.Array],
+    primal: Callable[..., Any] | None = None,
     **statics: Any,
 ) -> list[tuple[Any, Any]]:
-    """``(launch, compiled)`` for every kernel launch of the op's jitted ``forward`` and
-    ``backward`` at ``arrays`` under the ``heuristic``'s config, compiled for sm_90 on any
-    machine (the interpreter off before the heuristic picks, a fresh Triton cache)."""
+    """``(launch, compiled)`` for every kernel launch of the op's undifferentiated ``primal``
+    (when given; first), jitted ``forward`` and ``backward`` at ``arrays`` under the
+    ``heuristic``'s config, compiled for sm_90 on any machine (the interpreter off before the
+    heuristic picks, a fresh Triton cache)."""
     from ejkernel_triton import _codegen
 
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
@@ -172,6 +174,8 @@ def hopper_launches(
     cfg = heuristic(types.SimpleNamespace(kwargs=arrays))
     jax.clear_caches()  # the forward and backward are jitted: trace them under the recorder
     with _codegen.recorded_launches() as record:
+        if primal is not None:
+            primal(cfg=cfg, **statics, **arrays)
         out, res = forward(cfg=cfg, **statics, **arrays)
         backward(res, out, cfg=cfg, **statics)
     return [(one, _codegen.compile_launch(one, capability=90)) for one in record]

@@ -1,13 +1,15 @@
-"""The Triton state_space_v2 (Mamba-2 SSD on the gla kernels) against the sequential
-``lax.scan`` reference (``state_space_v2_reference``).
+"""The Triton state_space_v2 (Mamba-2 SSD: its own forward kernels for an undifferentiated
+call, the gla kernels under the custom VJP) against the sequential ``lax.scan`` reference
+(``state_space_v2_reference``).
 
 Through Triton's interpreter on the CPU: tiny odd shapes (grouped B/C, S not a chunk
-multiple), float32 unless said. Marked ``gpu`` (compiled, on the GPU): B 2, T 8192, H 32,
+multiple), float32 unless said; the ``forward only`` tests call the op undifferentiated. Marked ``gpu`` (compiled, on the GPU): B 2, T 8192, H 32,
 P 64, N 128, G 1 in bfloat16 against the XLA platform in float32.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -91,6 +93,98 @@ def test_bf16_within_a_half_precision_tolerance(interpret) -> None:
     )
 
 
+# -- forward only: the SSD kernels ---------------------------------------------------------
+
+
+def _cfg(chunk: int) -> StateSpaceV2Config:
+    return StateSpaceV2Config(chunk_size=chunk, block_k=16, block_v=16, num_stages=1)
+
+
+def _kernel_names(fn: Any, arrays: dict[str, jax.Array], **statics: Any) -> list[str]:
+    """The kernels ``fn`` launches at ``arrays`` (recorded at trace time, not run)."""
+    from ejkernel_triton import _codegen
+
+    jax.clear_caches()  # the op is jitted: trace it again under the recorder
+    with _codegen.recorded_launches() as record:
+        fn(**arrays, **statics)
+    return [one.kernel.fn.__name__ for one in record]
+
+
+def test_the_forward_runs_the_ssd_kernels_and_the_gradient_the_gla_kernels() -> None:
+    from ejkernel_triton.ops.state_space_v2 import state_space_v2_triton as op
+
+    arrays = inputs(1, 37, 4, 8, 2, 6)
+    statics = {"dt_softplus": True, "return_state": True}
+    primal = _kernel_names(lambda **kw: op(**kw, cfg=C16), arrays, **statics)
+    assert primal == ["ssd_fwd_h_kernel", "ssd_fwd_o_kernel"]
+    vjp = _kernel_names(lambda **kw: op.fwd(**kw, cfg=C16), arrays, **statics)
+    assert vjp and all(name.startswith("gla_") for name in vjp)
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 37, 4, 8, 2, 6), (1, 37, 2, 20, 1, 40), (1, 16, 6, 16, 3, 16)],
+    ids=lambda s: "B{}-S{}-H{}-P{}-G{}-N{}".format(*s),
+)
+def test_forward_only_matches_the_sequential_reference(interpret, shape, chunk) -> None:
+    """Every argument, both states; grouped B/C, S odd or one chunk, N and P over several
+    16-wide blocks (P 20, N 40); float32 within 1e-4."""
+    arrays = inputs(*shape)
+    statics = {"dt_softplus": True, "return_state": True}
+    check_against(triton_ssd(_cfg(chunk)), state_space_v2_reference, arrays, grads=False, **statics)
+
+
+def test_forward_only_with_the_core_arguments_alone(interpret) -> None:
+    arrays = {n: v for n, v in inputs(2, 37, 4, 5, 2, 3).items() if n in NAMES[:6]}
+    arrays["dt"] = jax.nn.softplus(arrays["dt"])
+    check_against(triton_ssd(_cfg(16)), state_space_v2_reference, arrays, grads=False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_forward_only_half_precision_within_a_half_precision_tolerance(interpret, dtype) -> None:
+    arrays = inputs(2, 37, 4, 8, 2, 6, dtype)
+    up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
+    statics = {"dt_softplus": True, "return_state": True}
+    got = jax.jit(functools.partial(triton_ssd(_cfg(16)), **statics))(**arrays)
+    want = state_space_v2_reference(**up, **statics)
+    assert got[0].dtype == dtype and got[1].dtype == jnp.float32
+    for a, e in zip(got, want, strict=True):
+        assert rel(a, e) < 1e-2, rel(a, e)
+
+
+def test_forward_only_a_of_minus_inf_keeps_no_memory(interpret) -> None:
+    """Head 1 has ``A = -inf`` (a reset where ``Δ > 0``, the state passed where ``Δ = 0``)."""
+    arrays = inputs(1, 37, 2, 4, 1, 4)
+    del arrays["dt_bias"]  # Δ = softplus(dt) ≥ 0 below, as a reset needs
+    arrays["A"] = arrays["A"].at[1].set(-jnp.inf)
+    arrays["dt"] = jax.nn.softplus(arrays["dt"]).at[:, 5:9].set(0.0)
+    statics = {"return_state": True}
+    check_against(triton_ssd(_cfg(16)), state_space_v2_reference, arrays, grads=False, **statics)
+
+
+@pytest.mark.parametrize("where", ["x", "B"])
+@pytest.mark.parametrize("t", [5, 21], ids=lambda t: f"t{t}")
+def test_forward_only_a_nan_reaches_only_its_own_and_later_outputs(interpret, t, where) -> None:
+    """A NaN at token t (chunks of 16) in one channel of ``x`` (that channel's outputs from
+    t on are NaN) or in one state channel of ``B`` (every output of the group's heads from t
+    on), as in the reference; the rest match it."""
+    arrays = inputs(1, 37, 4, 4, 2, 4)
+    nan = jnp.zeros(arrays["x"].shape, bool)
+    if where == "x":
+        arrays["x"] = arrays["x"].at[0, t, 1, 2].set(jnp.nan)
+        nan = nan.at[0, t:, 1, 2].set(True)
+    else:
+        arrays["B"] = arrays["B"].at[0, t, 1, 3].set(jnp.nan)
+        nan = nan.at[0, t:, 2:].set(True)
+    statics = {"dt_softplus": True}
+    got = jax.jit(functools.partial(triton_ssd(_cfg(16)), **statics))(**arrays)
+    want = state_space_v2_reference(**arrays, **statics)
+    assert bool((jnp.isnan(got) == nan).all())
+    assert bool((jnp.isnan(want) == nan).all())
+    assert rel(jnp.where(nan, 0.0, got), jnp.where(nan, 0.0, want)) < 1e-4
+
+
 def test_two_halves_with_the_carried_state_equal_one_run(interpret) -> None:
     arrays = inputs(1, 30, 2, 4, 1, 4)
     del arrays["gate"]
@@ -148,16 +242,19 @@ def test_it_is_opt_in_in_the_triton_plugin() -> None:
 
 
 def test_kernels_compile_for_hopper_at_the_mamba2_head_size(monkeypatch, tmp_path) -> None:
-    """The heuristic's gla launches at SSD's shape (bf16, P 64, N 128, G 1), forward and
-    backward, compiled for sm_90 on any machine."""
+    """The heuristic's launches at SSD's shape (bf16, P 64, N 128, G 1): the undifferentiated
+    forward's (SSD kernels) and the custom VJP's (gla kernels, forward and backward),
+    compiled for sm_90 on any machine."""
     from ejkernel_triton.ops.state_space_v2 import state_space_v2_triton as op
 
     arrays = {n: v for n, v in inputs(1, 256, 2, 64, 1, 128, jnp.bfloat16).items()}
     arrays = {n: v for n, v in arrays.items() if n in NAMES[:6]}
     compiled = hopper_launches(
-        monkeypatch, tmp_path, heuristic, op.fwd, op.bwd, arrays, dt_softplus=True
+        monkeypatch, tmp_path, heuristic, op.fwd, op.bwd, arrays, primal=op, dt_softplus=True
     )
-    assert_launches_fit_hopper(compiled, 9)
+    assert_launches_fit_hopper(compiled, 11)
+    names = [launch.kernel.fn.__name__ for launch, _ in compiled]
+    assert names[:2] == ["ssd_fwd_h_kernel", "ssd_fwd_o_kernel"]
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------

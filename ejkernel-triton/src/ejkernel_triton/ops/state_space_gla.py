@@ -1,6 +1,7 @@
 """What the Triton state-space ops (``state_space_v1``, ``state_space_v2``) share: both run on
-the gla kernels (:mod:`ejkernel_triton.ops.gla`), with an op-specific mapping in JAX around
-them, and a backward that pulls the cotangent through the output's skip and gate, through
+the gla kernels (:mod:`ejkernel_triton.ops.gla`; ``state_space_v2``'s undifferentiated
+chunked forward has kernels of its own), with an op-specific mapping in JAX around them, and a
+backward that pulls the cotangent through the output's skip and gate, through
 gla's backward kernels, then through the mapping (JAX autodiff of its elementwise ops).
 
 A :class:`Mapping` says how one op's arrays become gla's (``as_linear``), how gla's output
@@ -8,8 +9,10 @@ becomes the op's (``finish``: the skip ``D x`` and the gate), and how the state 
 (``state``: gla's final state to the op's, and back for its cotangent). gla's backward runs
 with ``split_diagonal`` (its gate gradient free of the intra-chunk diagonal's rounding): the
 ops' gates are shared by gla's key channels or summed over many tokens, where that rounding
-would dominate the decay gradients under strong decays. An undifferentiated call whose
-config says ``fused`` runs gla's fused recurrent kernel instead (:func:`primal`).
+would dominate the decay gradients under strong decays. An undifferentiated call runs gla's
+fused recurrent kernel where its config says ``fused``, else the mapping's own chunked forward
+where it has one (``chunked_primal``: state_space_v2's SSD kernels), else gla's chunked
+forward (:func:`primal`).
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class Mapping:
         state: ``state -> state``: gla's final state to the op's, and the op's state cotangent
             back to gla's (a transpose or reshape, its own inverse in that sense).
         state_back: the inverse of ``state``.
+        chunked_primal: ``(arrays, dt_softplus, cfg, return_state) -> out or (out,
+            final_state)``: the op's own chunked forward, which the undifferentiated non-fused
+            call runs instead of gla's (``None``: gla's, through :func:`forward`).
     """
 
     shapes: Callable[[dict[str, Any]], tuple[tuple[int, ...], tuple[int, ...]]]
@@ -66,6 +72,7 @@ class Mapping:
     finish: Callable[[jax.Array, dict[str, Any]], jax.Array]
     state: Callable[[jax.Array], jax.Array]
     state_back: Callable[[jax.Array], jax.Array]
+    chunked_primal: Callable[[dict[str, Any], bool, Any, bool], Any] | None = None
 
 
 # -- config ---------------------------------------------------------------------------------
@@ -127,12 +134,15 @@ def _config(cfg: Any, args: dict[str, Any], m: Mapping, cls: type[GlaConfig]) ->
 
 def primal(m: Mapping, cls: type[GlaConfig], cfg: Any, args: dict[str, Any]) -> Any:
     """The undifferentiated call: through gla's fused recurrent kernel where the config says
-    ``fused`` (decoding a few tokens), else :func:`forward`'s output."""
+    ``fused`` (decoding a few tokens), else the mapping's ``chunked_primal`` where it has one,
+    else :func:`forward`'s output."""
     cfg = _config(cfg, args, m, cls)
-    if not cfg.fused:
-        return forward(m, cls, cfg, args)[0]
     a = {n: args.get(n) for n in ARRAYS}
     rs = bool(args.get("return_state"))
+    if not cfg.fused:
+        if m.chunked_primal is not None:
+            return m.chunked_primal(a, bool(args.get("dt_softplus")), cfg, rs)
+        return forward(m, cls, cfg, args)[0]
     lin = m.as_linear(a, bool(args.get("dt_softplus")))
     out = gla.fused_gla({**lin, "softmax_scale": 1.0, "return_state": rs}, cfg, lin["g"])
     y, final = out if rs else (out, None)

@@ -1,47 +1,57 @@
-"""state_space_v2 in Triton: Mamba-2 SSD as chunked linear attention on the gla kernels.
+"""state_space_v2 in Triton: Mamba-2 SSD, chunked; its own forward kernels, gla's backward.
 
 SSD is linear attention with one scalar decay per head and token (Dao and Gu, "Transformers
 are SSMs", ICML 2024, Sec. 6). Transposed, the state ``hᵀ [N, P]`` of head h is gla's state
-with query ``C_t``, key ``B_t``, value ``Δ_t x_t``, the log gate ``Δ_t A_h`` (the same for
-every key channel) and scale 1, so this module maps the call onto
-:mod:`ejkernel_triton.ops.gla` (its forward and backward kernels) and does the rest in JAX:
+with query ``C_t``, key ``B_t``, value ``u_t = Δ_t x_t``, the log gate ``Δ_t A_h`` (the same
+for every key channel) and scale 1.
 
-- before the kernels: ``Δ = softplus(dt + dt_bias)`` (as asked), ``Δ x``, the log gate
-  ``Δ A`` floored at gla's :data:`~ejkernel_triton.ops.gla.MIN_LOG_DECAY` (``A = -inf`` is a
-  state reset where ``Δ > 0``; ``Δ = 0`` passes the state through; ``exp`` of the floor is 0 in
-  float32, and its gradient is 0 below it), the group broadcast of ``B``/``C`` and the
-  state's transpose;
-- after them: ``y + D x`` and the gate ``silu(gate)``.
+Forward (an undifferentiated call): :mod:`ejkernel_triton.kernels.ssd_fwd`, in chunks of
+``C`` tokens. In JAX: ``Δ = softplus(dt + dt_bias)`` (as asked) and the chunk-local cumulative
+log decay ``G`` of ``Δ A`` (floored at gla's :data:`~ejkernel_triton.ops.gla.MIN_LOG_DECAY`:
+``A = -inf`` is a state reset where ``Δ > 0``; ``Δ = 0`` passes the state through), both
+``[B, T, H]`` float32 with ``T`` the padded length. Then two kernels read ``x``, the gate and
+``B``/``C`` in place (head h reads its group's rows; no per-head copy, no padding): the state
+walk ``hᵀ ← hᵀ exp(G_last) + (B ⊙ exp(G_last − G))ᵀ u`` over the chunks (grid N blocks x P
+blocks x B·H), and per chunk and P block the output
+``(exp(G) ⊙ (C hᵀ) + ((C Bᵀ) ⊙ exp(G_i − G_j))_{j ≤ i} u + D x) ⊙ silu(gate)`` (two dots over
+N, one over the chunk; one exponential per token pair, none per state channel). The initial
+and final states are read and written in the op's ``[B, H, P, N]`` layout.
 
 Backward (the executor's custom VJP; :mod:`ejkernel_triton.ops.state_space_gla`): the
-cotangent is pulled back through the skip and gate (JAX autodiff), through gla's backward
-kernels (the gate gradient without the intra-chunk diagonal's rounding, which the sum over
-the N key channels and the tokens would otherwise pile up under strong decays), then through
-the mapping above (JAX autodiff of the elementwise preprocessing: the gradients of ``dt``,
-``dt_bias``, ``A``, ``x`` and the group sums of ``B``/``C``).
-
-Memory: the kernels read ``B`` and ``C`` per head (``[B, S, H, N]`` copies: the group's rows
-are repeated ``H / G`` times) and the scalar log gate broadcast over the ``N`` key channels
-(``[B, S, H, N]`` float32), since gla's kernels take per-head keys and a vector gate. A scalar
-gate path in the gla kernels would remove both copies.
+differentiated forward and the backward run on the gla kernels (:mod:`ejkernel_triton.ops.gla`)
+through the mapping above, done in JAX: before the kernels ``Δ x``, the log gate ``Δ A``
+broadcast over the ``N`` key channels (``[B, S, H, N]`` float32), ``B``/``C`` repeated per head
+(``[B, S, H, N]``, the group's rows ``H / G`` times) and the state's transpose; after them
+``y + D x`` and ``silu(gate)``. The cotangent is pulled back through the skip and gate (JAX
+autodiff), through gla's backward kernels (the gate gradient without the intra-chunk
+diagonal's rounding, which the sum over the N key channels and the tokens would otherwise pile
+up under strong decays), then through that mapping (JAX autodiff of the elementwise
+preprocessing: the gradients of ``dt``, ``dt_bias``, ``A``, ``x`` and the group sums of
+``B``/``C``).
 
 Decoding: an undifferentiated call whose config says ``fused`` (gla's heuristic, for a few
 tokens) runs gla's fused recurrent kernel on the same mapping.
 
-Config: :class:`StateSpaceV2Config` (gla's tunables). The op's ``chunk_size`` wins over the
-config's, taken as the largest of gla's chunks (16, 32, 64) not above it (16 below 16).
-:func:`supports` declines an ``x`` dtype other than bf16/f16/f32 and ``N`` or ``P`` over 256.
-``B``, ``C`` and ``Δ x`` enter the kernels in ``x``'s dtype; gates and states are float32.
+Config: :class:`StateSpaceV2Config` (gla's tunables; both forwards and the backward take the
+same one: the chunk, ``block_k`` over ``N``, ``block_v`` over ``P``). The op's ``chunk_size``
+wins over the config's, taken as the largest of gla's chunks (16, 32, 64) not above it (16
+below 16). :func:`supports` declines an ``x`` dtype other than bf16/f16/f32 and ``N`` or ``P``
+over 256. ``B``, ``C`` and ``Δ x`` enter the kernels in ``x``'s dtype; gates and states are
+float32 (the SSD forward's chunk-start states, like gla's, in ``x``'s dtype).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel_triton import _launch
+from ejkernel_triton._launch import BATCH, OTHER
+from ejkernel_triton.ops import _chunked
 from ejkernel_triton.ops import state_space_gla as ssm
 from ejkernel_triton.ops.gla_config import GlaConfig
 
@@ -56,8 +66,9 @@ __all__ = [
 
 @attrs.frozen(kw_only=True)
 class StateSpaceV2Config(GlaConfig):
-    """Tunables of the Triton SSD: those of the gla kernels it runs on (chunk size, blocks
-    over ``N`` (gla's K) and ``P`` (gla's V), warps, stages)."""
+    """Tunables of the Triton SSD, those of the gla kernels its backward runs on, which its
+    forward kernels take too: chunk size, blocks over ``N`` (gla's K) and ``P`` (gla's V),
+    warps, stages."""
 
 
 def _shapes(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -98,8 +109,23 @@ def _transpose(state: jax.Array) -> jax.Array:
     return jnp.swapaxes(state, -1, -2)
 
 
+def _chunked_primal(a: dict[str, Any], softplus: bool, cfg: GlaConfig, return_state: bool) -> Any:
+    """The undifferentiated chunked call on the SSD kernels (:func:`_forward`)."""
+    x, n = a["x"], a["B"].shape[-1]
+    bk, bv = cfg.blocks(n, x.shape[-1])
+    args = {"query": x, "softmax_scale": 1.0, "return_state": return_state}
+    st = _chunked.Statics(block_k=bk, block_v=bv, **_chunked.call_statics(args, cfg))
+    out, final = _forward(a, softplus, st)
+    return (out, final) if return_state else out
+
+
 MAPPING = ssm.Mapping(
-    shapes=_shapes, as_linear=_as_linear, finish=_finish, state=_transpose, state_back=_transpose
+    shapes=_shapes,
+    as_linear=_as_linear,
+    finish=_finish,
+    state=_transpose,
+    state_back=_transpose,
+    chunked_primal=_chunked_primal,
 )
 
 
@@ -120,7 +146,7 @@ def config_space(inv: Any) -> list[StateSpaceV2Config]:
 
 
 def state_space_v2_triton(*, cfg: StateSpaceV2Config | None = None, **args: Any) -> Any:
-    """Mamba-2 SSD through the Triton gla kernels.
+    """Mamba-2 SSD through the Triton SSD forward kernels (gla's under the custom VJP).
 
     Args:
         **args: the arguments of :func:`ejkernel.specs.state_space_v2.state_space_v2`, by
@@ -135,3 +161,95 @@ def state_space_v2_triton(*, cfg: StateSpaceV2Config | None = None, **args: Any)
 
 
 ssm.define_vjp(state_space_v2_triton, MAPPING, StateSpaceV2Config)
+
+
+# -- the forward on the SSD kernels ---------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("softplus", "st"))
+def _forward(
+    a: dict[str, Any], softplus: bool, st: _chunked.Statics
+) -> tuple[jax.Array, jax.Array]:
+    """``(out [B, S, H, P] in x's dtype, final_state [B, H, P, N] float32)``: ``Δ`` and the
+    chunk-local cumulative log decay ``G`` (``[B, T, H]`` float32, zero past ``S``) in JAX,
+    then the state walk and the output kernels of :mod:`ejkernel_triton.kernels.ssd_fwd`."""
+    x = a["x"]
+    b, s, h, p = x.shape
+    c = st.chunk
+    nt = -(-s // c)
+    d = ssm.delta(a, softplus)
+    g = ssm.log_decay(d, a["A"])
+    pad = ((0, 0), (0, nt * c - s), (0, 0))
+    d = jnp.pad(d, pad)
+    g = jnp.cumsum(jnp.pad(g, pad).reshape(b, nt, c, h), axis=2).reshape(b, nt * c, h)
+    n = a["B"].shape[-1]
+    init = a["initial_state"]
+    init = jnp.zeros((b, h, p, n), jnp.float32) if init is None else init.astype(jnp.float32)
+    gate = a["gate"]
+    z = x if gate is None else gate  # x stands in: the kernel reads no gate
+    bc = (a["B"].astype(x.dtype), a["C"].astype(x.dtype))
+    run = _launch.fold_vmap(_forward_kernels(st, nt, gate is not None), (BATCH,) * 7 + (OTHER,))
+    return run(x, z, *bc, d, g, init, a["D"].astype(jnp.float32))
+
+
+def _forward_kernels(st: _chunked.Statics, nt: int, has_gate: bool) -> Any:
+    """``run(x, z, B, C, Δ, G, init, D) -> (out, final_state)``: the two launches."""
+    from ejkernel_triton.kernels.ssd_fwd import ssd_fwd_h_kernel, ssd_fwd_o_kernel
+
+    def run(x, z, b_, c_, d, g, init, skip):
+        b, s, h, p = x.shape
+        ng, n = b_.shape[2], b_.shape[3]
+        common = {
+            "N": n,
+            "P": p,
+            "C": st.chunk,
+            "BK": st.block_k,
+            "BV": st.block_v,
+            "DOT_PRECISION": st.precision,
+            "num_warps": st.num_warps,
+            "num_stages": st.num_stages,
+        }
+        hs, final = _launch.launch(
+            ssd_fwd_h_kernel,
+            x,
+            b_,
+            d,
+            g,
+            init,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, h, nt, n, p), x.dtype),
+                jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
+            ],
+            grid=(_cdiv(n, st.block_k), _cdiv(p, st.block_v), b * h),
+            **common,
+        )
+        (out,) = _launch.launch(
+            ssd_fwd_o_kernel,
+            x,
+            z,
+            b_,
+            c_,
+            d,
+            g,
+            hs,
+            skip,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+            grid=(_cdiv(p, st.block_v), nt, b * h),
+            HAS_GATE=has_gate,
+            **common,
+        )
+        return out, final
+
+    return run
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

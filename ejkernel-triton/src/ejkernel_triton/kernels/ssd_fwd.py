@@ -1,0 +1,166 @@
+"""Triton Mamba-2 SSD, forward: chunked state-space duality with one scalar decay per (token,
+head) (Dao and Gu, "Transformers are SSMs", ICML 2024, Sec. 6-7).
+
+Kernel signatures follow jax-triton's order: inputs (arrays, then scalars), outputs, constexprs.
+The kernels read the op's own arrays, unpadded: ``x`` [B, S, H, P], ``B`` and ``C``
+[B, S, NG, N] in ``x``'s dtype (head h reads group ``h // (H / NG)``; nothing is repeated per
+head) and the gate ``z`` [B, S, H, P] in its own; tokens past ``S`` in the last chunk load as
+zeros.
+Two float32 arrays ``[B, T, H]`` with ``T = NT · C`` (zero past ``S``) carry the time step
+``Δ`` and ``G``, the cumulative log decay *within* each chunk (``G[t] = Σ Δ A`` from the chunk
+start through ``t``): a zero step adds nothing to the state and a zero log decay keeps it.
+The value ``u = Δ x`` is formed in the kernels (float32, rounded to ``x``'s dtype for the dots).
+
+Two kernels, in the state's transposed layout ``hᵀ [N, P]``:
+
+- :func:`ssd_fwd_h_kernel` walks the chunks of a (batch row, head) in order, carrying
+  ``hᵀ`` in float32: ``hᵀ ← hᵀ · exp(G_last) + (B ⊙ exp(G_last − G))ᵀ u``; it stores the
+  state at every chunk start (what the output kernel reads) and the final state.
+- :func:`ssd_fwd_o_kernel`: ``y = exp(G) ⊙ (C hᵀ) + M u`` with the intra-chunk matrix
+  ``M[i, j] = (C_i · B_j) exp(G_i − G_j)`` (j ≤ i), then ``out = (y + D x) ⊙ silu(z)``.
+  The decay is one scalar per token, so ``M`` is one ``tl.dot`` over N and one ``[C, C]``
+  exponential, and the inter-chunk term's decay is a row scale after its dot.
+
+A NaN input stays in its causal future, as in the recurrence: ``M``'s entries above the
+diagonal are selected away (never multiplied by 0), their exponent masked before the ``exp``
+(no Inf from the positive differences), and a non-finite ``u`` is kept out of ``M u``'s
+earlier rows (its column is NaN from its row on).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def ssd_fwd_h_kernel(
+    x_ptr,
+    b_ptr,
+    dt_ptr,
+    g_ptr,
+    init_ptr,
+    S,
+    NT,
+    H,
+    NG,
+    h_ptr,
+    final_ptr,
+    N: tl.constexpr,
+    P: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BK), cdiv(P, BV), B·H)``: the chunk-start states ``hᵀ``
+    ``[B, H, NT, N, P]`` (``x``'s dtype) and the final state ``[B, H, P, N]`` (float32, the
+    op's layout; ``init_ptr`` the initial one, likewise) of one (N block, P block, batch row,
+    head)."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // (H // NG)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_k, m_v = o_k < N, o_v < P
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * P + o_v[None, :]
+    o_state = o_v[None, :] * N + o_k[:, None]  # hᵀ[k, v] is the op's state[v, k]
+    state = i_bh.to(tl.int64) * P * N
+    b_h = tl.load(init_ptr + state + o_state, mask=m_kv, other=0.0)
+    p_h = h_ptr + i_bh.to(tl.int64) * NT * N * P
+    tok0 = i_b.to(tl.int64) * S  # token t of this batch row in [B, S, ...]: tok0 + t
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h  # token t in [B, T, H]: row0 + t * H
+    for i_n in range(NT):
+        tl.store(p_h + i_n * N * P + o_kv, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
+        o_t = i_n * C + o_c
+        m_t = o_t < S
+        tok = tok0 + o_t
+        # B as [BK, C]: Bᵀ's operand
+        p_bt = b_ptr + (tok[None, :] * NG + i_g) * N + o_k[:, None]
+        b_bt = tl.load(p_bt, mask=m_k[:, None] & m_t[None, :], other=0.0)
+        p_x = x_ptr + (tok[:, None] * H + i_h) * P + o_v[None, :]
+        b_x = tl.load(p_x, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_dt = tl.load(dt_ptr + row0 + o_t * H)
+        b_g = tl.load(g_ptr + row0 + o_t * H)
+        b_glast = tl.load(g_ptr + row0 + (i_n * C + C - 1) * H)
+        b_u = (b_x.to(tl.float32) * b_dt[:, None]).to(b_x.dtype)
+        b_bd = (b_bt * tl.exp(b_glast - b_g)[None, :]).to(b_x.dtype)
+        b_h = b_h * tl.exp(b_glast) + tl.dot(b_bd, b_u, input_precision=DOT_PRECISION)
+    tl.store(final_ptr + state + o_state, b_h, mask=m_kv)
+
+
+@triton.jit
+def ssd_fwd_o_kernel(
+    x_ptr,
+    z_ptr,
+    b_ptr,
+    c_ptr,
+    dt_ptr,
+    g_ptr,
+    h_ptr,
+    d_ptr,
+    S,
+    NT,
+    H,
+    NG,
+    o_ptr,
+    N: tl.constexpr,
+    P: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(P, BV), NT, B·H)``: ``out = (exp(G) ⊙ (C hᵀ) + M u + D x) ⊙ silu(z)``
+    of one chunk (``[B, S, H, P]``, ``x``'s dtype; ``z`` read only when ``HAS_GATE``; ``D``
+    float32 per head)."""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // (H // NG)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    o_t = i_n * C + o_c
+    m_v, m_t = o_v < P, o_t < S
+    m_tv = m_t[:, None] & m_v[None, :]
+    tok = i_b.to(tl.int64) * S + o_t
+    rows = i_b.to(tl.int64) * NT * C * H + i_h + o_t * H
+    b_g = tl.load(g_ptr + rows)
+    b_dt = tl.load(dt_ptr + rows)
+    p_x = (tok[:, None] * H + i_h) * P + o_v[None, :]
+    b_x = tl.load(x_ptr + p_x, mask=m_tv, other=0.0)
+    dt = b_x.dtype
+    b_u = b_x.to(tl.float32) * b_dt[:, None]
+    # M u multiplies the zeros above M's diagonal too: non-finite values enter it as zeros,
+    # and each one's column is NaN from its row on (as the recurrence's state would be)
+    bad = ~(tl.abs(b_u) < float("inf"))
+    b_u = tl.where(bad, 0.0, b_u).to(dt)
+    poisoned = tl.cumsum(bad.to(tl.int32), axis=0) > 0
+    p_h = h_ptr + (i_bh.to(tl.int64) * NT + i_n) * N * P
+    b_o = tl.zeros([C, BV], dtype=tl.float32)
+    b_s = tl.zeros([C, C], dtype=tl.float32)
+    for k0 in range(0, N, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < N
+        p_bc = (tok[:, None] * NG + i_g) * N + o_k[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_c = tl.load(c_ptr + p_bc, mask=m_tk, other=0.0)
+        b_b = tl.load(b_ptr + p_bc, mask=m_tk, other=0.0)
+        b_h = tl.load(
+            p_h + o_k[:, None] * P + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0
+        )
+        b_o += tl.dot(b_c, b_h.to(dt), input_precision=DOT_PRECISION)
+        b_s += tl.dot(b_c, tl.trans(b_b), input_precision=DOT_PRECISION)
+    b_o = b_o * tl.exp(b_g)[:, None]
+    causal = o_c[:, None] >= o_c[None, :]
+    b_decay = tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
+    b_m = tl.where(causal, b_s * b_decay, 0.0)
+    b_o += tl.dot(b_m.to(dt), b_u, input_precision=DOT_PRECISION)
+    b_o = tl.where(poisoned, float("nan"), b_o)
+    b_o += tl.load(d_ptr + i_h) * b_x.to(tl.float32)
+    if HAS_GATE:
+        b_z = tl.load(z_ptr + p_x, mask=m_tv, other=0.0).to(tl.float32)
+        b_o = b_o * b_z * tl.sigmoid(b_z)
+    tl.store(o_ptr + p_x, b_o.to(o_ptr.dtype.element_ty), mask=m_tv)
