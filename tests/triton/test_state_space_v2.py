@@ -255,6 +255,11 @@ def test_kernels_compile_for_hopper_at_the_mamba2_head_size(monkeypatch, tmp_pat
     assert_launches_fit_hopper(compiled, 11)
     names = [launch.kernel.fn.__name__ for launch, _ in compiled]
     assert names[:2] == ["ssd_fwd_h_kernel", "ssd_fwd_o_kernel"]
+    # the gate gradient sums over channels and tokens: the diagonal sub-chunks in float32
+    (intra,) = [
+        launch for launch, _ in compiled if launch.kernel.fn.__name__ == "gla_bwd_intra_kernel"
+    ]
+    assert dict(intra.constexprs)["EXACT_DIAGONAL"] is True
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------

@@ -333,7 +333,9 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
     (``dA_tt k_t`` in ``dq_t``, ``dA_tt q_t`` in ``dk_t``) are added afterwards in float32. They
     cancel in ``q ⊙ dq − k ⊙ dk``, so the gate gradient is then free of their rounding: for a
     gate shared by every key channel (state_space_v2's scalar decay) summed over the channels
-    and tokens, under strong decays that rounding would dominate."""
+    and tokens, under strong decays that rounding would dominate. For the same reason the
+    intra-chunk kernel then takes its diagonal sub-chunks entry by entry in float32
+    (``EXACT_DIAGONAL``), not as products on 16-bit operands."""
     from ejkernel_triton.kernels.gla_bwd import (
         gla_bwd_da_kernel,
         gla_bwd_dh_kernel,
@@ -398,6 +400,7 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
             out_shape=[tokens, tokens],
             grid=(nt * (c // SUB_CHUNK), _cdiv(dk, st.block_k), b * h),
             **_sub_chunks(st, dk),
+            EXACT_DIAGONAL=split_diagonal,
         )
         d_q, d_k, d_gamma = _launch.launch(
             gla_bwd_dqk_kernel,
