@@ -35,7 +35,8 @@ scan.
 
 ``--configs``: instead, every config of the Triton op's config space (gla, kda, gdn), forward
 and forward+backward, against the heuristic's; ``--config-match TEXT`` keeps the first config
-and those whose repr holds TEXT (e.g. ``narrow_products=True``).
+and those whose repr holds TEXT (e.g. ``narrow_products=True``); ``--differentiated`` takes a
+differentiated call's space (its heuristic first).
 
 ``--once``: one forward+backward of each ``--op``'s Triton kernels after a warm-up, nothing
 timed: what ``benchmarks/gpu_kernels.sh`` runs under ncu for the per-kernel table.
@@ -441,9 +442,10 @@ def _device() -> str:
 SWEEPS = {"gla": "gla", "kda": "kernel_delta_attention", "gdn": "kernel_delta_attention"}
 
 
-def sweep(op: str, t: int, iters: int, repeats: int, match: str = "") -> None:
-    """Every config of the Triton op's config space: forward and forward+backward times, and
-    the largest relative error (output, gradients) against the heuristic's config."""
+def sweep(op: str, t: int, iters: int, repeats: int, match: str = "", grad: bool = False) -> None:
+    """Every config of the Triton op's config space (``grad``: a differentiated call's, its
+    heuristic first): forward and forward+backward times, and the largest relative error
+    (output, gradients) against the heuristic's config."""
     import importlib
     import types
 
@@ -451,7 +453,7 @@ def sweep(op: str, t: int, iters: int, repeats: int, match: str = "") -> None:
     module = importlib.import_module(f"ejkernel_triton.ops.{SWEEPS[op]}")
     x = case.inputs(t)
     names, args = tuple(x), tuple(x.values())
-    configs = module.config_space(types.SimpleNamespace(kwargs=x))
+    configs = module.config_space(types.SimpleNamespace(kwargs=x, grad=grad))
     configs = configs[:1] + [c for c in configs[1:] if match in repr(c)]
     d_out = _normal(9, jax.eval_shape(ejkernel_fns(case, names, "triton")[0], *args).shape)
     _, base = ejkernel_fns(case, names, "triton", configs[0])
@@ -530,6 +532,11 @@ def main() -> None:
     )
     parser.add_argument("--config-match", default="", help="--configs: only configs with this")
     parser.add_argument(
+        "--differentiated",
+        action="store_true",
+        help="--configs: the config space of a differentiated call",
+    )
+    parser.add_argument(
         "--memory", action="store_true", help="B 1, T 8k to 64k: time and peak memory"
     )
     parser.add_argument(
@@ -542,7 +549,7 @@ def main() -> None:
         return
     if a.configs:
         for op in a.op or list(SWEEPS):
-            sweep(op, a.seq, a.iters, a.repeats, a.config_match)
+            sweep(op, a.seq, a.iters, a.repeats, a.config_match, a.differentiated)
         return
     if a.memory:
         memory(a.op or ["gla", "kda"], a.iters, a.repeats)

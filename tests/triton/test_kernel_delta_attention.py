@@ -317,13 +317,15 @@ def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkey
         monkeypatch, KernelDeltaAttentionConfig, fields, config_space, heuristic, "g"
     )
     assert heuristic(inv).chunk_size == 64  # the backward's walk: T / 64 steps
-    # 2-stage walks; the forward alone in 4 warps, a differentiated call in 8
-    alone, differentiated = heuristic(inv), heuristic(types.SimpleNamespace(**vars(inv), grad=True))
-    assert (alone.num_warps, alone.num_stages) == (4, 2)
-    assert (differentiated.num_warps, differentiated.num_stages) == (8, 2)
-    # the whole-chunk passes in 8 warps either way; the space has them at the walks' 4
-    assert (alone.chunk_warps, differentiated.chunk_warps) == (8, None)
-    assert attrs.evolve(alone, chunk_warps=None) in config_space(inv)
+    # 2-stage walks in 4 warps; a differentiated call's whole-chunk passes in 8
+    grad = types.SimpleNamespace(**vars(inv), grad=True)
+    alone, differentiated = heuristic(inv), heuristic(grad)
+    assert (alone.num_warps, alone.num_stages, alone.chunk_warps) == (4, 2, None)
+    assert (differentiated.num_warps, differentiated.num_stages) == (4, 2)
+    assert differentiated.chunk_warps == 8
+    # the spaces have the other choice
+    assert attrs.evolve(alone, chunk_warps=8) in config_space(inv)
+    assert attrs.evolve(differentiated, chunk_warps=None) in config_space(grad)
     # bf16 products for a 16-bit forward alone, either gate; the space has the other choice
     assert alone.narrow_products and not differentiated.narrow_products
     assert attrs.evolve(alone, narrow_products=False) in config_space(inv)
@@ -363,7 +365,7 @@ def test_kernels_compile_for_hopper_with_matrix_instructions(monkeypatch, tmp_pa
     monkeypatch.setenv("EJKERNEL_INTERPRET", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     call = inputs(1, 64, 2, 128, 128, dtype=jnp.bfloat16)
-    cfg = heuristic(types.SimpleNamespace(kwargs=call))
+    cfg = heuristic(types.SimpleNamespace(kwargs=call, grad=True))
     jax.clear_caches()  # the forward is jitted: trace it under the recorder
     with _codegen.recorded_launches() as record:
         out, res = kda._kda_fwd(cfg=cfg, **call)

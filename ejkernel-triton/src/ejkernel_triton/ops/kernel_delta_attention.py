@@ -151,10 +151,10 @@ def shared_memory(cfg: KernelDeltaAttentionConfig, dk: int, dv: int) -> int:
 
 def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     """Chunks of 64 with 32-wide V blocks, 2 stages in the sequential walks where shared
-    memory holds them, 8 warps for a call being differentiated and 4 for a forward alone (the
-    backward's reverse walk has ``T / C`` sequential steps, so longer chunks pay off most
-    there, and wants the wider programs; the forward does better with the narrower ones)
-    but 8 in a forward's whole-chunk passes at chunks of 64 (``chunk_warps``),
+    memory holds them (the backward's reverse walk has ``T / C`` sequential steps, so longer
+    chunks pay off most there), 4 warps, but 8 in the whole-chunk passes of a call being
+    differentiated at chunks of 64 (``chunk_warps``: the backward's spill registers in 4; a
+    forward's alone do not gain from 8),
     a forward alone on 16-bit inputs with ``narrow_products`` (either gate form), shorter
     chunks for short packed sequences or where shared memory is too small; in the interpreter
     (whose cost is per program and per loop step) chunks of 16 and whole-V blocks. Decoding
@@ -177,13 +177,12 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     grad = getattr(inv, "grad", False)
     narrow = not grad and jnp.dtype(a["query"].dtype).itemsize == 2
     for chunk, stages in ((64, 2), (64, 1), (32, 1), (16, 1)):
-        warps = (8 if grad else 4) if chunk == 64 else 4
         cfg = KernelDeltaAttentionConfig(
             chunk_size=chunk,
             block_v=min(32, pow2(dv)),
-            num_warps=warps,
+            num_warps=4,
             num_stages=stages,
-            chunk_warps=8 if chunk == 64 and warps < 8 else None,
+            chunk_warps=8 if chunk == 64 and grad else None,
             narrow_products=narrow,
         )
         if chunk == 16 or (length >= chunk and shared_memory(cfg, dk, dv) <= limit):
@@ -195,8 +194,8 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
     """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps
     in 1 stage, and those of the heuristic's chunk size with 2 stages in the sequential walks,
     without those over the device's shared memory (:func:`shared_memory`); for 16-bit inputs
-    the heuristic's with ``narrow_products`` the other way, and the heuristic's without
-    ``chunk_warps``."""
+    the heuristic's with ``narrow_products`` the other way, and at chunks of 64 the
+    heuristic's with its ``chunk_warps`` the other way (8 or ``None``)."""
     base = heuristic(inv)
     if _launch.interpreting():
         return [base]
@@ -225,8 +224,8 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
             out.append(piped)
     if jnp.dtype(inv.kwargs["query"].dtype).itemsize == 2:  # the products on 16-bit operands
         out.append(attrs.evolve(base, narrow_products=not base.narrow_products))
-    if base.chunk_warps is not None:  # the chunk passes at the walks' warps
-        out.append(attrs.evolve(base, chunk_warps=None))
+    if base.chunk_size == 64:  # the whole-chunk passes in 8 warps, or in the walks' 4
+        out.append(attrs.evolve(base, chunk_warps=None if base.chunk_warps else 8))
     return out
 
 
