@@ -49,6 +49,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, OTHER
 from ejkernel_triton.ops import _chunked
@@ -111,12 +112,17 @@ def _transpose(state: jax.Array) -> jax.Array:
 
 def _chunked_primal(a: dict[str, Any], softplus: bool, cfg: GlaConfig, return_state: bool) -> Any:
     """The undifferentiated chunked call on the SSD kernels (:func:`_forward`)."""
+    st = _statics(a, cfg, return_state)
+    out, final, _ = _forward(a, softplus, st)
+    return (out, final) if return_state else out
+
+
+def _statics(a: dict[str, Any], cfg: GlaConfig, return_state: bool) -> _chunked.Statics:
+    """The launches' statics: the config's chunk and warps, its blocks over ``N`` and ``P``."""
     x, n = a["x"], a["B"].shape[-1]
     bk, bv = cfg.blocks(n, x.shape[-1])
     args = {"query": x, "softmax_scale": 1.0, "return_state": return_state}
-    st = _chunked.Statics(block_k=bk, block_v=bv, **_chunked.call_statics(args, cfg))
-    out, final = _forward(a, softplus, st)
-    return (out, final) if return_state else out
+    return _chunked.Statics(block_k=bk, block_v=bv, **_chunked.call_statics(args, cfg))
 
 
 MAPPING = ssm.Mapping(
@@ -160,55 +166,140 @@ def state_space_v2_triton(*, cfg: StateSpaceV2Config | None = None, **args: Any)
     return ssm.primal(MAPPING, StateSpaceV2Config, cfg, args)
 
 
-ssm.define_vjp(state_space_v2_triton, MAPPING, StateSpaceV2Config)
+def _vjp_fwd(*, cfg: StateSpaceV2Config | None = None, **args: Any) -> tuple[Any, Any]:
+    """The differentiated call's forward: the SSD kernels, with the output before the gate
+    and the chunk-start states kept for :func:`_vjp_bwd`."""
+    a = {n: args.get(n) for n in ssm.ARRAYS}
+    rs = bool(args.get("return_state"))
+    st = _statics(a, ssm._config(cfg, {**args, **a}, MAPPING, StateSpaceV2Config), rs)
+    out, final, res = _forward_for_vjp(a, bool(args.get("dt_softplus")), st)
+    return ((out, final) if rs else out), res
 
 
-# -- the forward on the SSD kernels ---------------------------------------------------------
+def _vjp_bwd(
+    residuals: dict[str, Any],
+    d_out: Any,
+    *,
+    cfg: StateSpaceV2Config | None = None,
+    **statics: Any,
+) -> dict[str, jax.Array | None]:
+    """The gradient of every given array, in its dtype (``None`` for absent ones)."""
+    a = residuals["arrays"]
+    rs = bool(statics.get("return_state"))
+    st = _statics(a, ssm._config(cfg, {**statics, **a}, MAPPING, StateSpaceV2Config), rs)
+    d_o, d_final = d_out if rs else (d_out, None)
+    return _backward(residuals, d_o, d_final, bool(statics.get("dt_softplus")), st)
 
 
-@functools.partial(jax.jit, static_argnames=("softplus", "st"))
+defvjp(state_space_v2_triton, _vjp_fwd, _vjp_bwd)
+
+
+# -- forward and backward on the SSD kernels ------------------------------------------------
+
+
+def _gates(t: dict[str, Any], softplus: bool, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """``Δ`` and the chunk-local cumulative log decay ``G`` (``[B, T, H]`` float32, zero past
+    ``S``) from ``dt``, ``dt_bias`` and ``A`` (``t``, by name)."""
+    d = ssm.delta(t, softplus)
+    g = ssm.log_decay(d, t["A"])
+    b, s, h = d.shape
+    nt = -(-s // chunk)
+    pad = ((0, 0), (0, nt * chunk - s), (0, 0))
+    g = jnp.cumsum(jnp.pad(g, pad).reshape(b, nt, chunk, h), axis=2).reshape(b, nt * chunk, h)
+    return jnp.pad(d, pad), g
+
+
+@functools.partial(jax.jit, static_argnames=("softplus", "st", "gated"))
 def _forward(
-    a: dict[str, Any], softplus: bool, st: _chunked.Statics
-) -> tuple[jax.Array, jax.Array]:
-    """``(out [B, S, H, P] in x's dtype, final_state [B, H, P, N] float32)``: ``Δ`` and the
-    chunk-local cumulative log decay ``G`` (``[B, T, H]`` float32, zero past ``S``) in JAX,
-    then the state walk and the output kernels of :mod:`ejkernel_triton.kernels.ssd_fwd`."""
+    a: dict[str, Any], softplus: bool, st: _chunked.Statics, gated: bool = True
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(out [B, S, H, P] in x's dtype, final_state [B, H, P, N] float32, hᵀ)``: :func:`_gates`
+    in JAX, then the state walk and the output kernels of
+    :mod:`ejkernel_triton.kernels.ssd_fwd`; ``hᵀ`` the chunk-start states ``[B, H, NT, N, P]``
+    (``x``'s dtype). Not ``gated``: ``out`` is ``y + D x``, before the gate."""
     x = a["x"]
     b, s, h, p = x.shape
-    c = st.chunk
-    nt = -(-s // c)
-    d = ssm.delta(a, softplus)
-    g = ssm.log_decay(d, a["A"])
-    pad = ((0, 0), (0, nt * c - s), (0, 0))
-    d = jnp.pad(d, pad)
-    g = jnp.cumsum(jnp.pad(g, pad).reshape(b, nt, c, h), axis=2).reshape(b, nt * c, h)
+    nt = -(-s // st.chunk)
+    d, g = _gates(a, softplus, st.chunk)
     n = a["B"].shape[-1]
     init = a["initial_state"]
     init = jnp.zeros((b, h, p, n), jnp.float32) if init is None else init.astype(jnp.float32)
-    gate = a["gate"]
+    gate = a["gate"] if gated else None
     z = x if gate is None else gate  # x stands in: the kernel reads no gate
     bc = (a["B"].astype(x.dtype), a["C"].astype(x.dtype))
     run = _launch.fold_vmap(_forward_kernels(st, nt, gate is not None), (BATCH,) * 7 + (OTHER,))
     return run(x, z, *bc, d, g, init, a["D"].astype(jnp.float32))
 
 
+@functools.partial(jax.jit, static_argnames=("softplus", "st"))
+def _forward_for_vjp(
+    a: dict[str, Any], softplus: bool, st: _chunked.Statics
+) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+    """``(out, final_state, residuals)``: the SSD kernels without the gate, which JAX applies
+    to their ``y + D x``; the residuals are the array inputs, ``y + D x`` (``pre``, ``x``'s
+    dtype) and the chunk-start states ``hᵀ``."""
+    pre, final, hs = _forward(a, softplus, st, gated=False)
+    out = pre if a["gate"] is None else ssm.silu_gate(pre, a["gate"]).astype(pre.dtype)
+    return out, final, {"arrays": a, "pre": pre, "h": hs}
+
+
+@functools.partial(jax.jit, static_argnames=("softplus", "st"))
+def _backward(
+    res: dict[str, Any],
+    d_o: jax.Array,
+    d_final: jax.Array | None,
+    softplus: bool,
+    st: _chunked.Statics,
+) -> dict[str, jax.Array | None]:
+    """Every gradient: the gate's, ``D``'s and ``dy`` (the cotangent of ``y``) through
+    ``(y + D x) ⊙ silu(gate)`` in JAX; the kernels of :mod:`ejkernel_triton.kernels.ssd_bwd`;
+    then ``dt``'s, ``dt_bias``'s and ``A``'s through :func:`_gates` (JAX autodiff, from the
+    kernels' ``dΔ`` and ``dG``) and the group sums of the per-head ``dB`` and ``dC``."""
+    a = res["arrays"]
+    x = a["x"]
+    b, s, h, p = x.shape
+    ng, n = a["B"].shape[2], a["B"].shape[3]
+    nt = -(-s // st.chunk)
+    pre = res["pre"].astype(jnp.float32)
+    d_o = d_o.astype(jnp.float32)
+    if a["gate"] is None:
+        d_pre, d_gate = d_o, None
+    else:
+        _, pull_gate = jax.vjp(ssm.silu_gate, pre, a["gate"])
+        d_pre, d_gate = pull_gate(d_o)
+    d_skip = jnp.sum(d_pre * x.astype(jnp.float32), axis=(0, 1, 3))
+    timed = {k: a[k] for k in ("dt", "dt_bias", "A")}
+    (d, g), pull_gates = jax.vjp(lambda t: _gates(t, softplus, st.chunk), timed)
+    d_final = (
+        jnp.zeros((b, h, p, n), jnp.float32) if d_final is None else d_final.astype(jnp.float32)
+    )
+    bc = (a["B"].astype(x.dtype), a["C"].astype(x.dtype))
+    run = _launch.fold_vmap(_backward_kernels(st, nt), (BATCH,) * 8 + (OTHER,))
+    dx, ddt, dg, db, dc, d_init = run(
+        x, *bc, d_pre.astype(x.dtype), d, g, res["h"], d_final, a["D"].astype(jnp.float32)
+    )
+    (d_timed,) = pull_gates((jnp.sum(ddt, axis=1), jnp.sum(dg, axis=1)))
+    per_group = lambda v: jnp.sum(v.reshape(b, s, ng, h // ng, n), axis=3, dtype=jnp.float32)
+    grads = {
+        **d_timed,
+        "x": dx,
+        "B": per_group(db),
+        "C": per_group(dc),
+        "D": d_skip,
+        "gate": d_gate,
+        "initial_state": d_init,
+    }
+    return {k: None if a[k] is None else grads[k].astype(a[k].dtype) for k in ssm.ARRAYS}
+
+
 def _forward_kernels(st: _chunked.Statics, nt: int, has_gate: bool) -> Any:
-    """``run(x, z, B, C, Δ, G, init, D) -> (out, final_state)``: the two launches."""
+    """``run(x, z, B, C, Δ, G, init, D) -> (out, final_state, hᵀ)``: the two launches."""
     from ejkernel_triton.kernels.ssd_fwd import ssd_fwd_h_kernel, ssd_fwd_o_kernel
 
     def run(x, z, b_, c_, d, g, init, skip):
         b, s, h, p = x.shape
         ng, n = b_.shape[2], b_.shape[3]
-        common = {
-            "N": n,
-            "P": p,
-            "C": st.chunk,
-            "BK": st.block_k,
-            "BV": st.block_v,
-            "DOT_PRECISION": st.precision,
-            "num_warps": st.num_warps,
-            "num_stages": st.num_stages,
-        }
+        common = _common(st, n, p)
         hs, final = _launch.launch(
             ssd_fwd_h_kernel,
             x,
@@ -246,9 +337,98 @@ def _forward_kernels(st: _chunked.Statics, nt: int, has_gate: bool) -> Any:
             HAS_GATE=has_gate,
             **common,
         )
-        return out, final
+        return out, final, hs
 
     return run
+
+
+def _backward_kernels(st: _chunked.Statics, nt: int) -> Any:
+    """``run(x, B, C, dy, Δ, G, hᵀ, d_final, D) -> (dx, dΔ shares, dG shares, dB per head,
+    dC per head, d_init)``: the three launches."""
+    from ejkernel_triton.kernels.ssd_bwd import (
+        ssd_bwd_dbc_kernel,
+        ssd_bwd_dh_kernel,
+        ssd_bwd_dx_kernel,
+    )
+
+    def run(x, b_, c_, dy, d, g, hs, d_final, skip):
+        b, s, h, p = x.shape
+        ng, n = b_.shape[2], b_.shape[3]
+        t = nt * st.chunk
+        common = _common(st, n, p)
+        dh, d_init = _launch.launch(
+            ssd_bwd_dh_kernel,
+            c_,
+            dy,
+            g,
+            d_final,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, h, nt, n, p), x.dtype),
+                jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
+            ],
+            grid=(_cdiv(n, st.block_k), _cdiv(p, st.block_v), b * h),
+            **common,
+        )
+        shares = jax.ShapeDtypeStruct((b, _cdiv(p, st.block_v), t, h), jnp.float32)
+        dx, ddt, dg = _launch.launch(
+            ssd_bwd_dx_kernel,
+            x,
+            b_,
+            c_,
+            d,
+            g,
+            hs,
+            dh,
+            dy,
+            skip,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), shares, shares],
+            grid=(_cdiv(p, st.block_v), nt, b * h),
+            **common,
+        )
+        per_head = jax.ShapeDtypeStruct((b, s, h, n), x.dtype)
+        db, dc = _launch.launch(
+            ssd_bwd_dbc_kernel,
+            x,
+            b_,
+            c_,
+            d,
+            g,
+            hs,
+            dh,
+            dy,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[per_head, per_head],
+            grid=(_cdiv(n, st.block_k), nt, b * h),
+            **common,
+        )
+        return dx, ddt, dg, db, dc, d_init
+
+    return run
+
+
+def _common(st: _chunked.Statics, n: int, p: int) -> dict[str, Any]:
+    """The constexprs and launch options every SSD kernel takes."""
+    return {
+        "N": n,
+        "P": p,
+        "C": st.chunk,
+        "BK": st.block_k,
+        "BV": st.block_v,
+        "DOT_PRECISION": st.precision,
+        "num_warps": st.num_warps,
+        "num_stages": st.num_stages,
+    }
 
 
 def _cdiv(a: int, b: int) -> int:
