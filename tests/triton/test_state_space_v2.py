@@ -93,6 +93,63 @@ def test_bf16_within_a_half_precision_tolerance(interpret) -> None:
     )
 
 
+# -- gradients: the SSD backward kernels ---------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [16, 32], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 37, 4, 8, 2, 6), (1, 37, 4, 20, 2, 40)],
+    ids=lambda s: "B{}-S{}-H{}-P{}-G{}-N{}".format(*s),
+)
+def test_gradients_match_the_sequential_reference(interpret, shape, chunk) -> None:
+    """Every gradient, a final-state cotangent included: grouped B/C (H 4, G 2), S 37 odd
+    over chunks of 16 and 32, N and P over several 16-wide blocks (P 20, N 40)."""
+    statics = {"dt_softplus": True, "return_state": True}
+    check_against(triton_ssd(_cfg(chunk)), state_space_v2_reference, inputs(*shape), **statics)
+
+
+def test_gradients_without_a_gate_or_a_returned_state(interpret) -> None:
+    arrays = inputs(2, 37, 4, 8, 2, 6)
+    del arrays["gate"]
+    check_against(triton_ssd(_cfg(32)), state_space_v2_reference, arrays, dt_softplus=True)
+
+
+def test_gradients_of_resets_and_zero_steps_across_chunks(interpret) -> None:
+    """Head 1 has ``A = -inf`` (a reset where ``Δ > 0``), ``Δ = 0`` at tokens 14 to 18 (across
+    the chunk boundary at 16) and the last; both states, a gate: every gradient finite and the
+    reference's (``dt`` at the reset head's zero steps, the reset's edge, relative to itself)."""
+    arrays = inputs(2, 37, 2, 8, 1, 6)
+    del arrays["dt_bias"]
+    arrays["A"] = arrays["A"].at[1].set(-jnp.inf)
+    arrays["dt"] = jax.nn.softplus(arrays["dt"]).at[:, 14:19].set(0.0).at[:, -1].set(0.0)
+    statics = {"return_state": True}
+    got = run(triton_ssd(_cfg(16)), arrays, **statics)
+    want = run(state_space_v2_reference, arrays, **statics)
+    for leaf in jax.tree.leaves(got):
+        assert bool(jnp.isfinite(leaf).all())
+    zero = (arrays["dt"] == 0.0)[..., 1]
+    edge = lambda v: jnp.where(zero, v[..., 1], 0.0) * 1e-29
+    assert rel(edge(got[1]["dt"]), edge(want[1]["dt"])) < 1e-4
+    for _, grads in (got, want):
+        grads["dt"] = grads["dt"].at[..., 1].set(jnp.where(zero, 0.0, grads["dt"][..., 1]))
+    compare(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("chunk", [16, 32], ids=lambda c: f"C{c}")
+def test_bf16_gradients_within_a_half_precision_tolerance(interpret, chunk) -> None:
+    """Grouped B/C, S 37, both states, strong decays (``A`` around -5): every gradient within
+    2e-2 of the float32 reference's."""
+    arrays = inputs(2, 37, 4, 8, 2, 6, jnp.bfloat16)
+    arrays["A"] = 5.0 * arrays["A"]
+    up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
+    statics = {"dt_softplus": True, "return_state": True}
+    got = run(triton_ssd(_cfg(chunk)), arrays, **statics)
+    compare(got, run(state_space_v2_reference, up, **statics), 2e-2)
+    for name, grad in got[1].items():
+        assert grad.dtype == arrays[name].dtype, name
+
+
 # -- forward only: the SSD kernels ---------------------------------------------------------
 
 
