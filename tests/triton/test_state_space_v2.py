@@ -1,5 +1,5 @@
-"""The Triton state_space_v2 (Mamba-2 SSD: its own forward kernels for an undifferentiated
-call, the gla kernels under the custom VJP) against the sequential ``lax.scan`` reference
+"""The Triton state_space_v2 (Mamba-2 SSD on its own kernels, forward and backward; gla's
+fused kernel for decoding) against the sequential ``lax.scan`` reference
 (``state_space_v2_reference``).
 
 Through Triton's interpreter on the CPU: tiny odd shapes (grouped B/C, S not a chunk

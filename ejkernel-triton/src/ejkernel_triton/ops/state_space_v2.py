@@ -1,12 +1,12 @@
-"""state_space_v2 in Triton: Mamba-2 SSD, chunked; its own forward kernels, gla's backward.
+"""state_space_v2 in Triton: Mamba-2 SSD, chunked, on kernels of its own, forward and backward.
 
 SSD is linear attention with one scalar decay per head and token (Dao and Gu, "Transformers
 are SSMs", ICML 2024, Sec. 6). Transposed, the state ``hᵀ [N, P]`` of head h is gla's state
 with query ``C_t``, key ``B_t``, value ``u_t = Δ_t x_t``, the log gate ``Δ_t A_h`` (the same
-for every key channel) and scale 1.
+for every key channel) and scale 1 (the mapping a decoding call runs gla's fused kernel on).
 
-Forward (an undifferentiated call): :mod:`ejkernel_triton.kernels.ssd_fwd`, in chunks of
-``C`` tokens. In JAX: ``Δ = softplus(dt + dt_bias)`` (as asked) and the chunk-local cumulative
+Forward: :mod:`ejkernel_triton.kernels.ssd_fwd`, in chunks of ``C`` tokens. In JAX
+(:func:`_gates`): ``Δ = softplus(dt + dt_bias)`` (as asked) and the chunk-local cumulative
 log decay ``G`` of ``Δ A`` (floored at gla's :data:`~ejkernel_triton.ops.gla.MIN_LOG_DECAY`:
 ``A = -inf`` is a state reset where ``Δ > 0``; ``Δ = 0`` passes the state through), both
 ``[B, T, H]`` float32 with ``T`` the padded length. Then two kernels read ``x``, the gate and
@@ -17,27 +17,25 @@ blocks x B·H), and per chunk and P block the output
 N, one over the chunk; one exponential per token pair, none per state channel). The initial
 and final states are read and written in the op's ``[B, H, P, N]`` layout.
 
-Backward (the executor's custom VJP; :mod:`ejkernel_triton.ops.state_space_gla`): the
-differentiated forward and the backward run on the gla kernels (:mod:`ejkernel_triton.ops.gla`)
-through the mapping above, done in JAX: before the kernels ``Δ x``, the log gate ``Δ A``
-broadcast over the ``N`` key channels (``[B, S, H, N]`` float32), ``B``/``C`` repeated per head
-(``[B, S, H, N]``, the group's rows ``H / G`` times) and the state's transpose; after them
-``y + D x`` and ``silu(gate)``. The cotangent is pulled back through the skip and gate (JAX
-autodiff), through gla's backward kernels (the gate gradient without the intra-chunk
-diagonal's rounding, which the sum over the N key channels and the tokens would otherwise pile
-up under strong decays), then through that mapping (JAX autodiff of the elementwise
-preprocessing: the gradients of ``dt``, ``dt_bias``, ``A``, ``x`` and the group sums of
-``B``/``C``).
+Backward (the executor's custom VJP: :func:`_vjp_fwd`, :func:`_vjp_bwd`): the differentiated
+forward runs the same kernels without the gate, applies it in JAX, and keeps the inputs, the
+ungated ``y + D x`` and the chunk-start states ``hᵀ`` (``[B, H, NT, N, P]``, ``x``'s dtype).
+The backward pulls the cotangent through the gate and the skip in JAX (the gate's and ``D``'s
+gradients, ``dy``), runs :mod:`ejkernel_triton.kernels.ssd_bwd` (the reverse walk of the state
+gradient, then per chunk ``dx`` with the shares of ``dΔ`` and of ``G``'s gradient over P
+blocks, and ``dB``/``dC`` per head over N blocks), and ends in JAX: ``dt``'s, ``dt_bias``'s and
+``A``'s gradients by autodiff of :func:`_gates` (the reverse cumulative sum within each chunk,
+the floor's zero gradient, softplus), ``B``'s and ``C``'s summed over each group's heads.
 
 Decoding: an undifferentiated call whose config says ``fused`` (gla's heuristic, for a few
 tokens) runs gla's fused recurrent kernel on the same mapping.
 
-Config: :class:`StateSpaceV2Config` (gla's tunables; both forwards and the backward take the
+Config: :class:`StateSpaceV2Config` (gla's tunables; the forward and backward kernels take the
 same one: the chunk, ``block_k`` over ``N``, ``block_v`` over ``P``). The op's ``chunk_size``
 wins over the config's, taken as the largest of gla's chunks (16, 32, 64) not above it (16
 below 16). :func:`supports` declines an ``x`` dtype other than bf16/f16/f32 and ``N`` or ``P``
 over 256. ``B``, ``C`` and ``Δ x`` enter the kernels in ``x``'s dtype; gates and states are
-float32 (the SSD forward's chunk-start states, like gla's, in ``x``'s dtype).
+float32 (the chunk-start states and their gradients in ``x``'s dtype).
 """
 
 from __future__ import annotations
@@ -67,9 +65,8 @@ __all__ = [
 
 @attrs.frozen(kw_only=True)
 class StateSpaceV2Config(GlaConfig):
-    """Tunables of the Triton SSD, those of the gla kernels its backward runs on, which its
-    forward kernels take too: chunk size, blocks over ``N`` (gla's K) and ``P`` (gla's V),
-    warps, stages."""
+    """Tunables of the Triton SSD kernels, gla's fields (its fused kernel decodes): chunk
+    size, blocks over ``N`` (gla's K) and ``P`` (gla's V), warps, stages."""
 
 
 def _shapes(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -152,12 +149,12 @@ def config_space(inv: Any) -> list[StateSpaceV2Config]:
 
 
 def state_space_v2_triton(*, cfg: StateSpaceV2Config | None = None, **args: Any) -> Any:
-    """Mamba-2 SSD through the Triton SSD forward kernels (gla's under the custom VJP).
+    """Mamba-2 SSD through the Triton SSD kernels (gla's fused kernel when decoding).
 
     Args:
         **args: the arguments of :func:`ejkernel.specs.state_space_v2.state_space_v2`, by
             name, as the core spec validated them.
-        cfg: the gla kernels' tunables; ``None`` takes the heuristic's.
+        cfg: the kernels' tunables; ``None`` takes the heuristic's.
 
     Returns:
         out [B, S, H, P] in the dtype of ``x``, or ``(out, final_state [B, H, P, N] float32)``
