@@ -257,6 +257,7 @@ def _backward(
     b, s, h, p = x.shape
     ng, n = a["B"].shape[2], a["B"].shape[3]
     nt = -(-s // st.chunk)
+    assert res["h"].shape[2] == nt, "the backward runs with the forward's chunk"
     pre = res["pre"].astype(jnp.float32)
     d_o = d_o.astype(jnp.float32)
     if a["gate"] is None:
