@@ -30,6 +30,7 @@ from tests.triton._linear_helpers import (
 
 import ejkernel
 from ejkernel.specs.state_space_v2 import state_space_v2_reference
+from ejkernel.testing import assert_close
 from ejkernel.testing import random_normal as normal
 
 pytest.importorskip("triton")
@@ -136,11 +137,14 @@ def test_gradients_of_resets_and_zero_steps_across_chunks(interpret) -> None:
     compare(got, want, 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("chunk", [16, 32], ids=lambda c: f"C{c}")
-def test_bf16_gradients_within_a_half_precision_tolerance(interpret, chunk) -> None:
+def test_half_precision_gradients_within_a_half_precision_tolerance(
+    interpret, chunk, dtype
+) -> None:
     """Grouped B/C, S 37, both states, strong decays (``A`` around -5): every gradient within
-    2e-2 of the float32 reference's."""
-    arrays = inputs(2, 37, 4, 8, 2, 6, jnp.bfloat16)
+    2e-2 of the float32 reference's, in its argument's dtype."""
+    arrays = inputs(2, 37, 4, 8, 2, 6, dtype)
     arrays["A"] = 5.0 * arrays["A"]
     up = jax.tree.map(lambda v: v.astype(jnp.float32), arrays)
     statics = {"dt_softplus": True, "return_state": True}
@@ -148,6 +152,32 @@ def test_bf16_gradients_within_a_half_precision_tolerance(interpret, chunk) -> N
     compare(got, run(state_space_v2_reference, up, **statics), 2e-2)
     for name, grad in got[1].items():
         assert grad.dtype == arrays[name].dtype, name
+
+
+def test_vmap_and_its_gradient_equal_one_call_per_index(interpret) -> None:
+    """``x``, ``B``, ``C``, ``dt`` mapped over a leading axis of 2, ``A`` and ``D`` shared."""
+    arrays = inputs(2, 37, 4, 8, 2, 6)
+    ours = triton_ssd(_cfg(16))
+
+    def f(x, b, c, dt, A):
+        one = {"x": x[None], "B": b[None], "C": c[None], "dt": dt[None]}
+        return ours(**one, A=A, D=arrays["D"], dt_softplus=True)[0]
+
+    def loss(fn, *args):
+        return jnp.sum(jnp.sin(fn(*args)))
+
+    mapped = (arrays["x"], arrays["B"], arrays["C"], arrays["dt"])
+    vf = jax.vmap(f, in_axes=(0, 0, 0, 0, None))
+    grads = jax.grad(lambda *a: loss(vf, *a), argnums=(0, 1, 3, 4))(*mapped, arrays["A"])
+    d_a = 0.0
+    for i in range(2):
+        one = jax.grad(lambda *a: loss(f, *a), argnums=(0, 1, 3, 4))(
+            *(v[i] for v in mapped), arrays["A"]
+        )
+        for name, a, e in zip(("dx", "dB", "ddt"), grads, one, strict=False):
+            assert_close(a[i], e, name=name)
+        d_a = d_a + one[3]
+    assert_close(grads[3], d_a, name="dA")
 
 
 # -- forward only: the SSD kernels ---------------------------------------------------------
