@@ -1,8 +1,9 @@
 """What the Triton state-space ops (``state_space_v1``, ``state_space_v2``) share: both run on
-the gla kernels (:mod:`ejkernel_triton.ops.gla`; ``state_space_v2``'s undifferentiated
-chunked forward has kernels of its own), with an op-specific mapping in JAX around them, and a
-backward that pulls the cotangent through the output's skip and gate, through
-gla's backward kernels, then through the mapping (JAX autodiff of its elementwise ops).
+the gla kernels (:mod:`ejkernel_triton.ops.gla`; ``state_space_v2``'s chunked forward and its
+backward have SSD kernels of its own, and only its decoding runs here), with an op-specific
+mapping in JAX around them, and a backward (:func:`define_vjp`, ``state_space_v1``'s) that
+pulls the cotangent through the output's skip and gate, through gla's backward kernels, then
+through the mapping (JAX autodiff of its elementwise ops).
 
 A :class:`Mapping` says how one op's arrays become gla's (``as_linear``), how gla's output
 becomes the op's (``finish``: the skip ``D x`` and the gate), and how the state is laid out

@@ -1,12 +1,12 @@
-"""state_space_v2 in Triton: Mamba-2 SSD, chunked; its own forward kernels, gla's backward.
+"""state_space_v2 in Triton: Mamba-2 SSD, chunked, on kernels of its own, forward and backward.
 
 SSD is linear attention with one scalar decay per head and token (Dao and Gu, "Transformers
 are SSMs", ICML 2024, Sec. 6). Transposed, the state ``hᵀ [N, P]`` of head h is gla's state
 with query ``C_t``, key ``B_t``, value ``u_t = Δ_t x_t``, the log gate ``Δ_t A_h`` (the same
-for every key channel) and scale 1.
+for every key channel) and scale 1 (the mapping a decoding call runs gla's fused kernel on).
 
-Forward (an undifferentiated call): :mod:`ejkernel_triton.kernels.ssd_fwd`, in chunks of
-``C`` tokens. In JAX: ``Δ = softplus(dt + dt_bias)`` (as asked) and the chunk-local cumulative
+Forward: :mod:`ejkernel_triton.kernels.ssd_fwd`, in chunks of ``C`` tokens. In JAX
+(:func:`_gates`): ``Δ = softplus(dt + dt_bias)`` (as asked) and the chunk-local cumulative
 log decay ``G`` of ``Δ A`` (floored at gla's :data:`~ejkernel_triton.ops.gla.MIN_LOG_DECAY`:
 ``A = -inf`` is a state reset where ``Δ > 0``; ``Δ = 0`` passes the state through), both
 ``[B, T, H]`` float32 with ``T`` the padded length. Then two kernels read ``x``, the gate and
@@ -17,27 +17,25 @@ blocks x B·H), and per chunk and P block the output
 N, one over the chunk; one exponential per token pair, none per state channel). The initial
 and final states are read and written in the op's ``[B, H, P, N]`` layout.
 
-Backward (the executor's custom VJP; :mod:`ejkernel_triton.ops.state_space_gla`): the
-differentiated forward and the backward run on the gla kernels (:mod:`ejkernel_triton.ops.gla`)
-through the mapping above, done in JAX: before the kernels ``Δ x``, the log gate ``Δ A``
-broadcast over the ``N`` key channels (``[B, S, H, N]`` float32), ``B``/``C`` repeated per head
-(``[B, S, H, N]``, the group's rows ``H / G`` times) and the state's transpose; after them
-``y + D x`` and ``silu(gate)``. The cotangent is pulled back through the skip and gate (JAX
-autodiff), through gla's backward kernels (the gate gradient without the intra-chunk
-diagonal's rounding, which the sum over the N key channels and the tokens would otherwise pile
-up under strong decays), then through that mapping (JAX autodiff of the elementwise
-preprocessing: the gradients of ``dt``, ``dt_bias``, ``A``, ``x`` and the group sums of
-``B``/``C``).
+Backward (the executor's custom VJP: :func:`_vjp_fwd`, :func:`_vjp_bwd`): the differentiated
+forward runs the same kernels without the gate, applies it in JAX, and keeps the inputs, the
+ungated ``y + D x`` and the chunk-start states ``hᵀ`` (``[B, H, NT, N, P]``, ``x``'s dtype).
+The backward pulls the cotangent through the gate and the skip in JAX (the gate's and ``D``'s
+gradients, ``dy``), runs :mod:`ejkernel_triton.kernels.ssd_bwd` (the reverse walk of the state
+gradient, then per chunk ``dx`` with the shares of ``dΔ`` and of ``G``'s gradient over P
+blocks, and ``dB``/``dC`` per head over N blocks), and ends in JAX: ``dt``'s, ``dt_bias``'s and
+``A``'s gradients by autodiff of :func:`_gates` (the reverse cumulative sum within each chunk,
+the floor's zero gradient, softplus), ``B``'s and ``C``'s summed over each group's heads.
 
 Decoding: an undifferentiated call whose config says ``fused`` (gla's heuristic, for a few
 tokens) runs gla's fused recurrent kernel on the same mapping.
 
-Config: :class:`StateSpaceV2Config` (gla's tunables; both forwards and the backward take the
+Config: :class:`StateSpaceV2Config` (gla's tunables; the forward and backward kernels take the
 same one: the chunk, ``block_k`` over ``N``, ``block_v`` over ``P``). The op's ``chunk_size``
 wins over the config's, taken as the largest of gla's chunks (16, 32, 64) not above it (16
 below 16). :func:`supports` declines an ``x`` dtype other than bf16/f16/f32 and ``N`` or ``P``
 over 256. ``B``, ``C`` and ``Δ x`` enter the kernels in ``x``'s dtype; gates and states are
-float32 (the SSD forward's chunk-start states, like gla's, in ``x``'s dtype).
+float32 (the chunk-start states and their gradients in ``x``'s dtype).
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton._launch import BATCH, OTHER
 from ejkernel_triton.ops import _chunked
@@ -66,9 +65,8 @@ __all__ = [
 
 @attrs.frozen(kw_only=True)
 class StateSpaceV2Config(GlaConfig):
-    """Tunables of the Triton SSD, those of the gla kernels its backward runs on, which its
-    forward kernels take too: chunk size, blocks over ``N`` (gla's K) and ``P`` (gla's V),
-    warps, stages."""
+    """Tunables of the Triton SSD kernels, gla's fields (its fused kernel decodes): chunk
+    size, blocks over ``N`` (gla's K) and ``P`` (gla's V), warps, stages."""
 
 
 def _shapes(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -111,12 +109,17 @@ def _transpose(state: jax.Array) -> jax.Array:
 
 def _chunked_primal(a: dict[str, Any], softplus: bool, cfg: GlaConfig, return_state: bool) -> Any:
     """The undifferentiated chunked call on the SSD kernels (:func:`_forward`)."""
+    st = _statics(a, cfg, return_state)
+    out, final, _ = _forward(a, softplus, st)
+    return (out, final) if return_state else out
+
+
+def _statics(a: dict[str, Any], cfg: GlaConfig, return_state: bool) -> _chunked.Statics:
+    """The launches' statics: the config's chunk and warps, its blocks over ``N`` and ``P``."""
     x, n = a["x"], a["B"].shape[-1]
     bk, bv = cfg.blocks(n, x.shape[-1])
     args = {"query": x, "softmax_scale": 1.0, "return_state": return_state}
-    st = _chunked.Statics(block_k=bk, block_v=bv, **_chunked.call_statics(args, cfg))
-    out, final = _forward(a, softplus, st)
-    return (out, final) if return_state else out
+    return _chunked.Statics(block_k=bk, block_v=bv, **_chunked.call_statics(args, cfg))
 
 
 MAPPING = ssm.Mapping(
@@ -146,12 +149,12 @@ def config_space(inv: Any) -> list[StateSpaceV2Config]:
 
 
 def state_space_v2_triton(*, cfg: StateSpaceV2Config | None = None, **args: Any) -> Any:
-    """Mamba-2 SSD through the Triton SSD forward kernels (gla's under the custom VJP).
+    """Mamba-2 SSD through the Triton SSD kernels (gla's fused kernel when decoding).
 
     Args:
         **args: the arguments of :func:`ejkernel.specs.state_space_v2.state_space_v2`, by
             name, as the core spec validated them.
-        cfg: the gla kernels' tunables; ``None`` takes the heuristic's.
+        cfg: the kernels' tunables; ``None`` takes the heuristic's.
 
     Returns:
         out [B, S, H, P] in the dtype of ``x``, or ``(out, final_state [B, H, P, N] float32)``
@@ -160,55 +163,141 @@ def state_space_v2_triton(*, cfg: StateSpaceV2Config | None = None, **args: Any)
     return ssm.primal(MAPPING, StateSpaceV2Config, cfg, args)
 
 
-ssm.define_vjp(state_space_v2_triton, MAPPING, StateSpaceV2Config)
+def _vjp_fwd(*, cfg: StateSpaceV2Config | None = None, **args: Any) -> tuple[Any, Any]:
+    """The differentiated call's forward: the SSD kernels, with the output before the gate
+    and the chunk-start states kept for :func:`_vjp_bwd`."""
+    a = {n: args.get(n) for n in ssm.ARRAYS}
+    rs = bool(args.get("return_state"))
+    st = _statics(a, ssm._config(cfg, {**args, **a}, MAPPING, StateSpaceV2Config), rs)
+    out, final, res = _forward_for_vjp(a, bool(args.get("dt_softplus")), st)
+    return ((out, final) if rs else out), res
 
 
-# -- the forward on the SSD kernels ---------------------------------------------------------
+def _vjp_bwd(
+    residuals: dict[str, Any],
+    d_out: Any,
+    *,
+    cfg: StateSpaceV2Config | None = None,
+    **statics: Any,
+) -> dict[str, jax.Array | None]:
+    """The gradient of every given array, in its dtype (``None`` for absent ones)."""
+    a = residuals["arrays"]
+    rs = bool(statics.get("return_state"))
+    st = _statics(a, ssm._config(cfg, {**statics, **a}, MAPPING, StateSpaceV2Config), rs)
+    d_o, d_final = d_out if rs else (d_out, None)
+    return _backward(residuals, d_o, d_final, bool(statics.get("dt_softplus")), st)
 
 
-@functools.partial(jax.jit, static_argnames=("softplus", "st"))
+defvjp(state_space_v2_triton, _vjp_fwd, _vjp_bwd)
+
+
+# -- forward and backward on the SSD kernels ------------------------------------------------
+
+
+def _gates(t: dict[str, Any], softplus: bool, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """``Δ`` and the chunk-local cumulative log decay ``G`` (``[B, T, H]`` float32, zero past
+    ``S``) from ``dt``, ``dt_bias`` and ``A`` (``t``, by name)."""
+    d = ssm.delta(t, softplus)
+    g = ssm.log_decay(d, t["A"])
+    b, s, h = d.shape
+    nt = -(-s // chunk)
+    pad = ((0, 0), (0, nt * chunk - s), (0, 0))
+    g = jnp.cumsum(jnp.pad(g, pad).reshape(b, nt, chunk, h), axis=2).reshape(b, nt * chunk, h)
+    return jnp.pad(d, pad), g
+
+
+@functools.partial(jax.jit, static_argnames=("softplus", "st", "gated"))
 def _forward(
-    a: dict[str, Any], softplus: bool, st: _chunked.Statics
-) -> tuple[jax.Array, jax.Array]:
-    """``(out [B, S, H, P] in x's dtype, final_state [B, H, P, N] float32)``: ``Δ`` and the
-    chunk-local cumulative log decay ``G`` (``[B, T, H]`` float32, zero past ``S``) in JAX,
-    then the state walk and the output kernels of :mod:`ejkernel_triton.kernels.ssd_fwd`."""
+    a: dict[str, Any], softplus: bool, st: _chunked.Statics, gated: bool = True
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(out [B, S, H, P] in x's dtype, final_state [B, H, P, N] float32, hᵀ)``: :func:`_gates`
+    in JAX, then the state walk and the output kernels of
+    :mod:`ejkernel_triton.kernels.ssd_fwd`; ``hᵀ`` the chunk-start states ``[B, H, NT, N, P]``
+    (``x``'s dtype). Not ``gated``: ``out`` is ``y + D x``, before the gate."""
     x = a["x"]
     b, s, h, p = x.shape
-    c = st.chunk
-    nt = -(-s // c)
-    d = ssm.delta(a, softplus)
-    g = ssm.log_decay(d, a["A"])
-    pad = ((0, 0), (0, nt * c - s), (0, 0))
-    d = jnp.pad(d, pad)
-    g = jnp.cumsum(jnp.pad(g, pad).reshape(b, nt, c, h), axis=2).reshape(b, nt * c, h)
+    nt = -(-s // st.chunk)
+    d, g = _gates(a, softplus, st.chunk)
     n = a["B"].shape[-1]
     init = a["initial_state"]
     init = jnp.zeros((b, h, p, n), jnp.float32) if init is None else init.astype(jnp.float32)
-    gate = a["gate"]
+    gate = a["gate"] if gated else None
     z = x if gate is None else gate  # x stands in: the kernel reads no gate
     bc = (a["B"].astype(x.dtype), a["C"].astype(x.dtype))
     run = _launch.fold_vmap(_forward_kernels(st, nt, gate is not None), (BATCH,) * 7 + (OTHER,))
     return run(x, z, *bc, d, g, init, a["D"].astype(jnp.float32))
 
 
+@functools.partial(jax.jit, static_argnames=("softplus", "st"))
+def _forward_for_vjp(
+    a: dict[str, Any], softplus: bool, st: _chunked.Statics
+) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+    """``(out, final_state, residuals)``: the SSD kernels without the gate, which JAX applies
+    to their ``y + D x``; the residuals are the array inputs, ``y + D x`` (``pre``, ``x``'s
+    dtype) and the chunk-start states ``hᵀ``."""
+    pre, final, hs = _forward(a, softplus, st, gated=False)
+    out = pre if a["gate"] is None else ssm.silu_gate(pre, a["gate"]).astype(pre.dtype)
+    return out, final, {"arrays": a, "pre": pre, "h": hs}
+
+
+@functools.partial(jax.jit, static_argnames=("softplus", "st"))
+def _backward(
+    res: dict[str, Any],
+    d_o: jax.Array,
+    d_final: jax.Array | None,
+    softplus: bool,
+    st: _chunked.Statics,
+) -> dict[str, jax.Array | None]:
+    """Every gradient: the gate's, ``D``'s and ``dy`` (the cotangent of ``y``) through
+    ``(y + D x) ⊙ silu(gate)`` in JAX; the kernels of :mod:`ejkernel_triton.kernels.ssd_bwd`;
+    then ``dt``'s, ``dt_bias``'s and ``A``'s through :func:`_gates` (JAX autodiff, from the
+    kernels' ``dΔ`` and ``dG``) and the group sums of the per-head ``dB`` and ``dC``."""
+    a = res["arrays"]
+    x = a["x"]
+    b, s, h, p = x.shape
+    ng, n = a["B"].shape[2], a["B"].shape[3]
+    nt = -(-s // st.chunk)
+    assert res["h"].shape[2] == nt, "the backward runs with the forward's chunk"
+    pre = res["pre"].astype(jnp.float32)
+    d_o = d_o.astype(jnp.float32)
+    if a["gate"] is None:
+        d_pre, d_gate = d_o, None
+    else:
+        _, pull_gate = jax.vjp(ssm.silu_gate, pre, a["gate"])
+        d_pre, d_gate = pull_gate(d_o)
+    d_skip = jnp.sum(d_pre * x.astype(jnp.float32), axis=(0, 1, 3))
+    timed = {k: a[k] for k in ("dt", "dt_bias", "A")}
+    (d, g), pull_gates = jax.vjp(lambda t: _gates(t, softplus, st.chunk), timed)
+    d_final = (
+        jnp.zeros((b, h, p, n), jnp.float32) if d_final is None else d_final.astype(jnp.float32)
+    )
+    bc = (a["B"].astype(x.dtype), a["C"].astype(x.dtype))
+    run = _launch.fold_vmap(_backward_kernels(st, nt), (BATCH,) * 8 + (OTHER,))
+    dx, ddt, dg, db, dc, d_init = run(
+        x, *bc, d_pre.astype(x.dtype), d, g, res["h"], d_final, a["D"].astype(jnp.float32)
+    )
+    (d_timed,) = pull_gates((jnp.sum(ddt, axis=1), jnp.sum(dg, axis=1)))
+    per_group = lambda v: jnp.sum(v.reshape(b, s, ng, h // ng, n), axis=3, dtype=jnp.float32)
+    grads = {
+        **d_timed,
+        "x": dx,
+        "B": per_group(db),
+        "C": per_group(dc),
+        "D": d_skip,
+        "gate": d_gate,
+        "initial_state": d_init,
+    }
+    return {k: None if a[k] is None else grads[k].astype(a[k].dtype) for k in ssm.ARRAYS}
+
+
 def _forward_kernels(st: _chunked.Statics, nt: int, has_gate: bool) -> Any:
-    """``run(x, z, B, C, Δ, G, init, D) -> (out, final_state)``: the two launches."""
+    """``run(x, z, B, C, Δ, G, init, D) -> (out, final_state, hᵀ)``: the two launches."""
     from ejkernel_triton.kernels.ssd_fwd import ssd_fwd_h_kernel, ssd_fwd_o_kernel
 
     def run(x, z, b_, c_, d, g, init, skip):
         b, s, h, p = x.shape
         ng, n = b_.shape[2], b_.shape[3]
-        common = {
-            "N": n,
-            "P": p,
-            "C": st.chunk,
-            "BK": st.block_k,
-            "BV": st.block_v,
-            "DOT_PRECISION": st.precision,
-            "num_warps": st.num_warps,
-            "num_stages": st.num_stages,
-        }
+        common = _common(st, n, p)
         hs, final = _launch.launch(
             ssd_fwd_h_kernel,
             x,
@@ -246,9 +335,98 @@ def _forward_kernels(st: _chunked.Statics, nt: int, has_gate: bool) -> Any:
             HAS_GATE=has_gate,
             **common,
         )
-        return out, final
+        return out, final, hs
 
     return run
+
+
+def _backward_kernels(st: _chunked.Statics, nt: int) -> Any:
+    """``run(x, B, C, dy, Δ, G, hᵀ, d_final, D) -> (dx, dΔ shares, dG shares, dB per head,
+    dC per head, d_init)``: the three launches."""
+    from ejkernel_triton.kernels.ssd_bwd import (
+        ssd_bwd_dbc_kernel,
+        ssd_bwd_dh_kernel,
+        ssd_bwd_dx_kernel,
+    )
+
+    def run(x, b_, c_, dy, d, g, hs, d_final, skip):
+        b, s, h, p = x.shape
+        ng, n = b_.shape[2], b_.shape[3]
+        t = nt * st.chunk
+        common = _common(st, n, p)
+        dh, d_init = _launch.launch(
+            ssd_bwd_dh_kernel,
+            c_,
+            dy,
+            g,
+            d_final,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, h, nt, n, p), x.dtype),
+                jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
+            ],
+            grid=(_cdiv(n, st.block_k), _cdiv(p, st.block_v), b * h),
+            **common,
+        )
+        shares = jax.ShapeDtypeStruct((b, _cdiv(p, st.block_v), t, h), jnp.float32)
+        dx, ddt, dg = _launch.launch(
+            ssd_bwd_dx_kernel,
+            x,
+            b_,
+            c_,
+            d,
+            g,
+            hs,
+            dh,
+            dy,
+            skip,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), shares, shares],
+            grid=(_cdiv(p, st.block_v), nt, b * h),
+            **common,
+        )
+        per_head = jax.ShapeDtypeStruct((b, s, h, n), x.dtype)
+        db, dc = _launch.launch(
+            ssd_bwd_dbc_kernel,
+            x,
+            b_,
+            c_,
+            d,
+            g,
+            hs,
+            dh,
+            dy,
+            s,
+            nt,
+            h,
+            ng,
+            out_shape=[per_head, per_head],
+            grid=(_cdiv(n, st.block_k), nt, b * h),
+            **common,
+        )
+        return dx, ddt, dg, db, dc, d_init
+
+    return run
+
+
+def _common(st: _chunked.Statics, n: int, p: int) -> dict[str, Any]:
+    """The constexprs and launch options every SSD kernel takes."""
+    return {
+        "N": n,
+        "P": p,
+        "C": st.chunk,
+        "BK": st.block_k,
+        "BV": st.block_v,
+        "DOT_PRECISION": st.precision,
+        "num_warps": st.num_warps,
+        "num_stages": st.num_stages,
+    }
 
 
 def _cdiv(a: int, b: int) -> int:
