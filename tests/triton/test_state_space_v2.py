@@ -327,10 +327,10 @@ def test_supports_heuristic_and_config_space() -> None:
     assert space[0] == heuristic(call(16)) and len(space) == len(set(space))
 
 
-def test_it_is_opt_in_in_the_triton_plugin() -> None:
+def test_it_is_registered_above_the_xla_fallback() -> None:
     from ejkernel_triton import plugin
 
-    assert "state_space_v2" in plugin.OPS and "state_space_v2" in plugin.OPT_IN
+    assert "state_space_v2" in plugin.OPS and "state_space_v2" not in plugin.OPT_IN
 
 
 def test_kernels_compile_for_hopper_at_the_mamba2_head_size(monkeypatch, tmp_path) -> None:
