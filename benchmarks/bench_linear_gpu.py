@@ -42,7 +42,10 @@ differentiated call's space (its heuristic first).
 timed: what ``benchmarks/gpu_kernels.sh`` runs under ncu for the per-kernel table.
 
 ``--anchors no`` then ``--anchors only`` times ejkernel and the anchors in separate processes (torch's
-Triton autotuning and jax-triton in one process can stall).
+Triton autotuning and jax-triton in one process can stall). flash-linear-attention tunes each
+kernel on its first call, for minutes: ``BENCH_TORCH_TRITON_CACHE=DIR`` keeps torch's Triton cache
+and the tuning results in DIR, so a later call that carries DIR back skips the tuning.
+``--platforms triton`` times the Triton rows alone (A/B runs).
 
 Run: ``python benchmarks/bench_linear_gpu.py [--op gla ...] [--seq 8192] [--iters 10]
 [--repeats 5] [--anchors yes|no|only]``
@@ -259,7 +262,11 @@ def anchor_times(case: Case, x: dict[str, jax.Array], iters: int, repeats: int) 
     except Exception as err:  # not installed on this machine
         return (f"n/a ({type(err).__name__})",) * 2
     # jax-triton empties TRITON_CACHE_DIR in this process; torch's Triton kernels need one.
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-torch-triton-")
+    # BENCH_TORCH_TRITON_CACHE names a kept one, with the anchors' autotuning results in it.
+    kept = os.environ.get("BENCH_TORCH_TRITON_CACHE")
+    if kept:
+        os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+    os.environ["TRITON_CACHE_DIR"] = kept or tempfile.mkdtemp(prefix="bench-torch-triton-")
 
     def tensor(a: Any, grad: bool = False) -> Any:
         t = torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda()
@@ -296,7 +303,9 @@ def anchor_times(case: Case, x: dict[str, jax.Array], iters: int, repeats: int) 
     return median_ms(fwd), median_ms(fwd_bwd)
 
 
-def bench(op: str, t: int, iters: int, repeats: int, anchors: str) -> None:
+def bench(
+    op: str, t: int, iters: int, repeats: int, anchors: str, platforms: tuple[str, ...]
+) -> None:
     case = CASES[op]
     x = case.inputs(t)
     names = tuple(x)
@@ -311,7 +320,7 @@ def bench(op: str, t: int, iters: int, repeats: int, anchors: str) -> None:
     print(f"\n### {op}: {case.shape.format(t=t)}, bf16 ({jax.devices()[0].device_kind})")
     print("| contender | fwd ms | fwd+bwd ms | rel err out | max rel err grads |")
     print("|---|---|---|---|---|")
-    for platform in () if anchors == "only" else ("triton", "xla"):
+    for platform in () if anchors == "only" else platforms:
         try:
             fwd, fwd_bwd = ejkernel_fns(case, names, platform)
             t_f = timed(fwd, *args, iters=iters, repeats=repeats, warm_s=1.0)
@@ -522,6 +531,11 @@ def main() -> None:
         help="time the torch anchors too, not at all, or alone (a process without jax-triton)",
     )
     parser.add_argument(
+        "--platforms",
+        default="triton,xla",
+        help="the ejkernel platforms timed (comma-separated; the XLA float32 reference runs anyway)",
+    )
+    parser.add_argument(
         "--decode", action="store_true", help="fused against chunked, T ≤ 16 (gla, kda)"
     )
     parser.add_argument(
@@ -558,7 +572,7 @@ def main() -> None:
         decode(a.iters, a.repeats, tuple(int(t) for t in a.tokens.split(",")))
         return
     for op in a.op or list(CASES):
-        bench(op, a.seq, a.iters, a.repeats, a.anchors)
+        bench(op, a.seq, a.iters, a.repeats, a.anchors, tuple(a.platforms.split(",")))
 
 
 if __name__ == "__main__":
