@@ -20,8 +20,8 @@ channel, ``GK = 1`` one decay per head.
   gate does all of it in :func:`kda_fwd_prep_kernel`. A per-channel gate's products take
   most of the work (each channel decays on its own, so the diagonal blocks go entry by
   entry): :func:`kda_fwd_norm_kernel` writes the normalised ``q``, ``k`` and ``G``,
-  :func:`kda_fwd_intra_kernel` computes ``P`` and ``K Kᵀ`` in ``[SUB, SUB]`` tiles, many
-  small programs per chunk, and :func:`kda_fwd_wy_kernel` the rest.
+  :func:`kda_fwd_intra_kernel` computes ``P`` and ``K Kᵀ`` in ``[SUB, SUB]`` tiles, one
+  program per block of ``SUB`` rows, and :func:`kda_fwd_wy_kernel` the rest.
 - :func:`kda_fwd_h_kernel` walks the chunks of one (V block, batch row, head) in order with
   the float32 state ``S [K, BV]``: ``V' = U − W S``,
   ``S ← diag(exp(G_C)) S + (k ⊙ exp(G_C − G))ᵀ V'``; it restarts from the initial state where
@@ -192,33 +192,34 @@ def kda_fwd_intra_kernel(
     DOT_PRECISION: tl.constexpr,
     NARROW: tl.constexpr,
 ):
-    """Grid ``(NT, (C / SUB)², B·H)``: the ``[SUB, SUB]`` tile (row block ``i``, column block
-    ``j``) of one chunk's ``P`` and decayed ``K Kᵀ`` [B, T, H, C] (float32; zero for
-    ``j > i``), from :func:`kda_fwd_norm_kernel`'s ``q̂``, ``k̂``, ``G``, over the key
-    channels in blocks of ``BKS``. ``NARROW``: the products below the diagonal take operands
-    in ``q̂``'s dtype (16-bit: the norm kernel then writes ``q̂`` and ``k̂`` in the inputs'
-    dtype).
+    """Grid ``(NT · C / SUB, B·H)``: the ``SUB`` rows of row block ``i`` of one chunk's ``P``
+    and decayed ``K Kᵀ`` [B, T, H, C] (float32; zero above the diagonal block), tile by tile
+    (column block ``j``), from :func:`kda_fwd_norm_kernel`'s ``q̂``, ``k̂``, ``G``, over the
+    key channels in blocks of ``BKS``. ``NARROW``: the products take operands in ``q̂``'s
+    dtype (16-bit: the norm kernel then writes ``q̂`` and ``k̂`` in the inputs' dtype).
 
-    Below the diagonal the decays factor through the block's first row ``ρ``:
-    ``exp(G_t − G_ρ) · exp(G_ρ − G_s)``, both at most 1 for a decay. On the diagonal they are
-    factored the same way where a block of key channels decays by at most
-    :data:`~ejkernel_triton.kernels.gla_fwd.DIAGONAL_PRODUCT_SPAN` across it (the entries above
-    the diagonal then selected away), and otherwise taken entry by entry, one column ``s`` per
-    step: ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``.
-    A diagonal tile's program also inverts its block of ``I + A``
-    (``A_tj = β_t (K Kᵀ)_tj``, ``j < t``) into ``tdiag`` [B, T, H, C] (float32; only the
-    diagonal blocks are written), for :func:`kda_fwd_wy_kernel`."""
-    i_n, i_ij, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_i, i_j = i_ij // (C // SUB), i_ij % (C // SUB)
+    The decays factor through the row block's first row ``ρ``:
+    ``exp(G_t − G_ρ) · exp(G_ρ − G_s)``, both at most 1 for a decay below the diagonal block.
+    On the diagonal block they are factored the same way where a block of key channels decays
+    by at most :data:`~ejkernel_triton.kernels.gla_fwd.DIAGONAL_PRODUCT_SPAN` across it (the
+    entries above the diagonal then selected away), and otherwise taken entry by entry, one
+    column ``s`` per step: ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``. The program also inverts its
+    block of ``I + A`` (``A_tj = β_t (K Kᵀ)_tj``, ``j < t``) into ``tdiag`` [B, T, H, C]
+    (float32; only the diagonal blocks are written), for :func:`kda_fwd_wy_kernel`."""
+    NC: tl.constexpr = C // SUB
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, i_i = i_c // NC, i_c % NC
     i_b, i_h = i_bh // H, i_bh % H
     o_s = tl.arange(0, SUB)
     first = i_b.to(tl.int64) * NT * C * H + i_h + i_n * C * H  # the chunk's first row
     rows_i = first + (i_i * SUB + o_s) * H
-    rows_j = first + (i_j * SUB + o_s) * H
-    b_p = tl.zeros([SUB, SUB], dtype=tl.float32)
-    b_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
-    if i_j < i_i:
-        ref = first + i_i * SUB * H
+    ref = first + i_i * SUB * H
+    p_row = rows_i[:, None] * C + o_s[None, :]
+    dt = qn_ptr.dtype.element_ty
+    for i_j in range(0, i_i):  # the blocks below the diagonal
+        rows_j = first + (i_j * SUB + o_s) * H
+        b_p = tl.zeros([SUB, SUB], dtype=tl.float32)
+        b_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
         for k0 in range(0, K, BKS):
             o_k = k0 + tl.arange(0, BKS)
             m_k = (o_k < K)[None, :]
@@ -231,57 +232,58 @@ def kda_fwd_intra_kernel(
             b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0) * b_in
             b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0) * b_in
             if NARROW:
-                dt = qn_ptr.dtype.element_ty
                 b_kb, b_qi, b_ki = b_kb.to(dt), b_qi.to(dt), b_ki.to(dt)
             b_p += tl.dot(b_qi, tl.trans(b_kb), input_precision=DOT_PRECISION)
             b_kk += tl.dot(b_ki, tl.trans(b_kb), input_precision=DOT_PRECISION)
-    elif i_j == i_i:
-        # through the block's first row where the channels' decay span allows it (see
-        # gla_fwd.DIAGONAL_PRODUCT_SPAN), entry by entry otherwise
-        ref = first + i_i * SUB * H
-        for k0 in range(0, K, BKS):
-            o_k = k0 + tl.arange(0, BKS)
-            m_k = (o_k < K)[None, :]
-            p_i = rows_i[:, None] * K + o_k[None, :]
-            b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0)
-            b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0)
-            b_gi = tl.load(gc_ptr + p_i, mask=m_k, other=0.0)
-            b_gr = tl.load(gc_ptr + ref * K + o_k, mask=o_k < K, other=0.0)[None, :]
-            span = tl.max(b_gr - b_gi)
-            dt = qn_ptr.dtype.element_ty
-            limit: tl.constexpr = (
-                DIAGONAL_PRODUCT_SPAN_F16 if NARROW and dt == tl.float16 else DIAGONAL_PRODUCT_SPAN
-            )
-            if span <= limit:
-                b_in = tl.exp(b_gi - b_gr)
-                b_kb = b_ki * tl.exp(b_gr - b_gi)
-                b_qa = b_qi * b_in
-                b_ka = b_ki * b_in
-                if NARROW:
-                    b_kb, b_qa, b_ka = b_kb.to(dt), b_qa.to(dt), b_ka.to(dt)
-                b_p += tl.dot(b_qa, tl.trans(b_kb), input_precision=DOT_PRECISION)
-                b_kk += tl.dot(b_ka, tl.trans(b_kb), input_precision=DOT_PRECISION)
-            else:
-                for s in range(0, SUB):
-                    p_s = (first + (i_i * SUB + s) * H) * K + o_k
-                    b_ks = tl.load(kn_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
-                    b_gs = tl.load(gc_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
-                    seen = (o_s >= s)[:, None]
-                    b_ke = b_ks * tl.exp(tl.where(seen, b_gi - b_gs, float("-inf")))
-                    col = (o_s == s)[None, :]
-                    b_p = tl.where(col, b_p + tl.sum(b_qi * b_ke, axis=1)[:, None], b_p)
-                    b_kk = tl.where(col, b_kk + tl.sum(b_ki * b_ke, axis=1)[:, None], b_kk)
-        # selected: the entries above the diagonal (a NaN key's among them) are zeros
-        lower = o_s[:, None] >= o_s[None, :]
-        b_p = tl.where(lower, b_p, 0.0)
-        b_kk = tl.where(lower, b_kk, 0.0)
-    cols = i_j * SUB + o_s
-    tl.store(p_ptr + rows_i[:, None] * C + cols[None, :], b_p)
-    tl.store(kk_ptr + rows_i[:, None] * C + cols[None, :], b_kk)
-    if i_j == i_i:
-        b_beta = tl.load(bn_ptr + rows_i)
-        b_a = tl.where(o_s[:, None] > o_s[None, :], b_beta[:, None] * b_kk, 0.0)
-        tl.store(tdiag_ptr + rows_i[:, None] * C + cols[None, :], block_inverse(b_a, o_s))
+        tl.store(p_ptr + p_row + i_j * SUB, b_p)
+        tl.store(kk_ptr + p_row + i_j * SUB, b_kk)
+    for i_j in range(i_i + 1, NC):  # above it: zeros
+        tl.store(p_ptr + p_row + i_j * SUB, tl.zeros([SUB, SUB], dtype=tl.float32))
+        tl.store(kk_ptr + p_row + i_j * SUB, tl.zeros([SUB, SUB], dtype=tl.float32))
+    # the diagonal block: through its first row where the channels' decay span allows it
+    # (see gla_fwd.DIAGONAL_PRODUCT_SPAN), entry by entry otherwise
+    b_p = tl.zeros([SUB, SUB], dtype=tl.float32)
+    b_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
+    for k0 in range(0, K, BKS):
+        o_k = k0 + tl.arange(0, BKS)
+        m_k = (o_k < K)[None, :]
+        p_i = rows_i[:, None] * K + o_k[None, :]
+        b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0)
+        b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0)
+        b_gi = tl.load(gc_ptr + p_i, mask=m_k, other=0.0)
+        b_gr = tl.load(gc_ptr + ref * K + o_k, mask=o_k < K, other=0.0)[None, :]
+        span = tl.max(b_gr - b_gi)
+        limit: tl.constexpr = (
+            DIAGONAL_PRODUCT_SPAN_F16 if NARROW and dt == tl.float16 else DIAGONAL_PRODUCT_SPAN
+        )
+        if span <= limit:
+            b_in = tl.exp(b_gi - b_gr)
+            b_kb = b_ki * tl.exp(b_gr - b_gi)
+            b_qa = b_qi * b_in
+            b_ka = b_ki * b_in
+            if NARROW:
+                b_kb, b_qa, b_ka = b_kb.to(dt), b_qa.to(dt), b_ka.to(dt)
+            b_p += tl.dot(b_qa, tl.trans(b_kb), input_precision=DOT_PRECISION)
+            b_kk += tl.dot(b_ka, tl.trans(b_kb), input_precision=DOT_PRECISION)
+        else:
+            for s in range(0, SUB):
+                p_s = (first + (i_i * SUB + s) * H) * K + o_k
+                b_ks = tl.load(kn_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
+                b_gs = tl.load(gc_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
+                seen = (o_s >= s)[:, None]
+                b_ke = b_ks * tl.exp(tl.where(seen, b_gi - b_gs, float("-inf")))
+                col = (o_s == s)[None, :]
+                b_p = tl.where(col, b_p + tl.sum(b_qi * b_ke, axis=1)[:, None], b_p)
+                b_kk = tl.where(col, b_kk + tl.sum(b_ki * b_ke, axis=1)[:, None], b_kk)
+    # selected: the entries above the diagonal (a NaN key's among them) are zeros
+    lower = o_s[:, None] >= o_s[None, :]
+    b_p = tl.where(lower, b_p, 0.0)
+    b_kk = tl.where(lower, b_kk, 0.0)
+    tl.store(p_ptr + p_row + i_i * SUB, b_p)
+    tl.store(kk_ptr + p_row + i_i * SUB, b_kk)
+    b_beta = tl.load(bn_ptr + rows_i)
+    b_a = tl.where(o_s[:, None] > o_s[None, :], b_beta[:, None] * b_kk, 0.0)
+    tl.store(tdiag_ptr + p_row + i_i * SUB, block_inverse(b_a, o_s))
 
 
 @triton.jit

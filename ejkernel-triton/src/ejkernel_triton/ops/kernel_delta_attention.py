@@ -456,8 +456,8 @@ def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> 
 
 def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> list[Any]:
     """A per-channel gate's chunk pass: the normalised inputs, the decayed products in
-    ``[16, 16]`` tiles over blocks of :data:`_PRODUCT_CHANNELS` key channels (the diagonal
-    tiles' programs also invert their blocks of ``I + A``), then the rest;
+    ``[16, 16]`` tiles over blocks of :data:`_PRODUCT_CHANNELS` key channels, one program per
+    block of 16 rows (which also inverts its diagonal block of ``I + A``), then the rest;
     ``(qg, kg, w, u, p, decay, t, kk)`` as :func:`_per_head_chunk`'s (``kk`` always)."""
     from ejkernel_triton.kernels.kda_fwd import (
         kda_fwd_intra_kernel,
@@ -503,7 +503,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         nt,
         h,
         out_shape=[per_chunk] * 3,
-        grid=(nt, (c // 16) ** 2, b * h),
+        grid=(nt * (c // 16), b * h),
         K=dk,
         C=c,
         BKS=min(_PRODUCT_CHANNELS, st.block_k),
