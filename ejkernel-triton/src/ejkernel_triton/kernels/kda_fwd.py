@@ -164,15 +164,17 @@ def kda_fwd_norm_kernel(
     """Grid ``(NT, B·H)``, a per-channel gate's: one chunk's ``q̂`` (L2-normalised with
     ``use_qk_l2norm``, times the scale) and ``k̂`` in their outputs' dtype, the float32
     cumulative log gate ``G`` [B, T, H, K] and ``β`` [B, T, H], read with
-    :func:`chunk_inputs`' numerics, for :func:`kda_fwd_intra_kernel`."""
+    :func:`chunk_inputs`' numerics (a token whose key, ``β`` or gate is not finite enters with
+    them zeroed, and its ``β`` is written NaN: the mark :func:`normalised_inputs` reads), for
+    :func:`kda_fwd_intra_kernel` and :func:`kda_fwd_wy_kernel`."""
     _, _, m_k, rows, p_k, _ = chunk_tiles(H, NT, K, C, BK)
-    b_q, b_k, b_beta, b_gc, _ = normalised_chunk(
+    b_q, b_k, b_beta, b_gc, bad = normalised_chunk(
         q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, K, L2NORM, GATE_FLOOR
     )
     tl.store(qn_ptr + p_k, b_q.to(qn_ptr.dtype.element_ty), mask=m_k[None, :])
     tl.store(kn_ptr + p_k, b_k.to(kn_ptr.dtype.element_ty), mask=m_k[None, :])
     tl.store(gc_ptr + p_k, b_gc, mask=m_k[None, :])
-    tl.store(bn_ptr + rows, b_beta)
+    tl.store(bn_ptr + rows, tl.where(bad, float("nan"), b_beta))
 
 
 @triton.jit
@@ -282,20 +284,32 @@ def kda_fwd_intra_kernel(
     tl.store(p_ptr + p_row + i_i * SUB, b_p)
     tl.store(kk_ptr + p_row + i_i * SUB, b_kk)
     b_beta = tl.load(bn_ptr + rows_i)
+    b_beta = tl.where(b_beta == b_beta, b_beta, 0.0)  # NaN: a token that enters zeroed
     b_a = tl.where(o_s[:, None] > o_s[None, :], b_beta[:, None] * b_kk, 0.0)
     tl.store(tdiag_ptr + p_row + i_i * SUB, block_inverse(b_a, o_s))
 
 
 @triton.jit
+def normalised_inputs(qn_ptr, kn_ptr, bn_ptr, gc_ptr, rows, p_k, m_k):
+    """One chunk's float32 ``q̂``, ``k̂``, ``β``, cumulative log gate and ``bad`` tokens as
+    :func:`kda_fwd_norm_kernel` wrote them (``bad``: ``β`` written NaN; it enters as 0)."""
+    b_q = tl.load(qn_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_k = tl.load(kn_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_gc = tl.load(gc_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_beta = tl.load(bn_ptr + rows)
+    bad = b_beta != b_beta
+    return b_q, b_k, tl.where(bad, 0.0, b_beta), b_gc, bad
+
+
+@triton.jit
 def kda_fwd_wy_kernel(
-    q_ptr,
-    k_ptr,
+    qn_ptr,
+    kn_ptr,
     v_ptr,
-    beta_ptr,
-    g_ptr,
+    bn_ptr,
+    gc_ptr,
     kk_ptr,
     tdiag_ptr,
-    scale,
     NT,
     H,
     qg_ptr,
@@ -309,19 +323,16 @@ def kda_fwd_wy_kernel(
     C: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    L2NORM: tl.constexpr,
-    GATE_FLOOR: tl.constexpr,
     STORE_FACTORS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NARROW: tl.constexpr,
 ):
-    """Grid ``(NT, B·H)``, a per-channel gate's: :func:`chunk_factors` of one chunk from its
-    inputs, and the decayed ``K Kᵀ`` and diagonal blocks' inverses of
-    :func:`kda_fwd_intra_kernel`."""
+    """Grid ``(NT, B·H)``, a per-channel gate's: :func:`chunk_factors` of one chunk from
+    :func:`kda_fwd_norm_kernel`'s normalised inputs (the scale applied, the gates floored and
+    summed) and :func:`kda_fwd_intra_kernel`'s decayed ``K Kᵀ`` and diagonal blocks'
+    inverses."""
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
-    b_q, b_k, b_beta, b_gc, bad = normalised_chunk(
-        q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, K, L2NORM, GATE_FLOOR
-    )
+    b_q, b_k, b_beta, b_gc, bad = normalised_inputs(qn_ptr, kn_ptr, bn_ptr, gc_ptr, rows, p_k, m_k)
     b_kk = tl.load(kk_ptr + rows[:, None] * C + o_c[None, :])
     same_block = (o_c // SUB)[:, None] == (o_c // SUB)[None, :]
     b_tdiag = tl.load(tdiag_ptr + rows[:, None] * C + o_c[None, :], mask=same_block, other=0.0)
