@@ -41,6 +41,7 @@ __all__ = [
     "heuristic",
     "log_decay",
     "primal",
+    "resolved_config",
     "silu_gate",
     "supports",
 ]
@@ -124,7 +125,9 @@ class _Inv:
     kwargs: dict[str, Any]
 
 
-def _config(cfg: Any, args: dict[str, Any], m: Mapping, cls: type[GlaConfig]) -> Any:
+def resolved_config(cfg: Any, args: dict[str, Any], m: Mapping, cls: type[GlaConfig]) -> Any:
+    """The config a call runs with: ``cfg``, or the heuristic's when ``None``; the op's
+    ``chunk_size`` in ``args``, when given, sets its chunk."""
     if cfg is None:
         return heuristic(_Inv(args), m, cls)
     return _with_chunk(cfg, args.get("chunk_size"))
@@ -137,7 +140,7 @@ def primal(m: Mapping, cls: type[GlaConfig], cfg: Any, args: dict[str, Any]) -> 
     """The undifferentiated call: through gla's fused recurrent kernel where the config says
     ``fused`` (decoding a few tokens), else the mapping's ``chunked_primal`` where it has one,
     else :func:`forward`'s output."""
-    cfg = _config(cfg, args, m, cls)
+    cfg = resolved_config(cfg, args, m, cls)
     a = {n: args.get(n) for n in ARRAYS}
     rs = bool(args.get("return_state"))
     if not cfg.fused:
@@ -160,7 +163,7 @@ def forward(
     a = {n: args.get(n) for n in ARRAYS}
     rs = bool(args.get("return_state"))
     lin = m.as_linear(a, bool(args.get("dt_softplus")))
-    kernel_cfg = attrs.evolve(_config(cfg, args, m, cls), fused=False)
+    kernel_cfg = attrs.evolve(resolved_config(cfg, args, m, cls), fused=False)
     out, res = gla._gla_fwd(cfg=kernel_cfg, **lin, softmax_scale=1.0, return_state=rs)
     y, final = out if rs else (out, None)
     o = m.finish(y, a).astype(a["x"].dtype)
@@ -190,7 +193,7 @@ def backward(
     if rs and d_final is not None:
         d_state = m.state_back(d_final.astype(jnp.float32))
     res = residuals["gla"]
-    kernel_cfg = _config(cfg, {**statics, **a}, m, cls)
+    kernel_cfg = resolved_config(cfg, {**statics, **a}, m, cls)
     st = gla._Statics.of({"query": res["q"], "value": res["v"], "softmax_scale": 1.0}, kernel_cfg)
     st = attrs.evolve(st, return_state=rs, chunk=res["layout"].chunk)
     d_lin = gla._backward(res, d_y, d_state, st, split_diagonal=True)

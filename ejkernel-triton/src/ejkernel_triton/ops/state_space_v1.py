@@ -5,8 +5,7 @@ Per channel i the state ``h[i, :] [N]`` follows ``h_t = exp(Δ_t[i] A[i]) ⊙ h_
 x_t[i] B_t`` and ``y_t[i] = C_t · h_t[i]``: gla's recurrence with one head per channel, key
 ``B_t`` and query ``C_t`` (shared by every channel), a one-wide value ``Δ_t x_t[i]``, the
 vector log gate ``Δ_t[i] A[i, :]`` over the N key channels and scale 1. So this module maps the
-call onto :mod:`ejkernel_triton.ops.gla` (forward and backward kernels), as
-:mod:`ejkernel_triton.ops.state_space_v2` does for its gradient (the shared pieces:
+call onto :mod:`ejkernel_triton.ops.gla` (forward and backward kernels; the shared pieces:
 :mod:`ejkernel_triton.ops.state_space_gla`): ``Δ`` (bias, softplus), ``Δ x`` and ``Δ A``
 (floored: ``A = -inf`` is a reset where ``Δ > 0``, ``Δ = 0`` passes the state) in JAX before
 the kernels; ``y + D x`` and ``silu(gate)`` after them; gradients through gla's backward and

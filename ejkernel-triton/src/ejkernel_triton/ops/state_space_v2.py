@@ -168,7 +168,7 @@ def _vjp_fwd(*, cfg: StateSpaceV2Config | None = None, **args: Any) -> tuple[Any
     and the chunk-start states kept for :func:`_vjp_bwd`."""
     a = {n: args.get(n) for n in ssm.ARRAYS}
     rs = bool(args.get("return_state"))
-    st = _statics(a, ssm._config(cfg, {**args, **a}, MAPPING, StateSpaceV2Config), rs)
+    st = _statics(a, ssm.resolved_config(cfg, {**args, **a}, MAPPING, StateSpaceV2Config), rs)
     out, final, res = _forward_for_vjp(a, bool(args.get("dt_softplus")), st)
     return ((out, final) if rs else out), res
 
@@ -183,7 +183,7 @@ def _vjp_bwd(
     """The gradient of every given array, in its dtype (``None`` for absent ones)."""
     a = residuals["arrays"]
     rs = bool(statics.get("return_state"))
-    st = _statics(a, ssm._config(cfg, {**statics, **a}, MAPPING, StateSpaceV2Config), rs)
+    st = _statics(a, ssm.resolved_config(cfg, {**statics, **a}, MAPPING, StateSpaceV2Config), rs)
     d_o, d_final = d_out if rs else (d_out, None)
     return _backward(residuals, d_o, d_final, bool(statics.get("dt_softplus")), st)
 
