@@ -20,8 +20,8 @@ channel, ``GK = 1`` one decay per head.
   gate does all of it in :func:`kda_fwd_prep_kernel`. A per-channel gate's products take
   most of the work (each channel decays on its own, so the diagonal blocks go entry by
   entry): :func:`kda_fwd_norm_kernel` writes the normalised ``q``, ``k`` and ``G``,
-  :func:`kda_fwd_intra_kernel` computes ``P`` and ``K Kᵀ`` in ``[SUB, SUB]`` tiles, many
-  small programs per chunk, and :func:`kda_fwd_wy_kernel` the rest.
+  :func:`kda_fwd_intra_kernel` computes ``P`` and ``K Kᵀ`` in ``[SUB, SUB]`` tiles, one
+  program per block of ``SUB`` rows, and :func:`kda_fwd_wy_kernel` the rest.
 - :func:`kda_fwd_h_kernel` walks the chunks of one (V block, batch row, head) in order with
   the float32 state ``S [K, BV]``: ``V' = U − W S``,
   ``S ← diag(exp(G_C)) S + (k ⊙ exp(G_C − G))ᵀ V'``; it restarts from the initial state where
@@ -164,15 +164,17 @@ def kda_fwd_norm_kernel(
     """Grid ``(NT, B·H)``, a per-channel gate's: one chunk's ``q̂`` (L2-normalised with
     ``use_qk_l2norm``, times the scale) and ``k̂`` in their outputs' dtype, the float32
     cumulative log gate ``G`` [B, T, H, K] and ``β`` [B, T, H], read with
-    :func:`chunk_inputs`' numerics, for :func:`kda_fwd_intra_kernel`."""
+    :func:`chunk_inputs`' numerics (a token whose key, ``β`` or gate is not finite enters with
+    them zeroed, and its ``β`` is written NaN: the mark :func:`normalised_inputs` reads), for
+    :func:`kda_fwd_intra_kernel` and :func:`kda_fwd_wy_kernel`."""
     _, _, m_k, rows, p_k, _ = chunk_tiles(H, NT, K, C, BK)
-    b_q, b_k, b_beta, b_gc, _ = normalised_chunk(
+    b_q, b_k, b_beta, b_gc, bad = normalised_chunk(
         q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, K, L2NORM, GATE_FLOOR
     )
     tl.store(qn_ptr + p_k, b_q.to(qn_ptr.dtype.element_ty), mask=m_k[None, :])
     tl.store(kn_ptr + p_k, b_k.to(kn_ptr.dtype.element_ty), mask=m_k[None, :])
     tl.store(gc_ptr + p_k, b_gc, mask=m_k[None, :])
-    tl.store(bn_ptr + rows, b_beta)
+    tl.store(bn_ptr + rows, tl.where(bad, float("nan"), b_beta))
 
 
 @triton.jit
@@ -192,33 +194,34 @@ def kda_fwd_intra_kernel(
     DOT_PRECISION: tl.constexpr,
     NARROW: tl.constexpr,
 ):
-    """Grid ``(NT, (C / SUB)², B·H)``: the ``[SUB, SUB]`` tile (row block ``i``, column block
-    ``j``) of one chunk's ``P`` and decayed ``K Kᵀ`` [B, T, H, C] (float32; zero for
-    ``j > i``), from :func:`kda_fwd_norm_kernel`'s ``q̂``, ``k̂``, ``G``, over the key
-    channels in blocks of ``BKS``. ``NARROW``: the products below the diagonal take operands
-    in ``q̂``'s dtype (16-bit: the norm kernel then writes ``q̂`` and ``k̂`` in the inputs'
-    dtype).
+    """Grid ``(NT · C / SUB, B·H)``: the ``SUB`` rows of row block ``i`` of one chunk's ``P``
+    and decayed ``K Kᵀ`` [B, T, H, C] (float32; zero above the diagonal block), tile by tile
+    (column block ``j``), from :func:`kda_fwd_norm_kernel`'s ``q̂``, ``k̂``, ``G``, over the
+    key channels in blocks of ``BKS``. ``NARROW``: the products take operands in ``q̂``'s
+    dtype (16-bit: the norm kernel then writes ``q̂`` and ``k̂`` in the inputs' dtype).
 
-    Below the diagonal the decays factor through the block's first row ``ρ``:
-    ``exp(G_t − G_ρ) · exp(G_ρ − G_s)``, both at most 1 for a decay. On the diagonal they are
-    factored the same way where a block of key channels decays by at most
-    :data:`~ejkernel_triton.kernels.gla_fwd.DIAGONAL_PRODUCT_SPAN` across it (the entries above
-    the diagonal then selected away), and otherwise taken entry by entry, one column ``s`` per
-    step: ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``.
-    A diagonal tile's program also inverts its block of ``I + A``
-    (``A_tj = β_t (K Kᵀ)_tj``, ``j < t``) into ``tdiag`` [B, T, H, C] (float32; only the
-    diagonal blocks are written), for :func:`kda_fwd_wy_kernel`."""
-    i_n, i_ij, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_i, i_j = i_ij // (C // SUB), i_ij % (C // SUB)
+    The decays factor through the row block's first row ``ρ``:
+    ``exp(G_t − G_ρ) · exp(G_ρ − G_s)``, both at most 1 for a decay below the diagonal block.
+    On the diagonal block they are factored the same way where a block of key channels decays
+    by at most :data:`~ejkernel_triton.kernels.gla_fwd.DIAGONAL_PRODUCT_SPAN` across it (the
+    entries above the diagonal then selected away), and otherwise taken entry by entry, one
+    column ``s`` per step: ``Σ_κ a_tκ k_sκ exp(G_tκ − G_sκ)``. The program also inverts its
+    block of ``I + A`` (``A_tj = β_t (K Kᵀ)_tj``, ``j < t``) into ``tdiag`` [B, T, H, C]
+    (float32; only the diagonal blocks are written), for :func:`kda_fwd_wy_kernel`."""
+    NC: tl.constexpr = C // SUB
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, i_i = i_c // NC, i_c % NC
     i_b, i_h = i_bh // H, i_bh % H
     o_s = tl.arange(0, SUB)
     first = i_b.to(tl.int64) * NT * C * H + i_h + i_n * C * H  # the chunk's first row
     rows_i = first + (i_i * SUB + o_s) * H
-    rows_j = first + (i_j * SUB + o_s) * H
-    b_p = tl.zeros([SUB, SUB], dtype=tl.float32)
-    b_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
-    if i_j < i_i:
-        ref = first + i_i * SUB * H
+    ref = first + i_i * SUB * H
+    p_row = rows_i[:, None] * C + o_s[None, :]
+    dt = qn_ptr.dtype.element_ty
+    for i_j in range(0, i_i):  # the blocks below the diagonal
+        rows_j = first + (i_j * SUB + o_s) * H
+        b_p = tl.zeros([SUB, SUB], dtype=tl.float32)
+        b_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
         for k0 in range(0, K, BKS):
             o_k = k0 + tl.arange(0, BKS)
             m_k = (o_k < K)[None, :]
@@ -231,69 +234,82 @@ def kda_fwd_intra_kernel(
             b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0) * b_in
             b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0) * b_in
             if NARROW:
-                dt = qn_ptr.dtype.element_ty
                 b_kb, b_qi, b_ki = b_kb.to(dt), b_qi.to(dt), b_ki.to(dt)
             b_p += tl.dot(b_qi, tl.trans(b_kb), input_precision=DOT_PRECISION)
             b_kk += tl.dot(b_ki, tl.trans(b_kb), input_precision=DOT_PRECISION)
-    elif i_j == i_i:
-        # through the block's first row where the channels' decay span allows it (see
-        # gla_fwd.DIAGONAL_PRODUCT_SPAN), entry by entry otherwise
-        ref = first + i_i * SUB * H
-        for k0 in range(0, K, BKS):
-            o_k = k0 + tl.arange(0, BKS)
-            m_k = (o_k < K)[None, :]
-            p_i = rows_i[:, None] * K + o_k[None, :]
-            b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0)
-            b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0)
-            b_gi = tl.load(gc_ptr + p_i, mask=m_k, other=0.0)
-            b_gr = tl.load(gc_ptr + ref * K + o_k, mask=o_k < K, other=0.0)[None, :]
-            span = tl.max(b_gr - b_gi)
-            dt = qn_ptr.dtype.element_ty
-            limit: tl.constexpr = (
-                DIAGONAL_PRODUCT_SPAN_F16 if NARROW and dt == tl.float16 else DIAGONAL_PRODUCT_SPAN
-            )
-            if span <= limit:
-                b_in = tl.exp(b_gi - b_gr)
-                b_kb = b_ki * tl.exp(b_gr - b_gi)
-                b_qa = b_qi * b_in
-                b_ka = b_ki * b_in
-                if NARROW:
-                    b_kb, b_qa, b_ka = b_kb.to(dt), b_qa.to(dt), b_ka.to(dt)
-                b_p += tl.dot(b_qa, tl.trans(b_kb), input_precision=DOT_PRECISION)
-                b_kk += tl.dot(b_ka, tl.trans(b_kb), input_precision=DOT_PRECISION)
-            else:
-                for s in range(0, SUB):
-                    p_s = (first + (i_i * SUB + s) * H) * K + o_k
-                    b_ks = tl.load(kn_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
-                    b_gs = tl.load(gc_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
-                    seen = (o_s >= s)[:, None]
-                    b_ke = b_ks * tl.exp(tl.where(seen, b_gi - b_gs, float("-inf")))
-                    col = (o_s == s)[None, :]
-                    b_p = tl.where(col, b_p + tl.sum(b_qi * b_ke, axis=1)[:, None], b_p)
-                    b_kk = tl.where(col, b_kk + tl.sum(b_ki * b_ke, axis=1)[:, None], b_kk)
-        # selected: the entries above the diagonal (a NaN key's among them) are zeros
-        lower = o_s[:, None] >= o_s[None, :]
-        b_p = tl.where(lower, b_p, 0.0)
-        b_kk = tl.where(lower, b_kk, 0.0)
-    cols = i_j * SUB + o_s
-    tl.store(p_ptr + rows_i[:, None] * C + cols[None, :], b_p)
-    tl.store(kk_ptr + rows_i[:, None] * C + cols[None, :], b_kk)
-    if i_j == i_i:
-        b_beta = tl.load(bn_ptr + rows_i)
-        b_a = tl.where(o_s[:, None] > o_s[None, :], b_beta[:, None] * b_kk, 0.0)
-        tl.store(tdiag_ptr + rows_i[:, None] * C + cols[None, :], block_inverse(b_a, o_s))
+        tl.store(p_ptr + p_row + i_j * SUB, b_p)
+        tl.store(kk_ptr + p_row + i_j * SUB, b_kk)
+    for i_j in range(i_i + 1, NC):  # above it: zeros
+        tl.store(p_ptr + p_row + i_j * SUB, tl.zeros([SUB, SUB], dtype=tl.float32))
+        tl.store(kk_ptr + p_row + i_j * SUB, tl.zeros([SUB, SUB], dtype=tl.float32))
+    # the diagonal block: through its first row where the channels' decay span allows it
+    # (see gla_fwd.DIAGONAL_PRODUCT_SPAN), entry by entry otherwise
+    b_p = tl.zeros([SUB, SUB], dtype=tl.float32)
+    b_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
+    for k0 in range(0, K, BKS):
+        o_k = k0 + tl.arange(0, BKS)
+        m_k = (o_k < K)[None, :]
+        p_i = rows_i[:, None] * K + o_k[None, :]
+        b_qi = tl.load(qn_ptr + p_i, mask=m_k, other=0.0)
+        b_ki = tl.load(kn_ptr + p_i, mask=m_k, other=0.0)
+        b_gi = tl.load(gc_ptr + p_i, mask=m_k, other=0.0)
+        b_gr = tl.load(gc_ptr + ref * K + o_k, mask=o_k < K, other=0.0)[None, :]
+        span = tl.max(b_gr - b_gi)
+        limit: tl.constexpr = (
+            DIAGONAL_PRODUCT_SPAN_F16 if NARROW and dt == tl.float16 else DIAGONAL_PRODUCT_SPAN
+        )
+        if span <= limit:
+            b_in = tl.exp(b_gi - b_gr)
+            b_kb = b_ki * tl.exp(b_gr - b_gi)
+            b_qa = b_qi * b_in
+            b_ka = b_ki * b_in
+            if NARROW:
+                b_kb, b_qa, b_ka = b_kb.to(dt), b_qa.to(dt), b_ka.to(dt)
+            b_p += tl.dot(b_qa, tl.trans(b_kb), input_precision=DOT_PRECISION)
+            b_kk += tl.dot(b_ka, tl.trans(b_kb), input_precision=DOT_PRECISION)
+        else:
+            for s in range(0, SUB):
+                p_s = (first + (i_i * SUB + s) * H) * K + o_k
+                b_ks = tl.load(kn_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
+                b_gs = tl.load(gc_ptr + p_s, mask=o_k < K, other=0.0)[None, :]
+                seen = (o_s >= s)[:, None]
+                b_ke = b_ks * tl.exp(tl.where(seen, b_gi - b_gs, float("-inf")))
+                col = (o_s == s)[None, :]
+                b_p = tl.where(col, b_p + tl.sum(b_qi * b_ke, axis=1)[:, None], b_p)
+                b_kk = tl.where(col, b_kk + tl.sum(b_ki * b_ke, axis=1)[:, None], b_kk)
+    # selected: the entries above the diagonal (a NaN key's among them) are zeros
+    lower = o_s[:, None] >= o_s[None, :]
+    b_p = tl.where(lower, b_p, 0.0)
+    b_kk = tl.where(lower, b_kk, 0.0)
+    tl.store(p_ptr + p_row + i_i * SUB, b_p)
+    tl.store(kk_ptr + p_row + i_i * SUB, b_kk)
+    b_beta = tl.load(bn_ptr + rows_i)
+    b_beta = tl.where(b_beta == b_beta, b_beta, 0.0)  # NaN: a token that enters zeroed
+    b_a = tl.where(o_s[:, None] > o_s[None, :], b_beta[:, None] * b_kk, 0.0)
+    tl.store(tdiag_ptr + p_row + i_i * SUB, block_inverse(b_a, o_s))
+
+
+@triton.jit
+def normalised_inputs(qn_ptr, kn_ptr, bn_ptr, gc_ptr, rows, p_k, m_k):
+    """One chunk's float32 ``q̂``, ``k̂``, ``β``, cumulative log gate and ``bad`` tokens as
+    :func:`kda_fwd_norm_kernel` wrote them (``bad``: ``β`` written NaN; it enters as 0)."""
+    b_q = tl.load(qn_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_k = tl.load(kn_ptr + p_k, mask=m_k[None, :], other=0.0).to(tl.float32)
+    b_gc = tl.load(gc_ptr + p_k, mask=m_k[None, :], other=0.0)
+    b_beta = tl.load(bn_ptr + rows)
+    bad = b_beta != b_beta
+    return b_q, b_k, tl.where(bad, 0.0, b_beta), b_gc, bad
 
 
 @triton.jit
 def kda_fwd_wy_kernel(
-    q_ptr,
-    k_ptr,
+    qn_ptr,
+    kn_ptr,
     v_ptr,
-    beta_ptr,
-    g_ptr,
+    bn_ptr,
+    gc_ptr,
     kk_ptr,
     tdiag_ptr,
-    scale,
     NT,
     H,
     qg_ptr,
@@ -307,19 +323,16 @@ def kda_fwd_wy_kernel(
     C: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    L2NORM: tl.constexpr,
-    GATE_FLOOR: tl.constexpr,
     STORE_FACTORS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NARROW: tl.constexpr,
 ):
-    """Grid ``(NT, B·H)``, a per-channel gate's: :func:`chunk_factors` of one chunk from its
-    inputs, and the decayed ``K Kᵀ`` and diagonal blocks' inverses of
-    :func:`kda_fwd_intra_kernel`."""
+    """Grid ``(NT, B·H)``, a per-channel gate's: :func:`chunk_factors` of one chunk from
+    :func:`kda_fwd_norm_kernel`'s normalised inputs (the scale applied, the gates floored and
+    summed) and :func:`kda_fwd_intra_kernel`'s decayed ``K Kᵀ`` and diagonal blocks'
+    inverses."""
     o_c, o_k, m_k, rows, p_k, slot = chunk_tiles(H, NT, K, C, BK)
-    b_q, b_k, b_beta, b_gc, bad = normalised_chunk(
-        q_ptr, k_ptr, beta_ptr, g_ptr, scale, rows, p_k, m_k, K, L2NORM, GATE_FLOOR
-    )
+    b_q, b_k, b_beta, b_gc, bad = normalised_inputs(qn_ptr, kn_ptr, bn_ptr, gc_ptr, rows, p_k, m_k)
     b_kk = tl.load(kk_ptr + rows[:, None] * C + o_c[None, :])
     same_block = (o_c // SUB)[:, None] == (o_c // SUB)[None, :]
     b_tdiag = tl.load(tdiag_ptr + rows[:, None] * C + o_c[None, :], mask=same_block, other=0.0)

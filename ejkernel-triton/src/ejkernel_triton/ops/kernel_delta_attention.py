@@ -456,8 +456,8 @@ def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> 
 
 def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> list[Any]:
     """A per-channel gate's chunk pass: the normalised inputs, the decayed products in
-    ``[16, 16]`` tiles over blocks of :data:`_PRODUCT_CHANNELS` key channels (the diagonal
-    tiles' programs also invert their blocks of ``I + A``), then the rest;
+    ``[16, 16]`` tiles over blocks of :data:`_PRODUCT_CHANNELS` key channels, one program per
+    block of 16 rows (which also inverts its diagonal block of ``I + A``), then the rest;
     ``(qg, kg, w, u, p, decay, t, kk)`` as :func:`_per_head_chunk`'s (``kk`` always)."""
     from ejkernel_triton.kernels.kda_fwd import (
         kda_fwd_intra_kernel,
@@ -503,7 +503,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         nt,
         h,
         out_shape=[per_chunk] * 3,
-        grid=(nt, (c // 16) ** 2, b * h),
+        grid=(nt * (c // 16), b * h),
         K=dk,
         C=c,
         BKS=min(_PRODUCT_CHANNELS, st.block_k),
@@ -517,11 +517,12 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         st,
         nt,
         keep,
-        (q, k, v, beta, gates, kk, tdiag),
+        (qn, kn, v, bn, gc, kk, tdiag),
         out_shape=[
             jax.ShapeDtypeStruct((b, nt, h, dk), jnp.float32),
             jax.ShapeDtypeStruct((b, t, h, c) if keep else (1,), jnp.float32),
         ],
+        normalised=True,
     )
     return [qg, kg, w, u, p, decay, tt, kk]
 
@@ -533,23 +534,26 @@ def _factor_pass(
     keep: bool,
     reads: tuple[Any, ...],
     out_shape: list[jax.ShapeDtypeStruct],
+    normalised: bool = False,
     **constexprs: Any,
 ) -> list[Any]:
     """A forward chunk pass that writes the factors, one program per chunk and head: it reads
-    ``reads`` (``q, k, v, beta, gates`` first) and the scale, and writes ``qg``, ``kg``, ``w``
-    and ``u`` (the input dtype), then ``out_shape``'s; all of V in one block, with the input
-    numerics (``STORE_FACTORS``: ``keep``)."""
+    ``reads`` (``q, k, v, beta, gates`` first, then the scale; ``normalised``: the norm
+    kernel's ``q̂, k̂, v, β, G``, which need neither the scale nor the input numerics), and
+    writes ``qg``, ``kg``, ``w`` and ``u`` (the value's dtype, the inputs'), then
+    ``out_shape``'s; all of V in one block (``STORE_FACTORS``: ``keep``)."""
     q, v = reads[0], reads[2]
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    tokens_k = jax.ShapeDtypeStruct((b, t, h, dk), q.dtype)
-    factors = [tokens_k, tokens_k, tokens_k, jax.ShapeDtypeStruct((b, t, h, dv), q.dtype)]
+    tokens_k = jax.ShapeDtypeStruct((b, t, h, dk), v.dtype)
+    factors = [tokens_k, tokens_k, tokens_k, jax.ShapeDtypeStruct((b, t, h, dv), v.dtype)]
     sizes = {"K": dk, "V": dv, "C": st.chunk, "BK": st.block_k, "BV": st.block_v_prep}
-    numerics = {"L2NORM": st.l2norm, "GATE_FLOOR": GATE_FLOOR}
+    numerics = {} if normalised else {"L2NORM": st.l2norm, "GATE_FLOOR": GATE_FLOOR}
+    scale = () if normalised else (np.float32(st.scale),)
     return _launch.launch(
         kernel,
         *reads,
-        np.float32(st.scale),
+        *scale,
         nt,
         h,
         out_shape=[*factors, *out_shape],
