@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 from ejkernel_triton.ops.state_space_v1 import StateSpaceV1Config, heuristic, supports
 
-C16 = StateSpaceV1Config(chunk_size=16, block_k=16, block_v=16, num_stages=1)
+C16 = StateSpaceV1Config(block_i=4, chunk=16, num_stages=1)
 CORE = ("x", "A", "B", "C", "D", "dt")
 
 
