@@ -59,7 +59,7 @@ def ssm_scan_fwd_kernel(
     bias_ptr,
     init_ptr,
     S,
-    I,
+    NI,
     NT,
     o_ptr,
     final_ptr,
@@ -82,22 +82,22 @@ def ssm_scan_fwd_kernel(
     i_blk, i_b = tl.program_id(0), tl.program_id(1)
     o_i = i_blk * BI + tl.arange(0, BI)
     o_n = tl.arange(0, BN)
-    m_i, m_n = o_i < I, o_n < N
+    m_i, m_n = o_i < NI, o_n < N
     m_in = m_i[:, None] & m_n[None, :]
     o_in = o_i[:, None] * N + o_n[None, :]
     b_a = tl.load(a_ptr + o_in, mask=m_in, other=0.0)
     b_skip = tl.load(d_ptr + o_i, mask=m_i, other=0.0)
     b_bias = tl.load(bias_ptr + o_i, mask=m_i, other=0.0) if HAS_BIAS else b_skip
-    state = i_b.to(tl.int64) * I * N
+    state = i_b.to(tl.int64) * NI * N
     b_h = tl.load(init_ptr + state + o_in, mask=m_in, other=0.0)
-    p_hs = hs_ptr + i_b.to(tl.int64) * NT * I * N + o_in
+    p_hs = hs_ptr + i_b.to(tl.int64) * NT * NI * N + o_in
     row = i_b.to(tl.int64) * S  # token t of this batch row: row + t
     for i_c in range(NT):
         if STORE_STATES:
-            tl.store(p_hs + i_c * I * N, b_h, mask=m_in)
+            tl.store(p_hs + i_c * NI * N, b_h, mask=m_in)
         for t in range(i_c * CT, tl.minimum(i_c * CT + CT, S)):
             tok = row + t
-            p_ti = tok * I + o_i
+            p_ti = tok * NI + o_i
             b_x = tl.load(x_ptr + p_ti, mask=m_i, other=0.0).to(tl.float32)
             b_dt = tl.load(dt_ptr + p_ti, mask=m_i, other=0.0).to(tl.float32)
             b_b = tl.load(b_ptr + tok * N + o_n, mask=m_n, other=0.0).to(tl.float32)
@@ -127,7 +127,7 @@ def ssm_scan_bwd_kernel(
     do_ptr,
     dfinal_ptr,
     S,
-    I,
+    NI,
     NT,
     dx_ptr,
     dz_ptr,
@@ -159,17 +159,17 @@ def ssm_scan_bwd_kernel(
     nb = tl.num_programs(0)
     o_i = i_blk * BI + tl.arange(0, BI)
     o_n = tl.arange(0, BN)
-    m_i, m_n = o_i < I, o_n < N
+    m_i, m_n = o_i < NI, o_n < N
     m_in = m_i[:, None] & m_n[None, :]
     o_in = o_i[:, None] * N + o_n[None, :]
     b_a = tl.load(a_ptr + o_in, mask=m_in, other=0.0)
     b_skip = tl.load(d_ptr + o_i, mask=m_i, other=0.0)
     b_bias = tl.load(bias_ptr + o_i, mask=m_i, other=0.0) if HAS_BIAS else b_skip
-    state = i_b.to(tl.int64) * I * N
+    state = i_b.to(tl.int64) * NI * N
     b_dh = tl.load(dfinal_ptr + state + o_in, mask=m_in, other=0.0)
     b_dacc = tl.zeros([BI, BN], dtype=tl.float32)
     b_dskip = tl.zeros([BI], dtype=tl.float32)
-    p_hs = hs_ptr + i_b.to(tl.int64) * NT * I * N + o_in
+    p_hs = hs_ptr + i_b.to(tl.int64) * NT * NI * N + o_in
     # the scratch is the program's own: full tiles, no mask
     o_slot = tl.arange(0, BI)[:, None] * BN + o_n[None, :]
     p_scr = scratch_ptr + (i_b.to(tl.int64) * nb + i_blk) * (CT + 1) * BI * BN + o_slot
@@ -178,12 +178,12 @@ def ssm_scan_bwd_kernel(
         i_c = NT - 1 - j
         t0 = i_c * CT
         t1 = tl.minimum(t0 + CT, S)
-        b_h = tl.load(p_hs + i_c * I * N, mask=m_in, other=0.0)
+        b_h = tl.load(p_hs + i_c * NI * N, mask=m_in, other=0.0)
         tl.debug_barrier()  # the last chunk's reads of the scratch are done
         tl.store(p_scr, b_h)
         for t in range(t0, t1):
             tok = row + t
-            p_ti = tok * I + o_i
+            p_ti = tok * NI + o_i
             b_x = tl.load(x_ptr + p_ti, mask=m_i, other=0.0).to(tl.float32)
             b_dt = tl.load(dt_ptr + p_ti, mask=m_i, other=0.0).to(tl.float32)
             b_b = tl.load(b_ptr + tok * N + o_n, mask=m_n, other=0.0).to(tl.float32)
@@ -195,7 +195,7 @@ def ssm_scan_bwd_kernel(
         for k in range(0, t1 - t0):
             t = t1 - 1 - k
             tok = row + t
-            p_ti = tok * I + o_i
+            p_ti = tok * NI + o_i
             b_x = tl.load(x_ptr + p_ti, mask=m_i, other=0.0).to(tl.float32)
             b_dt = tl.load(dt_ptr + p_ti, mask=m_i, other=0.0).to(tl.float32)
             b_do = tl.load(do_ptr + p_ti, mask=m_i, other=0.0).to(tl.float32)
@@ -235,5 +235,5 @@ def ssm_scan_bwd_kernel(
             tl.store(dx_ptr + p_ti, b_dx.to(dx_ptr.dtype.element_ty), mask=m_i)
             b_dh = b_dh * b_da
     tl.store(da_ptr + state + o_in, b_dacc, mask=m_in)
-    tl.store(dd_ptr + i_b.to(tl.int64) * I + o_i, b_dskip, mask=m_i)
+    tl.store(dd_ptr + i_b.to(tl.int64) * NI + o_i, b_dskip, mask=m_i)
     tl.store(dinit_ptr + state + o_in, b_dh, mask=m_in)

@@ -52,7 +52,7 @@ __all__ = [
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MAX_N = 256
 #: The most float32 state entries one program holds (``block_i`` x N rounded up).
-_MAX_TILE = 4096
+_MAX_TILE = 2048
 #: Programs that fill an H100/H200 (one per SM) before the channel block shrinks.
 _PROGRAMS = 132
 
@@ -199,8 +199,7 @@ def _forward(
     """``(out [B, S, I] in x's dtype, final_state [B, I, N] float32, checkpoints)``: the
     states before every ``cfg.chunk``-th token ``[B, NT, I, N]`` float32 when
     ``checkpoints``, else a ``[B, 1]`` placeholder."""
-    x = a["x"]
-    b, s, i = x.shape
+    b, _, i = a["x"].shape
     n = a["A"].shape[-1]
     init = a["initial_state"]
     init = jnp.zeros((b, i, n), jnp.float32) if init is None else init.astype(jnp.float32)
