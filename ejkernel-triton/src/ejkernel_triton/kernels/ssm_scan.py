@@ -3,8 +3,9 @@
 the semantics in :mod:`ejkernel.specs.state_space_v1`).
 
 Kernel signatures follow jax-triton's order: inputs (arrays, then scalars), outputs, constexprs.
-Each program owns one batch row and a block of ``BI`` channels (grid ``(cdiv(I, BI), B)``) and
-walks the tokens in order, its state ``h [BI, N]`` in float32 registers. Per token, in float32:
+Each program owns one batch row and a block of ``BI`` channels (grid ``(cdiv(I, BI), B)``; the
+scalar ``NI`` is I) and walks the tokens in order, its state ``h [BI, N]`` in float32 registers
+(``BN``: N rounded up to a power of two). Per token, in float32:
 
 - ``Δ = dt + dt_bias`` (``HAS_BIAS``), ``softplus(Δ)`` (``SOFTPLUS``), as
   :func:`ejkernel_triton.ops.state_space_gla.delta`;
