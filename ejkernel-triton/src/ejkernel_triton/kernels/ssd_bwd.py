@@ -32,6 +32,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ejkernel_triton.kernels.ssd_fwd import (
+    causal_decay,
+    chunk_program,
+    walk_chunk,
+    walk_program,
+)
+
 
 @triton.jit
 def ssd_bwd_dh_kernel(
@@ -56,34 +63,19 @@ def ssd_bwd_dh_kernel(
     ``[B, H, NT, N, P]`` (``dy``'s dtype) and the initial state's ``[B, H, P, N]`` (float32, the
     op's layout; ``dfinal_ptr`` the final state's cotangent, likewise) of one (N block, P
     block, batch row, head)."""
-    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // NG)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_c = tl.arange(0, C)
-    m_k, m_v = o_k < N, o_v < P
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * P + o_v[None, :]
-    o_state = o_v[None, :] * N + o_k[:, None]  # dHᵀ[k, v] is the op's d_state[v, k]
-    state = i_bh.to(tl.int64) * P * N
+    i_h, o_k, o_v, m_k, m_v, m_kv, o_kv, o_state, state, p_tiles, tok0, row0 = walk_program(
+        S, NT, H, NG, N, P, C, BK, BV
+    )
     b_dh = tl.load(dfinal_ptr + state + o_state, mask=m_kv, other=0.0)
-    p_dh = dh_ptr + i_bh.to(tl.int64) * NT * N * P
-    tok0 = i_b.to(tl.int64) * S
-    row0 = i_b.to(tl.int64) * NT * C * H + i_h
     for j in range(NT):
         i_n = NT - 1 - j
-        tl.store(p_dh + i_n * N * P + o_kv, b_dh.to(dh_ptr.dtype.element_ty), mask=m_kv)
-        o_t = i_n * C + o_c
-        m_t = o_t < S
-        tok = tok0 + o_t
-        # C as [BK, C]: Cᵀ's operand
-        p_ct = c_ptr + (tok[None, :] * NG + i_g) * N + o_k[:, None]
-        b_ct = tl.load(p_ct, mask=m_k[:, None] & m_t[None, :], other=0.0)
+        p_dh = dh_ptr + p_tiles + i_n * N * P + o_kv
+        tl.store(p_dh, b_dh.to(dh_ptr.dtype.element_ty), mask=m_kv)
+        _, m_t, tok, b_ct, b_g, b_glast = walk_chunk(
+            c_ptr, g_ptr, i_n, tok0, row0, o_k, m_k, S, H, NG, N, C, i_h
+        )
         p_dy = dy_ptr + (tok[:, None] * H + i_h) * P + o_v[None, :]
         b_dy = tl.load(p_dy, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_g = tl.load(g_ptr + row0 + o_t * H)
-        b_glast = tl.load(g_ptr + row0 + (i_n * C + C - 1) * H)
         b_qt = (b_ct * tl.exp(b_g)[None, :]).to(b_dy.dtype)
         b_dh = b_dh * tl.exp(b_glast) + tl.dot(b_qt, b_dy, input_precision=DOT_PRECISION)
     tl.store(dinit_ptr + state + o_state, b_dh, mask=m_kv)
@@ -117,19 +109,13 @@ def ssd_bwd_dx_kernel(
     """Grid ``(cdiv(P, BV), NT, B·H)``: ``dx = Δ du + D dy`` (``[B, S, H, P]``, ``x``'s dtype)
     of one chunk and P block, and the block's shares of ``dΔ`` and ``dG``
     (``[B, cdiv(P, BV), T, H]`` float32, every token of the chunk)."""
-    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // NG)
+    i_n, i_b, i_bh, i_h, i_g, o_c, o_t, m_t, tok, b_g, b_dt, b_glast = chunk_program(
+        dt_ptr, g_ptr, S, NT, H, NG, C
+    )
+    i_v = tl.program_id(0)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_c = tl.arange(0, C)
-    o_t = i_n * C + o_c
-    m_v, m_t = o_v < P, o_t < S
+    m_v = o_v < P
     m_tv = m_t[:, None] & m_v[None, :]
-    tok = i_b.to(tl.int64) * S + o_t
-    rows = i_b.to(tl.int64) * NT * C * H + i_h + o_t * H
-    b_g = tl.load(g_ptr + rows)
-    b_dt = tl.load(dt_ptr + rows)
-    b_glast = tl.load(g_ptr + i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + C - 1) * H)
     p_x = (tok[:, None] * H + i_h) * P + o_v[None, :]
     b_x = tl.load(x_ptr + p_x, mask=m_tv, other=0.0)
     dt = b_x.dtype
@@ -158,8 +144,7 @@ def ssd_bwd_dx_kernel(
         b_be = (b_b * b_e[:, None]).to(dt)
         b_dui += tl.dot(b_be, b_dh.to(dt), input_precision=DOT_PRECISION)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
-    causal = o_c[:, None] >= o_c[None, :]
-    b_decay = tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
+    causal, b_decay = causal_decay(b_g, o_c)
     b_sd = tl.where(causal, b_s * b_decay, 0.0)
     b_du = tl.dot(tl.trans(b_sd).to(dt), b_dy, input_precision=DOT_PRECISION) + b_dui
     b_dyf = b_dy.to(tl.float32)
@@ -203,19 +188,12 @@ def ssd_bwd_dbc_kernel(
 ):
     """Grid ``(cdiv(N, BK), NT, B·H)``: ``dB`` and ``dC`` of one chunk, N block and head
     (``[B, S, H, N]``, ``x``'s dtype)."""
-    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // NG)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_c = tl.arange(0, C)
-    o_t = i_n * C + o_c
-    m_k, m_t = o_k < N, o_t < S
+    i_n, _, i_bh, i_h, i_g, o_c, _, m_t, tok, b_g, b_dt, b_glast = chunk_program(
+        dt_ptr, g_ptr, S, NT, H, NG, C
+    )
+    o_k = tl.program_id(0) * BK + tl.arange(0, BK)
+    m_k = o_k < N
     m_tk = m_t[:, None] & m_k[None, :]
-    tok = i_b.to(tl.int64) * S + o_t
-    rows = i_b.to(tl.int64) * NT * C * H + i_h + o_t * H
-    b_g = tl.load(g_ptr + rows)
-    b_dt = tl.load(dt_ptr + rows)
-    b_glast = tl.load(g_ptr + i_b.to(tl.int64) * NT * C * H + i_h + (i_n * C + C - 1) * H)
     p_bc = (tok[:, None] * NG + i_g) * N + o_k[None, :]
     b_c = tl.load(c_ptr + p_bc, mask=m_tk, other=0.0)
     b_b = tl.load(b_ptr + p_bc, mask=m_tk, other=0.0)
@@ -241,8 +219,7 @@ def ssd_bwd_dbc_kernel(
         b_dm += tl.dot(b_dy, tl.trans(b_u), input_precision=DOT_PRECISION)
         b_dyh += tl.dot(b_dy, b_ht, input_precision=DOT_PRECISION)
         b_udh += tl.dot(b_u, b_dht, input_precision=DOT_PRECISION)
-    causal = o_c[:, None] >= o_c[None, :]
-    b_decay = tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
+    causal, b_decay = causal_decay(b_g, o_c)
     b_dmd = tl.where(causal, b_dm * b_decay, 0.0)
     b_dc = tl.dot(b_dmd.to(dt), b_b, input_precision=DOT_PRECISION)
     b_dc += tl.exp(b_g)[:, None] * b_dyh

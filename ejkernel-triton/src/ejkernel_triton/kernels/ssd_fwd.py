@@ -34,6 +34,68 @@ import triton.language as tl
 
 
 @triton.jit
+def walk_program(S, NT, H, NG, N, P, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """A state walk's place (grid ``(cdiv(N, BK), cdiv(P, BV), B·H)``): its batch row and
+    head, the ``N``/``P`` offsets and masks of its ``hᵀ [BK, BV]`` tile, the tile's offsets in
+    the per-chunk states ``[N, P]`` (``p_tiles``: its first chunk's, ``o_kv``: within a chunk)
+    and in the op's ``[P, N]`` states (``state``: its base, ``o_state``), and the first token
+    of its row in ``[B, S, …]`` and in the ``[B, T, H]`` gates."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < N, o_v < P
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * P + o_v[None, :]
+    o_state = o_v[None, :] * N + o_k[:, None]  # hᵀ[k, v] is the op's state[v, k]
+    state = i_bh.to(tl.int64) * P * N
+    p_tiles = i_bh.to(tl.int64) * NT * N * P
+    tok0 = i_b.to(tl.int64) * S  # token t of this batch row in [B, S, ...]: tok0 + t
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h  # token t in [B, T, H]: row0 + t * H
+    return i_h, o_k, o_v, m_k, m_v, m_kv, o_kv, o_state, state, p_tiles, tok0, row0
+
+
+@triton.jit
+def walk_chunk(nc_ptr, g_ptr, i_n, tok0, row0, o_k, m_k, S, H, NG, N, C: tl.constexpr, i_h):
+    """A state walk's step at chunk ``i_n``: its tokens' rows in ``[B, S, …]`` and their
+    mask, the group's ``B`` or ``C`` rows (``nc_ptr``) as ``[BK, C]`` (the transposed
+    operand), and the chunk's ``G`` and last ``G``."""
+    o_t = i_n * C + tl.arange(0, C)
+    m_t = o_t < S
+    tok = tok0 + o_t
+    p_t = nc_ptr + (tok[None, :] * NG + i_h // (H // NG)) * N + o_k[:, None]
+    b_t = tl.load(p_t, mask=m_k[:, None] & m_t[None, :], other=0.0)
+    b_g = tl.load(g_ptr + row0 + o_t * H)
+    b_glast = tl.load(g_ptr + row0 + (i_n * C + C - 1) * H)
+    return o_t, m_t, tok, b_t, b_g, b_glast
+
+
+@triton.jit
+def chunk_program(dt_ptr, g_ptr, S, NT, H, NG, C: tl.constexpr):
+    """A per-chunk program's place (grid ``(blocks, NT, B·H)``): its chunk, batch row, head
+    and group, the chunk's offsets, its tokens and their mask, their rows in ``[B, S, …]``,
+    and the chunk's ``Δ``, ``G`` and last ``G``."""
+    i_n, i_bh = tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    o_t = i_n * C + o_c
+    row0 = i_b.to(tl.int64) * NT * C * H + i_h
+    b_g = tl.load(g_ptr + row0 + o_t * H)
+    b_dt = tl.load(dt_ptr + row0 + o_t * H)
+    b_glast = tl.load(g_ptr + row0 + (i_n * C + C - 1) * H)
+    tok = i_b.to(tl.int64) * S + o_t
+    return i_n, i_b, i_bh, i_h, i_h // (H // NG), o_c, o_t, o_t < S, tok, b_g, b_dt, b_glast
+
+
+@triton.jit
+def causal_decay(b_g, o_c):
+    """The chunk's causal mask (j ≤ i) and ``exp(G_i − G_j)`` under it (masked before the
+    exponential: no Inf from the positive differences; 0 above the diagonal)."""
+    causal = o_c[:, None] >= o_c[None, :]
+    return causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
+
+
+@triton.jit
 def ssd_fwd_h_kernel(
     x_ptr,
     b_ptr,
@@ -57,34 +119,18 @@ def ssd_fwd_h_kernel(
     ``[B, H, NT, N, P]`` (``x``'s dtype) and the final state ``[B, H, P, N]`` (float32, the
     op's layout; ``init_ptr`` the initial one, likewise) of one (N block, P block, batch row,
     head)."""
-    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // NG)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_c = tl.arange(0, C)
-    m_k, m_v = o_k < N, o_v < P
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * P + o_v[None, :]
-    o_state = o_v[None, :] * N + o_k[:, None]  # hᵀ[k, v] is the op's state[v, k]
-    state = i_bh.to(tl.int64) * P * N
+    i_h, o_k, o_v, m_k, m_v, m_kv, o_kv, o_state, state, p_tiles, tok0, row0 = walk_program(
+        S, NT, H, NG, N, P, C, BK, BV
+    )
     b_h = tl.load(init_ptr + state + o_state, mask=m_kv, other=0.0)
-    p_h = h_ptr + i_bh.to(tl.int64) * NT * N * P
-    tok0 = i_b.to(tl.int64) * S  # token t of this batch row in [B, S, ...]: tok0 + t
-    row0 = i_b.to(tl.int64) * NT * C * H + i_h  # token t in [B, T, H]: row0 + t * H
     for i_n in range(NT):
-        tl.store(p_h + i_n * N * P + o_kv, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
-        o_t = i_n * C + o_c
-        m_t = o_t < S
-        tok = tok0 + o_t
-        # B as [BK, C]: Bᵀ's operand
-        p_bt = b_ptr + (tok[None, :] * NG + i_g) * N + o_k[:, None]
-        b_bt = tl.load(p_bt, mask=m_k[:, None] & m_t[None, :], other=0.0)
+        tl.store(h_ptr + p_tiles + i_n * N * P + o_kv, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
+        o_t, m_t, tok, b_bt, b_g, b_glast = walk_chunk(
+            b_ptr, g_ptr, i_n, tok0, row0, o_k, m_k, S, H, NG, N, C, i_h
+        )
         p_x = x_ptr + (tok[:, None] * H + i_h) * P + o_v[None, :]
         b_x = tl.load(p_x, mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_dt = tl.load(dt_ptr + row0 + o_t * H)
-        b_g = tl.load(g_ptr + row0 + o_t * H)
-        b_glast = tl.load(g_ptr + row0 + (i_n * C + C - 1) * H)
         b_u = (b_x.to(tl.float32) * b_dt[:, None]).to(b_x.dtype)
         b_bd = (b_bt * tl.exp(b_glast - b_g)[None, :]).to(b_x.dtype)
         b_h = b_h * tl.exp(b_glast) + tl.dot(b_bd, b_u, input_precision=DOT_PRECISION)
@@ -117,18 +163,12 @@ def ssd_fwd_o_kernel(
     """Grid ``(cdiv(P, BV), NT, B·H)``: ``out = (exp(G) ⊙ (C hᵀ) + M u + D x) ⊙ silu(z)``
     of one chunk (``[B, S, H, P]``, ``x``'s dtype; ``z`` read only when ``HAS_GATE``; ``D``
     float32 per head)."""
-    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // NG)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_c = tl.arange(0, C)
-    o_t = i_n * C + o_c
-    m_v, m_t = o_v < P, o_t < S
+    i_n, _, i_bh, i_h, i_g, o_c, _, m_t, tok, b_g, b_dt, _ = chunk_program(
+        dt_ptr, g_ptr, S, NT, H, NG, C
+    )
+    o_v = tl.program_id(0) * BV + tl.arange(0, BV)
+    m_v = o_v < P
     m_tv = m_t[:, None] & m_v[None, :]
-    tok = i_b.to(tl.int64) * S + o_t
-    rows = i_b.to(tl.int64) * NT * C * H + i_h + o_t * H
-    b_g = tl.load(g_ptr + rows)
-    b_dt = tl.load(dt_ptr + rows)
     p_x = (tok[:, None] * H + i_h) * P + o_v[None, :]
     b_x = tl.load(x_ptr + p_x, mask=m_tv, other=0.0)
     dt = b_x.dtype
@@ -154,8 +194,7 @@ def ssd_fwd_o_kernel(
         b_o += tl.dot(b_c, b_h.to(dt), input_precision=DOT_PRECISION)
         b_s += tl.dot(b_c, tl.trans(b_b), input_precision=DOT_PRECISION)
     b_o = b_o * tl.exp(b_g)[:, None]
-    causal = o_c[:, None] >= o_c[None, :]
-    b_decay = tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], float("-inf")))
+    causal, b_decay = causal_decay(b_g, o_c)
     b_m = tl.where(causal, b_s * b_decay, 0.0)
     b_o += tl.dot(b_m.to(dt), b_u, input_precision=DOT_PRECISION)
     b_o = tl.where(poisoned, float("nan"), b_o)

@@ -331,9 +331,9 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
 
     ``split_diagonal``: the intra-chunk kernel gets ``dA`` without its diagonal, whose terms
     (``dA_tt k_t`` in ``dq_t``, ``dA_tt q_t`` in ``dk_t``) are added afterwards in float32. They
-    cancel in ``q ⊙ dq − k ⊙ dk``, so the gate gradient is then free of their rounding: for a
-    gate shared by every key channel (state_space_v2's scalar decay) summed over the channels
-    and tokens, under strong decays that rounding would dominate. For the same reason the
+    cancel in ``q ⊙ dq − k ⊙ dk``, so the gate gradient is then free of their rounding: for
+    the state-space mappings' gates, summed over many tokens (state_space_v1's), under strong
+    decays that rounding would dominate. For the same reason the
     intra-chunk kernel then takes its diagonal sub-chunks entry by entry in float32
     (``EXACT_DIAGONAL``), not as products on 16-bit operands."""
     from ejkernel_triton.kernels.gla_bwd import (

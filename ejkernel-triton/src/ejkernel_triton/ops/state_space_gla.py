@@ -112,7 +112,9 @@ class _Inv:
     kwargs: dict[str, Any]
 
 
-def _config(cfg: Any, args: dict[str, Any], m: Mapping, cls: type[GlaConfig]) -> Any:
+def resolved_config(cfg: Any, args: dict[str, Any], m: Mapping, cls: type[GlaConfig]) -> Any:
+    """The config a call runs with: ``cfg``, or the heuristic's when ``None``; the op's
+    ``chunk_size`` in ``args``, when given, sets its chunk."""
     if cfg is None:
         return heuristic(_Inv(args), m, cls)
     return _with_chunk(cfg, args.get("chunk_size"))
@@ -124,7 +126,7 @@ def _config(cfg: Any, args: dict[str, Any], m: Mapping, cls: type[GlaConfig]) ->
 def primal(m: Mapping, cls: type[GlaConfig], cfg: Any, args: dict[str, Any]) -> Any:
     """The undifferentiated call: through gla's fused recurrent kernel where the config says
     ``fused`` (decoding a few tokens), else the mapping's ``chunked_primal``."""
-    cfg = _config(cfg, args, m, cls)
+    cfg = resolved_config(cfg, args, m, cls)
     a = {n: args.get(n) for n in ARRAYS}
     rs = bool(args.get("return_state"))
     if not cfg.fused:

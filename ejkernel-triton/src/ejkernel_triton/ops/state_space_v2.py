@@ -167,7 +167,7 @@ def _vjp_fwd(*, cfg: StateSpaceV2Config | None = None, **args: Any) -> tuple[Any
     and the chunk-start states kept for :func:`_vjp_bwd`."""
     a = {n: args.get(n) for n in ssm.ARRAYS}
     rs = bool(args.get("return_state"))
-    st = _statics(a, ssm._config(cfg, {**args, **a}, MAPPING, StateSpaceV2Config), rs)
+    st = _statics(a, ssm.resolved_config(cfg, {**args, **a}, MAPPING, StateSpaceV2Config), rs)
     out, final, res = _forward_for_vjp(a, bool(args.get("dt_softplus")), st)
     return ((out, final) if rs else out), res
 
@@ -182,7 +182,7 @@ def _vjp_bwd(
     """The gradient of every given array, in its dtype (``None`` for absent ones)."""
     a = residuals["arrays"]
     rs = bool(statics.get("return_state"))
-    st = _statics(a, ssm._config(cfg, {**statics, **a}, MAPPING, StateSpaceV2Config), rs)
+    st = _statics(a, ssm.resolved_config(cfg, {**statics, **a}, MAPPING, StateSpaceV2Config), rs)
     d_o, d_final = d_out if rs else (d_out, None)
     return _backward(residuals, d_o, d_final, bool(statics.get("dt_softplus")), st)
 
@@ -296,43 +296,16 @@ def _forward_kernels(st: _chunked.Statics, nt: int, has_gate: bool) -> Any:
     def run(x, z, b_, c_, d, g, init, skip):
         b, s, h, p = x.shape
         ng, n = b_.shape[2], b_.shape[3]
-        common = _common(st, n, p)
-        hs, final = _launch.launch(
-            ssd_fwd_h_kernel,
-            x,
-            b_,
-            d,
-            g,
-            init,
-            s,
-            nt,
-            h,
-            ng,
-            out_shape=[
-                jax.ShapeDtypeStruct((b, h, nt, n, p), x.dtype),
-                jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
-            ],
-            grid=(_cdiv(n, st.block_k), _cdiv(p, st.block_v), b * h),
-            **common,
-        )
+        sizes = (s, nt, h, ng)
+        hs, final = _state_walk(st, ssd_fwd_h_kernel, (x, b_, d, g, init), sizes, x, n)
         (out,) = _launch.launch(
             ssd_fwd_o_kernel,
-            x,
-            z,
-            b_,
-            c_,
-            d,
-            g,
-            hs,
-            skip,
-            s,
-            nt,
-            h,
-            ng,
+            *(x, z, b_, c_, d, g, hs, skip),
+            *sizes,
             out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
             grid=(_cdiv(p, st.block_v), nt, b * h),
             HAS_GATE=has_gate,
-            **common,
+            **_common(st, n, p),
         )
         return out, final, hs
 
@@ -351,41 +324,16 @@ def _backward_kernels(st: _chunked.Statics, nt: int) -> Any:
     def run(x, b_, c_, dy, d, g, hs, d_final, skip):
         b, s, h, p = x.shape
         ng, n = b_.shape[2], b_.shape[3]
-        t = nt * st.chunk
+        sizes = (s, nt, h, ng)
         common = _common(st, n, p)
-        dh, d_init = _launch.launch(
-            ssd_bwd_dh_kernel,
-            c_,
-            dy,
-            g,
-            d_final,
-            s,
-            nt,
-            h,
-            ng,
-            out_shape=[
-                jax.ShapeDtypeStruct((b, h, nt, n, p), x.dtype),
-                jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
-            ],
-            grid=(_cdiv(n, st.block_k), _cdiv(p, st.block_v), b * h),
-            **common,
-        )
-        shares = jax.ShapeDtypeStruct((b, _cdiv(p, st.block_v), t, h), jnp.float32)
+        dh, d_init = _state_walk(st, ssd_bwd_dh_kernel, (c_, dy, g, d_final), sizes, x, n)
+        reads = (x, b_, c_, d, g, hs, dh, dy)  # what both per-chunk kernels read
+        shares = jax.ShapeDtypeStruct((b, _cdiv(p, st.block_v), nt * st.chunk, h), jnp.float32)
         dx, ddt, dg = _launch.launch(
             ssd_bwd_dx_kernel,
-            x,
-            b_,
-            c_,
-            d,
-            g,
-            hs,
-            dh,
-            dy,
+            *reads,
             skip,
-            s,
-            nt,
-            h,
-            ng,
+            *sizes,
             out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), shares, shares],
             grid=(_cdiv(p, st.block_v), nt, b * h),
             **common,
@@ -393,18 +341,8 @@ def _backward_kernels(st: _chunked.Statics, nt: int) -> Any:
         per_head = jax.ShapeDtypeStruct((b, s, h, n), x.dtype)
         db, dc = _launch.launch(
             ssd_bwd_dbc_kernel,
-            x,
-            b_,
-            c_,
-            d,
-            g,
-            hs,
-            dh,
-            dy,
-            s,
-            nt,
-            h,
-            ng,
+            *reads,
+            *sizes,
             out_shape=[per_head, per_head],
             grid=(_cdiv(n, st.block_k), nt, b * h),
             **common,
@@ -412,6 +350,32 @@ def _backward_kernels(st: _chunked.Statics, nt: int) -> Any:
         return dx, ddt, dg, db, dc, d_init
 
     return run
+
+
+def _state_walk(
+    st: _chunked.Statics,
+    kernel: Any,
+    reads: tuple[jax.Array, ...],
+    sizes: tuple[int, ...],
+    x: jax.Array,
+    n: int,
+) -> list[jax.Array]:
+    """One launch of a state walk (``ssd_fwd_h`` or ``ssd_bwd_dh``), a program per (N block,
+    P block, batch row, head): it reads ``reads``, then ``sizes`` (S, NT, H, G), and writes
+    per-chunk states ``[B, H, NT, N, P]`` in ``x``'s dtype and one ``[B, H, P, N]`` float32
+    state."""
+    b, _, h, p = x.shape
+    return _launch.launch(
+        kernel,
+        *reads,
+        *sizes,
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, sizes[1], n, p), x.dtype),
+            jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
+        ],
+        grid=(_cdiv(n, st.block_k), _cdiv(p, st.block_v), b * h),
+        **_common(st, n, p),
+    )
 
 
 def _common(st: _chunked.Statics, n: int, p: int) -> dict[str, Any]:
