@@ -153,6 +153,25 @@ def assert_launches_fit_hopper(compiled: list[tuple[Any, Any]], count: int) -> N
         assert kernel.shared <= 232448, launch.kernel.fn.__name__
 
 
+def spilled_bytes(cubin: bytes, tmp_path: Path) -> int:
+    """The stack and local-memory bytes (register spills) of the kernel in ``cubin``, by ``cuobjdump
+    -res-usage`` (Triton's copy); skips the test where that tool is missing."""
+    import re
+    import subprocess
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("no cuobjdump in this Triton")
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    usage = subprocess.run(
+        [str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    return sum(int(n) for n in re.findall(r"(?:STACK|LOCAL):(\d+)", usage))
+
+
 def hopper_launches(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,

@@ -50,8 +50,8 @@ OPS: tuple[str, ...] = (
 )
 
 #: Ops registered below the XLA fallback, so they run only where asked for
-#: (``platform="triton"``): ``state_space_v1`` passes its ``gpu``-marked tests but runs slower
-#: than the XLA fallback (benchmarks/RESULTS.md).
+#: (``platform="triton"``): ``state_space_v1``, whose scan kernels are not yet measured on a
+#: GPU against the XLA fallback.
 OPT_IN: frozenset[str] = frozenset({"state_space_v1"})
 #: Below the XLA fallback (0).
 OPT_IN_PRIORITY = -10

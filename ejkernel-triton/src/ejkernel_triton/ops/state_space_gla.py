@@ -1,19 +1,13 @@
-"""What the Triton state-space ops (``state_space_v1``, ``state_space_v2``) share: both run on
-the gla kernels (:mod:`ejkernel_triton.ops.gla`; ``state_space_v2``'s chunked forward and its
-backward have SSD kernels of its own, and only its decoding runs here), with an op-specific
-mapping in JAX around them, and a backward (:func:`define_vjp`, ``state_space_v1``'s) that
-pulls the cotangent through the output's skip and gate, through gla's backward kernels, then
-through the mapping (JAX autodiff of its elementwise ops).
+"""What the Triton state-space ops share: the pieces of ``Δ`` and the decay both
+(``state_space_v1``'s scan kernels, ``state_space_v2``'s SSD kernels) follow (:func:`delta`,
+:func:`log_decay`, :func:`silu_gate`), their array names, and ``state_space_v2``'s mapping onto
+the gla kernels (:mod:`ejkernel_triton.ops.gla`) for decoding and its config.
 
 A :class:`Mapping` says how one op's arrays become gla's (``as_linear``), how gla's output
 becomes the op's (``finish``: the skip ``D x`` and the gate), and how the state is laid out
-(``state``: gla's final state to the op's, and back for its cotangent). gla's backward runs
-with ``split_diagonal`` (its gate gradient free of the intra-chunk diagonal's rounding): the
-ops' gates are shared by gla's key channels or summed over many tokens, where that rounding
-would dominate the decay gradients under strong decays. An undifferentiated call runs gla's
-fused recurrent kernel where its config says ``fused``, else the mapping's own chunked forward
-where it has one (``chunked_primal``: state_space_v2's SSD kernels), else gla's chunked
-forward (:func:`primal`).
+(``state``: gla's final state to the op's). An undifferentiated call runs gla's fused recurrent
+kernel where its config says ``fused``, else the mapping's own chunked forward
+(``chunked_primal``: state_space_v2's SSD kernels; :func:`primal`).
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ import attrs
 import jax
 import jax.numpy as jnp
 
-from ejkernel.plugins import defvjp
 from ejkernel.specs.state_space_v1 import decay_rate
 from ejkernel_triton.ops import gla
 from ejkernel_triton.ops.gla_config import GlaConfig
@@ -34,14 +27,11 @@ from ejkernel_triton.ops.gla_config import heuristic as gla_heuristic
 __all__ = [
     "ARRAYS",
     "Mapping",
-    "backward",
     "config_space",
     "delta",
-    "forward",
     "heuristic",
     "log_decay",
     "primal",
-    "resolved_config",
     "silu_gate",
     "supports",
 ]
@@ -61,20 +51,17 @@ class Mapping:
         shapes: ``kwargs -> (query [B, S, H, K], value [B, S, H, V])`` shapes of gla's call.
         as_linear: ``(arrays, dt_softplus) -> gla's arrays`` (``cu_seqlens`` included).
         finish: ``(y, arrays) -> out`` float32: gla's output to the op's, skip and gate.
-        state: ``state -> state``: gla's final state to the op's, and the op's state cotangent
-            back to gla's (a transpose or reshape, its own inverse in that sense).
-        state_back: the inverse of ``state``.
+        state: ``state -> state``: gla's final state to the op's (a transpose or reshape).
         chunked_primal: ``(arrays, dt_softplus, cfg, return_state) -> out or (out,
             final_state)``: the op's own chunked forward, which the undifferentiated non-fused
-            call runs instead of gla's (``None``: gla's, through :func:`forward`).
+            call runs.
     """
 
     shapes: Callable[[dict[str, Any]], tuple[tuple[int, ...], tuple[int, ...]]]
     as_linear: Callable[[dict[str, Any], bool], dict[str, Any]]
     finish: Callable[[jax.Array, dict[str, Any]], jax.Array]
     state: Callable[[jax.Array], jax.Array]
-    state_back: Callable[[jax.Array], jax.Array]
-    chunked_primal: Callable[[dict[str, Any], bool, Any, bool], Any] | None = None
+    chunked_primal: Callable[[dict[str, Any], bool, Any, bool], Any]
 
 
 # -- config ---------------------------------------------------------------------------------
@@ -133,96 +120,22 @@ def resolved_config(cfg: Any, args: dict[str, Any], m: Mapping, cls: type[GlaCon
     return _with_chunk(cfg, args.get("chunk_size"))
 
 
-# -- forward and backward -------------------------------------------------------------------
+# -- the undifferentiated call --------------------------------------------------------------
 
 
 def primal(m: Mapping, cls: type[GlaConfig], cfg: Any, args: dict[str, Any]) -> Any:
     """The undifferentiated call: through gla's fused recurrent kernel where the config says
-    ``fused`` (decoding a few tokens), else the mapping's ``chunked_primal`` where it has one,
-    else :func:`forward`'s output."""
+    ``fused`` (decoding a few tokens), else the mapping's ``chunked_primal``."""
     cfg = resolved_config(cfg, args, m, cls)
     a = {n: args.get(n) for n in ARRAYS}
     rs = bool(args.get("return_state"))
     if not cfg.fused:
-        if m.chunked_primal is not None:
-            return m.chunked_primal(a, bool(args.get("dt_softplus")), cfg, rs)
-        return forward(m, cls, cfg, args)[0]
+        return m.chunked_primal(a, bool(args.get("dt_softplus")), cfg, rs)
     lin = m.as_linear(a, bool(args.get("dt_softplus")))
     out = gla.fused_gla({**lin, "softmax_scale": 1.0, "return_state": rs}, cfg, lin["g"])
     y, final = out if rs else (out, None)
     o = m.finish(y, a).astype(a["x"].dtype)
     return (o, m.state(final)) if rs else o
-
-
-def forward(
-    m: Mapping, cls: type[GlaConfig], cfg: Any, args: dict[str, Any]
-) -> tuple[Any, dict[str, Any]]:
-    """``(out or (out, final_state), residuals)`` through the chunked kernels (the fused
-    kernel has no backward): the residuals are the array inputs, gla's residuals and gla's
-    output ``y``."""
-    a = {n: args.get(n) for n in ARRAYS}
-    rs = bool(args.get("return_state"))
-    lin = m.as_linear(a, bool(args.get("dt_softplus")))
-    kernel_cfg = attrs.evolve(resolved_config(cfg, args, m, cls), fused=False)
-    out, res = gla._gla_fwd(cfg=kernel_cfg, **lin, softmax_scale=1.0, return_state=rs)
-    y, final = out if rs else (out, None)
-    o = m.finish(y, a).astype(a["x"].dtype)
-    if rs:
-        o = (o, m.state(final))
-    return o, {"arrays": a, "gla": res, "y": y}
-
-
-def backward(
-    m: Mapping,
-    cls: type[GlaConfig],
-    cfg: Any,
-    residuals: dict[str, Any],
-    d_out: Any,
-    statics: dict[str, Any],
-) -> dict[str, jax.Array | None]:
-    """The gradient of every given array, in its dtype (``None`` for absent ones)."""
-    a, y = residuals["arrays"], residuals["y"]
-    rs = bool(statics.get("return_state"))
-    d_o, d_final = d_out if rs else (d_out, None)
-
-    outer = {n: a[n] for n in ("x", "D", "gate") if a[n] is not None}
-    _, pull_outer = jax.vjp(lambda o, y: m.finish(y, {**a, **o}), outer, y)
-    d_outer, d_y = pull_outer(d_o.astype(jnp.float32))
-
-    d_state = None
-    if rs and d_final is not None:
-        d_state = m.state_back(d_final.astype(jnp.float32))
-    res = residuals["gla"]
-    kernel_cfg = resolved_config(cfg, {**statics, **a}, m, cls)
-    st = gla._Statics.of({"query": res["q"], "value": res["v"], "softmax_scale": 1.0}, kernel_cfg)
-    st = attrs.evolve(st, return_state=rs, chunk=res["layout"].chunk)
-    d_lin = gla._backward(res, d_y, d_state, st, split_diagonal=True)
-
-    diff = {n: a[n] for n in ARRAYS if a[n] is not None}
-    softplus = bool(statics.get("dt_softplus"))
-    lin, pull_lin = jax.vjp(lambda d: m.as_linear({**a, **d}, softplus), diff)
-    cot = {
-        n: None if v is None else d_lin.get(n, jnp.zeros_like(v)).astype(v.dtype)
-        for n, v in lin.items()
-    }
-    (grads,) = pull_lin(cot)
-    grads = {n: g + d_outer[n] if n in d_outer else g for n, g in grads.items()}
-    return {n: None if a[n] is None else grads[n].astype(a[n].dtype) for n in ARRAYS}
-
-
-def define_vjp(impl: Callable[..., Any], m: Mapping, cls: type[GlaConfig]) -> None:
-    """Give an op's entry ``impl`` (:func:`primal` on ``m``) its custom VJP: :func:`forward`
-    and :func:`backward` on ``m``, with configs of ``cls``."""
-
-    def fwd(*, cfg: Any = None, **args: Any) -> tuple[Any, dict[str, Any]]:
-        return forward(m, cls, cfg, args)
-
-    def bwd(
-        residuals: dict[str, Any], d_out: Any, *, cfg: Any = None, **statics: Any
-    ) -> dict[str, jax.Array | None]:
-        return backward(m, cls, cfg, residuals, d_out, statics)
-
-    defvjp(impl, fwd, bwd)
 
 
 # -- shared pieces of the mappings ----------------------------------------------------------

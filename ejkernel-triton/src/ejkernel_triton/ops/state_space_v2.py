@@ -127,7 +127,6 @@ MAPPING = ssm.Mapping(
     as_linear=_as_linear,
     finish=_finish,
     state=_transpose,
-    state_back=_transpose,
     chunked_primal=_chunked_primal,
 )
 
