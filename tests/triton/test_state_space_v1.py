@@ -159,7 +159,7 @@ def test_supports_and_opt_in() -> None:
     assert heuristic(call(16)) == config_space(call(16))[0]
     with pytest.raises(ValueError, match="block_i"):
         StateSpaceV1Config(block_i=48)
-    assert "state_space_v1" in plugin.OPS and "state_space_v1" in plugin.OPT_IN
+    assert "state_space_v1" in plugin.OPS and "state_space_v1" not in plugin.OPT_IN
 
 
 # -- GPU, realistic shapes ------------------------------------------------------------------
