@@ -38,8 +38,8 @@ and forward+backward, against the heuristic's; ``--config-match TEXT`` keeps the
 and those whose repr holds TEXT (e.g. ``narrow_products=True``); ``--differentiated`` takes a
 differentiated call's space (its heuristic first).
 
-``--once``: one forward+backward of each ``--op``'s Triton kernels after a warm-up, nothing
-timed: what ``benchmarks/gpu_kernels.sh`` runs under ncu for the per-kernel table.
+``--once``: one forward+backward (``--forward``: one forward) of each ``--op``'s Triton kernels
+after a warm-up, nothing timed: what ``benchmarks/gpu_kernels.sh`` runs under ncu for the per-kernel table.
 
 ``--anchors no`` then ``--anchors only`` times ejkernel and the anchors in separate processes (torch's
 Triton autotuning and jax-triton in one process can stall). flash-linear-attention tunes each
@@ -483,8 +483,9 @@ def sweep(op: str, t: int, iters: int, repeats: int, match: str = "", grad: bool
         print(f"| {cfg} | {t_f:.3f} | {t_fb:.3f} | {err:.1e} |", flush=True)
 
 
-def once(op: str, t: int) -> None:
-    """One forward+backward of the Triton op after one warm-up call: the program a profiler
+def once(op: str, t: int, forward: bool = False) -> None:
+    """One forward+backward of the Triton op after one warm-up call (``forward``: one
+    undifferentiated call after one warm-up, its own configs): the program a profiler
     (``benchmarks/gpu_kernels.sh``: ncu's per-kernel times) looks at."""
     case = CASES[op]
     x = case.inputs(t)
@@ -492,8 +493,9 @@ def once(op: str, t: int) -> None:
     args = tuple(x.values())
     d_out = _normal(9, jax.eval_shape(fwd, *args).shape)
     for _ in range(2):
-        jax.block_until_ready(fwd_bwd(*args, d_out))
-    print(f"{op}: {case.shape.format(t=t)}, two forward+backward calls", flush=True)
+        jax.block_until_ready(fwd(*args) if forward else fwd_bwd(*args, d_out))
+    what = "forward" if forward else "forward+backward"
+    print(f"{op}: {case.shape.format(t=t)}, two {what} calls", flush=True)
 
 
 def memory(ops: list[str], iters: int, repeats: int) -> None:
@@ -556,10 +558,13 @@ def main() -> None:
     parser.add_argument(
         "--once", action="store_true", help="one warm-up, then one fwd+bwd (for a profiler)"
     )
+    parser.add_argument(
+        "--forward", action="store_true", help="--once: the forward alone (its own configs)"
+    )
     a = parser.parse_args()
     if a.once:
         for op in a.op or ["kda"]:
-            once(op, a.seq)
+            once(op, a.seq, a.forward)
         return
     if a.configs:
         for op in a.op or list(SWEEPS):

@@ -4,7 +4,8 @@
 # Nsight Compute (`--clock-control none`: the card's own clocks, as the timed runs have them)
 # and prints each kernel's time at its last launch (the second, warm call). Logs land in $OUT.
 # Usage: OPS="kda gdn" bash benchmarks/gpu_kernels.sh (PATTERN: ncu's kernel-name filter;
-# default the op's kernels, every kernel for ssd and ssm)
+# default the op's kernels, every kernel for ssd and ssm; ONCE_ARGS=--forward: an undifferentiated
+# call's kernels, under the forward's own configs)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -15,7 +16,7 @@ for op in ${OPS:-kda}; do
   csv="$OUT/ncu_$op.csv"
   case $op in gdn) pattern=kda ;; ssd) pattern=. ;; ssm) pattern=. ;; *) pattern=$op ;; esac
   timeout ${TIMEOUT:-200} ncu --clock-control none --metrics gpu__time_duration.sum \
-    -k "regex:${PATTERN:-$pattern}" --csv python3 benchmarks/bench_linear_gpu.py --once --op "$op" \
+    -k "regex:${PATTERN:-$pattern}" --csv python3 benchmarks/bench_linear_gpu.py --once ${ONCE_ARGS:-} --op "$op" \
     > "$csv" 2> "$OUT/ncu_$op.err"
   python3 - "$csv" "$op" <<'PY' | tee -a "$OUT/kernels.log"
 import collections, csv, sys
