@@ -76,9 +76,12 @@ _CHUNKS = (16, 32, 64)
 FUSED_MAX_TOKENS = 16
 FUSED_GPU_MAX_TOKENS = 8
 #: Key channels a program of a per-channel gate's decayed products (forward and VJP) takes.
-_PRODUCT_CHANNELS = 32
-#: Warps of a program on one ``[16, _PRODUCT_CHANNELS]`` tile of the decayed products.
+_PRODUCT_CHANNELS = 64
+#: Warps of a program of the backward's decayed products (one ``[16, 16]`` tile of them).
 _TILE_WARPS = 2
+#: Warps of a program of the forward's decayed products (one block of 16 rows, its tiles in
+#: turn): one, so that more of these short programs are resident (benchmarks/RESULTS.md).
+_ROW_WARPS = 1
 _ARRAY_NAMES = ("query", "key", "value", "beta", "g", "initial_state", "cu_seqlens")
 
 
@@ -509,7 +512,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         BKS=min(_PRODUCT_CHANNELS, st.block_k),
         DOT_PRECISION=st.precision,
         NARROW=st.narrow,
-        num_warps=_TILE_WARPS,
+        num_warps=_ROW_WARPS,
         num_stages=1,
     )
     qg, kg, w, u, decay, tt = _factor_pass(
