@@ -188,11 +188,9 @@ def gla_bwd_intra_kernel(
     BC: tl.constexpr,
     BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    EXACT_DIAGONAL: tl.constexpr = False,
 ):
     """Grid ``(NT · C / BC, cdiv(K, BK), B·H)``: the intra-chunk dq and dk (float32
-    ``[B, T, H, K]``) of one sub-chunk's rows. ``EXACT_DIAGONAL``: the diagonal sub-chunk
-    entry by entry in float32 at any decay span (no 16-bit product operands there)."""
+    ``[B, T, H, K]``) of one sub-chunk's rows."""
     NC: tl.constexpr = C // BC
     i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_i = i_c // NC, i_c % NC
@@ -234,8 +232,6 @@ def gla_bwd_intra_kernel(
     # it (gla_fwd.DIAGONAL_PRODUCT_SPAN), one token j at a time otherwise
     span = tl.max(b_gr[None, :] - b_g)
     limit: tl.constexpr = DIAGONAL_PRODUCT_SPAN_F16 if dt == tl.float16 else DIAGONAL_PRODUCT_SPAN
-    if EXACT_DIAGONAL:
-        limit = -1.0  # below every span (the first row's own is 0)
     if span <= limit:
         b_k = tl.load(k_ptr + p_i, mask=m_k[None, :], other=0.0)
         b_q = tl.load(q_ptr + p_i, mask=m_k[None, :], other=0.0)

@@ -280,20 +280,16 @@ def _cdiv(a: int, b: int) -> int:
 # -- backward -------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("st", "split_diagonal"))
+@functools.partial(jax.jit, static_argnames=("st",))
 def _backward(
-    res: dict[str, Any],
-    d_o: jax.Array,
-    d_final: jax.Array | None,
-    st: _Statics,
-    split_diagonal: bool = False,
+    res: dict[str, Any], d_o: jax.Array, d_final: jax.Array | None, st: _Statics
 ) -> dict[str, jax.Array | None]:
-    """The gradients; ``split_diagonal``: see :func:`_backward_kernels`."""
+    """The gradients."""
     lay: Layout = res["layout"]
     q = res["q"]
     b, _, h, dk = q.shape
     do, dfinal_rows = _chunked.cotangents(res, d_o, d_final)
-    kernels = _backward_kernels(st, lay.num_chunks, split_diagonal)
+    kernels = _backward_kernels(st, lay.num_chunks)
     run = _launch.fold_vmap(kernels, lay.fold_modes(10))
     dinit_rows, d_q, d_k, d_v, d_gamma, d_end = run(
         q,
@@ -323,19 +319,11 @@ _gla_fwd, _gla_bwd = _chunked.vjp_rules(_Statics.of, _forward, _backward, _ARRAY
 defvjp(gla_triton, _gla_fwd, _gla_bwd)
 
 
-def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> Any:
+def _backward_kernels(st: _Statics, nt: int) -> Any:
     """``run(q, k, v, g, h, A, final_rows, do, dfinal_rows, flags) -> (dinit_rows, dq, dk, dv,
     d_gamma, d_end)`` (``d_gamma``: the in-chunk reverse cumsum of ``q ⊙ dq − k ⊙ dk``;
     ``d_end [B, H, NT, NV, K]``: ``Σ_v h_end ⊙ dh`` per V block): the backward's launches on
-    the chunk layout.
-
-    ``split_diagonal``: the intra-chunk kernel gets ``dA`` without its diagonal, whose terms
-    (``dA_tt k_t`` in ``dq_t``, ``dA_tt q_t`` in ``dk_t``) are added afterwards in float32. They
-    cancel in ``q ⊙ dq − k ⊙ dk``, so the gate gradient is then free of their rounding: for
-    the state-space mappings' gates, summed over many tokens (state_space_v1's), under strong
-    decays that rounding would dominate. For the same reason the
-    intra-chunk kernel then takes its diagonal sub-chunks entry by entry in float32
-    (``EXACT_DIAGONAL``), not as products on 16-bit operands."""
+    the chunk layout."""
     from ejkernel_triton.kernels.gla_bwd import (
         gla_bwd_da_kernel,
         gla_bwd_dh_kernel,
@@ -385,10 +373,6 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
             grid=(_cdiv(dv, st.block_v), nt, b * h),
             **tiles,
         )
-        if split_diagonal:
-            eye = jnp.arange(t)[:, None] % c == jnp.arange(c)[None, :]  # [T, C]
-            diagonal = jnp.sum(jnp.where(eye[:, None], da, 0.0), axis=-1)  # [B, T, H]
-            da = jnp.where(eye[:, None], 0.0, da)
         dq_intra, dk_intra = _launch.launch(
             gla_bwd_intra_kernel,
             q,
@@ -400,7 +384,6 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
             out_shape=[tokens, tokens],
             grid=(nt * (c // SUB_CHUNK), _cdiv(dk, st.block_k), b * h),
             **_sub_chunks(st, dk),
-            EXACT_DIAGONAL=split_diagonal,
         )
         d_q, d_k, d_gamma = _launch.launch(
             gla_bwd_dqk_kernel,
@@ -424,10 +407,6 @@ def _backward_kernels(st: _Statics, nt: int, split_diagonal: bool = False) -> An
             grid=(_cdiv(dk, st.block_k), nt, b * h),
             **tiles,
         )
-        if split_diagonal:
-            f32 = lambda a: a.astype(jnp.float32)
-            d_q = (f32(d_q) + diagonal[..., None] * f32(k)).astype(q.dtype)
-            d_k = (f32(d_k) + diagonal[..., None] * f32(q)).astype(k.dtype)
         return dinit_rows, d_q, d_k, d_v, d_gamma, d_end
 
     return run
