@@ -8,9 +8,9 @@
 # "new:heuristics" runs a build on its heuristics alone (EJKERNEL_SHIPPED=0: the candidate's
 # code without its shipped tables); any other build name X in ORDER runs the wheels of .whl-X
 # (carry it).
-# Here, before the call (BASE: the baseline commit):
-#   pip wheel --no-deps ./ejkernel-core ./ejkernel-xla ./ejkernel-triton ./ejkernel-pallas -w .whl
-#   git worktree add /tmp/base BASE && pip wheel --no-deps /tmp/base/ejkernel-{core,xla,triton,pallas} -w .whl-base
+# Here, before the call (BASE: the baseline commit, X a build's ref):
+#   bash benchmarks/wheels_of.sh HEAD .whl; bash benchmarks/wheels_of.sh BASE .whl-base
+#   bash benchmarks/wheels_of.sh X .whl-e1   (and so on for each build in ORDER)
 #   pip download --no-deps -d .whl jax-triton==0.3.1 cattrs   (the image lacks both)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
