@@ -12,6 +12,8 @@
 #   bash benchmarks/wheels_of.sh HEAD .whl; bash benchmarks/wheels_of.sh BASE .whl-base
 #   bash benchmarks/wheels_of.sh X .whl-e1   (and so on for each build in ORDER)
 #   pip download --no-deps -d .whl jax-triton==0.3.1 cattrs   (the image lacks both)
+# BUILDS=DIR: build X's wheels are in DIR/X instead ("new" too; one folder to carry, as carry
+# takes at most 8 paths), e.g. bash benchmarks/wheels_of.sh X .builds/e1.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,6 +21,7 @@ pip() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-d
 pip --target /tmp/deps .whl/jax_triton-*.whl .whl/cattrs-*.whl || exit 1
 for build in $(printf '%s\n' ${ORDER:-base new} | sed 's/:.*//' | sort -u); do
   dir=.whl-$build; [ "$build" = new ] && dir=.whl
+  [ -n "${BUILDS:-}" ] && dir=$BUILDS/$build
   pip --target /tmp/$build $(ls $dir/ejkernel_*.whl) || exit 1
 done
 export PYTHONUNBUFFERED=1
