@@ -49,6 +49,31 @@ def _delta(b_dt, b_bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
 
 
 @triton.jit
+def channel_block(
+    a_ptr,
+    d_ptr,
+    bias_ptr,
+    i_blk,
+    NI,
+    N: tl.constexpr,
+    BN: tl.constexpr,
+    BI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Channel block ``i_blk``'s offsets and masks over ``I`` and ``N`` (and over ``[BI,
+    BN]``), its ``A`` [BI, BN], ``D`` and ``dt_bias`` [BI] (``D`` again without a bias)."""
+    o_i = i_blk * BI + tl.arange(0, BI)
+    o_n = tl.arange(0, BN)
+    m_i, m_n = o_i < NI, o_n < N
+    m_in = m_i[:, None] & m_n[None, :]
+    o_in = o_i[:, None] * N + o_n[None, :]
+    b_a = tl.load(a_ptr + o_in, mask=m_in, other=0.0)
+    b_skip = tl.load(d_ptr + o_i, mask=m_i, other=0.0)
+    b_bias = tl.load(bias_ptr + o_i, mask=m_i, other=0.0) if HAS_BIAS else b_skip
+    return o_i, o_n, m_i, m_n, m_in, o_in, b_a, b_skip, b_bias
+
+
+@triton.jit
 def ssm_scan_fwd_kernel(
     x_ptr,
     z_ptr,
@@ -81,14 +106,9 @@ def ssm_scan_fwd_kernel(
     state before token ``c · CT``). ``A`` [I, N], ``D`` and ``dt_bias`` [I] float32; ``z``
     read only when ``HAS_GATE``, ``dt_bias`` only when ``HAS_BIAS``."""
     i_blk, i_b = tl.program_id(0), tl.program_id(1)
-    o_i = i_blk * BI + tl.arange(0, BI)
-    o_n = tl.arange(0, BN)
-    m_i, m_n = o_i < NI, o_n < N
-    m_in = m_i[:, None] & m_n[None, :]
-    o_in = o_i[:, None] * N + o_n[None, :]
-    b_a = tl.load(a_ptr + o_in, mask=m_in, other=0.0)
-    b_skip = tl.load(d_ptr + o_i, mask=m_i, other=0.0)
-    b_bias = tl.load(bias_ptr + o_i, mask=m_i, other=0.0) if HAS_BIAS else b_skip
+    o_i, o_n, m_i, m_n, m_in, o_in, b_a, b_skip, b_bias = channel_block(
+        a_ptr, d_ptr, bias_ptr, i_blk, NI, N, BN, BI, HAS_BIAS
+    )
     state = i_b.to(tl.int64) * NI * N
     b_h = tl.load(init_ptr + state + o_in, mask=m_in, other=0.0)
     p_hs = hs_ptr + i_b.to(tl.int64) * NT * NI * N + o_in
@@ -158,14 +178,9 @@ def ssm_scan_bwd_kernel(
     token k). ``hs`` are the forward's checkpoints, ``do`` the output's cotangent."""
     i_blk, i_b = tl.program_id(0), tl.program_id(1)
     nb = tl.num_programs(0)
-    o_i = i_blk * BI + tl.arange(0, BI)
-    o_n = tl.arange(0, BN)
-    m_i, m_n = o_i < NI, o_n < N
-    m_in = m_i[:, None] & m_n[None, :]
-    o_in = o_i[:, None] * N + o_n[None, :]
-    b_a = tl.load(a_ptr + o_in, mask=m_in, other=0.0)
-    b_skip = tl.load(d_ptr + o_i, mask=m_i, other=0.0)
-    b_bias = tl.load(bias_ptr + o_i, mask=m_i, other=0.0) if HAS_BIAS else b_skip
+    o_i, o_n, m_i, m_n, m_in, o_in, b_a, b_skip, b_bias = channel_block(
+        a_ptr, d_ptr, bias_ptr, i_blk, NI, N, BN, BI, HAS_BIAS
+    )
     state = i_b.to(tl.int64) * NI * N
     b_dh = tl.load(dfinal_ptr + state + o_in, mask=m_in, other=0.0)
     b_dacc = tl.zeros([BI, BN], dtype=tl.float32)
