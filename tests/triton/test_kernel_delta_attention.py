@@ -149,6 +149,28 @@ def test_narrow_products_within_a_half_precision_tolerance(interpret, vector: bo
 
 
 @pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
+def test_narrow_states_within_a_half_precision_tolerance(interpret, vector: bool) -> None:
+    """``narrow_states``: the starting states, ``V'`` and the state gradients the backward
+    reads kept in bf16, over chunks of 64 and an odd tail, with an initial state."""
+    cfg = attrs.evolve(C64, narrow_states=True)
+    arrays = inputs(1, 150, 2, 32, 32, vector=vector, dtype=jnp.bfloat16)
+    arrays["initial_state"] = normal(jax.random.PRNGKey(8), (1, 2, 32, 32), jnp.float32)
+    check(arrays, cfg, tol=1e-2, grads=True, return_state=True)
+    # the residuals the backward reads are bf16; float32 inputs keep them float32
+    from ejkernel_triton import _codegen
+
+    for dtype, want in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)):
+        call = {n: a.astype(dtype) for n, a in inputs(1, 70, 2, 16, 16, vector=vector).items()}
+        jax.clear_caches()  # the forward is jitted: trace it under the recorder
+        with _codegen.recorded_launches() as record:
+            out, res = kda_op._kda_fwd(cfg=cfg, **call)
+            kda_op._kda_bwd(res, out, cfg=cfg)
+        shapes = {one.kernel.fn.__name__: one.out_shape for one in record}
+        hs, vn = shapes["kda_fwd_h_kernel"][1:3]
+        assert hs.dtype == vn.dtype == shapes["kda_bwd_dh_kernel"][0].dtype == want
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["channel-gate", "head-gate"])
 def test_log_decays_down_to_minus_20_per_step_stay_finite_and_right(interpret, vector) -> None:
     arrays = inputs(1, 40, 2, 16, 16, vector=vector)
     arrays["g"] = -20.0 * jax.random.uniform(jax.random.PRNGKey(5), arrays["g"].shape)
@@ -335,6 +357,11 @@ def test_config_checks_its_fields_and_the_space_starts_with_the_heuristic(monkey
     assert not heuristic(types.SimpleNamespace(**vars(head_gate), grad=True)).narrow_products
     float32 = {n: jax.ShapeDtypeStruct(x.shape, jnp.float32) for n, x in inv.kwargs.items()}
     assert not heuristic(types.SimpleNamespace(kwargs=float32)).narrow_products
+    # 16-bit saved states for a differentiated 16-bit call alone; the space has the other
+    assert differentiated.narrow_states and not alone.narrow_states
+    assert attrs.evolve(differentiated, narrow_states=False) in config_space(grad)
+    float32_grad = types.SimpleNamespace(kwargs=float32, grad=True)
+    assert not heuristic(float32_grad).narrow_states
 
 
 @pytest.mark.parametrize("limit", [232448, 101376], ids=["hopper", "sm86"])

@@ -115,7 +115,8 @@ def kda_bwd_dh_kernel(
         first, last, state = chunk_flags(flags_ptr, i_n, i_b, i_h, R, H, K, V)
         b_dfinal = tl.load(dfinal_ptr + state + o_kv, mask=m_kv & last, other=0.0)
         b_dh = tl.where(last, b_dfinal, b_dh)
-        tl.store(dh_ptr + (i_bh.to(tl.int64) * NT + i_n) * K * V + o_kv, b_dh, mask=m_kv)
+        p_dh = dh_ptr + (i_bh.to(tl.int64) * NT + i_n) * K * V + o_kv
+        tl.store(p_dh, b_dh.to(dh_ptr.dtype.element_ty), mask=m_kv)
         rows = row0 + (i_n * C + o_c) * H
         p_k = rows[:, None] * K + o_k[None, :]
         b_qg = tl.load(qg_ptr + p_k, mask=m_k[None, :], other=0.0)
@@ -193,13 +194,13 @@ def kda_bwd_dv_kernel(
         m_kv = m_k[:, None] & m_v[None, :]
         o_kv = o_k[:, None] * V + o_v[None, :]
         p_v = rows[:, None] * V + o_v[None, :]
-        b_s = tl.load(hs_ptr + state + o_kv, mask=m_kv, other=0.0)
-        b_ds = tl.load(dh_ptr + state + o_kv, mask=m_kv, other=0.0)
+        b_s = tl.load(hs_ptr + state + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_ds = tl.load(dh_ptr + state + o_kv, mask=m_kv, other=0.0).to(tl.float32)
         b_v = tl.load(v_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
         b_v = tl.where(finite(b_v) & ~bad[:, None], b_v, 0.0)
         b_do = tl.load(do_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
         b_dvn = tl.load(dvn_ptr + p_v, mask=m_v[None, :], other=0.0)
-        b_vn = tl.load(vn_ptr + p_v, mask=m_v[None, :], other=0.0)
+        b_vn = tl.load(vn_ptr + p_v, mask=m_v[None, :], other=0.0).to(tl.float32)
         b_dqg += tl.dot(b_do, tl.trans(b_s), input_precision=DOT_PRECISION)
         b_dw -= tl.dot(b_dvn, tl.trans(b_s), input_precision=DOT_PRECISION)
         b_dkg += tl.dot(b_vn, tl.trans(b_ds), input_precision=DOT_PRECISION)

@@ -117,6 +117,11 @@ class KernelDeltaAttentionConfig:
             operands in the inputs' 16-bit dtype (the tensor cores' bf16 rate) instead of
             float32 (tf32); the inverse ``T``, the gates and the state stay float32. No
             effect on float32 inputs.
+        narrow_states: a differentiated call keeps each chunk's starting state, ``V'`` and
+            the state gradients the backward reads (``[B, H, T / C, K, V]`` each) in the
+            inputs' 16-bit dtype instead of float32: half the backward's largest memory
+            traffic; the walks carry their states in float32 either way. No effect on float32
+            inputs or on a forward alone (which keeps them in the inputs' dtype).
     """
 
     chunk_size: int = attrs.field(default=32, validator=attrs.validators.in_(_CHUNKS))
@@ -126,6 +131,7 @@ class KernelDeltaAttentionConfig:
     chunk_warps: int | None = None
     fused: bool = False
     narrow_products: bool = False
+    narrow_states: bool = False
 
 
 def supports(inv: Any) -> bool | str:
@@ -158,7 +164,8 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
     chunks pay off most there), 4 warps, but 8 in the whole-chunk passes of a call being
     differentiated at chunks of 64 (``chunk_warps``: the backward's spill registers in 4; a
     forward's alone do not gain from 8),
-    a forward alone on 16-bit inputs with ``narrow_products`` (either gate form), shorter
+    a forward alone on 16-bit inputs with ``narrow_products`` (either gate form), a
+    differentiated call on 16-bit inputs with ``narrow_states``, shorter
     chunks for short packed sequences or where shared memory is too small; in the interpreter
     (whose cost is per program and per loop step) chunks of 16 and whole-V blocks. Decoding
     calls (at most
@@ -178,7 +185,8 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
         )
     limit = _smem.launch_limit()
     grad = getattr(inv, "grad", False)
-    narrow = not grad and jnp.dtype(a["query"].dtype).itemsize == 2
+    half = jnp.dtype(a["query"].dtype).itemsize == 2
+    narrow = not grad and half
     for chunk, stages in ((64, 2), (64, 1), (32, 1), (16, 1)):
         cfg = KernelDeltaAttentionConfig(
             chunk_size=chunk,
@@ -187,6 +195,7 @@ def heuristic(inv: Any) -> KernelDeltaAttentionConfig:
             num_stages=stages,
             chunk_warps=8 if chunk == 64 and grad else None,
             narrow_products=narrow,
+            narrow_states=grad and half,
         )
         if chunk == 16 or (length >= chunk and shared_memory(cfg, dk, dv) <= limit):
             return cfg
@@ -197,7 +206,8 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
     """The heuristic, then chunks of 16, 32 and 64 with 32/64-wide V blocks and 4 or 8 warps
     in 1 stage, and those of the heuristic's chunk size with 2 stages in the sequential walks,
     without those over the device's shared memory (:func:`shared_memory`); for 16-bit inputs
-    the heuristic's with ``narrow_products`` the other way, and at chunks of 64 the
+    the heuristic's with ``narrow_products`` the other way and with ``narrow_states`` the other
+    way, and at chunks of 64 the
     heuristic's with its ``chunk_warps`` the other way (8 or ``None``)."""
     base = heuristic(inv)
     if _launch.interpreting():
@@ -227,6 +237,7 @@ def config_space(inv: Any) -> list[KernelDeltaAttentionConfig]:
             out.append(piped)
     if jnp.dtype(inv.kwargs["query"].dtype).itemsize == 2:  # the products on 16-bit operands
         out.append(attrs.evolve(base, narrow_products=not base.narrow_products))
+        out.append(attrs.evolve(base, narrow_states=not base.narrow_states))
     if base.chunk_size == 64:  # the whole-chunk passes in 8 warps, or in the walks' 4
         out.append(attrs.evolve(base, chunk_warps=None if base.chunk_warps else 8))
     return out
@@ -267,6 +278,7 @@ class _Statics(_chunked.Statics):
     l2norm: bool
     block_v_prep: int
     narrow: bool
+    narrow_states: bool
     chunk_warps: int
 
     @classmethod
@@ -280,6 +292,7 @@ class _Statics(_chunked.Statics):
             block_v=min(cfg.block_v, pow2(dv)),
             block_v_prep=pow2(dv),
             narrow=cfg.narrow_products,
+            narrow_states=cfg.narrow_states,
             chunk_warps=cfg.chunk_warps or cfg.num_warps,
             **_chunked.call_statics(args, cfg),
         )
@@ -384,8 +397,8 @@ def _forward_kernels(st: _Statics, nt: int, keep: bool) -> Any:
         chunk = _per_channel_chunk if gk > 1 else _per_head_chunk
         qg, kg, w, u, p, decay, tt, kk = chunk(st, nt, keep, q, k, v, beta, gates)
         # the starting states and V' the output kernel reads: float32 where the backward
-        # reads them too, else the input dtype
-        saved = jnp.float32 if keep else q.dtype
+        # reads them too (unless narrow_states), else the input dtype
+        saved = jnp.float32 if keep and not st.narrow_states else q.dtype
         final_rows, hs, vn = _launch.launch(
             kda_fwd_h_kernel,
             kg,
@@ -667,7 +680,11 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             nt,
             h,
             dfinal_rows.shape[0] // b,
-            out_shape=[f32(hs.shape), f32((b, t, h, dv)), f32(dfinal_rows.shape)],
+            out_shape=[
+                jax.ShapeDtypeStruct(hs.shape, hs.dtype),
+                f32((b, t, h, dv)),
+                f32(dfinal_rows.shape),
+            ],
             grid=(-(-dv // st.block_v), b * h),
             **_sizes(st, dk, dv, gk),
             num_stages=st.num_stages,
