@@ -10,9 +10,10 @@
 - :func:`gla_bwd_da_kernel`: ``dA = scale · do vᵀ`` on and below the diagonal.
 - :func:`gla_bwd_dv_kernel`: ``dv = Aᵀ do + (k ⊙ exp(G_last − G)) dh``.
 - :func:`gla_bwd_intra_kernel`: the intra-chunk ``dq_i = Σ_{j≤i} dA_ij k_j ⊙ exp(G_i − G_j)``
-  and ``dk_j = Σ_{i≥j} dA_ij q_i ⊙ exp(G_i − G_j)`` per sub-chunk, split between sub-chunks at a
-  row of the sub-chunk itself (first row for dq, last for dk) so both exponents are ≤ 0 for
-  decaying gates; entry by entry, masked before the exp, inside it.
+  and ``dk_j = Σ_{i≥j} dA_ij q_i ⊙ exp(G_i − G_j)`` a chunk a program, each exponent split at
+  the first row of row ``i``'s sub-chunk so both parts are ≤ 0 for decaying gates below the
+  diagonal sub-chunks; those take the same split where the decay across them is bounded, and
+  go entry by entry, masked before the exp, otherwise.
 - :func:`gla_bwd_dqk_kernel`: adds the inter-chunk ``scale · exp(G) ⊙ do hᵀ`` to dq and
   ``exp(G_last − G) ⊙ v dhᵀ`` to dk, and writes the reverse cumulative sum of
   ``q ⊙ dq − k ⊙ dk`` within the chunk (float32): the gate gradient but for what arrives
@@ -24,7 +25,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.kernels.gla_fwd import DIAGONAL_PRODUCT_SPAN, DIAGONAL_PRODUCT_SPAN_F16
+from ejkernel_triton.kernels.channel_products import (
+    DIAGONAL_PRODUCT_SPAN,
+    DIAGONAL_PRODUCT_SPAN_F16,
+    SUB,
+)
 
 
 @triton.jit
@@ -185,81 +190,68 @@ def gla_bwd_intra_kernel(
     dk_ptr,
     K: tl.constexpr,
     C: tl.constexpr,
-    BC: tl.constexpr,
     BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(NT · C / BC, cdiv(K, BK), B·H)``: the intra-chunk dq and dk (float32
-    ``[B, T, H, K]``) of one sub-chunk's rows."""
-    NC: tl.constexpr = C // BC
-    i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_i = i_c // NC, i_c % NC
+    """Grid ``(NT, cdiv(K, BK), B·H)``: the intra-chunk dq and dk (float32 ``[B, T, H, K]``)
+    of one chunk on ``BK`` key channels, in whole-chunk tiles factored as the forward's
+    (:func:`~ejkernel_triton.kernels.channel_products.channel_products`): with ``ρ(i)`` the
+    first row of row ``i``'s block of :data:`SUB` and ``r`` a block,
+    ``exp(G_i − G_j) = exp(G_i − G_ρ(i)) exp(G_ρ(i) − G_j)``, so each block ``r`` of ``dA``'s
+    rows takes one product against the keys up to it (for dq) and one against its own rows'
+    queries (for dk). The diagonal blocks take part where the channels' decay span across any
+    block is at most ``DIAGONAL_PRODUCT_SPAN`` (8 for float16 operands), and otherwise go entry
+    by entry, one token of every block a step, masked before the exp."""
+    i_n, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    o_s = o_c % SUB
+    blk = o_c // SUB
     o_k = i_k * BK + tl.arange(0, BK)
-    o_r = tl.arange(0, BC)
-    m_k = o_k < K
-    row0 = i_b.to(tl.int64) * NT * C * H + i_h
-    t_i = i_n * C + i_i * BC
-    rows_i = row0 + (t_i + o_r) * H
-    p_i = rows_i[:, None] * K + o_k[None, :]
-    b_g = tl.load(g_ptr + p_i, mask=m_k[None, :], other=0.0)
+    m_k = (o_k < K)[None, :]
+    first = i_b.to(tl.int64) * NT * C * H + i_h + i_n * C * H  # the chunk's first token
+    rows = first + o_c * H
+    p_k = rows[:, None] * K + o_k[None, :]
     dt = q_ptr.dtype.element_ty
-    # dq from earlier sub-chunks, split at this sub-chunk's first row
-    b_gr = tl.load(g_ptr + (row0 + t_i * H) * K + o_k, mask=m_k, other=0.0)
-    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-    for i_j in range(0, i_i):
-        rows_j = row0 + (i_n * C + i_j * BC + o_r) * H
-        p_j = rows_j[:, None] * K + o_k[None, :]
-        b_da = tl.load(da_ptr + rows_i[:, None] * C + i_j * BC + o_r[None, :])
-        b_k = tl.load(k_ptr + p_j, mask=m_k[None, :], other=0.0)
-        b_gk = tl.load(g_ptr + p_j, mask=m_k[None, :], other=0.0)
-        b_kg = (b_k * tl.exp(b_gr[None, :] - b_gk)).to(dt)
-        b_dq += tl.dot(b_da.to(dt), b_kg, input_precision=DOT_PRECISION)
-    b_dq = b_dq * tl.exp(b_g - b_gr[None, :])
-    # dk from later sub-chunks, split at this sub-chunk's last row
-    b_ge = tl.load(g_ptr + (row0 + (t_i + BC - 1) * H) * K + o_k, mask=m_k, other=0.0)
-    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
-    for i_j in range(i_i + 1, NC):
-        rows_j = row0 + (i_n * C + i_j * BC + o_r) * H
-        p_j = rows_j[:, None] * K + o_k[None, :]
-        b_da = tl.load(da_ptr + rows_j[:, None] * C + i_i * BC + o_r[None, :])
-        b_q = tl.load(q_ptr + p_j, mask=m_k[None, :], other=0.0)
-        b_gq = tl.load(g_ptr + p_j, mask=m_k[None, :], other=0.0)
-        b_qg = (b_q * tl.exp(b_gq - b_ge[None, :])).to(dt)
-        b_dk += tl.dot(tl.trans(b_da).to(dt), b_qg, input_precision=DOT_PRECISION)
-    b_dk = b_dk * tl.exp(b_ge[None, :] - b_g)
-    # the diagonal sub-chunk: through its first row where the channels' decay span allows
-    # it (gla_fwd.DIAGONAL_PRODUCT_SPAN), one token j at a time otherwise
-    span = tl.max(b_gr[None, :] - b_g)
+    b_q = tl.load(q_ptr + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k_ptr + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g = tl.load(g_ptr + p_k, mask=m_k, other=0.0)
+    p_ref = (first + blk * SUB * H)[:, None] * K + o_k[None, :]
+    b_gref = tl.load(g_ptr + p_ref, mask=m_k, other=0.0)
+    b_in = tl.exp(b_g - b_gref)
+    b_qa = (b_q * b_in).to(dt)
     limit: tl.constexpr = DIAGONAL_PRODUCT_SPAN_F16 if dt == tl.float16 else DIAGONAL_PRODUCT_SPAN
-    if span <= limit:
-        b_k = tl.load(k_ptr + p_i, mask=m_k[None, :], other=0.0)
-        b_q = tl.load(q_ptr + p_i, mask=m_k[None, :], other=0.0)
-        b_in = tl.exp(b_g - b_gr[None, :])  # ≤ 1
-        b_out = tl.exp(b_gr[None, :] - b_g)  # ≤ e^span
-        lower = o_r[:, None] >= o_r[None, :]
-        p_d = da_ptr + i_i * BC
-        b_dal = tl.load(p_d + rows_i[:, None] * C + o_r[None, :], mask=lower, other=0.0)  # [r, j]
-        b_dau = tl.load(
-            p_d + rows_i[None, :] * C + o_r[:, None], mask=o_r[:, None] <= o_r[None, :], other=0.0
-        )  # dA[j, r] as [r, j], j ≥ r
-        b_dq += b_in * tl.dot(b_dal.to(dt), (b_k * b_out).to(dt), input_precision=DOT_PRECISION)
-        b_dk += b_out * tl.dot(b_dau.to(dt), (b_q * b_in).to(dt), input_precision=DOT_PRECISION)
-    else:
-        for j in range(0, BC):
-            row_j = row0 + (t_i + j) * H
-            b_kj = tl.load(k_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_qj = tl.load(q_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_gj = tl.load(g_ptr + row_j * K + o_k, mask=m_k, other=0.0)
-            b_da_col = tl.load(da_ptr + rows_i * C + i_i * BC + j)  # dA[r, j]
-            b_da_row = tl.load(da_ptr + row_j * C + i_i * BC + o_r)  # dA[j, r]
-            after = o_r[:, None] >= j
-            b_eq = tl.exp(tl.where(after, b_g - b_gj[None, :], float("-inf")))
-            b_ek = tl.exp(tl.where(o_r[:, None] <= j, b_gj[None, :] - b_g, float("-inf")))
-            b_dq += b_da_col[:, None] * b_kj[None, :] * b_eq
-            b_dk += b_da_row[:, None] * b_qj[None, :] * b_ek
-    tl.store(dq_ptr + p_i, b_dq, mask=m_k[None, :])
-    tl.store(dk_ptr + p_i, b_dk, mask=m_k[None, :])
+    diagonal = tl.max(b_gref - b_g) <= limit
+    lower = o_c[:, None] >= o_c[None, :]
+    b_da = tl.load(da_ptr + rows[:, None] * C + o_c[None, :], mask=lower, other=0.0)  # [i, j]
+    b_dq = tl.zeros([C, BK], dtype=tl.float32)
+    b_dk = tl.zeros([C, BK], dtype=tl.float32)
+    for r in tl.static_range(C // SUB):
+        b_gr = tl.load(g_ptr + (first + r * SUB * H) * K + o_k, mask=o_k < K, other=0.0)
+        b_gr = tl.where(b_gr == b_gr, b_gr, 0.0)  # a NaN reference: see channel_products
+        seen = (blk < r + diagonal.to(tl.int32))[:, None]  # block r itself if diagonal
+        b_out = tl.exp(tl.where(seen, b_gr[None, :] - b_g, float("-inf")))
+        b_dar = tl.where((blk == r)[:, None], b_da, 0.0).to(dt)
+        b_dq += tl.dot(b_dar, (b_k * b_out).to(dt), input_precision=DOT_PRECISION)
+        b_dk += b_out * tl.dot(tl.trans(b_dar), b_qa, input_precision=DOT_PRECISION)
+    b_dq *= b_in
+    if not diagonal:
+        for s in range(0, SUB):
+            col = blk * SUB + s  # each row's block's token s
+            p_s = (first + col * H)[:, None] * K + o_k[None, :]
+            b_ks = tl.load(k_ptr + p_s, mask=m_k, other=0.0).to(tl.float32)
+            b_qs = tl.load(q_ptr + p_s, mask=m_k, other=0.0).to(tl.float32)
+            b_gs = tl.load(g_ptr + p_s, mask=m_k, other=0.0)
+            after = o_s >= s  # token s as a column of its block's rows i ≥ s
+            b_dac = tl.load(da_ptr + rows * C + col, mask=after, other=0.0)
+            b_e = tl.exp(tl.where(after[:, None], b_g - b_gs, float("-inf")))
+            b_dq += tl.where(after[:, None], b_dac[:, None] * b_ks * b_e, 0.0)
+            before = o_s <= s  # token s as a row of its block's columns j ≤ s
+            b_das = tl.load(da_ptr + (first + col * H) * C + o_c, mask=before, other=0.0)
+            b_e = tl.exp(tl.where(before[:, None], b_gs - b_g, float("-inf")))
+            b_dk += tl.where(before[:, None], b_das[:, None] * b_qs * b_e, 0.0)
+    tl.store(dq_ptr + p_k, b_dq, mask=m_k)
+    tl.store(dk_ptr + p_k, b_dk, mask=m_k)
 
 
 @triton.jit

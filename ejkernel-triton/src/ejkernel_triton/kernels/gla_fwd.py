@@ -14,13 +14,14 @@ Three kernels:
   stores the state at every chunk start (what the output and the backward read) and each
   sequence's final state, and restarts from the initial state where a sequence begins.
 - :func:`gla_fwd_a_kernel` builds the intra-chunk matrix
-  ``A[i, j] = scale · Σ_k q_ik k_jk exp(G_ik − G_jk)`` (j ≤ i) in sub-chunks of ``BC`` rows:
-  against the earlier sub-chunks the decay splits at the first row ``r`` of the query
-  sub-chunk, ``(q ⊙ exp(G − G_r)) (k ⊙ exp(G_r − G))ᵀ`` (one product over the chunk's rows
-  before ``r``), both exponents ≤ 0 for decaying gates; inside a sub-chunk it is formed entry
-  by entry from ``exp(G_i − G_j)``, masked before the exp. No
-  exp ever sees the (positive) difference of a later and an earlier cumulative decay, so gates
-  down to any log decay give no Inf or NaN (flash-linear-attention's ``chunk_gla`` scheme).
+  ``A[i, j] = scale · Σ_k q_ik k_jk exp(G_ik − G_jk)`` (j ≤ i), one program a chunk
+  (:func:`~ejkernel_triton.kernels.channel_products.channel_products`): the decay splits at
+  the first row ``r`` of each row's sub-chunk of 16, ``(q ⊙ exp(G − G_r)) (k ⊙ exp(G_r −
+  G))ᵀ``, both exponents ≤ 0 below the diagonal sub-chunks; those take the same split where
+  the channels' decay across a sub-chunk is bounded and are formed entry by entry from
+  ``exp(G_i − G_j)``, masked before the exp, otherwise. No exp sees an unbounded (positive)
+  difference of a later and an earlier cumulative decay, so gates down to any log decay give
+  no Inf or NaN.
 - :func:`gla_fwd_o_kernel`: ``o = scale · (q ⊙ exp(G)) h_chunk + A v``.
 
 A NaN in an input stays in its causal future, as in the recurrence: the masked entries of
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ejkernel_triton.kernels.channel_products import channel_products
 
 
 @triton.jit
@@ -108,14 +111,6 @@ def gla_fwd_h_kernel(
         tl.store(final_ptr + state + o_kv, b_h, mask=m_kv & last)
 
 
-#: Largest log-decay span inside a sub-chunk whose diagonal block is one product through the
-#: sub-chunk's first row: its factor ``exp(G_r − G_s)`` stays below ``e^60`` (finite in bf16
-#: and float32) or, for float16 operands, ``e^8`` (float16 ends near ``e^11``); a wider span
-#: takes the block entry by entry.
-DIAGONAL_PRODUCT_SPAN: tl.constexpr = tl.constexpr(60.0)
-DIAGONAL_PRODUCT_SPAN_F16: tl.constexpr = tl.constexpr(8.0)
-
-
 @triton.jit
 def gla_fwd_a_kernel(
     q_ptr,
@@ -127,78 +122,20 @@ def gla_fwd_a_kernel(
     a_ptr,
     K: tl.constexpr,
     C: tl.constexpr,
-    BC: tl.constexpr,
     BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(NT · C / BC, B·H)``: rows ``[i·BC, (i+1)·BC)`` of one chunk's ``A [C, C]``
-    (float32, ``[B, T, H, C]``; zero above the diagonal).
-
-    Every decay factors through the query sub-chunk's first row ``r``: the columns of the
-    earlier sub-chunks come from one product ``(q ⊙ exp(G − G_r)) (k ⊙ exp(G_r − G))ᵀ`` against
-    the chunk's key rows before ``r`` (later rows selected away before it), both exponents
-    ≤ 0 for decaying gates. The diagonal block takes the same product over its own keys where
-    the block of key channels decays by at most :data:`DIAGONAL_PRODUCT_SPAN` across the
-    sub-chunk (``exp(G_r − G_s)`` then stays finite; the entries above the diagonal are
-    selected away), and otherwise goes entry by entry, ``exp(G_i − G_j)`` masked to
-    ``j ≤ i`` before the exp."""
-    NC: tl.constexpr = C // BC
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_n, i_i = i_c // NC, i_c % NC
-    i_b, i_h = i_bh // H, i_bh % H
-    o_r = tl.arange(0, BC)
+    """Grid ``(NT, B·H)``: one chunk's ``A [C, C]`` (float32, ``[B, T, H, C]``; zero above the
+    diagonal), :func:`~ejkernel_triton.kernels.channel_products.channel_products` on
+    operands in ``q``'s dtype, times the scale."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
     o_c = tl.arange(0, C)
-    row0 = i_b.to(tl.int64) * NT * C * H + i_h
-    t_i = i_n * C + i_i * BC  # first token of the query sub-chunk
-    rows_i = row0 + (t_i + o_r) * H
-    rows_c = row0 + (i_n * C + o_c) * H  # every key row of the chunk
-    earlier = o_c < i_i * BC
-    dt = q_ptr.dtype.element_ty
-    b_a = tl.zeros([BC, C], dtype=tl.float32)
-    b_d = tl.zeros([BC, BC], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        p_i = rows_i[:, None] * K + o_k[None, :]
-        b_q = tl.load(q_ptr + p_i, mask=m_k[None, :], other=0.0)
-        b_gq = tl.load(g_ptr + p_i, mask=m_k[None, :], other=0.0)
-        b_gr = tl.load(g_ptr + (row0 + t_i * H) * K + o_k, mask=m_k, other=0.0)
-        m_j = earlier[:, None] & m_k[None, :]
-        b_k = tl.load(k_ptr + rows_c[:, None] * K + o_k[None, :], mask=m_j, other=0.0)
-        b_gk = tl.load(g_ptr + rows_c[:, None] * K + o_k[None, :], mask=m_j, other=0.0)
-        b_qg = (b_q * tl.exp(b_gq - b_gr[None, :])).to(dt)
-        # selected, never multiplied by 0: a NaN key of a later row stays out of these rows
-        b_kg = tl.where(earlier[:, None], b_k * tl.exp(b_gr[None, :] - b_gk), 0.0).to(dt)
-        b_a += tl.dot(b_qg, tl.trans(b_kg), input_precision=DOT_PRECISION)
-        # the diagonal block: one product where these channels' span allows it (a NaN span
-        # fails the test and goes entry by entry)
-        b_kd = tl.load(k_ptr + p_i, mask=m_k[None, :], other=0.0)
-        span = tl.max(b_gr[None, :] - b_gq)
-        limit: tl.constexpr = (
-            DIAGONAL_PRODUCT_SPAN_F16 if dt == tl.float16 else DIAGONAL_PRODUCT_SPAN
-        )
-        if span <= limit:
-            b_kdg = (b_kd * tl.exp(b_gr[None, :] - b_gq)).to(dt)
-            b_d += tl.dot(b_qg, tl.trans(b_kdg), input_precision=DOT_PRECISION)
-        else:
-            b_qf = b_q.to(tl.float32)
-            for j in range(0, BC):
-                row_j = row0 + (t_i + j) * H
-                b_kj = tl.load(k_ptr + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                b_gj = tl.load(g_ptr + row_j * K + o_k, mask=m_k, other=0.0)
-                causal = o_r[:, None] >= j
-                b_e = tl.where(causal, b_gq - b_gj[None, :], float("-inf"))
-                # the product is masked too: a NaN key stays out of earlier rows
-                b_col = tl.sum(tl.where(causal, b_qf * b_kj[None, :] * tl.exp(b_e), 0.0), axis=1)
-                b_d = tl.where(o_r[None, :] == j, b_d + b_col[:, None], b_d)
-    b_d = tl.where(o_r[:, None] >= o_r[None, :], b_d, 0.0)  # selected: NaN keys above stay out
-    # two stores to disjoint columns: the diagonal block, and the rest of the row block (the
-    # earlier sub-chunks' products, zeros after the diagonal)
-    in_diag = (o_c >= i_i * BC) & (o_c < i_i * BC + BC)
-    p_a = a_ptr + rows_i[:, None] * C
-    b_rest = tl.where(earlier[None, :], b_a * scale, 0.0)
-    tl.store(p_a + o_c[None, :], b_rest, mask=~in_diag[None, :])
-    tl.store(p_a + i_i * BC + o_r[None, :], b_d * scale)
+    first = (i_bh // H).to(tl.int64) * NT * C * H + i_bh % H + i_n * C * H
+    b_a, _ = channel_products(
+        q_ptr, k_ptr, g_ptr, first, H, o_c, K, C, BK, DOT_PRECISION, True, False
+    )
+    rows = first + o_c * H
+    tl.store(a_ptr + rows[:, None] * C + o_c[None, :], b_a * scale)
 
 
 @triton.jit

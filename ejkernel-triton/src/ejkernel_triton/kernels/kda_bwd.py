@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.kernels.gla_fwd import DIAGONAL_PRODUCT_SPAN
+from ejkernel_triton.kernels.channel_products import DIAGONAL_PRODUCT_SPAN
 from ejkernel_triton.kernels.kda_common import (
     SUB,
     chunk_flags,

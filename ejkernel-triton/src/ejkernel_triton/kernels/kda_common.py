@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ejkernel_triton.kernels.channel_products import SUB
+
 
 @triton.jit
 def walk_tiles(
@@ -117,11 +119,6 @@ def l2_normalise(x):
 def l2_normalise_bwd(x_hat, norm, d_hat):
     """The gradient of :func:`l2_normalise`'s input from its output's: ``(dx̂ − x̂ (x̂·dx̂)) / n``."""
     return (d_hat - x_hat * tl.sum(x_hat * d_hat, axis=1)[:, None]) / norm[:, None]
-
-
-#: Rows per diagonal block of a per-channel gate's decayed products (the rest are products
-#: factored through a block's first row).
-SUB: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit

@@ -46,7 +46,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.kernels.gla_fwd import DIAGONAL_PRODUCT_SPAN, DIAGONAL_PRODUCT_SPAN_F16
+from ejkernel_triton.kernels.channel_products import (
+    DIAGONAL_PRODUCT_SPAN,
+    DIAGONAL_PRODUCT_SPAN_F16,
+)
 from ejkernel_triton.kernels.kda_common import (
     SUB,
     block_inverse,

@@ -52,7 +52,6 @@ from ejkernel.plugins import defvjp
 from ejkernel_triton import _launch
 from ejkernel_triton.ops import _chunked, _on_gla
 from ejkernel_triton.ops.gla_config import (
-    SUB_CHUNK,
     GlaConfig,
     config_space,
     heuristic,
@@ -195,8 +194,11 @@ def _forward_kernels(st: _Statics, nt: int) -> Any:
             nt,
             h,
             out_shape=[jax.ShapeDtypeStruct((b, t, h, c), jnp.float32)],
-            grid=(nt * (c // SUB_CHUNK), b * h),
-            **_sub_chunks(st, dk),
+            grid=(nt, b * h),
+            K=dk,
+            C=c,
+            BK=st.block_k,
+            **_common(st),
         )
         (o,) = _launch.launch(
             gla_fwd_o_kernel,
@@ -264,13 +266,6 @@ def _state_walk(
         grid=(_cdiv(dk, st.block_k), _cdiv(dv, st.block_v), b * h),
         **_tiles(st, dk, dv),
     )
-
-
-def _sub_chunks(st: _Statics, dk: int) -> dict[str, Any]:
-    """:func:`_common` and the tiling of a launch over the intra-chunk matrix in
-    :data:`SUB_CHUNK` x :data:`SUB_CHUNK` tiles: the head size ``K``, the chunk ``C``, the
-    sub-chunk ``BC`` and the ``BK`` block."""
-    return {"K": dk, "C": st.chunk, "BC": SUB_CHUNK, "BK": st.block_k, **_common(st)}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -382,8 +377,11 @@ def _backward_kernels(st: _Statics, nt: int) -> Any:
             nt,
             h,
             out_shape=[tokens, tokens],
-            grid=(nt * (c // SUB_CHUNK), _cdiv(dk, st.block_k), b * h),
-            **_sub_chunks(st, dk),
+            grid=(nt, _cdiv(dk, st.block_k), b * h),
+            K=dk,
+            C=c,
+            BK=st.block_k,
+            **common,
         )
         d_q, d_k, d_gamma = _launch.launch(
             gla_bwd_dqk_kernel,
