@@ -45,7 +45,9 @@ after a warm-up, nothing timed: what ``benchmarks/gpu_kernels.sh`` runs under nc
 Triton autotuning and jax-triton in one process can stall). flash-linear-attention tunes each
 kernel on its first call, for minutes: ``BENCH_TORCH_TRITON_CACHE=DIR`` keeps torch's Triton cache
 and the tuning results in DIR, so a later call that carries DIR back skips the tuning.
-``--platforms triton`` times the Triton rows alone (A/B runs).
+``--platforms triton`` times the Triton rows alone (A/B runs). ``--anchor-kernels`` prints,
+after an anchor's times, each of its kernels' device time a call (``torch.profiler``): the
+anchor's side of ``benchmarks/gpu_kernels.sh``'s per-kernel table.
 
 Run: ``python benchmarks/bench_linear_gpu.py [--op gla ...] [--seq 8192] [--iters 10]
 [--repeats 5] [--anchors yes|no|only]``
@@ -254,8 +256,11 @@ def rel(a: Any, b: Any) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-def anchor_times(case: Case, x: dict[str, jax.Array], iters: int, repeats: int) -> tuple[str, str]:
-    """The torch anchor's forward and forward+backward (ms), or why not."""
+def anchor_times(
+    case: Case, x: dict[str, jax.Array], iters: int, repeats: int, kernels: bool = False
+) -> tuple[str, str]:
+    """The torch anchor's forward and forward+backward (ms), or why not; ``kernels``: then each
+    call's kernels under torch's profiler (:func:`anchor_kernels`)."""
     try:
         import numpy as np
         import torch
@@ -300,11 +305,52 @@ def anchor_times(case: Case, x: dict[str, jax.Array], iters: int, repeats: int) 
             runs.append((time.perf_counter() - t0) * 1e3 / iters)
         return f"{statistics.median(runs):.3f}"
 
-    return median_ms(fwd), median_ms(fwd_bwd)
+    times = median_ms(fwd), median_ms(fwd_bwd)
+    if kernels:
+        for name, fn, t in (("fwd", fwd, times[0]), ("fwd+bwd", fwd_bwd, times[1])):
+            if not t.startswith("raises"):
+                try:
+                    anchor_kernels(f"{case.anchor} {name}", fn)
+                except Exception as err:  # the times stand without the table
+                    print(f"{case.anchor} {name}: no kernel table ({type(err).__name__}: {err})")
+    return times
+
+
+def anchor_kernels(title: str, fn: Callable[[], Any], calls: int = 5) -> None:
+    """Each GPU kernel of ``fn`` (warm: after the timed runs) under ``torch.profiler``: its
+    launches and device time a call, largest first; what ncu gives for ours
+    (``benchmarks/gpu_kernels.sh``), for the anchor's side of a kernel-by-kernel comparison."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            rows.append((us / calls, e.count / calls, e.key))
+    rows.sort(reverse=True)
+    print(f"\n#### {title}: kernels a call (torch.profiler, {calls} calls)")
+    print("| kernel | launches | ms |")
+    print("|---|---|---|")
+    for us, count, key in rows:
+        print(f"| {key[:90]} | {count:g} | {us / 1e3:.3f} |")
+    print(f"| total | {sum(r[1] for r in rows):g} | {sum(r[0] for r in rows) / 1e3:.3f} |")
 
 
 def bench(
-    op: str, t: int, iters: int, repeats: int, anchors: str, platforms: tuple[str, ...]
+    op: str,
+    t: int,
+    iters: int,
+    repeats: int,
+    anchors: str,
+    platforms: tuple[str, ...],
+    kernels: bool = False,
 ) -> None:
     case = CASES[op]
     x = case.inputs(t)
@@ -334,7 +380,7 @@ def bench(
             f"| ejkernel {platform} | {t_f:.3f} | {t_fb:.3f} | {rel(out, want):.1e} | {err:.1e} |"
         )
     if case.anchor is not None and anchors != "no":
-        f, fb = anchor_times(case, x, iters, repeats)
+        f, fb = anchor_times(case, x, iters, repeats, kernels)
         print(f"| {case.anchor} | {f} | {fb} | | |")
 
 
@@ -561,6 +607,11 @@ def main() -> None:
     parser.add_argument(
         "--forward", action="store_true", help="--once: the forward alone (its own configs)"
     )
+    parser.add_argument(
+        "--anchor-kernels",
+        action="store_true",
+        help="after the anchor's times, its kernels a call (torch.profiler)",
+    )
     a = parser.parse_args()
     if a.once:
         for op in a.op or ["kda"]:
@@ -577,7 +628,15 @@ def main() -> None:
         decode(a.iters, a.repeats, tuple(int(t) for t in a.tokens.split(",")))
         return
     for op in a.op or list(CASES):
-        bench(op, a.seq, a.iters, a.repeats, a.anchors, tuple(a.platforms.split(",")))
+        bench(
+            op,
+            a.seq,
+            a.iters,
+            a.repeats,
+            a.anchors,
+            tuple(a.platforms.split(",")),
+            a.anchor_kernels,
+        )
 
 
 if __name__ == "__main__":
