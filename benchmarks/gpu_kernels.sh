@@ -5,7 +5,9 @@
 # and prints each kernel's time at its last launch (the second, warm call). Logs land in $OUT.
 # Usage: OPS="kda gdn" bash benchmarks/gpu_kernels.sh (PATTERN: ncu's kernel-name filter;
 # default the op's kernels, every kernel for ssd and ssm; ONCE_ARGS=--forward: an undifferentiated
-# call's kernels, under the forward's own configs)
+# call's kernels, under the forward's own configs). DETAILS=1: then the same kernels' warm launch
+# again under ncu's speed-of-light, memory, occupancy and warp-stall sections, into
+# $OUT/ncu_details_OP.txt (where the time goes: bytes, latency or issue)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -34,4 +36,12 @@ print(f"### {sys.argv[2]}: ms per kernel (last launch)")
 for kernel, ms in times.items():
     print(f"| {kernel[:70]} | {ms[-1]:.3f} |")
 PY
+  if [ -n "${DETAILS:-}" ]; then
+    timeout ${TIMEOUT:-200} ncu --clock-control none --section SpeedOfLight --section Occupancy \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+      -k "regex:${PATTERN:-$pattern}" python3 benchmarks/bench_linear_gpu.py --once ${ONCE_ARGS:-} \
+      --op "$op" > "$OUT/ncu_details_$op.txt" 2>> "$OUT/ncu_$op.err"
+    grep -E "^  [a-z_0-9]+_kernel|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy" \
+      "$OUT/ncu_details_$op.txt" | tee -a "$OUT/kernels.log"
+  fi
 done
