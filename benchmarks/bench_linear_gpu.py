@@ -45,7 +45,9 @@ after a warm-up, nothing timed: what ``benchmarks/gpu_kernels.sh`` runs under nc
 Triton autotuning and jax-triton in one process can stall). flash-linear-attention tunes each
 kernel on its first call, for minutes: ``BENCH_TORCH_TRITON_CACHE=DIR`` keeps torch's Triton cache
 and the tuning results in DIR, so a later call that carries DIR back skips the tuning.
-``--platforms triton`` times the Triton rows alone (A/B runs). ``--anchor-kernels`` prints,
+``--platforms triton`` times the Triton rows alone (A/B runs). ``--set MODULE.NAME=VALUE``
+(repeatable) sets a module constant first, e.g. a kernel's tile or warps, so that one build
+times its variants, a process each. ``--anchor-kernels`` prints,
 after an anchor's times, each of its kernels' device time a call (``torch.profiler``): the
 anchor's side of ``benchmarks/gpu_kernels.sh``'s per-kernel table.
 
@@ -566,6 +568,22 @@ def memory(ops: list[str], iters: int, repeats: int) -> None:
             print(f"| {op} | {t} | {ms:.3f} | {peak:.2f} |", flush=True)
 
 
+def override(assignment: str) -> str:
+    """``MODULE.NAME=VALUE``: sets an existing module constant (``VALUE`` a Python literal)
+    before anything traces, so that one build runs a kernel variant; returns what it set."""
+    import ast
+    import importlib
+
+    target, _, value = assignment.partition("=")
+    module_name, _, name = target.rpartition(".")
+    module = importlib.import_module(module_name)
+    if not module_name or not hasattr(module, name):
+        raise SystemExit(f"--set: {module_name} has no {name!r}")
+    old, new = getattr(module, name), ast.literal_eval(value)
+    setattr(module, name, new)
+    return f"{target} = {new!r} (was {old!r})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", action="append", choices=sorted(CASES), help="(repeatable)")
@@ -612,7 +630,17 @@ def main() -> None:
         action="store_true",
         help="after the anchor's times, its kernels a call (torch.profiler)",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="(repeatable) set a module constant before any call, e.g. "
+        "ejkernel_triton.ops.kernel_delta_attention._ROW_WARPS=2 (a variant without a build)",
+    )
     a = parser.parse_args()
+    for assignment in a.set:
+        print(f"set {override(assignment)}")
     if a.once:
         for op in a.op or ["kda"]:
             once(op, a.seq, a.forward)

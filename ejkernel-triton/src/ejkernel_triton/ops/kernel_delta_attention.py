@@ -75,7 +75,9 @@ _CHUNKS = (16, 32, 64)
 #: (benchmarks/RESULTS.md, ``bench_linear_gpu.py --decode``).
 FUSED_MAX_TOKENS = 16
 FUSED_GPU_MAX_TOKENS = 8
-#: Key channels a program of a per-channel gate's decayed products (forward and VJP) takes.
+#: Key channels a step of a per-channel gate's decayed products takes: the forward's
+#: (``_ROW_CHANNELS``) and the VJP's (``_PRODUCT_CHANNELS``).
+_ROW_CHANNELS = 64
 _PRODUCT_CHANNELS = 64
 #: Warps of a program of the backward's decayed products (one ``[16, 16]`` tile of them).
 _TILE_WARPS = 2
@@ -472,7 +474,7 @@ def _per_head_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> 
 
 def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) -> list[Any]:
     """A per-channel gate's chunk pass: the normalised inputs, the decayed products in
-    ``[16, 16]`` tiles over blocks of :data:`_PRODUCT_CHANNELS` key channels, one program per
+    ``[16, 16]`` tiles over blocks of :data:`_ROW_CHANNELS` key channels, one program per
     block of 16 rows (which also inverts its diagonal block of ``I + A``), then the rest;
     ``(qg, kg, w, u, p, decay, t, kk)`` as :func:`_per_head_chunk`'s (``kk`` always)."""
     from ejkernel_triton.kernels.kda_fwd import (
@@ -522,7 +524,7 @@ def _per_channel_chunk(st: _Statics, nt: int, keep: bool, q, k, v, beta, gates) 
         grid=(nt * (c // 16), b * h),
         K=dk,
         C=c,
-        BKS=min(_PRODUCT_CHANNELS, st.block_k),
+        BKS=min(_ROW_CHANNELS, st.block_k),
         DOT_PRECISION=st.precision,
         NARROW=st.narrow,
         num_warps=_ROW_WARPS,
