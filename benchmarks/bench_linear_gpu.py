@@ -35,7 +35,7 @@ scan.
 
 ``--configs``: instead, every config of the Triton op's config space (gla, kda, gdn), forward
 and forward+backward, against the heuristic's; ``--config-match TEXT`` keeps the first config
-and those whose repr holds TEXT (e.g. ``narrow_products=True``); ``--differentiated`` takes a
+and those whose repr holds TEXT (e.g. ``narrow_products=True``; ``A|B``: either); ``--differentiated`` takes a
 differentiated call's space (its heuristic first).
 
 ``--once``: one forward+backward (``--forward``: one forward) of each ``--op``'s Triton kernels
@@ -511,7 +511,8 @@ def sweep(op: str, t: int, iters: int, repeats: int, match: str = "", grad: bool
     x = case.inputs(t)
     names, args = tuple(x), tuple(x.values())
     configs = module.config_space(types.SimpleNamespace(kwargs=x, grad=grad))
-    configs = configs[:1] + [c for c in configs[1:] if match in repr(c)]
+    keep = match.split("|")  # alternatives
+    configs = configs[:1] + [c for c in configs[1:] if any(m in repr(c) for m in keep)]
     d_out = _normal(9, jax.eval_shape(ejkernel_fns(case, names, "triton")[0], *args).shape)
     _, base = ejkernel_fns(case, names, "triton", configs[0])
     want = jax.tree.leaves(base(*args, d_out))
@@ -610,7 +611,9 @@ def main() -> None:
     parser.add_argument(
         "--configs", action="store_true", help="every Triton config of the ops (gla, kda, gdn)"
     )
-    parser.add_argument("--config-match", default="", help="--configs: only configs with this")
+    parser.add_argument(
+        "--config-match", default="", help="--configs: only configs with this (A|B: either)"
+    )
     parser.add_argument(
         "--differentiated",
         action="store_true",
