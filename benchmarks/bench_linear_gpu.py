@@ -44,7 +44,8 @@ after a warm-up, nothing timed: what ``benchmarks/gpu_kernels.sh`` runs under nc
 ``--anchors no`` then ``--anchors only`` times ejkernel and the anchors in separate processes (torch's
 Triton autotuning and jax-triton in one process can stall). flash-linear-attention tunes each
 kernel on its first call, for minutes: ``BENCH_TORCH_TRITON_CACHE=DIR`` keeps torch's Triton cache
-and the tuning results in DIR, so a later call that carries DIR back skips the tuning.
+and the tuning results in DIR; ``benchmarks/torch_tuning.sh`` packs the results into one file a
+call brings back and unpacks them before a later call, which then skips the tuning.
 ``--platforms triton`` times the Triton rows alone (A/B runs). ``--set MODULE.NAME=VALUE``
 (repeatable) sets a module constant first, e.g. a kernel's tile or warps, so that one build
 times its variants, a process each. ``--anchor-kernels`` prints,
