@@ -578,9 +578,8 @@ def override(assignment: str) -> str:
 
     target, _, value = assignment.partition("=")
     module_name, _, name = target.rpartition(".")
-    module = importlib.import_module(module_name)
-    if not module_name or not hasattr(module, name):
-        raise SystemExit(f"--set: {module_name} has no {name!r}")
+    if not module_name or not hasattr(module := importlib.import_module(module_name), name):
+        raise SystemExit(f"--set: {assignment!r} names no existing MODULE.NAME")
     old, new = getattr(module, name), ast.literal_eval(value)
     setattr(module, name, new)
     return f"{target} = {new!r} (was {old!r})"

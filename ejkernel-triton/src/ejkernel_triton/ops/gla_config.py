@@ -18,10 +18,8 @@ from ejkernel_triton import _launch
 from ejkernel_triton._launch import pow2
 from ejkernel_triton.ops.recurrent_fused import FUSED_MAX_TOKENS
 
-__all__ = ["SUB_CHUNK", "GlaConfig", "config_space", "heuristic", "supports"]
+__all__ = ["GlaConfig", "config_space", "heuristic", "supports"]
 
-#: Rows of a sub-chunk: the tile of the intra-chunk matrix (Triton's smallest ``tl.dot``).
-SUB_CHUNK = 16
 _CHUNKS = (16, 32, 64)
 _MAX_DIM = 256
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -32,7 +30,8 @@ class GlaConfig:
     """Tunables of the Triton gla.
 
     Attributes:
-        chunk_size: tokens per chunk, 16, 32 or 64 (a multiple of :data:`SUB_CHUNK`).
+        chunk_size: tokens per chunk, 16, 32 or 64 (whole sub-chunks of
+            :data:`~ejkernel_triton.kernels.channel_products.SUB` rows).
         block_k: key-dim block of the state kernels and of the loops over K (a power of two
             ≥ 16; clamped to K rounded up to one).
         block_v: value-dim block, likewise.
